@@ -1,0 +1,1 @@
+"""Text -> tokenized, packed, data-parallel-sharded micro-batches. Imports nothing from launch."""

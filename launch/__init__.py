@@ -1,0 +1,1 @@
+"""Entry points; the only package that reads the command line, YAML and the environment."""

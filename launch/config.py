@@ -1,0 +1,186 @@
+"""Recipes: typed sections loaded from YAML, overridden by `--set key.sub=value`.
+
+Every field has a type and a docstring; unknown keys and wrong types are errors that name
+the key, the value and what was expected. Validation of the layout lives in launch/layout.py.
+"""
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+from model.gpt import GPTConfig
+
+
+class ConfigError(Exception):
+    """Bad user input: printed as one line, exit code 2, before any heavy work."""
+
+
+@dataclass
+class ModelSection:
+    n_layer: int = 12
+    """Transformer blocks; at least one per pipeline stage."""
+    n_head: int = 12
+    """Attention heads; divisible by tp."""
+    n_embd: int = 768
+    """Hidden size; divisible by n_head."""
+    seq_len: int = 1024
+    """Tokens per sample and positions of the model."""
+    vocab_size: Optional[int] = None
+    """Real vocabulary; null takes the tokenizer's size. Never below the tokenizer's size."""
+    vocab_pad_multiple: int = 1
+    """Pad the vocabulary to a multiple of this times tp (128 on GPUs)."""
+    dropout: float = 0.0
+    """Dropout probability (0 for parity checks; most modern pretraining uses 0)."""
+    init_std: float = 0.02
+    """Std of the GPT-2 normal init."""
+
+
+@dataclass
+class DataSection:
+    name: str = "builtin"
+    """`builtin` (the embedded pydoc corpus) or a local path the data pipeline accepts."""
+    tokenizer: str = "builtin"
+    """`builtin` (BPE trained on the embedded corpus) or an AutoTokenizer name/path."""
+    text_field: str = "text"
+    """Column holding the raw text."""
+
+
+@dataclass
+class TrainSection:
+    steps: int = 100
+    """Optimizer steps of the run."""
+    seed: int = 1234
+    """Seed of weights, data order and dropout."""
+    micro_batch_size: int = 4
+    """Samples per micro-batch per data-parallel replica (b)."""
+    global_batch_size: int = 32
+    """Samples per optimizer step over all replicas (B); B / (b * dp) micro-batches per step."""
+    lr: float = 6e-4
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices and embeddings (not biases or LayerNorm)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all TP shards and stages) to this; 0 disables."""
+    precision: str = "fp32"
+    """fp32, bf16 or fp16."""
+    zero_stage: int = 1
+    """DeepSpeed ZeRO stage: 0 or 1 (pipeline parallelism allows no more)."""
+    activation_checkpoint_interval: int = 0
+    """Recompute every k transformer blocks in backward; 0 keeps all activations."""
+
+
+@dataclass
+class WandbSection:
+    project: str = "gpt3d"
+    name: Optional[str] = None
+    """Run name; null lets wandb choose."""
+    mode: str = "disabled"
+    """online, offline or disabled; `--wandb` overrides."""
+
+
+@dataclass
+class Recipe:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    wandb: WandbSection = field(default_factory=WandbSection)
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
+    """Extra DeepSpeed config keys passed through (not batch keys)."""
+
+    def gpt_config(self, vocab_size: int) -> GPTConfig:
+        m = self.model
+        return GPTConfig(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, seq_len=m.seq_len,
+                         vocab_size=vocab_size, vocab_pad_multiple=m.vocab_pad_multiple,
+                         dropout=m.dropout, init_std=m.init_std, seed=self.train.seed)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_type(key: str, value: Any, annotation: Any) -> Any:
+    """Return value converted to the field's type, or raise ConfigError naming both."""
+    if typing.get_origin(annotation) is typing.Union:  # Optional[T]
+        if value is None:
+            return None
+        annotation = [a for a in typing.get_args(annotation) if a is not type(None)][0]
+    if typing.get_origin(annotation) is dict:
+        if isinstance(value, dict):
+            return value
+    elif annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif annotation is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif annotation in (str, bool) and type(value) is annotation:
+        return value
+    name = getattr(annotation, "__name__", str(annotation))
+    raise ConfigError(f"{key}={value!r} has the wrong type: expected {name}")
+
+
+def _apply(section: Any, values: Dict[str, Any], prefix: str) -> None:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.')} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(type(section))
+    for key, value in values.items():
+        if key not in hints:
+            known = ", ".join(prefix + k for k in hints)
+            raise ConfigError(f"unknown recipe key {prefix}{key}; known keys: {known}")
+        current = getattr(section, key)
+        if dataclasses.is_dataclass(current):
+            _apply(current, value, f"{prefix}{key}.")
+        else:
+            setattr(section, key, _check_type(prefix + key, value, hints[key]))
+
+
+def _parse_override(item: str) -> Dict[str, Any]:
+    """'train.lr=1e-3' -> {'train': {'lr': 0.001}}; the value is parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r} is not key.sub=value (e.g. --set train.lr=3e-4)")
+    key, text = item.split("=", 1)
+    value = yaml.safe_load(text) if text else ""
+    parts = key.strip().split(".")
+    if parts[0] == "deepspeed" and len(parts) > 1:  # free-form pass-through section
+        nested: Dict[str, Any] = {parts[-1]: value}
+        for part in reversed(parts[1:-1]):
+            nested = {part: nested}
+        return {"deepspeed": nested}
+    nested = value
+    for part in reversed(parts):
+        nested = {part: nested}
+    return nested
+
+
+def deep_merge(into: Dict[str, Any], extra: Dict[str, Any]) -> None:
+    """Merge `extra` into `into`, recursing into dicts both hold; `extra` wins."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            deep_merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def load_recipe(path: Path, overrides: List[str]) -> Recipe:
+    if not path.is_file():
+        raise ConfigError(f"recipe file {str(path)!r} not found; pass --recipe recipes/<name>.yaml "
+                          f"(see recipes/)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    recipe = Recipe()
+    for values in [raw] + [_parse_override(o) for o in overrides]:
+        values = dict(values) if isinstance(values, dict) else values
+        if isinstance(values, dict) and "deepspeed" in values:
+            _check_type("deepspeed", values["deepspeed"], Dict[str, Any])
+            deep_merge(recipe.deepspeed, values.pop("deepspeed"))
+        _apply(recipe, values, "")
+    return recipe

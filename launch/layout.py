@@ -1,0 +1,98 @@
+"""The one place that derives the run's numbers (dp, micro-batches per step, DeepSpeed batch
+keys) and checks them against the recipe, with messages that print the numbers and the fix.
+
+Runs before torch.distributed or DeepSpeed start, so bad input costs nothing.
+"""
+from dataclasses import dataclass
+
+from launch.config import ConfigError, Recipe
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    global_batch_size: int
+    grad_accum_steps: int
+    """Micro-batches per pipeline per optimizer step (m = B / (b * dp))."""
+
+
+def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: bool) -> Layout:
+    """Check every rule that depends on the layout; raise ConfigError naming the values."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"--tp {tp} --pp {pp}: both must be >= 1")
+    if world_size % (tp * pp) != 0:
+        hint = ""
+        if on_cpu and world_size == 1:
+            hint = (f"; on CPU the launcher starts one process unless told: run "
+                    f"`deepspeed --num_gpus {tp * pp} launch/train.py --tp {tp} --pp {pp} ...`")
+        raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}"
+                          f"{hint}")
+    dp = world_size // (tp * pp)
+
+    m, t = recipe.model, recipe.train
+    if m.n_head % tp != 0:
+        raise ConfigError(f"model.n_head={m.n_head} is not divisible by --tp {tp}; "
+                          f"choose tp among the divisors of n_head")
+    if m.n_embd % m.n_head != 0:
+        raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
+    if m.n_layer < pp:
+        raise ConfigError(f"model.n_layer={m.n_layer} is fewer than the {pp} pipeline stages of --pp {pp}; "
+                          f"use --pp <= {m.n_layer}")
+    if m.vocab_pad_multiple < 1:
+        raise ConfigError(f"model.vocab_pad_multiple={m.vocab_pad_multiple} must be >= 1")
+    if m.vocab_size is not None and m.vocab_size < 1:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 1 (or null for the tokenizer's)")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    for key in ("n_layer", "n_head", "n_embd", "seq_len"):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be >= 1")
+
+    b, B = t.micro_batch_size, t.global_batch_size
+    if b < 1 or B < 1:
+        raise ConfigError(f"train.micro_batch_size={b} and train.global_batch_size={B} must be >= 1")
+    if B % (b * dp) != 0:
+        raise ConfigError(f"train.global_batch_size={B} is not divisible by micro_batch_size*dp = "
+                          f"{b}*{dp} = {b * dp}; pick a global batch that is a multiple of {b * dp}")
+    if t.steps < 1:
+        raise ConfigError(f"train.steps={t.steps} (or --steps) must be >= 1")
+    if t.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if t.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"train.zero_stage={t.zero_stage} must be 0, 1, 2 or 3")
+    if t.zero_stage > 1 and pp > 1:
+        raise ConfigError(f"train.zero_stage={t.zero_stage} with --pp {pp}: DeepSpeed's pipeline engine "
+                          f"supports ZeRO stage 0 or 1 only; set train.zero_stage=1")
+    if t.zero_stage == 0 and t.precision == "fp32" and t.grad_clip > 0 and pp > 1:
+        # DeepSpeed 0.19.8 runtime/utils.py clip_grad_norm_ counts replicated parameters on the
+        # first stage only and tied embeddings twice: a silently wrong norm (DESIGN.md contract 5).
+        raise ConfigError(f"train.zero_stage=0 with fp32, train.grad_clip={t.grad_clip} and --pp {pp}: "
+                          f"DeepSpeed's fp32 clipping miscounts the gradient norm across stages; "
+                          f"set train.zero_stage=1 (or train.grad_clip=0)")
+    if t.activation_checkpoint_interval < 0:
+        raise ConfigError(f"train.activation_checkpoint_interval={t.activation_checkpoint_interval} must be >= 0")
+    if t.warmup_steps < 0 or t.grad_clip < 0 or t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.lr={t.lr} must be > 0, warmup_steps={t.warmup_steps} and "
+                          f"grad_clip={t.grad_clip} >= 0, min_lr_ratio={t.min_lr_ratio} in [0, 1]")
+    clashing = sorted(set(BATCH_KEYS) & set(recipe.deepspeed))
+    if clashing:
+        raise ConfigError(f"deepspeed.{clashing[0]} may not be set: batch keys are derived from "
+                          f"train.micro_batch_size, train.global_batch_size and dp; set those instead")
+    return Layout(world_size, tp, pp, dp, b, B, B // (b * dp))
+
+
+def check_vocab(recipe: Recipe, tokenizer_vocab: int) -> int:
+    """The model's real vocabulary: the recipe's, or the tokenizer's when the recipe says null."""
+    vocab = recipe.model.vocab_size or tokenizer_vocab
+    if vocab < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
+                          f"{tokenizer_vocab} ({recipe.data.tokenizer!r}); set model.vocab_size >= "
+                          f"{tokenizer_vocab} or null")
+    return vocab

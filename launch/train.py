@@ -1,0 +1,158 @@
+"""Train a GPT with 3D parallelism: `deepspeed launch/train.py --tp 4 --pp 4` (dp = world / 16).
+
+On CPU: `deepspeed --num_gpus 16 launch/train.py --tp 4 --pp 4` runs the same layout as 16
+processes over gloo. `python launch/train.py` runs one process.
+Order of work: parse and validate everything (exit 2 on bad input), then start
+torch.distributed, build the pipeline and DeepSpeed engine, then train.
+"""
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from launch.config import ConfigError, Recipe, load_recipe  # noqa: E402
+from launch.layout import Layout, check_vocab, derive_layout  # noqa: E402
+
+DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
+        raise ConfigError(f"{message} (see --help)")
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help="YAML recipe (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
+    p.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
+    p.add_argument("--seed", type=int, help="seed (overrides train.seed)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field, e.g. --set train.lr=3e-4 (repeatable)")
+    p.add_argument("--metrics-out", type=Path, help="JSON lines, one per optimizer step")
+    p.add_argument("--wandb", choices=["online", "offline", "disabled"], help="overrides wandb.mode")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def resolve_recipe(args: argparse.Namespace) -> Recipe:
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    if args.seed is not None:
+        overrides.append(f"train.seed={args.seed}")
+    if args.wandb is not None:
+        overrides.append(f"wandb.mode={args.wandb}")
+    return load_recipe(args.recipe, overrides)
+
+
+def on_cpu() -> bool:
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().device_name() == "cpu"
+
+
+def ensure_single_process_env() -> None:
+    """`python launch/train.py` without a launcher: a world of one."""
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+    if "RANK" not in os.environ:
+        os.environ.update(defaults)
+
+
+def print_role_map(layout: Layout, state, stages, seq_len: int) -> None:
+    def groups(lists):
+        return " ".join(str(g) for g in lists)
+    print(f"layout: world {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp} "
+          f"(axis order pipe, data, model: TP ranks adjacent)\n"
+          f"  TP groups  (split each weight matrix):  {groups(state.tp_groups)}\n"
+          f"  pipelines  (split the layers, stage 0 first): {groups(state.pipelines)}\n"
+          f"  DP groups  (split the data, all-reduce grads): {groups(state.dp_groups)}")
+    for stage, contents in stages:
+        print(f"  stage {stage}: {contents}")
+    print(f"batch: global {layout.global_batch_size} = micro {layout.micro_batch_size} x dp {layout.dp} "
+          f"x {layout.grad_accum_steps} micro-batches per step; {layout.global_batch_size * seq_len} "
+          f"tokens per step", flush=True)
+
+
+def param_groups(module):
+    """AdamW decays matrices and embeddings, not biases or LayerNorm (GPT-2 / nanoGPT)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2]},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, tokenizer) -> None:
+    import deepspeed
+    import torch
+
+    from data.sampler import micro_batches
+    from data.windows import load_windows
+    from launch.ds_config import deepspeed_config
+    from launch.schedule import warmup_cosine
+    from launch.metrics import MetricsLogger, is_logging_rank
+    from model.parallel_state import init_parallel_state
+    from model.pipe import build_pipeline, stage_contents
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    deepspeed.init_distributed()
+    state = init_parallel_state(layout.tp, layout.pp)
+    logging_rank = is_logging_rank(state.global_rank)
+
+    vocab_size = check_vocab(recipe, len(tokenizer))
+    config = recipe.gpt_config(vocab_size)
+    pipe = build_pipeline(config, state, recipe.train.activation_checkpoint_interval)
+    if logging_rank:
+        print_role_map(layout, state, stage_contents(pipe, config), config.seq_len)
+    t = recipe.train
+    engine, _, _, _ = deepspeed.initialize(
+        model=pipe, model_parameters=param_groups(pipe), config=deepspeed_config(recipe, layout),
+        lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
+
+    windows = load_windows(recipe.data.name, tokenizer, config.seq_len, recipe.data.text_field)
+    data = micro_batches(windows, recipe.train.seed, layout.global_batch_size, layout.micro_batch_size,
+                         state.dp_rank, layout.dp)
+    tokens_per_step = layout.global_batch_size * config.seq_len
+    metrics = None
+    if logging_rank:
+        metrics = MetricsLogger(args.metrics_out, recipe.wandb.mode, recipe.wandb.project,
+                                recipe.wandb.name, dict(recipe.to_dict(), layout=vars(layout)))
+    for step in range(1, recipe.train.steps + 1):
+        lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
+        start = time.perf_counter()
+        loss = engine.train_batch(data_iter=data)
+        seconds = time.perf_counter() - start
+        if metrics is not None:
+            metrics.log({"step": step, "loss": loss.item(), "grad_norm": float(engine.get_global_grad_norm()),
+                         "lr": lr, "tokens": step * tokens_per_step,
+                         "tokens_per_s": tokens_per_step / seconds})
+    if metrics is not None:
+        metrics.close()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        args = parse_args(argv)
+        recipe = resolve_recipe(args)
+        ensure_single_process_env()
+        layout = derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
+        from data.builtin import load_tokenizer
+        tokenizer = load_tokenizer(recipe.data.tokenizer)
+        check_vocab(recipe, len(tokenizer))
+        if recipe.data.name != "builtin":
+            raise ConfigError(f"data.name={recipe.data.name!r}: only 'builtin' is supported so far")
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":  # one line for the whole job, not one per rank
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    train(args, recipe, layout, tokenizer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Megatron's conjugate collectives for the tensor-parallel region (Shoeybi et al. 2019, sec. 3).
+
+Three tiers, as in Megatron core: a private helper that does the communication, a private
+autograd Function whose forward and backward are one line each, and a public wrapper whose
+docstring says what happens in each direction. Every helper is the identity when the group
+is None (tp_size == 1), so the single-device model runs the exact same code.
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group is None:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group is None:
+        return x
+    chunks = torch.chunk(x, dist.get_world_size(group), dim=-1)
+    return chunks[dist.get_rank(group)].contiguous()
+
+
+def _gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group is None:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)  # clone: never reduce into the caller's tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad, ctx.group), None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: identity; backward: all-reduce (Megatron's f)."""
+    return x if group is None else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: all-reduce; backward: identity (Megatron's g)."""
+    return x if group is None else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: keep this rank's chunk of the last dim; backward: all-gather the last dim."""
+    return x if group is None else _ScatterToTP.apply(x, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: all-gather the last dim; backward: keep this rank's chunk."""
+    return x if group is None else _GatherFromTP.apply(x, group)

@@ -1,0 +1,85 @@
+"""The GPT of `model/gpt.py` as a DeepSpeed `PipelineModule` (Huang et al. 2019; Narayanan 2021).
+
+Layer list, one entry per pipeline layer:
+    0      TiedLayerSpec('embed')   token ids (B, T) -> (B, T, h)
+    1      PositionEmbedding        adds wpe, dropout
+    2..L+1 Block i                  partitioned across stages by transformer block
+    L+2    LayerNorm (ln_f)
+    L+3    TiedLayerSpec('embed')   forward_fn = logits: (B, T, h) -> (B, T, V_pad/tp)
+DeepSpeed builds only the local stage's layers, ties shard k of the embedding on the first
+stage to shard k on the last stage and all-reduces their gradients (DESIGN.md contract 6).
+Only the hidden states cross stage boundaries; positions and the causal mask are derived
+inside (contract 7).
+"""
+from typing import Callable, List, Tuple
+
+import torch
+import torch.nn as nn
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+from model.gpt import Block, GPTConfig, PositionEmbedding, TokenEmbedding
+from model.loss import vocab_parallel_cross_entropy
+from model.parallel_state import ParallelState
+
+TP_DROPOUT_RNG = "tp-sharded-dropout"
+
+
+def _logits(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    return embedding.logits(hidden)
+
+
+def seed_tp_dropout_rng(seed: int, state: ParallelState) -> None:
+    """Dropout of TP-sharded activations (attention probabilities) must differ across TP ranks,
+    while the default RNG stays identical across them (Megatron's RNG tracker). DeepSpeed's
+    activation checkpointing saves and restores this tracker, so recomputation replays masks."""
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(TP_DROPOUT_RNG, seed + 2718 + state.tp_rank)
+
+
+def _tp_dropout_rng():
+    return get_cuda_rng_tracker().fork(TP_DROPOUT_RNG)
+
+
+def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
+    tp = state.tp_group
+    return ([TiedLayerSpec("embed", TokenEmbedding, config, tp, tied_weight_attr=["wte.weight"]),
+             LayerSpec(PositionEmbedding, config)]
+            + [LayerSpec(Block, config, i, tp, _tp_dropout_rng) for i in range(config.n_layer)]
+            + [LayerSpec(nn.LayerNorm, config.n_embd),
+               TiedLayerSpec("embed", TokenEmbedding, config, tp, forward_fn=_logits,
+                             tied_weight_attr=["wte.weight"])])
+
+
+def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of one micro-batch: (B, T, V_pad/tp), (B, T) -> scalar."""
+        return vocab_parallel_cross_entropy(logits, labels, state.tp_group).mean()
+    return loss_fn
+
+
+def build_pipeline(config: GPTConfig, state: ParallelState,
+                   activation_checkpoint_interval: int = 0) -> PipelineModule:
+    """One PipelineModule on the run's topology, balanced by transformer blocks."""
+    seed_tp_dropout_rng(config.seed, state)
+    return PipelineModule(layers=layer_specs(config, state),
+                          topology=state.topology,
+                          loss_fn=make_loss_fn(state),
+                          partition_method="type:Block",
+                          activation_checkpoint_interval=activation_checkpoint_interval,
+                          # Without it DeepSpeed would checkpoint the embedding layers too (contract 9).
+                          checkpointable_layers=["Block"])
+
+
+def stage_layer_names(config: GPTConfig) -> List[str]:
+    """Readable names of the pipeline layers, index-aligned with `layer_specs`."""
+    return (["embed (tied)", "wpe"] + [f"block {i}" for i in range(config.n_layer)]
+            + ["ln_f", "lm_head (tied embed)"])
+
+
+def stage_contents(pipe: PipelineModule, config: GPTConfig) -> List[Tuple[int, str]]:
+    """[(stage, 'layers it holds')] from DeepSpeed's partition boundaries `pipe.parts`."""
+    names = stage_layer_names(config)
+    return [(stage, ", ".join(names[pipe.parts[stage]:pipe.parts[stage + 1]]))
+            for stage in range(len(pipe.parts) - 1)]
