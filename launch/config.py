@@ -118,6 +118,11 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
             return value
     elif annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    elif annotation is float and isinstance(value, str):
+        try:  # YAML 1.1 reads `3e-4` (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     elif annotation is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     elif annotation in (str, bool) and type(value) is annotation:

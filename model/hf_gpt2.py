@@ -1,0 +1,40 @@
+"""Name and layout map between our dense GPT (tp=1, one stage) and transformers' GPT2LMHeadModel.
+
+GPT-2 stores its linear weights as Conv1D (in, out); ours are nn.Linear-style (out, in).
+The vocabulary padding rows are stripped. Used by the export and by the architecture test.
+"""
+from typing import Dict
+
+import torch
+
+from model.gpt import GPT, GPTConfig
+
+_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def gpt2_config_kwargs(config: GPTConfig) -> Dict:
+    """Keyword arguments of `transformers.GPT2Config` for the same architecture."""
+    return dict(vocab_size=config.vocab_size, n_positions=config.seq_len, n_embd=config.n_embd,
+                n_layer=config.n_layer, n_head=config.n_head, activation_function="gelu_new",
+                resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
+                layer_norm_epsilon=1e-5, initializer_range=config.init_std, tie_word_embeddings=True)
+
+
+def to_gpt2_state_dict(model: GPT) -> Dict[str, torch.Tensor]:
+    """Our dense model's weights under GPT2LMHeadModel's names and layouts."""
+    assert model.tp_group is None, "merge TP shards first: this maps the dense (tp=1) model"
+    config = model.config
+    out = {"transformer.wte.weight": model.embed.wte.weight[: config.vocab_size],
+           "transformer.wpe.weight": model.pos.wpe,
+           "transformer.ln_f.weight": model.ln_f.weight, "transformer.ln_f.bias": model.ln_f.bias}
+    for i, block in enumerate(model.blocks):
+        prefix = f"transformer.h.{i}."
+        for norm in ("ln_1", "ln_2"):
+            out[prefix + norm + ".weight"] = getattr(block, norm).weight
+            out[prefix + norm + ".bias"] = getattr(block, norm).bias
+        for name in _LINEARS:
+            linear = block.get_submodule(name)
+            out[prefix + name + ".weight"] = linear.weight.t()  # (out, in) -> Conv1D (in, out)
+            out[prefix + name + ".bias"] = linear.bias
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}

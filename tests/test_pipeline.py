@@ -1,0 +1,83 @@
+"""The DeepSpeed pipeline model against its sequential form: the dense GPT of model/gpt.py run
+in one process. Same loss through `eval_batch`, and the same gradient (one SGD step of lr 1
+applied by the engine), shard by shard, including the tied embedding whose gradient
+DeepSpeed sums over the first and last stage."""
+import deepspeed
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_distributed, uses_deepspeed
+from model.gpt import GPT, GPTConfig
+from model.layers import shard_rows
+from model.loss import vocab_parallel_cross_entropy
+from model.parallel_state import init_parallel_state
+from model.pipe import build_pipeline
+
+CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=4, seed=5)
+MICRO, N_MICRO = 2, 3
+
+
+def _batches():
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, CONFIG.vocab_size, (N_MICRO, MICRO, CONFIG.seq_len + 1), generator=g)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def _dense_name(pipe_name: str) -> str:
+    """PipelineModule parameter name -> dense GPT parameter name (layer list of model/pipe.py)."""
+    if pipe_name.startswith("tied_modules.embed."):
+        return "embed." + pipe_name[len("tied_modules.embed."):]
+    index, rest = pipe_name.split(".", 1)
+    index = int(index)
+    if index == 1:
+        return "pos." + rest
+    if index == CONFIG.n_layer + 2:
+        return "ln_f." + rest
+    return f"blocks.{index - 2}.{rest}"
+
+
+def _local_shard(full: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    if param.partition_dim == 0:
+        if full.size(0) < param.size(0) * (1 if group is None else dist.get_world_size(group)):
+            full = torch.cat([full, full.new_zeros(param.size(0) * dist.get_world_size(group) - full.size(0),
+                                                   *full.shape[1:])])  # vocab padding of this tp
+        return shard_rows(full, group, param.partition_stride)
+    return shard_rows(full.t(), group).t()
+
+
+@uses_deepspeed
+def _pipeline_body(tp, pp):
+    state = init_parallel_state(tp, pp)
+    pipe = build_pipeline(CONFIG, state)
+    before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    engine, _, _, _ = deepspeed.initialize(
+        model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1.0),
+        config={"train_batch_size": MICRO * N_MICRO, "train_micro_batch_size_per_gpu": MICRO,
+                "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
+                "steps_per_print": 10 ** 9})
+
+    dense = GPT(CONFIG)
+    dense_params = dict(dense.named_parameters())
+    for name, value in before.items():  # step-0 weights are the dense model's, shard by shard
+        local = dict(pipe.named_parameters())[name]
+        torch.testing.assert_close(value, _local_shard(dense_params[_dense_name(name)].detach(), local, state.tp_group))
+
+    eval_loss = engine.eval_batch(iter(_batches())).item()
+    dense_loss = torch.stack([vocab_parallel_cross_entropy(dense(x), y, None).mean() for x, y in _batches()]).mean()
+    assert abs(eval_loss - dense_loss.item()) <= 1e-5 * dense_loss.item(), (eval_loss, dense_loss.item())
+
+    train_loss = engine.train_batch(iter(_batches())).item()
+    assert abs(train_loss - dense_loss.item()) <= 1e-5 * dense_loss.item()
+    dense_loss.backward()
+    for name, param in pipe.named_parameters():  # SGD lr 1: the engine's gradient = before - after
+        pipe_grad = before[name] - param.detach()
+        dense_grad = _local_shard(dense_params[_dense_name(name)].grad, param, state.tp_group)
+        torch.testing.assert_close(pipe_grad, dense_grad, atol=2e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 2), (1, 3)])
+def test_pipeline_matches_sequential_model(tp, pp):
+    run_distributed(_pipeline_body, tp * pp, tp, pp)

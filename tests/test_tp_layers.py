@@ -1,0 +1,170 @@
+"""Every tensor-parallel layer and the vocab-parallel cross-entropy against its dense reference
+(nn.Linear, F.embedding, F.cross_entropy): forward and every gradient, at tp=2 and tp=4."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distributed import run_distributed
+from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                          padded_vocab_size, shard_rows)
+from model.loss import vocab_parallel_cross_entropy
+
+ATOL = 1e-5
+
+
+def _world_group():
+    return dist.new_group(list(range(dist.get_world_size())))
+
+
+def _shard_last(t: torch.Tensor, group, stride: int = 1) -> torch.Tensor:
+    return shard_rows(t.movedim(-1, 0), group, stride).movedim(0, -1)
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _check(name, got, want):
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    err = (got - want).abs().max().item()
+    assert err <= ATOL, f"{name}: max abs error {err:.3g} (rank {dist.get_rank()})"
+
+
+def _column_body(stride: int, gather_output: bool):
+    group = _world_group()
+    d_in, d_out = 16, 24
+    layer = ColumnParallelLinear(d_in, d_out, group, torch.Generator().manual_seed(0), 0.5,
+                                 gather_output=gather_output, stride=stride)
+    dense = torch.nn.Linear(d_in, d_out)
+    with torch.no_grad():
+        dense.weight.copy_(torch.empty(d_out, d_in).normal_(0, 0.5, generator=torch.Generator().manual_seed(0)))
+        dense.bias.copy_(_randn(d_out, seed=1))
+        layer.bias.copy_(shard_rows(dense.bias, group, stride))
+    x = _randn(3, 5, d_in, seed=2)
+    x_dense, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    probe = _randn(3, 5, d_out, seed=3)  # loss = <y, probe>, so dL/dy = probe
+
+    y_dense = dense(x_dense)
+    (y_dense * probe).sum().backward()
+    y_tp = layer(x_tp)
+    if gather_output:
+        _check("column output (gathered)", y_tp, y_dense)
+        (y_tp * probe).sum().backward()
+    else:
+        _check("column output shard", y_tp, _shard_last(y_dense, group, stride))
+        (y_tp * _shard_last(probe, group, stride)).sum().backward()
+    _check("column dL/dx", x_tp.grad, x_dense.grad)
+    _check("column dL/dW shard", layer.weight.grad, shard_rows(dense.weight.grad, group, stride))
+    _check("column dL/db shard", layer.bias.grad, shard_rows(dense.bias.grad, group, stride))
+    assert layer.weight.tensor_model_parallel and layer.bias.tensor_model_parallel
+
+
+def _row_body():
+    group = _world_group()
+    d_in, d_out = 24, 16
+    layer = RowParallelLinear(d_in, d_out, group, torch.Generator().manual_seed(0), 0.5)
+    dense = torch.nn.Linear(d_in, d_out)
+    with torch.no_grad():
+        dense.weight.copy_(torch.empty(d_out, d_in).normal_(0, 0.5, generator=torch.Generator().manual_seed(0)))
+        dense.bias.copy_(_randn(d_out, seed=1))
+        layer.bias.copy_(dense.bias)
+    x = _randn(3, 5, d_in, seed=2)
+    x_dense = x.clone().requires_grad_()
+    x_tp = _shard_last(x, group).requires_grad_()
+    probe = _randn(3, 5, d_out, seed=3)
+
+    y_dense = dense(x_dense)
+    (y_dense * probe).sum().backward()
+    y_tp = layer(x_tp)
+    (y_tp * probe).sum().backward()
+    _check("row output", y_tp, y_dense)
+    _check("row dL/dx shard", x_tp.grad, _shard_last(x_dense.grad, group))
+    _check("row dL/dW shard", layer.weight.grad, _shard_last(dense.weight.grad, group))
+    _check("row dL/db", layer.bias.grad, dense.bias.grad)
+    assert layer.weight.tensor_model_parallel
+    assert not getattr(layer.bias, "tensor_model_parallel", False)  # replicated: counted once
+
+
+def _embedding_body():
+    group = _world_group()
+    tp = dist.get_world_size()
+    vocab, dim = 50, 8
+    padded = padded_vocab_size(vocab, tp, multiple=3)  # padding lands in the last shard(s)
+    layer = VocabParallelEmbedding(vocab, padded, dim, group, torch.Generator().manual_seed(0), 0.5)
+    full = torch.zeros(padded, dim)
+    full[:vocab].normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    dense_weight = full.clone().requires_grad_()
+    ids = torch.randint(0, vocab, (4, 7), generator=torch.Generator().manual_seed(1))
+    probe = _randn(4, 7, dim, seed=2)
+
+    _check("embedding shard init", layer.weight.detach(), shard_rows(full, group))
+    emb_dense = F.embedding(ids, dense_weight)
+    (emb_dense * probe).sum().backward()
+    emb_tp = layer(ids)
+    _check("embedding output", emb_tp, emb_dense)
+    (emb_tp * probe).sum().backward()
+    _check("embedding dL/dE shard", layer.weight.grad, shard_rows(dense_weight.grad, group))
+
+    # The same weight as output head: logits shard, padded columns masked to -inf.
+    layer.weight.grad = None
+    hidden = _randn(4, 7, dim, seed=3)
+    h_dense, h_tp = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    w_dense = full.clone().requires_grad_()
+    logits_dense = h_dense @ w_dense.t()
+    logits_dense = logits_dense.masked_fill(torch.arange(padded) >= vocab, float("-inf"))
+    probe = _randn(4, 7, padded, seed=4)
+    logits_tp = layer.logits(h_tp)
+    _check("logits shard", logits_tp.nan_to_num(neginf=-1e30), _shard_last(logits_dense, group).nan_to_num(neginf=-1e30))
+    real = torch.isfinite(logits_dense)
+    (logits_dense.masked_fill(~real, 0) * probe).sum().backward()
+    (logits_tp.masked_fill(~_shard_last(real, group), 0) * _shard_last(probe, group)).sum().backward()
+    _check("logits dL/dh", h_tp.grad, h_dense.grad)
+    _check("logits dL/dE shard", layer.weight.grad, shard_rows(w_dense.grad, group))
+
+
+def _cross_entropy_body():
+    group = _world_group()
+    tp = dist.get_world_size()
+    vocab = 37
+    padded = padded_vocab_size(vocab, tp, multiple=4)
+    logits = _randn(3, 6, padded, seed=0) * 3
+    logits[..., vocab:] = float("-inf")  # padding as the head produces it
+    target = torch.randint(0, vocab, (3, 6), generator=torch.Generator().manual_seed(1))
+    weights = _randn(3, 6, seed=2)  # a non-uniform dL/dloss per token
+
+    l_dense = logits[..., :vocab].clone().requires_grad_()
+    loss_dense = F.cross_entropy(l_dense.reshape(-1, vocab), target.reshape(-1), reduction="none").view(3, 6)
+    (loss_dense * weights).sum().backward()
+
+    l_tp = _shard_last(logits, group).clone().requires_grad_()
+    loss_tp = vocab_parallel_cross_entropy(l_tp, target, group)
+    (loss_tp * weights).sum().backward()
+    _check("cross-entropy per token", loss_tp, loss_dense)
+    grad_full = torch.cat([l_dense.grad, torch.zeros(3, 6, padded - vocab)], dim=-1)
+    _check("cross-entropy dL/dlogits shard", l_tp.grad, _shard_last(grad_full, group))
+
+
+def _all_layers(tp_size):
+    for stride in (1, 3):
+        _column_body(stride, gather_output=False)
+    _column_body(1, gather_output=True)
+    _row_body()
+    _embedding_body()
+    _cross_entropy_body()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_layers_match_dense(tp):
+    run_distributed(_all_layers, tp, tp)
+
+
+def test_cross_entropy_single_rank_matches_torch():
+    logits = _randn(2, 5, 11, seed=0).requires_grad_()
+    target = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    ours = vocab_parallel_cross_entropy(logits, target, None).mean()
+    ref = F.cross_entropy(logits.view(-1, 11), target.view(-1))
+    assert torch.allclose(ours, ref, atol=1e-6)
+    (g_ours,) = torch.autograd.grad(ours, logits)
+    (g_ref,) = torch.autograd.grad(ref, logits)
+    assert torch.allclose(g_ours, g_ref, atol=1e-7)
