@@ -29,8 +29,8 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
         raise ConfigError(f"--tp {tp} --pp {pp}: both must be >= 1")
     if world_size % (tp * pp) != 0:
         hint = ""
-        if on_cpu and world_size == 1:
-            hint = (f"; on CPU the launcher starts one process unless told: run "
+        if on_cpu:
+            hint = (f"; on CPU the launcher starts one process per NUMA node unless told: run "
                     f"`deepspeed --num_gpus {tp * pp} launch/train.py --tp {tp} --pp {pp} ...`")
         raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}"
                           f"{hint}")

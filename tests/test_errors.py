@@ -1,0 +1,58 @@
+"""Bad input: one line naming the values and the fix, exit code 2, no traceback, before any
+process group or engine starts, and nothing already written is touched."""
+import subprocess
+import sys
+
+import pytest
+
+from launch.train import main
+from launcher import REPO, TINY, launch
+
+CASES = [
+    # (world size, argv, words the message must contain)
+    (6, ["--tp", "4"], ["world size 6", "tp*pp = 4*1 = 4"]),
+    (3, ["--tp", "3"], ["n_head=4", "--tp 3"]),
+    (1, ["--set", "model.n_embd=66"], ["n_embd=66", "n_head=4"]),
+    (1, ["--set", "model.vocab_size=100"], ["vocab_size=100", "4096"]),
+    (1, ["--set", "model.vocab_pad_multiple=0"], ["vocab_pad_multiple=0"]),
+    (8, ["--pp", "8"], ["n_layer=4", "8 pipeline stages"]),
+    (2, ["--set", "train.global_batch_size=15"], ["global_batch_size=15", "2*2 = 4"]),
+    (4, ["--pp", "2", "--set", "train.zero_stage=2"], ["zero_stage=2", "--pp 2"]),
+    (2, ["--pp", "2", "--set", "train.zero_stage=0"], ["zero_stage=0", "grad_clip=0.5"]),
+    (1, ["--set", "train.learning_rate=1e-3"], ["unknown recipe key train.learning_rate", "train.lr"]),
+    (1, ["--set", "train.steps=ten"], ["train.steps='ten'", "expected int"]),
+    (1, ["--set", "deepspeed.train_batch_size=64"], ["deepspeed.train_batch_size", "global_batch_size"]),
+    (1, ["--recipe", "recipes/nope.yaml"], ["recipes/nope.yaml", "not found"]),
+    (1, ["--tp", "two"], ["--tp", "'two'"]),
+]
+
+
+@pytest.mark.parametrize("world_size,argv,words", CASES, ids=[" ".join(c[1]) for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(world_size, argv, words, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("earlier run\n")
+    recipe = [] if "--recipe" in argv else ["--recipe", str(TINY)]
+    assert main(recipe + argv + ["--metrics-out", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for word in words:
+        assert word in err, (word, err)
+    assert metrics.read_text() == "earlier run\n"
+
+
+def test_plain_process_prints_only_the_error():
+    proc = subprocess.run([sys.executable, "launch/train.py", "--recipe", str(TINY), "--set", "train.lr=fast"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr == "error: train.lr='fast' has the wrong type: expected float\n"
+
+
+def test_cpu_launcher_default_says_how_to_start_16_processes():
+    """On CPU `deepspeed launch/train.py --tp 4 --pp 4` starts one process: say --num_gpus 16."""
+    proc = launch(None, ["--tp", "4", "--pp", "4", "--recipe", str(TINY)])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "is not divisible by tp*pp = 4*4 = 16" in proc.stderr
+    assert "deepspeed --num_gpus 16 launch/train.py --tp 4 --pp 4" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
