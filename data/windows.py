@@ -14,8 +14,7 @@ PACKING_VERSION = 1  # bump when packing changes its output
 
 def load_windows(name: str, tokenizer: PreTrainedTokenizerBase, seq_len: int, text_field: str) -> np.ndarray:
     """(N, seq_len + 1) windows, memory-mapped from the cache."""
-    if name != BUILTIN:
-        raise ValueError(f"data.name={name!r}: only 'builtin' is supported so far")
+    assert name == BUILTIN, "only the embedded corpus so far; launch/train.py validates data.name"
     key = hashlib.sha256(repr((name, tokenizer.name_or_path, len(tokenizer), seq_len, text_field,
                                PACKING_VERSION)).encode()).hexdigest()[:16]
 

@@ -29,10 +29,13 @@ def _logits(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     return embedding.logits(hidden)
 
 
-def seed_tp_dropout_rng(seed: int, state: ParallelState) -> None:
-    """Dropout of TP-sharded activations (attention probabilities) must differ across TP ranks,
-    while the default RNG stays identical across them (Megatron's RNG tracker). DeepSpeed's
-    activation checkpointing saves and restores this tracker, so recomputation replays masks."""
+def seed_dropout_rngs(seed: int, state: ParallelState) -> None:
+    """Dropout masks of replicated activations must be identical on the TP ranks of a stage,
+    those of TP-sharded activations (attention probabilities) must differ across them
+    (Megatron's RNG tracker): the default RNG gets seed + 100 * stage, the tracked one
+    seed + 2718 + tp_rank. DeepSpeed's activation checkpointing saves and restores both, so
+    recomputation replays the same masks."""
+    torch.manual_seed(seed + 100 * state.pp_rank)
     tracker = get_cuda_rng_tracker()
     tracker.reset()
     tracker.add(TP_DROPOUT_RNG, seed + 2718 + state.tp_rank)
@@ -62,7 +65,7 @@ def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor],
 def build_pipeline(config: GPTConfig, state: ParallelState,
                    activation_checkpoint_interval: int = 0) -> PipelineModule:
     """One PipelineModule on the run's topology, balanced by transformer blocks."""
-    seed_tp_dropout_rng(config.seed, state)
+    seed_dropout_rngs(config.seed, state)
     return PipelineModule(layers=layer_specs(config, state),
                           topology=state.topology,
                           loss_fn=make_loss_fn(state),
