@@ -6,6 +6,7 @@ atomically; the others wait on the lock and then read the finished file.
 """
 import fcntl
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -15,7 +16,9 @@ def default_cache_dir() -> Path:
 
 
 def build_once(path: Path, build: Callable[[Path], None]) -> Path:
-    """Return `path`, calling `build(tmp_path)` first if it does not exist yet."""
+    """Return `path` (a file or a directory), calling `build(tmp_path)` first if it does not
+    exist yet. A failed build removes its temporary output; a killed one leaves only that
+    temporary name, never a half-written `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         return path
@@ -23,6 +26,13 @@ def build_once(path: Path, build: Callable[[Path], None]) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
             tmp = path.parent / f".{path.name}.tmp{os.getpid()}{path.suffix}"
-            build(tmp)
+            try:
+                build(tmp)
+            except BaseException:
+                if tmp.is_dir():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    tmp.unlink(missing_ok=True)
+                raise
             os.replace(tmp, path)
     return path

@@ -1,25 +1,78 @@
-"""The packed training windows of a run, built once per (corpus, tokenizer, seq_len) and cached."""
+"""The cached token streams of a run (train and validation), built once and memory-mapped.
+
+The cache key holds everything that changes the streams: the source (local files by path,
+size and mtime; hub data by id, config and revision), split and validation settings, text
+field, the tokenizer's full serialisation and the code version. The sequence length is not in
+it: windows of seq_len + 1 tokens are views of the stream, so one cache serves every length.
+"""
 import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from data.builtin import BUILTIN, builtin_corpus
 from data.cache import build_once, default_cache_dir
-from data.packing import tokenize_and_pack
+from data.sources import load_train_val, source_identity
+from data.spec import DataError, DataSpec
+from data.tokens import write_token_stream
 
-PACKING_VERSION = 1  # bump when packing changes its output
+CACHE_VERSION = 2  # bump when tokenization or the file layout changes its output
 
 
-def load_windows(name: str, tokenizer: PreTrainedTokenizerBase, seq_len: int, text_field: str) -> np.ndarray:
-    """(N, seq_len + 1) windows, memory-mapped from the cache."""
-    assert name == BUILTIN, "only the embedded corpus so far; launch/train.py validates data.name"
-    key = hashlib.sha256(repr((name, tokenizer.name_or_path, len(tokenizer), seq_len, text_field,
-                               PACKING_VERSION)).encode()).hexdigest()[:16]
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else f"{tokenizer.name_or_path}:{len(tokenizer)}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
+
+def cache_key(spec: DataSpec, tokenizer: PreTrainedTokenizerBase) -> str:
+    parts = [CACHE_VERSION, source_identity(spec), spec.split, spec.val_split, spec.val_fraction,
+             spec.text_field, tokenizer_fingerprint(tokenizer)]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
+
+
+@dataclass
+class CachedStreams:
+    directory: Path
+    train: np.ndarray
+    """Flat token stream (memory-mapped)."""
+    val: Optional[np.ndarray]
+    built_here: bool
+    """True in the one process that tokenized; False where the cache was reused."""
+
+
+def windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
+    """(N, seq_len + 1) non-overlapping windows: a view, no copy; the tail is dropped."""
+    n = len(stream) // (seq_len + 1)
+    return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1)
+
+
+def prepare_streams(spec: DataSpec, tokenizer: PreTrainedTokenizerBase) -> CachedStreams:
+    """Build the streams unless cached (one process builds, the others wait on its lock)."""
     def build(tmp: Path) -> None:
-        np.save(tmp, tokenize_and_pack(builtin_corpus(), tokenizer, seq_len, text_field))
+        start = time.perf_counter()
+        train, val = load_train_val(spec, streaming=False)
+        tmp.mkdir(parents=True)
+        meta = {"source": spec.name, "builder_pid": os.getpid(),
+                "train_tokens": write_token_stream(train, tokenizer, spec.text_field, spec.num_proc,
+                                                   tmp / "train.npy")}
+        if val is not None:
+            meta["val_tokens"] = write_token_stream(val, tokenizer, spec.text_field, spec.num_proc,
+                                                    tmp / "val.npy")
+        meta["build_seconds"] = round(time.perf_counter() - start, 3)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
 
-    path = build_once(default_cache_dir() / "windows" / f"{name}-{seq_len}-{key}.npy", build)
-    return np.load(path, mmap_mode="r")
+    directory = build_once(default_cache_dir() / "data" / cache_key(spec, tokenizer), build)
+    meta = json.loads((directory / "meta.json").read_text())
+    if meta["train_tokens"] == 0:
+        raise DataError(f"data.name={spec.name!r}: every document tokenized to nothing "
+                        f"(text_field={spec.text_field!r})")
+    val_path = directory / "val.npy"
+    return CachedStreams(directory, np.load(directory / "train.npy", mmap_mode="r"),
+                         np.load(val_path, mmap_mode="r") if val_path.exists() else None,
+                         built_here=meta["builder_pid"] == os.getpid())

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
+from data.spec import DataSpec
 from model.gpt import GPTConfig
 
 
@@ -36,16 +37,6 @@ class ModelSection:
     """Dropout probability (0 for parity checks; most modern pretraining uses 0)."""
     init_std: float = 0.02
     """Std of the GPT-2 normal init."""
-
-
-@dataclass
-class DataSection:
-    name: str = "builtin"
-    """`builtin` (the embedded pydoc corpus) or a local path the data pipeline accepts."""
-    tokenizer: str = "builtin"
-    """`builtin` (BPE trained on the embedded corpus) or an AutoTokenizer name/path."""
-    text_field: str = "text"
-    """Column holding the raw text."""
 
 
 @dataclass
@@ -77,6 +68,10 @@ class TrainSection:
     """DeepSpeed ZeRO stage: 0 or 1 (pipeline parallelism allows no more)."""
     activation_checkpoint_interval: int = 0
     """Recompute every k transformer blocks in backward; 0 keeps all activations."""
+    eval_every: int = 0
+    """Validation loss every this many steps and at the last step; 0 disables."""
+    eval_batches: int = 10
+    """Global batches of validation data per evaluation (the same ones every time)."""
 
 
 @dataclass
@@ -91,11 +86,16 @@ class WandbSection:
 @dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
+    data: DataSpec = field(default_factory=DataSpec)
     train: TrainSection = field(default_factory=TrainSection)
     wandb: WandbSection = field(default_factory=WandbSection)
     deepspeed: Dict[str, Any] = field(default_factory=dict)
     """Extra DeepSpeed config keys passed through (not batch keys)."""
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per training sample: data.seq_len, or the model's positions."""
+        return self.data.seq_len or self.model.seq_len
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         m = self.model

@@ -81,6 +81,16 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
     if t.warmup_steps < 0 or t.grad_clip < 0 or t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.lr={t.lr} must be > 0, warmup_steps={t.warmup_steps} and "
                           f"grad_clip={t.grad_clip} >= 0, min_lr_ratio={t.min_lr_ratio} in [0, 1]")
+    d = recipe.data
+    if d.seq_len is not None and not 1 <= d.seq_len <= m.seq_len:
+        raise ConfigError(f"data.seq_len={d.seq_len} must be in [1, model.seq_len={m.seq_len}] (the model's "
+                          f"positions); lower data.seq_len or raise model.seq_len")
+    if not 0 <= d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    if d.num_proc < 1 or d.shuffle_buffer < 1:
+        raise ConfigError(f"data.num_proc={d.num_proc} and data.shuffle_buffer={d.shuffle_buffer} must be >= 1")
+    if t.eval_every < 0 or t.eval_batches < 1:
+        raise ConfigError(f"train.eval_every={t.eval_every} must be >= 0 and train.eval_batches={t.eval_batches} >= 1")
     clashing = sorted(set(BATCH_KEYS) & set(recipe.deepspeed))
     if clashing:
         raise ConfigError(f"deepspeed.{clashing[0]} may not be set: batch keys are derived from "

@@ -34,8 +34,11 @@ class MetricsLogger:
             self.file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-        print(f"step {record['step']:>5} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.4f} | "
-              f"lr {record['lr']:.3e} | {record['tokens_per_s']:.0f} tok/s", flush=True)
+        line = (f"step {record['step']:>5} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.4f} | "
+                f"lr {record['lr']:.3e} | {record['tokens_per_s']:.0f} tok/s")
+        if "val_loss" in record:
+            line += f" | val_loss {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})"
+        print(line, flush=True)
 
     def close(self) -> None:
         if self.file is not None:

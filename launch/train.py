@@ -6,11 +6,13 @@ Order of work: parse and validate everything (exit 2 on bad input), then start
 torch.distributed, build the pipeline and DeepSpeed engine, then train.
 """
 import argparse
+import math
 import os
+import socket
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
@@ -57,14 +59,17 @@ def on_cpu() -> bool:
 
 
 def ensure_single_process_env() -> None:
-    """`python launch/train.py` without a launcher: a world of one."""
-    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
-    if "RANK" not in os.environ:
-        os.environ.update(defaults)
+    """`python launch/train.py` without a launcher: a world of one, on a free local port."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def print_role_map(layout: Layout, state, stages, seq_len: int) -> None:
+def print_role_map(layout: Layout, state, stages: List[Tuple[int, str]], seq_len: int) -> None:
     def groups(lists):
         return " ".join(str(g) for g in lists)
     print(f"layout: world {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp} "
@@ -86,71 +91,96 @@ def param_groups(module):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, tokenizer) -> None:
+def evaluate(engine, data, state, layout: Layout, eval_batches: int) -> float:
+    """Mean validation loss over the same global batches at every call, via `eval_batch`."""
+    n = data.eval_global_batches(eval_batches)
+    batches = data.val_batches(state.dp_rank, layout.dp, n)
+    return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n)) / n
+
+
+def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_size: int) -> None:
     import deepspeed
     import torch
+    from deepspeed.accelerator import get_accelerator
 
-    from data.sampler import micro_batches
-    from data.windows import load_windows
     from launch.ds_config import deepspeed_config
-    from launch.schedule import warmup_cosine
     from launch.metrics import MetricsLogger, is_logging_rank
+    from launch.schedule import warmup_cosine
     from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline, stage_contents
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))  # before NCCL picks a device
     deepspeed.init_distributed()
     state = init_parallel_state(layout.tp, layout.pp)
     logging_rank = is_logging_rank(state.global_rank)
 
-    vocab_size = check_vocab(recipe, len(tokenizer))
     config = recipe.gpt_config(vocab_size)
     pipe = build_pipeline(config, state, recipe.train.activation_checkpoint_interval)
     if logging_rank:
-        print_role_map(layout, state, stage_contents(pipe, config), config.seq_len)
+        print_role_map(layout, state, stage_contents(pipe, config), recipe.seq_len)
     t = recipe.train
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, model_parameters=param_groups(pipe), config=deepspeed_config(recipe, layout),
         lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
 
-    windows = load_windows(recipe.data.name, tokenizer, config.seq_len, recipe.data.text_field)
-    data = micro_batches(windows, recipe.train.seed, layout.global_batch_size, layout.micro_batch_size,
-                         state.dp_rank, layout.dp)
-    tokens_per_step = layout.global_batch_size * config.seq_len
+    batches = data.train_batches(state.dp_rank, layout.dp)
+    tokens_per_step = layout.global_batch_size * recipe.seq_len
     metrics = None
     if logging_rank:
         metrics = MetricsLogger(args.metrics_out, recipe.wandb.mode, recipe.wandb.project,
                                 recipe.wandb.name, dict(recipe.to_dict(), layout=vars(layout)))
-    for step in range(1, recipe.train.steps + 1):
+    for step in range(1, t.steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
         start = time.perf_counter()
-        loss = engine.train_batch(data_iter=data)
+        loss = engine.train_batch(data_iter=batches)
         seconds = time.perf_counter() - start
+        record = {"step": step, "loss": loss.item(), "grad_norm": float(engine.get_global_grad_norm()),
+                  "lr": lr, "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / seconds}
+        if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            val_loss = evaluate(engine, data, state, layout, t.eval_batches)
+            record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
         if metrics is not None:
-            metrics.log({"step": step, "loss": loss.item(), "grad_norm": float(engine.get_global_grad_norm()),
-                         "lr": lr, "tokens": step * tokens_per_step,
-                         "tokens_per_s": tokens_per_step / seconds})
+            metrics.log(record)
     if metrics is not None:
         metrics.close()
 
 
+def load_checked_tokenizer(recipe: Recipe):
+    """The run's tokenizer and the model's vocabulary size, or a ConfigError naming the fix."""
+    from data.builtin import load_tokenizer
+    try:
+        tokenizer = load_tokenizer(recipe.data.tokenizer)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.tokenizer={recipe.data.tokenizer!r} could not be loaded "
+                          f"({type(e).__name__}); use 'builtin' or a local tokenizer directory") from None
+    return tokenizer, check_vocab(recipe, len(tokenizer))
+
+
+def prepare(recipe: Recipe, layout: Layout):
+    """Tokenizer, vocabulary and the run's data (cache built once, by one process)."""
+    from data.pipeline import prepare_run_data
+    tokenizer, vocab_size = load_checked_tokenizer(recipe)
+    data = prepare_run_data(recipe.data, tokenizer, recipe.seq_len, recipe.train.seed,
+                            layout.global_batch_size, layout.micro_batch_size,
+                            evaluate=recipe.train.eval_every > 0)
+    return data, vocab_size
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    from data.spec import DataError
     try:
         args = parse_args(argv)
         recipe = resolve_recipe(args)
         ensure_single_process_env()
         layout = derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
-        from data.builtin import load_tokenizer
-        tokenizer = load_tokenizer(recipe.data.tokenizer)
-        check_vocab(recipe, len(tokenizer))
-        if recipe.data.name != "builtin":
-            raise ConfigError(f"data.name={recipe.data.name!r}: only 'builtin' is supported so far")
-    except ConfigError as e:
+        data, vocab_size = prepare(recipe, layout)
+    except (ConfigError, DataError) as e:
         if os.environ.get("RANK", "0") == "0":  # one line for the whole job, not one per rank
             print(f"error: {e}", file=sys.stderr)
         return 2
-    train(args, recipe, layout, tokenizer)
+    train(args, recipe, layout, data, vocab_size)
     return 0
 
 

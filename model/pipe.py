@@ -82,7 +82,10 @@ def stage_layer_names(config: GPTConfig) -> List[str]:
 
 
 def stage_contents(pipe: PipelineModule, config: GPTConfig) -> List[Tuple[int, str]]:
-    """[(stage, 'layers it holds')] from DeepSpeed's partition boundaries `pipe.parts`."""
+    """[(stage, 'layers a-b: names')] from DeepSpeed's partition boundaries `pipe.parts`."""
     names = stage_layer_names(config)
-    return [(stage, ", ".join(names[pipe.parts[stage]:pipe.parts[stage + 1]]))
-            for stage in range(len(pipe.parts) - 1)]
+    out = []
+    for stage in range(len(pipe.parts) - 1):
+        start, stop = pipe.parts[stage], pipe.parts[stage + 1]
+        out.append((stage, f"layers {start}-{stop - 1}: {', '.join(names[start:stop])}"))
+    return out

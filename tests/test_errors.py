@@ -24,6 +24,8 @@ CASES = [
     (1, ["--set", "deepspeed.train_batch_size=64"], ["deepspeed.train_batch_size", "global_batch_size"]),
     (1, ["--recipe", "recipes/nope.yaml"], ["recipes/nope.yaml", "not found"]),
     (1, ["--tp", "two"], ["--tp", "'two'"]),
+    (1, ["--set", "data.tokenizer=/no/such/tokenizer"], ["data.tokenizer='/no/such/tokenizer'"]),
+    (1, ["--set", "data.name=/no/such/corpus"], ["data.name='/no/such/corpus'"]),
 ]
 
 

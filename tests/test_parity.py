@@ -65,8 +65,8 @@ def test_role_map_names_groups_and_stages(runs):
     assert "TP groups  (split each weight matrix):  [0, 1] [2, 3] [4, 5] [6, 7]" in out
     assert "pipelines  (split the layers, stage 0 first): [0, 4] [1, 5] [2, 6] [3, 7]" in out
     assert "DP groups  (split the data, all-reduce grads): [0, 2] [1, 3] [4, 6] [5, 7]" in out
-    assert "stage 0: embed (tied), wpe, block 0, block 1" in out
-    assert "stage 1: block 2, block 3, ln_f, lm_head (tied embed)" in out
+    assert "stage 0: layers 0-3: embed (tied), wpe, block 0, block 1" in out
+    assert "stage 1: layers 4-7: block 2, block 3, ln_f, lm_head (tied embed)" in out
 
 
 def test_wandb_offline_writes_a_run_directory(runs):

@@ -1,0 +1,43 @@
+"""Build the data cache of a recipe ahead of training: `python data/prepare.py --recipe R.yaml`.
+
+Tokenizes with progress bars, writes the cached token streams and prints what a run will
+see. A second call (or a training run) reuses the cache at once. An entry point, so it reads
+the recipe through launch/config.py like launch/train.py does.
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from launch.config import ConfigError, load_recipe  # noqa: E402
+from data.spec import DataError  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--recipe", type=Path, required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        if recipe.data.streaming:
+            raise ConfigError("data.streaming=true tokenizes on the fly: there is nothing to prepare")
+        from data.builtin import load_tokenizer
+        from data.windows import prepare_streams, windows
+        start = time.perf_counter()
+        streams = prepare_streams(recipe.data, load_tokenizer(recipe.data.tokenizer))
+    except (ConfigError, DataError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    seq_len = recipe.seq_len
+    how = "built" if streams.built_here else "reused"
+    print(f"{how} {streams.directory} in {time.perf_counter() - start:.1f}s: "
+          f"train {len(streams.train):,} tokens = {len(windows(streams.train, seq_len)):,} windows of "
+          f"{seq_len + 1}" + (f"; validation {len(streams.val):,} tokens" if streams.val is not None else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

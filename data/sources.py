@@ -1,0 +1,120 @@
+"""Resolve `data.name` to an HF `datasets` object: builtin, save_to_disk directory, local
+files / glob, or hub id; and the identity of that source for the cache key.
+
+Validation documents are every round(1/val_fraction)-th document of the split (when no
+`val_split` is given): deterministic, and the same for map-style and streaming pipelines.
+"""
+import glob
+import os
+from pathlib import Path
+from typing import List, Optional, Union
+
+import datasets
+
+from data.builtin import BUILTIN, builtin_corpus, python_version
+from data.hub import hub_errors_only
+from data.spec import DataError, DataSpec
+
+AnyDataset = Union[datasets.Dataset, datasets.IterableDataset]
+FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def local_files(name: str) -> Optional[List[str]]:
+    """The files `name` points to when it is a file or glob, else None."""
+    if os.path.isdir(name):
+        return None
+    if any(c in name for c in "*?[") or os.path.isfile(name):
+        return sorted(glob.glob(name))
+    return None
+
+
+def looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).suffix in FILE_BUILDERS
+
+
+def source_identity(spec: DataSpec) -> list:
+    """What identifies the raw data: local files by path, size and mtime; hub data by id,
+    config, split and revision (pin `revision` to make the cache follow upstream changes)."""
+    if spec.name == BUILTIN:
+        return [BUILTIN, python_version()]
+    files = local_files(spec.name)
+    if files:
+        return [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
+    if os.path.isdir(spec.name):
+        state = Path(spec.name) / "dataset_info.json"
+        return [spec.name, state.stat().st_mtime if state.exists() else None]
+    return [spec.name, spec.config, spec.revision]
+
+
+def _load_split(spec: DataSpec, split: str, streaming: bool) -> AnyDataset:
+    name = os.path.expanduser(spec.name)
+    if name == BUILTIN:
+        if split != "train":
+            raise DataError(f"data.name=builtin has only a 'train' split, not {split!r}; use data.val_fraction")
+        ds = builtin_corpus()
+        return ds.to_iterable_dataset() if streaming else ds
+    files = local_files(name)
+    if files is not None:
+        if not files:
+            raise DataError(f"data.name={spec.name!r} matches no file")
+        suffixes = {Path(f).suffix for f in files}
+        if len(suffixes) != 1 or next(iter(suffixes)) not in FILE_BUILDERS:
+            raise DataError(f"data.name={spec.name!r}: files must share one of the suffixes "
+                            f"{', '.join(FILE_BUILDERS)}; got {sorted(suffixes)}")
+        if all(os.path.getsize(f) == 0 for f in files):
+            raise DataError(f"data.name={spec.name!r} is empty: {len(files)} file(s) of 0 bytes")
+        try:
+            return datasets.load_dataset(FILE_BUILDERS[suffixes.pop()], data_files={"train": files},
+                                         split="train", streaming=streaming)
+        except Exception as e:  # malformed JSON, CSV or parquet
+            raise DataError(f"data.name={spec.name!r} could not be read: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200]}") from None
+    if os.path.isdir(name):
+        try:
+            loaded = datasets.load_from_disk(name)
+        except FileNotFoundError:
+            raise DataError(f"data.name={spec.name!r} is a directory but not one written by "
+                            f"Dataset.save_to_disk") from None
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise DataError(f"data.name={spec.name!r} has splits {list(loaded)}, not {split!r}")
+            loaded = loaded[split]
+        return loaded.to_iterable_dataset() if streaming else loaded
+    if looks_local(name):
+        raise DataError(f"data.name={spec.name!r}: no such file or directory")
+    try:
+        with hub_errors_only():  # its retry warnings would bury our one-line error
+            return datasets.load_dataset(name, spec.config, split=split, revision=spec.revision,
+                                         streaming=streaming)
+    except Exception as e:  # the hub raises many types: unknown id, offline, bad config or split
+        raise DataError(f"data.name={spec.name!r} (config={spec.config!r}, split={split!r}) could not be "
+                        f"loaded: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+
+
+def _check_text_field(ds: AnyDataset, spec: DataSpec) -> None:
+    columns = ds.column_names
+    if columns is not None and spec.text_field not in columns:
+        raise DataError(f"data.text_field={spec.text_field!r} is not a column of {spec.name!r}; "
+                        f"columns: {', '.join(columns)}")
+
+
+def holdout_period(val_fraction: float) -> int:
+    return max(2, round(1 / val_fraction))
+
+
+def load_train_val(spec: DataSpec, streaming: bool):
+    """(train, validation or None) datasets for the spec."""
+    train = _load_split(spec, spec.split, streaming)
+    _check_text_field(train, spec)
+    if not streaming and len(train) == 0:
+        raise DataError(f"data.name={spec.name!r} split {spec.split!r} is empty")
+    if spec.val_split is not None:
+        val = _load_split(spec, spec.val_split, streaming)
+        _check_text_field(val, spec)
+        return train, val
+    if spec.val_fraction > 0:
+        period = holdout_period(spec.val_fraction)
+        val = train.filter(lambda _, i: i % period == period - 1, with_indices=True)
+        train = train.filter(lambda _, i: i % period != period - 1, with_indices=True)
+        return train, val
+    return train, None

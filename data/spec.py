@@ -1,0 +1,43 @@
+"""What the data pipeline reads: the recipe's `data:` section, as a typed dataclass.
+
+Defined here (not in launch/) so that data/ stays independent of the launcher; the recipe
+loader uses this class as its `data` section.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+
+class DataError(ValueError):
+    """Bad data input (unknown dataset, missing column, empty data...): one line, exit 2."""
+
+
+@dataclass
+class DataSpec:
+    name: str = "builtin"
+    """`builtin` (Python's pydoc topics, offline), a hub dataset id (`wikitext`), a directory
+    written by `Dataset.save_to_disk`, or local files / a glob of .txt, .json, .jsonl,
+    .parquet or .csv files."""
+    config: Optional[str] = None
+    """Hub config name (`wikitext-103-raw-v1`)."""
+    split: str = "train"
+    """Split to train on."""
+    revision: Optional[str] = None
+    """Hub revision (a commit or tag); pins the data and is part of the cache key."""
+    text_field: str = "text"
+    """Column holding the raw text."""
+    tokenizer: str = "builtin"
+    """`builtin` (BPE trained on the embedded corpus) or any name or path AutoTokenizer takes."""
+    seq_len: Optional[int] = None
+    """Tokens per sample; null takes model.seq_len. At most model.seq_len."""
+    streaming: bool = False
+    """Tokenize and pack on the fly from an IterableDataset (corpora larger than the disk)."""
+    shuffle: bool = True
+    """Reshuffle the windows every epoch (map-style) / shuffle through a buffer (streaming)."""
+    shuffle_buffer: int = 10000
+    """Documents in the streaming shuffle buffer."""
+    val_split: Optional[str] = None
+    """A held-out split for validation (`validation`); wins over val_fraction."""
+    val_fraction: float = 0.0
+    """Hold out this fraction of the documents (every round(1/f)-th) when there is no val_split."""
+    num_proc: int = 1
+    """Processes for tokenization (`datasets.map(num_proc=...)`)."""

@@ -1,0 +1,62 @@
+"""Documents -> one flat token stream (EOS after every document), stored compactly on disk.
+
+Tokenization is the fast tokenizer in batched `datasets.map`, parallel over `num_proc`
+processes; the stream is written once into a .npy file (uint16 when the vocabulary fits,
+else int32) that every process memory-maps. Windows of seq_len + 1 tokens are views into it
+(data/windows.py), so one stream serves every sequence length.
+"""
+from pathlib import Path
+from typing import Iterable, Iterator, List
+
+import datasets
+import numpy as np
+from numpy.lib.format import open_memmap
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
+
+
+def tokenize_batch(texts: List[str], tokenizer: PreTrainedTokenizerBase) -> List[List[int]]:
+    """Token ids of each document followed by EOS; documents that tokenize to nothing are
+    dropped (wikitext-style blank lines), not turned into a lone EOS."""
+    eos = tokenizer.eos_token_id
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [doc + [eos] for doc in ids if doc]
+
+
+def write_token_stream(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, text_field: str,
+                       num_proc: int, out: Path) -> int:
+    """Tokenize `dataset` and write its stream to `out` (.npy); returns the token count."""
+    def tokenize(batch):
+        ids = tokenize_batch(batch[text_field], tokenizer)
+        return {"ids": ids, "n": [len(doc) for doc in ids]}
+
+    tokenized = dataset.map(tokenize, batched=True, num_proc=num_proc if num_proc > 1 else None,
+                            remove_columns=dataset.column_names, desc="tokenize")
+    total = int(np.sum(tokenized.with_format("numpy")["n"], dtype=np.int64)) if len(tokenized) else 0
+    stream = open_memmap(out, mode="w+", dtype=token_dtype(len(tokenizer)), shape=(total,))
+    offset = 0
+    with tqdm(total=total, unit="tok", desc="write", disable=total < 10_000_000) as bar:
+        for batch in tokenized.with_format("arrow").iter(batch_size=100_000):  # no Python ints
+            flat = batch.column("ids").combine_chunks().flatten().to_numpy()
+            stream[offset:offset + len(flat)] = flat
+            offset += len(flat)
+            bar.update(len(flat))
+    stream.flush()
+    return total
+
+
+def stream_tokens(docs: Iterable[dict], tokenizer: PreTrainedTokenizerBase, text_field: str,
+                  batch_docs: int = 256) -> Iterator[np.ndarray]:
+    """The same stream as `write_token_stream`, produced on the fly in chunks (streaming mode)."""
+    texts: List[str] = []
+    for doc in docs:
+        texts.append(doc[text_field])
+        if len(texts) == batch_docs:
+            yield np.fromiter((t for ids in tokenize_batch(texts, tokenizer) for t in ids), dtype=np.int64)
+            texts = []
+    if texts:
+        yield np.fromiter((t for ids in tokenize_batch(texts, tokenizer) for t in ids), dtype=np.int64)

@@ -1,0 +1,202 @@
+"""The data pipeline on local data only: formats, cache, packing, sharding, resume, streaming."""
+import json
+import multiprocessing as mp
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from data.builtin import builtin_corpus, load_tokenizer
+from data.pipeline import prepare_run_data
+from data.sampler import micro_batches
+from data.spec import DataError, DataSpec
+from data.windows import prepare_streams, windows
+from launcher import REPO, TINY
+
+N_DOCS = 60
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("builtin")
+
+
+@pytest.fixture(scope="module")
+def docs():
+    """Real text: the first documents of the embedded corpus."""
+    return builtin_corpus().select(range(N_DOCS))
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty data cache (the builtin tokenizer stays in the shared one)."""
+    from data import cache
+    shared = cache.default_cache_dir()
+    monkeypatch.setattr("data.windows.default_cache_dir", lambda: tmp_path / "cache")
+    return shared
+
+
+def _write_formats(docs, root):
+    """The same documents as .jsonl, .parquet, .csv and a save_to_disk directory."""
+    docs.to_json(root / "docs.jsonl")
+    docs.to_parquet(root / "docs.parquet")
+    docs.to_csv(root / "docs.csv", index=False)
+    docs.save_to_disk(str(root / "saved"))
+    (root / "txt").mkdir()
+    for i, text in enumerate(docs["text"][:20]):  # the text builder: one row per line
+        (root / "txt" / f"part{i:02d}.txt").write_text(text)
+    return {"jsonl": root / "docs.jsonl", "parquet": root / "docs.parquet", "csv": root / "docs.csv",
+            "saved": root / "saved", "txt": root / "txt" / "part*.txt"}
+
+
+def test_windows_reproduce_the_token_stream(docs, tokenizer, fresh_cache, tmp_path):
+    paths = _write_formats(docs, tmp_path)
+    streams = prepare_streams(DataSpec(name=str(paths["jsonl"]), tokenizer="builtin"), tokenizer)
+    expected = [t for text in docs["text"] for t in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    assert streams.train.dtype == np.uint16  # 4096-token vocabulary: two bytes a token
+    assert streams.train.tolist() == expected
+    w = windows(streams.train, 31)
+    assert w.shape == (len(expected) // 32, 32)
+    assert w.reshape(-1).tolist() == expected[: w.size]  # packed windows are the stream, in order
+
+
+def test_every_local_format_gives_the_same_stream(docs, tokenizer, fresh_cache, tmp_path):
+    paths = _write_formats(docs, tmp_path)
+    streams = {k: prepare_streams(DataSpec(name=str(p)), tokenizer).train for k, p in paths.items()}
+    for fmt in ("parquet", "csv", "saved"):
+        assert np.array_equal(streams[fmt], streams["jsonl"]), fmt
+    lines = [l for i in range(20) for l in (tmp_path / "txt" / f"part{i:02d}.txt").read_text().splitlines()]
+    assert len(streams["txt"]) == sum(len(tokenizer(l)["input_ids"]) + 1 for l in lines if tokenizer(l)["input_ids"])
+
+
+def test_every_local_format_trains(docs, tmp_path):
+    paths = _write_formats(docs, tmp_path)
+    for fmt in ("jsonl", "parquet", "saved", "txt"):
+        out = tmp_path / f"{fmt}.jsonl"
+        proc = subprocess.run([sys.executable, "launch/train.py", "--recipe", str(TINY), "--steps", "2",
+                               "--set", f"data.name={paths[fmt]}", "--metrics-out", str(out)],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (fmt, proc.stderr[-2000:])
+        records = [json.loads(l) for l in out.read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2] and "val_loss" in records[1], (fmt, records)
+
+
+def _build_in_process(name, cache_dir, results):
+    import os
+    os.environ["GPT3D_CACHE"] = str(cache_dir)
+    from data.builtin import load_tokenizer as load
+    from data.windows import prepare_streams as prepare
+    streams = prepare(DataSpec(name=name), load("builtin"))
+    results.put((streams.built_here, int(streams.train.sum())))
+
+
+def test_cache_is_built_once_across_processes_and_reused(docs, tmp_path, fresh_cache):
+    paths = _write_formats(docs, tmp_path)
+    cache_dir = tmp_path / "shared-cache"
+    # The tokenizer is already cached; copy it so that only the data cache is new.
+    import shutil
+    for entry in fresh_cache.iterdir():
+        if entry.name.startswith(("builtin-bpe", "builtin-corpus")):
+            shutil.copytree(entry, cache_dir / entry.name)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_process, args=(str(paths["parquet"]), cache_dir, results)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join()
+    assert sorted(built for built, _ in outcomes) == [False, False, False, True]
+    assert len({checksum for _, checksum in outcomes}) == 1
+    second = ctx.Process(target=_build_in_process, args=(str(paths["parquet"]), cache_dir, results))
+    second.start()
+    assert results.get(timeout=300)[0] is False  # a second run reuses it
+    second.join()
+    entries = sorted(e.name for e in (cache_dir / "data").iterdir())
+    assert len(entries) == 2 and entries[0].endswith(".lock"), entries  # the cache and its lock, no temporaries
+
+
+def _indices(windows_arr, dp, steps, B=8, b=2, start_sample=0, seed=3):
+    """{step: sorted window ids} over all dp ranks; windows hold their own id in column 0."""
+    per_step = {}
+    for rank in range(dp):
+        it = micro_batches(windows_arr, seed, B, b, rank, dp, start_sample)
+        for step in range(start_sample // B, start_sample // B + steps):
+            for _ in range(B // dp // b):
+                x, _ = next(it)
+                per_step.setdefault(step, []).extend(x[:, 0].tolist())
+    return {k: sorted(v) for k, v in per_step.items()}
+
+
+def test_dp_shards_are_disjoint_cover_the_epoch_and_do_not_depend_on_dp():
+    n = 40  # 5 steps of 8 per epoch
+    ids = np.repeat(np.arange(n)[:, None], 5, axis=1)
+    reference = _indices(ids, 1, 10)
+    for dp in (2, 4):
+        assert _indices(ids, dp, 10) == reference  # step k's samples at any dp
+    epoch0 = [i for k in range(5) for i in reference[k]]
+    epoch1 = [i for k in range(5, 10) for i in reference[k]]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(n))  # each epoch: every window once
+    assert epoch0 != epoch1  # reshuffled
+    rank_sets = [set(_indices(ids, 1, 5)[k]) for k in range(5)]
+    assert all(not (a & b) for i, a in enumerate(rank_sets) for b in rank_sets[i + 1:])
+    per_rank = [[next(micro_batches(ids, 3, 8, 2, r, 4))[0][:, 0].tolist()] for r in range(4)]
+    assert len({i for chunk in per_rank for i in chunk[0]}) == 8  # ranks of a step are disjoint
+
+
+def test_resume_from_a_sample_position_continues_exactly():
+    ids = np.repeat(np.arange(40)[:, None], 5, axis=1)
+    uninterrupted = _indices(ids, 2, 12)
+    resumed = _indices(ids, 2, 5, start_sample=7 * 8)  # crosses the epoch boundary at step 5
+    assert all(resumed[k] == uninterrupted[k] for k in range(7, 12))
+
+
+def test_streaming_yields_the_same_batches_as_map_style(docs, tokenizer, fresh_cache, tmp_path):
+    paths = _write_formats(docs, tmp_path)
+    spec = DataSpec(name=str(paths["jsonl"]), shuffle=False, val_fraction=0.1)
+    mapped = prepare_run_data(spec, tokenizer, 31, seed=0, global_batch_size=8, micro_batch_size=2, evaluate=True)
+    streamed = prepare_run_data(DataSpec(**{**spec.__dict__, "streaming": True}), tokenizer, 31, seed=0,
+                                global_batch_size=8, micro_batch_size=2, evaluate=True)
+    for rank in range(2):
+        a, b = mapped.train_batches(rank, 2, start_sample=8), streamed.train_batches(rank, 2, start_sample=8)
+        for _ in range(6):
+            (xa, ya), (xb, yb) = next(a), next(b)
+            assert np.array_equal(xa, xb) and np.array_equal(ya, yb)
+        va, vb = mapped.val_batches(rank, 2, 1), streamed.val_batches(rank, 2, 1)
+        for _ in range(2):
+            assert np.array_equal(next(va)[0], next(vb)[0])
+
+
+@pytest.mark.parametrize("setting,words", [
+    ({"name": "/no/such/file.jsonl"}, ["/no/such/file.jsonl", "no such file"]),
+    ({"text_field": "body"}, ["text_field='body'", "columns: text"]),
+])
+def test_bad_data_is_a_clear_error(setting, words, docs, tokenizer, fresh_cache, tmp_path):
+    paths = _write_formats(docs, tmp_path)
+    spec = DataSpec(**{"name": str(paths["jsonl"]), **setting})
+    with pytest.raises(DataError) as e:
+        prepare_run_data(spec, tokenizer, 31, 0, 8, 2, evaluate=False)
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_empty_and_blank_data_are_clear_errors(tokenizer, fresh_cache, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
+    for name, word in (("empty.jsonl", "empty"), ("blank.jsonl", "tokenized to nothing")):
+        with pytest.raises(DataError) as e:
+            prepare_run_data(DataSpec(name=str(tmp_path / name)), tokenizer, 31, 0, 8, 2, evaluate=False)
+        assert word in str(e.value), str(e.value)
+
+
+def test_unknown_hub_dataset_and_long_seq_len_exit_2():
+    for extra, words in ((["--set", "data.name=nobody/no-such-dataset"], ["nobody/no-such-dataset", "could not be loaded"]),
+                         (["--set", "data.seq_len=64"], ["data.seq_len=64", "model.seq_len=32"])):
+        proc = subprocess.run([sys.executable, "launch/train.py", "--recipe", str(TINY)] + extra, cwd=REPO,
+                              capture_output=True, text=True, timeout=300,
+                              env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+        assert proc.returncode == 2, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and all(w in last for w in words), proc.stderr
+        assert "Traceback" not in proc.stderr
