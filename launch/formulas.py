@@ -1,0 +1,207 @@
+"""Formulas of 3D-parallel GPT training: parameters, FLOPs, bubble, communication, memory.
+
+Pure functions of the model dimensions and the layout, shared by the planner
+(launch/plan.py) and the training metrics. Sources, cited per function:
+  [N21] Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+        Clusters Using Megatron-LM" (SC'21).
+  [K22] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+        Models".
+  [R20] Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+        Parameter Models" (SC'20).
+Symbols: l layers, h hidden, a heads, s sequence, V vocabulary, b micro-batch, B global batch,
+t tp, p pp, d dp, m micro-batches per pipeline per step. Bytes assume bf16/fp16 mixed precision.
+"""
+import functools
+from typing import Dict, List, Tuple
+
+from model.layers import padded_vocab_size
+
+# Dense bf16 peak FLOP/s per GPU (vendor datasheets, without sparsity).
+PEAK_FLOPS_BF16: Dict[str, float] = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+# Mixed-precision model states [R20 sec. 3.1]: 2+2 bytes of bf16/fp16 weights and gradients,
+# K = 12 bytes of fp32 optimizer states (master weights, Adam momentum and variance).
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12
+ACTIVATION_BYTES = 2  # one bf16/fp16 element on the wire
+
+
+# ---------------------------------------------------------------- parameters
+
+def params_formula(n_layer: int, hidden: int, vocab: int, seq_len: int) -> float:
+    """P = 12*l*h^2 * (1 + 13/(12h) + (V+s)/(12*l*h))  [N21 sec. 5.1].
+
+    Counts the blocks (12h^2 + 13h each), the token and position embeddings; the output layer
+    is tied to the token embedding. Omits the final LayerNorm (2h)."""
+    l, h = n_layer, hidden
+    return 12 * l * h ** 2 * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * l * h))
+
+
+def block_params(hidden: int) -> int:
+    """One GPT-2 block: ln_1, ln_2 (2h each), c_attn (3h^2 + 3h), attn c_proj (h^2 + h),
+    c_fc (4h^2 + 4h), mlp c_proj (4h^2 + h) = 12h^2 + 13h."""
+    return 12 * hidden ** 2 + 13 * hidden
+
+
+def params_exact(n_layer: int, hidden: int, vocab: int, seq_len: int) -> int:
+    """Our GPT-2 exactly (unpadded, one copy of the tied wte): V*h + s*h + l*(12h^2+13h) + 2h."""
+    return vocab * hidden + seq_len * hidden + n_layer * block_params(hidden) + 2 * hidden
+
+
+def block_params_per_rank(hidden: int, tp: int) -> int:
+    """A block on one TP rank: the column/row-parallel weights and column-parallel biases
+    (12h^2 + 7h) split over t; both LayerNorms and the two row-parallel biases (6h) replicated."""
+    return (12 * hidden ** 2 + 7 * hidden) // tp + 6 * hidden
+
+
+def embedding_params_per_rank(vocab: int, hidden: int, tp: int, pad_multiple: int = 1) -> int:
+    """wte on one TP rank: V padded to a multiple of pad_multiple*t, rows split over t."""
+    return padded_vocab_size(vocab, tp, pad_multiple) // tp * hidden
+
+
+def pipeline_layers(n_layer: int) -> List[str]:
+    """The pipeline layer list of model/pipe.py: [embed, wpe, blocks..., ln_f, head]."""
+    return ["embed", "wpe"] + ["block"] * n_layer + ["ln_f", "head"]
+
+
+def stage_partition(n_layer: int, pp: int) -> List[int]:
+    """Stage boundaries over `pipeline_layers`: stage k holds layers parts[k]:parts[k+1].
+
+    The rule of PipelineModule(partition_method='type:Block'): DeepSpeed's partition_balanced
+    with weight 1 per Block and 0 for the other layers."""
+    return list(_partition(n_layer, pp))
+
+
+@functools.lru_cache(maxsize=None)  # an O(l^2 p) Python loop; the planner's search asks often
+def _partition(n_layer: int, pp: int) -> Tuple[int, ...]:
+    from deepspeed.runtime.utils import partition_balanced  # imported late: a slow import
+    weights = [int(name == "block") for name in pipeline_layers(n_layer)]
+    return tuple(int(x) for x in partition_balanced(weights, pp))
+
+
+def blocks_per_stage(n_layer: int, pp: int) -> List[int]:
+    parts, names = stage_partition(n_layer, pp), pipeline_layers(n_layer)
+    return [names[parts[k]:parts[k + 1]].count("block") for k in range(pp)]
+
+
+def stage_params_per_rank(n_layer: int, hidden: int, vocab: int, seq_len: int, tp: int, pp: int,
+                          stage: int, pad_multiple: int = 1) -> int:
+    """Parameters one rank of pipeline stage `stage` holds in a (tp, pp) layout.
+
+    The first stage holds wte, the last stage a tied copy of it (DeepSpeed TiedLayerSpec);
+    at pp=1 both are one module. wpe and ln_f are replicated over TP."""
+    parts, names = stage_partition(n_layer, pp), pipeline_layers(n_layer)
+    held = names[parts[stage]:parts[stage + 1]]
+    embed = embedding_params_per_rank(vocab, hidden, tp, pad_multiple)
+    count = held.count("block") * block_params_per_rank(hidden, tp)
+    count += embed if ("embed" in held or "head" in held) else 0
+    count += seq_len * hidden if "wpe" in held else 0
+    count += 2 * hidden if "ln_f" in held else 0
+    return count
+
+
+# ---------------------------------------------------------------- compute and schedule
+
+def model_flops_per_step(global_batch: int, seq_len: int, n_layer: int, hidden: int, vocab: int,
+                         recompute: bool = False) -> float:
+    """72*B*s*l*h^2 * (1 + s/(6h) + V/(12*l*h)): forward + backward (3x forward) [N21 sec. 5.1].
+
+    With full recompute the forward runs twice (4x forward):
+    96*B*s*l*h^2 * (1 + s/(6h) + V/(16*l*h)), the count [N21] reports. MFU uses the first."""
+    B, s, l, h, V = global_batch, seq_len, n_layer, hidden, vocab
+    if recompute:
+        return 96 * B * s * l * h ** 2 * (1 + s / (6 * h) + V / (16 * l * h))
+    return 72 * B * s * l * h ** 2 * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def layer_flops_per_microbatch(micro_batch: int, seq_len: int, hidden: int,
+                               recompute: bool = False) -> float:
+    """One block, forward + backward, one micro-batch: 72bsh^2 + 12bs^2h (96 and 16 with
+    recompute): the per-layer share of `model_flops_per_step`."""
+    b, s, h = micro_batch, seq_len, hidden
+    return (96 * b * s * h ** 2 + 16 * b * s ** 2 * h) if recompute else (72 * b * s * h ** 2 + 12 * b * s ** 2 * h)
+
+
+def logits_flops_per_microbatch(micro_batch: int, seq_len: int, hidden: int, vocab: int) -> float:
+    """Output layer, forward + backward: 6bshV (the V term of `model_flops_per_step`)."""
+    return 6 * micro_batch * seq_len * hidden * vocab
+
+
+def bubble_fraction(pp: int, microbatches: int) -> float:
+    """1F1B pipeline bubble as a fraction of the step: (p-1)/(m+p-1).
+
+    [N21 sec. 2.2.1] states it relative to the ideal time, (p-1)/m; the same bubble."""
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+def mfu(model_flops: float, step_time_s: float, peak_flops: float, num_gpus: int) -> float:
+    """Model FLOPs utilisation: model FLOPs / (time * peak * G) (no recompute FLOPs counted)."""
+    return model_flops / (step_time_s * peak_flops * num_gpus)
+
+
+# ---------------------------------------------------------------- communication
+
+def tp_allreduce_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, layers: int,
+                                microbatches: int, recompute: bool = False) -> int:
+    """Data all-reduced by one TP rank per step: 4 all-reduces of b*s*h elements per layer per
+    micro-batch, 2 forward and 2 backward [N21 sec. 2.3]; 6 when recompute repeats the forward.
+    Ignores the embedding's and the logits' all-reduces (one each per micro-batch)."""
+    count = 6 if recompute else 4
+    return count * micro_batch * seq_len * hidden * ACTIVATION_BYTES * layers * microbatches
+
+
+def pp_p2p_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, microbatches: int) -> int:
+    """Sent over one stage boundary per step, each way: b*s*h elements per micro-batch
+    (activations forward, their gradients backward) [N21 sec. 3]."""
+    return micro_batch * seq_len * hidden * ACTIVATION_BYTES * microbatches
+
+
+def dp_allreduce_bytes_per_step(params_per_device: int) -> int:
+    """Gradient all-reduce per step across the dp replicas: the local gradient, params/(t*p)
+    on average [N21 sec. 3], in bf16/fp16 (fp32 gradient accumulation doubles it)."""
+    return params_per_device * GRAD_BYTES
+
+
+def ring_allreduce_factor(group: int) -> float:
+    """A ring all-reduce sends and receives 2*(n-1)/n times the data per rank."""
+    return 2 * (group - 1) / group
+
+
+# ---------------------------------------------------------------- memory
+
+def model_state_bytes(params: float, dp: int, zero_stage: int) -> Dict[str, float]:
+    """Weights, gradients and optimizer states per device for `params` local parameters [R20
+    sec. 3.1 and 5, fig. 1]: 2 + 2 + K bytes/param with K = 12, i.e. 16 without ZeRO (stage 0);
+    stage 1 splits the optimizer over d (4 + 12/d); stage 2 also the gradients (2 + 14/d);
+    stage 3 also the weights (16/d)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage} must be 0, 1, 2 or 3")
+    split = lambda stage: dp if zero_stage >= stage else 1  # noqa: E731
+    return {"weights": params * WEIGHT_BYTES / split(3),
+            "gradients": params * GRAD_BYTES / split(2),
+            "optimizer": params * OPTIMIZER_BYTES / split(1)}
+
+
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int,
+                               tp: int = 1, recompute: bool = False) -> float:
+    """Activations one block stores for backward, per micro-batch [K22 sec. 4]:
+    s*b*h*(34 + 5*a*s/h) bytes; with tensor parallelism (no sequence parallelism)
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)); with full recompute only the block input, 2*s*b*h. Counts the dropout masks and the s x s attention scores, so it is an upper
+    bound for fused (flash) attention without dropout."""
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    if recompute:
+        return 2 * s * b * h
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def inflight_microbatches(pp: int, microbatches: int, stage: int = 0) -> int:
+    """Micro-batches whose activations stage `stage` holds at the peak of 1F1B: min(p - stage, m);
+    the first stage holds the most, min(p, m) [N21 sec. 2.2.1; K22 sec. 4]."""
+    return min(pp - stage, microbatches)
+
+
+def activation_bytes_per_stage(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int,
+                               layers: int, inflight: int, recompute: bool = False) -> float:
+    """Peak activation memory of one stage: per-layer activations x layers x in-flight
+    micro-batches. Excludes the embedding and output-layer activations."""
+    per_layer = activation_bytes_per_layer(seq_len, micro_batch, hidden, heads, tp, recompute)
+    return per_layer * layers * inflight

@@ -1,0 +1,130 @@
+"""Pictures of a 3D layout: the devices as a dp x pp x tp grid, and a 1F1B pipeline schedule.
+
+The schedule is drawn from a list of events (stage, kind, microbatch, start, end), kind "F"
+or "B", so the same chart shows a simulated schedule (`simulate_1f1b`) or measured times.
+"""
+from typing import List, Sequence, Tuple
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.patches import Patch, Rectangle  # noqa: E402
+
+Event = Tuple[int, str, int, float, float]  # (stage, "F" | "B", microbatch, start, end)
+COLOURS = {"F": "#8ecae6", "B": "#f4a261"}
+
+
+def one_f_one_b_order(pp: int, microbatches: int, stage: int) -> List[Tuple[str, int]]:
+    """The op order of one stage in 1F1B (PipeDream-Flush, [N21] fig. 4): p - stage - 1
+    warm-up forwards, then one forward and one backward alternately, then the remaining backwards."""
+    warmup = min(pp - stage - 1, microbatches)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(microbatches - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", i) for i in range(microbatches - warmup, microbatches)]
+
+
+def simulate_1f1b(pp: int, microbatches: int, t_fwd: float, t_bwd: float) -> List[Event]:
+    """Start each op as soon as its stage is free and its input exists: F(k, i) after F(k-1, i),
+    B(k, i) after B(k+1, i). Communication takes no time here."""
+    orders = [one_f_one_b_order(pp, microbatches, k) for k in range(pp)]
+    done = {}  # (stage, kind, microbatch) -> end time
+    position, free = [0] * pp, [0.0] * pp
+    events: List[Event] = []
+    while len(events) < 2 * pp * microbatches:
+        before = len(events)
+        for k in range(pp):
+            if position[k] == len(orders[k]):
+                continue
+            kind, i = orders[k][position[k]]
+            needs = (k - 1, "F", i) if kind == "F" else (k + 1, "B", i)
+            if kind == "F" and k == 0 or kind == "B" and k == pp - 1:
+                needs = None  # the first forward reads data; the last backward follows its own F
+            if needs is not None and needs not in done:
+                continue
+            start = max(free[k], done[needs] if needs else 0.0)
+            end = start + (t_fwd if kind == "F" else t_bwd)
+            done[(k, kind, i)], free[k] = end, end
+            events.append((k, kind, i, start, end))
+            position[k] += 1
+        assert len(events) > before, "1F1B cannot deadlock; the op orders are wrong"
+    return sorted(events, key=lambda e: (e[0], e[3]))
+
+
+def idle_fraction(events: Sequence[Event]) -> float:
+    """Share of stage-time spent idle between the first start and the last end (the bubble)."""
+    stages = {e[0] for e in events}
+    span = max(e[4] for e in events) - min(e[3] for e in events)
+    busy = sum(e[4] - e[3] for e in events)
+    return 1.0 - busy / (len(stages) * span)
+
+
+def draw_schedule(ax: Axes, events: Sequence[Event], title: str) -> None:
+    """Stages on y (stage 0 on top), time on x; F/B boxes with micro-batch numbers; idle shaded."""
+    pp = max(e[0] for e in events) + 1
+    t0, t1 = min(e[3] for e in events), max(e[4] for e in events)
+    ax.add_patch(Rectangle((t0, -0.5), t1 - t0, pp, facecolor="#dddddd", hatch="//",
+                           edgecolor="#bbbbbb", linewidth=0))  # idle shows where no box covers it
+    label_min = (t1 - t0) / 60  # boxes narrower than this get no number
+    for stage, kind, micro, start, end in events:
+        ax.add_patch(Rectangle((start, stage - 0.4), end - start, 0.8, facecolor=COLOURS[kind],
+                               edgecolor="black", linewidth=0.5))
+        if end - start >= label_min:
+            ax.text((start + end) / 2, stage, str(micro), ha="center", va="center", fontsize=7)
+    ax.set_xlim(t0, t1)
+    ax.set_ylim(pp - 0.5, -0.5)
+    ax.set_yticks(range(pp), [f"stage {k}" for k in range(pp)])
+    ax.set_xlabel("time (s)")
+    ax.set_title(title)
+    ax.legend(handles=[Patch(facecolor=COLOURS["F"], label="forward"),
+                       Patch(facecolor=COLOURS["B"], label="backward"),
+                       Patch(facecolor="#dddddd", hatch="//", label="bubble (idle)")],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # outside: never hides a box
+
+
+def draw_device_grid(ax: Axes, tp: int, pp: int, dp: int) -> None:
+    """One cell per device, labelled with its global rank: DP replicas side by side, pipeline
+    stages as rows coloured by stage, the tp devices of one TP group outlined together.
+    Ranks follow the topology's axis order (pipe, data, model): pipe*dp*tp + data*tp + model."""
+    colours = plt.get_cmap("tab10" if pp <= 10 else "viridis")
+    label = tp * pp * dp <= 256
+    for data in range(dp):
+        x0 = data * (tp + 0.6)
+        for stage in range(pp):
+            colour = colours(stage % 10 if pp <= 10 else stage / max(pp - 1, 1))
+            for model in range(tp):
+                ax.add_patch(Rectangle((x0 + model, stage), 1, 1, facecolor=colour, alpha=0.55,
+                                       edgecolor="white", linewidth=0.5))
+                if label:
+                    ax.text(x0 + model + 0.5, stage + 0.5, str(stage * dp * tp + data * tp + model),
+                            ha="center", va="center", fontsize=6)
+            ax.add_patch(Rectangle((x0, stage), tp, 1, fill=False, edgecolor="black", linewidth=1.2))
+        ax.text(x0 + tp / 2, -0.15, f"dp {data}", ha="center", va="bottom", fontsize=7)
+    ax.set_xlim(-0.2, dp * (tp + 0.6))
+    ax.set_ylim(pp + 0.1, -0.6)
+    ax.set_yticks([k + 0.5 for k in range(pp)], [f"stage {k}" for k in range(pp)])
+    ax.set_xticks([])
+    ax.set_title(f"{tp * pp * dp} devices = dp {dp} x pp {pp} x tp {tp}: colour = pipeline stage, "
+                 f"outlined = one TP group, columns of boxes = DP replicas", fontsize=9)
+
+
+def draw(events: Sequence[Event], path: str, title: str) -> None:
+    """The schedule alone, e.g. from measured times."""
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.5 * (max(e[0] for e in events) + 1)))
+    draw_schedule(ax, events, title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def draw_plan(path: str, tp: int, pp: int, dp: int, events: Sequence[Event], title: str) -> None:
+    """The layout grid above the schedule, in one PNG."""
+    fig, (grid, schedule) = plt.subplots(2, 1, figsize=(13, 2.5 + 0.7 * pp),
+                                         gridspec_kw={"height_ratios": [1, 1]})
+    draw_device_grid(grid, tp, pp, dp)
+    draw_schedule(schedule, events, title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,213 @@
+"""Evaluate one 3D layout (every number launch/plan.py prints) and rank layouts by a stated
+cost model. The formulas live in launch/formulas.py; the layout rules are launch/layout.py's.
+
+Cost model of one optimizer step (`estimate_step_time`), all per device:
+  slot    = max over stages of [ FLOPs of one micro-batch on the stage / (peak * efficiency)
+                                 + its TP all-reduces: 2(t-1)/t * bytes / TP bandwidth ]
+            + PP p2p of one activation and one gradient: 2 * b*s*h*2 bytes / PP bandwidth
+  step    = (m + p - 1) * slot                      1F1B: m slots of work, p - 1 of bubble
+            + 2(d-1)/d * gradient bytes / DP bandwidth   (not overlapped with the pipeline)
+A bandwidth is the intra-node one when every group of that dimension sits inside one node
+(global rank // gpus_per_node), else the inter-node one. It ignores latency, overlap and the
+lower efficiency of small micro-batches, so it ranks layouts; it does not promise a time.
+"""
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from launch import formulas as F
+from launch.config import ConfigError, ModelSection, Recipe, TrainSection
+from launch.layout import Layout, derive_layout
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class GPU:
+    peak_flops: float
+    """Dense bf16 FLOP/s (formulas.PEAK_FLOPS_BF16)."""
+    memory_gib: float
+    intra_node_bw: float
+    """Bytes/s per GPU, one direction, inside a node (NVLink 4: 900 GB/s both ways; NVLink 3: 600)."""
+    inter_node_bw: float
+    """Bytes/s per GPU, one direction, across nodes (one 400 Gb/s NDR or 200 Gb/s HDR NIC per GPU)."""
+
+
+GPUS: Dict[str, GPU] = {"H100": GPU(F.PEAK_FLOPS_BF16["H100"], 80, 450e9, 50e9),
+                        "H200": GPU(F.PEAK_FLOPS_BF16["H200"], 141, 450e9, 50e9),
+                        "A100": GPU(F.PEAK_FLOPS_BF16["A100"], 80, 300e9, 25e9)}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    seq_len: int
+    vocab_size: int
+    vocab_pad_multiple: int = 1
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One candidate layout and batch."""
+    gpus: int
+    tp: int
+    pp: int
+    micro_batch: int
+    global_batch: int
+    zero: int = 1
+    recompute: bool = False
+
+
+@dataclass(frozen=True)
+class Hardware:
+    peak_flops: float
+    intra_node_bw: float
+    inter_node_bw: float
+    gpus_per_node: int = 8
+    efficiency: float = 0.5
+    """Fraction of peak the matmuls reach ([N21] reports 44-52% end to end)."""
+    memory_bytes: Optional[float] = None
+    """Per-device budget; None checks nothing."""
+
+
+def check_setup(model: ModelDims, setup: Setup) -> Layout:
+    """The training script's own layout rules (derive_layout), on a bf16 recipe of these dims."""
+    # Checked before derive_layout, which divides by n_head before checking it is >= 1.
+    for flag, value in [("--gpus", setup.gpus), ("--layers", model.n_layer), ("--hidden", model.n_embd),
+                        ("--heads", model.n_head), ("--seq-len", model.seq_len), ("--vocab", model.vocab_size),
+                        ("--vocab-pad-multiple", model.vocab_pad_multiple),
+                        ("--micro-batch", setup.micro_batch), ("--global-batch", setup.global_batch)]:
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1")
+    if setup.tp >= 1 and setup.pp >= 1 and setup.gpus % (setup.tp * setup.pp) != 0:
+        raise ConfigError(f"--gpus {setup.gpus} is not divisible by tp*pp = {setup.tp}*{setup.pp} = "
+                          f"{setup.tp * setup.pp}; use a multiple of {setup.tp * setup.pp} GPUs, or a tp*pp "
+                          f"that divides {setup.gpus}")
+    recipe = Recipe(model=ModelSection(n_layer=model.n_layer, n_head=model.n_head, n_embd=model.n_embd,
+                                       seq_len=model.seq_len, vocab_size=model.vocab_size,
+                                       vocab_pad_multiple=model.vocab_pad_multiple),
+                    train=TrainSection(micro_batch_size=setup.micro_batch, global_batch_size=setup.global_batch,
+                                       precision="bf16", zero_stage=setup.zero))
+    return derive_layout(recipe, setup.gpus, setup.tp, setup.pp, on_cpu=False)
+
+
+def rank_groups(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
+    """Global ranks of every TP, PP and DP group, from the topology the training run builds."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # slow import
+    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    return {"tp": topology.get_axis_comm_lists("model"), "pp": topology.get_axis_comm_lists("pipe"),
+            "dp": topology.get_axis_comm_lists("data")}
+
+
+def within_node(groups: List[List[int]], gpus_per_node: int) -> bool:
+    return all(len({rank // gpus_per_node for rank in group}) == 1 for group in groups)
+
+
+def _stage_memory(model: ModelDims, setup: Setup, dp: int, m: int, stage: int, blocks: int,
+                  params: int) -> Dict[str, int]:
+    plain, zero1 = F.model_state_bytes(params, dp, 0), F.model_state_bytes(params, dp, 1)
+    args = (model.seq_len, setup.micro_batch, model.n_embd, model.n_head, setup.tp, blocks,
+            F.inflight_microbatches(setup.pp, m, stage))
+    out = {"weights": plain["weights"], "gradients": plain["gradients"],
+           "optimizer": plain["optimizer"], "optimizer_zero1": zero1["optimizer"],
+           "activations": F.activation_bytes_per_stage(*args, recompute=False),
+           "activations_recompute": F.activation_bytes_per_stage(*args, recompute=True)}
+    out["total"] = (sum(F.model_state_bytes(params, dp, setup.zero).values())
+                    + out["activations_recompute" if setup.recompute else "activations"])
+    return {k: round(v) for k, v in out.items()}
+
+
+def estimate_step_time(model: ModelDims, setup: Setup, hw: Hardware, blocks: List[int], dp: int,
+                       m: int, params_per_device: int, bandwidth: Dict[str, float]) -> Dict[str, float]:
+    """Seconds per step and its parts by the cost model of the module docstring."""
+    b, s, h, t, p = setup.micro_batch, model.seq_len, model.n_embd, setup.tp, setup.pp
+    layer_flops = F.layer_flops_per_microbatch(b, s, h, setup.recompute)
+    logits_flops = F.logits_flops_per_microbatch(b, s, h, model.vocab_size)
+    tp_bytes_per_block = F.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.recompute) * F.ring_allreduce_factor(t)
+    compute, tp_comm = [], []
+    for stage, n in enumerate(blocks):
+        flops = n * layer_flops + (logits_flops if stage == p - 1 else 0)
+        compute.append(flops / t / (hw.peak_flops * hw.efficiency))
+        tp_comm.append(n * tp_bytes_per_block / bandwidth["tp"])
+    slowest = max(range(p), key=lambda k: compute[k] + tp_comm[k])
+    pp_comm = 2 * F.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0
+    slot = compute[slowest] + tp_comm[slowest] + pp_comm
+    dp_comm = F.ring_allreduce_factor(dp) * F.dp_allreduce_bytes_per_step(params_per_device) / bandwidth["dp"]
+    parts = {"compute": m * compute[slowest], "tp": m * tp_comm[slowest], "pp": m * pp_comm,
+             "bubble": (p - 1) * slot, "dp": dp_comm}
+    return dict(parts, step=sum(parts.values()))
+
+
+def evaluate(model: ModelDims, setup: Setup, hw: Hardware) -> Dict[str, Any]:
+    """Every number of one layout; raises ConfigError when the layout is invalid."""
+    layout = check_setup(model, setup)
+    l, h, s, V = model.n_layer, model.n_embd, model.seq_len, model.vocab_size
+    t, p, d, m, b = setup.tp, setup.pp, layout.dp, layout.grad_accum_steps, setup.micro_batch
+    blocks = F.blocks_per_stage(l, p)
+    params = [F.stage_params_per_rank(l, h, V, s, t, p, k, model.vocab_pad_multiple) for k in range(p)]
+    memory = [_stage_memory(model, setup, d, m, k, blocks[k], params[k]) for k in range(p)]
+    fullest = max(range(p), key=lambda k: memory[k]["total"])
+    groups = rank_groups(t, p, d)
+    intra = {dim: within_node(groups[dim], hw.gpus_per_node) for dim in groups}
+    bandwidth = {dim: hw.intra_node_bw if intra[dim] else hw.inter_node_bw for dim in groups}
+    time = estimate_step_time(model, setup, hw, blocks, d, m, max(params), bandwidth)
+    flops = F.model_flops_per_step(setup.global_batch, s, l, h, V)
+    return {
+        "gpus": setup.gpus, "tp": t, "pp": p, "dp": d, "micro_batch": b, "global_batch": setup.global_batch,
+        "zero": setup.zero, "recompute": "full" if setup.recompute else "none",
+        "padded_vocab": F.padded_vocab_size(V, t, model.vocab_pad_multiple),
+        "params_total": F.params_exact(l, h, V, s), "params_formula": F.params_formula(l, h, V, s),
+        "blocks_per_stage": blocks, "layers_per_stage": max(blocks),
+        "microbatches_per_pipeline": m, "grad_accum_steps": m,
+        "bubble_fraction": F.bubble_fraction(p, m),
+        "params_per_stage": params, "params_per_device": max(params),
+        "memory_per_stage_bytes": memory, "memory_fullest_stage": fullest,
+        "memory_per_device_bytes": memory[fullest]["total"],
+        "model_flops_per_step": flops,
+        "model_flops_per_step_recompute": F.model_flops_per_step(setup.global_batch, s, l, h, V, True),
+        "comm_bytes_per_step": {
+            "tp": F.tp_allreduce_bytes_per_step(b, s, h, max(blocks), m, setup.recompute) if t > 1 else 0,
+            "pp": F.pp_p2p_bytes_per_step(b, s, h, m) if p > 1 else 0,
+            "dp": F.dp_allreduce_bytes_per_step(max(params)) if d > 1 else 0},
+        "groups": groups, "groups_within_node": intra,
+        "step_time_s": time["step"], "step_time_parts_s": time,
+        "mfu_estimate": F.mfu(flops, time["step"], hw.peak_flops, setup.gpus),
+    }
+
+
+def divisors(n: int) -> List[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def search(model: ModelDims, gpus: int, global_batch: int, zero: int, recompute: bool,
+           hw: Hardware) -> List[Dict[str, Any]]:
+    """Every valid (tp, pp, dp, micro-batch), fastest first; `fits` says whether it fits
+    hw.memory_bytes."""
+    found = []
+    for tp in divisors(gpus):
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if global_batch % dp != 0:
+                continue
+            for b in divisors(global_batch // dp):
+                try:
+                    plan = evaluate(model, Setup(gpus, tp, pp, b, global_batch, zero, recompute), hw)
+                except ConfigError:  # heads not divisible by tp, fewer layers than stages, ...
+                    continue
+                plan["fits"] = hw.memory_bytes is None or plan["memory_per_device_bytes"] <= hw.memory_bytes
+                found.append(plan)
+    found.sort(key=lambda r: (r["step_time_s"], r["memory_per_device_bytes"]))
+    return found
+
+
+def why(plan: Dict[str, Any]) -> str:
+    """The step-time shares besides compute, largest first, and the memory: why it ranks there."""
+    parts = plan["step_time_parts_s"]
+    shares = sorted(((parts[k] / parts["step"], k) for k in ("bubble", "tp", "pp", "dp")
+                     if parts[k] >= 0.005 * parts["step"]),
+                    reverse=True)
+    where = {k: "in node" if plan["groups_within_node"][k] else "across nodes" for k in ("tp", "pp", "dp")}
+    text = [f"{k} {share:.0%}" + ("" if k == "bubble" else f" {where[k]}") for share, k in shares]
+    text.append(f"{plan['memory_per_device_bytes'] / GIB:.0f} GiB")
+    return ", ".join(text) if shares else "no bubble or communication, " + text[-1]

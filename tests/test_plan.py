@@ -1,0 +1,193 @@
+"""launch/plan.py: the 128-GPU example, bad input, --search, --plot, the 1F1B simulation, and the
+per-rank parameter count it predicts against the modules our model builds on each TP rank."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.nn as nn
+
+from distributed import run_distributed
+from launch import formulas as F
+from launch.pipeline_chart import idle_fraction, simulate_1f1b
+from launch.plan import main
+from model.gpt import Block, GPTConfig, PositionEmbedding, TokenEmbedding
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = ["--layers", "72", "--hidden", "10240", "--heads", "80", "--seq-len", "2048", "--vocab", "51200",
+           "--gpus", "128", "--tp", "4", "--pp", "4", "--micro-batch", "8", "--global-batch", "256",
+           "--gpu-memory", "80"]
+SMALL = ["--layers", "8", "--hidden", "512", "--heads", "8", "--seq-len", "256", "--vocab", "1000"]
+CONFIG = GPTConfig(n_layer=5, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=4)
+
+
+def _json(out: str):
+    """The JSON line of main()'s output. Called in-process, DeepSpeed's first import may log its
+    accelerator probe to stdout first (the script sets DS_ACCELERATOR=cpu to skip the probe)."""
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_128_gpu_example_json():
+    proc = subprocess.run([sys.executable, "launch/plan.py", *EXAMPLE, "--json"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert (plan["dp"], plan["layers_per_stage"], plan["microbatches_per_pipeline"], plan["grad_accum_steps"]) \
+        == (8, 18, 4, 4)
+    assert plan["bubble_fraction"] == pytest.approx(3 / 7)
+    assert plan["params_per_device"] == F.stage_params_per_rank(72, 10240, 51200, 2048, 4, 4, 0)
+    assert plan["memory_per_device_bytes"] > 80 * 2 ** 30  # no recompute: over budget, and it says so
+    assert any("micro-batches per pipeline" in w for w in plan["warnings"])
+    assert any("exceeds --gpu-memory 80" in w and "--recompute full" in w for w in plan["warnings"])
+    assert plan["groups"]["tp"][0] == [0, 1, 2, 3] and plan["groups"]["pp"][0] == [0, 32, 64, 96]
+
+
+def test_text_report(capsys):
+    assert main(EXAMPLE) == 0
+    out = capsys.readouterr().out
+    for text in ["dp = 128 / (tp 4 * pp 4) = 8", "layers per stage: 18 blocks", "= 4 = gradient accumulation",
+                 "3/7 = 0.4286", "TP       4", "[0, 1, 2, 3], [4, 5, 6, 7], ...", "ZeRO-1", "full recompute",
+                 "model FLOPs per step", "warning: only 4 micro-batches"]:
+        assert text in out, text
+
+
+def test_warns_when_tp_leaves_the_node(capsys):
+    assert main(["--layers", "8", "--hidden", "512", "--heads", "16", "--gpus", "32", "--tp", "16",
+                 "--global-batch", "32", "--json"]) == 0
+    plan = _json(capsys.readouterr().out)
+    assert plan["groups_within_node"]["tp"] is False
+    assert any("span nodes of 8 GPUs" in w and "raise --pp" in w for w in plan["warnings"])
+
+
+BAD = [  # (argv, words the message must contain)
+    (["--gpus", "6", "--tp", "4"], ["--gpus 6", "tp*pp = 4*1 = 4"]),
+    (["--gpus", "12", "--tp", "3", *SMALL], ["n_head=8", "--tp 3"]),
+    (["--gpus", "16", "--pp", "16", *SMALL], ["n_layer=8", "16 pipeline stages"]),
+    (["--gpus", "16", "--micro-batch", "3", "--global-batch", "100", *SMALL], ["global_batch_size=100", "3*16 = 48"]),
+    (["--gpus", "8", "--hidden", "100", "--heads", "8"], ["n_embd=100", "n_head=8"]),
+    (["--gpus", "0"], ["--gpus 0"]),
+    (["--gpus", "8", "--heads", "0"], ["--heads 0", ">= 1"]),
+    (["--tp", "2"], ["--gpus"]),
+    (["--gpus", "8", "--zero", "2"], ["--zero", "invalid choice"]),
+    (["--gpus", "8", "--recipe", "recipes/nope.yaml"], ["recipes/nope.yaml", "not found"]),
+]
+
+
+@pytest.mark.parametrize("argv,words", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
+    for word in words:
+        assert word in captured.err, (word, captured.err)
+
+
+def test_bad_input_as_a_script_prints_no_traceback():
+    proc = subprocess.run([sys.executable, "launch/plan.py", "--gpus", "6", "--tp", "4"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_search_lists_every_valid_layout_fastest_first(capsys):
+    gpus, global_batch, heads, layers = 16, 64, 8, 8
+    assert main([*SMALL, "--gpus", str(gpus), "--global-batch", str(global_batch), "--gpu-memory", "1000",
+                 "--search", "--json", "--top", "1000"]) == 0
+    result = _json(capsys.readouterr().out)
+    plans = result["search"]
+    times = [p["step_time_s"] for p in plans]
+    assert times == sorted(times)
+    got = {(p["tp"], p["pp"], p["micro_batch"]) for p in plans}
+    want = {(tp, pp, b) for tp in range(1, gpus + 1) for pp in range(1, layers + 1) for b in range(1, global_batch + 1)
+            if gpus % (tp * pp) == 0 and heads % tp == 0 and global_batch % (b * gpus // (tp * pp)) == 0}
+    assert got == want and result["valid_layouts"] == result["fitting_layouts"] == len(want)
+    for p in plans:
+        assert p["tp"] * p["pp"] * p["dp"] == gpus
+
+
+def test_search_respects_the_memory_budget(capsys):
+    assert main([*SMALL, "--gpus", "16", "--global-batch", "64", "--gpu-memory", "0.3", "--search"]) == 0
+    out = capsys.readouterr().out
+    assert "valid layouts fit for 16 GPUs" in out and "why" in out
+    assert main([*SMALL, "--gpus", "16", "--global-batch", "64", "--gpu-memory", "0.3", "--search", "--json"]) == 0
+    result = _json(capsys.readouterr().out)
+    plans = result["search"]
+    assert len(plans) == 10 and result["fitting_layouts"] < result["valid_layouts"]
+    assert all(p["fits"] and p["memory_per_device_bytes"] <= 0.3 * 2 ** 30 for p in plans)
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+    path = tmp_path / "plan.png"
+    assert main([*SMALL, "--gpus", "16", "--tp", "2", "--pp", "4", "--micro-batch", "2", "--global-batch", "32",
+                 "--plot", str(path)]) == 0
+    assert f"wrote {path}" in capsys.readouterr().out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_recipe_gives_the_model(capsys):
+    assert main(["--recipe", "recipes/tiny.yaml", "--vocab", "4096", "--gpus", "8", "--tp", "2", "--pp", "2",
+                 "--json"]) == 0
+    plan = _json(capsys.readouterr().out)
+    assert plan["model"] == {"n_layer": 4, "n_embd": 64, "n_head": 4, "seq_len": 32, "vocab_size": 4096,
+                             "vocab_pad_multiple": 1}
+    assert (plan["dp"], plan["micro_batch"], plan["global_batch"], plan["zero"]) == (2, 2, 16, 1)
+
+
+@pytest.mark.parametrize("pp,m", [(1, 4), (2, 1), (4, 4), (4, 8), (8, 3), (3, 32)])
+def test_simulated_1f1b_bubble_matches_the_formula(pp, m):
+    events = simulate_1f1b(pp, m, 1.0, 2.0)
+    assert len(events) == 2 * pp * m
+    assert idle_fraction(events) == pytest.approx(F.bubble_fraction(pp, m))
+    assert max(e[4] for e in events) == pytest.approx((m + pp - 1) * 3.0)
+
+
+def test_formula_layer_list_is_model_pipe_layer_list():
+    from model.parallel_state import single_process_state
+    from model.pipe import layer_specs
+    kinds = {"TokenEmbedding": "embed", "PositionEmbedding": "wpe", "Block": "block", "LayerNorm": "ln_f"}
+    names = [kinds[spec.typename.__name__] for spec in layer_specs(CONFIG, single_process_state())]
+    assert names[:-1] + ["head"] == F.pipeline_layers(CONFIG.n_layer)
+
+
+def _build_stage(config: GPTConfig, tp_group, start: int, stop: int) -> nn.ModuleList:
+    """The modules of pipeline layers start:stop, as model/pipe.py's layer list builds them;
+    wte and the tied head are one module per stage (DeepSpeed's TiedLayerSpec key 'embed')."""
+    modules = {}
+    for index in range(start, stop):
+        if index in (0, config.n_layer + 3):
+            modules["embed"] = TokenEmbedding(config, tp_group)
+        elif index == 1:
+            modules["wpe"] = PositionEmbedding(config)
+        elif index == config.n_layer + 2:
+            modules["ln_f"] = nn.LayerNorm(config.n_embd)
+        else:
+            modules[f"block{index - 2}"] = Block(config, index - 2, tp_group)
+    return nn.ModuleList(modules.values())
+
+
+def _compare_stage_counts(config: GPTConfig, layouts) -> None:
+    """On each TP rank, for each (parts, expected) layout: every stage's parameter count equals
+    the planner's prediction."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp_group = dist.new_group(list(range(world))) if world > 1 else None  # model/ passes None at tp=1
+    for parts, expected in layouts:
+        for stage, want in enumerate(expected):
+            modules = _build_stage(config, tp_group, parts[stage], parts[stage + 1])
+            got = sum(p.numel() for p in modules.parameters())
+            assert got == want, (f"pp {len(expected)}, stage {stage}, tp rank {dist.get_rank() if world > 1 else 0}: "
+                                 f"built {got}, predicted {want}")
+
+
+@pytest.mark.parametrize("tp,pps", [(1, (1, 3)), (2, (1, 2)), (4, (2,))], ids=["tp1-pp1,3", "tp2-pp1,2", "tp4-pp2"])
+def test_per_rank_parameters_match_the_built_model(tp, pps):
+    c = CONFIG
+    layouts = [(F.stage_partition(c.n_layer, pp),
+                [F.stage_params_per_rank(c.n_layer, c.n_embd, c.vocab_size, c.seq_len, tp, pp, k, c.vocab_pad_multiple)
+                 for k in range(pp)]) for pp in pps]
+    if tp == 1:
+        _compare_stage_counts(c, layouts)  # no process group at tp=1, as in model/
+    else:
+        run_distributed(_compare_stage_counts, tp, c, layouts)
