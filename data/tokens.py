@@ -23,7 +23,7 @@ def tokenize_batch(texts: List[str], tokenizer: PreTrainedTokenizerBase) -> List
     """Token ids of each document followed by EOS; documents that tokenize to nothing are
     dropped (wikitext-style blank lines), not turned into a lone EOS."""
     eos = tokenizer.eos_token_id
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     return [doc + [eos] for doc in ids if doc]
 
 

@@ -28,15 +28,18 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
     if tp < 1 or pp < 1:
         raise ConfigError(f"--tp {tp} --pp {pp}: both must be >= 1")
     if world_size % (tp * pp) != 0:
-        hint = ""
         if on_cpu:
-            hint = (f"; on CPU the launcher starts one process per NUMA node unless told: run "
+            hint = (f"on CPU the launcher starts one process per NUMA node unless told: run "
                     f"`deepspeed --num_gpus {tp * pp} launch/train.py --tp {tp} --pp {pp} ...`")
-        raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}"
-                          f"{hint}")
+        else:
+            hint = f"start a multiple of {tp * pp} processes or choose --tp and --pp whose product divides {world_size}"
+        raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; {hint}")
     dp = world_size // (tp * pp)
 
     m, t = recipe.model, recipe.train
+    for key in ("n_layer", "n_head", "n_embd", "seq_len"):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be >= 1")
     if m.n_head % tp != 0:
         raise ConfigError(f"model.n_head={m.n_head} is not divisible by --tp {tp}; "
                           f"choose tp among the divisors of n_head")
@@ -51,9 +54,6 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
         raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 1 (or null for the tokenizer's)")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
-    for key in ("n_layer", "n_head", "n_embd", "seq_len"):
-        if getattr(m, key) < 1:
-            raise ConfigError(f"model.{key}={getattr(m, key)} must be >= 1")
 
     b, B = t.micro_batch_size, t.global_batch_size
     if b < 1 or B < 1:
@@ -65,9 +65,8 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
         raise ConfigError(f"train.steps={t.steps} (or --steps) must be >= 1")
     if t.precision not in PRECISIONS:
         raise ConfigError(f"train.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}")
-    if t.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"train.zero_stage={t.zero_stage} must be 0, 1, 2 or 3")
-    if t.zero_stage > 1 and pp > 1:
+    if t.zero_stage not in (0, 1):
+        # Every run, pp=1 included, trains through DeepSpeed's pipeline engine, which refuses 2 and 3.
         raise ConfigError(f"train.zero_stage={t.zero_stage} with --pp {pp}: DeepSpeed's pipeline engine "
                           f"supports ZeRO stage 0 or 1 only; set train.zero_stage=1")
     if t.zero_stage == 0 and t.precision == "fp32" and t.grad_clip > 0 and pp > 1:

@@ -18,6 +18,8 @@ CASES = [
     (8, ["--pp", "8"], ["n_layer=4", "8 pipeline stages"]),
     (2, ["--set", "train.global_batch_size=15"], ["global_batch_size=15", "2*2 = 4"]),
     (4, ["--pp", "2", "--set", "train.zero_stage=2"], ["zero_stage=2", "--pp 2"]),
+    (1, ["--set", "train.zero_stage=3"], ["zero_stage=3", "stage 0 or 1"]),
+    (1, ["--set", "model.n_head=0"], ["model.n_head=0", ">= 1"]),
     (2, ["--pp", "2", "--set", "train.zero_stage=0"], ["zero_stage=0", "grad_clip=0.5"]),
     (1, ["--set", "train.learning_rate=1e-3"], ["unknown recipe key train.learning_rate", "train.lr"]),
     (1, ["--set", "train.steps=ten"], ["train.steps='ten'", "expected int"]),

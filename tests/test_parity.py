@@ -57,6 +57,21 @@ def test_layout_matches_single_process(runs, layout):
         assert _rel(g["loss"], r["loss"]) <= RTOL, (layout, r["step"], g["loss"], r["loss"])
         assert _rel(g["grad_norm"], r["grad_norm"]) <= RTOL, (layout, r["step"], g["grad_norm"], r["grad_norm"])
         assert g["lr"] == r["lr"] and g["tokens"] == r["tokens"]
+        assert ("val_loss" in g) == ("val_loss" in r)
+        if "val_loss" in r:  # validation through eval_batch (tiny.yaml: every 2 steps and the last)
+            assert _rel(g["val_loss"], r["val_loss"]) <= RTOL, (layout, r["step"], g["val_loss"], r["val_loss"])
+
+
+def test_evaluation_does_not_change_training(runs, tmp_path):
+    proc = launch(1, ["--recipe", str(TINY), "--steps", str(STEPS), "--set", "train.eval_every=0",
+                      "--metrics-out", str(tmp_path / "m.jsonl")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    without = read_metrics(tmp_path / "m.jsonl")
+    with_eval = runs[REFERENCE]["metrics"]
+    assert [m["loss"] for m in without] == [m["loss"] for m in with_eval]
+    assert [m["grad_norm"] for m in without] == [m["grad_norm"] for m in with_eval]
+    assert not any("val_loss" in m for m in without)
+    assert [m["step"] for m in with_eval if "val_loss" in m] == [2, 4, 5]
 
 
 def test_role_map_names_groups_and_stages(runs):

@@ -1,0 +1,104 @@
+"""Data pipeline throughput against its peers, measured in the same run.
+
+1. Tokenization: `prepare_streams` (what `data/prepare.py` runs: datasets.map, EOS, packing,
+   the uint16 file) on a fresh cache, against plain `tokenizer(batch_of_texts)` on the same
+   documents. Target: pipeline time / raw time < 1.5.
+2. Loading: micro-batches per second the map-style loader delivers, against the micro-batches
+   per second the tiny model consumes (forward + backward of recipes/tiny.yaml's dense model).
+   Target: ratio >= 20.
+Alternating repetitions, median. `python bench/data_throughput.py [--repeats 3]`.
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import datasets  # noqa: E402
+import torch  # noqa: E402
+
+from data.builtin import builtin_corpus, load_tokenizer  # noqa: E402
+from data.pipeline import prepare_run_data  # noqa: E402
+from data.spec import DataSpec  # noqa: E402
+from launch.config import load_recipe  # noqa: E402
+from model.gpt import GPT  # noqa: E402
+from model.loss import vocab_parallel_cross_entropy  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def time_raw_tokenizer(tokenizer, texts, batch=1000) -> float:
+    start = time.perf_counter()
+    for i in range(0, len(texts), batch):
+        tokenizer(texts[i:i + batch])
+    return time.perf_counter() - start
+
+
+def time_pipeline(tokenizer) -> float:
+    import data.windows as windows_module
+    with tempfile.TemporaryDirectory() as tmp:
+        original = windows_module.default_cache_dir
+        windows_module.default_cache_dir = lambda: Path(tmp)  # a fresh data cache, same tokenizer
+        try:
+            start = time.perf_counter()
+            streams = windows_module.prepare_streams(DataSpec(name="builtin"), tokenizer)
+            assert streams.built_here
+            return time.perf_counter() - start
+        finally:
+            windows_module.default_cache_dir = original
+
+
+def loader_vs_model(repeats: int) -> tuple:
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", [])
+    tokenizer = load_tokenizer("builtin")
+    t = recipe.train
+    data = prepare_run_data(recipe.data, tokenizer, recipe.seq_len, t.seed, t.global_batch_size,
+                            t.micro_batch_size, evaluate=False)
+    model = GPT(recipe.gpt_config(len(tokenizer)))
+    batches = data.train_batches(0, 1)
+    n = 200
+    loader, consumer = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(n):
+            next(batches)
+        loader.append(n / (time.perf_counter() - start))
+        start = time.perf_counter()
+        for _ in range(20):
+            x, y = next(batches)
+            vocab_parallel_cross_entropy(model(x), y, None).mean().backward()
+        consumer.append(20 / (time.perf_counter() - start))
+    return statistics.median(loader), statistics.median(consumer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    datasets.disable_caching()  # else datasets.map reuses its own cache from the previous repeat
+    tokenizer = load_tokenizer("builtin")
+    texts = list(builtin_corpus()["text"])
+    n_tokens = sum(len(ids) + 1 for ids in tokenizer(texts)["input_ids"])
+    raw, pipe = [], []
+    for _ in range(args.repeats):  # alternate, so drift of the machine hits both
+        raw.append(time_raw_tokenizer(tokenizer, texts))
+        pipe.append(time_pipeline(tokenizer))
+    raw_s, pipe_s = statistics.median(raw), statistics.median(pipe)
+    print(f"tokenize {len(texts)} documents, {n_tokens:,} tokens (median of {args.repeats}):")
+    print(f"  raw tokenizer(batch)      {raw_s:7.3f} s  {n_tokens / raw_s:12,.0f} tok/s")
+    print(f"  data pipeline (prepare)   {pipe_s:7.3f} s  {n_tokens / pipe_s:12,.0f} tok/s")
+    print(f"  overhead ratio pipeline/raw = {pipe_s / raw_s:.2f}x (target < 1.5x)")
+    loader, consumer = loader_vs_model(args.repeats)
+    print(f"micro-batches of recipes/tiny.yaml (median of {args.repeats}):")
+    print(f"  loader delivers           {loader:10,.0f} batches/s")
+    print(f"  tiny model consumes       {consumer:10,.1f} batches/s (forward + backward)")
+    print(f"  ratio loader/model = {loader / consumer:.0f}x (target >= 20x)")
+
+
+if __name__ == "__main__":
+    main()
