@@ -72,6 +72,8 @@ class TrainSection:
     """Validation loss every this many steps and at the last step; 0 disables."""
     eval_batches: int = 10
     """Global batches of validation data per evaluation (the same ones every time)."""
+    dist_timeout_s: int = 600
+    """Collectives wait at most this long: if a rank dies, the others exit with an error."""
 
 
 @dataclass

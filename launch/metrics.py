@@ -1,8 +1,24 @@
-"""Per-step metrics on the logging rank: a JSON-lines file, the console and wandb."""
+"""Per-step metrics on the logging rank: a JSON-lines file, the console and wandb.
+
+Each step's record holds the loss, gradient norm, lr, loss scale, consumed samples and tokens,
+the throughput (tokens/s, model TFLOP/s per device, MFU) and the peak memory of the busiest
+rank. The FLOPs and the batch arithmetic come from launch/formulas.py, the same numbers the
+planner (launch/plan.py) predicts with, so a run can be held against its plan.
+"""
 import json
+import os
+import resource
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
+
+from launch import formulas as F
+from launch.config import ConfigError
+from launch.layout import Layout
+
+PEAK_TFLOPS_ENV = "GPT3D_PEAK_TFLOPS"
+"""Dense TFLOP/s per device that MFU divides by, for devices missing from formulas.PEAK_FLOPS_BF16."""
 
 
 def is_logging_rank(global_rank: int) -> bool:
@@ -13,32 +29,206 @@ def is_logging_rank(global_rank: int) -> bool:
     return global_rank == 0
 
 
+# ---------------------------------------------------------------- pure helpers
+
+def tflops_per_device(model_flops: float, step_time_s: float, world_size: int) -> float:
+    """Model TFLOP/s each device achieves: model FLOPs per step / (step time * devices) / 1e12."""
+    return model_flops / (step_time_s * world_size) / 1e12
+
+
+def peak_flops(device_name: Optional[str], override_tflops: Optional[str]) -> Tuple[Optional[float], str]:
+    """The peak FLOP/s per device that MFU divides by, and where that number comes from.
+
+    `device_name` is torch.cuda.get_device_name() (None on CPU); `override_tflops` the value of
+    GPT3D_PEAK_TFLOPS. No table entry and no override gives None: MFU is then reported as null
+    rather than against a guessed peak."""
+    if override_tflops:
+        try:
+            value = float(override_tflops)
+        except ValueError:
+            value = 0.0
+        if not value > 0:
+            raise ConfigError(f"{PEAK_TFLOPS_ENV}={override_tflops!r} must be a positive number of TFLOP/s")
+        return value * 1e12, f"{value:g} TFLOP/s from {PEAK_TFLOPS_ENV}"
+    if device_name is None:
+        return None, f"none on CPU (mfu is null; set {PEAK_TFLOPS_ENV} to compare against a peak)"
+    for gpu, flops in F.PEAK_FLOPS_BF16.items():
+        if gpu in device_name.upper():  # "NVIDIA H100 80GB HBM3" -> H100
+            return flops, f"{flops / 1e12:g} TFLOP/s ({gpu} dense bf16, device {device_name!r})"
+    return None, f"unknown device {device_name!r} (mfu is null; set {PEAK_TFLOPS_ENV})"
+
+
+def format_duration(seconds: float) -> str:
+    """A short clock for the ETA: 42s, 3m05s, 2h07m."""
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def eta_seconds(elapsed_s: float, step: int, total_steps: int) -> float:
+    """Remaining time at the mean wall time per step so far (evaluation and logging included)."""
+    return elapsed_s / step * (total_steps - step)
+
+
+# ---------------------------------------------------------------- the run's fixed numbers
+
+@dataclass(frozen=True)
+class RunArithmetic:
+    """Numbers fixed for the whole run: what the per-step metrics divide by, and the summary."""
+    params: int
+    """Model parameters (formulas.params_exact: unpadded vocabulary, tied embedding once)."""
+    layout: Layout
+    seq_len: int
+    """Tokens per sample."""
+    total_steps: int
+    tokens_per_step: int
+    model_flops_per_step: float
+    """formulas.model_flops_per_step without recompute: what MFU counts."""
+    bubble_fraction: float
+    """Predicted 1F1B bubble, (p-1)/(m+p-1)."""
+    peak_flops: Optional[float]
+    """Per device; None where unknown (CPU): MFU is then null."""
+    peak_source: str
+
+    def summary(self) -> str:
+        l, p, m = self.layout, self.layout.pp, self.layout.grad_accum_steps
+        return (f"summary: {self.params:,} parameters; world {l.world_size} = tp {l.tp} x pp {p} x dp {l.dp}\n"
+                f"  per step: {m} micro-batches of {l.micro_batch_size} per pipeline x dp {l.dp} = "
+                f"{l.global_batch_size} samples = {self.tokens_per_step:,} tokens; {self.total_steps} steps\n"
+                f"  1F1B bubble predicted (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {self.bubble_fraction:.1%}\n"
+                f"  model FLOPs per step {self.model_flops_per_step:.4g} (no recompute); "
+                f"MFU peak per device: {self.peak_source}")
+
+
+def accelerator_device_name() -> Optional[str]:
+    """torch.cuda.get_device_name() on CUDA, None elsewhere (CPU runs have no peak table)."""
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cuda":
+        return None
+    import torch
+    return torch.cuda.get_device_name()
+
+
+def run_arithmetic(config, layout: Layout, seq_len: int, total_steps: int) -> RunArithmetic:
+    """From the model's GPTConfig, the layout, tokens per sample and steps (reads the device
+    name and GPT3D_PEAK_TFLOPS for the MFU peak)."""
+    peak, source = peak_flops(accelerator_device_name(), os.environ.get(PEAK_TFLOPS_ENV))
+    return RunArithmetic(
+        params=F.params_exact(config.n_layer, config.n_embd, config.vocab_size, config.seq_len),
+        layout=layout, seq_len=seq_len, total_steps=total_steps,
+        tokens_per_step=layout.global_batch_size * seq_len,
+        model_flops_per_step=F.model_flops_per_step(layout.global_batch_size, seq_len, config.n_layer,
+                                                    config.n_embd, config.vocab_size),
+        bubble_fraction=F.bubble_fraction(layout.pp, layout.grad_accum_steps),
+        peak_flops=peak, peak_source=source)
+
+
+# ---------------------------------------------------------------- read on every rank
+
+def loss_scale(engine) -> float:
+    """The fp16 dynamic loss scale now; 1.0 for fp32 and bf16, which scale nothing.
+
+    `_get_optimizer_loss_scale` is how DeepSpeed 0.19.8's own PipelineEngine reads it: it covers
+    both the ZeRO optimizer (`cur_scale`) and FP16_Optimizer (`loss_scale_config.cur_scale`)."""
+    return float(engine._get_optimizer_loss_scale()) if engine.fp16_enabled() else 1.0
+
+
+def local_peak_memory_bytes() -> int:
+    """This process's peak: allocated device memory on an accelerator, peak RSS on CPU."""
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() == "cpu":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return int(get_accelerator().max_memory_allocated())
+
+
+def peak_memory_bytes() -> int:
+    """The largest per-rank peak over all ranks: one MAX all-reduce, so every rank must call it."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+    peak = torch.tensor([local_peak_memory_bytes()], dtype=torch.int64,
+                        device=get_accelerator().current_device_name())
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
+
+
+# ---------------------------------------------------------------- the logger
+
+def earlier_records(path: Path, last_step: int) -> List[str]:
+    """The lines of an earlier run's metrics file up to `last_step`: the steps a resumed run
+    does not repeat. Later steps (trained after the checkpoint) and a torn last line are dropped."""
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    return kept
+
+
 class MetricsLogger:
+    """Prints the run's summary once, then one record per step to the file, wandb and console.
+
+    Adds to each record: tflops_per_device and mfu (from `step_time_s`), elapsed_s."""
+
     def __init__(self, metrics_out: Optional[Path], wandb_mode: str, wandb_project: str,
-                 wandb_name: Optional[str], run_config: Dict[str, Any]):
+                 wandb_name: Optional[str], run_config: Dict[str, Any], run: RunArithmetic,
+                 resume_after_step: Optional[int] = None):
+        """`resume_after_step`: a resumed run's checkpoint step; the metrics file keeps its
+        records up to that step and continues after them."""
+        self.run = run
+        self.steps_before = resume_after_step or 0  # the ETA counts this process's steps only
+        print(run.summary(), flush=True)
         self.file = None
         if metrics_out is not None:
             metrics_out.parent.mkdir(parents=True, exist_ok=True)
+            kept = earlier_records(metrics_out, resume_after_step) if resume_after_step is not None else []
             self.file = open(metrics_out, "w")
+            self.file.writelines(line + "\n" for line in kept)
         self.wandb_run = None
         if wandb_mode != "disabled":
             import wandb
+            arithmetic = {k: v for k, v in asdict(run).items() if k != "layout"}
             self.wandb_run = wandb.init(project=wandb_project, name=wandb_name, mode=wandb_mode,
-                                        config=run_config)
+                                        config=dict(run_config, arithmetic=arithmetic))
         self.start = time.perf_counter()
 
     def log(self, record: Dict[str, Any]) -> None:
-        record = dict(record, elapsed_s=round(time.perf_counter() - self.start, 4))
+        tflops = tflops_per_device(self.run.model_flops_per_step, record["step_time_s"], self.run.layout.world_size)
+        mfu = tflops * 1e12 / self.run.peak_flops if self.run.peak_flops else None
+        record = dict(record, tflops_per_device=tflops, mfu=mfu,
+                      elapsed_s=round(time.perf_counter() - self.start, 4))
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-        line = (f"step {record['step']:>5} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.4f} | "
-                f"lr {record['lr']:.3e} | {record['tokens_per_s']:.0f} tok/s")
+        if self.wandb_run is not None:  # wandb charts numbers; a null MFU is left out
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None},
+                               step=record["step"])
+        print(self.progress_line(record), flush=True)
+
+    def progress_line(self, record: Dict[str, Any]) -> str:
+        """One plain line per step (logs go to files on clusters: no redrawn bars)."""
+        step, total = record["step"], self.run.total_steps
+        parts: List[str] = [
+            f"step {step:>{len(str(total))}}/{total}", f"loss {record['loss']:.4f}",
+            f"grad_norm {record['grad_norm']:.4f}", f"lr {record['lr']:.3e}",
+            f"{record['tokens_per_s']:.0f} tok/s", f"{record['tflops_per_device']:.3g} TFLOP/s/dev"]
+        if record["mfu"] is not None:
+            parts.append(f"mfu {record['mfu']:.1%}")
+        parts.append(f"mem {record['peak_memory_bytes'] / 2 ** 30:.2f} GiB")
+        if record["loss_scale"] != 1.0:
+            parts.append(f"scale {record['loss_scale']:g}")
         if "val_loss" in record:
-            line += f" | val_loss {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})"
-        print(line, flush=True)
+            parts.append(f"val_loss {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})")
+        eta = eta_seconds(record["elapsed_s"], step - self.steps_before, total - self.steps_before)
+        parts.append(f"eta {format_duration(eta)}")
+        return " | ".join(parts)
 
     def close(self) -> None:
         if self.file is not None:

@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -38,8 +39,21 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="override a recipe field, e.g. --set train.lr=3e-4 (repeatable)")
     p.add_argument("--metrics-out", type=Path, help="JSON lines, one per optimizer step")
     p.add_argument("--wandb", choices=["online", "offline", "disabled"], help="overrides wandb.mode")
+    p.add_argument("--save", type=Path, help="save checkpoints under this directory")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="save every N steps (and always at the end, or when signalled)")
+    p.add_argument("--keep-last", type=int, default=0, metavar="K", help="keep only the K newest checkpoints")
+    p.add_argument("--load", type=Path, help="resume: a save directory (its latest complete checkpoint) or one "
+                   "checkpoint directory; --steps stays the run's total")
+    p.add_argument("--timeline", type=Path, metavar="FILE.png",
+                   help="draw the measured 1F1B schedule (per-stage forward/backward times) of a few steps")
+    p.add_argument("--timeline-steps", type=int, default=3, metavar="N",
+                   help="steps --timeline records, after one warm-up step (default: %(default)s)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.timeline_steps < 1:
+        p.error(f"--timeline-steps {args.timeline_steps} must be >= 1")
+    return args
 
 
 def resolve_recipe(args: argparse.Namespace) -> Recipe:
@@ -98,53 +112,95 @@ def evaluate(engine, data, state, layout: Layout, eval_batches: int) -> float:
     return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n)) / n
 
 
-def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_size: int) -> None:
+def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_size: int,
+          resume_from=None) -> None:
     import deepspeed
     import torch
     from deepspeed.accelerator import get_accelerator
 
+    from launch import checkpoint
     from launch.ds_config import deepspeed_config
-    from launch.metrics import MetricsLogger, is_logging_rank
+    from launch.metrics import MetricsLogger, is_logging_rank, loss_scale, peak_memory_bytes, run_arithmetic
+    from launch.preemption import StopRequest
     from launch.schedule import warmup_cosine
     from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline, stage_contents
 
+    t = recipe.train
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))  # before NCCL picks a device
-    deepspeed.init_distributed()
+    # A bounded wait: if a rank dies, the others fail their next collective instead of hanging.
+    deepspeed.init_distributed(timeout=timedelta(seconds=t.dist_timeout_s))
     state = init_parallel_state(layout.tp, layout.pp)
     logging_rank = is_logging_rank(state.global_rank)
 
     config = recipe.gpt_config(vocab_size)
-    pipe = build_pipeline(config, state, recipe.train.activation_checkpoint_interval)
+    pipe = build_pipeline(config, state, t.activation_checkpoint_interval)
     if logging_rank:
         print_role_map(layout, state, stage_contents(pipe, config), recipe.seq_len)
-    t = recipe.train
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, model_parameters=param_groups(pipe), config=deepspeed_config(recipe, layout),
         lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
+    timeline = None
+    if args.timeline is not None:
+        from launch.timeline import install_timeline_recorder
+        timeline = install_timeline_recorder(engine, args.timeline_steps, t.steps,
+                                             one_per_stage=state.tp_rank == 0 and state.dp_rank == 0)
 
-    batches = data.train_batches(state.dp_rank, layout.dp)
+    saved_recipe = resolved_recipe_dict(recipe, vocab_size)
+    first_step, samples = 1, 0
+    if resume_from is not None:
+        client_state = checkpoint.load(engine, resume_from)
+        first_step, samples = client_state["step"] + 1, client_state["samples"]
+        if logging_rank:
+            print(f"resumed from {resume_from.path} at step {client_state['step']} "
+                  f"({samples} samples consumed)", flush=True)
+    batches = data.train_batches(state.dp_rank, layout.dp, start_sample=samples)
     tokens_per_step = layout.global_batch_size * recipe.seq_len
+    stop = StopRequest(get_accelerator().device_name())
     metrics = None
     if logging_rank:
         metrics = MetricsLogger(args.metrics_out, recipe.wandb.mode, recipe.wandb.project,
-                                recipe.wandb.name, dict(recipe.to_dict(), layout=vars(layout)))
-    for step in range(1, t.steps + 1):
+                                recipe.wandb.name, dict(recipe.to_dict(), layout=vars(layout)),
+                                run_arithmetic(config, layout, recipe.seq_len, t.steps),
+                                resume_after_step=first_step - 1 if resume_from is not None else None)
+    for step in range(first_step, t.steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=batches)
         seconds = time.perf_counter() - start
-        record = {"step": step, "loss": loss.item(), "grad_norm": float(engine.get_global_grad_norm()),
-                  "lr": lr, "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / seconds}
+        samples += layout.global_batch_size
+        record = {"step": step, "samples": samples, "loss": loss.item(),
+                  "grad_norm": float(engine.get_global_grad_norm()), "lr": lr, "loss_scale": loss_scale(engine),
+                  "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
+                  "peak_memory_bytes": peak_memory_bytes()}  # a MAX all-reduce: every rank calls it
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             val_loss = evaluate(engine, data, state, layout, t.eval_batches)
             record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
         if metrics is not None:
             metrics.log(record)
+        stopping = stop.agreed()
+        if args.save and (stopping or step == t.steps or (args.save_every and step % args.save_every == 0)):
+            path = checkpoint.save(engine, args.save, step, samples, saved_recipe, vars(layout),
+                                   args.keep_last, is_writer=logging_rank)
+            if logging_rank:
+                print(f"saved {path}", flush=True)
+        if stopping:
+            if logging_rank:
+                print(f"stopped by signal after step {step}", flush=True)
+            break
+    if timeline is not None:
+        timeline.draw(args.timeline, logging_rank)  # collective: every rank gathers
     if metrics is not None:
         metrics.close()
+
+
+def resolved_recipe_dict(recipe: Recipe, vocab_size: int) -> dict:
+    """The recipe as trained: the vocabulary resolved from the tokenizer."""
+    resolved = recipe.to_dict()
+    resolved["model"]["vocab_size"] = vocab_size
+    return resolved
 
 
 def load_checked_tokenizer(recipe: Recipe):
@@ -175,13 +231,43 @@ def main(argv: Optional[List[str]] = None) -> int:
         recipe = resolve_recipe(args)
         ensure_single_process_env()
         layout = derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
+        if args.save_every < 0 or args.keep_last < 0:
+            raise ConfigError(f"--save-every {args.save_every} and --keep-last {args.keep_last} must be >= 0")
+        if (args.save_every or args.keep_last) and args.save is None:
+            raise ConfigError("--save-every and --keep-last need --save DIR")
+        resume_from = None
+        if args.load is not None:
+            from launch.checkpoint import check_compatible, find_checkpoint
+            resume_from = find_checkpoint(args.load)
         data, vocab_size = prepare(recipe, layout)
+        if resume_from is not None:
+            check_compatible(resume_from, resolved_recipe_dict(recipe, vocab_size), vars(layout))
+            if resume_from.meta["step"] >= recipe.train.steps:
+                raise ConfigError(f"checkpoint {resume_from.path} is at step {resume_from.meta['step']}, "
+                                  f"not before --steps {recipe.train.steps}: nothing to train")
     except (ConfigError, DataError) as e:
         if os.environ.get("RANK", "0") == "0":  # one line for the whole job, not one per rank
             print(f"error: {e}", file=sys.stderr)
         return 2
-    train(args, recipe, layout, data, vocab_size)
+    try:
+        train(args, recipe, layout, data, vocab_size, resume_from)
+    except RuntimeError as e:
+        if not is_communication_failure(e):
+            raise
+        # A peer died or a collective timed out: say so and leave at once; a normal interpreter
+        # exit would wait on the broken process group.
+        print(f"error: rank {os.environ.get('RANK')}: a collective failed ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:300]}); another rank probably died, see its log",
+              file=sys.stderr, flush=True)
+        os._exit(1)
     return 0
+
+
+def is_communication_failure(error: RuntimeError) -> bool:
+    """torch raises DistError subclasses for NCCL/timeouts, but gloo's p2p failures arrive as a
+    plain RuntimeError whose message names gloo."""
+    import torch.distributed as dist
+    return isinstance(error, dist.DistError) or "gloo" in str(error) or "NCCL" in str(error)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+"""SIGTERM / SIGINT: finish the current step, save, exit 0; a second signal exits at once.
+
+Ranks receive signals at different times, or not at all (DeepSpeed's launcher forwards a
+SIGTERM to its children one after the other; SLURM signals every task). So each step the
+ranks agree with one MAX all-reduce of their flags: if any rank was signalled, all stop
+after the same step and save together.
+"""
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequest:
+    def __init__(self, device: str):
+        self.device = device
+        self.signalled = False
+        for sig in SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signalled:  # the second signal: no checkpoint, no clean-up
+            os._exit(128 + signum)
+        self.signalled = True
+        print(f"rank {dist.get_rank()}: {signal.Signals(signum).name} received; saving after this step "
+              f"(send it again to exit at once)", flush=True)
+
+    def agreed(self) -> bool:
+        """True on every rank once any rank was signalled (a collective: all ranks call it)."""
+        flag = torch.tensor([1.0 if self.signalled else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

@@ -1,0 +1,129 @@
+"""The measured pipeline: per-stage forward and backward times of a few training steps, drawn as
+launch/pipeline_chart.py's 1F1B chart with the measured bubble next to the predicted one.
+
+`install_timeline_recorder(engine, ...)` wraps the DeepSpeed PipelineEngine's ForwardPass and
+BackwardPass handlers (its `_INSTRUCTION_MAP`, which `_exec_schedule` looks up on the engine)
+with a timer, on this engine only. `.draw(path, ...)` gathers the times and draws; every rank
+must call it (it is a collective).
+
+Clocks: each rank times with its own time.perf_counter, relative to its own step start. A barrier
+right before each recorded step lets the ranks start it together, so the stages' times line up
+to within the barrier's exit skew (microseconds on one host, more across nodes): an
+approximation, no clock synchronisation.
+"""
+import functools
+import time
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+from launch import formulas as F
+from launch.pipeline_chart import Event, draw_schedule, idle_fraction
+
+import matplotlib.pyplot as plt  # after pipeline_chart chose the file backend
+
+
+def measured_bubble(steps: Sequence[Sequence[Event]]) -> float:
+    """1 - (busy time summed over stages) / (stages * span), averaged over steps; the span runs
+    from the first forward to the last backward, so the optimizer step after it is not bubble."""
+    return sum(idle_fraction(events) for events in steps) / len(steps)
+
+
+class TimelineRecorder:
+    """Times the forward and backward passes of `steps` training steps from `first_step` on."""
+
+    def __init__(self, engine, first_step: int, steps: int, one_per_stage: bool):
+        self.engine = engine
+        self.first_step, self.last_step = first_step, first_step + steps - 1
+        self.one_per_stage = one_per_stage  # this rank speaks for its stage in the chart
+        self.steps: List[List[Event]] = []  # per recorded step: this stage's events
+        self.step = 0
+        self.recording = False
+        self.step_start = 0.0
+        self.count = {"F": 0, "B": 0}
+
+    def timed(self, kind: str, handler: Callable) -> Callable:
+        """`handler` (an unbound `_exec_forward_pass` / `_exec_backward_pass`) with a timer."""
+        from deepspeed.accelerator import get_accelerator
+
+        @functools.wraps(handler)
+        def run(engine, **kwargs) -> None:  # called as `_exec_schedule` does: (buffer_id=...)
+            if not self.recording:
+                return handler(engine, **kwargs)
+            get_accelerator().synchronize()  # GPU kernels run asynchronously: time them, not their launch
+            start = time.perf_counter()
+            handler(engine, **kwargs)
+            get_accelerator().synchronize()
+            end = time.perf_counter()
+            # 1F1B runs the forwards in micro-batch order, and the backwards too: the n-th is micro-batch n.
+            micro = self.count[kind]
+            self.count[kind] += 1
+            self.steps[-1].append((engine.stage_id, kind, micro, start - self.step_start, end - self.step_start))
+        return run
+
+    def train_batch(self, original: Callable) -> Callable:
+        """`engine.train_batch` that switches the timers on for the recorded steps only."""
+        import torch.distributed as dist
+        from deepspeed.accelerator import get_accelerator
+
+        @functools.wraps(original)
+        def run(*args, **kwargs):
+            self.step += 1
+            self.recording = self.first_step <= self.step <= self.last_step
+            if self.recording:
+                dist.barrier()  # the common step start of the clock approximation (module docstring)
+                get_accelerator().synchronize()
+                self.steps.append([])
+                self.count = {"F": 0, "B": 0}
+                self.step_start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.recording = False
+        return run
+
+    def draw(self, path: Path, logging_rank: bool) -> Optional[float]:
+        """Gather every stage's events (collective: all ranks call it); the logging rank draws
+        the chart to `path`, prints the measured and predicted bubble and returns the measured one."""
+        import torch.distributed as dist
+        gathered: List[Optional[List[List[Event]]]] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.steps if self.one_per_stage else None)
+        if not logging_rank:
+            return None
+        if not self.steps:  # e.g. a resumed run with fewer steps left than the warm-up
+            print(f"timeline: no step recorded (steps {self.first_step}-{self.last_step} never ran); "
+                  f"no chart written", flush=True)
+            return None
+        per_rank = [steps for steps in gathered if steps is not None]
+        steps = [sorted(sum((r[i] for r in per_rank), []), key=lambda e: (e[0], e[3]))
+                 for i in range(len(self.steps))]
+        p, m = self.engine.num_stages, self.engine.micro_batches
+        predicted = F.bubble_fraction(p, m)
+        measured = measured_bubble(steps)
+        numbers = (f"bubble measured {measured:.1%} (mean of steps {self.first_step}-"
+                   f"{self.first_step + len(steps) - 1}) vs predicted {predicted:.1%} = (p-1)/(m+p-1) "
+                   f"with p={p}, m={m}")
+        fig, axes = plt.subplots(len(steps), 1, squeeze=False, figsize=(12, len(steps) * (1.2 + 0.5 * p)))
+        for i, (ax, events) in enumerate(zip(axes[:, 0], steps)):
+            draw_schedule(ax, events, f"step {self.first_step + i}: bubble {idle_fraction(events):.1%}")
+        fig.suptitle(f"measured 1F1B schedule: {numbers}", fontsize=10)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        print(f"timeline: {numbers}; chart in {path}", flush=True)
+        return measured
+
+
+def install_timeline_recorder(engine, steps: int, total_steps: int, one_per_stage: bool) -> TimelineRecorder:
+    """Time `steps` steps of `engine` (a PipelineEngine) after one warm-up step (none when the
+    run has a single step). `one_per_stage`: this rank is the one whose times stand for its
+    stage (the first TP and DP coordinate); every rank times, so all see the same barriers."""
+    from deepspeed.runtime.pipe import schedule
+    first_step = 2 if total_steps > 1 else 1
+    recorder = TimelineRecorder(engine, first_step, steps, one_per_stage)
+    handlers = dict(type(engine)._INSTRUCTION_MAP)
+    handlers[schedule.ForwardPass] = recorder.timed("F", handlers[schedule.ForwardPass])
+    handlers[schedule.BackwardPass] = recorder.timed("B", handlers[schedule.BackwardPass])
+    engine._INSTRUCTION_MAP = handlers  # an instance attribute: other engines keep the class's map
+    engine.train_batch = recorder.train_batch(engine.train_batch)
+    return recorder

@@ -1,0 +1,173 @@
+"""Checkpoints: bitwise resume, crash safety under a real kill, SIGTERM preemption, a dead
+rank, and clear errors for bad checkpoints. All on CPU, through DeepSpeed's launcher."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from distributed import free_port
+from launcher import REPO, TINY, deepspeed_cli, launch, read_metrics
+from launch.train import main
+
+
+def _train(n, tmp_path, name, extra, check=True):
+    out = tmp_path / f"{name}.jsonl"
+    proc = launch(n, ["--recipe", str(TINY), "--metrics-out", str(out)] + extra)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, out
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), (2, 2, 2)], ids=["tp1-pp1-dp1", "tp2-pp2-dp2"])
+def test_resume_continues_bitwise(tmp_path, tp, pp, dp):
+    """Stop after step 3, resume with the same --steps: steps 4-5 are bit-identical to the
+    uninterrupted run, and the metrics file continues from step 4."""
+    layout = ["--tp", str(tp), "--pp", str(pp)]
+    _, full = _train(tp * pp * dp, tmp_path, "full", layout + ["--save", str(tmp_path / "ck"), "--save-every", "3"])
+    resumed = tmp_path / "resumed.jsonl"
+    resumed.write_text(full.read_text())  # the interrupted run's file, steps 4-5 included
+    proc = launch(tp * pp * dp, ["--recipe", str(TINY), "--metrics-out", str(resumed), "--load",
+                                 str(tmp_path / "ck" / "step00000003")] + layout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "at step 3 (48 samples consumed)" in proc.stdout
+    a, b = read_metrics(full), read_metrics(resumed)
+    assert [m["step"] for m in b] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        assert (x["loss"], x["grad_norm"], x["lr"], x.get("val_loss")) == (y["loss"], y["grad_norm"], y["lr"], y.get("val_loss"))
+
+
+def _training_pids(launcher: subprocess.Popen):
+    """The launch/train.py ranks under a DeepSpeed launcher (the launcher passes each its
+    --local_rank; the launcher processes carry the script path too), in rank order."""
+    def local_rank(p):
+        args = [a for a in p.cmdline() if a.startswith("--local_rank=")]
+        return int(args[0].split("=")[1]) if args else None
+    ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True) if local_rank(p) is not None]
+    return sorted(ranks, key=local_rank)
+
+
+def _start(n, args):
+    cmd = [deepspeed_cli(), "--num_gpus", str(n), "--master_port", str(free_port()),
+           str(REPO / "launch" / "train.py"), "--recipe", str(TINY)] + args
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(predicate, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_kill_during_save_keeps_latest_complete(tmp_path):
+    """SIGKILL every rank while a checkpoint is being written: `latest` still names a complete
+    checkpoint, and --load resumes from it."""
+    ck = tmp_path / "ck"
+    job = _start(2, ["--pp", "2", "--steps", "100", "--save", str(ck), "--save-every", "1"])
+
+    def saving_now():
+        if not (ck / "latest").exists():
+            return False
+        partial = [d for d in ck.glob("step*") if not (d / "complete.json").exists()]
+        return bool(partial)
+    assert _wait_for(saving_now), job.communicate()[0][-3000:]
+    for p in _training_pids(job):
+        p.kill()
+    job.wait(timeout=120)
+    latest = (ck / "latest").read_text()
+    assert (ck / latest / "complete.json").exists()
+    incomplete = [d.name for d in ck.glob("step*") if not (d / "complete.json").exists()]
+    assert incomplete and all(name > latest for name in incomplete)  # the interrupted save
+    step = int(latest[len("step"):])
+    _train(2, tmp_path, "after", ["--pp", "2", "--steps", str(step + 1), "--load", str(ck)])
+
+
+def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
+    """SIGTERM to one rank: every rank finishes the step, saves together, exits 0."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    job = _start(2, ["--pp", "2", "--steps", "1000", "--save", str(ck), "--metrics-out", str(metrics)])
+    assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
+    _training_pids(job)[0].send_signal(signal.SIGTERM)
+    out, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, out[-3000:]
+    assert "SIGTERM received" in out and "stopped by signal after step" in out
+    steps = [m["step"] for m in read_metrics(metrics)]
+    latest = (ck / "latest").read_text()
+    assert latest == f"step{steps[-1]:08d}" and (ck / latest / "complete.json").exists()
+    _train(2, tmp_path, "m", ["--pp", "2", "--steps", str(steps[-1] + 2), "--load", str(ck)])
+    assert [m["step"] for m in read_metrics(metrics)] == list(range(1, steps[-1] + 3))
+
+
+def test_second_signal_exits_at_once(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    job = _start(1, ["--steps", "1000", "--set", "train.global_batch_size=512", "--save", str(tmp_path / "ck"),
+                     "--metrics-out", str(metrics)])
+    assert _wait_for(lambda: metrics.exists() and metrics.read_text().strip())
+    rank0 = _training_pids(job)[0]
+    rank0.send_signal(signal.SIGTERM)
+    time.sleep(1.0)  # two signals in a row coalesce into one Python-level handler call
+    rank0.send_signal(signal.SIGTERM)
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped by signal" not in out
+
+
+def test_dead_rank_makes_the_others_exit_with_an_error(tmp_path):
+    """Without a launcher to clean up (as on another node), a killed rank makes the survivor
+    fail its next collective with a clear error instead of hanging."""
+    port, metrics = free_port(), tmp_path / "m.jsonl"
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "launch/train.py", "--recipe", str(TINY), "--pp", "2",
+                                       "--steps", "1000", "--set", "train.dist_timeout_s=60",
+                                       "--metrics-out", str(metrics)],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
+    procs[1].kill()
+    start = time.time()
+    _, err = procs[0].communicate(timeout=120)
+    assert procs[0].returncode == 1 and time.time() - start < 90
+    assert "error: rank 0: a collective failed" in err and "another rank probably died" in err
+
+
+def _make_checkpoint(tmp_path):
+    _train(1, tmp_path, "base", ["--steps", "2", "--save", str(tmp_path / "ck")])
+    return tmp_path / "ck"
+
+
+def test_bad_checkpoints_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    ck = _make_checkpoint(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cases = [
+        (["--load", str(tmp_path / "nope")], ["no such directory"]),
+        (["--load", str(tmp_path / "empty")], ["is empty"]),
+        (["--load", str(tmp_path / "other")], ["no complete checkpoint"]),
+        (["--load", str(ck), "--set", "model.n_embd=32"], ["model.n_embd=64", "32"]),
+        (["--load", str(ck), "--steps", "2"], ["step 2", "nothing to train"]),
+        (["--save-every", "2"], ["need --save"]),
+    ]
+    for argv, words in cases:
+        assert main(["--recipe", str(TINY), "--steps", "4"] + argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), (argv, err)
+    layer = next((ck / "step00000002").glob("layer_02-*"))
+    layer.write_bytes(layer.read_bytes()[:100])  # truncated, as by a full disk
+    assert main(["--recipe", str(TINY), "--steps", "4", "--load", str(ck)]) == 2
+    err = capsys.readouterr().err
+    assert "is damaged" in err and layer.name in err
+    meta = json.loads((ck / "step00000002" / "complete.json").read_text())
+    assert meta["step"] == 2 and meta["recipe"]["model"]["vocab_size"] == 4096
