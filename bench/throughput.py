@@ -1,0 +1,147 @@
+"""Training tokens/s of our model through the real training path against transformers' GPT-2.
+
+Ours: model/pipe.py's PipelineModule at tp=pp=dp=1 in a DeepSpeed engine configured by
+launch/ds_config.py (AdamW, ZeRO-1, clipping, the recipe's precision) and `train_batch`.
+Peer: `GPT2LMHeadModel` of the same dimensions in a plain PyTorch loop: torch AdamW with the
+same hyper-parameters and weight-decay groups, the same clipping, batch and sequence length;
+bf16 runs it under autocast with fp32 weights (DeepSpeed keeps fp32 master weights too).
+Same random token batches, alternating repetitions, median. Runs on the GPU when one is present.
+
+    python bench/throughput.py [--layers 4 --hidden 256 --heads 4 --seq-len 256 --batch 8]
+                               [--steps 5 --repeats 3] [--precisions fp32,bf16] [--json]
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+VOCAB = 4096
+
+
+def single_process_env() -> None:
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def recipe_for(args, precision: str):
+    from launch.config import Recipe
+    recipe = Recipe()
+    m, t = recipe.model, recipe.train
+    m.n_layer, m.n_head, m.n_embd, m.seq_len, m.vocab_size = args.layers, args.heads, args.hidden, args.seq_len, VOCAB
+    t.micro_batch_size = t.global_batch_size = args.batch
+    t.precision, t.zero_stage, t.grad_clip, t.warmup_steps = precision, 1, 1.0, 0
+    t.steps = args.steps * (args.repeats + 1) + 1
+    return recipe
+
+
+def batches(args, device: str):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (args.batch, args.seq_len + 1), generator=g)
+    while True:
+        yield tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def our_stepper(args, precision: str):
+    import deepspeed
+    from launch.ds_config import deepspeed_config
+    from launch.layout import derive_layout
+    from launch.schedule import warmup_cosine
+    from launch.train import param_groups
+    from model.parallel_state import init_parallel_state
+    from model.pipe import build_pipeline
+
+    recipe = recipe_for(args, precision)
+    layout = derive_layout(recipe, 1, 1, 1, on_cpu=True)
+    pipe = build_pipeline(recipe.gpt_config(VOCAB), init_parallel_state(1, 1))
+    t = recipe.train
+    engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=param_groups(pipe),
+                                           config=deepspeed_config(recipe, layout),
+                                           lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
+    data = batches(args, "cpu")  # the engine moves each micro-batch to its device
+    return lambda: engine.train_batch(data_iter=data).item()
+
+
+def peer_stepper(args, precision: str, device: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    t = recipe_for(args, precision).train
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=args.seq_len, n_embd=args.hidden,
+                                       n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0)).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+    data = batches(args, device)
+    device_type = torch.device(device).type
+
+    def step() -> float:
+        x, y = next(data)
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = torch.nn.functional.cross_entropy(model(x).logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def tokens_per_s(step, args) -> float:
+    from deepspeed.accelerator import get_accelerator
+    get_accelerator().synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()  # .item() inside: each step has finished on the device
+    return args.steps * args.batch * args.seq_len / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
+    args = p.parse_args()
+
+    single_process_env()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    deepspeed.init_distributed(verbose=False)
+    device = get_accelerator().device_name(0)
+    results = {"device": device, "dims": vars(args), "ratio": {}}
+    for precision in args.precisions.split(","):
+        ours, peer = our_stepper(args, precision), peer_stepper(args, precision, device)
+        ours(), peer()  # warm-up: first-step allocations and lazy initialisation
+        measured = {"ours": [], "transformers": []}
+        for _ in range(args.repeats):  # alternate, so drift of a noisy machine hits both
+            measured["ours"].append(tokens_per_s(ours, args))
+            measured["transformers"].append(tokens_per_s(peer, args))
+        median = {k: statistics.median(v) for k, v in measured.items()}
+        ratio = median["ours"] / median["transformers"]
+        results[precision] = {"tokens_per_s": median, "runs": measured}
+        results["ratio"][precision] = ratio
+        print(f"{precision} on {device}: ours {median['ours']:,.0f} tok/s, transformers GPT-2 "
+              f"{median['transformers']:,.0f} tok/s, ratio {ratio:.2f} (target >= 1.0)", flush=True)
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
