@@ -12,8 +12,6 @@ Same random token batches, alternating repetitions, median. Runs on the GPU when
 """
 import argparse
 import json
-import os
-import socket
 import statistics
 import sys
 import time
@@ -23,16 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from launch.train import ensure_single_process_env, param_groups  # noqa: E402
+
 VOCAB = 4096
-
-
-def single_process_env() -> None:
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def recipe_for(args, precision: str):
@@ -58,7 +49,6 @@ def our_stepper(args, precision: str):
     from launch.ds_config import deepspeed_config
     from launch.layout import derive_layout
     from launch.schedule import warmup_cosine
-    from launch.train import param_groups
     from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline
 
@@ -80,9 +70,8 @@ def peer_stepper(args, precision: str, device: str):
                                        n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0,
                                        embd_pdrop=0.0, attn_pdrop=0.0)).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
-                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(model), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                  weight_decay=t.weight_decay)
     data = batches(args, device)
     device_type = torch.device(device).type
 
@@ -120,7 +109,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
     args = p.parse_args()
 
-    single_process_env()
+    ensure_single_process_env()
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     deepspeed.init_distributed(verbose=False)
