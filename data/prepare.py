@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from launch.config import ConfigError, load_recipe  # noqa: E402
+from launch.config import ConfigError, load_recipe, report_bad_input  # noqa: E402
 from data.spec import DataError  # noqa: E402
 
 
@@ -29,8 +29,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         streams = prepare_streams(recipe.data, load_tokenizer(recipe.data.tokenizer))
     except (ConfigError, DataError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_bad_input(e)
     seq_len = recipe.seq_len
     how = "built" if streams.built_here else "reused"
     print(f"{how} {streams.directory} in {time.perf_counter() - start:.1f}s: "

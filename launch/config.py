@@ -4,6 +4,8 @@ Every field has a type and a docstring; unknown keys and wrong types are errors 
 the key, the value and what was expected. Validation of the layout lives in launch/layout.py.
 """
 import dataclasses
+import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +19,16 @@ from model.gpt import GPTConfig
 
 class ConfigError(Exception):
     """Bad user input: printed as one line, exit code 2, before any heavy work."""
+
+
+BAD_INPUT_EXIT = 2
+
+
+def report_bad_input(error: Exception) -> int:
+    """Print `error: ...` once for the whole job (global rank 0 only); return exit code 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {error}", file=sys.stderr)
+    return BAD_INPUT_EXIT
 
 
 @dataclass

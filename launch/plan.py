@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from launch.config import ConfigError, load_recipe  # noqa: E402
+from launch.config import ConfigError, load_recipe, report_bad_input  # noqa: E402
 from launch.planner import (GIB, GPUS, Hardware, ModelDims, Setup, evaluate, search,  # noqa: E402
                             why)
 
@@ -275,8 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             output = (json.dumps(dict(chosen, warnings=notes, model=dataclasses.asdict(model)))
                       if args.json else report(chosen, model, hw, notes))
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_bad_input(e)
     print(output)
     if args.plot is not None:
         plot(args.plot, chosen)

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from launch.config import ConfigError, Recipe, load_recipe  # noqa: E402
+from launch.config import ConfigError, Recipe, load_recipe, report_bad_input  # noqa: E402
 from launch.layout import Layout, check_vocab, derive_layout  # noqa: E402
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml"
@@ -45,6 +45,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--keep-last", type=int, default=0, metavar="K", help="keep only the K newest checkpoints")
     p.add_argument("--load", type=Path, help="resume: a save directory (its latest complete checkpoint) or one "
                    "checkpoint directory; --steps stays the run's total")
+    p.add_argument("--init-from-hf", metavar="DIR_OR_NAME",
+                   help="start from GPT-2-format (transformers) weights of the recipe's model shape")
     p.add_argument("--timeline", type=Path, metavar="FILE.png",
                    help="draw the measured 1F1B schedule (per-stage forward/backward times) of a few steps")
     p.add_argument("--timeline-steps", type=int, default=3, metavar="N",
@@ -137,6 +139,9 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
 
     config = recipe.gpt_config(vocab_size)
     pipe = build_pipeline(config, state, t.activation_checkpoint_interval)
+    if args.init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them
+        from launch.hf_init import init_from_hf
+        init_from_hf(pipe, args.init_from_hf, config, state)
     if logging_rank:
         print_role_map(layout, state, stage_contents(pipe, config), recipe.seq_len)
     engine, _, _, _ = deepspeed.initialize(
@@ -240,15 +245,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             from launch.checkpoint import check_compatible, find_checkpoint
             resume_from = find_checkpoint(args.load)
         data, vocab_size = prepare(recipe, layout)
+        if args.init_from_hf is not None:
+            from launch.hf_init import check_hf_source
+            check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size), resuming=resume_from is not None)
         if resume_from is not None:
             check_compatible(resume_from, resolved_recipe_dict(recipe, vocab_size), vars(layout))
             if resume_from.meta["step"] >= recipe.train.steps:
                 raise ConfigError(f"checkpoint {resume_from.path} is at step {resume_from.meta['step']}, "
                                   f"not before --steps {recipe.train.steps}: nothing to train")
     except (ConfigError, DataError) as e:
-        if os.environ.get("RANK", "0") == "0":  # one line for the whole job, not one per rank
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_bad_input(e)
     try:
         train(args, recipe, layout, data, vocab_size, resume_from)
     except RuntimeError as e:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed, uses_deepspeed
+from model.convert import dense_name
 from model.gpt import GPT, GPTConfig
 from model.layers import shard_rows
 from model.loss import vocab_parallel_cross_entropy
@@ -22,19 +23,6 @@ def _batches():
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, CONFIG.vocab_size, (N_MICRO, MICRO, CONFIG.seq_len + 1), generator=g)
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-
-def _dense_name(pipe_name: str) -> str:
-    """PipelineModule parameter name -> dense GPT parameter name (layer list of model/pipe.py)."""
-    if pipe_name.startswith("tied_modules.embed."):
-        return "embed." + pipe_name[len("tied_modules.embed."):]
-    index, rest = pipe_name.split(".", 1)
-    index = int(index)
-    if index == 1:
-        return "pos." + rest
-    if index == CONFIG.n_layer + 2:
-        return "ln_f." + rest
-    return f"blocks.{index - 2}.{rest}"
 
 
 def _local_shard(full: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
@@ -63,7 +51,8 @@ def _pipeline_body(tp, pp):
     dense_params = dict(dense.named_parameters())
     for name, value in before.items():  # step-0 weights are the dense model's, shard by shard
         local = dict(pipe.named_parameters())[name]
-        torch.testing.assert_close(value, _local_shard(dense_params[_dense_name(name)].detach(), local, state.tp_group))
+        full = dense_params[dense_name(name, CONFIG.n_layer)].detach()
+        torch.testing.assert_close(value, _local_shard(full, local, state.tp_group))
 
     eval_loss = engine.eval_batch(iter(_batches())).item()
     dense_loss = torch.stack([vocab_parallel_cross_entropy(dense(x), y, None).mean() for x, y in _batches()]).mean()
@@ -74,7 +63,7 @@ def _pipeline_body(tp, pp):
     dense_loss.backward()
     for name, param in pipe.named_parameters():  # SGD lr 1: the engine's gradient = before - after
         pipe_grad = before[name] - param.detach()
-        dense_grad = _local_shard(dense_params[_dense_name(name)].grad, param, state.tp_group)
+        dense_grad = _local_shard(dense_params[dense_name(name, CONFIG.n_layer)].grad, param, state.tp_group)
         torch.testing.assert_close(pipe_grad, dense_grad, atol=2e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 

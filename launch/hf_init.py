@@ -1,0 +1,86 @@
+"""`--init-from-hf DIR_OR_NAME`: start from GPT-2-format (transformers) weights at any layout.
+
+Two halves, because bad input must fail before any process group or engine starts:
+`check_hf_source` reads only config.json and compares it with the recipe's model;
+`init_from_hf` runs after `build_pipeline` and overwrites each local parameter with this
+rank's shard of the GPT-2 weights (split by `model/convert.py`'s rules), so the first step
+trains exactly those weights whatever (tp, pp, dp) is. Nothing from the source executes
+code: the model class is fixed (GPT2LMHeadModel, never trust_remote_code) and weights load
+from safetensors or with torch's weights_only unpickler.
+"""
+from typing import Any, Callable, List, Tuple
+
+from launch.config import ConfigError
+from model.gpt import GPTConfig
+
+# (GPT2Config attribute, the values our model computes the same function with, the fix):
+# every field that changes what the weights compute; dropout does not, and the recipe sets it.
+_REQUIREMENTS: List[Tuple[str, Callable[[GPTConfig], Tuple[Any, ...]], str]] = [
+    ("n_layer", lambda c: (c.n_layer,), "set model.n_layer to the source's"),
+    ("n_head", lambda c: (c.n_head,), "set model.n_head to the source's"),
+    ("n_embd", lambda c: (c.n_embd,), "set model.n_embd to the source's"),
+    # wpe has model.seq_len rows, all of them imported; train shorter samples with data.seq_len.
+    ("n_positions", lambda c: (c.seq_len,), "set model.seq_len to the source's n_positions"),
+    ("vocab_size", lambda c: (c.vocab_size,),
+     "set model.vocab_size to the source's (at least the tokenizer's size)"),
+    ("n_inner", lambda c: (None, 4 * c.n_embd), "our MLP is 4*n_embd wide"),
+    ("activation_function", lambda c: ("gelu_new", "gelu_pytorch_tanh"), "our MLP uses tanh-GELU"),
+    ("layer_norm_epsilon", lambda c: (1e-5,), "our LayerNorms use eps 1e-5"),
+    ("scale_attn_by_inverse_layer_idx", lambda c: (False,), "our attention scales by 1/sqrt(head_dim) only"),
+    ("tie_word_embeddings", lambda c: (True,), "our output head is wte"),
+]
+
+
+def read_hf_config(source: str):
+    """The GPT2Config of a model directory or hub id (config.json only, no weights)."""
+    from transformers import GPT2Config
+
+    from data.hub import hub_errors_only
+    try:
+        with hub_errors_only():
+            raw, _ = GPT2Config.get_config_dict(source)
+    except (OSError, ValueError) as e:
+        raw, why = {}, f" ({type(e).__name__})"
+    else:
+        why = ""  # transformers 5 returns {} for a local directory without config.json
+    if not raw:
+        raise ConfigError(f"--init-from-hf {source!r}: no readable config.json{why}; pass a transformers "
+                          f"model directory (or a hub id that is cached)")
+    # GPT2Config.from_pretrained would read any model type's config.json (with a warning).
+    if raw.get("model_type") != "gpt2":
+        raise ConfigError(f"--init-from-hf {source!r} is a {raw.get('model_type')!r} model, not GPT-2 "
+                          f"(model_type 'gpt2'); only GPT-2-format weights can be imported")
+    return GPT2Config.from_dict(raw)
+
+
+def check_hf_source(source: str, config: GPTConfig, resuming: bool) -> None:
+    """Raise ConfigError unless `source` holds GPT-2 weights of exactly the recipe's model."""
+    if resuming:
+        raise ConfigError("--init-from-hf starts a new run from weights, --load resumes one: pass only one")
+    hf = read_hf_config(source)
+    for attr, accepted, fix in _REQUIREMENTS:
+        have = getattr(hf, attr, None)
+        if have not in accepted(config):
+            raise ConfigError(f"--init-from-hf {source!r} has {attr}={have!r}, this run's model needs "
+                              f"{accepted(config)[0]!r}: {fix}")
+
+
+def hf_dense_state_dict(source: str, n_layer: int):
+    """GPT-2 weights of `source` as a dense state dict of our GPT (model/convert.py names)."""
+    from transformers import GPT2LMHeadModel
+
+    from data.hub import hub_errors_only
+    from model.convert import from_gpt2_state_dict
+    with hub_errors_only():
+        hf = GPT2LMHeadModel.from_pretrained(source, weights_only=True)
+    return from_gpt2_state_dict(hf.state_dict(), n_layer)
+
+
+def init_from_hf(pipe, source: str, config: GPTConfig, state) -> None:
+    """Overwrite the local stage's parameters of `pipe` with this rank's shards of `source`.
+
+    Call before `deepspeed.initialize`, so the optimizer (and ZeRO's fp32 master copy) start
+    from these weights. Every rank reads the whole source: simple, and fine for GPT-2 sizes."""
+    from model.convert import load_dense_into
+    load_dense_into(pipe, hf_dense_state_dict(source, config.n_layer), config.n_layer, state.tp_rank,
+                    state.tp_size, config.padded_vocab_size(state.tp_size))

@@ -1,0 +1,157 @@
+"""Full weights <-> tensor-parallel shards, by parameter name; and the name maps between our
+pipeline layers, our dense GPT (`model/gpt.py`, tp=1, one stage) and GPT-2 (transformers).
+
+Used by export (merge the shards of a checkpoint), by `--init-from-hf` and by evaluation at
+any layout (split full weights for this rank). Pure torch: no DeepSpeed, no files, no CLI.
+
+A dense state dict here is keyed by our dense GPT's names (`embed.wte.weight`, `pos.wpe`,
+`blocks.3.attn.c_attn.weight`, `ln_f.bias`) and holds the *real* vocabulary only: padding rows
+depend on tp and `vocab_pad_multiple`, so they are stripped on merge and re-added on split.
+"""
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from model.hf_gpt2 import _LINEARS
+
+StateDict = Dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one parameter is laid out across the TP ranks (Megatron's partition_dim/_stride)."""
+    dim: Optional[int]  # the split dimension; None: replicated on every TP rank
+    stride: int = 1     # equal blocks split separately (3 for the fused [Q; K; V])
+    vocab: bool = False  # rows >= vocab_size are padding: stripped on merge, zeros on split
+
+
+REPLICATED = Rule(None)
+# The one table: name suffix -> rule; it mirrors the `partition_dim` / `partition_stride`
+# attributes that model/layers.py puts on each parameter (tests/test_export.py checks both agree).
+# Anything not listed is replicated: LayerNorms, wpe, and the row-parallel biases (added after
+# the all-reduce).
+RULES: Dict[str, Rule] = {
+    "wte.weight": Rule(0, vocab=True),     # VocabParallelEmbedding: vocab rows
+    "attn.c_attn.weight": Rule(0, stride=3),  # ColumnParallelLinear over [Q; K; V]: whole heads
+    "attn.c_attn.bias": Rule(0, stride=3),
+    "mlp.c_fc.weight": Rule(0),            # ColumnParallelLinear: output rows
+    "mlp.c_fc.bias": Rule(0),
+    "attn.c_proj.weight": Rule(1),         # RowParallelLinear: input columns
+    "mlp.c_proj.weight": Rule(1),
+}
+
+
+def rule_for(name: str) -> Rule:
+    """The rule of a dense, pipeline or layer-file parameter name (matched by suffix)."""
+    for suffix, rule in RULES.items():
+        if name == suffix or name.endswith("." + suffix):
+            return rule
+    return REPLICATED
+
+
+def split_rows(full: torch.Tensor, tp_rank: int, tp_size: int, stride: int = 1) -> torch.Tensor:
+    """Rank `tp_rank`'s share of dim 0: the same slicing as `model.layers.shard_rows`, with the
+    rank and size given instead of read from a process group."""
+    blocks = full.chunk(stride, dim=0)
+    return torch.cat([b.chunk(tp_size, dim=0)[tp_rank] for b in blocks], dim=0).contiguous()
+
+
+def merge_rows(shards: List[torch.Tensor], stride: int = 1) -> torch.Tensor:
+    """Inverse of `split_rows` / `shard_rows`: shards in TP-rank order -> the full tensor.
+
+    With stride s each shard is [b_1; ...; b_s] (e.g. [Q_r; K_r; V_r]); block i of the full
+    tensor is the concatenation of every rank's b_i."""
+    per_rank = [s.chunk(stride, dim=0) for s in shards]
+    return torch.cat([torch.cat([blocks[i] for blocks in per_rank], dim=0) for i in range(stride)], dim=0)
+
+
+def merge(name: str, shards: List[torch.Tensor], vocab_size: int) -> torch.Tensor:
+    """The full tensor of parameter `name` from its shards in TP-rank order, padding stripped."""
+    rule = rule_for(name)
+    if rule.dim is None:
+        # Replicated parameters see identical inputs and all-reduced gradients on every TP
+        # rank, so every shard holds the same values; rank 0's is the one DeepSpeed reloads too.
+        return shards[0].clone()
+    if rule.dim == 1:
+        return merge_rows([s.t() for s in shards], rule.stride).t().contiguous()
+    full = merge_rows(shards, rule.stride)
+    return full[:vocab_size].clone() if rule.vocab else full
+
+
+def split(name: str, full: torch.Tensor, tp_rank: int, tp_size: int, padded_vocab_size: int) -> torch.Tensor:
+    """Rank `tp_rank`'s shard of the full tensor of parameter `name` at tensor-parallel size
+    `tp_size`; a vocab-split tensor is first padded with zero rows to `padded_vocab_size`
+    (the padding of this layout, `GPTConfig.padded_vocab_size(tp_size)`), as at init."""
+    rule = rule_for(name)
+    if rule.dim is None:
+        return full.clone()
+    if rule.vocab:
+        full = torch.cat([full, full.new_zeros(padded_vocab_size - full.size(0), *full.shape[1:])])
+    if rule.dim == 1:
+        return split_rows(full.t(), tp_rank, tp_size, rule.stride).t().contiguous()
+    return split_rows(full, tp_rank, tp_size, rule.stride)
+
+
+# ------------------------------------------------------------------ pipeline <-> dense names
+
+def dense_name(pipe_name: str, n_layer: int) -> str:
+    """A PipelineModule parameter name ("tied_modules.embed.wte.weight", "1.wpe",
+    "5.attn.c_attn.weight") or a layer-file key prefixed by its layer index ("0.wte.weight")
+    -> the dense GPT name. Indices follow `model/pipe.py`: 0 tied embed, 1 wpe, 2..L+1 blocks,
+    L+2 ln_f, L+3 tied head (the same weights as 0)."""
+    if pipe_name.startswith("tied_modules.embed."):
+        return "embed." + pipe_name[len("tied_modules.embed."):]
+    index_text, rest = pipe_name.split(".", 1)
+    index = int(index_text)
+    if index in (0, n_layer + 3):
+        return "embed." + rest
+    if index == 1:
+        return "pos." + rest
+    if index == n_layer + 2:
+        return "ln_f." + rest
+    return f"blocks.{index - 2}.{rest}"
+
+
+def merge_layer_states(layer_states: Mapping[int, List[StateDict]], n_layer: int, vocab_size: int) -> StateDict:
+    """{pipeline layer index: [its state dict on TP rank 0, 1, ...]} -> the dense state dict."""
+    dense: StateDict = {}
+    for index, per_rank in sorted(layer_states.items()):
+        for key in per_rank[0]:
+            dense[dense_name(f"{index}.{key}", n_layer)] = merge(key, [sd[key] for sd in per_rank], vocab_size)
+    return dense
+
+
+@torch.no_grad()
+def load_dense_into(module: nn.Module, dense: StateDict, n_layer: Optional[int], tp_rank: int, tp_size: int,
+                    padded_vocab_size: int) -> None:
+    """Copy this rank's shard of every parameter of `module` (a PipelineModule stage when
+    `n_layer` is given, else a dense GPT) from the dense state dict, in place."""
+    for name, param in module.named_parameters():
+        key = dense_name(name, n_layer) if n_layer is not None else name
+        if key not in dense:
+            raise KeyError(f"no weights for {key} (parameter {name})")
+        shard = split(key, dense[key], tp_rank, tp_size, padded_vocab_size)
+        if shard.shape != param.shape:
+            raise ValueError(f"{key}: the weights give a shard of {tuple(shard.shape)} on tp rank {tp_rank} "
+                             f"of {tp_size}, the model has {tuple(param.shape)}")
+        param.copy_(shard)
+
+
+# ------------------------------------------------------------------ GPT-2 (transformers) -> dense
+
+def from_gpt2_state_dict(gpt2: Mapping[str, torch.Tensor], n_layer: int) -> StateDict:
+    """Inverse of `model.hf_gpt2.to_gpt2_state_dict`: GPT2LMHeadModel weights -> dense state
+    dict (Conv1D (in, out) back to nn.Linear (out, in); lm_head is wte, tied)."""
+    dense = {"embed.wte.weight": gpt2["transformer.wte.weight"], "pos.wpe": gpt2["transformer.wpe.weight"],
+             "ln_f.weight": gpt2["transformer.ln_f.weight"], "ln_f.bias": gpt2["transformer.ln_f.bias"]}
+    for i in range(n_layer):
+        src, dst = f"transformer.h.{i}.", f"blocks.{i}."
+        for norm in ("ln_1", "ln_2"):
+            for kind in ("weight", "bias"):
+                dense[f"{dst}{norm}.{kind}"] = gpt2[f"{src}{norm}.{kind}"]
+        for linear in _LINEARS:
+            dense[f"{dst}{linear}.weight"] = gpt2[f"{src}{linear}.weight"].t()
+            dense[f"{dst}{linear}.bias"] = gpt2[f"{src}{linear}.bias"]
+    return {k: v.detach().contiguous().clone() for k, v in dense.items()}
