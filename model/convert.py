@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from model.hf_gpt2 import _LINEARS
+from model.layers import split_rows
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -49,13 +50,6 @@ def rule_for(name: str) -> Rule:
         if name == suffix or name.endswith("." + suffix):
             return rule
     return REPLICATED
-
-
-def split_rows(full: torch.Tensor, tp_rank: int, tp_size: int, stride: int = 1) -> torch.Tensor:
-    """Rank `tp_rank`'s share of dim 0: the same slicing as `model.layers.shard_rows`, with the
-    rank and size given instead of read from a process group."""
-    blocks = full.chunk(stride, dim=0)
-    return torch.cat([b.chunk(tp_size, dim=0)[tp_rank] for b in blocks], dim=0).contiguous()
 
 
 def merge_rows(shards: List[torch.Tensor], stride: int = 1) -> torch.Tensor:

@@ -23,15 +23,19 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else torch.distributed.get_rank(group)
 
 
-def shard_rows(full: torch.Tensor, group: Group, stride: int = 1) -> torch.Tensor:
-    """This rank's share of dim 0 of `full`, taken from each of `stride` equal blocks.
+def split_rows(full: torch.Tensor, tp_rank: int, tp_size: int, stride: int = 1) -> torch.Tensor:
+    """Rank `tp_rank`'s share of dim 0 of `full`, taken from each of `stride` equal blocks.
 
     stride=3 shards a fused [Q; K; V] weight so that each rank gets [Q_r; K_r; V_r], i.e. whole
     attention heads (Megatron's `stride`).
     """
-    size, rank = group_size(group), group_rank(group)
     blocks = full.chunk(stride, dim=0)
-    return torch.cat([b.chunk(size, dim=0)[rank] for b in blocks], dim=0).contiguous()
+    return torch.cat([b.chunk(tp_size, dim=0)[tp_rank] for b in blocks], dim=0).contiguous()
+
+
+def shard_rows(full: torch.Tensor, group: Group, stride: int = 1) -> torch.Tensor:
+    """This rank's share of dim 0 of `full` (see `split_rows`)."""
+    return split_rows(full, group_rank(group), group_size(group), stride)
 
 
 def _mark_tp(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
