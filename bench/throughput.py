@@ -110,9 +110,10 @@ def main() -> None:
     args = p.parse_args()
 
     ensure_single_process_env()
-    import deepspeed
     from deepspeed.accelerator import get_accelerator
-    deepspeed.init_distributed(verbose=False)
+
+    from launch.distributed import init_distributed
+    init_distributed(600, verbose=False)
     device = get_accelerator().device_name(0)
     results = {"device": device, "dims": vars(args), "ratio": {}}
     for precision in args.precisions.split(","):

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -94,6 +93,8 @@ def load_weights(pipe, args: argparse.Namespace, config, state) -> None:
 
 def run(args: argparse.Namespace, recipe, layout, data, vocab_size: int, n_batches: int) -> Dict[str, Any]:
     import deepspeed
+
+    from launch.distributed import init_distributed
     import torch
     from deepspeed.accelerator import get_accelerator
 
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace, recipe, layout, data, vocab_size: int, n_batch
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(timeout=timedelta(seconds=recipe.train.dist_timeout_s))
+    init_distributed(recipe.train.dist_timeout_s)
     state = init_parallel_state(layout.tp, layout.pp)
     config = recipe.gpt_config(vocab_size)
     pipe = build_pipeline(config, state)

@@ -11,7 +11,6 @@ import os
 import socket
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -121,6 +120,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     from deepspeed.accelerator import get_accelerator
 
     from launch import checkpoint
+    from launch.distributed import init_distributed
     from launch.ds_config import deepspeed_config
     from launch.metrics import MetricsLogger, is_logging_rank, loss_scale, peak_memory_bytes, run_arithmetic
     from launch.preemption import StopRequest
@@ -133,7 +133,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))  # before NCCL picks a device
     # A bounded wait: if a rank dies, the others fail their next collective instead of hanging.
-    deepspeed.init_distributed(timeout=timedelta(seconds=t.dist_timeout_s))
+    init_distributed(t.dist_timeout_s)
     state = init_parallel_state(layout.tp, layout.pp)
     logging_rank = is_logging_rank(state.global_rank)
 
