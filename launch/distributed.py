@@ -17,3 +17,12 @@ def init_distributed(timeout_s: int, **kwargs) -> None:
     # Not `import deepspeed.comm.torch`: the package re-exports the real `torch` under that name.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def shut_down_distributed() -> None:
+    """Tear the process groups down while every rank is still here: left to interpreter exit,
+    gloo's threads were sometimes destroyed while joinable ("terminate called without an
+    active exception", exit -6) on a pipeline run that had finished its steps."""
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()

@@ -94,7 +94,7 @@ def load_weights(pipe, args: argparse.Namespace, config, state) -> None:
 def run(args: argparse.Namespace, recipe, layout, data, vocab_size: int, n_batches: int) -> Dict[str, Any]:
     import deepspeed
 
-    from launch.distributed import init_distributed
+    from launch.distributed import init_distributed, shut_down_distributed
     import torch
     from deepspeed.accelerator import get_accelerator
 
@@ -132,6 +132,7 @@ def run(args: argparse.Namespace, recipe, layout, data, vocab_size: int, n_batch
               f"tp={layout.tp} pp={layout.pp} dp={layout.dp})", flush=True)
         if args.json_out is not None:
             args.json_out.write_text(json.dumps(result, indent=1) + "\n")
+    shut_down_distributed()
     return result
 
 

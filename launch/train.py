@@ -120,7 +120,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     from deepspeed.accelerator import get_accelerator
 
     from launch import checkpoint
-    from launch.distributed import init_distributed
+    from launch.distributed import init_distributed, shut_down_distributed
     from launch.ds_config import deepspeed_config
     from launch.metrics import MetricsLogger, is_logging_rank, loss_scale, peak_memory_bytes, run_arithmetic
     from launch.preemption import StopRequest
@@ -199,6 +199,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
         timeline.draw(args.timeline, logging_rank)  # collective: every rank gathers
     if metrics is not None:
         metrics.close()
+    shut_down_distributed()
 
 
 def resolved_recipe_dict(recipe: Recipe, vocab_size: int) -> dict:
