@@ -10,7 +10,8 @@ Layout of a save directory:
                                    the step, layout, resolved recipe and every file's size
 A process killed mid-save leaves a tag directory without complete.json and `latest` still
 naming the previous checkpoint; `--load` only ever takes complete checkpoints.
-Resuming needs the same (tp, pp, dp) layout: DeepSpeed's ZeRO partitions are layout-bound.
+At the saved (tp, pp, dp) DeepSpeed's loader restores everything bit for bit; at another layout
+launch/reshard.py re-shards the ZeRO-1 weights and optimizer state.
 """
 import json
 import os
@@ -87,18 +88,27 @@ def _locate(load: Path) -> CheckpointRef:
     raise ConfigError(f"--load {str(load)!r} is empty: no checkpoint to resume from")
 
 
+def same_layout(saved: Dict[str, int], layout: Dict[str, int]) -> bool:
+    return all(saved[k] == layout[k] for k in ("tp", "pp", "dp"))
+
+
 def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Dict[str, int]) -> None:
-    """The model shape and the layout must match the checkpoint's; say which key differs."""
+    """The model shape and the ZeRO stage must match the checkpoint's; another layout needs
+    ZeRO-1 (launch/reshard.py re-shards ZeRO-1 state). Say which key differs."""
     saved_model, model = ref.meta["recipe"]["model"], recipe_dict["model"]
     for key in sorted(set(saved_model) | set(model)):
         if saved_model.get(key) != model.get(key) and key != "dropout":
             raise ConfigError(f"checkpoint {ref.path} has model.{key}={saved_model.get(key)!r}, this run "
                               f"{model.get(key)!r}: a checkpoint only resumes the model it was saved from")
-    saved_layout = {k: ref.meta["layout"][k] for k in ("tp", "pp", "dp")}
-    if saved_layout != {k: layout[k] for k in ("tp", "pp", "dp")}:
-        raise ConfigError(f"checkpoint {ref.path} was saved at tp={saved_layout['tp']} pp={saved_layout['pp']} "
-                          f"dp={saved_layout['dp']}, this run is tp={layout['tp']} pp={layout['pp']} "
-                          f"dp={layout['dp']}; resume at the saved layout")
+    saved, stages = ref.meta["layout"], (ref.meta["recipe"]["train"]["zero_stage"], recipe_dict["train"]["zero_stage"])
+    if stages[0] != stages[1]:
+        raise ConfigError(f"checkpoint {ref.path} has train.zero_stage={stages[0]}, this run {stages[1]}: "
+                          f"the optimizer state is stored per ZeRO stage; resume with --set train.zero_stage={stages[0]}")
+    if not same_layout(saved, layout) and stages[1] != 1:
+        raise ConfigError(f"checkpoint {ref.path} was saved at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "
+                          f"with train.zero_stage={stages[0]}, this run is tp={layout['tp']} pp={layout['pp']} "
+                          f"dp={layout['dp']}: a change of layout re-shards ZeRO-1 state only; resume at the "
+                          f"saved layout")
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -123,8 +133,9 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save(engine, root: Path, step: int, samples: int, recipe_dict: Dict[str, Any],
-         layout: Dict[str, int], keep_last: int, is_writer: bool) -> Path:
-    """Every rank calls this; rank `is_writer` commits. Returns the tag directory."""
+         layout: Dict[str, int], keep_last: int, is_writer: bool, wandb_run_id: Optional[str] = None) -> Path:
+    """Every rank calls this; rank `is_writer` commits (it holds the wandb run, whose id a
+    resumed run continues). Returns the tag directory."""
     tag = tag_for(step)
     client_state = {"step": step, "samples": samples, "recipe": recipe_dict}
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
@@ -136,7 +147,7 @@ def save(engine, root: Path, step: int, samples: int, recipe_dict: Dict[str, Any
         files = {str(f.relative_to(root / tag)): f.stat().st_size
                  for f in sorted((root / tag).rglob("*")) if f.is_file()}
         meta = {"step": step, "samples": samples, "layout": layout, "recipe": recipe_dict,
-                "world_size": dist.get_world_size(), "files": files}
+                "world_size": dist.get_world_size(), "wandb_run_id": wandb_run_id, "files": files}
         _write_atomic(root / tag / COMPLETE, json.dumps(meta, indent=1))
         _write_atomic(root / LATEST, tag)
         _prune(root, keep_last)
@@ -154,8 +165,15 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(engine, ref: CheckpointRef) -> Dict[str, Any]:
-    """Restore the engine, this rank's RNG; return the client state (step, samples, recipe)."""
+def load(engine, ref: CheckpointRef, layout: Dict[str, int], state, config) -> Dict[str, Any]:
+    """Restore the engine and return the client state (step, samples, recipe). At the saved
+    layout: DeepSpeed's own loader and this rank's RNG states (a bitwise continuation). At
+    another: launch/reshard.py re-shards weights and optimizer state (fp32 rounding)."""
+    if not same_layout(ref.meta["layout"], layout):
+        from launch.reshard import load_resharded
+        load_resharded(engine, ref.path, ref.meta["layout"], state, config.n_layer, config.vocab_size,
+                       config.padded_vocab_size(state.tp_size))
+        return {key: ref.meta[key] for key in ("step", "samples", "recipe")}
     load_path, client_state = engine.load_checkpoint(str(ref.root), tag=ref.tag)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ref.path}")

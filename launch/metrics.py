@@ -179,9 +179,10 @@ class MetricsLogger:
 
     def __init__(self, metrics_out: Optional[Path], wandb_mode: str, wandb_project: str,
                  wandb_name: Optional[str], run_config: Dict[str, Any], run: RunArithmetic,
-                 resume_after_step: Optional[int] = None):
+                 resume_after_step: Optional[int] = None, wandb_run_id: Optional[str] = None):
         """`resume_after_step`: a resumed run's checkpoint step; the metrics file keeps its
-        records up to that step and continues after them."""
+        records up to that step and continues after them. `wandb_run_id`: the checkpoint's
+        wandb run, which a resumed run continues (same id) instead of starting a new one."""
         self.run = run
         self.steps_before = resume_after_step or 0  # the ETA counts this process's steps only
         print(run.summary(), flush=True)
@@ -195,9 +196,16 @@ class MetricsLogger:
         if wandb_mode != "disabled":
             import wandb
             arithmetic = {k: v for k, v in asdict(run).items() if k != "layout"}
+            # resume="allow": continue the run of that id (steps it already has are not re-logged
+            # by wandb), or start it under that id if it never reached the server (offline).
             self.wandb_run = wandb.init(project=wandb_project, name=wandb_name, mode=wandb_mode,
-                                        config=dict(run_config, arithmetic=arithmetic))
+                                        config=dict(run_config, arithmetic=arithmetic),
+                                        id=wandb_run_id, resume="allow" if wandb_run_id else None)
         self.start = time.perf_counter()
+
+    @property
+    def wandb_run_id(self) -> Optional[str]:
+        return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, record: Dict[str, Any]) -> None:
         tflops = tflops_per_device(self.run.model_flops_per_step, record["step_time_s"], self.run.layout.world_size)

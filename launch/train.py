@@ -156,11 +156,13 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     saved_recipe = resolved_recipe_dict(recipe, vocab_size)
     first_step, samples = 1, 0
     if resume_from is not None:
-        client_state = checkpoint.load(engine, resume_from)
+        client_state = checkpoint.load(engine, resume_from, vars(layout), state, config)
         first_step, samples = client_state["step"] + 1, client_state["samples"]
         if logging_rank:
-            print(f"resumed from {resume_from.path} at step {client_state['step']} "
-                  f"({samples} samples consumed)", flush=True)
+            saved = resume_from.meta["layout"]
+            print(f"resumed from {resume_from.path} at step {client_state['step']} ({samples} samples consumed)"
+                  + ("" if checkpoint.same_layout(saved, vars(layout)) else
+                     f", re-sharded from tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}"), flush=True)
     batches = data.train_batches(state.dp_rank, layout.dp, start_sample=samples)
     tokens_per_step = layout.global_batch_size * recipe.seq_len
     stop = StopRequest(get_accelerator().device_name())
@@ -169,7 +171,8 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
         metrics = MetricsLogger(args.metrics_out, recipe.wandb.mode, recipe.wandb.project,
                                 recipe.wandb.name, dict(recipe.to_dict(), layout=vars(layout)),
                                 run_arithmetic(config, layout, recipe.seq_len, t.steps),
-                                resume_after_step=first_step - 1 if resume_from is not None else None)
+                                resume_after_step=first_step - 1 if resume_from is not None else None,
+                                wandb_run_id=resume_from.meta.get("wandb_run_id") if resume_from is not None else None)
     for step in range(first_step, t.steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
         start = time.perf_counter()
@@ -188,7 +191,8 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
         stopping = stop.agreed()
         if args.save and (stopping or step == t.steps or (args.save_every and step % args.save_every == 0)):
             path = checkpoint.save(engine, args.save, step, samples, saved_recipe, vars(layout),
-                                   args.keep_last, is_writer=logging_rank)
+                                   args.keep_last, is_writer=logging_rank,
+                                   wandb_run_id=metrics.wandb_run_id if metrics is not None else None)
             if logging_rank:
                 print(f"saved {path}", flush=True)
         if stopping:

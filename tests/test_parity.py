@@ -3,44 +3,28 @@
 The first 5 optimizer steps of recipes/tiny.yaml (fp32, ZeRO-1, gradient clipping active, a
 learning rate that moves the loss) give the same loss and gradient norm, relative difference
 <= 1e-5, at (tp, pp, dp) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,2) and (4,4,1).
-Each layout runs through DeepSpeed's launcher exactly as a user starts it.
+Each layout runs through DeepSpeed's launcher exactly as a user starts it, once per session
+(conftest.py: parity_runs; tests/test_resume.py resumes the checkpoints these runs save).
 """
 import json
 import math
 
 import pytest
 
+from conftest import LAYOUTS, REFERENCE, STEPS
 from launcher import TINY, launch, read_metrics
 
-REFERENCE = (1, 1, 1)
-LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 4, 1)]
-STEPS = 5
 RTOL = 1e-5
 GRAD_CLIP = 0.5  # recipes/tiny.yaml
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "elapsed_s"}
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Metrics of every layout, run once for the module. (1,1,2) also writes a wandb offline run."""
-    out = {}
-    for tp, pp, dp in [REFERENCE] + LAYOUTS:
-        tmp = tmp_path_factory.mktemp(f"tp{tp}pp{pp}dp{dp}")
-        wandb = ["--wandb", "offline"] if (tp, pp, dp) == (1, 1, 2) else []
-        proc = launch(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp),
-                                     "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl")] + wandb,
-                      env={"WANDB_DIR": str(tmp)})
-        assert proc.returncode == 0, f"layout {(tp, pp, dp)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        out[(tp, pp, dp)] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout}
-    return out
 
 
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-def test_reference_run_learns_with_clipping_active(runs):
-    ref = runs[REFERENCE]["metrics"]
+def test_reference_run_learns_with_clipping_active(parity_runs):
+    ref = parity_runs[REFERENCE]["metrics"]
     assert [m["step"] for m in ref] == list(range(1, STEPS + 1))
     assert all(METRIC_KEYS <= set(m) for m in ref)
     assert all(math.isfinite(m["loss"]) for m in ref)
@@ -50,8 +34,8 @@ def test_reference_run_learns_with_clipping_active(runs):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "tp%d-pp%d-dp%d" % l)
-def test_layout_matches_single_process(runs, layout):
-    ref, got = runs[REFERENCE]["metrics"], runs[layout]["metrics"]
+def test_layout_matches_single_process(parity_runs, layout):
+    ref, got = parity_runs[REFERENCE]["metrics"], parity_runs[layout]["metrics"]
     assert len(got) == STEPS
     for r, g in zip(ref, got):
         assert _rel(g["loss"], r["loss"]) <= RTOL, (layout, r["step"], g["loss"], r["loss"])
@@ -62,20 +46,20 @@ def test_layout_matches_single_process(runs, layout):
             assert _rel(g["val_loss"], r["val_loss"]) <= RTOL, (layout, r["step"], g["val_loss"], r["val_loss"])
 
 
-def test_evaluation_does_not_change_training(runs, tmp_path):
+def test_evaluation_does_not_change_training(parity_runs, tmp_path):
     proc = launch(1, ["--recipe", str(TINY), "--steps", str(STEPS), "--set", "train.eval_every=0",
                       "--metrics-out", str(tmp_path / "m.jsonl")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     without = read_metrics(tmp_path / "m.jsonl")
-    with_eval = runs[REFERENCE]["metrics"]
+    with_eval = parity_runs[REFERENCE]["metrics"]
     assert [m["loss"] for m in without] == [m["loss"] for m in with_eval]
     assert [m["grad_norm"] for m in without] == [m["grad_norm"] for m in with_eval]
     assert not any("val_loss" in m for m in without)
     assert [m["step"] for m in with_eval if "val_loss" in m] == [2, 4, 5]
 
 
-def test_role_map_names_groups_and_stages(runs):
-    out = runs[(2, 2, 2)]["stdout"]
+def test_role_map_names_groups_and_stages(parity_runs):
+    out = parity_runs[(2, 2, 2)]["stdout"]
     assert "world 8 = tp 2 x pp 2 x dp 2" in out
     assert "TP groups  (split each weight matrix):  [0, 1] [2, 3] [4, 5] [6, 7]" in out
     assert "pipelines  (split the layers, stage 0 first): [0, 4] [1, 5] [2, 6] [3, 7]" in out
@@ -84,9 +68,9 @@ def test_role_map_names_groups_and_stages(runs):
     assert "stage 1: layers 4-7: block 2, block 3, ln_f, lm_head (tied embed)" in out
 
 
-def test_wandb_offline_writes_a_run_directory(runs):
+def test_wandb_offline_writes_a_run_directory(parity_runs):
     """Offline mode needs no account and leaves a real run directory with the run's history."""
-    run_dirs = list((runs[(1, 1, 2)]["dir"] / "wandb").glob("offline-run-*"))
+    run_dirs = list((parity_runs[(1, 1, 2)]["dir"] / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 1, run_dirs  # the logging rank only
     run_files = list(run_dirs[0].glob("run-*.wandb"))
     assert run_files and run_files[0].stat().st_size > 0
@@ -95,5 +79,5 @@ def test_wandb_offline_writes_a_run_directory(runs):
     content = run_files[0].read_bytes()
     for key in (b"n_layer", b"global_batch_size", b"layout", b"grad_norm", b"tokens_per_s"):
         assert key in content, key
-    for m in runs[(1, 1, 2)]["metrics"]:
+    for m in parity_runs[(1, 1, 2)]["metrics"]:
         assert json.dumps(m["loss"]).encode() in content, m

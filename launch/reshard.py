@@ -1,0 +1,174 @@
+"""Resume a checkpoint at another layout: re-shard the weights and the optimizer state on load.
+
+DeepSpeed's checkpoint files are bound to the layout that wrote them. ZeRO-1 keeps, for each
+(stage, TP rank), one flat fp32 copy of that stage's parameters cut into dp contiguous
+partitions, with Adam's two moments cut the same way; file `[bf16_]zero_pp_rank_D_mp_rank_M_
+optim_states.pt` holds partition D of model-parallel slice M, and its `param_slice_mappings`
+say which fragment of which parameter lies where in it. A run at another (tp, pp, dp) reads
+these files directly, on every rank, for the parameters it holds:
+  1. for each saved slice that holds one of its parameters: concatenate the fragments of the
+     dp partitions in order and view them as the slice's shard (fp32 weight, exp_avg,
+     exp_avg_sq), for every TP rank of that stage;
+  2. merge the TP shards into the full tensor and cut its own shard with model/convert.py
+     (the rules export and `--init-from-hf` use, vocab padding included);
+  3. write them into the new engine: the fp32 master weight and the moments with DeepSpeed's
+     `safe_set_full_fp32_param` / `safe_set_full_optimizer_state`, the module weight as the
+     master's copy in the training dtype (what DeepSpeed's step leaves), Adam's step count, the
+     optimizer's hyper-parameters (lr), the LR schedule and the engine's step counters.
+
+Why not DeepSpeed's universal checkpoint (`ds_to_universal.py` + `checkpoint.load_universal`):
+it needs an offline conversion pass that writes a second copy of the optimizer state, and it
+recovers the TP split from Megatron-DeepSpeed's parameter-name patterns; ours is already one
+tested table (model/convert.py RULES), so the conversion happens in memory at load time.
+Only ZeRO-1 checkpoints re-shard (the default): ZeRO-0 keeps torch's per-parameter optimizer
+state in another file format. RNG states are per (stage, TP rank) and are not carried over:
+with dropout on, the masks after a layout change differ from those of the original layout.
+"""
+from pathlib import Path
+from typing import Dict, Iterable, List, Set, Tuple
+
+import torch
+import torch.nn as nn
+
+from model.convert import dense_name, merge, split
+from model.parallel_state import ParallelState, build_topology
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # torch AdamW's state, next to the fp32 master weight
+FP32 = "fp32"
+TrainingState = Dict[str, Dict[str, torch.Tensor]]  # dense name -> {fp32, exp_avg, exp_avg_sq}
+
+
+def _load_deepspeed_file(path: Path) -> dict:
+    """A DeepSpeed optimizer or model-states file, read with the safe unpickler (no code runs):
+    tensors plus the three small DeepSpeed types these files pickle."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _optimizer_file(ckpt: Path, dp_rank: int, mp_rank: int) -> Path:
+    # ZeRO writes `zero_pp_rank_...`, DeepSpeed's bf16 optimizer `bf16_zero_pp_rank_...`.
+    matches = list(ckpt.glob(f"*zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"))
+    if len(matches) != 1:
+        raise FileNotFoundError(f"{ckpt}: expected one optimizer file of dp rank {dp_rank}, model-parallel "
+                                f"rank {mp_rank}, found {[m.name for m in matches]}")
+    return matches[0]
+
+
+def _model_file(ckpt: Path, mp_rank: int) -> Path:
+    return ckpt / f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def slice_ranks(tp: int, pp: int, dp: int) -> Dict[Tuple[int, int], int]:
+    """{(stage, tp rank): DeepSpeed's model-parallel rank M in the file names}: the index of the
+    global rank among the ranks of data-parallel index 0 (PipelineParallelGrid.ds_model_rank)."""
+    topology = build_topology(tp, pp, dp)
+    ranks = sorted(topology.get_axis_list(axis="data", idx=0))
+    return {(topology.get_coord(r).pipe, topology.get_coord(r).model): i for i, r in enumerate(ranks)}
+
+
+def _read_slice(ckpt: Path, mp_rank: int, dp: int, wanted: Set[str]) -> Dict[str, Dict[str, torch.Tensor]]:
+    """{pipeline name: {fp32, exp_avg, exp_avg_sq}} of one saved slice, for the names in `wanted`:
+    each parameter's fragments, in dp-partition order, make its flattened shard."""
+    shapes = {}
+    for group in _load_deepspeed_file(_model_file(ckpt, mp_rank))["param_shapes"]:
+        shapes.update(group)
+    pieces: Dict[str, Dict[str, List[torch.Tensor]]] = {}
+    for dp_rank in range(dp):
+        optim = _load_deepspeed_file(_optimizer_file(ckpt, dp_rank, mp_rank))["optimizer_state_dict"]
+        for g, fragments in enumerate(optim["param_slice_mappings"]):
+            flat = {FP32: optim["single_partition_of_fp32_groups"][g]}
+            flat.update({k: optim["base_optimizer_state"]["state"][g][k] for k in MOMENTS})
+            for name, address in fragments.items():
+                if name in wanted:
+                    for key, tensor in flat.items():
+                        pieces.setdefault(name, {}).setdefault(key, []).append(
+                            tensor.narrow(0, address.start, address.numel))
+    out = {}
+    for name, by_key in pieces.items():
+        shape = shapes[name]
+        out[name] = {key: torch.cat(parts).view(shape).clone() for key, parts in by_key.items()}
+        if out[name][FP32].numel() != shape.numel():
+            raise ValueError(f"{ckpt}: the fragments of {name} hold {out[name][FP32].numel()} elements, "
+                             f"its shape {tuple(shape)} has {shape.numel()}")
+    return out
+
+
+def read_training_state(ckpt: Path, saved_layout: Dict[str, int], n_layer: int, vocab_size: int,
+                        wanted: Iterable[str]) -> TrainingState:
+    """The full (TP-merged, real-vocabulary) fp32 weight and Adam moments of each dense
+    parameter name in `wanted`, read from the saved slices that hold them."""
+    tp, pp, dp = (saved_layout[k] for k in ("tp", "pp", "dp"))
+    wanted = set(wanted)
+    mp_ranks = slice_ranks(tp, pp, dp)
+    merged: TrainingState = {}
+    for stage in range(pp):
+        names = {}  # pipeline name on this stage -> dense name, for the wanted ones not yet read
+        for group in _load_deepspeed_file(_model_file(ckpt, mp_ranks[stage, 0]))["param_shapes"]:
+            for name in group:
+                dense = dense_name(name, n_layer)
+                if dense in wanted and dense not in merged:
+                    names[name] = dense
+        if not names:
+            continue  # nothing of this stage is needed here: its files are never opened
+        per_rank = [_read_slice(ckpt, mp_ranks[stage, r], dp, set(names)) for r in range(tp)]
+        for name, dense in names.items():
+            merged[dense] = {key: merge(dense, [shards[name][key] for shards in per_rank], vocab_size)
+                             for key in (FP32,) + MOMENTS}
+    missing = wanted - set(merged)
+    if missing:
+        raise ValueError(f"{ckpt} holds no optimizer state for {sorted(missing)[:4]}")
+    return merged
+
+
+def _rank_independent_state(ckpt: Path) -> dict:
+    """Slice 0, dp rank 0's optimizer state: Adam's step count, the param groups' hyper-parameters
+    and the loss scaler are the same on every rank (each steps once per optimizer step)."""
+    return _load_deepspeed_file(_optimizer_file(ckpt, 0, 0))["optimizer_state_dict"]
+
+
+def _init_adam_state(optimizer, step: torch.Tensor) -> None:
+    """Create the flat partitions' Adam state that DeepSpeed's first step would create, and
+    link each parameter's fragment to it, so `safe_set_full_optimizer_state` can write it."""
+    for group in optimizer.optimizer.param_groups:
+        flat = group["params"][0]
+        optimizer.optimizer.state[flat] = {"step": step.clone(), **{k: torch.zeros_like(flat) for k in MOMENTS}}
+    optimizer._lazy_init_hp_params_optimizer_state()
+
+
+@torch.no_grad()
+def load_resharded(engine, ckpt: Path, saved_layout: Dict[str, int], state: ParallelState, n_layer: int,
+                   vocab_size: int, padded_vocab_size: int) -> None:
+    """Fill `engine` (a fresh DeepSpeed pipeline engine with a ZeRO-1 or bf16 optimizer) with
+    the weights, optimizer state, LR schedule and counters of checkpoint `ckpt`, saved at
+    `saved_layout` (tp, pp, dp), for this rank's stage and TP rank."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    module: nn.Module = engine.module
+    params = {dense_name(name, n_layer): param for name, param in module.named_parameters()}
+    saved = read_training_state(ckpt, saved_layout, n_layer, vocab_size, params)
+    common = _rank_independent_state(ckpt)
+    base = common["base_optimizer_state"]
+    _init_adam_state(engine.optimizer, base["state"][0]["step"])
+    for group, saved_group in zip(engine.optimizer.optimizer.param_groups, base["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})  # lr, betas, ...
+    if getattr(engine.optimizer, "dynamic_loss_scale", False) and getattr(common.get("loss_scaler"), "dynamic", False):
+        engine.optimizer.loss_scaler = common["loss_scaler"]  # fp16: the scale found so far, and its counters
+    for dense, param in params.items():
+        shards = {key: split(dense, full, state.tp_rank, state.tp_size, padded_vocab_size)
+                  for key, full in saved[dense].items()}
+        if shards[FP32].shape != param.shape:
+            raise ValueError(f"{dense}: the checkpoint gives a shard of {tuple(shards[FP32].shape)}, the "
+                             f"model has {tuple(param.shape)}")
+        safe_set_full_fp32_param(param, shards[FP32])
+        for key in MOMENTS:
+            safe_set_full_optimizer_state(param, shards[key], key)
+        param.copy_(shards[FP32].to(param.dtype))  # the training-dtype copy DeepSpeed's step makes
+
+    model_states = _load_deepspeed_file(_model_file(ckpt, 0))
+    engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
+    engine.global_steps = model_states["global_steps"]
+    engine.global_samples = model_states["global_samples"]
+    engine.skipped_steps = model_states["skipped_steps"]

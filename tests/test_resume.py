@@ -1,0 +1,74 @@
+"""Resuming the parity runs' checkpoints (tests/conftest.py: parity_runs saves after step 3).
+
+At the saved layout the continuation is bit-identical to the uninterrupted run, at every layout
+of the parity test, and the metrics file continues from step 4. At another layout
+(launch/reshard.py re-shards the ZeRO-1 weights and Adam moments) steps 4-5 match the
+uninterrupted run within fp32 rounding, like the layouts themselves do.
+"""
+import pytest
+
+from conftest import LAYOUTS, REFERENCE, SAVE_AT, STEPS
+from launcher import TINY, launch, read_metrics
+
+RTOL = 1e-5
+SAVED_AT = (2, 2, 2)
+
+
+def _resume(checkpoint, layout, metrics, extra=(), env=None):
+    tp, pp, dp = layout
+    proc = launch(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp), "--steps", str(STEPS),
+                                 "--load", str(checkpoint), "--metrics-out", str(metrics)] + list(extra), env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("layout", [REFERENCE] + LAYOUTS, ids=lambda l: "tp%d-pp%d-dp%d" % l)
+def test_resume_continues_bitwise(parity_runs, tmp_path, layout):
+    run = parity_runs[layout]
+    resumed = tmp_path / "resumed.jsonl"
+    resumed.write_text((run["dir"] / "metrics.jsonl").read_text())  # the interrupted run's file, steps 4-5 included
+    # (1,1,2)'s parity run logged to wandb offline: the resumed run continues that wandb run.
+    wandb = layout == (1, 1, 2)
+    out = _resume(run["dir"] / "ck" / f"step{SAVE_AT:08d}", layout, resumed, ["--wandb", "offline"] if wandb else [],
+                  env={"WANDB_DIR": str(run["dir"])})
+    assert f"at step {SAVE_AT} ({SAVE_AT * 16} samples consumed)" in out and "re-sharded" not in out
+    if wandb:  # offline-run-<time>-<id>: the first run's directory and the resumed run's share the id
+        run_ids = [d.name.rsplit("-", 1)[1] for d in (run["dir"] / "wandb").glob("offline-run-*")]
+        assert len(run_ids) == 2 and run_ids[0] == run_ids[1], run_ids
+    full, again = run["metrics"], read_metrics(resumed)
+    assert [m["step"] for m in again] == list(range(1, STEPS + 1))
+    for x, y in zip(full, again):
+        assert (x["loss"], x["grad_norm"], x["lr"], x.get("val_loss")) == \
+            (y["loss"], y["grad_norm"], y["lr"], y.get("val_loss")), (layout, x, y)
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1), (1, 4, 2), (4, 1, 2)], ids=lambda l: "to-tp%d-pp%d-dp%d" % l)
+def test_resume_at_another_layout_matches(parity_runs, tmp_path, layout):
+    """Saved at tp=2 pp=2 dp=2, resumed at another (tp, pp, dp), optimizer state included: the
+    continuation matches the uninterrupted run at the saved layout (and so the reference)."""
+    metrics = tmp_path / "resumed.jsonl"
+    out = _resume(parity_runs[SAVED_AT]["dir"] / "ck" / f"step{SAVE_AT:08d}", layout, metrics)
+    assert f"at step {SAVE_AT}" in out and "re-sharded from tp=2 pp=2 dp=2" in out
+    again = read_metrics(metrics)
+    assert [m["step"] for m in again] == list(range(SAVE_AT + 1, STEPS + 1))
+    for original in (parity_runs[SAVED_AT]["metrics"], parity_runs[REFERENCE]["metrics"]):
+        for x, y in zip(original[SAVE_AT:], again):
+            assert x["lr"] == y["lr"]
+            for key in ("loss", "grad_norm", "val_loss"):
+                assert abs(x[key] - y[key]) <= RTOL * abs(x[key]), (layout, key, x, y)
+
+
+def test_bf16_resume_at_another_layout(tmp_path):
+    """bf16 with pp>1 runs DeepSpeed's bf16 optimizer, not ZeRO's: its state re-shards too.
+    Saved at tp=1 pp=2 after step 2, resumed at tp=2 pp=1: steps 3-4 match the uninterrupted
+    run within bf16 rounding (the layouts themselves differ by about 1e-4 here)."""
+    full, resumed = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
+    bf16 = ["--recipe", str(TINY), "--steps", "4", "--set", "train.precision=bf16"]
+    proc = launch(2, bf16 + ["--pp", "2", "--save", str(tmp_path / "ck"), "--save-every", "2", "--metrics-out", str(full)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = launch(2, bf16 + ["--tp", "2", "--load", str(tmp_path / "ck" / "step00000002"), "--metrics-out", str(resumed)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "re-sharded from tp=1 pp=2 dp=1" in proc.stdout
+    for x, y in zip(read_metrics(full)[2:], read_metrics(resumed)):
+        assert x["step"] == y["step"] and x["lr"] == y["lr"]
+        assert abs(x["loss"] - y["loss"]) <= 1e-3 * x["loss"] and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-2 * x["grad_norm"]
