@@ -89,7 +89,7 @@ def print_table(tp: int, pp: int, dp: int, rows: List[Row], bookkeeping: Dict[Tu
     shown = {r * tp * dp for r in range(pp)}  # global rank of (stage r, data 0, model 0)
     agree = all(r["measured"] == r["formula"] for r in rows)
     print(f"\nlayout tp={tp} pp={pp} dp={dp}: {tp * pp * dp} ranks x {STEPS} steps, every call "
-          f"{'matches the formula exactly' if agree else 'DOES NOT MATCH'}")
+          f"{'matches the formula exactly' if agree else 'DOES NOT MATCH'}", flush=True)
     print(f"{'rank':>4} {'stage':>5} {'step':>4}  {'purpose':<15}{'role':<7}{'op':<23}{'calls':>6}"
           f"{'measured B':>12}{'formula B':>12}{'ratio':>7}")
     for r in rows:
@@ -100,7 +100,7 @@ def print_table(tp: int, pp: int, dp: int, rows: List[Row], bookkeeping: Dict[Tu
                   f"{r['measured'][0]:>6}{measured:>12,}{formula:>12,}{ratio:>7}")
     per_step = sorted({v for (rank, step), v in bookkeeping.items() if step == STEPS})
     print(f"bookkeeping (loss, grad norm, metrics; no formula): {' or '.join(map(str, per_step))} bytes "
-          f"per rank in step {STEPS}")
+          f"per rank in step {STEPS}", flush=True)
 
 
 def main() -> int:
