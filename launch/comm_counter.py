@@ -15,8 +15,8 @@ know which step is running. Each call is recorded as
              receive to a neighbouring stage), world, self (a group of one rank)
     op       the torch.distributed function
     elements, bytes   the payload handed to the call: this rank's input tensor (all-gather: its
-             own shard; reduce-scatter: the full input; send/recv: the message). Wire bytes of
-             a ring are formulas.ring_allreduce_factor times more.
+             own shard; reduce-scatter: the full input; send/recv: the message). A ring all-reduce
+             sends formulas.ring_allreduce_factor times its payload on the wire.
 
 Each rank writes OUT_DIR/rank{R}.json after every step and at exit. The wrappers stay for the
 life of the process: a measurement tool for bench/comm_volume.py and tests, not for production.
