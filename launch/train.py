@@ -50,6 +50,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="draw the measured 1F1B schedule (per-stage forward/backward times) of a few steps")
     p.add_argument("--timeline-steps", type=int, default=3, metavar="N",
                    help="steps --timeline records, after one warm-up step (default: %(default)s)")
+    p.add_argument("--comm-counts", type=Path, metavar="DIR",
+                   help="count each collective's bytes per step into DIR/rank{R}.json (bench/comm_volume.py)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.timeline_steps < 1:
@@ -147,6 +149,8 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, model_parameters=param_groups(pipe), config=deepspeed_config(recipe, layout),
         lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
+    from launch.comm_counter import install_comm_counter
+    install_comm_counter(engine, state, args.comm_counts)  # does nothing without --comm-counts
     timeline = None
     if args.timeline is not None:
         from launch.timeline import install_timeline_recorder

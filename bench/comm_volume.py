@@ -1,0 +1,125 @@
+"""Bytes each collective moves per training step per rank, measured, next to the exact formulas.
+
+Each layout trains recipes/tiny.yaml for 2 steps through DeepSpeed's launcher on CPU, exactly as a
+user starts it, with `launch/train.py --comm-counts DIR` (launch/comm_counter.py); the counts of
+every rank and step are compared with launch/comm_formulas.py. Step 1 also carries DeepSpeed's
+one-time shape header; step 2 is the steady state. Bookkeeping (loss averaging, grad-norm and
+metric reductions of a few scalars) is printed apart: it has no formula.
+
+    python bench/comm_volume.py [--layouts 2,1,1 1,2,1 1,1,2 2,2,2 1,4,1] [--keep DIR]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from launch.comm_counter import BOOKKEEPING  # noqa: E402
+from launch.comm_formulas import comm_per_rank_per_step  # noqa: E402
+
+TINY = REPO / "recipes" / "tiny.yaml"
+STEPS = 2
+DEFAULT_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1)]
+Row = Dict[str, object]  # rank, stage, step, purpose, role, op, measured and formula (calls, elements, bytes)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(tp: int, pp: int, dp: int, out_dir: Path, timeout: int = 600) -> List[dict]:
+    """Train STEPS steps at (tp, pp, dp) with the counter on; every rank's counts, rank order."""
+    deepspeed = str(Path(sys.executable).parent / "deepspeed")
+    cmd = [deepspeed, "--num_gpus", str(tp * pp * dp), "--master_port", str(free_port()),
+           str(REPO / "launch" / "train.py"), "--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp),
+           "--steps", str(STEPS), "--set", "train.eval_every=0", "--comm-counts", str(out_dir)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    if proc.returncode != 0:
+        raise RuntimeError(f"layout {(tp, pp, dp)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(tp * pp * dp)]
+
+
+def run_model(tp: int, pp: int, dp: int):
+    """The GPTConfig and Layout train.py derives for recipes/tiny.yaml at this layout."""
+    from launch.config import load_recipe
+    from launch.layout import derive_layout
+    from launch.train import load_checked_tokenizer
+    recipe = load_recipe(TINY, ["train.eval_every=0", f"train.steps={STEPS}"])
+    _, vocab_size = load_checked_tokenizer(recipe)
+    return recipe.gpt_config(vocab_size), derive_layout(recipe, tp * pp * dp, tp, pp, on_cpu=True)
+
+
+def compare(counts: List[dict], config, layout) -> Tuple[List[Row], Dict[Tuple[int, int], int]]:
+    """Rows for every (rank, step, purpose, role, op) measured or predicted, and the bookkeeping
+    bytes per (rank, step) (inside train_batch and after it, until the next step)."""
+    rows: List[Row] = []
+    bookkeeping: Dict[Tuple[int, int], int] = defaultdict(int)
+    for rank_counts in counts:
+        rank, stage = rank_counts["rank"], rank_counts["coord"]["pipe"]
+        for step in range(1, STEPS + 1):
+            measured = {}
+            for phase in (f"step {step}", f"after step {step}"):
+                for e in rank_counts["phases"].get(phase, []):
+                    if e["purpose"].startswith(BOOKKEEPING):
+                        bookkeeping[(rank, step)] += e["bytes"]
+                    else:
+                        assert phase == f"step {step}", f"model traffic outside a step: {e}"
+                        measured[(e["purpose"], e["role"], e["op"])] = (e["calls"], e["elements"], e["bytes"])
+            formula = comm_per_rank_per_step(config, layout, stage, first_step=step == 1)
+            for key in sorted(set(measured) | set(formula)):
+                rows.append({"rank": rank, "stage": stage, "step": step, "purpose": key[0], "role": key[1],
+                             "op": key[2], "measured": measured.get(key, (0, 0, 0)),
+                             "formula": formula.get(key, (0, 0, 0))})
+    return rows, bookkeeping
+
+
+def print_table(tp: int, pp: int, dp: int, rows: List[Row], bookkeeping: Dict[Tuple[int, int], int]) -> None:
+    """Step 2 of TP rank 0, DP rank 0 of every stage (the other ranks of a stage move the same),
+    step 1's extra lines, and whether all ranks and steps agree."""
+    shown = {r * tp * dp for r in range(pp)}  # global rank of (stage r, data 0, model 0)
+    agree = all(r["measured"] == r["formula"] for r in rows)
+    print(f"\nlayout tp={tp} pp={pp} dp={dp}: {tp * pp * dp} ranks x {STEPS} steps, every call "
+          f"{'matches the formula exactly' if agree else 'DOES NOT MATCH'}", flush=True)
+    print(f"{'rank':>4} {'stage':>5} {'step':>4}  {'purpose':<15}{'role':<7}{'op':<23}{'calls':>6}"
+          f"{'measured B':>12}{'formula B':>12}{'ratio':>7}")
+    for r in rows:
+        if r["rank"] in shown and (r["step"] == STEPS or r["measured"] != r["formula"] or r["purpose"] == "pp-shape"):
+            measured, formula = r["measured"][2], r["formula"][2]
+            ratio = f"{measured / formula:.3f}" if formula else "-"
+            print(f"{r['rank']:>4} {r['stage']:>5} {r['step']:>4}  {r['purpose']:<15}{r['role']:<7}{r['op']:<23}"
+                  f"{r['measured'][0]:>6}{measured:>12,}{formula:>12,}{ratio:>7}")
+    per_step = sorted({v for (rank, step), v in bookkeeping.items() if step == STEPS})
+    print(f"bookkeeping (loss, grad norm, metrics; no formula): {' or '.join(map(str, per_step))} bytes "
+          f"per rank in step {STEPS}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", nargs="+", default=[",".join(map(str, l)) for l in DEFAULT_LAYOUTS],
+                   metavar="TP,PP,DP")
+    p.add_argument("--keep", type=Path, help="keep the per-rank counts under this directory")
+    args = p.parse_args()
+    all_agree = True
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep or Path(tmp)
+        for text in args.layouts:
+            tp, pp, dp = (int(x) for x in text.split(","))
+            counts = measure(tp, pp, dp, root / f"tp{tp}-pp{pp}-dp{dp}")
+            rows, bookkeeping = compare(counts, *run_model(tp, pp, dp))
+            print_table(tp, pp, dp, rows, bookkeeping)
+            all_agree &= all(r["measured"] == r["formula"] for r in rows)
+    return 0 if all_agree else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

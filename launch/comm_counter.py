@@ -1,0 +1,190 @@
+"""Count what every torch.distributed collective moves, per training step, per purpose and group.
+
+`install_comm_counter(engine, state, out_dir)` wraps the torch.distributed entry points that our
+model code (model/mappings.py, model/loss.py) and DeepSpeed 0.19.8 (deepspeed.comm's
+TorchBackend, which looks them up at call time) go through, and wraps `engine.train_batch` to
+know which step is running. Each call is recorded as
+
+    phase    "step k" inside the k-th train_batch, "after step k" between it and the next one
+             (metrics, evaluation, preemption agreement); traffic before the first step
+             (engine build, initial broadcasts) is not seen: the counter starts after it
+    purpose  what the bytes are for, from the calling function (PURPOSES); anything else is
+             "bookkeeping: <caller>" (loss averaging, grad-norm reductions, metrics, ...)
+    role     the group, from its ranks' coordinates in the topology: tp, dp, pp (a group along
+             the pipe axis: the whole pipeline or the tied first+last stages), pp-p2p (a send or
+             receive to a neighbouring stage), world, self (a group of one rank)
+    op       the torch.distributed function
+    elements, bytes   the payload handed to the call: this rank's input tensor (all-gather: its
+             own shard; reduce-scatter: the full input; send/recv: the message). A ring all-reduce
+             sends formulas.ring_allreduce_factor times its payload on the wire.
+
+Each rank writes OUT_DIR/rank{R}.json after every step and at exit. The wrappers stay for the
+life of the process: a measurement tool for bench/comm_volume.py and tests, not for production.
+"""
+import atexit
+import functools
+import importlib
+import inspect
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch.distributed as dist
+
+# Function -> the argument holding the payload: what this rank hands to the collective.
+PAYLOAD_ARGUMENT = {
+    "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
+    "all_gather": "tensor", "all_gather_into_tensor": "input_tensor",
+    "reduce_scatter": "input_list", "reduce_scatter_tensor": "input",
+    "send": "tensor", "recv": "tensor", "isend": "tensor", "irecv": "tensor",
+}
+POINT_TO_POINT = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
+
+# The innermost calling function (qualified name) that names the purpose of a call; the keys of
+# launch/comm_formulas.py. Calls from anywhere else are bookkeeping (loss, grad norm, metrics).
+PURPOSES = {
+    "_ReduceFromTP.forward": "tp-forward",  # row-parallel outputs, the embedding
+    "_CopyToTP.backward": "tp-backward",  # input grads of column-parallel layers and the head
+    "_GatherFromTP.forward": "tp-gather",
+    "_ScatterToTP.backward": "tp-gather",
+    "_VocabParallelCrossEntropy.forward": "tp-loss",  # max, sum-exp, target logit
+    "PipelineEngine._send_tensor_meta": "pp-shape",
+    "PipelineEngine._recv_tensor_meta": "pp-shape",
+    "PipelineEngine._exec_send_activations": "pp-activations",
+    "PipelineEngine._exec_recv_activations": "pp-activations",
+    "PipelineEngine._exec_send_grads": "pp-grads",
+    "PipelineEngine._exec_recv_grads": "pp-grads",
+    "PartitionedTensor.full": "pp-tp-gather",  # a stage tensor sent as 1/t per TP rank, re-assembled
+    "PipelineEngine._exec_reduce_tied_grads": "tied-grads",
+    "DeepSpeedZeroOptimizer.allreduce_bucket": "dp-grads",
+    "all_gather_into_tensor_dp_groups": "dp-params",
+    "all_gather_dp_groups": "dp-params",
+}
+BOOKKEEPING = "bookkeeping: "
+_COMM_LAYERS = ("torch/distributed/", "deepspeed/comm/", "launch/comm_counter.py")
+
+
+def purpose_of_call(frame) -> str:
+    """PURPOSES entry of the innermost matching caller, else 'bookkeeping: <first caller>'."""
+    first_caller = None
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if not any(layer in path for layer in _COMM_LAYERS):
+            name = frame.f_code.co_qualname
+            if name in PURPOSES:
+                return PURPOSES[name]
+            first_caller = first_caller or name
+        frame = frame.f_back
+    return BOOKKEEPING + str(first_caller)
+
+
+class CommCounter:
+    def __init__(self, topology, rank: int, out_dir: Path):
+        self.topology = topology
+        self.rank = rank
+        self.path = Path(out_dir) / f"rank{rank}.json"
+        self.phase = "before step 1"
+        self.step = 0
+        # phase -> (purpose, role, op) -> [calls, elements, bytes]
+        self.counts: Dict[str, Dict[Tuple[str, str, str], list]] = defaultdict(lambda: defaultdict(lambda: [0, 0, 0]))
+        self._roles: Dict[Tuple[int, ...], str] = {}
+
+    # ------------------------------------------------------------ groups
+
+    def role(self, ranks: Tuple[int, ...]) -> str:
+        if ranks not in self._roles:
+            coords = [self.topology.get_coord(r) for r in ranks]
+            varying = {axis for axis in ("pipe", "data", "model") if len({getattr(c, axis) for c in coords}) > 1}
+            if not varying:
+                role = "self"
+            elif len(varying) == 1:  # also when that axis is the whole world
+                role = {"pipe": "pp", "data": "dp", "model": "tp"}[varying.pop()]
+            elif len(ranks) == self.topology.world_size():
+                role = "world"
+            else:
+                role = "+".join(sorted(varying))
+            self._roles[ranks] = role
+        return self._roles[ranks]
+
+    def record(self, op: str, bound: inspect.BoundArguments, frame) -> None:
+        payload = bound.arguments[PAYLOAD_ARGUMENT[op]]
+        tensors = payload if isinstance(payload, (list, tuple)) else [payload]
+        elements = sum(t.numel() for t in tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if op in POINT_TO_POINT:
+            role = "pp-p2p" if self.role((self.rank, bound.arguments[POINT_TO_POINT[op]])) == "pp" else "p2p"
+        else:
+            group = bound.arguments.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+                range(dist.get_world_size()))
+            role = self.role(ranks)
+        entry = self.counts[self.phase][(purpose_of_call(frame), role, op)]
+        entry[0] += 1
+        entry[1] += elements
+        entry[2] += nbytes
+
+    # ------------------------------------------------------------ installation
+
+    def wrap(self, op: str, original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            self.record(op, signature.bind(*args, **kwargs), sys._getframe(1))
+            return original(*args, **kwargs)
+        counted.comm_counter_original = original
+        return counted
+
+    def install(self, engine) -> None:
+        for op in PAYLOAD_ARGUMENT:
+            setattr(dist, op, self.wrap(op, getattr(dist, op)))
+        # DeepSpeed's TorchBackend caches these two functions when it is built: wrap the cached ones.
+        backend = importlib.import_module("deepspeed.comm.comm").cdb
+        for attribute, op in (("all_gather_function", "all_gather_into_tensor"),
+                              ("reduce_scatter_function", "reduce_scatter_tensor")):
+            cached = getattr(backend, attribute, None)
+            if cached is not None and op in getattr(cached, "__name__", ""):
+                setattr(backend, attribute, self.wrap(op, cached))
+
+        train_batch = engine.train_batch
+
+        @functools.wraps(train_batch)
+        def counted_train_batch(*args, **kwargs):
+            self.step += 1
+            self.phase = f"step {self.step}"
+            try:
+                return train_batch(*args, **kwargs)
+            finally:
+                self.phase = f"after step {self.step}"
+                self.write()
+        engine.train_batch = counted_train_batch
+        atexit.register(self.write)
+
+    # ------------------------------------------------------------ output
+
+    def to_dict(self) -> dict:
+        coord = self.topology.get_coord(self.rank)
+        return {"rank": self.rank,
+                "coord": {"pipe": coord.pipe, "data": coord.data, "model": coord.model},
+                "phases": {phase: [{"purpose": purpose, "role": role, "op": op,
+                                    "calls": calls, "elements": elements, "bytes": nbytes}
+                                   for (purpose, role, op), (calls, elements, nbytes) in sorted(entries.items())]
+                           for phase, entries in self.counts.items()}}
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(self.path)
+
+
+def install_comm_counter(engine, state, out_dir: Optional[Path]) -> Optional[CommCounter]:
+    """Count this rank's communication from now on into out_dir/rank{R}.json; None: do nothing."""
+    if out_dir is None:
+        return None
+    counter = CommCounter(state.topology, state.global_rank, out_dir)
+    counter.install(engine)
+    return counter
+

@@ -1,0 +1,117 @@
+"""Exact communication of this implementation: every collective one rank calls in one training
+step, with its element and byte count, as launch/comm_counter.py measures it.
+
+The planner's formulas (launch/formulas.py, DESIGN.md section 5) give the leading terms:
+4 TP all-reduces of b*s*h per block per micro-batch [N21 sec. 2.3], b*s*h per stage boundary per
+micro-batch each way [N21 sec. 3], the local gradient once per step over dp. This module adds
+everything our code and DeepSpeed 0.19.8 really send, so a measurement can be checked to the byte:
+  - TP: the embedding's forward all-reduce (first stage), the head's backward all-reduce
+    (copy_to_tp_region, last stage) and the vocab-parallel cross-entropy's three fp32 all-reduces
+    of b*s elements (max, sum of exponentials, target logit) [Megatron-LM cross_entropy.py].
+  - PP at tp > 1: DeepSpeed's pipeline engine (`pipe_partitioned`, `grad_partitioned`, both on by
+    default) splits each stage tensor over the TP group, so every TP rank sends b*s*h/t elements
+    plus a (t+7)-element int64 partition header, and the receiver re-assembles the tensor with an
+    all-gather in the TP group: the scatter/gather optimisation of [N21 sec. 4.1]. The sending
+    stage also all-gathers its own output again before its backward pass (it kept only 1/t).
+  - PP, first step only: one 256-element int32 shape header per boundary, forward direction.
+  - Tied embedding (pp > 1): one all-reduce of the wte shard's gradient between the first and
+    the last stage per step (DeepSpeed `_exec_reduce_tied_grads`).
+  - DP, ZeRO-1 (DeepSpeed stage_1_and_2): one all-reduce of the stage's whole local gradient
+    (all buckets fit in the default 5e8-element bucket), then after the optimizer step one
+    all-gather per parameter group (matrices, vectors: launch/train.py's weight-decay groups) of
+    this rank's partition, the group padded to a multiple of 2*d elements [R20 sec. 5.1].
+Payload = what this rank hands to the call (all-gather: its own shard). Not counted here:
+bookkeeping reductions of a few scalars (loss, grad norm, metrics), which comm_counter reports
+under "bookkeeping: ...". Assumes b*s*h divisible by t (DeepSpeed uses broadcasts otherwise)
+and no activation recomputation (which repeats the blocks' forward all-reduces).
+"""
+from typing import Dict, Tuple
+
+from launch import formulas as F
+from launch.layout import Layout
+from model.gpt import GPTConfig
+
+Key = Tuple[str, str, str]  # (purpose, role, op), as in launch/comm_counter.py
+Volume = Tuple[int, int, int]  # (calls, elements, bytes)
+
+SHAPE_HEADER_ELEMENTS, SHAPE_HEADER_BYTES = 256, 4  # DeepSpeed TENSOR_META_SIZE, int32
+PARTITION_HEADER_BYTES = 8  # int64: PartitionedTensor.to_meta()
+ZERO_ALIGNMENT = 2  # DeepSpeed nccl_start_alignment_factor: groups padded to a multiple of 2*d
+LOSS_BYTES = 4  # the cross-entropy reduces in fp32 whatever the precision
+
+
+def partition_header_elements(tp: int) -> int:
+    """PartitionedTensor.to_meta() of a (b, s, h) tensor: ndims, 3 sizes, num_parts, rank and
+    the t+1 partition offsets."""
+    return 1 + 3 + 2 + (tp + 1)
+
+
+def stage_vector_params_per_rank(config: GPTConfig, tp: int, pp: int, stage: int) -> int:
+    """Biases and LayerNorms one rank of `stage` holds: column-parallel biases 7h/t, row-parallel
+    biases and both LayerNorms 6h per block, ln_f 2h on the last stage."""
+    h = config.n_embd
+    blocks = F.blocks_per_stage(config.n_layer, pp)[stage]
+    return blocks * (7 * h // tp + 6 * h) + (2 * h if stage == pp - 1 else 0)
+
+
+def zero1_gather_elements(group_params: int, dp: int) -> int:
+    """This rank's partition of one ZeRO-1 parameter group: padded to 2*d, split over d."""
+    alignment = ZERO_ALIGNMENT * dp
+    return -(-group_params // alignment) * alignment // dp
+
+
+def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_step: bool = False,
+                           element_bytes: int = 4) -> Dict[Key, Volume]:
+    """{(purpose, role, op): (calls, elements, bytes)} of one rank of pipeline stage `stage` in one
+    training step. element_bytes: activations and gradients (4 for fp32; 2 for bf16 activations)."""
+    t, p, d, m = layout.tp, layout.pp, layout.dp, layout.grad_accum_steps
+    b, s, h = layout.micro_batch_size, config.seq_len, config.n_embd
+    first, last = stage == 0, stage == p - 1
+    blocks = F.blocks_per_stage(config.n_layer, p)[stage]
+    activation = b * s * h  # one (b, s, h) stage tensor
+    out: Dict[Key, Volume] = {}
+
+    def add(purpose: str, role: str, op: str, calls: int, elements: int, nbytes: int) -> None:
+        if calls:
+            out[(purpose, role, op)] = (calls, elements, nbytes)
+
+    if t > 1:
+        forward = m * (2 * blocks + first)  # attn and mlp c_proj per block; the embedding
+        backward = m * (2 * blocks + last)  # c_attn and c_fc input grads per block; the head
+        add("tp-forward", "tp", "all_reduce", forward, forward * activation, forward * activation * element_bytes)
+        add("tp-backward", "tp", "all_reduce", backward, backward * activation, backward * activation * element_bytes)
+        if last:
+            add("tp-loss", "tp", "all_reduce", 3 * m, 3 * m * b * s, 3 * m * b * s * LOSS_BYTES)
+
+    if p > 1:
+        shard = activation // t  # each TP rank's part of a stage tensor (all of it at t = 1)
+        header = partition_header_elements(t) if t > 1 else 0
+        calls = m * (2 if t > 1 else 1)  # header + shard, or the tensor
+        message = (calls, m * (shard + header), m * (shard * element_bytes + header * PARTITION_HEADER_BYTES))
+        if not last:
+            add("pp-activations", "pp-p2p", "send", *message)
+            add("pp-grads", "pp-p2p", "recv", *message)
+        if not first:
+            add("pp-activations", "pp-p2p", "recv", *message)
+            add("pp-grads", "pp-p2p", "send", *message)
+        if t > 1:  # re-assemble: received activations; own output and received grads
+            gathers = m * ((not first) + 2 * (not last))
+            add("pp-tp-gather", "tp", "all_gather_into_tensor", gathers, gathers * shard,
+                gathers * shard * element_bytes)
+        if first_step:  # the shape header goes once per engine, before the first activations
+            header_volume = (1, SHAPE_HEADER_ELEMENTS, SHAPE_HEADER_ELEMENTS * SHAPE_HEADER_BYTES)
+            if not last:
+                add("pp-shape", "pp-p2p", "send", *header_volume)
+            if not first:
+                add("pp-shape", "pp-p2p", "recv", *header_volume)
+        if first or last:
+            wte = F.embedding_params_per_rank(config.vocab_size, h, t, config.vocab_pad_multiple)
+            add("tied-grads", "pp", "all_reduce", 1, wte, wte * element_bytes)
+
+    local = F.stage_params_per_rank(config.n_layer, h, config.vocab_size, s, t, p, stage, config.vocab_pad_multiple)
+    add("dp-grads", "dp" if d > 1 else "self", "all_reduce", 1, local, local * element_bytes)
+    if d > 1:
+        vectors = stage_vector_params_per_rank(config, t, p, stage)
+        parts = [zero1_gather_elements(n, d) for n in (local - vectors, vectors) if n]
+        add("dp-params", "dp", "all_gather_into_tensor", len(parts), sum(parts), sum(parts) * element_bytes)
+    return out
