@@ -124,6 +124,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, h) embeddings, replicated on the TP group."""
+        if self.tp_group is None:  # one rank holds every row: no masking, no (B, T, h) masked copy
+            return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         emb = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)

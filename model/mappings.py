@@ -50,7 +50,15 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)  # clone: never reduce into the caller's tensor
+        # In place, without a copy: every caller passes the fresh output of a matmul or an
+        # embedding lookup that no other op reads or saves for backward (a clone here cost one
+        # (B, T, h) copy per row-parallel layer per micro-batch). mark_dirty bumps x's version,
+        # so autograd raises, rather than computing wrong gradients, if a caller ever breaks that.
+        if not x.is_contiguous():
+            return _all_reduce(x, group)  # .contiguous() makes the private copy
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
@@ -85,7 +93,7 @@ def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """forward: all-reduce; backward: identity (Megatron's g)."""
+    """forward: all-reduce, in place into x (pass a temporary); backward: identity (Megatron's g)."""
     return x if group is None else _ReduceFromTP.apply(x, group)
 
 

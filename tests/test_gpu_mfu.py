@@ -1,0 +1,114 @@
+"""The GPT-2 recipes and bench/gpu_mfu.py.
+
+The recipes: they parse, their parameter counts are the published ones, they are valid at a
+cluster layout and offline with the embedded tokenizer, and the benchmark's step sizes fit one
+80 GB GPU by the planner's formulas. The script: it runs on CPU at toy sizes through
+launch/train.py, and its table and JSON agree with launch/formulas.py.
+"""
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data.builtin import BUILTIN_VOCAB_SIZE
+from launch import formulas as F
+from launch.config import load_recipe
+from launch.layout import check_vocab, derive_layout
+from model.layers import padded_vocab_size
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_mfu  # noqa: E402
+
+# (recipe, n_layer, n_embd, n_head, published parameters)
+PUBLISHED = [
+    ("gpt2-124m", 12, 768, 12, 124_439_808),   # GPT-2 small, as transformers counts it
+    ("gpt2-350m", 24, 1024, 16, 354_823_168),  # GPT-2 medium ("355M")
+    ("gpt2-1.3b", 24, 2048, 16, 1.3e9),        # GPT-3 XL, Brown et al. 2020 table 2.1 ("1.3B")
+]
+GIB = 2 ** 30
+
+
+@pytest.mark.parametrize("name,layers,hidden,heads,published", PUBLISHED, ids=[p[0] for p in PUBLISHED])
+def test_recipe_parses_with_the_published_size(name, layers, hidden, heads, published):
+    recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", [])
+    m, t = recipe.model, recipe.train
+    assert (m.n_layer, m.n_embd, m.n_head, m.seq_len) == (layers, hidden, heads, 1024)
+    assert (m.vocab_size, m.vocab_pad_multiple) == (50257, 128)
+    assert (t.precision, t.zero_stage) == ("bf16", 1)
+    params = F.params_exact(m.n_layer, m.n_embd, m.vocab_size, m.seq_len)
+    if isinstance(published, int):
+        assert params == published
+    else:  # published rounded to two digits
+        assert round(params, -8) == published, params
+    # Narayanan et al.'s closed form omits only the final LayerNorm.
+    assert F.params_formula(m.n_layer, m.n_embd, m.vocab_size, m.seq_len) == pytest.approx(params - 2 * hidden)
+
+
+@pytest.mark.parametrize("name", gpu_mfu.RECIPES)
+def test_recipe_is_valid_on_a_cluster_and_offline(name):
+    path = REPO / "recipes" / f"{name}.yaml"
+    recipe = load_recipe(path, [])
+    # 64 GPUs as tp 2 x pp 2 x dp 16: the batch divides, the heads divide.
+    layout = derive_layout(recipe, 64, 2, 2, on_cpu=False)
+    assert layout.dp == 16 and layout.grad_accum_steps * 16 * recipe.train.micro_batch_size == recipe.train.global_batch_size
+    # The benchmark's offline run: the embedded tokenizer fits the GPT-2 vocabulary.
+    bench = load_recipe(path, gpu_mfu.recipe_overrides(name, gpu_mfu.parse_args([]), recipe.train.micro_batch_size))
+    assert bench.data.name == "builtin" and bench.data.tokenizer == "builtin" and not bench.data.streaming
+    assert check_vocab(bench, BUILTIN_VOCAB_SIZE) == 50257
+    assert derive_layout(bench, 1, 1, 1, on_cpu=False).grad_accum_steps == gpu_mfu.ACCUM[name]
+
+
+@pytest.mark.parametrize("name", gpu_mfu.RECIPES)
+def test_benchmark_step_fits_one_80gb_gpu_by_the_formulas(name):
+    """launch/plan.py's memory (weights, bf16 grads, Adam, activations of one micro-batch) plus
+    what it leaves out: the fp32 gradient-accumulation buffer (4 B/param) and the loss's
+    (b, s, V) tensors (bf16 logits, their fp32 copy, softmax, and its gradient)."""
+    path = REPO / "recipes" / f"{name}.yaml"
+    recipe = load_recipe(path, [])
+    b = recipe.train.micro_batch_size
+    plan = subprocess.run([sys.executable, str(REPO / "launch" / "plan.py"), "--recipe", str(path), "--gpus", "1",
+                           "--global-batch", str(b * gpu_mfu.ACCUM[name]), "--json"],
+                          capture_output=True, text=True, check=True)
+    planned = json.loads(plan.stdout)["memory_per_device_bytes"]
+    m = recipe.model
+    logits = b * m.seq_len * padded_vocab_size(m.vocab_size, 1, m.vocab_pad_multiple)
+    extra = 4 * F.params_exact(m.n_layer, m.n_embd, m.vocab_size, m.seq_len) + logits * (2 + 4 + 4 + 4)
+    assert planned + extra < 75 * GIB, (name, planned / GIB, extra / GIB)
+
+
+def test_gpu_mfu_tiny_on_cpu_agrees_with_the_formulas():
+    steps, warmup = 2, 1
+    peak_tflops = 1e-3  # an explicit peak makes MFU a number on CPU too
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_mfu.py"), "--tiny", "--steps", str(steps),
+                           "--warmup", str(warmup), "--json"], cwd=REPO, capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, GPT3D_PEAK_TFLOPS=str(peak_tflops)))
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    lines = proc.stdout.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert [r["recipe"] for r in out["results"]] == list(gpu_mfu.RECIPES)
+    assert f"MFU peak: {peak_tflops:g} TFLOP/s from GPT3D_PEAK_TFLOPS" in proc.stdout
+    for r in out["results"]:
+        assert "error" not in r, r
+        # --tiny: 2 blocks of 64, 32 tokens, micro-batch 2 x 2, the GPT-2 vocabulary.
+        l, h, s, V, B = 2, 64, 32, 50257, 4
+        assert (r["n_layer"], r["n_embd"], r["seq_len"], r["vocab_size"], r["global_batch_size"]) == (l, h, s, V, B)
+        assert r["params"] == F.params_exact(l, h, V, s)
+        assert len(r["step_times_s"]) == steps
+        assert r["step_time_s"] == statistics.median_low(r["step_times_s"][warmup:])
+        assert r["step"] > warmup
+        assert r["tokens_per_s"] == pytest.approx(B * s / r["step_time_s"], rel=1e-9)
+        flops = F.model_flops_per_step(B, s, l, h, V)
+        assert r["tflops_per_device"] == pytest.approx(flops / r["step_time_s"] / 1e12, rel=1e-6)
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / peak_tflops, rel=1e-9)
+        assert math.isfinite(r["loss_first"]) and math.isfinite(r["loss_last"])
+        assert r["loss_first"] == pytest.approx(math.log(V), rel=0.05)  # untrained: near uniform
+        # The table row shows the same numbers.
+        row = next(line for line in lines if line.startswith(r["recipe"] + " "))
+        assert f"{r['tokens_per_s']:,.0f}" in row and f"{r['mfu']:.1%}" in row and f"{r['params'] / 1e6:.1f}M" in row
+    assert lines[-2].startswith("total ")
