@@ -8,6 +8,7 @@ dozen test runs, then the OOM killer). Without the op, DeepSpeed uses plain
 torch.distributed collectives (gloo on CPU, NCCL on GPU), which is all we need.
 """
 import importlib
+import os
 from datetime import timedelta
 
 import deepspeed
@@ -17,6 +18,19 @@ def init_distributed(timeout_s: int, **kwargs) -> None:
     # Not `import deepspeed.comm.torch`: the package re-exports the real `torch` under that name.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def start_rank(world_size: int, timeout_s: int) -> None:
+    """The start of every rank of train.py and evaluate.py: a fair share of the CPU threads
+    per local rank, this rank's accelerator (before NCCL picks a device), then torch.distributed
+    with a bounded wait, so that if a rank dies the others fail their next collective instead
+    of hanging."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+    init_distributed(timeout_s)
 
 
 def shut_down_distributed() -> None:

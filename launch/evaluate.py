@@ -94,18 +94,12 @@ def load_weights(pipe, args: argparse.Namespace, config, state) -> None:
 def run(args: argparse.Namespace, recipe, layout, data, vocab_size: int, n_batches: int) -> Dict[str, Any]:
     import deepspeed
 
-    from launch.distributed import init_distributed, shut_down_distributed
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
+    from launch.distributed import shut_down_distributed, start_rank
     from launch.metrics import is_logging_rank
     from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline
 
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
-    init_distributed(recipe.train.dist_timeout_s)
+    start_rank(layout.world_size, recipe.train.dist_timeout_s)
     state = init_parallel_state(layout.tp, layout.pp)
     config = recipe.gpt_config(vocab_size)
     pipe = build_pipeline(config, state)

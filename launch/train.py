@@ -118,11 +118,10 @@ def evaluate(engine, data, state, layout: Layout, eval_batches: int) -> float:
 def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_size: int,
           resume_from=None) -> None:
     import deepspeed
-    import torch
     from deepspeed.accelerator import get_accelerator
 
     from launch import checkpoint
-    from launch.distributed import init_distributed, shut_down_distributed
+    from launch.distributed import shut_down_distributed, start_rank
     from launch.ds_config import deepspeed_config
     from launch.metrics import MetricsLogger, is_logging_rank, loss_scale, peak_memory_bytes, run_arithmetic
     from launch.preemption import StopRequest
@@ -131,11 +130,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     from model.pipe import build_pipeline, stage_contents
 
     t = recipe.train
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))  # before NCCL picks a device
-    # A bounded wait: if a rank dies, the others fail their next collective instead of hanging.
-    init_distributed(t.dist_timeout_s)
+    start_rank(layout.world_size, t.dist_timeout_s)
     state = init_parallel_state(layout.tp, layout.pp)
     logging_rank = is_logging_rank(state.global_rank)
 
