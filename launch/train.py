@@ -138,7 +138,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     logging_rank = is_logging_rank(state.global_rank)
 
     config = recipe.gpt_config(vocab_size)
-    pipe = build_pipeline(config, state, t.activation_checkpoint_interval)
+    pipe = build_pipeline(config, state, t.full_recompute_interval)
     if args.init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them
         from launch.hf_init import init_from_hf
         init_from_hf(pipe, args.init_from_hf, config, state)
