@@ -2,8 +2,10 @@
 
 The first 5 optimizer steps of recipes/tiny.yaml (fp32, ZeRO-1, gradient clipping active, a
 learning rate that moves the loss) give the same loss and gradient norm, relative difference
-<= 1e-5, at (tp, pp, dp) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,2) and (4,4,1).
-Each layout runs through DeepSpeed's launcher exactly as a user starts it.
+<= 1e-5, at (tp, pp, dp) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,2) and (4,4,1), and with
+sequence parallelism (`model.sequence_parallel`) at (2,2,2) and (4,1,1).
+Each layout runs through DeepSpeed's launcher exactly as a user starts it, once per module,
+when a test first asks for it (so `-k sp` launches only the reference and the SP layouts).
 """
 import json
 import math
@@ -14,25 +16,37 @@ from launcher import TINY, launch, read_metrics
 
 REFERENCE = (1, 1, 1)
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 4, 1)]
+SP_LAYOUTS = [(2, 2, 2, "sp"), (4, 1, 1, "sp")]  # sequence parallelism on
 STEPS = 5
 RTOL = 1e-5
 GRAD_CLIP = 0.5  # recipes/tiny.yaml
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "elapsed_s"}
 
 
+class Runs:
+    """Metrics of each layout, launched on first use and kept for the module.
+    (1,1,2) also writes a wandb offline run."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory, self.done = tmp_path_factory, {}
+
+    def __getitem__(self, layout):
+        if layout not in self.done:
+            tp, pp, dp = layout[:3]
+            sp = ["--set", "model.sequence_parallel=true"] if "sp" in layout else []
+            tmp = self.tmp_path_factory.mktemp("-".join(map(str, layout)))
+            wandb = ["--wandb", "offline"] if layout == (1, 1, 2) else []
+            proc = launch(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp),
+                                         "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl")]
+                          + sp + wandb, env={"WANDB_DIR": str(tmp)})
+            assert proc.returncode == 0, f"layout {layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            self.done[layout] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout}
+        return self.done[layout]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Metrics of every layout, run once for the module. (1,1,2) also writes a wandb offline run."""
-    out = {}
-    for tp, pp, dp in [REFERENCE] + LAYOUTS:
-        tmp = tmp_path_factory.mktemp(f"tp{tp}pp{pp}dp{dp}")
-        wandb = ["--wandb", "offline"] if (tp, pp, dp) == (1, 1, 2) else []
-        proc = launch(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp),
-                                     "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl")] + wandb,
-                      env={"WANDB_DIR": str(tmp)})
-        assert proc.returncode == 0, f"layout {(tp, pp, dp)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        out[(tp, pp, dp)] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout}
-    return out
+    return Runs(tmp_path_factory)
 
 
 def _rel(a: float, b: float) -> float:
@@ -49,7 +63,8 @@ def test_reference_run_learns_with_clipping_active(runs):
     assert ref[-1]["tokens"] == STEPS * 16 * 32  # global batch 16 x seq_len 32
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "tp%d-pp%d-dp%d" % l)
+@pytest.mark.parametrize("layout", LAYOUTS + SP_LAYOUTS, ids=lambda l: "-".join(
+    [f"tp{l[0]}", f"pp{l[1]}", f"dp{l[2]}"] + list(l[3:])))
 def test_layout_matches_single_process(runs, layout):
     ref, got = runs[REFERENCE]["metrics"], runs[layout]["metrics"]
     assert len(got) == STEPS
