@@ -70,6 +70,14 @@ def init_generator(config: GPTConfig, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(config.seed * 1_000_003 + stream + 10)
 
 
+def sequence_dropout_rng(config: GPTConfig, tp_group: Group,
+                         dropout_rng: Callable[[], ContextManager]) -> Callable[[], ContextManager]:
+    """The RNG of dropout on residual-stream activations: shared by the TP ranks when they hold
+    the same (B, T, h) tensor, the per-TP-rank stream when each holds its own sequence chunk
+    (DESIGN.md contract 10; Megatron forks the same tracker under SP)."""
+    return dropout_rng if config.sequence_parallel_group(tp_group) is not None else contextlib.nullcontext
+
+
 class CausalSelfAttention(nn.Module):
     """Heads split across TP: c_attn is column-parallel (whole heads per rank, stride 3 over
     [Q; K; V]), c_proj row-parallel; one all-reduce in forward, one in backward (with sequence
@@ -137,14 +145,6 @@ class MLP(nn.Module):
         y = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
         with self.residual_dropout_rng():
             return self.dropout(y)
-
-
-def sequence_dropout_rng(config: GPTConfig, tp_group: Group,
-                         dropout_rng: Callable[[], ContextManager]) -> Callable[[], ContextManager]:
-    """The RNG of dropout on residual-stream activations: shared by the TP ranks when they hold
-    the same (B, T, h) tensor, the per-TP-rank stream when each holds its own sequence chunk
-    (DESIGN.md contract 10; Megatron forks the same tracker under SP)."""
-    return dropout_rng if config.sequence_parallel_group(tp_group) is not None else contextlib.nullcontext
 
 
 class Block(nn.Module):
