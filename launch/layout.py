@@ -102,6 +102,15 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
         raise ConfigError(f"data.num_proc={d.num_proc} and data.shuffle_buffer={d.shuffle_buffer} must be >= 1")
     if t.eval_every < 0 or t.eval_batches < 1:
         raise ConfigError(f"train.eval_every={t.eval_every} must be >= 0 and train.eval_batches={t.eval_batches} >= 1")
+    pipeline = recipe.deepspeed.get("pipeline")
+    partitioned = [k for k in ("pipe_partitioned", "grad_partitioned")
+                   if isinstance(pipeline, dict) and pipeline.get(k)]
+    if m.sequence_parallel and tp > 1 and pp > 1 and partitioned:
+        # DeepSpeed would send 1/tp of each stage output and all-gather it, assuming the TP ranks
+        # hold the same tensor; under SP they hold different chunks: silently wrong losses.
+        raise ConfigError(f"deepspeed.pipeline.{partitioned[0]}=true with model.sequence_parallel, --tp {tp} "
+                          f"--pp {pp}: stage outputs differ per TP rank under SP and cannot be partitioned; "
+                          f"remove the key (SP already sends 1/tp of the sequence)")
     clashing = sorted(set(BATCH_KEYS) & set(recipe.deepspeed))
     if clashing:
         raise ConfigError(f"deepspeed.{clashing[0]} may not be set: batch keys are derived from "

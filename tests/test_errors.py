@@ -27,6 +27,8 @@ CASES = [
     (1, ["--recipe", "recipes/nope.yaml"], ["recipes/nope.yaml", "not found"]),
     (2, ["--tp", "2", "--set", "model.sequence_parallel=true", "--set", "data.seq_len=31"],
      ["model.sequence_parallel", "--tp 2", "sequence length 31"]),
+    (4, ["--tp", "2", "--pp", "2", "--set", "model.sequence_parallel=true",
+         "--set", "deepspeed.pipeline.pipe_partitioned=true"], ["deepspeed.pipeline.pipe_partitioned=true", "--tp 2"]),
     (1, ["--set", "train.recompute=partial"], ["train.recompute='partial'", "none, selective, full"]),
     (1, ["--set", "train.recompute=selective", "--set", "train.activation_checkpoint_interval=2"],
      ["recompute=selective", "activation_checkpoint_interval=2"]),
