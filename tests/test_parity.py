@@ -97,6 +97,8 @@ def test_role_map_names_groups_and_stages(runs):
     assert "DP groups  (split the data, all-reduce grads): [0, 2] [1, 3] [4, 6] [5, 7]" in out
     assert "stage 0: layers 0-3: embed (tied), wpe, block 0, block 1" in out
     assert "stage 1: layers 4-7: block 2, block 3, ln_f, lm_head (tied embed)" in out
+    assert "activations: (b, T, h) = (2, 32, h) per rank between TP linears and across stages; recompute none" in out
+    assert "activations: (b, T/tp, h) = (2, 16, h): sequence parallel" in runs[(2, 2, 2, "sp")]["stdout"]
 
 
 def test_wandb_offline_writes_a_run_directory(runs):
