@@ -8,7 +8,7 @@ weights do not depend on which stage or TP rank builds them.
 
 Two switches change memory, never the maths (Korthikanti et al. 2022, "K22"):
 - `sequence_parallel`: between the TP linears (LayerNorms, dropouts, residual adds) each TP
-  rank holds a (B, T/t, h) chunk of the sequence instead of the whole (B, T, h) (K22 sec. 4.2.2).
+  rank holds a (B, T/t, h) chunk of the sequence instead of the whole (B, T, h) (K22 sec. 4.2).
 - `recompute_attention` (selective recompute): keep q, k, v and recompute the attention core
   (QK^T, softmax, dropout, @V) in backward, dropping the activations that grow with
   s^2 (K22 sec. 5).
@@ -52,7 +52,7 @@ class GPTConfig:
     seed: int = 1234
     """Seed of the weight initialisation."""
     sequence_parallel: bool = False
-    """Shard LayerNorm/dropout/residual activations along the sequence over TP (K22 sec. 4.2.2);
+    """Shard LayerNorm/dropout/residual activations along the sequence over TP (K22 sec. 4.2);
     the sequence length must divide by tp. A no-op at tp=1."""
     recompute_attention: bool = False
     """Selective recompute: rerun the attention core in backward instead of storing it (K22 sec. 5)."""

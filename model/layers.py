@@ -57,7 +57,7 @@ class _SequenceGatherLinear(torch.autograd.Function):
 
     Saves only X_r and all-gathers it again in backward instead of keeping the gathered
     (B, T, in) input: that is what makes the LayerNorm-output activations 1/t per rank
-    (K22 sec. 4.2.3). dL/dX is a partial sum over this rank's output columns, so it is
+    (K22 sec. 4.2). dL/dX is a partial sum over this rank's output columns, so it is
     reduce-scattered back to the sequence chunks."""
 
     @staticmethod

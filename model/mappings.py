@@ -1,11 +1,11 @@
 """Megatron's conjugate collectives for the tensor-parallel region (Shoeybi et al. 2019, sec. 3)
-and for sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2).
+and for sequence parallelism (Korthikanti et al. 2022, "K22", sec. 4.2).
 
 Sequence parallelism shards the LayerNorm / dropout / residual regions of a block along the
 sequence (dim 1 of our batch-first (B, T, h) activations): where plain TP all-reduces a
 row-parallel output, SP reduce-scatters it along the sequence, and where plain TP copies the
 input of a column-parallel linear, SP all-gathers the sequence. An all-reduce is a
-reduce-scatter followed by an all-gather, so SP moves the same bytes as TP (K22 sec. 4.2.2).
+reduce-scatter followed by an all-gather, so SP moves the same bytes as TP (K22 sec. 4.2).
 
 Three tiers, as in Megatron core: a private helper that does the communication, a private
 autograd Function whose forward and backward are one line each, and a public wrapper whose
@@ -63,13 +63,6 @@ def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-def _split_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if group is None:
-        return x
-    chunks = torch.chunk(x, dist.get_world_size(group), dim=1)
-    return chunks[dist.get_rank(group)].contiguous()
-
-
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -111,17 +104,6 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _split_last_dim(grad, ctx.group), None
-
-
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_sequence(grad, ctx.group), None
 
 
 class _GatherFromSequence(torch.autograd.Function):
@@ -166,13 +148,8 @@ def gather_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group is None else _GatherFromTP.apply(x, group)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """forward: keep this rank's chunk of the sequence (dim 1); backward: all-gather it."""
-    return x if group is None else _ScatterToSequence.apply(x, group)
-
-
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """forward: all-gather the sequence (dim 1); backward: reduce-scatter it (K22's g-bar).
+    """forward: all-gather the sequence (dim 1); backward: reduce-scatter it (K22's g).
 
     The backward sums: the consumer is TP-sharded (a column-parallel or vocab-parallel linear),
     so each rank holds a partial gradient of the whole sequence."""
@@ -180,5 +157,5 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """forward: reduce-scatter along the sequence (dim 1); backward: all-gather it (K22's g)."""
+    """forward: reduce-scatter along the sequence (dim 1); backward: all-gather it (K22's g-bar)."""
     return x if group is None else _ReduceScatterToSequence.apply(x, group)
