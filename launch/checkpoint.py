@@ -90,8 +90,11 @@ def _locate(load: Path) -> CheckpointRef:
 def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Dict[str, int]) -> None:
     """The model shape and the layout must match the checkpoint's; say which key differs."""
     saved_model, model = ref.meta["recipe"]["model"], recipe_dict["model"]
+    # Free to change on resume: they leave every weight's shape and TP shard as they are (and
+    # checkpoints saved before `sequence_parallel` existed lack the key).
+    free = ("dropout", "sequence_parallel")
     for key in sorted(set(saved_model) | set(model)):
-        if saved_model.get(key) != model.get(key) and key != "dropout":
+        if saved_model.get(key) != model.get(key) and key not in free:
             raise ConfigError(f"checkpoint {ref.path} has model.{key}={saved_model.get(key)!r}, this run "
                               f"{model.get(key)!r}: a checkpoint only resumes the model it was saved from")
     saved_layout = {k: ref.meta["layout"][k] for k in ("tp", "pp", "dp")}
