@@ -35,14 +35,14 @@ def seed_dropout_rngs(seed: int, state: ParallelState) -> None:
     """Dropout masks of replicated activations must be identical on the TP ranks of a stage,
     those of TP-sharded activations (attention probabilities) must differ across them
     (Megatron's RNG tracker): the default RNG gets seed + 100 * stage, the tracked one
-    seed + 2718 + tp_rank. DeepSpeed's activation checkpointing saves and restores both, so
-    recomputation replays the same masks."""
+    seed + 2718 + tp_rank. Under sequence parallelism the dropout of embeddings and residual
+    branches forks the tracked stream too, as Megatron does: each TP rank draws the mask of its
+    own chunk. DeepSpeed's activation checkpointing saves and restores both, so recomputation
+    replays the same masks."""
     torch.manual_seed(seed + 100 * state.pp_rank)
     tracker = get_cuda_rng_tracker()
     tracker.reset()
     tracker.add(TP_DROPOUT_RNG, seed + 2718 + state.tp_rank)
-    # Sequence-parallel dropout (embeddings, residual branches) forks the same stream, as
-    # Megatron does: each TP rank draws the mask of its own chunk.
 
 
 def _tp_dropout_rng():
