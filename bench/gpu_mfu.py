@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median (default %(default)s)")
     p.add_argument("--accum", type=int, help="micro-batches per step for every recipe (default: 4, 8, 4)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra recipe override for every recipe, e.g. train.activation_checkpoint_interval=1")
+                   help="extra recipe override for every recipe, e.g. train.recompute=full")
     p.add_argument("--tiny", action="store_true", help="toy sizes: checks the script on CPU in seconds")
     p.add_argument("--timeout-s", type=int, default=600, help="per recipe (default %(default)s)")
     p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")

@@ -96,8 +96,11 @@ def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Di
     """The model shape and the ZeRO stage must match the checkpoint's; another layout needs
     ZeRO-1 (launch/reshard.py re-shards ZeRO-1 state). Say which key differs."""
     saved_model, model = ref.meta["recipe"]["model"], recipe_dict["model"]
+    # Free to change on resume: they leave every weight's shape and TP shard as they are (and
+    # checkpoints saved before `sequence_parallel` existed lack the key).
+    free = ("dropout", "sequence_parallel")
     for key in sorted(set(saved_model) | set(model)):
-        if saved_model.get(key) != model.get(key) and key != "dropout":
+        if saved_model.get(key) != model.get(key) and key not in free:
             raise ConfigError(f"checkpoint {ref.path} has model.{key}={saved_model.get(key)!r}, this run "
                               f"{model.get(key)!r}: a checkpoint only resumes the model it was saved from")
     saved, stages = ref.meta["layout"], (ref.meta["recipe"]["train"]["zero_stage"], recipe_dict["train"]["zero_stage"])

@@ -49,6 +49,9 @@ class ModelSection:
     """Dropout probability (0 for parity checks; most modern pretraining uses 0)."""
     init_std: float = 0.02
     """Std of the GPT-2 normal init."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (Korthikanti et al. 2022): LayerNorm/dropout/residual activations
+    split along the sequence over TP; the sequence length must divide by tp. Same losses."""
 
 
 @dataclass
@@ -78,14 +81,31 @@ class TrainSection:
     """fp32, bf16 or fp16."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage: 0 or 1 (pipeline parallelism allows no more)."""
+    recompute: str = "none"
+    """Activation recomputation (Korthikanti et al. 2022): none; selective (store q, k, v and
+    recompute each attention core); full (store each block's input, recompute the block)."""
     activation_checkpoint_interval: int = 0
-    """Recompute every k transformer blocks in backward; 0 keeps all activations."""
+    """Full recompute: checkpoint every k blocks (0 means 1). k > 0 with recompute=none is the
+    older spelling of recompute=full, kept for existing recipes."""
     eval_every: int = 0
     """Validation loss every this many steps and at the last step; 0 disables."""
     eval_batches: int = 10
     """Global batches of validation data per evaluation (the same ones every time)."""
     dist_timeout_s: int = 600
     """Collectives wait at most this long: if a rank dies, the others exit with an error."""
+
+
+    @property
+    def recompute_mode(self) -> str:
+        """none, selective or full, with the older `activation_checkpoint_interval` alone read as full."""
+        if self.recompute == "none" and self.activation_checkpoint_interval > 0:
+            return "full"
+        return self.recompute
+
+    @property
+    def full_recompute_interval(self) -> int:
+        """Blocks per checkpoint for PipelineModule; 0 when blocks are not recomputed whole."""
+        return max(1, self.activation_checkpoint_interval) if self.recompute_mode == "full" else 0
 
 
 @dataclass
@@ -115,7 +135,9 @@ class Recipe:
         m = self.model
         return GPTConfig(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, seq_len=m.seq_len,
                          vocab_size=vocab_size, vocab_pad_multiple=m.vocab_pad_multiple,
-                         dropout=m.dropout, init_std=m.init_std, seed=self.train.seed)
+                         dropout=m.dropout, init_std=m.init_std, seed=self.train.seed,
+                         sequence_parallel=m.sequence_parallel,
+                         recompute_attention=self.train.recompute_mode == "selective")
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

@@ -6,6 +6,7 @@ from typing import Any, Dict
 
 from launch.config import Recipe, deep_merge
 from launch.layout import Layout
+from model.pipe import pipeline_config
 
 
 def deepspeed_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
@@ -31,6 +32,7 @@ def deepspeed_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
     elif t.precision == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 1000}
+    deep_merge(config, pipeline_config(recipe.model.sequence_parallel))
     deep_merge(config, recipe.deepspeed)
     return config
 

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace, recipe, layout, data, vocab_size: int, n_batch
     from launch.distributed import shut_down_distributed, start_rank
     from launch.metrics import is_logging_rank
     from model.parallel_state import init_parallel_state
-    from model.pipe import build_pipeline
+    from model.pipe import build_pipeline, pipeline_config
 
     start_rank(layout.world_size, recipe.train.dist_timeout_s)
     state = init_parallel_state(layout.tp, layout.pp)
@@ -108,7 +108,8 @@ def run(args: argparse.Namespace, recipe, layout, data, vocab_size: int, n_batch
     # recipe trains in, so every layout and the transformers model agree to rounding.
     engine, _, _, _ = deepspeed.initialize(model=pipe, config={
         "train_batch_size": layout.global_batch_size, "train_micro_batch_size_per_gpu": layout.micro_batch_size,
-        "gradient_accumulation_steps": layout.grad_accum_steps, "steps_per_print": 10 ** 9})
+        "gradient_accumulation_steps": layout.grad_accum_steps, "steps_per_print": 10 ** 9,
+        **pipeline_config(config.sequence_parallel)})
     on_validation = data.has_validation
     if on_validation:
         batches = data.val_batches(state.dp_rank, layout.dp, n_batches)

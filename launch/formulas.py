@@ -182,15 +182,37 @@ def model_state_bytes(params: float, dp: int, zero_stage: int) -> Dict[str, floa
 
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int,
-                               tp: int = 1, recompute: bool = False) -> float:
-    """Activations one block stores for backward, per micro-batch [K22 sec. 4]:
-    s*b*h*(34 + 5*a*s/h) bytes; with tensor parallelism (no sequence parallelism)
-    s*b*h*(10 + 24/t + 5*a*s/(h*t)); with full recompute only the block input, 2*s*b*h. Counts the dropout masks and the s x s attention scores, so it is an upper
-    bound for fused (flash) attention without dropout."""
+                               tp: int = 1, recompute: bool = False, sequence_parallel: bool = False,
+                               selective: bool = False, element_bytes: int = ACTIVATION_BYTES,
+                               mask_bytes: int = 1, layernorm_stat_bytes: int = 0) -> float:
+    """Activations one block stores for backward, per micro-batch, per TP rank [K22 sec. 4-5,
+    table 2]. With the defaults (fp16/bf16: 2 bytes per element, 1 per dropout-mask element):
+      no parallelism                 s*b*h*(34 + 5*a*s/h)
+      tensor parallel (t)            s*b*h*(10 + 24/t + 5*a*s/(h*t))
+      tensor + sequence parallel     s*b*h*(34/t + 5*a*s/(h*t))
+      selective recompute            the same without the 5*a*s/h terms
+      full recompute                 2*s*b*h, the block input; with sequence parallelism the
+                                     stored input is a (s/t, b, h) chunk: 2*s*b*h/t (K22's
+                                     table 2 lists 2sbh, without SP).
+    K22's tensor-by-tensor count, per s*b*h, with E = element_bytes and M = mask_bytes:
+      replicated over TP, split by SP:  LayerNorm inputs 2E, inputs of the QKV and first MLP
+                                        linears 2E, two dropout masks 2M          (10 in fp16)
+      split by TP:                      Q and K 2E, V E, attention-output projection input E,
+                                        GELU input 4E and output 4E               (24)
+      attention core, per a*s/h:        softmax output E, its dropout mask M and output E (5)
+    `layernorm_stat_bytes` adds what K22 leaves out: each LayerNorm's mean and 1/std per token
+    (4 bytes each in fp32). The core assumes the s x s scores are stored: an upper bound for
+    fused (flash) attention, which keeps none."""
     s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    E, M = element_bytes, mask_bytes
+    sp = t if sequence_parallel else 1
     if recompute:
-        return 2 * s * b * h
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        return E * s * b * h / sp
+    replicated = 4 * E + 2 * M
+    split = 12 * E
+    core = 0 if selective else (2 * E + M) * a * s / h
+    stats = 2 * 2 * layernorm_stat_bytes * s * b  # two LayerNorms, mean and 1/std per token
+    return s * b * h * (replicated / sp + split / t + core / t) + stats / sp
 
 
 def inflight_microbatches(pp: int, microbatches: int, stage: int = 0) -> int:

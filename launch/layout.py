@@ -9,6 +9,7 @@ from launch.config import ConfigError, Recipe
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,12 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
                           f"set train.zero_stage=1 (or train.grad_clip=0)")
     if t.activation_checkpoint_interval < 0:
         raise ConfigError(f"train.activation_checkpoint_interval={t.activation_checkpoint_interval} must be >= 0")
+    if t.recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"train.recompute={t.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    if t.recompute == "selective" and t.activation_checkpoint_interval > 0:
+        raise ConfigError(f"train.recompute=selective with train.activation_checkpoint_interval="
+                          f"{t.activation_checkpoint_interval}: the interval is for full recompute; "
+                          f"set train.recompute=full or train.activation_checkpoint_interval=0")
     if t.warmup_steps < 0 or t.grad_clip < 0 or t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.lr={t.lr} must be > 0, warmup_steps={t.warmup_steps} and "
                           f"grad_clip={t.grad_clip} >= 0, min_lr_ratio={t.min_lr_ratio} in [0, 1]")
@@ -84,12 +91,26 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
     if d.seq_len is not None and not 1 <= d.seq_len <= m.seq_len:
         raise ConfigError(f"data.seq_len={d.seq_len} must be in [1, model.seq_len={m.seq_len}] (the model's "
                           f"positions); lower data.seq_len or raise model.seq_len")
+    if m.sequence_parallel and recipe.seq_len % tp != 0:
+        # Each TP rank holds T/t positions of every sequence-parallel activation.
+        raise ConfigError(f"model.sequence_parallel with --tp {tp} needs the sequence length {recipe.seq_len} "
+                          f"(data.seq_len, else model.seq_len) divisible by {tp}; choose a multiple of {tp} "
+                          f"or set model.sequence_parallel=false")
     if not 0 <= d.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     if d.num_proc < 1 or d.shuffle_buffer < 1:
         raise ConfigError(f"data.num_proc={d.num_proc} and data.shuffle_buffer={d.shuffle_buffer} must be >= 1")
     if t.eval_every < 0 or t.eval_batches < 1:
         raise ConfigError(f"train.eval_every={t.eval_every} must be >= 0 and train.eval_batches={t.eval_batches} >= 1")
+    pipeline = recipe.deepspeed.get("pipeline")
+    partitioned = [k for k in ("pipe_partitioned", "grad_partitioned")
+                   if isinstance(pipeline, dict) and pipeline.get(k)]
+    if m.sequence_parallel and tp > 1 and pp > 1 and partitioned:
+        # DeepSpeed would send 1/tp of each stage output and all-gather it, assuming the TP ranks
+        # hold the same tensor; under SP they hold different chunks: silently wrong losses.
+        raise ConfigError(f"deepspeed.pipeline.{partitioned[0]}=true with model.sequence_parallel, --tp {tp} "
+                          f"--pp {pp}: stage outputs differ per TP rank under SP and cannot be partitioned; "
+                          f"remove the key (SP already sends 1/tp of the sequence)")
     clashing = sorted(set(BATCH_KEYS) & set(recipe.deepspeed))
     if clashing:
         raise ConfigError(f"deepspeed.{clashing[0]} may not be set: batch keys are derived from "

@@ -96,7 +96,7 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelDims, Setup, Hardware]:
                       seq_len=pick(args.seq_len, rm and rm.seq_len, GPT3["seq_len"]),
                       vocab_size=vocab if vocab is not None else GPT3["vocab"],
                       vocab_pad_multiple=pick(args.vocab_pad_multiple, rm and rm.vocab_pad_multiple, 1))
-    recompute = args.recompute == "full" if args.recompute else bool(rt and rt.activation_checkpoint_interval)
+    recompute = args.recompute == "full" if args.recompute else bool(rt and rt.recompute_mode == "full")
     setup = Setup(gpus=args.gpus, tp=args.tp, pp=args.pp,
                   micro_batch=pick(args.micro_batch, rt and rt.micro_batch_size, 1),
                   global_batch=pick(args.global_batch, rt and rt.global_batch_size, 1536),

@@ -86,7 +86,8 @@ def ensure_single_process_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def print_role_map(layout: Layout, state, stages: List[Tuple[int, str]], seq_len: int) -> None:
+def print_role_map(layout: Layout, state, stages: List[Tuple[int, str]], seq_len: int,
+                   sequence_parallel: bool = False, recompute: str = "none") -> None:
     def groups(lists):
         return " ".join(str(g) for g in lists)
     print(f"layout: world {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp} "
@@ -98,7 +99,11 @@ def print_role_map(layout: Layout, state, stages: List[Tuple[int, str]], seq_len
         print(f"  stage {stage}: {contents}")
     print(f"batch: global {layout.global_batch_size} = micro {layout.micro_batch_size} x dp {layout.dp} "
           f"x {layout.grad_accum_steps} micro-batches per step; {layout.global_batch_size * seq_len} "
-          f"tokens per step", flush=True)
+          f"tokens per step")
+    shard = f"(b, T/tp, h) = ({layout.micro_batch_size}, {seq_len // layout.tp}, h): sequence parallel" \
+        if sequence_parallel and layout.tp > 1 else f"(b, T, h) = ({layout.micro_batch_size}, {seq_len}, h)"
+    print(f"activations: {shard} per rank between TP linears and across stages; recompute {recompute}",
+          flush=True)
 
 
 def param_groups(module):
@@ -135,12 +140,13 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     logging_rank = is_logging_rank(state.global_rank)
 
     config = recipe.gpt_config(vocab_size)
-    pipe = build_pipeline(config, state, t.activation_checkpoint_interval)
+    pipe = build_pipeline(config, state, t.full_recompute_interval)
     if args.init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them
         from launch.hf_init import init_from_hf
         init_from_hf(pipe, args.init_from_hf, config, state)
     if logging_rank:
-        print_role_map(layout, state, stage_contents(pipe, config), recipe.seq_len)
+        print_role_map(layout, state, stage_contents(pipe, config), recipe.seq_len,
+                       recipe.model.sequence_parallel, t.recompute_mode)
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, model_parameters=param_groups(pipe), config=deepspeed_config(recipe, layout),
         lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))

@@ -5,6 +5,13 @@ attention with the heads split across TP, input embedding tied to the output hea
 follow GPT-2 / nanoGPT (`wte`, `wpe`, `ln_f`, `c_attn`, `c_proj`, `c_fc`) so export is a
 rename. Each module seeds its own full-size initialisation from (seed, module index), so the
 weights do not depend on which stage or TP rank builds them.
+
+Two switches change memory, never the maths (Korthikanti et al. 2022, "K22"):
+- `sequence_parallel`: between the TP linears (LayerNorms, dropouts, residual adds) each TP
+  rank holds a (B, T/t, h) chunk of the sequence instead of the whole (B, T, h) (K22 sec. 4.2).
+- `recompute_attention` (selective recompute): keep q, k, v and recompute the attention core
+  (QK^T, softmax, dropout, @V) in backward, dropping the activations that grow with
+  s^2 (K22 sec. 5).
 """
 import contextlib
 import math
@@ -14,10 +21,11 @@ from typing import Callable, ContextManager, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
-from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                          group_size, padded_vocab_size)
-from model.mappings import Group
+from model.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
+                          group_rank, group_size, padded_vocab_size)
+from model.mappings import Group, copy_to_tp_region
 
 # Generator streams: blocks use their index; the embeddings use ids no block can have.
 WTE_STREAM, WPE_STREAM = -1, -2
@@ -43,9 +51,18 @@ class GPTConfig:
     """GPT-2 init N(0, 0.02); residual output projections use init_std / sqrt(2 * n_layer)."""
     seed: int = 1234
     """Seed of the weight initialisation."""
+    sequence_parallel: bool = False
+    """Shard LayerNorm/dropout/residual activations along the sequence over TP (K22 sec. 4.2);
+    the sequence length must divide by tp. A no-op at tp=1."""
+    recompute_attention: bool = False
+    """Selective recompute: rerun the attention core in backward instead of storing it (K22 sec. 5)."""
 
     def padded_vocab_size(self, tp_size: int) -> int:
         return padded_vocab_size(self.vocab_size, tp_size, self.vocab_pad_multiple)
+
+    def sequence_parallel_group(self, tp_group: Group) -> Group:
+        """The TP group when activations are sequence-sharded, else None (the collectives bypass)."""
+        return tp_group if self.sequence_parallel else None
 
 
 def init_generator(config: GPTConfig, stream: int) -> torch.Generator:
@@ -53,65 +70,101 @@ def init_generator(config: GPTConfig, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(config.seed * 1_000_003 + stream + 10)
 
 
+def sequence_dropout_rng(config: GPTConfig, tp_group: Group,
+                         dropout_rng: Callable[[], ContextManager]) -> Callable[[], ContextManager]:
+    """The RNG of dropout on residual-stream activations: shared by the TP ranks when they hold
+    the same (B, T, h) tensor, the per-TP-rank stream when each holds its own sequence chunk
+    (DESIGN.md contract 10; Megatron forks the same tracker under SP)."""
+    return dropout_rng if config.sequence_parallel_group(tp_group) is not None else contextlib.nullcontext
+
+
 class CausalSelfAttention(nn.Module):
     """Heads split across TP: c_attn is column-parallel (whole heads per rank, stride 3 over
-    [Q; K; V]), c_proj row-parallel; one all-reduce in forward, one in backward."""
+    [Q; K; V]), c_proj row-parallel; one all-reduce in forward, one in backward (with sequence
+    parallelism an all-gather before c_attn and a reduce-scatter after c_proj instead)."""
 
     def __init__(self, config: GPTConfig, tp_group: Group, generator: torch.Generator,
-                 dropout_rng: Callable[[], ContextManager]):
+                 dropout_rng: Callable[[], ContextManager],
+                 residual_dropout_rng: Callable[[], ContextManager]):
         super().__init__()
         h = config.n_embd
+        sp = config.sequence_parallel
         self.n_head_local = config.n_head // group_size(tp_group)
         self.head_dim = h // config.n_head
         self.dropout = config.dropout
         self.dropout_rng = dropout_rng
-        self.c_attn = ColumnParallelLinear(h, 3 * h, tp_group, generator, config.init_std, stride=3)
+        self.residual_dropout_rng = residual_dropout_rng
+        self.recompute_attention = config.recompute_attention
+        self.c_attn = ColumnParallelLinear(h, 3 * h, tp_group, generator, config.init_std, stride=3,
+                                           sequence_parallel=sp)
         self.c_proj = RowParallelLinear(h, h, tp_group, generator,
-                                        config.init_std / math.sqrt(2 * config.n_layer))
+                                        config.init_std / math.sqrt(2 * config.n_layer), sequence_parallel=sp)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.c_attn(x).split(self.n_head_local * self.head_dim, dim=-1)
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h), or (B, T/t, h) with SP
+        q, k, v = self.c_attn(x).split(self.n_head_local * self.head_dim, dim=-1)  # (B, T, h/p) each
+        B, T, _ = q.shape
         q, k, v = (t.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)
                    for t in (q, k, v))  # (B, nh/p, T, hs)
         # Attention probabilities are TP-sharded: their dropout mask must differ per TP rank.
         with self.dropout_rng():
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)
+            if self.recompute_attention and self.training:
+                # Selective recompute (K22 sec. 5): store only q, k, v. The checkpoint runs
+                # inside the forked RNG, so the state it saves and restores for the replay is
+                # the TP-rank stream that drew the forward's dropout mask.
+                y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, use_reentrant=False,
+                                                      preserve_rng_state=True)
+            else:
+                y = self._core(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, self.n_head_local * self.head_dim)  # (B, T, h/p)
-        return self.resid_dropout(self.c_proj(y))
+        y = self.c_proj(y)  # (B, T, h), or (B, T/t, h) with SP
+        with self.residual_dropout_rng():
+            return self.resid_dropout(y)
 
 
 class MLP(nn.Module):
     """c_fc column-parallel (h -> 4h/p), GELU, c_proj row-parallel (4h/p -> h)."""
 
-    def __init__(self, config: GPTConfig, tp_group: Group, generator: torch.Generator):
+    def __init__(self, config: GPTConfig, tp_group: Group, generator: torch.Generator,
+                 residual_dropout_rng: Callable[[], ContextManager]):
         super().__init__()
         h = config.n_embd
-        self.c_fc = ColumnParallelLinear(h, 4 * h, tp_group, generator, config.init_std)
+        sp = config.sequence_parallel
+        self.c_fc = ColumnParallelLinear(h, 4 * h, tp_group, generator, config.init_std, sequence_parallel=sp)
         self.c_proj = RowParallelLinear(4 * h, h, tp_group, generator,
-                                        config.init_std / math.sqrt(2 * config.n_layer))
+                                        config.init_std / math.sqrt(2 * config.n_layer), sequence_parallel=sp)
         self.dropout = nn.Dropout(config.dropout)
+        self.residual_dropout_rng = residual_dropout_rng
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # GPT-2's "gelu_new" is the tanh approximation.
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        y = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        with self.residual_dropout_rng():
+            return self.dropout(y)
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+
+    `dropout_rng` enters the per-TP-rank dropout RNG (model/pipe.py); the dense reference
+    leaves it a no-op."""
 
     def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group,
                  dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext):
         super().__init__()
         generator = init_generator(config, layer_index)
-        self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = CausalSelfAttention(config, tp_group, generator, dropout_rng)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config, tp_group, generator)
+        sp_group = config.sequence_parallel_group(tp_group)
+        residual_rng = sequence_dropout_rng(config, tp_group, dropout_rng)
+        self.ln_1 = LayerNorm(config.n_embd, sp_group)
+        self.attn = CausalSelfAttention(config, tp_group, generator, dropout_rng, residual_rng)
+        self.ln_2 = LayerNorm(config.n_embd, sp_group)
+        self.mlp = MLP(config, tp_group, generator, residual_rng)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h) -> (B, T, h)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h) -> (B, T, h); (B, T/t, h) with SP
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -123,28 +176,37 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.wte = VocabParallelEmbedding(config.vocab_size, config.padded_vocab_size(group_size(tp_group)),
                                           config.n_embd, tp_group, init_generator(config, WTE_STREAM),
-                                          config.init_std)
+                                          config.init_std, sequence_parallel=config.sequence_parallel)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, h)
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, h); (B, T/t, h) with SP
         return self.wte(ids)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, h) -> (B, T, V_pad/p)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, h) or (B, T/t, h) -> (B, T, V_pad/p)
         return self.wte.logits(hidden)
 
 
 class PositionEmbedding(nn.Module):
-    """Adds wpe[0:T] (replicated) and applies embedding dropout; positions derived here, so
-    only the hidden states cross pipeline stages (DESIGN.md contract 7)."""
+    """Adds wpe (replicated) and applies embedding dropout; positions derived here, so only the
+    hidden states cross pipeline stages (DESIGN.md contract 7). With sequence parallelism the
+    input is TP rank r's chunk, positions [r*T/t, (r+1)*T/t)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group: Group = None,
+                 dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext):
         super().__init__()
         full = torch.empty(config.seq_len, config.n_embd)
         self.wpe = nn.Parameter(full.normal_(0.0, config.init_std,
                                              generator=init_generator(config, WPE_STREAM)))
         self.drop = nn.Dropout(config.dropout)
+        self.sp_group = config.sequence_parallel_group(tp_group)
+        self.dropout_rng = sequence_dropout_rng(config, tp_group, dropout_rng)
 
-    def forward(self, tok_emb: torch.Tensor) -> torch.Tensor:  # (B, T, h) -> (B, T, h)
-        return self.drop(tok_emb + self.wpe[: tok_emb.size(1)])
+    def forward(self, tok_emb: torch.Tensor) -> torch.Tensor:  # (B, T, h) -> (B, T, h); SP: (B, T/t, h)
+        T_local = tok_emb.size(1)
+        start = group_rank(self.sp_group) * T_local
+        # Under SP each rank's gradient reaches only its rows of wpe: sum it over TP.
+        wpe = copy_to_tp_region(self.wpe, self.sp_group)
+        with self.dropout_rng():
+            return self.drop(tok_emb + wpe[start:start + T_local])
 
 
 class GPT(nn.Module):
@@ -158,9 +220,9 @@ class GPT(nn.Module):
         self.config = config
         self.tp_group = tp_group
         self.embed = TokenEmbedding(config, tp_group)
-        self.pos = PositionEmbedding(config)
+        self.pos = PositionEmbedding(config, tp_group)
         self.blocks = nn.ModuleList(Block(config, i, tp_group) for i in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.ln_f = LayerNorm(config.n_embd, config.sequence_parallel_group(tp_group))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) ids -> (B, T, V_pad/p) vocab-sharded logits."""

@@ -6,13 +6,21 @@ tp size. Sharded parameters carry `tensor_model_parallel = True` (plus Megatron'
 `partition_dim` / `partition_stride`): DeepSpeed's gradient-norm code counts a parameter on
 every TP rank only when it carries that flag, and replicated ones (biases after a reduce,
 LayerNorm) on TP rank 0 only.
+
+Sequence parallelism (Korthikanti et al. 2022, "K22"), when a layer is built with
+`sequence_parallel=True` and tp > 1: activations outside the linears are (B, T/t, h) sequence
+chunks; a column-parallel linear all-gathers the sequence first, a row-parallel linear and the
+embedding reduce-scatter it after, and replicated parameters used on a chunk (LayerNorm,
+row-parallel bias) get their gradient summed over TP by `copy_to_tp_region`.
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.mappings import (Group, copy_to_tp_region, gather_from_tp_region,
-                            reduce_from_tp_region)
+from model.mappings import (Group, all_gather_sequence, copy_to_tp_region,
+                            gather_from_sequence_parallel_region, gather_from_tp_region,
+                            reduce_from_tp_region, reduce_scatter_sequence,
+                            reduce_scatter_to_sequence_parallel_region)
 
 
 def group_size(group: Group) -> int:
@@ -44,21 +52,50 @@ def _mark_tp(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
     param.partition_stride = stride
 
 
+class _SequenceGatherLinear(torch.autograd.Function):
+    """Y = [X_1; ...; X_t] A^T + b from this rank's sequence chunk X_r: (B, T/t, in) -> (B, T, out/p).
+
+    Saves only X_r and all-gathers it again in backward instead of keeping the gathered
+    (B, T, in) input: that is what makes the LayerNorm-output activations 1/t per rank
+    (K22 sec. 4.2). dL/dX is a partial sum over this rank's output columns, so it is
+    reduce-scattered back to the sequence chunks."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(all_gather_sequence(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (B, T, out/p)
+        x, weight = ctx.saved_tensors
+        x_full = all_gather_sequence(x, ctx.group)  # (B, T, in)
+        grad_x = reduce_scatter_sequence(grad.matmul(weight), ctx.group)  # (B, T/t, in)
+        grad_2d = grad.reshape(-1, grad.size(-1))  # (B*T, out/p)
+        grad_weight = grad_2d.t().matmul(x_full.reshape(-1, x_full.size(-1)))  # (out/p, in)
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = XA^T + b with A split by output rows: A = [A_1; ...; A_p], Y_i = X A_i^T + b_i.
 
     Input (..., in) replicated on the TP group; output (..., out/p) sharded, or (..., out) when
-    `gather_output`. Backward all-reduces dL/dX (copy_to_tp_region).
+    `gather_output`. Backward all-reduces dL/dX (copy_to_tp_region). With `sequence_parallel`
+    the input is this rank's (B, T/t, in) sequence chunk, all-gathered before the matmul
+    (backward: reduce-scatter).
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: Group,
                  generator: torch.Generator, init_std: float, bias: bool = True,
-                 gather_output: bool = False, stride: int = 1):
+                 gather_output: bool = False, stride: int = 1, sequence_parallel: bool = False):
         super().__init__()
         tp_size = group_size(tp_group)
         assert out_features % (tp_size * stride) == 0, (out_features, tp_size, stride)
+        assert not (gather_output and sequence_parallel), "SP feeds a row-parallel layer"
         self.tp_group = tp_group
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and tp_group is not None
         self.output_size_per_partition = out_features // tp_size
         full = torch.empty(out_features, in_features).normal_(0.0, init_std, generator=generator)
         self.weight = nn.Parameter(shard_rows(full, tp_group, stride))  # (out/p, in)
@@ -69,6 +106,8 @@ class ColumnParallelLinear(nn.Module):
             _mark_tp(self.bias, partition_dim=0, stride=stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # (B, T/t, in) -> (B, T, out/p)
+            return _SequenceGatherLinear.apply(x, self.weight, self.bias, self.tp_group)
         y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
@@ -78,15 +117,18 @@ class RowParallelLinear(nn.Module):
 
     Input (..., in/p) already sharded (the output of a ColumnParallelLinear); output (..., out)
     replicated after one all-reduce. The bias is added after the reduce, so it is replicated
-    and is not marked as TP-split.
+    and is not marked as TP-split. With `sequence_parallel` the all-reduce becomes a
+    reduce-scatter along the sequence: output (B, T/t, out), this rank's chunk.
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: Group,
-                 generator: torch.Generator, init_std: float, bias: bool = True):
+                 generator: torch.Generator, init_std: float, bias: bool = True,
+                 sequence_parallel: bool = False):
         super().__init__()
         tp_size = group_size(tp_group)
         assert in_features % tp_size == 0, (in_features, tp_size)
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and tp_group is not None
         self.input_size_per_partition = in_features // tp_size
         full = torch.empty(out_features, in_features).normal_(0.0, init_std, generator=generator)
         self.weight = nn.Parameter(shard_rows(full.t(), tp_group).t().contiguous())  # (out, in/p)
@@ -94,8 +136,13 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x_parallel: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp_region(F.linear(x_parallel, self.weight), self.tp_group)
-        return y if self.bias is None else y + self.bias
+        partial = F.linear(x_parallel, self.weight)  # (B, T, out): this rank's partial sum
+        if not self.sequence_parallel:
+            y = reduce_from_tp_region(partial, self.tp_group)
+            return y if self.bias is None else y + self.bias
+        y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # (B, T/t, out)
+        # The bias meets only this rank's chunk: sum its gradient over TP.
+        return y if self.bias is None else y + copy_to_tp_region(self.bias, self.tp_group)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -108,11 +155,13 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, vocab_size: int, padded_vocab_size: int, embedding_dim: int,
-                 tp_group: Group, generator: torch.Generator, init_std: float):
+                 tp_group: Group, generator: torch.Generator, init_std: float,
+                 sequence_parallel: bool = False):
         super().__init__()
         tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
         assert padded_vocab_size % tp_size == 0 and padded_vocab_size >= vocab_size
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and tp_group is not None
         self.vocab_size = vocab_size
         self.rows_per_partition = padded_vocab_size // tp_size
         self.vocab_start = tp_rank * self.rows_per_partition
@@ -123,21 +172,48 @@ class VocabParallelEmbedding(nn.Module):
         _mark_tp(self.weight, partition_dim=0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, h) embeddings, replicated on the TP group."""
+        """(B, T) token ids -> (B, T, h) embeddings, replicated on the TP group; with
+        sequence parallelism this rank's (B, T/t, h) chunk (reduce-scatter, not all-reduce)."""
         if self.tp_group is None:  # one rank holds every row: no masking, no (B, T, h) masked copy
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         emb = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(emb, self.tp_group)
         return reduce_from_tp_region(emb, self.tp_group)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, T, h) replicated -> (B, T, V_pad/p) this rank's vocab shard of the logits."""
-        logits = F.linear(copy_to_tp_region(hidden, self.tp_group), self.weight)
+        """(B, T, h) replicated -> (B, T, V_pad/p) this rank's vocab shard of the logits.
+        With sequence parallelism `hidden` is this rank's (B, T/t, h) chunk, all-gathered."""
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)  # (B, T, h)
+        else:
+            hidden = copy_to_tp_region(hidden, self.tp_group)
+        logits = F.linear(hidden, self.weight)
         if self.vocab_end > self.vocab_size:  # this shard holds padding rows
             padded = torch.arange(self.vocab_start, self.vocab_end, device=logits.device) >= self.vocab_size
             logits = logits.masked_fill(padded, float("-inf"))
         return logits
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose weight and bias get their gradient summed over `sequence_parallel_group`.
+
+    Under sequence parallelism each TP rank normalises only its (B, T/t, h) chunk, so its
+    gradient of the replicated weight covers T/t positions; copy_to_tp_region (forward:
+    identity, backward: all-reduce) makes it the full-sequence gradient on every rank, and the
+    parameters stay replicated (counted once in the gradient norm). None: plain nn.LayerNorm.
+    """
+
+    def __init__(self, normalized_shape: int, sequence_parallel_group: Group = None):
+        super().__init__(normalized_shape)
+        self.sequence_parallel_group = sequence_parallel_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.sequence_parallel_group
+        return F.layer_norm(x, self.normalized_shape, copy_to_tp_region(self.weight, group),
+                            copy_to_tp_region(self.bias, group), self.eps)
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 1) -> int:

@@ -1,4 +1,11 @@
-"""Megatron's conjugate collectives for the tensor-parallel region (Shoeybi et al. 2019, sec. 3).
+"""Megatron's conjugate collectives for the tensor-parallel region (Shoeybi et al. 2019, sec. 3)
+and for sequence parallelism (Korthikanti et al. 2022, "K22", sec. 4.2).
+
+Sequence parallelism shards the LayerNorm / dropout / residual regions of a block along the
+sequence (dim 1 of our batch-first (B, T, h) activations): where plain TP all-reduces a
+row-parallel output, SP reduce-scatters it along the sequence, and where plain TP copies the
+input of a column-parallel linear, SP all-gathers the sequence. An all-reduce is a
+reduce-scatter followed by an all-gather, so SP moves the same bytes as TP (K22 sec. 4.2).
 
 Three tiers, as in Megatron core: a private helper that does the communication, a private
 autograd Function whose forward and backward are one line each, and a public wrapper whose
@@ -34,6 +41,26 @@ def _gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
+
+
+def all_gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """(B, T/t, ...) on each rank -> (B, T, ...), rank order along dim 1. No autograd: for
+    Functions that manage their own backward (model/layers.py); otherwise use the wrappers."""
+    if group is None:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """(B, T, ...) partial sums on each rank -> this rank's (B, T/t, ...) chunk of their sum."""
+    if group is None:
+        return x
+    chunks = [c.contiguous() for c in torch.chunk(x, dist.get_world_size(group), dim=1)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -87,6 +114,28 @@ class _GatherFromTP(torch.autograd.Function):
         return _split_last_dim(grad, ctx.group), None
 
 
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
+
+
 def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: identity; backward: all-reduce (Megatron's f)."""
     return x if group is None else _CopyToTP.apply(x, group)
@@ -105,3 +154,16 @@ def scatter_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
 def gather_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-gather the last dim; backward: keep this rank's chunk."""
     return x if group is None else _GatherFromTP.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: all-gather the sequence (dim 1); backward: reduce-scatter it (K22's g).
+
+    The backward sums: the consumer is TP-sharded (a column-parallel or vocab-parallel linear),
+    so each rank holds a partial gradient of the whole sequence."""
+    return x if group is None else _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: reduce-scatter along the sequence (dim 1); backward: all-gather it (K22's g-bar)."""
+    return x if group is None else _ReduceScatterToSequence.apply(x, group)

@@ -9,16 +9,18 @@ Layer list, one entry per pipeline layer:
 DeepSpeed builds only the local stage's layers, ties shard k of the embedding on the first
 stage to shard k on the last stage and all-reduces their gradients (DESIGN.md contract 6).
 Only the hidden states cross stage boundaries; positions and the causal mask are derived
-inside (contract 7).
+inside (contract 7). With sequence parallelism they are (B, T/t, h): TP rank r of a stage
+sends its own sequence chunk to TP rank r of the next stage (DeepSpeed's p2p groups pair the
+same model-parallel coordinate; see `pipeline_config` for what must be switched off).
 """
-from typing import Callable, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
-import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
 from model.gpt import Block, GPTConfig, PositionEmbedding, TokenEmbedding
+from model.layers import LayerNorm
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import ParallelState
 
@@ -33,8 +35,10 @@ def seed_dropout_rngs(seed: int, state: ParallelState) -> None:
     """Dropout masks of replicated activations must be identical on the TP ranks of a stage,
     those of TP-sharded activations (attention probabilities) must differ across them
     (Megatron's RNG tracker): the default RNG gets seed + 100 * stage, the tracked one
-    seed + 2718 + tp_rank. DeepSpeed's activation checkpointing saves and restores both, so
-    recomputation replays the same masks."""
+    seed + 2718 + tp_rank. Under sequence parallelism the dropout of embeddings and residual
+    branches forks the tracked stream too, as Megatron does: each TP rank draws the mask of its
+    own chunk. DeepSpeed's activation checkpointing saves and restores both, so recomputation
+    replays the same masks."""
     torch.manual_seed(seed + 100 * state.pp_rank)
     tracker = get_cuda_rng_tracker()
     tracker.reset()
@@ -48,9 +52,9 @@ def _tp_dropout_rng():
 def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
     tp = state.tp_group
     return ([TiedLayerSpec("embed", TokenEmbedding, config, tp, tied_weight_attr=["wte.weight"]),
-             LayerSpec(PositionEmbedding, config)]
+             LayerSpec(PositionEmbedding, config, tp, _tp_dropout_rng)]
             + [LayerSpec(Block, config, i, tp, _tp_dropout_rng) for i in range(config.n_layer)]
-            + [LayerSpec(nn.LayerNorm, config.n_embd),
+            + [LayerSpec(LayerNorm, config.n_embd, config.sequence_parallel_group(tp)),
                TiedLayerSpec("embed", TokenEmbedding, config, tp, forward_fn=_logits,
                              tied_weight_attr=["wte.weight"])])
 
@@ -60,6 +64,19 @@ def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor],
         """Mean next-token loss of one micro-batch: (B, T, V_pad/tp), (B, T) -> scalar."""
         return vocab_parallel_cross_entropy(logits, labels, state.tp_group).mean()
     return loss_fn
+
+
+def pipeline_config(sequence_parallel: bool) -> Dict[str, Any]:
+    """The `pipeline` section of the DeepSpeed config this model needs.
+
+    At tp > 1 DeepSpeed by default sends only 1/t of a stage's output (each TP rank its slice
+    of the flattened tensor) and all-gathers it on the receiving stage: correct only when the
+    TP ranks hold the same tensor. Under sequence parallelism they hold different chunks, so
+    the slices would be stitched from different tensors; each rank must send its whole chunk
+    (which is already 1/t of the sequence), and likewise for the gradients sent back."""
+    if sequence_parallel:
+        return {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
+    return {}
 
 
 def build_pipeline(config: GPTConfig, state: ParallelState,

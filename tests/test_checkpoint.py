@@ -167,3 +167,20 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path, monkeypatch, capsys):
     assert "is damaged" in err and layer.name in err
     meta = json.loads((ck / "step00000002" / "complete.json").read_text())
     assert meta["step"] == 2 and meta["recipe"]["model"]["vocab_size"] == 4096
+
+
+def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
+    """SP leaves every weight's shape and shard alone: a checkpoint saved without it (or before
+    the key existed) resumes with it; a different n_embd is still refused."""
+    from launch.checkpoint import CheckpointRef, check_compatible
+    from launch.config import ConfigError, Recipe
+    layout = {"tp": 2, "pp": 2, "dp": 1}
+    saved = Recipe().to_dict()
+    del saved["model"]["sequence_parallel"]  # a checkpoint from before the switch
+    ref = CheckpointRef(tmp_path, "step00000005", {"recipe": saved, "layout": layout})
+    now = Recipe()
+    now.model.sequence_parallel = True
+    check_compatible(ref, now.to_dict(), layout)
+    now.model.n_embd = 64
+    with pytest.raises(ConfigError, match="model.n_embd=768"):
+        check_compatible(ref, now.to_dict(), layout)

@@ -89,6 +89,23 @@ def test_activation_memory():
     assert F.inflight_microbatches(4, 2) == 2
 
 
+def test_activation_memory_sequence_parallel_and_selective():
+    """K22 table 2 per layer: TP+SP s*b*h*(34/t + 5as/(ht)); selective recompute drops the
+    5as/h terms; at tp=1 SP changes nothing; full recompute with SP keeps a 1/t input chunk."""
+    s, b, h, a, t = 2048, 1, 12288, 96, 8  # GPT-3 175B: 5as/h = 80, K22 sec. 5
+    sbh = s * b * h
+    assert 5 * a * s / h == 80
+    act = F.activation_bytes_per_layer
+    assert act(s, b, h, a, t, sequence_parallel=True) == pytest.approx(sbh * (34 / t + 80 / t))
+    assert act(s, b, h, a, t, selective=True) == pytest.approx(sbh * (10 + 24 / t))
+    assert act(s, b, h, a, t, sequence_parallel=True, selective=True) == pytest.approx(sbh * 34 / t)
+    assert act(s, b, h, a, selective=True) == pytest.approx(sbh * 34)
+    assert act(s, b, h, a, 1, sequence_parallel=True) == act(s, b, h, a)
+    assert act(s, b, h, a, t, recompute=True, sequence_parallel=True) == 2 * sbh / t
+    # The element and mask sizes scale their terms: fp32 elements and masks double everything.
+    assert act(s, b, h, a, t, element_bytes=4, mask_bytes=2) == pytest.approx(2 * act(s, b, h, a, t))
+
+
 def test_communication_and_mfu():
     b, s, h = 8, 2048, 10240
     assert F.tp_allreduce_bytes_per_step(b, s, h, layers=18, microbatches=4) == 4 * b * s * h * 2 * 18 * 4

@@ -2,16 +2,18 @@
 
 The first 5 optimizer steps of recipes/tiny.yaml (fp32, ZeRO-1, gradient clipping active, a
 learning rate that moves the loss) give the same loss and gradient norm, relative difference
-<= 1e-5, at (tp, pp, dp) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,2) and (4,4,1).
-Each layout runs through DeepSpeed's launcher exactly as a user starts it, once per session
-(conftest.py: parity_runs; tests/test_resume.py resumes the checkpoints these runs save).
+<= 1e-5, at (tp, pp, dp) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,2) and (4,4,1), and with
+sequence parallelism (`model.sequence_parallel`) at (2,2,2), (4,1,1) and (4,4,1).
+Each layout runs through DeepSpeed's launcher exactly as a user starts it, once per session,
+when a test first asks for it (conftest.py: parity_runs; tests/test_resume.py resumes the
+checkpoints these runs save).
 """
 import json
 import math
 
 import pytest
 
-from conftest import LAYOUTS, REFERENCE, STEPS
+from conftest import LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
 from launcher import TINY, launch, read_metrics
 
 RTOL = 1e-5
@@ -33,7 +35,7 @@ def test_reference_run_learns_with_clipping_active(parity_runs):
     assert ref[-1]["tokens"] == STEPS * 16 * 32  # global batch 16 x seq_len 32
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "tp%d-pp%d-dp%d" % l)
+@pytest.mark.parametrize("layout", LAYOUTS + SP_LAYOUTS, ids=layout_id)
 def test_layout_matches_single_process(parity_runs, layout):
     ref, got = parity_runs[REFERENCE]["metrics"], parity_runs[layout]["metrics"]
     assert len(got) == STEPS
@@ -66,6 +68,8 @@ def test_role_map_names_groups_and_stages(parity_runs):
     assert "DP groups  (split the data, all-reduce grads): [0, 2] [1, 3] [4, 6] [5, 7]" in out
     assert "stage 0: layers 0-3: embed (tied), wpe, block 0, block 1" in out
     assert "stage 1: layers 4-7: block 2, block 3, ln_f, lm_head (tied embed)" in out
+    assert "activations: (b, T, h) = (2, 32, h) per rank between TP linears and across stages; recompute none" in out
+    assert "activations: (b, T/tp, h) = (2, 16, h): sequence parallel" in parity_runs[(2, 2, 2, "sp")]["stdout"]
 
 
 def test_wandb_offline_writes_a_run_directory(parity_runs):

@@ -1,7 +1,10 @@
 """The DeepSpeed pipeline model against its sequential form: the dense GPT of model/gpt.py run
 in one process. Same loss through `eval_batch`, and the same gradient (one SGD step of lr 1
 applied by the engine), shard by shard, including the tied embedding whose gradient
-DeepSpeed sums over the first and last stage."""
+DeepSpeed sums over the first and last stage. With sequence parallelism too: stage-to-stage
+tensors are per-TP-rank sequence chunks, LayerNorm gradients are summed over TP."""
+import dataclasses
+
 import deepspeed
 import pytest
 import torch
@@ -13,7 +16,7 @@ from model.gpt import GPT, GPTConfig
 from model.layers import shard_rows
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import init_parallel_state
-from model.pipe import build_pipeline
+from model.pipe import build_pipeline, pipeline_config
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=4, seed=5)
 MICRO, N_MICRO = 2, 3
@@ -37,15 +40,15 @@ def _local_shard(full: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor
 
 
 @uses_deepspeed
-def _pipeline_body(tp, pp):
+def _pipeline_body(tp, pp, sequence_parallel):
     state = init_parallel_state(tp, pp)
-    pipe = build_pipeline(CONFIG, state)
+    pipe = build_pipeline(dataclasses.replace(CONFIG, sequence_parallel=sequence_parallel), state)
     before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1.0),
         config={"train_batch_size": MICRO * N_MICRO, "train_micro_batch_size_per_gpu": MICRO,
                 "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
-                "steps_per_print": 10 ** 9})
+                "steps_per_print": 10 ** 9, **pipeline_config(sequence_parallel)})
 
     dense = GPT(CONFIG)
     dense_params = dict(dense.named_parameters())
@@ -67,6 +70,7 @@ def _pipeline_body(tp, pp):
         torch.testing.assert_close(pipe_grad, dense_grad, atol=2e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 2), (1, 3)])
-def test_pipeline_matches_sequential_model(tp, pp):
-    run_distributed(_pipeline_body, tp * pp, tp, pp)
+@pytest.mark.parametrize("tp,pp,sequence_parallel", [(2, 2, False), (1, 3, False), (2, 2, True)],
+                         ids=["tp2-pp2", "tp1-pp3", "tp2-pp2-sp"])
+def test_pipeline_matches_sequential_model(tp, pp, sequence_parallel):
+    run_distributed(_pipeline_body, tp * pp, tp, pp, sequence_parallel)

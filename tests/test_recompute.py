@@ -1,8 +1,15 @@
-"""Activation checkpointing (`train.activation_checkpoint_interval`) changes memory, not maths:
-with dropout on, at tp=2 pp=2, the recomputed run replays the same dropout masks (default RNG
-and the per-TP-rank RNG of attention dropout) and gives the same losses and gradient norms as
-the run that keeps its activations."""
+"""Activation recomputation (`train.recompute`) changes memory, not maths: with dropout on, at
+tp=2 pp=2, full recompute (DeepSpeed's checkpointing of whole blocks, also through the older
+`train.activation_checkpoint_interval`) and selective recompute (the attention core, under
+torch.utils.checkpoint) replay the same dropout masks (default RNG and the per-TP-rank RNG of
+attention dropout) and give the same losses and gradient norms as the run that keeps its
+activations. The same holds with sequence parallelism, whose residual and embedding dropout
+draw from the per-TP-rank RNG."""
+import pytest
+
 from launcher import TINY, launch, read_metrics
+
+SP = ["--set", "model.sequence_parallel=true"]
 
 
 def _run(tmp_path, name, extra):
@@ -13,10 +20,24 @@ def _run(tmp_path, name, extra):
     return read_metrics(out)
 
 
-def test_recompute_replays_dropout_and_matches(tmp_path):
-    kept = _run(tmp_path, "kept", [])
-    recomputed = _run(tmp_path, "recomputed", ["--set", "train.activation_checkpoint_interval=1"])
+def _assert_same(kept, recomputed):
+    assert len(kept) == len(recomputed) == 3
     for a, b in zip(kept, recomputed):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * a["loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (a, b)
-    assert len(kept) == len(recomputed) == 3
+
+
+def test_recompute_replays_dropout_and_matches(tmp_path):
+    kept = _run(tmp_path, "kept", [])
+    _assert_same(kept, _run(tmp_path, "interval", ["--set", "train.activation_checkpoint_interval=1"]))
+    _assert_same(kept, _run(tmp_path, "selective", ["--set", "train.recompute=selective"]))
+
+
+@pytest.fixture(scope="module")
+def sp_kept(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("sp"), "sp-kept", SP)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_with_sequence_parallelism_matches(tmp_path, sp_kept, mode):
+    _assert_same(sp_kept, _run(tmp_path, f"sp-{mode}", SP + ["--set", f"train.recompute={mode}"]))

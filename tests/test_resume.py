@@ -3,15 +3,15 @@
 At the saved layout the continuation is bit-identical to the uninterrupted run, at every layout
 of the parity test, and the metrics file continues from step 4. At another layout
 (launch/reshard.py re-shards the ZeRO-1 weights and Adam moments) steps 4-5 match the
-uninterrupted run within fp32 rounding, like the layouts themselves do.
+uninterrupted run within fp32 rounding, like the layouts themselves do; a checkpoint of a
+sequence-parallel run re-shards the same way.
 """
 import pytest
 
-from conftest import LAYOUTS, REFERENCE, SAVE_AT, STEPS
+from conftest import LAYOUTS, REFERENCE, SAVE_AT, STEPS, layout_id
 from launcher import TINY, launch, read_metrics
 
 RTOL = 1e-5
-SAVED_AT = (2, 2, 2)
 
 
 def _resume(checkpoint, layout, metrics, extra=(), env=None):
@@ -22,7 +22,7 @@ def _resume(checkpoint, layout, metrics, extra=(), env=None):
     return proc.stdout
 
 
-@pytest.mark.parametrize("layout", [REFERENCE] + LAYOUTS, ids=lambda l: "tp%d-pp%d-dp%d" % l)
+@pytest.mark.parametrize("layout", [REFERENCE] + LAYOUTS, ids=layout_id)
 def test_resume_continues_bitwise(parity_runs, tmp_path, layout):
     run = parity_runs[layout]
     resumed = tmp_path / "resumed.jsonl"
@@ -30,10 +30,11 @@ def test_resume_continues_bitwise(parity_runs, tmp_path, layout):
     # (1,1,2)'s parity run logged to wandb offline: the resumed run continues that wandb run.
     wandb = layout == (1, 1, 2)
     out = _resume(run["dir"] / "ck" / f"step{SAVE_AT:08d}", layout, resumed, ["--wandb", "offline"] if wandb else [],
-                  env={"WANDB_DIR": str(run["dir"])})
+                  env={"WANDB_DIR": str(tmp_path)})
     assert f"at step {SAVE_AT} ({SAVE_AT * 16} samples consumed)" in out and "re-sharded" not in out
     if wandb:  # offline-run-<time>-<id>: the first run's directory and the resumed run's share the id
-        run_ids = [d.name.rsplit("-", 1)[1] for d in (run["dir"] / "wandb").glob("offline-run-*")]
+        run_ids = [d.name.rsplit("-", 1)[1] for directory in (run["dir"], tmp_path)
+                   for d in (directory / "wandb").glob("offline-run-*")]
         assert len(run_ids) == 2 and run_ids[0] == run_ids[1], run_ids
     full, again = run["metrics"], read_metrics(resumed)
     assert [m["step"] for m in again] == list(range(1, STEPS + 1))
@@ -42,16 +43,19 @@ def test_resume_continues_bitwise(parity_runs, tmp_path, layout):
             (y["loss"], y["grad_norm"], y["lr"], y.get("val_loss")), (layout, x, y)
 
 
-@pytest.mark.parametrize("layout", [(1, 1, 1), (1, 4, 2), (4, 1, 2)], ids=lambda l: "to-tp%d-pp%d-dp%d" % l)
-def test_resume_at_another_layout_matches(parity_runs, tmp_path, layout):
-    """Saved at tp=2 pp=2 dp=2, resumed at another (tp, pp, dp), optimizer state included: the
-    continuation matches the uninterrupted run at the saved layout (and so the reference)."""
+@pytest.mark.parametrize("saved,layout", [((2, 2, 2), (1, 1, 1)), ((2, 2, 2), (1, 4, 2)), ((2, 2, 2), (4, 1, 2)),
+                                          ((2, 2, 2, "sp"), (1, 1, 1))],
+                         ids=lambda l: layout_id(l))
+def test_resume_at_another_layout_matches(parity_runs, tmp_path, saved, layout):
+    """Saved at tp=2 pp=2 dp=2 (with and without sequence parallelism), resumed at another
+    (tp, pp, dp), optimizer state included: the continuation matches the uninterrupted run at
+    the saved layout (and so the reference)."""
     metrics = tmp_path / "resumed.jsonl"
-    out = _resume(parity_runs[SAVED_AT]["dir"] / "ck" / f"step{SAVE_AT:08d}", layout, metrics)
+    out = _resume(parity_runs[saved]["dir"] / "ck" / f"step{SAVE_AT:08d}", layout, metrics)
     assert f"at step {SAVE_AT}" in out and "re-sharded from tp=2 pp=2 dp=2" in out
     again = read_metrics(metrics)
     assert [m["step"] for m in again] == list(range(SAVE_AT + 1, STEPS + 1))
-    for original in (parity_runs[SAVED_AT]["metrics"], parity_runs[REFERENCE]["metrics"]):
+    for original in (parity_runs[saved]["metrics"], parity_runs[REFERENCE]["metrics"]):
         for x, y in zip(original[SAVE_AT:], again):
             assert x["lr"] == y["lr"]
             for key in ("loss", "grad_norm", "val_loss"):

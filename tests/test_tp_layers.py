@@ -1,14 +1,19 @@
 """Every tensor-parallel layer and the vocab-parallel cross-entropy against its dense reference
-(nn.Linear, F.embedding, F.cross_entropy): forward and every gradient, at tp=2 and tp=4."""
+(nn.Linear, F.embedding, F.cross_entropy): forward and every gradient, at tp=2 and tp=4.
+Sequence parallelism: its collectives against slicing and summing, and a whole sequence-parallel
+GPT (with selective recompute) against the single-process GPT: loss and every gradient."""
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import run_distributed
+from model.convert import rule_for
+from model.gpt import GPT, GPTConfig
 from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                           padded_vocab_size, shard_rows)
 from model.loss import vocab_parallel_cross_entropy
+from model.mappings import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
 
 ATOL = 1e-5
 
@@ -145,6 +150,58 @@ def _cross_entropy_body():
     _check("cross-entropy dL/dlogits shard", l_tp.grad, _shard_last(grad_full, group))
 
 
+def _sequence_chunk(t: torch.Tensor, group) -> torch.Tensor:
+    return t.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)]
+
+
+def _sequence_mappings_body():
+    """Each SP collective and its backward against what it means on full tensors."""
+    group = _world_group()
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    full = _randn(2, 4 * tp, 3, seed=0)
+    probe = _randn(2, 4 * tp, 3, seed=1)  # loss = <y, probe>, so dL/dy = probe
+
+    x = _sequence_chunk(full, group).clone().requires_grad_()
+    y = gather_from_sequence_parallel_region(x, group)
+    _check("gather forward", y, full)
+    (y * probe * (rank + 1)).sum().backward()  # rank r's consumer sees a partial gradient
+    _check("gather backward = reduce-scatter", x.grad, _sequence_chunk(probe, group) * tp * (tp + 1) / 2)
+
+    x = (full * (rank + 1)).requires_grad_()  # partial sums: their total is full * tp(tp+1)/2
+    y = reduce_scatter_to_sequence_parallel_region(x, group)
+    _check("reduce-scatter forward", y, _sequence_chunk(full, group) * tp * (tp + 1) / 2)
+    (y * _sequence_chunk(probe, group)).sum().backward()
+    _check("reduce-scatter backward = all-gather", x.grad, probe)
+
+
+def _dense_shard(full: torch.Tensor, name: str, group) -> torch.Tensor:
+    rule = rule_for(name)
+    if rule.dim is None:
+        return full
+    if rule.dim == 0:
+        return shard_rows(full, group, rule.stride)
+    return _shard_last(full, group)
+
+
+def _sequence_parallel_gpt_body():
+    """A sequence-parallel GPT with selective recompute: embedding reduce-scatter, wpe offsets,
+    LayerNorm and row-bias gradients summed over TP, gathered logits. Same loss and gradients."""
+    group = _world_group()
+    tp = dist.get_world_size()
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=16, seq_len=4 * tp, vocab_size=96, seed=3)
+    sp = GPT(GPTConfig(**dict(vars(config), sequence_parallel=True, recompute_attention=True)), group)
+    dense = GPT(config)
+    ids = torch.randint(0, 96, (2, config.seq_len + 1), generator=torch.Generator().manual_seed(4))
+    losses = [vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], g).mean()
+              for model, g in ((dense, None), (sp, group))]
+    for loss in losses:
+        loss.backward()
+    _check("SP GPT loss", losses[1].detach(), losses[0].detach())
+    dense_params = dict(dense.named_parameters())
+    for name, param in sp.named_parameters():
+        _check(f"SP GPT dL/d{name}", param.grad, _dense_shard(dense_params[name].grad, name, group))
+
+
 def _all_layers(tp_size):
     for stride in (1, 3):
         _column_body(stride, gather_output=False)
@@ -152,6 +209,8 @@ def _all_layers(tp_size):
     _row_body()
     _embedding_body()
     _cross_entropy_body()
+    _sequence_mappings_body()
+    _sequence_parallel_gpt_body()
 
 
 @pytest.mark.parametrize("tp", [2, 4])
