@@ -120,26 +120,16 @@ def evaluate(engine, data, state, layout: Layout, eval_batches: int) -> float:
     return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n)) / n
 
 
-def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_size: int,
-          resume_from=None) -> None:
+def build_engine(args: argparse.Namespace, recipe: Recipe, layout: Layout, state, config, logging_rank: bool):
+    """The run's PipelineModule (seeded init, or `--init-from-hf` weights) inside a DeepSpeed
+    engine with AdamW, ZeRO, clipping and the LR schedule."""
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
 
-    from launch import checkpoint
-    from launch.distributed import shut_down_distributed, start_rank
     from launch.ds_config import deepspeed_config
-    from launch.metrics import MetricsLogger, is_logging_rank, loss_scale, peak_memory_bytes, run_arithmetic
-    from launch.preemption import StopRequest
     from launch.schedule import warmup_cosine
-    from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline, stage_contents
 
     t = recipe.train
-    start_rank(layout.world_size, t.dist_timeout_s)
-    state = init_parallel_state(layout.tp, layout.pp)
-    logging_rank = is_logging_rank(state.global_rank)
-
-    config = recipe.gpt_config(vocab_size)
     pipe = build_pipeline(config, state, t.full_recompute_interval)
     if args.init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them
         from launch.hf_init import init_from_hf
@@ -150,24 +140,50 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, model_parameters=param_groups(pipe), config=deepspeed_config(recipe, layout),
         lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
+    return engine
+
+
+def restore(engine, resume_from, layout: Layout, state, config, logging_rank: bool) -> Tuple[int, int]:
+    """(first step to train, samples consumed so far): (1, 0), or after the checkpoint's step."""
+    from launch import checkpoint
+    if resume_from is None:
+        return 1, 0
+    client_state = checkpoint.load(engine, resume_from, vars(layout), state, config)
+    step, samples = client_state["step"], client_state["samples"]
+    if logging_rank:
+        saved = resume_from.meta["layout"]
+        print(f"resumed from {resume_from.path} at step {step} ({samples} samples consumed)"
+              + ("" if checkpoint.same_layout(saved, vars(layout)) else
+                 f", re-sharded from tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}"), flush=True)
+    return step + 1, samples
+
+
+def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_size: int,
+          resume_from=None) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    from launch import checkpoint
     from launch.comm_counter import install_comm_counter
+    from launch.distributed import shut_down_distributed, start_rank
+    from launch.metrics import MetricsLogger, is_logging_rank, loss_scale, peak_memory_bytes, run_arithmetic
+    from launch.preemption import StopRequest
+    from model.parallel_state import init_parallel_state
+
+    t = recipe.train
+    start_rank(layout.world_size, t.dist_timeout_s)
+    state = init_parallel_state(layout.tp, layout.pp)
+    logging_rank = is_logging_rank(state.global_rank)
+    config = recipe.gpt_config(vocab_size)
+    engine = build_engine(args, recipe, layout, state, config, logging_rank)
     install_comm_counter(engine, state, args.comm_counts)  # does nothing without --comm-counts
     timeline = None
     if args.timeline is not None:
         from launch.timeline import install_timeline_recorder
         timeline = install_timeline_recorder(engine, args.timeline_steps, t.steps,
                                              one_per_stage=state.tp_rank == 0 and state.dp_rank == 0)
+    first_step, samples = restore(engine, resume_from, layout, state, config, logging_rank)
 
     saved_recipe = resolved_recipe_dict(recipe, vocab_size)
-    first_step, samples = 1, 0
-    if resume_from is not None:
-        client_state = checkpoint.load(engine, resume_from, vars(layout), state, config)
-        first_step, samples = client_state["step"] + 1, client_state["samples"]
-        if logging_rank:
-            saved = resume_from.meta["layout"]
-            print(f"resumed from {resume_from.path} at step {client_state['step']} ({samples} samples consumed)"
-                  + ("" if checkpoint.same_layout(saved, vars(layout)) else
-                     f", re-sharded from tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}"), flush=True)
     batches = data.train_batches(state.dp_rank, layout.dp, start_sample=samples)
     tokens_per_step = layout.global_batch_size * recipe.seq_len
     stop = StopRequest(get_accelerator().device_name())
