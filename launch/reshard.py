@@ -89,10 +89,11 @@ def _read_slice(ckpt: Path, mp_rank: int, dp: int, wanted: Set[str]) -> Dict[str
     out = {}
     for name, by_key in pieces.items():
         shape = shapes[name]
-        out[name] = {key: torch.cat(parts).view(shape).clone() for key, parts in by_key.items()}
-        if out[name][FP32].numel() != shape.numel():
-            raise ValueError(f"{ckpt}: the fragments of {name} hold {out[name][FP32].numel()} elements, "
+        found = sum(part.numel() for part in by_key[FP32])
+        if found != shape.numel():  # checked before the view, which would fail with a bare shape error
+            raise ValueError(f"{ckpt}: the fragments of {name} hold {found} elements, "
                              f"its shape {tuple(shape)} has {shape.numel()}")
+        out[name] = {key: torch.cat(parts).view(shape).clone() for key, parts in by_key.items()}
     return out
 
 
