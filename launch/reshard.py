@@ -5,10 +5,12 @@ DeepSpeed's checkpoint files are bound to the layout that wrote them. ZeRO-1 kee
 partitions, with Adam's two moments cut the same way; file `[bf16_]zero_pp_rank_D_mp_rank_M_
 optim_states.pt` holds partition D of model-parallel slice M, and its `param_slice_mappings`
 say which fragment of which parameter lies where in it. A run at another (tp, pp, dp) reads
-these files directly, on every rank, for the parameters it holds:
-  1. for each saved slice that holds one of its parameters: concatenate the fragments of the
-     dp partitions in order and view them as the slice's shard (fp32 weight, exp_avg,
-     exp_avg_sq), for every TP rank of that stage;
+these files directly, on every rank, for the parameters it holds, one parameter at a time
+(peak memory: one parameter's full weight and moments, not a stage's; each file is opened
+once, memory-mapped, and only the fragments of this rank's parameters are read):
+  1. for each of its parameters, on each TP rank of the saved stage holding it: concatenate
+     the parameter's fragments of the dp partitions in order and view them as that slice's
+     shard (fp32 weight, exp_avg, exp_avg_sq);
   2. merge the TP shards into the full tensor and cut its own shard with model/convert.py
      (the rules export and `--init-from-hf` use, vocab padding included);
   3. write them into the new engine: the fp32 master weight and the moments with DeepSpeed's
@@ -25,7 +27,7 @@ state in another file format. RNG states are per (stage, TP rank) and are not ca
 with dropout on, the masks after a layout change differ from those of the original layout.
 """
 from pathlib import Path
-from typing import Dict, Iterable, List, Set, Tuple
+from typing import Dict, Iterable, Iterator, List, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -35,7 +37,6 @@ from model.parallel_state import ParallelState, build_topology
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # torch AdamW's state, next to the fp32 master weight
 FP32 = "fp32"
-TrainingState = Dict[str, Dict[str, torch.Tensor]]  # dense name -> {fp32, exp_avg, exp_avg_sq}
 
 
 def _load_deepspeed_file(path: Path) -> dict:
@@ -69,59 +70,76 @@ def slice_ranks(tp: int, pp: int, dp: int) -> Dict[Tuple[int, int], int]:
     return {(topology.get_coord(r).pipe, topology.get_coord(r).model): i for i, r in enumerate(ranks)}
 
 
-def _read_slice(ckpt: Path, mp_rank: int, dp: int, wanted: Set[str]) -> Dict[str, Dict[str, torch.Tensor]]:
-    """{pipeline name: {fp32, exp_avg, exp_avg_sq}} of one saved slice, for the names in `wanted`:
-    each parameter's fragments, in dp-partition order, make its flattened shard."""
-    shapes = {}
-    for group in _load_deepspeed_file(_model_file(ckpt, mp_rank))["param_shapes"]:
-        shapes.update(group)
-    pieces: Dict[str, Dict[str, List[torch.Tensor]]] = {}
-    for dp_rank in range(dp):
-        optim = _load_deepspeed_file(_optimizer_file(ckpt, dp_rank, mp_rank))["optimizer_state_dict"]
-        for g, fragments in enumerate(optim["param_slice_mappings"]):
+def _index_fragments(optim: dict) -> Dict[str, Tuple[int, object]]:
+    """{pipeline name: (param group, fragment address)} of one ZeRO partition file."""
+    return {name: (g, address) for g, fragments in enumerate(optim["param_slice_mappings"])
+            for name, address in fragments.items()}
+
+
+class _SavedSlice:
+    """One saved (stage, TP rank): its parameter shapes and its dp partition files, opened once
+    and memory-mapped, so that reading a parameter touches only that parameter's fragments."""
+
+    def __init__(self, ckpt: Path, mp_rank: int, dp: int):
+        self.ckpt = ckpt
+        self.shapes = {}
+        for group in _load_deepspeed_file(_model_file(ckpt, mp_rank))["param_shapes"]:
+            self.shapes.update(group)
+        self.partitions = [_load_deepspeed_file(_optimizer_file(ckpt, d, mp_rank))["optimizer_state_dict"]
+                           for d in range(dp)]
+        self.fragments = [_index_fragments(optim) for optim in self.partitions]
+
+    def shard(self, name: str) -> Dict[str, torch.Tensor]:
+        """{fp32, exp_avg, exp_avg_sq} of pipeline parameter `name` on this slice: its fragments,
+        in dp-partition order, make its flattened shard (a new tensor; the files stay untouched)."""
+        pieces: Dict[str, List[torch.Tensor]] = {key: [] for key in (FP32,) + MOMENTS}
+        for optim, fragments in zip(self.partitions, self.fragments):
+            if name not in fragments:
+                continue
+            g, address = fragments[name]
             flat = {FP32: optim["single_partition_of_fp32_groups"][g]}
             flat.update({k: optim["base_optimizer_state"]["state"][g][k] for k in MOMENTS})
-            for name, address in fragments.items():
-                if name in wanted:
-                    for key, tensor in flat.items():
-                        pieces.setdefault(name, {}).setdefault(key, []).append(
-                            tensor.narrow(0, address.start, address.numel))
-    out = {}
-    for name, by_key in pieces.items():
-        shape = shapes[name]
-        found = sum(part.numel() for part in by_key[FP32])
+            for key, tensor in flat.items():
+                pieces[key].append(tensor.narrow(0, address.start, address.numel))
+        shape = self.shapes[name]
+        found = sum(part.numel() for part in pieces[FP32])
         if found != shape.numel():  # checked before the view, which would fail with a bare shape error
-            raise ValueError(f"{ckpt}: the fragments of {name} hold {found} elements, "
+            raise ValueError(f"{self.ckpt}: the fragments of {name} hold {found} elements, "
                              f"its shape {tuple(shape)} has {shape.numel()}")
-        out[name] = {key: torch.cat(parts).view(shape).clone() for key, parts in by_key.items()}
-    return out
+        return {key: torch.cat(parts).view(shape) for key, parts in pieces.items()}
 
 
-def read_training_state(ckpt: Path, saved_layout: Dict[str, int], n_layer: int, vocab_size: int,
-                        wanted: Iterable[str]) -> TrainingState:
-    """The full (TP-merged, real-vocabulary) fp32 weight and Adam moments of each dense
-    parameter name in `wanted`, read from the saved slices that hold them."""
+def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], n_layer: int, vocab_size: int,
+                        wanted: Iterable[str]) -> Iterator[Tuple[str, Dict[str, torch.Tensor]]]:
+    """(dense name, {fp32, exp_avg, exp_avg_sq}) for each dense parameter name in `wanted`: the
+    full (TP-merged, real-vocabulary) fp32 weight and Adam moments, one parameter at a time.
+
+    Memory: only one parameter's full tensors exist at a time (the caller drops them before the
+    next), and a saved stage's files are open only while its parameters are read; each file is
+    opened once per reading rank, and stages that hold none of `wanted` are never opened."""
     tp, pp, dp = (saved_layout[k] for k in ("tp", "pp", "dp"))
     wanted = set(wanted)
     mp_ranks = slice_ranks(tp, pp, dp)
-    merged: TrainingState = {}
+    done: Set[str] = set()
     for stage in range(pp):
         names = {}  # pipeline name on this stage -> dense name, for the wanted ones not yet read
         for group in _load_deepspeed_file(_model_file(ckpt, mp_ranks[stage, 0]))["param_shapes"]:
             for name in group:
                 dense = dense_name(name, n_layer)
-                if dense in wanted and dense not in merged:
+                if dense in wanted and dense not in done and dense not in names.values():
                     names[name] = dense
         if not names:
             continue  # nothing of this stage is needed here: its files are never opened
-        per_rank = [_read_slice(ckpt, mp_ranks[stage, r], dp, set(names)) for r in range(tp)]
+        slices = [_SavedSlice(ckpt, mp_ranks[stage, r], dp) for r in range(tp)]
         for name, dense in names.items():
-            merged[dense] = {key: merge(dense, [shards[name][key] for shards in per_rank], vocab_size)
-                             for key in (FP32,) + MOMENTS}
-    missing = wanted - set(merged)
+            shards = [s.shard(name) for s in slices]
+            yield dense, {key: merge(dense, [shard[key] for shard in shards], vocab_size)
+                          for key in (FP32,) + MOMENTS}
+            done.add(dense)
+        del slices  # unmap this stage's files before the next stage's
+    missing = wanted - done
     if missing:
         raise ValueError(f"{ckpt} holds no optimizer state for {sorted(missing)[:4]}")
-    return merged
 
 
 def _rank_independent_state(ckpt: Path) -> dict:
@@ -149,7 +167,6 @@ def load_resharded(engine, ckpt: Path, saved_layout: Dict[str, int], state: Para
 
     module: nn.Module = engine.module
     params = {dense_name(name, n_layer): param for name, param in module.named_parameters()}
-    saved = read_training_state(ckpt, saved_layout, n_layer, vocab_size, params)
     common = _rank_independent_state(ckpt)
     base = common["base_optimizer_state"]
     _init_adam_state(engine.optimizer, base["state"][0]["step"])
@@ -157,9 +174,10 @@ def load_resharded(engine, ckpt: Path, saved_layout: Dict[str, int], state: Para
         group.update({k: v for k, v in saved_group.items() if k != "params"})  # lr, betas, ...
     if getattr(engine.optimizer, "dynamic_loss_scale", False) and getattr(common.get("loss_scaler"), "dynamic", False):
         engine.optimizer.loss_scaler = common["loss_scaler"]  # fp16: the scale found so far, and its counters
-    for dense, param in params.items():
-        shards = {key: split(dense, full, state.tp_rank, state.tp_size, padded_vocab_size)
-                  for key, full in saved[dense].items()}
+    for dense, full in iter_training_state(ckpt, saved_layout, n_layer, vocab_size, params):
+        param = params[dense]
+        shards = {key: split(dense, tensor, state.tp_rank, state.tp_size, padded_vocab_size)
+                  for key, tensor in full.items()}
         if shards[FP32].shape != param.shape:
             raise ValueError(f"{dense}: the checkpoint gives a shard of {tuple(shards[FP32].shape)}, the "
                              f"model has {tuple(param.shape)}")
@@ -167,6 +185,7 @@ def load_resharded(engine, ckpt: Path, saved_layout: Dict[str, int], state: Para
         for key in MOMENTS:
             safe_set_full_optimizer_state(param, shards[key], key)
         param.copy_(shards[FP32].to(param.dtype))  # the training-dtype copy DeepSpeed's step makes
+        del full, shards  # before the next parameter is read: one parameter's state at a time
 
     model_states = _load_deepspeed_file(_model_file(ckpt, 0))
     engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])

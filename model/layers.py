@@ -145,6 +145,35 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + copy_to_tp_region(self.bias, self.tp_group)
 
 
+class _PaddedVocabLogits(torch.autograd.Function):
+    """logits = h W^T with this shard's padded-vocabulary columns set to -inf:
+    (B, T, h), (V/p, h) -> (B, T, V/p), where only the first `real_rows` rows of W are words.
+
+    Written as one Function so that the largest tensor of the model is never copied: the
+    -inf fill is in place on the matmul's fresh output (a `masked_fill` made a (B, T, V/p)
+    copy in forward and another in backward). A -inf column is a constant, so its gradient
+    is zero whatever the consumer sends back: backward reads only the real columns of the
+    incoming gradient and gives the padded rows of W a zero gradient (they stay zero)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, real_rows):
+        ctx.save_for_backward(hidden, weight)
+        ctx.real_rows = real_rows
+        logits = F.linear(hidden, weight)
+        logits[..., real_rows:] = float("-inf")
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (B, T, V/p)
+        hidden, weight = ctx.saved_tensors
+        real = ctx.real_rows
+        grad_real = grad.reshape(-1, grad.size(-1))[:, :real]  # (B*T, real): a view, no copy
+        grad_hidden = grad_real.matmul(weight[:real]).view_as(hidden)  # (B, T, h)
+        grad_weight = torch.zeros_like(weight)  # (V/p, h); padded rows: zero
+        torch.mm(grad_real.t(), hidden.reshape(-1, hidden.size(-1)), out=grad_weight[:real])
+        return grad_hidden, grad_weight, None
+
+
 class VocabParallelEmbedding(nn.Module):
     """E[ids] with the vocabulary rows split across TP: rank r holds rows [r*V/p, (r+1)*V/p).
 
@@ -190,11 +219,10 @@ class VocabParallelEmbedding(nn.Module):
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)  # (B, T, h)
         else:
             hidden = copy_to_tp_region(hidden, self.tp_group)
-        logits = F.linear(hidden, self.weight)
-        if self.vocab_end > self.vocab_size:  # this shard holds padding rows
-            padded = torch.arange(self.vocab_start, self.vocab_end, device=logits.device) >= self.vocab_size
-            logits = logits.masked_fill(padded, float("-inf"))
-        return logits
+        real_rows = min(max(self.vocab_size - self.vocab_start, 0), self.rows_per_partition)
+        if real_rows == self.rows_per_partition:  # this shard holds no padding rows
+            return F.linear(hidden, self.weight)
+        return _PaddedVocabLogits.apply(hidden, self.weight, real_rows)
 
 
 class LayerNorm(nn.LayerNorm):

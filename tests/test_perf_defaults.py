@@ -35,9 +35,11 @@ def test_defaults_are_zero1_and_bf16_accumulates_in_fp32():
 def test_attention_runs_a_fused_causal_kernel_and_the_loss_copies_no_logits():
     """SDPA with is_causal=True picks the fused flash kernel on CPU, not the math fallback that
     materialises the (T, T) scores; forward + backward of the model and the vocab-parallel loss
-    copy no (B, T, V) tensor (the loss's backward works in place on the saved softmax)."""
+    copy no (B, T, V_pad) tensor (the loss's backward works in place on the saved softmax; the
+    padded vocabulary's columns are set to -inf in place, as with every GPU recipe's
+    vocab_pad_multiple 128)."""
     torch.manual_seed(0)
-    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, vocab_size=100)
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, vocab_size=100, vocab_pad_multiple=128)
     model = GPT(config)
     ids = torch.randint(0, 100, (2, 16))
 
@@ -50,7 +52,8 @@ def test_attention_runs_a_fused_causal_kernel_and_the_loss_copies_no_logits():
     assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in names
     copied = [shapes[0] for name, shapes in ops if name in ("aten::clone", "aten::copy_") and shapes]
     assert copied, "the profiler recorded no copy at all: shapes missing?"  # masked_fill clones (B, T)
-    assert [2, 16, 100] not in copied, copied
+    assert config.padded_vocab_size(1) == 128
+    assert [2, 16, 128] not in copied, copied
 
 
 def test_loss_gradient_is_exact_and_a_second_backward_is_refused():

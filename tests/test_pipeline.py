@@ -63,6 +63,9 @@ def _pipeline_body(tp, pp, sequence_parallel):
 
     train_loss = engine.train_batch(iter(_batches())).item()
     assert abs(train_loss - dense_loss.item()) <= 1e-5 * dense_loss.item()
+    if engine.is_last_stage():  # DeepSpeed keeps the last stage's outputs (the logits) after backward
+        kept = [t.untyped_storage().nbytes() for t in engine.pipe_buffers["outputs"] if t is not None]
+        assert kept and not any(kept), f"finished micro-batches' logits still hold {kept} bytes"
     dense_loss.backward()
     for name, param in pipe.named_parameters():  # SGD lr 1: the engine's gradient = before - after
         pipe_grad = before[name] - param.detach()
