@@ -35,9 +35,9 @@ def _logits(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
 def dropout_stream_seed(seed: int, *coordinate) -> int:
     """The seed of one rank's dropout stream, a hash of (seed, coordinate): distinct for every
     coordinate at any layout size, where Megatron's offsets (seed + 100 * stage, + 2718 + tp_rank,
-    + 10 * dp_rank) collide once dp >= 10."""
+    + 10 * dp_rank under data_parallel_random_init) collide once dp >= 10."""
     digest = hashlib.sha256(repr((seed,) + coordinate).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1  # torch takes up to 2**64 - 1
+    return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: every torch seeding API takes it
 
 
 def seed_dropout_rngs(seed: int, state: ParallelState) -> None:
@@ -50,7 +50,7 @@ def seed_dropout_rngs(seed: int, state: ParallelState) -> None:
       TP-sharded (each rank its heads), and under sequence parallelism the embedding and
       residual dropout of each rank's sequence chunk forks it too, as Megatron does.
     Both differ across stages (blocks of the same shape on two stages would otherwise draw the
-    same masks, as Megatron-DeepSpeed's seed + 100 * stage avoids) and across DP ranks (they hold
+    same masks; Megatron adds 100 * stage to the seed for this) and across DP ranks (they hold
     different samples: shared streams would give sample i of every replica the same masks, so
     the masks of a global batch would depend on dp). DeepSpeed's activation checkpointing and
     launch/checkpoint.py save and restore both, so recomputation and resume replay them."""
