@@ -13,6 +13,7 @@ inside (contract 7). With sequence parallelism they are (B, T/t, h): TP rank r o
 sends its own sequence chunk to TP rank r of the next stage (DeepSpeed's p2p groups pair the
 same model-parallel coordinate; see `pipeline_config` for what must be switched off).
 """
+import hashlib
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -31,18 +32,33 @@ def _logits(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     return embedding.logits(hidden)
 
 
+def dropout_stream_seed(seed: int, *coordinate) -> int:
+    """The seed of one rank's dropout stream, a hash of (seed, coordinate): distinct for every
+    coordinate at any layout size, where Megatron's offsets (seed + 100 * stage, + 2718 + tp_rank,
+    + 10 * dp_rank under data_parallel_random_init) collide once dp >= 10."""
+    digest = hashlib.sha256(repr((seed,) + coordinate).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: every torch seeding API takes it
+
+
 def seed_dropout_rngs(seed: int, state: ParallelState) -> None:
-    """Dropout masks of replicated activations must be identical on the TP ranks of a stage,
-    those of TP-sharded activations (attention probabilities) must differ across them
-    (Megatron's RNG tracker): the default RNG gets seed + 100 * stage, the tracked one
-    seed + 2718 + tp_rank. Under sequence parallelism the dropout of embeddings and residual
-    branches forks the tracked stream too, as Megatron does: each TP rank draws the mask of its
-    own chunk. DeepSpeed's activation checkpointing saves and restores both, so recomputation
-    replays the same masks."""
-    torch.manual_seed(seed + 100 * state.pp_rank)
+    """Megatron's two dropout streams (tensor_parallel/random.py), one per (stage, DP rank):
+
+    - the default RNG, shared by the TP ranks of a stage: dropout of activations they all hold
+      (embeddings, residual branches without sequence parallelism) must draw the same mask,
+      else the replicas diverge;
+    - the tracked stream TP_DROPOUT_RNG, one per TP rank as well: attention probabilities are
+      TP-sharded (each rank its heads), and under sequence parallelism the embedding and
+      residual dropout of each rank's sequence chunk forks it too, as Megatron does.
+    Both differ across stages (blocks of the same shape on two stages would otherwise draw the
+    same masks; Megatron adds 100 * stage to the seed for this) and across DP ranks (they hold
+    different samples: shared streams would give sample i of every replica the same masks, so
+    the masks of a global batch would depend on dp). DeepSpeed's activation checkpointing and
+    launch/checkpoint.py save and restore both, so recomputation and resume replay them."""
+    torch.manual_seed(dropout_stream_seed(seed, "replicated", state.pp_rank, state.dp_rank))
     tracker = get_cuda_rng_tracker()
     tracker.reset()
-    tracker.add(TP_DROPOUT_RNG, seed + 2718 + state.tp_rank)
+    tracker.add(TP_DROPOUT_RNG, dropout_stream_seed(seed, "tp-sharded", state.pp_rank, state.dp_rank,
+                                                    state.tp_rank))
 
 
 def _tp_dropout_rng():

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -14,17 +15,42 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 4, 1)]
 SP_LAYOUTS = [(2, 2, 2, "sp"), (4, 1, 1, "sp"), (4, 4, 1, "sp")]  # sequence parallelism on
 STEPS = 5
 SAVE_AT = 3  # each parity run also saves a checkpoint here, for the resume tests
+# A precision tag in a layout (e.g. (2, 2, 2, "bf16")) runs it in that precision. fp16: DeepSpeed's
+# dynamic loss scale grows after every 2 steps without overflow, so its changes show in 5 steps.
+PRECISIONS = ("bf16", "fp16")
+FP16_SETTINGS = ["--set", "deepspeed.fp16.loss_scale_window=2"]
+# DeepSpeed's CPU accelerator declares fp16 unsupported unless oneDNN has fp16 kernels (AVX512-FP16
+# or AMX-FP16 CPUs), and the engine refuses to start. torch's own CPU kernels compute fp16 (slowly),
+# so the fp16 runs lift only that capability check, in every rank, through this sitecustomize.
+FP16_ON_CPU = Path(__file__).resolve().parent / "fp16_on_cpu"
 
 
 def layout_id(layout) -> str:
     return "-".join([f"tp{layout[0]}", f"pp{layout[1]}", f"dp{layout[2]}"] + list(layout[3:]))
 
 
+def run_precision(layout) -> str:
+    return next((tag for tag in layout[3:] if tag in PRECISIONS), "fp32")
+
+
+def precision_args(precision: str) -> list:
+    if precision == "fp32":
+        return []
+    return ["--set", f"train.precision={precision}"] + (FP16_SETTINGS if precision == "fp16" else [])
+
+
+def precision_env(precision: str) -> dict:
+    if precision != "fp16":
+        return {}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(FP16_ON_CPU), os.environ.get("PYTHONPATH")]))}
+
+
 class ParityRuns:
     """recipes/tiny.yaml for STEPS steps at a layout, launched when a test first asks for it and
     kept for the session (so `-k sp` launches only the reference and the SP layouts); each run
     saves a checkpoint after step SAVE_AT. runs[layout] = {metrics, dir (checkpoints under
-    dir/ck), stdout}. (1,1,2) also writes a wandb offline run."""
+    dir/ck), stdout}. (1,1,2) also writes a wandb offline run. Tags after (tp, pp, dp): "sp"
+    (sequence parallelism), a precision of PRECISIONS (fp32 without one)."""
 
     def __init__(self, tmp_path_factory):
         self.tmp_path_factory, self.done = tmp_path_factory, {}
@@ -33,12 +59,14 @@ class ParityRuns:
         if layout not in self.done:
             tp, pp, dp = layout[:3]
             sp = ["--set", "model.sequence_parallel=true"] if "sp" in layout else []
+            precision = run_precision(layout)
             tmp = self.tmp_path_factory.mktemp(layout_id(layout))
             wandb = ["--wandb", "offline"] if layout == (1, 1, 2) else []
             proc = launch(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp),
                                          "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
-                                         "--save", str(tmp / "ck"), "--save-every", str(SAVE_AT)] + sp + wandb,
-                          env={"WANDB_DIR": str(tmp)})
+                                         "--save", str(tmp / "ck"), "--save-every", str(SAVE_AT)]
+                          + sp + precision_args(precision) + wandb,
+                          env=dict(precision_env(precision), WANDB_DIR=str(tmp)))
             assert proc.returncode == 0, f"layout {layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             self.done[layout] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout}
         return self.done[layout]
