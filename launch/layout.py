@@ -70,12 +70,6 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
         # Every run, pp=1 included, trains through DeepSpeed's pipeline engine, which refuses 2 and 3.
         raise ConfigError(f"train.zero_stage={t.zero_stage} with --pp {pp}: DeepSpeed's pipeline engine "
                           f"supports ZeRO stage 0 or 1 only; set train.zero_stage=1")
-    if t.zero_stage == 0 and t.precision == "fp32" and t.grad_clip > 0 and pp > 1:
-        # DeepSpeed 0.19.8 runtime/utils.py clip_grad_norm_ counts replicated parameters on the
-        # first stage only and tied embeddings twice: a silently wrong norm (DESIGN.md contract 5).
-        raise ConfigError(f"train.zero_stage=0 with fp32, train.grad_clip={t.grad_clip} and --pp {pp}: "
-                          f"DeepSpeed's fp32 clipping miscounts the gradient norm across stages; "
-                          f"set train.zero_stage=1 (or train.grad_clip=0)")
     if t.activation_checkpoint_interval < 0:
         raise ConfigError(f"train.activation_checkpoint_interval={t.activation_checkpoint_interval} must be >= 0")
     if t.recompute not in RECOMPUTE_MODES:

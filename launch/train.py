@@ -122,10 +122,12 @@ def evaluate(engine, data, state, layout: Layout, eval_batches: int) -> float:
 
 def build_engine(args: argparse.Namespace, recipe: Recipe, layout: Layout, state, config, logging_rank: bool):
     """The run's PipelineModule (seeded init, or `--init-from-hf` weights) inside a DeepSpeed
-    engine with AdamW, ZeRO, clipping and the LR schedule."""
+    engine with AdamW, ZeRO, clipping and the LR schedule; and, for fp32 ZeRO-0, our own
+    gradient norm and clipping (launch/grad_norm.py), else None."""
     import deepspeed
 
     from launch.ds_config import deepspeed_config
+    from launch.grad_norm import Zero0GradNorm, uses_own_grad_norm
     from launch.schedule import warmup_cosine
     from model.pipe import build_pipeline, stage_contents
 
@@ -137,10 +139,15 @@ def build_engine(args: argparse.Namespace, recipe: Recipe, layout: Layout, state
     if logging_rank:
         print_role_map(layout, state, stage_contents(pipe, config), recipe.seq_len,
                        recipe.model.sequence_parallel, t.recompute_mode)
+    ds_config = deepspeed_config(recipe, layout)
+    own_norm = uses_own_grad_norm(t.zero_stage, t.precision)
+    if own_norm:  # DeepSpeed's fp32 ZeRO-0 clipping miscounts across stages: ours clips instead
+        ds_config["gradient_clipping"] = 0.0
     engine, _, _, _ = deepspeed.initialize(
-        model=pipe, model_parameters=param_groups(pipe), config=deepspeed_config(recipe, layout),
+        model=pipe, model_parameters=param_groups(pipe), config=ds_config,
         lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
-    return engine
+    grad_norm = Zero0GradNorm(engine, state.tp_rank, t.grad_clip) if own_norm else None
+    return engine, grad_norm
 
 
 def restore(engine, resume_from, layout: Layout, state, config, logging_rank: bool) -> Tuple[int, int]:
@@ -174,7 +181,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     state = init_parallel_state(layout.tp, layout.pp)
     logging_rank = is_logging_rank(state.global_rank)
     config = recipe.gpt_config(vocab_size)
-    engine = build_engine(args, recipe, layout, state, config, logging_rank)
+    engine, own_grad_norm = build_engine(args, recipe, layout, state, config, logging_rank)
     install_comm_counter(engine, state, args.comm_counts)  # does nothing without --comm-counts
     timeline = None
     if args.timeline is not None:
@@ -200,8 +207,8 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
         loss = engine.train_batch(data_iter=batches)
         seconds = time.perf_counter() - start
         samples += layout.global_batch_size
-        record = {"step": step, "samples": samples, "loss": loss.item(),
-                  "grad_norm": float(engine.get_global_grad_norm()), "lr": lr, "loss_scale": loss_scale(engine),
+        grad_norm = own_grad_norm.value if own_grad_norm is not None else engine.get_global_grad_norm()
+        record = {"step": step, "samples": samples, "loss": loss.item(), "grad_norm": float(grad_norm), "lr": lr, "loss_scale": loss_scale(engine),
                   "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_memory_bytes()}  # a MAX all-reduce: every rank calls it
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):

@@ -20,7 +20,6 @@ CASES = [
     (4, ["--pp", "2", "--set", "train.zero_stage=2"], ["zero_stage=2", "--pp 2"]),
     (1, ["--set", "train.zero_stage=3"], ["zero_stage=3", "stage 0 or 1"]),
     (1, ["--set", "model.n_head=0"], ["model.n_head=0", ">= 1"]),
-    (2, ["--pp", "2", "--set", "train.zero_stage=0"], ["zero_stage=0", "grad_clip=0.5"]),
     (1, ["--set", "train.learning_rate=1e-3"], ["unknown recipe key train.learning_rate", "train.lr"]),
     (1, ["--set", "train.steps=ten"], ["train.steps='ten'", "expected int"]),
     (1, ["--set", "deepspeed.train_batch_size=64"], ["deepspeed.train_batch_size", "global_batch_size"]),
