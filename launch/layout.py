@@ -94,6 +94,9 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     if d.num_proc < 1 or d.shuffle_buffer < 1:
         raise ConfigError(f"data.num_proc={d.num_proc} and data.shuffle_buffer={d.shuffle_buffer} must be >= 1")
+    if t.dist_timeout_s < 1:
+        raise ConfigError(f"train.dist_timeout_s={t.dist_timeout_s} must be >= 1 (seconds a collective waits "
+                          f"before a rank gives up; default 600)")
     if t.eval_every < 0 or t.eval_batches < 1:
         raise ConfigError(f"train.eval_every={t.eval_every} must be >= 0 and train.eval_batches={t.eval_batches} >= 1")
     pipeline = recipe.deepspeed.get("pipeline")

@@ -172,12 +172,15 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     from launch import checkpoint
     from launch.comm_counter import install_comm_counter
     from launch.distributed import shut_down_distributed, start_rank
+    from launch.failure import FailureWatcher, fault_injection, maybe_inject_fault
     from launch.metrics import MetricsLogger, is_logging_rank, loss_scale, peak_memory_bytes, run_arithmetic
     from launch.preemption import StopRequest
     from model.parallel_state import init_parallel_state
 
     t = recipe.train
     start_rank(layout.world_size, t.dist_timeout_s)
+    watcher = FailureWatcher(int(os.environ["RANK"]), layout.world_size)  # one rank fails: all stop
+    fault = fault_injection()  # a test hook, None unless GPT3D_FAULT_INJECT is set
     state = init_parallel_state(layout.tp, layout.pp)
     logging_rank = is_logging_rank(state.global_rank)
     config = recipe.gpt_config(vocab_size)
@@ -203,6 +206,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
                                 wandb_run_id=resume_from.meta.get("wandb_run_id") if resume_from is not None else None)
     for step in range(first_step, t.steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
+        maybe_inject_fault(fault, state.global_rank, step)
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=batches)
         seconds = time.perf_counter() - start
@@ -231,6 +235,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
         timeline.draw(args.timeline, logging_rank)  # collective: every rank gathers
     if metrics is not None:
         metrics.close()
+    watcher.stop()  # from here a rank that finished may exit: its store goes with rank 0
     shut_down_distributed()
 
 
@@ -244,11 +249,16 @@ def resolved_recipe_dict(recipe: Recipe, vocab_size: int) -> dict:
 def load_checked_tokenizer(recipe: Recipe):
     """The run's tokenizer and the model's vocabulary size, or a ConfigError naming the fix."""
     from data.builtin import load_tokenizer
+    from data.spec import DataError
+    from data.tokens import require_eos
     try:
         tokenizer = load_tokenizer(recipe.data.tokenizer)
+    except DataError:  # already one line (e.g. the data cache's lock timed out)
+        raise
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.tokenizer={recipe.data.tokenizer!r} could not be loaded "
                           f"({type(e).__name__}); use 'builtin' or a local tokenizer directory") from None
+    require_eos(tokenizer, recipe.data.tokenizer)
     return tokenizer, check_vocab(recipe, len(tokenizer))
 
 
@@ -273,6 +283,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ConfigError(f"--save-every {args.save_every} and --keep-last {args.keep_last} must be >= 0")
         if (args.save_every or args.keep_last) and args.save is None:
             raise ConfigError("--save-every and --keep-last need --save DIR")
+        from launch.preflight import check_before_start
+        check_before_start(recipe, args.metrics_out, args.save, args.timeline, args.comm_counts)
         resume_from = None
         if args.load is not None:
             from launch.checkpoint import check_compatible, find_checkpoint
@@ -290,23 +302,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return report_bad_input(e)
     try:
         train(args, recipe, layout, data, vocab_size, resume_from)
-    except RuntimeError as e:
-        if not is_communication_failure(e):
-            raise
-        # A peer died or a collective timed out: say so and leave at once; a normal interpreter
-        # exit would wait on the broken process group.
-        print(f"error: rank {os.environ.get('RANK')}: a collective failed ({type(e).__name__}: "
-              f"{str(e).splitlines()[0][:300]}); another rank probably died, see its log",
-              file=sys.stderr, flush=True)
-        os._exit(1)
+    except Exception as e:  # one line naming this rank and the cause; every other rank stops too
+        from launch.failure import report_failure
+        report_failure(e)
     return 0
-
-
-def is_communication_failure(error: RuntimeError) -> bool:
-    """torch raises DistError subclasses for NCCL/timeouts, but gloo's p2p failures arrive as a
-    plain RuntimeError whose message names gloo."""
-    import torch.distributed as dist
-    return isinstance(error, dist.DistError) or "gloo" in str(error) or "NCCL" in str(error)
 
 
 if __name__ == "__main__":
