@@ -33,7 +33,7 @@ FAULT_ENV = "GPT3D_FAULT_INJECT"
 TRACEBACK_ENV = "GPT3D_TRACEBACK"
 """Set to 1 to print the failing rank's whole traceback before its one line."""
 
-_KEY, _ACK = "gpt3d/failure", "gpt3d/failure_ack"
+_KEY, _ACK, _DONE = "gpt3d/failure", "gpt3d/failure_ack", "gpt3d/failure_done"
 _POLL_S = 0.5
 _ACK_WAIT_S = 5.0  # the longest a failing rank waits for the others to read its cause
 _STORE_LOST_POLLS = 4  # consecutive store errors before a watcher concludes rank 0 is gone
@@ -148,6 +148,8 @@ class FailureWatcher:
                 except Exception:
                     pass
                 _say(f"stopping: {cause.split(':', 1)[0]} failed:{cause.split(':', 1)[1]}")
+                if self.rank == 0:  # the store's host stays until the failing rank is done with it
+                    self._wait_for(store, lambda: store.check([_DONE]))
                 os._exit(1)
 
     def fail(self, error: BaseException) -> None:
@@ -169,12 +171,23 @@ class FailureWatcher:
                     pass
                 rank, cause = published.split(":", 1)
                 _say(f"stopping: {rank} failed:{cause}")
+                if self.rank == 0:
+                    self._wait_for(self.store, lambda: self.store.check([_DONE]))
                 os._exit(1)
             _say(mine.split(": ", 1)[1])
-            deadline = time.monotonic() + _ACK_WAIT_S
+            self._wait_for(self.store, lambda: self.store.add(_ACK, 0) >= self.world_size - 1)
             try:
-                while self.store.add(_ACK, 0) < self.world_size - 1 and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                self.store.set(_DONE, "1")
             except Exception:
                 pass
             os._exit(1)
+
+    @staticmethod
+    def _wait_for(store, condition) -> None:
+        """Poll `condition` for at most _ACK_WAIT_S seconds; a store error ends the wait."""
+        deadline = time.monotonic() + _ACK_WAIT_S
+        try:
+            while not condition() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except Exception:
+            pass
