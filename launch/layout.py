@@ -70,6 +70,14 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
         # Every run, pp=1 included, trains through DeepSpeed's pipeline engine, which refuses 2 and 3.
         raise ConfigError(f"train.zero_stage={t.zero_stage} with --pp {pp}: DeepSpeed's pipeline engine "
                           f"supports ZeRO stage 0 or 1 only; set train.zero_stage=1")
+    if t.zero_stage == 0 and t.precision == "bf16":
+        # deepspeed.initialize raises NotImplementedError for bf16 weights with the fp32 gradient
+        # accumulation that pipeline runs need (DESIGN.md contract 8); ZeRO-1 supports it.
+        raise ConfigError(f"train.zero_stage=0 with train.precision=bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 "
+                          f"path with fp32 gradient accumulation; set train.zero_stage=1")
+    if t.precision == "fp16" and on_cpu:
+        raise ConfigError("train.precision=fp16: DeepSpeed's CPU accelerator does not support fp16; "
+                          "use fp32 or bf16 on CPU")
     if t.activation_checkpoint_interval < 0:
         raise ConfigError(f"train.activation_checkpoint_interval={t.activation_checkpoint_interval} must be >= 0")
     if t.recompute not in RECOMPUTE_MODES:

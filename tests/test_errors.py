@@ -40,6 +40,8 @@ CASES = [
     (1, ["--set", "wandb.name=[oops"], ["--set 'wandb.name=[oops'", "not valid YAML", "quote it"]),
     (1, ["--set", "train.dist_timeout_s=0"], ["train.dist_timeout_s=0", ">= 1"]),
     (1, ["--set", "wandb.mode=cloud"], ["wandb.mode='cloud'", "online, offline, disabled"]),
+    (1, ["--set", "train.zero_stage=0", "--set", "train.precision=bf16"], ["zero_stage=0", "bf16", "zero_stage=1"]),
+    (1, ["--set", "train.precision=fp16"], ["precision=fp16", "CPU accelerator"]),
 ]
 
 

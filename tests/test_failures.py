@@ -81,3 +81,31 @@ def test_threads_per_rank_from_deepspeed_launcher_environment(tmp_path):
     two_nodes = dict(env, WORLD_SIZE="4", RANK="3", CROSS_RANK="1", CROSS_SIZE="2")
     assert threads_per_rank(two_nodes, cpu_count=64, world_size=4) == 32
     assert threads_per_rank(dict(two_nodes, LOCAL_WORLD_SIZE="1"), cpu_count=64, world_size=4) == 64  # torchrun's
+
+
+def _raise(message):
+    raise RuntimeError(message)
+
+
+def _caught(message):
+    try:
+        _raise(message)
+    except RuntimeError as e:
+        return e
+
+
+def test_failure_line_keeps_the_cause_and_its_origin():
+    """A device error that mentions NCCL is reported as itself (first lines, where it was raised),
+    not as "another rank died"; only a lost connection or a timeout gets the peer hint."""
+    import inspect
+    from launch.failure import describe
+    line = inspect.getsourcelines(_raise)[1] + 1
+    cuda = describe(_caught("NCCL error in: ProcessGroupNCCL.cpp:1234, unhandled cuda error\n"
+                            "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error: illegal memory access"))
+    assert cuda == ("RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1234, unhandled cuda error / "
+                    f"ncclUnhandledCudaError: Call to CUDA function failed. (at tests/test_failures.py:{line} in _raise)")
+    gloo = describe(_caught("[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer [127.0.0.1]:1"))
+    assert gloo.startswith("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer")
+    assert gloo.endswith(f"(at tests/test_failures.py:{line} in _raise); a peer rank probably died or hung, "
+                         f"see its line and the launcher's")
+    assert "\n" not in cuda + gloo
