@@ -34,9 +34,9 @@ TRACEBACK_ENV = "GPT3D_TRACEBACK"
 """Set to 1 to print the failing rank's whole traceback before its one line."""
 
 _KEY, _ACK, _DONE = "gpt3d/failure", "gpt3d/failure_ack", "gpt3d/failure_done"
-_POLL_S = 0.5
+_POLL_S = 1.0  # one small store request per rank per second, also at a thousand ranks
 _ACK_WAIT_S = 5.0  # the longest a failing rank waits for the others to read its cause
-_STORE_LOST_POLLS = 4  # consecutive store errors before a watcher concludes rank 0 is gone
+_STORE_LOST_POLLS = 5  # consecutive store errors before a watcher concludes rank 0 is gone
 _REPO = str(Path(__file__).resolve().parent.parent)
 # What a collective says when the rank at the other end is gone. Only these get the "peer"
 # hint: an NCCL or CUDA error raised by this rank's own device is reported as what it is.
@@ -105,8 +105,9 @@ def report_failure(error: BaseException) -> None:
 
 
 class FailureWatcher:
-    """Start on every rank right after torch.distributed is up; `stop()` before the final
-    barrier of a run that finished (then rank 0 may exit and its store go away)."""
+    """Start on every rank right after torch.distributed is up. A run that finished calls, on
+    every rank: a barrier (all work done, still watched), `stop()`, then the final barrier
+    (after which rank 0 may exit and its store go away: no watcher may poll any more)."""
 
     def __init__(self, rank: int, world_size: int):
         global _watcher

@@ -167,6 +167,7 @@ def restore(engine, resume_from, layout: Layout, state, config, logging_rank: bo
 
 def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_size: int,
           resume_from=None) -> None:
+    import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
     from launch import checkpoint
@@ -235,7 +236,8 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
         timeline.draw(args.timeline, logging_rank)  # collective: every rank gathers
     if metrics is not None:
         metrics.close()
-    watcher.stop()  # from here a rank that finished may exit: its store goes with rank 0
+    dist.barrier()  # every rank's work is done (rank 0's wandb too), failures still watched
+    watcher.stop()  # before shut_down_distributed's barrier, after which rank 0 (the store) may exit
     shut_down_distributed()
 
 
