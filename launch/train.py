@@ -213,8 +213,8 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
         seconds = time.perf_counter() - start
         samples += layout.global_batch_size
         grad_norm = own_grad_norm.value if own_grad_norm is not None else engine.get_global_grad_norm()
-        record = {"step": step, "samples": samples, "loss": loss.item(), "grad_norm": float(grad_norm), "lr": lr, "loss_scale": loss_scale(engine),
-                  "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
+        record = {"step": step, "samples": samples, "loss": loss.item(), "grad_norm": float(grad_norm),
+                  "lr": lr, "loss_scale": loss_scale(engine), "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_memory_bytes()}  # a MAX all-reduce: every rank calls it
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             val_loss = evaluate(engine, data, state, layout, t.eval_batches)

@@ -101,10 +101,13 @@ def test_failure_line_keeps_the_cause_and_its_origin():
     from launch.failure import describe
     line = inspect.getsourcelines(_raise)[1] + 1
     cuda = describe(_caught("NCCL error in: ProcessGroupNCCL.cpp:1234, unhandled cuda error\n"
-                            "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error: illegal memory access"))
+                            "ncclUnhandledCudaError: Call to CUDA function failed.\n"
+                            "Last error: illegal memory access"))
     assert cuda == ("RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1234, unhandled cuda error / "
-                    f"ncclUnhandledCudaError: Call to CUDA function failed. (at tests/test_failures.py:{line} in _raise)")
-    gloo = describe(_caught("[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer [127.0.0.1]:1"))
+                    "ncclUnhandledCudaError: Call to CUDA function failed. "
+                    f"(at tests/test_failures.py:{line} in _raise)")
+    gloo = describe(_caught("[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer "
+                            "[127.0.0.1]:1"))
     assert gloo.startswith("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer")
     assert gloo.endswith(f"(at tests/test_failures.py:{line} in _raise); a peer rank probably died or hung, "
                          f"see its line and the launcher's")

@@ -18,5 +18,6 @@ def test_zero0_matches_zero1_losses_and_grad_norms_at_tp2_pp2(parity_runs, tmp_p
     assert len(got) == STEPS
     assert sum(r["grad_norm"] > 0.5 for r in ref) >= 3  # tiny.yaml's grad_clip 0.5 acts
     for g, r in zip(got, ref):
-        assert abs(g["grad_norm"] - r["grad_norm"]) <= RTOL * r["grad_norm"], (r["step"], g["grad_norm"], r["grad_norm"])
+        assert abs(g["grad_norm"] - r["grad_norm"]) <= RTOL * r["grad_norm"], \
+            (r["step"], g["grad_norm"], r["grad_norm"])
         assert abs(g["loss"] - r["loss"]) <= RTOL * r["loss"], (r["step"], g["loss"], r["loss"])
