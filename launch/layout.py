@@ -75,9 +75,6 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
         # accumulation that pipeline runs need (DESIGN.md contract 8); ZeRO-1 supports it.
         raise ConfigError(f"train.zero_stage=0 with train.precision=bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 "
                           f"path with fp32 gradient accumulation; set train.zero_stage=1")
-    if t.precision == "fp16" and on_cpu:
-        raise ConfigError("train.precision=fp16: DeepSpeed's CPU accelerator does not support fp16; "
-                          "use fp32 or bf16 on CPU")
     if t.activation_checkpoint_interval < 0:
         raise ConfigError(f"train.activation_checkpoint_interval={t.activation_checkpoint_interval} must be >= 0")
     if t.recompute not in RECOMPUTE_MODES:

@@ -75,6 +75,15 @@ def on_cpu() -> bool:
     return get_accelerator().device_name() == "cpu"
 
 
+def check_precision_supported(precision: str) -> None:
+    """deepspeed.initialize refuses fp16 where the accelerator declares none (DeepSpeed's CPU
+    accelerator on CPUs without oneDNN fp16 kernels): say so before the start."""
+    from deepspeed.accelerator import get_accelerator
+    if precision == "fp16" and not get_accelerator().is_fp16_supported():
+        raise ConfigError(f"train.precision=fp16: the {get_accelerator().device_name()} accelerator does not "
+                          f"support fp16 here; use fp32 or bf16")
+
+
 def ensure_single_process_env() -> None:
     """`python launch/train.py` without a launcher: a world of one, on a free local port."""
     if "RANK" in os.environ:
@@ -281,6 +290,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         recipe = resolve_recipe(args)
         ensure_single_process_env()
         layout = derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
+        check_precision_supported(recipe.train.precision)
         if args.save_every < 0 or args.keep_last < 0:
             raise ConfigError(f"--save-every {args.save_every} and --keep-last {args.keep_last} must be >= 0")
         if (args.save_every or args.keep_last) and args.save is None:
