@@ -14,9 +14,21 @@ from numpy.lib.format import open_memmap
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from data.spec import DataError
+
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
+
+
+def require_eos(tokenizer: PreTrainedTokenizerBase, name: str) -> int:
+    """The EOS id that separates documents in the stream, or a DataError before any tokenizing
+    (without it every document would end in None)."""
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"data.tokenizer={name!r} has no EOS token, which separates documents in the token "
+                        f"stream; use a tokenizer with one (e.g. 'builtin' or gpt2) or set eos_token in its "
+                        f"tokenizer_config.json")
+    return tokenizer.eos_token_id
 
 
 def tokenize_batch(texts: List[str], tokenizer: PreTrainedTokenizerBase) -> List[List[int]]:

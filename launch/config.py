@@ -187,7 +187,11 @@ def _parse_override(item: str) -> Dict[str, Any]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r} is not key.sub=value (e.g. --set train.lr=3e-4)")
     key, text = item.split("=", 1)
-    value = yaml.safe_load(text) if text else ""
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); "
+                          f"quote it, e.g. --set '{key}=\"...\"'") from None
     parts = key.strip().split(".")
     if parts[0] == "deepspeed" and len(parts) > 1:  # free-form pass-through section
         nested: Dict[str, Any] = {parts[-1]: value}

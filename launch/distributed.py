@@ -10,6 +10,7 @@ torch.distributed collectives (gloo on CPU, NCCL on GPU), which is all we need.
 import importlib
 import os
 from datetime import timedelta
+from typing import Mapping
 
 import deepspeed
 
@@ -20,6 +21,13 @@ def init_distributed(timeout_s: int, **kwargs) -> None:
     deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
+def threads_per_rank(env: Mapping[str, str], cpu_count: int, world_size: int) -> int:
+    """This node's cores shared by its ranks. The ranks on a node: LOCAL_WORLD_SIZE (torchrun),
+    LOCAL_SIZE (DeepSpeed's launcher, which sets no LOCAL_WORLD_SIZE), else the world (one node)."""
+    local_world = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or world_size)
+    return max(1, cpu_count // local_world)
+
+
 def start_rank(world_size: int, timeout_s: int) -> None:
     """The start of every rank of train.py and evaluate.py: a fair share of the CPU threads
     per local rank, this rank's accelerator (before NCCL picks a device), then torch.distributed
@@ -27,8 +35,7 @@ def start_rank(world_size: int, timeout_s: int) -> None:
     of hanging."""
     import torch
     from deepspeed.accelerator import get_accelerator
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    torch.set_num_threads(threads_per_rank(os.environ, os.cpu_count() or 1, world_size))
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     init_distributed(timeout_s)
 

@@ -70,12 +70,11 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
         # Every run, pp=1 included, trains through DeepSpeed's pipeline engine, which refuses 2 and 3.
         raise ConfigError(f"train.zero_stage={t.zero_stage} with --pp {pp}: DeepSpeed's pipeline engine "
                           f"supports ZeRO stage 0 or 1 only; set train.zero_stage=1")
-    if t.zero_stage == 0 and t.precision == "fp32" and t.grad_clip > 0 and pp > 1:
-        # DeepSpeed 0.19.8 runtime/utils.py clip_grad_norm_ counts replicated parameters on the
-        # first stage only and tied embeddings twice: a silently wrong norm (DESIGN.md contract 5).
-        raise ConfigError(f"train.zero_stage=0 with fp32, train.grad_clip={t.grad_clip} and --pp {pp}: "
-                          f"DeepSpeed's fp32 clipping miscounts the gradient norm across stages; "
-                          f"set train.zero_stage=1 (or train.grad_clip=0)")
+    if t.zero_stage == 0 and t.precision == "bf16":
+        # deepspeed.initialize raises NotImplementedError for bf16 weights with the fp32 gradient
+        # accumulation that pipeline runs need (DESIGN.md contract 8); ZeRO-1 supports it.
+        raise ConfigError(f"train.zero_stage=0 with train.precision=bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 "
+                          f"path with fp32 gradient accumulation; set train.zero_stage=1")
     if t.activation_checkpoint_interval < 0:
         raise ConfigError(f"train.activation_checkpoint_interval={t.activation_checkpoint_interval} must be >= 0")
     if t.recompute not in RECOMPUTE_MODES:
@@ -100,6 +99,9 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     if d.num_proc < 1 or d.shuffle_buffer < 1:
         raise ConfigError(f"data.num_proc={d.num_proc} and data.shuffle_buffer={d.shuffle_buffer} must be >= 1")
+    if t.dist_timeout_s < 1:
+        raise ConfigError(f"train.dist_timeout_s={t.dist_timeout_s} must be >= 1 (seconds a collective waits "
+                          f"before a rank gives up; default 600)")
     if t.eval_every < 0 or t.eval_batches < 1:
         raise ConfigError(f"train.eval_every={t.eval_every} must be >= 0 and train.eval_batches={t.eval_batches} >= 1")
     pipeline = recipe.deepspeed.get("pipeline")

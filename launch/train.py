@@ -75,6 +75,15 @@ def on_cpu() -> bool:
     return get_accelerator().device_name() == "cpu"
 
 
+def check_precision_supported(precision: str) -> None:
+    """deepspeed.initialize refuses fp16 where the accelerator declares none (DeepSpeed's CPU
+    accelerator on CPUs without oneDNN fp16 kernels): say so before the start."""
+    from deepspeed.accelerator import get_accelerator
+    if precision == "fp16" and not get_accelerator().is_fp16_supported():
+        raise ConfigError(f"train.precision=fp16: the {get_accelerator().device_name()} accelerator does not "
+                          f"support fp16 here; use fp32 or bf16")
+
+
 def ensure_single_process_env() -> None:
     """`python launch/train.py` without a launcher: a world of one, on a free local port."""
     if "RANK" in os.environ:
@@ -122,10 +131,12 @@ def evaluate(engine, data, state, layout: Layout, eval_batches: int) -> float:
 
 def build_engine(args: argparse.Namespace, recipe: Recipe, layout: Layout, state, config, logging_rank: bool):
     """The run's PipelineModule (seeded init, or `--init-from-hf` weights) inside a DeepSpeed
-    engine with AdamW, ZeRO, clipping and the LR schedule."""
+    engine with AdamW, ZeRO, clipping and the LR schedule; and, for fp32 ZeRO-0, our own
+    gradient norm and clipping (launch/grad_norm.py), else None."""
     import deepspeed
 
     from launch.ds_config import deepspeed_config
+    from launch.grad_norm import Zero0GradNorm, uses_own_grad_norm
     from launch.schedule import warmup_cosine
     from model.pipe import build_pipeline, stage_contents
 
@@ -137,10 +148,15 @@ def build_engine(args: argparse.Namespace, recipe: Recipe, layout: Layout, state
     if logging_rank:
         print_role_map(layout, state, stage_contents(pipe, config), recipe.seq_len,
                        recipe.model.sequence_parallel, t.recompute_mode)
+    ds_config = deepspeed_config(recipe, layout)
+    own_norm = uses_own_grad_norm(t.zero_stage, t.precision)
+    if own_norm:  # DeepSpeed's fp32 ZeRO-0 clipping miscounts across stages: ours clips instead
+        ds_config["gradient_clipping"] = 0.0
     engine, _, _, _ = deepspeed.initialize(
-        model=pipe, model_parameters=param_groups(pipe), config=deepspeed_config(recipe, layout),
+        model=pipe, model_parameters=param_groups(pipe), config=ds_config,
         lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
-    return engine
+    grad_norm = Zero0GradNorm(engine, state.tp_rank, t.grad_clip) if own_norm else None
+    return engine, grad_norm
 
 
 def restore(engine, resume_from, layout: Layout, state, config, logging_rank: bool) -> Tuple[int, int]:
@@ -160,21 +176,25 @@ def restore(engine, resume_from, layout: Layout, state, config, logging_rank: bo
 
 def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_size: int,
           resume_from=None) -> None:
+    import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
     from launch import checkpoint
     from launch.comm_counter import install_comm_counter
     from launch.distributed import shut_down_distributed, start_rank
+    from launch.failure import FailureWatcher, fault_injection, maybe_inject_fault
     from launch.metrics import MetricsLogger, is_logging_rank, loss_scale, peak_memory_bytes, run_arithmetic
     from launch.preemption import StopRequest
     from model.parallel_state import init_parallel_state
 
     t = recipe.train
     start_rank(layout.world_size, t.dist_timeout_s)
+    watcher = FailureWatcher(int(os.environ["RANK"]), layout.world_size)  # one rank fails: all stop
+    fault = fault_injection()  # a test hook, None unless GPT3D_FAULT_INJECT is set
     state = init_parallel_state(layout.tp, layout.pp)
     logging_rank = is_logging_rank(state.global_rank)
     config = recipe.gpt_config(vocab_size)
-    engine = build_engine(args, recipe, layout, state, config, logging_rank)
+    engine, own_grad_norm = build_engine(args, recipe, layout, state, config, logging_rank)
     install_comm_counter(engine, state, args.comm_counts)  # does nothing without --comm-counts
     timeline = None
     if args.timeline is not None:
@@ -196,13 +216,14 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
                                 wandb_run_id=resume_from.meta.get("wandb_run_id") if resume_from is not None else None)
     for step in range(first_step, t.steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
+        maybe_inject_fault(fault, state.global_rank, step)
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=batches)
         seconds = time.perf_counter() - start
         samples += layout.global_batch_size
-        record = {"step": step, "samples": samples, "loss": loss.item(),
-                  "grad_norm": float(engine.get_global_grad_norm()), "lr": lr, "loss_scale": loss_scale(engine),
-                  "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
+        grad_norm = own_grad_norm.value if own_grad_norm is not None else engine.get_global_grad_norm()
+        record = {"step": step, "samples": samples, "loss": loss.item(), "grad_norm": float(grad_norm),
+                  "lr": lr, "loss_scale": loss_scale(engine), "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_memory_bytes()}  # a MAX all-reduce: every rank calls it
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             val_loss = evaluate(engine, data, state, layout, t.eval_batches)
@@ -224,6 +245,8 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
         timeline.draw(args.timeline, logging_rank)  # collective: every rank gathers
     if metrics is not None:
         metrics.close()
+    dist.barrier()  # every rank's work is done (rank 0's wandb too), failures still watched
+    watcher.stop()  # before shut_down_distributed's barrier, after which rank 0 (the store) may exit
     shut_down_distributed()
 
 
@@ -237,11 +260,16 @@ def resolved_recipe_dict(recipe: Recipe, vocab_size: int) -> dict:
 def load_checked_tokenizer(recipe: Recipe):
     """The run's tokenizer and the model's vocabulary size, or a ConfigError naming the fix."""
     from data.builtin import load_tokenizer
+    from data.spec import DataError
+    from data.tokens import require_eos
     try:
         tokenizer = load_tokenizer(recipe.data.tokenizer)
+    except DataError:  # already one line (e.g. the data cache's lock timed out)
+        raise
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.tokenizer={recipe.data.tokenizer!r} could not be loaded "
                           f"({type(e).__name__}); use 'builtin' or a local tokenizer directory") from None
+    require_eos(tokenizer, recipe.data.tokenizer)
     return tokenizer, check_vocab(recipe, len(tokenizer))
 
 
@@ -262,10 +290,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         recipe = resolve_recipe(args)
         ensure_single_process_env()
         layout = derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
+        check_precision_supported(recipe.train.precision)
         if args.save_every < 0 or args.keep_last < 0:
             raise ConfigError(f"--save-every {args.save_every} and --keep-last {args.keep_last} must be >= 0")
         if (args.save_every or args.keep_last) and args.save is None:
             raise ConfigError("--save-every and --keep-last need --save DIR")
+        from launch.preflight import check_before_start
+        check_before_start(recipe, args.metrics_out, args.save, args.timeline, args.comm_counts)
         resume_from = None
         if args.load is not None:
             from launch.checkpoint import check_compatible, find_checkpoint
@@ -283,23 +314,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return report_bad_input(e)
     try:
         train(args, recipe, layout, data, vocab_size, resume_from)
-    except RuntimeError as e:
-        if not is_communication_failure(e):
-            raise
-        # A peer died or a collective timed out: say so and leave at once; a normal interpreter
-        # exit would wait on the broken process group.
-        print(f"error: rank {os.environ.get('RANK')}: a collective failed ({type(e).__name__}: "
-              f"{str(e).splitlines()[0][:300]}); another rank probably died, see its log",
-              file=sys.stderr, flush=True)
-        os._exit(1)
+    except Exception as e:  # one line naming this rank and the cause; every other rank stops too
+        from launch.failure import report_failure
+        report_failure(e)
     return 0
-
-
-def is_communication_failure(error: RuntimeError) -> bool:
-    """torch raises DistError subclasses for NCCL/timeouts, but gloo's p2p failures arrive as a
-    plain RuntimeError whose message names gloo."""
-    import torch.distributed as dist
-    return isinstance(error, dist.DistError) or "gloo" in str(error) or "NCCL" in str(error)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Bad input: one line naming the values and the fix, exit code 2, no traceback, before any
 process group or engine starts, and nothing already written is touched."""
+import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,7 +23,6 @@ CASES = [
     (4, ["--pp", "2", "--set", "train.zero_stage=2"], ["zero_stage=2", "--pp 2"]),
     (1, ["--set", "train.zero_stage=3"], ["zero_stage=3", "stage 0 or 1"]),
     (1, ["--set", "model.n_head=0"], ["model.n_head=0", ">= 1"]),
-    (2, ["--pp", "2", "--set", "train.zero_stage=0"], ["zero_stage=0", "grad_clip=0.5"]),
     (1, ["--set", "train.learning_rate=1e-3"], ["unknown recipe key train.learning_rate", "train.lr"]),
     (1, ["--set", "train.steps=ten"], ["train.steps='ten'", "expected int"]),
     (1, ["--set", "deepspeed.train_batch_size=64"], ["deepspeed.train_batch_size", "global_batch_size"]),
@@ -35,6 +37,10 @@ CASES = [
     (1, ["--tp", "two"], ["--tp", "'two'"]),
     (1, ["--set", "data.tokenizer=/no/such/tokenizer"], ["data.tokenizer='/no/such/tokenizer'"]),
     (1, ["--set", "data.name=/no/such/corpus"], ["data.name='/no/such/corpus'"]),
+    (1, ["--set", "wandb.name=[oops"], ["--set 'wandb.name=[oops'", "not valid YAML", "quote it"]),
+    (1, ["--set", "train.dist_timeout_s=0"], ["train.dist_timeout_s=0", ">= 1"]),
+    (1, ["--set", "wandb.mode=cloud"], ["wandb.mode='cloud'", "online, offline, disabled"]),
+    (1, ["--set", "train.zero_stage=0", "--set", "train.precision=bf16"], ["zero_stage=0", "bf16", "zero_stage=1"]),
 ]
 
 
@@ -67,3 +73,97 @@ def test_cpu_launcher_default_says_how_to_start_16_processes():
     assert "is not divisible by tp*pp = 4*4 = 16" in proc.stderr
     assert "deepspeed --num_gpus 16 launch/train.py --tp 4 --pp 4" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def _one_line_exit_2(argv, capsys, *words):
+    assert main(["--recipe", str(TINY)] + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for word in words:
+        assert word in err, (word, err)
+    return err
+
+
+@pytest.mark.parametrize("flag", ["--metrics-out", "--save", "--timeline", "--comm-counts"])
+def test_unwritable_output_path_is_refused_before_start(flag, tmp_path, monkeypatch, capsys):
+    """A path under a regular file cannot be created, whoever runs (root included)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _one_line_exit_2([flag, str(blocker / "out")], capsys, flag, str(blocker))
+
+
+@pytest.mark.parametrize("name,value", [("GPT3D_PEAK_TFLOPS", "fast"), ("GPT3D_PEAK_TFLOPS", "-5"),
+                                        ("GPT3D_FAULT_INJECT", "1"), ("GPT3D_CACHE_LOCK_TIMEOUT_S", "0")])
+def test_malformed_environment_override(name, value, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv(name, value)
+    _one_line_exit_2([], capsys, f"{name}={value!r}")
+
+
+def test_wandb_online_without_api_key_is_refused_before_start(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no entry for api.wandb.ai
+    (tmp_path / "netrc").write_text("machine example.com login u password p\n")
+    _one_line_exit_2(["--wandb", "online"], capsys, "--wandb online", "WANDB_API_KEY", "wandb login")
+    # with a netrc entry, the check lets it through (to wandb itself, not run here)
+    from launch.preflight import wandb_api_key_present
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password 0123456789abcdef\n")
+    assert wandb_api_key_present()
+
+
+def test_tokenizer_without_eos_is_refused_before_tokenizing(tmp_path, monkeypatch, capsys):
+    from data.builtin import load_tokenizer
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    tokenizer = load_tokenizer("builtin")
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(tmp_path / "no-eos")
+    _one_line_exit_2(["--set", f"data.tokenizer={tmp_path / 'no-eos'}"], capsys, "no EOS token",
+                     f"data.tokenizer='{tmp_path / 'no-eos'}'")
+
+
+def test_data_cache_lock_gives_up_naming_the_holder(tmp_path, monkeypatch, capsys):
+    """A builder that hangs (here: one that sleeps) holds the lock of the builtin corpus; a run
+    that needs the same file gives up after GPT3D_CACHE_LOCK_TIMEOUT_S with the holder's pid."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path))
+    monkeypatch.setenv("GPT3D_CACHE_LOCK_TIMEOUT_S", "1")
+    hang = ("import sys, time; sys.path.insert(0, sys.argv[1]); from data.builtin import python_version; "
+            "from data.cache import build_once, default_cache_dir; "
+            "build_once(default_cache_dir() / f'builtin-corpus-py{python_version()}', lambda tmp: time.sleep(120))")
+    holder = subprocess.Popen([sys.executable, "-c", hang, str(REPO)], env=dict(os.environ))
+    try:
+        lock = None
+        for _ in range(600):  # until the holder has the lock and wrote its name
+            locks = [p for p in tmp_path.glob(".builtin-corpus-*.lock") if p.read_text()]
+            if locks:
+                lock = locks[0]
+                break
+            time.sleep(0.1)
+        assert lock is not None, "the holder never took the lock"
+        start = time.monotonic()
+        err = _one_line_exit_2([], capsys, f"pid {holder.pid} on host {socket.gethostname()}", str(lock),
+                               "GPT3D_CACHE_LOCK_TIMEOUT_S")
+        assert time.monotonic() - start < 30, err
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_fp16_where_the_accelerator_has_none_is_refused_before_start(monkeypatch, capsys):
+    """The accelerator's own capability answer decides (tests/fp16_on_cpu lifts it for fp16 runs)."""
+    from deepspeed.accelerator import get_accelerator
+
+    from launch.train import check_precision_supported
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    if get_accelerator().is_fp16_supported():
+        check_precision_supported("fp16")  # no error where fp16 is supported
+    else:
+        _one_line_exit_2(["--set", "train.precision=fp16"], capsys, "train.precision=fp16", "fp32 or bf16")
