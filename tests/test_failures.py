@@ -10,8 +10,8 @@ from distributed import free_port
 from launcher import REPO, TINY, deepspeed_cli
 
 LIMIT_S = 60  # after the failure, every rank is gone within this
-START_LIMIT_S = 150  # a refusal before the start: 4 processes importing torch and DeepSpeed, the
-# launcher's own start included (8 s for one process here; 80 s seen for 4 at load average 12)
+START_LIMIT_S = 60  # the bound for a refusal before the start, the launcher's own start
+# and 4 processes importing torch and DeepSpeed included (8 s for one process here)
 
 
 def _start(args, env):
