@@ -136,23 +136,56 @@ def loss_scale(engine) -> float:
     return float(engine._get_optimizer_loss_scale()) if engine.fp16_enabled() else 1.0
 
 
-def local_peak_memory_bytes() -> int:
-    """This process's peak: allocated device memory on an accelerator, peak RSS on CPU."""
+CLEAR_REFS = Path("/proc/self/clear_refs")  # Linux: writing "5" resets the peak RSS (VmHWM)
+
+
+def reset_step_memory_peak() -> None:
+    """Start one step's memory peak: the caching allocator's peak statistics on an accelerator;
+    on CPU the kernel's peak RSS, where Linux lets a process reset it (else the peak since start)."""
     from deepspeed.accelerator import get_accelerator
-    if get_accelerator().device_name() == "cpu":
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return int(get_accelerator().max_memory_allocated())
+    if get_accelerator().device_name() != "cpu":
+        get_accelerator().reset_peak_memory_stats()
+        return
+    try:
+        CLEAR_REFS.write_text("5")
+    except OSError:
+        pass
 
 
-def peak_memory_bytes() -> int:
-    """The largest per-rank peak over all ranks: one MAX all-reduce, so every rank must call it."""
+def local_step_memory_peak() -> Tuple[int, Optional[int]]:
+    """(peak allocated, peak reserved) bytes of this process since `reset_step_memory_peak`.
+    On CPU: (peak RSS, None): there is no caching allocator whose reserve could differ."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        status = Path("/proc/self/status")
+        if status.exists():
+            for line in status.read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, None  # KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None  # Linux reports KiB
+    return int(accelerator.max_memory_allocated()), int(accelerator.max_memory_reserved())
+
+
+def step_memory_peak() -> Tuple[int, Optional[int]]:
+    """The largest per-rank (allocated, reserved) peaks of the step over all ranks: one MAX
+    all-reduce, so every rank must call it."""
     import torch
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
-    peak = torch.tensor([local_peak_memory_bytes()], dtype=torch.int64,
-                        device=get_accelerator().current_device_name())
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return int(peak.item())
+    allocated, reserved = local_step_memory_peak()
+    peaks = torch.tensor([allocated, -1 if reserved is None else reserved], dtype=torch.int64,
+                         device=get_accelerator().current_device_name())
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    allocated, reserved = (int(v) for v in peaks.tolist())
+    return allocated, None if reserved < 0 else reserved
+
+
+def synchronize_device() -> None:
+    """Wait for the device's queued work, so that a clock read after it includes that work
+    (the pp=1 optimizer step runs asynchronously after `train_batch` returns on a GPU)."""
+    from deepspeed.accelerator import get_accelerator
+    get_accelerator().synchronize()
 
 
 # ---------------------------------------------------------------- the logger

@@ -183,7 +183,8 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     from launch.comm_counter import install_comm_counter
     from launch.distributed import shut_down_distributed, start_rank
     from launch.failure import FailureWatcher, fault_injection, maybe_inject_fault
-    from launch.metrics import MetricsLogger, is_logging_rank, loss_scale, peak_memory_bytes, run_arithmetic
+    from launch.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak, run_arithmetic,
+                                step_memory_peak, synchronize_device)
     from launch.preemption import StopRequest
     from model.parallel_state import init_parallel_state
 
@@ -217,14 +218,18 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     for step in range(first_step, t.steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
         maybe_inject_fault(fault, state.global_rank, step)
+        reset_step_memory_peak()
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=batches)
+        synchronize_device()  # the clock stops when the device is done, optimizer step included
         seconds = time.perf_counter() - start
+        peak_allocated, peak_reserved = step_memory_peak()  # a MAX all-reduce: every rank calls it
         samples += layout.global_batch_size
         grad_norm = own_grad_norm.value if own_grad_norm is not None else engine.get_global_grad_norm()
         record = {"step": step, "samples": samples, "loss": loss.item(), "grad_norm": float(grad_norm),
-                  "lr": lr, "loss_scale": loss_scale(engine), "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
-                  "peak_memory_bytes": peak_memory_bytes()}  # a MAX all-reduce: every rank calls it
+                  "lr": lr, "loss_scale": loss_scale(engine), "tokens": step * tokens_per_step,
+                  "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
+                  "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved}
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             val_loss = evaluate(engine, data, state, layout, t.eval_batches)
             record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
