@@ -52,6 +52,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="steps --timeline records, after one warm-up step (default: %(default)s)")
     p.add_argument("--comm-counts", type=Path, metavar="DIR",
                    help="count each collective's bytes per step into DIR/rank{R}.json (bench/comm_volume.py)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every library message, including the known-harmless ones launch/console.py silences")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.timeline_steps < 1:
@@ -135,13 +137,15 @@ def build_engine(args: argparse.Namespace, recipe: Recipe, layout: Layout, state
     gradient norm and clipping (launch/grad_norm.py), else None."""
     import deepspeed
 
+    from launch.console import quiet_stdout
     from launch.ds_config import deepspeed_config
     from launch.grad_norm import Zero0GradNorm, uses_own_grad_norm
     from launch.schedule import warmup_cosine
     from model.pipe import build_pipeline, stage_contents
 
     t = recipe.train
-    pipe = build_pipeline(config, state, t.full_recompute_interval)
+    with quiet_stdout(not args.verbose):  # DeepSpeed's own layer listing: the role map shows it
+        pipe = build_pipeline(config, state, t.full_recompute_interval)
     if args.init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them
         from launch.hf_init import init_from_hf
         init_from_hf(pipe, args.init_from_hf, config, state)
@@ -292,6 +296,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from data.spec import DataError
     try:
         args = parse_args(argv)
+        if not args.verbose:
+            from launch.console import silence_known_noise
+            silence_known_noise()
         recipe = resolve_recipe(args)
         ensure_single_process_env()
         layout = derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())

@@ -49,7 +49,7 @@ class ParityRuns:
     """recipes/tiny.yaml for STEPS steps at a layout, launched when a test first asks for it and
     kept for the session (so `-k sp` launches only the reference and the SP layouts); each run
     saves a checkpoint after step SAVE_AT. runs[layout] = {metrics, dir (checkpoints under
-    dir/ck), stdout}. (1,1,2) also writes a wandb offline run. Tags after (tp, pp, dp): "sp"
+    dir/ck), stdout, stderr}. (1,1,2) also writes a wandb offline run. Tags after (tp, pp, dp): "sp"
     (sequence parallelism), a precision of PRECISIONS (fp32 without one)."""
 
     def __init__(self, tmp_path_factory):
@@ -68,7 +68,8 @@ class ParityRuns:
                           + sp + precision_args(precision) + wandb,
                           env=dict(precision_env(precision), WANDB_DIR=str(tmp)))
             assert proc.returncode == 0, f"layout {layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-            self.done[layout] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout}
+            self.done[layout] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout,
+                                 "stderr": proc.stderr}
         return self.done[layout]
 
 
