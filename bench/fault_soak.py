@@ -139,11 +139,16 @@ def tensors(obj, prefix: str = "") -> Iterator[Tuple[str, torch.Tensor]]:
             yield from tensors(item, f"{prefix}/{i}")
 
 
+def checkpoint_files(tag_dir: Path) -> List[str]:
+    """The layer files (fp32 weights) and ZeRO optimizer files (master weights, Adam moments)."""
+    return sorted(p.name for p in tag_dir.glob("layer_*")) + sorted(p.name for p in tag_dir.glob("*optim_states.pt"))
+
+
 def compare_checkpoints(a: Path, b: Path) -> List[str]:
     """Differences between the tensors of two checkpoints' layer and optimizer files."""
-    names = sorted(p.name for p in a.glob("layer_*")) + sorted(p.name for p in a.glob("*optim_states.pt"))
-    if not names or names != sorted(p.name for p in b.glob("layer_*")) + sorted(p.name for p in b.glob("*optim_states.pt")):
-        return [f"different files: {names} vs {sorted(p.name for p in b.iterdir())}"]
+    names = checkpoint_files(a)
+    if not names or names != checkpoint_files(b):
+        return [f"different files: {names} vs {checkpoint_files(b)}"]
     problems = []
     for name in names:
         x, y = dict(tensors(load_safely(a / name))), dict(tensors(load_safely(b / name)))
@@ -181,7 +186,7 @@ def soak(work: Path, steps: int, kills: int, seed: int,
     problems = compare_checkpoints(reference[1], run_dir / "ck" / f"step{steps:08d}")
     return {"steps": steps, "kills": len(events), "seed": seed, "events": events, "steps_logged": sorted(got),
             "steps_differing": differing, "tensors_differing": problems,
-            "tensor_files_compared": len(list(reference[1].glob("layer_*"))) + len(list(reference[1].glob("*optim_states.pt"))),
+            "tensor_files_compared": len(checkpoint_files(reference[1])),
             "bitwise_equal": not differing and not problems,
             "reference_s": round(reference_s, 1), "soak_s": round(time.time() - started - reference_s, 1)}
 
@@ -208,7 +213,8 @@ def main() -> None:
               f"step {e['after_step']} was logged{' (during a save)' if e['mid_save'] else ''}; launcher exit "
               f"{e['launcher_exit']}, latest checkpoint then step {e['latest_after']}"
               f"{' (the run had already finished)' if e['latest_after'] == report['steps'] else ''}")
-    print(f"  steps logged: {report['steps_logged']}; losses/grad norms differing at steps: {report['steps_differing']}")
+    print(f"  steps logged: {report['steps_logged']}; losses/grad norms differing at steps: "
+          f"{report['steps_differing']}")
     print(f"  final checkpoint: {report['tensor_files_compared']} layer/optimizer files compared, tensors differing: "
           f"{report['tensors_differing'] or 'none'}")
     print(f"  result: {'bitwise equal to the uninterrupted run' if report['bitwise_equal'] else 'DIFFERENT'} "

@@ -291,7 +291,8 @@ def test_resume_from_an_older_tag_keeps_this_runs_history(parity_runs, tmp_path)
     assert [p.name for p in aside.iterdir()] == ["step00000005"] and str(aside) in proc.stdout
     assert sorted(p.name for p in ck.glob("step*")) == ["step00000004", "step00000005"]
     assert (ck / "latest").read_text() == "step00000005"
-    parents = {t: json.loads((ck / t / "complete.json").read_text())["parent"] for t in ("step00000004", "step00000005")}
+    parents = {t: json.loads((ck / t / "complete.json").read_text())["parent"]
+               for t in ("step00000004", "step00000005")}
     assert parents == {"step00000004": "step00000003", "step00000005": "step00000004"}
     full = parity_runs[REFERENCE]["metrics"]
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(metrics)] == \
