@@ -8,29 +8,50 @@ Layout of a save directory:
     DIR/step00000042/rng/rank_N.pt the RNG states of global rank N (dropout replay)
     DIR/step00000042/complete.json written last, by rank 0, after every rank has saved, with
                                    the step, layout, resolved recipe and every file's size
+    DIR/abandoned-<UTC time>/      tag directories of steps after the one a run resumed from
+                                   (an abandoned run's, or a save cut short), moved aside at start
 A process killed mid-save leaves a tag directory without complete.json and `latest` still
-naming the previous checkpoint; `--load` only ever takes complete checkpoints.
+naming the previous checkpoint; `--load` only ever takes complete checkpoints, and an
+unreadable complete.json or `latest` is an error, never a reason to take an older checkpoint.
+History: each complete.json names its parent, the checkpoint `latest` named when it was
+committed (the one the run resumed from, or its previous save); `--keep-last K` keeps the K
+newest checkpoints of that chain and touches nothing else in DIR.
+Every file is fsynced by the rank that wrote it before the ranks agree the save is done;
+then the writer fsyncs the directories, commits complete.json and moves `latest`
+(launch/checkpoint_io.py). Files are read with torch.load(weights_only=True) only.
 At the saved (tp, pp, dp) DeepSpeed's loader restores everything bit for bit; at another layout
 launch/reshard.py re-shards the ZeRO-1 weights and optimizer state.
 """
 import json
-import os
+import re
 import shutil
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from launch.checkpoint_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
 from launch.config import ConfigError
 
 COMPLETE = "complete.json"
 LATEST = "latest"
+TAG = re.compile(r"step(\d{8})")
+PRUNING = ".pruning-"  # a pruned tag is renamed to this prefix at once, then deleted in the background
+REQUIRED = ("step", "samples", "layout", "recipe", "files")
 
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
+
+
+def step_of(tag: str) -> Optional[int]:
+    match = TAG.fullmatch(tag)
+    return int(match.group(1)) if match else None
 
 
 @dataclass
@@ -46,10 +67,22 @@ class CheckpointRef:
 
 
 def _read_complete(path: Path) -> Optional[Dict[str, Any]]:
-    try:
-        return json.loads((path / COMPLETE).read_text())
-    except (OSError, ValueError):
+    """complete.json of tag directory `path`, or None if it has none (an interrupted save). One
+    that exists but cannot be read is an error: loading an older checkpoint instead would
+    silently throw away training."""
+    manifest = path / COMPLETE
+    if not manifest.exists():
         return None
+    try:
+        meta = json.loads(manifest.read_text())
+        missing = [key for key in REQUIRED if key not in meta]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"checkpoint {path} has an unreadable {COMPLETE} ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); restore it or load another "
+                          f"checkpoint (a tag directory) explicitly") from None
+    return meta
 
 
 def find_checkpoint(load: Path) -> CheckpointRef:
@@ -66,22 +99,29 @@ def find_checkpoint(load: Path) -> CheckpointRef:
 
 
 def _locate(load: Path) -> CheckpointRef:
-    """`load` is a save directory (take its latest complete checkpoint) or one tag directory."""
+    """`load` is a save directory (the checkpoint its `latest` names) or one tag directory."""
     if not load.is_dir():
         raise ConfigError(f"--load {str(load)!r}: no such directory")
     meta = _read_complete(load)
     if meta is not None:
         return CheckpointRef(load.parent, load.name, meta)
     latest = load / LATEST
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        meta = _read_complete(load / tag)
-        if meta is not None:
-            return CheckpointRef(load, tag, meta)
-    # No usable `latest` (older tooling, or a hand-edited file): the newest complete tag.
-    complete = sorted(p.name for p in load.iterdir() if p.is_dir() and _read_complete(p) is not None)
-    if complete:
-        return CheckpointRef(load, complete[-1], _read_complete(load / complete[-1]))
+    if latest.exists():
+        try:
+            tag = latest.read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"{latest} cannot be read ({type(e).__name__}: {e}); load a checkpoint "
+                              f"(a tag directory) explicitly") from None
+        meta = _read_complete(load / tag) if tag and (load / tag).is_dir() else None
+        if meta is None:
+            raise ConfigError(f"{latest} names {tag!r}, which is not a complete checkpoint in {load}; "
+                              f"load a checkpoint (a tag directory) explicitly")
+        return CheckpointRef(load, tag, meta)
+    complete = sorted(p.name for p in load.iterdir() if p.is_dir() and (p / COMPLETE).exists())
+    if complete:  # no `latest`: which of them continues the run is not recorded, so do not guess
+        raise ConfigError(f"--load {str(load)!r} has no {LATEST} file but complete checkpoints "
+                          f"({', '.join(complete[-3:])}); load one of them explicitly, e.g. --load "
+                          f"{load / complete[-1]}")
     if any(load.iterdir()):
         raise ConfigError(f"--load {str(load)!r} holds no complete checkpoint (no {COMPLETE}); "
                           f"it is not a checkpoint directory or every save in it was interrupted")
@@ -93,8 +133,8 @@ def same_layout(saved: Dict[str, int], layout: Dict[str, int]) -> bool:
 
 
 def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Dict[str, int]) -> None:
-    """The model shape and the ZeRO stage must match the checkpoint's; another layout needs
-    ZeRO-1 (launch/reshard.py re-shards ZeRO-1 state). Say which key differs."""
+    """The model shape, the global batch and the ZeRO stage must match the checkpoint's; another
+    layout needs ZeRO-1 (launch/reshard.py re-shards ZeRO-1 state). Say which key differs."""
     saved_model, model = ref.meta["recipe"]["model"], recipe_dict["model"]
     # Free to change on resume: they leave every weight's shape and TP shard as they are (and
     # checkpoints saved before `sequence_parallel` existed lack the key).
@@ -103,6 +143,11 @@ def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Di
         if saved_model.get(key) != model.get(key) and key not in free:
             raise ConfigError(f"checkpoint {ref.path} has model.{key}={saved_model.get(key)!r}, this run "
                               f"{model.get(key)!r}: a checkpoint only resumes the model it was saved from")
+    saved_batch, batch = ref.meta["recipe"]["train"]["global_batch_size"], recipe_dict["train"]["global_batch_size"]
+    if saved_batch != batch:
+        raise ConfigError(f"checkpoint {ref.path} has train.global_batch_size={saved_batch}, this run {batch}: "
+                          f"the data position and the LR schedule count steps of that batch; resume with "
+                          f"--set train.global_batch_size={saved_batch}")
     saved, stages = ref.meta["layout"], (ref.meta["recipe"]["train"]["zero_stage"], recipe_dict["train"]["zero_stage"])
     if stages[0] != stages[1]:
         raise ConfigError(f"checkpoint {ref.path} has train.zero_stage={stages[0]}, this run {stages[1]}: "
@@ -129,43 +174,118 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def prepare_save_dir(root: Path, resume_from: Optional[CheckpointRef], is_writer: bool) -> None:
+    """Before a run saves into `root`, make its checkpoints after the resumed step T (0 for a
+    fresh run) leave: the tag directories of later steps (an abandoned run's, or a save cut
+    short) move into root/abandoned-<UTC time>/, and `latest` names T's tag if it lies in `root`
+    (else it is removed: nothing in `root` continues this run yet). So a save never writes into
+    a directory with another run's files, `--load root` never picks the abandoned run, and
+    `--keep-last` prunes this run's history. Called on every rank before torch.distributed starts;
+    only the writer (global rank 0) moves, and no rank saves before it has joined them."""
+    if not is_writer or not root.is_dir():
+        return
+    try:
+        _set_aside_later_tags(root, resume_from)
+    except OSError as e:
+        raise ConfigError(f"--save {str(root)!r}: could not move its later checkpoints aside ({e}); "
+                          f"move them yourself or save into another directory") from None
+
+
+def _set_aside_later_tags(root: Path, resume_from: Optional[CheckpointRef]) -> None:
+    resumed = resume_from.meta["step"] if resume_from is not None else 0
+    later = sorted(p for p in root.iterdir() if p.is_dir() and (step_of(p.name) or 0) > resumed)
+    in_root = resume_from is not None and resume_from.root.resolve() == root.resolve()
+    if later:
+        aside = root / time.strftime("abandoned-%Y%m%dT%H%M%SZ", time.gmtime())
+        while aside.exists():
+            aside = aside.with_name(aside.name + "-1")
+        aside.mkdir()
+        for p in later:
+            p.rename(aside / p.name)
+        fsync_dir(root)
+        print(f"checkpoints after step {resumed} moved out of the way into {aside}: "
+              f"{', '.join(p.name for p in later)}", flush=True)
+    if in_root:
+        write_durably(root / LATEST, resume_from.tag)
+    elif (root / LATEST).exists():
+        (root / LATEST).unlink()
+        fsync_dir(root)
 
 
 def save(engine, root: Path, step: int, samples: int, recipe_dict: Dict[str, Any],
          layout: Dict[str, int], keep_last: int, is_writer: bool, wandb_run_id: Optional[str] = None) -> Path:
     """Every rank calls this; rank `is_writer` commits (it holds the wandb run, whose id a
-    resumed run continues). Returns the tag directory."""
+    resumed run continues) and then prunes in the background, while the others train on.
+    Returns the tag directory."""
+    use_safe_engine(engine)  # each rank fsyncs the files it writes
     tag = tag_for(step)
     client_state = {"step": step, "samples": samples, "recipe": recipe_dict}
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     rng_dir = root / tag / "rng"
     rng_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(_rng_state(), rng_dir / f"rank_{dist.get_rank()}.pt")
+    save_durably(_rng_state(), rng_dir / f"rank_{dist.get_rank()}.pt")
     dist.barrier()  # every rank's files are on disk before the checkpoint is declared complete
     if is_writer:
-        files = {str(f.relative_to(root / tag)): f.stat().st_size
-                 for f in sorted((root / tag).rglob("*")) if f.is_file()}
         meta = {"step": step, "samples": samples, "layout": layout, "recipe": recipe_dict,
-                "world_size": dist.get_world_size(), "wandb_run_id": wandb_run_id, "files": files}
-        _write_atomic(root / tag / COMPLETE, json.dumps(meta, indent=1))
-        _write_atomic(root / LATEST, tag)
-        _prune(root, keep_last)
-    dist.barrier()
+                "world_size": dist.get_world_size(), "wandb_run_id": wandb_run_id,
+                "parent": _latest_tag(root)}
+        _commit(root, tag, meta)
+        _prune_in_background(root, tag, keep_last)
     return root / tag
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    """Delete complete checkpoints beyond the newest `keep_last` (0 keeps all)."""
+def _latest_tag(root: Path) -> Optional[str]:
+    return (root / LATEST).read_text().strip() if (root / LATEST).exists() else None
+
+
+def _commit(root: Path, tag: str, meta: Dict[str, Any]) -> None:
+    """complete.json (with every file's size), then `latest`; each made durable before the next."""
+    tag_dir = root / tag
+    meta["files"] = {str(f.relative_to(tag_dir)): f.stat().st_size for f in sorted(tag_dir.rglob("*")) if f.is_file()}
+    for d in [tag_dir] + [d for d in tag_dir.rglob("*") if d.is_dir()]:
+        fsync_dir(d)  # the entries of the files every rank created
+    write_durably(tag_dir / COMPLETE, json.dumps(meta, indent=1))
+    fsync_dir(root)  # the tag directory's own entry, before `latest` names it
+    write_durably(root / LATEST, tag)
+
+
+_pruning: Optional[threading.Thread] = None  # the writer's one background deletion
+
+
+def _prune_in_background(root: Path, tag: str, keep_last: int) -> None:
+    """Rename the tags of `tag`'s history beyond the newest `keep_last` out of the tag namespace
+    (a rename: instant, and never a half-deleted checkpoint), then delete them in a thread."""
+    global _pruning
     if keep_last < 1:
         return
-    complete = sorted(p for p in root.iterdir() if p.is_dir() and (p / COMPLETE).exists())
-    for old in complete[:-keep_last]:
-        (old / COMPLETE).unlink()  # first: a half-deleted directory is never taken for complete
-        shutil.rmtree(old, ignore_errors=True)
+    for old in history(root, tag)[keep_last:]:
+        old.rename(root / f"{PRUNING}{old.name}-{time.time_ns()}")
+    if _pruning is not None:
+        _pruning.join()
+    doomed = list(root.glob(f"{PRUNING}*"))  # also any that a killed run left behind
+    if doomed:
+        _pruning = threading.Thread(target=_delete, args=(doomed,), name="checkpoint-prune")
+        _pruning.start()
+
+
+def _delete(directories: List[Path]) -> None:
+    for d in directories:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def history(root: Path, tag: str) -> List[Path]:
+    """The tag directories of `tag`'s history in `root`, newest first: each complete.json names
+    its parent. A manifest that cannot be read ends the walk: pruning only deletes what it is sure of."""
+    chain: List[Path] = []
+    while tag is not None and (root / tag / COMPLETE).is_file() and root / tag not in chain:
+        chain.append(root / tag)
+        try:
+            tag = json.loads((root / tag / COMPLETE).read_text()).get("parent")
+        except (OSError, ValueError, AttributeError) as e:
+            print(f"warning: --keep-last stops at {root / tag}: its {COMPLETE} cannot be read ({e})",
+                  file=sys.stderr, flush=True)
+            break
+    return chain
 
 
 def load(engine, ref: CheckpointRef, layout: Dict[str, int], state, config) -> Dict[str, Any]:
@@ -177,9 +297,9 @@ def load(engine, ref: CheckpointRef, layout: Dict[str, int], state, config) -> D
         load_resharded(engine, ref.path, ref.meta["layout"], state, config.n_layer, config.vocab_size,
                        config.padded_vocab_size(state.tp_size))
         return {key: ref.meta[key] for key in ("step", "samples", "recipe")}
+    use_safe_engine(engine)  # DeepSpeed's loader then unpickles with weights_only=True
     load_path, client_state = engine.load_checkpoint(str(ref.root), tag=ref.tag)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ref.path}")
-    rng_file = ref.path / "rng" / f"rank_{dist.get_rank()}.pt"
-    _set_rng_state(torch.load(rng_file, weights_only=True))
+    _set_rng_state(load_safely(ref.path / "rng" / f"rank_{dist.get_rank()}.pt"))
     return client_state

@@ -40,13 +40,10 @@ FP32 = "fp32"
 
 
 def _load_deepspeed_file(path: Path) -> dict:
-    """A DeepSpeed optimizer or model-states file, read with the safe unpickler (no code runs):
-    tensors plus the three small DeepSpeed types these files pickle."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    """A DeepSpeed optimizer or model-states file, read with the safe unpickler (no code runs:
+    launch/checkpoint_io.py), memory-mapped."""
+    from launch.checkpoint_io import load_safely
+    return load_safely(path, map_location="cpu", mmap=True)
 
 
 def _optimizer_file(ckpt: Path, dp_rank: int, mp_rank: int) -> Path:

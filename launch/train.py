@@ -322,6 +322,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             if resume_from.meta["step"] >= recipe.train.steps:
                 raise ConfigError(f"checkpoint {resume_from.path} is at step {resume_from.meta['step']}, "
                                   f"not before --steps {recipe.train.steps}: nothing to train")
+        if args.save is not None:  # last: only a run that passed every check moves files
+            from launch.checkpoint import prepare_save_dir
+            prepare_save_dir(args.save, resume_from, is_writer=os.environ["RANK"] == "0")
     except (ConfigError, DataError) as e:
         return report_bad_input(e)
     try:

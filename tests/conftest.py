@@ -76,3 +76,7 @@ class ParityRuns:
 @pytest.fixture(scope="session")
 def parity_runs(tmp_path_factory):
     return ParityRuns(tmp_path_factory)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a long multi-launch test (deselect with -m \"not slow\")")

@@ -1,0 +1,226 @@
+"""Fault soak: SIGKILL a random rank at random moments, resume each time, and compare the
+result with an uninterrupted run bit for bit.
+
+    python bench/fault_soak.py [--steps 8] [--kills 3] [--seed 3] [--keep DIR]
+
+recipes/tiny.yaml at tp=1 pp=2 (2 CPU processes through DeepSpeed's launcher, as a user starts
+it) trains `--steps` steps with a checkpoint after every step. K times: start the run (or resume
+it with `--load` from its save directory), wait until its metrics file reaches a random step,
+wait a random fraction of a step more (so some kills land mid-step, some mid-save), SIGKILL
+one random rank (a process under the launcher whose command line has --local_rank=R), and wait
+for the launcher to end the job. Then the run is resumed once more and finishes. The seed fixes
+every random choice (which rank, after which step, how long after it); where the kill lands in
+the step depends on the machine's timing.
+Compared with an uninterrupted run of the same command: every step's loss and gradient norm
+(the metrics file, which a resumed run continues after its checkpoint's step; the last record
+of each step counts), and every tensor of the final checkpoint's layer files (the fp32 weights)
+and ZeRO optimizer files (fp32 master weights and Adam moments).
+"""
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import psutil
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from launch.checkpoint_io import load_safely  # noqa: E402
+
+TINY = REPO / "recipes" / "tiny.yaml"
+WORLD = 2  # tp=1 pp=2
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(run_dir: Path, steps: int, resume: bool) -> subprocess.Popen:
+    """`deepspeed --num_gpus 2 launch/train.py --pp 2 ...` saving every step into run_dir/ck."""
+    ck = run_dir / "ck"
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(WORLD), "--master_port", str(free_port()),
+           str(REPO / "launch" / "train.py"), "--recipe", str(TINY), "--pp", "2", "--steps", str(steps),
+           "--save", str(ck), "--save-every", "1", "--metrics-out", str(run_dir / "metrics.jsonl")]
+    if resume and (ck / "latest").exists():  # after a kill before the first save: start again
+        cmd += ["--load", str(ck)]
+    log = open(run_dir / "log.txt", "a")
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+def rank_process(launcher: subprocess.Popen, rank: int) -> Optional[psutil.Process]:
+    for p in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if f"--local_rank={rank}" in p.cmdline():
+                return p
+        except psutil.NoSuchProcess:
+            pass
+    return None
+
+
+def steps_logged(metrics: Path) -> int:
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def end(job: subprocess.Popen, timeout: float = 180) -> int:
+    """Wait for the launcher; if it hangs, kill what is left of this job (ours only)."""
+    try:
+        return job.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for p in psutil.Process(job.pid).children(recursive=True):
+            p.kill()
+        job.kill()
+        job.wait()
+        raise RuntimeError(f"the job did not end within {timeout} s of the kill")
+
+
+def latest_step(run_dir: Path) -> int:
+    latest = run_dir / "ck" / "latest"
+    return int(latest.read_text()[len("step"):]) if latest.exists() else 0
+
+
+def kill_once(run_dir: Path, steps: int, planned: int, rank: int, fraction: float) -> Optional[Dict[str, object]]:
+    """Start (or resume) the run; once it logs step `planned` (or the first step after its
+    checkpoint, if that is later), wait `fraction` of two step times (a step and its save) and
+    SIGKILL rank `rank`; wait for the job to end. Returns what happened, or None if no step
+    before the last is left to kill in."""
+    metrics, resumed_at = run_dir / "metrics.jsonl", latest_step(run_dir)
+    target = max(planned, resumed_at + 1)
+    if target >= steps:
+        return None
+    launched = time.time_ns()
+    job = start(run_dir, steps, resume=True)
+
+    def reached() -> bool:  # the metrics file as this launch rewrote it, not the killed run's
+        return metrics.exists() and metrics.stat().st_mtime_ns > launched and steps_logged(metrics) >= target
+    deadline = time.time() + 600
+    while not reached():
+        if job.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"the run ended or stalled before step {target}: see {run_dir / 'log.txt'}")
+        time.sleep(0.02)
+    delay = fraction * 2 * json.loads(metrics.read_text().splitlines()[target - 1])["step_time_s"]
+    time.sleep(delay)
+    victim = rank_process(job, rank)
+    if victim is None or job.poll() is not None:
+        raise RuntimeError(f"rank {rank} was gone before the kill: see {run_dir / 'log.txt'}")
+    at = steps_logged(metrics)
+    mid_save = any(not (d / "complete.json").exists() for d in (run_dir / "ck").glob("step*"))
+    victim.kill()
+    return {"rank": rank, "resumed_at": resumed_at, "after_step": at, "delay_s": round(delay, 3),
+            "mid_save": mid_save, "launcher_exit": end(job), "latest_after": latest_step(run_dir)}
+
+
+def last_record_per_step(metrics: Path) -> Dict[int, dict]:
+    records = {}
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        records[record["step"]] = record
+    return records
+
+
+def tensors(obj, prefix: str = "") -> Iterator[Tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            yield from tensors(obj[key], f"{prefix}/{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            yield from tensors(item, f"{prefix}/{i}")
+
+
+def checkpoint_files(tag_dir: Path) -> List[str]:
+    """The layer files (fp32 weights) and ZeRO optimizer files (master weights, Adam moments)."""
+    return sorted(p.name for p in tag_dir.glob("layer_*")) + sorted(p.name for p in tag_dir.glob("*optim_states.pt"))
+
+
+def compare_checkpoints(a: Path, b: Path) -> List[str]:
+    """Differences between the tensors of two checkpoints' layer and optimizer files."""
+    names = checkpoint_files(a)
+    if not names or names != checkpoint_files(b):
+        return [f"different files: {names} vs {checkpoint_files(b)}"]
+    problems = []
+    for name in names:
+        x, y = dict(tensors(load_safely(a / name))), dict(tensors(load_safely(b / name)))
+        if x.keys() != y.keys():
+            problems.append(f"{name}: different tensors")
+        problems += [f"{name}{key}" for key in x if key in y and not torch.equal(x[key], y[key])]
+    return problems
+
+
+def soak(work: Path, steps: int, kills: int, seed: int,
+         reference: Optional[Tuple[Path, Path]] = None) -> Dict[str, object]:
+    """Run the soak in `work`; `reference` = (metrics file, final checkpoint directory) of an
+    uninterrupted run of the same command, or None to run it here. Returns the report."""
+    started = time.time()
+    if reference is None:
+        ref_dir = work / "uninterrupted"
+        ref_dir.mkdir(parents=True)
+        if end(start(ref_dir, steps, resume=False), timeout=900) != 0:
+            raise RuntimeError(f"the uninterrupted run failed: see {ref_dir / 'log.txt'}")
+        reference = (ref_dir / "metrics.jsonl", ref_dir / "ck" / f"step{steps:08d}")
+    reference_s = time.time() - started
+    run_dir = work / "killed"
+    run_dir.mkdir(parents=True)
+    rng = random.Random(seed)
+    # Kills after steps 1 .. N-2, so that most land before the last step (a slow machine can
+    # still finish it first: then the kill hits the job's shutdown, and the report says so).
+    plan = [(step, rng.randrange(WORLD), rng.random())
+            for step in sorted(rng.sample(range(1, max(steps - 1, 2)), kills))]
+    events = [e for e in (kill_once(run_dir, steps, *planned) for planned in plan) if e is not None]
+    if latest_step(run_dir) < steps and end(start(run_dir, steps, resume=True), timeout=900) != 0:
+        raise RuntimeError(f"the last resume failed: see {run_dir / 'log.txt'}")
+    ref, got = last_record_per_step(reference[0]), last_record_per_step(run_dir / "metrics.jsonl")
+    differing = [s for s in range(1, steps + 1)
+                 if s not in got or (ref[s]["loss"], ref[s]["grad_norm"]) != (got[s]["loss"], got[s]["grad_norm"])]
+    problems = compare_checkpoints(reference[1], run_dir / "ck" / f"step{steps:08d}")
+    return {"steps": steps, "kills": len(events), "seed": seed, "events": events, "steps_logged": sorted(got),
+            "steps_differing": differing, "tensors_differing": problems,
+            "tensor_files_compared": len(checkpoint_files(reference[1])),
+            "bitwise_equal": not differing and not problems,
+            "reference_s": round(reference_s, 1), "soak_s": round(time.time() - started - reference_s, 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=8, help="N, the run's steps (default: %(default)s)")
+    p.add_argument("--kills", type=int, default=3, help="K, SIGKILLs (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=3, help="fixes the plan (default %(default)s: kills on both ranks)")
+    p.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temporary one)")
+    args = p.parse_args()
+    if not 1 <= args.kills <= args.steps - 2:
+        p.error(f"--kills {args.kills} must be between 1 and --steps - 2 = {args.steps - 2}")
+    work = args.keep or Path(tempfile.mkdtemp(prefix="fault_soak-"))
+    try:
+        report = soak(work, args.steps, args.kills, args.seed)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"fault soak: N={report['steps']} steps, K={report['kills']} SIGKILLs, seed {report['seed']}, "
+          f"tp=1 pp=2 on {WORLD} CPU processes")
+    for i, e in enumerate(report["events"], 1):
+        print(f"  kill {i}: launch resumed at step {e['resumed_at']}, rank {e['rank']} killed {e['delay_s']} s after "
+              f"step {e['after_step']} was logged{' (during a save)' if e['mid_save'] else ''}; launcher exit "
+              f"{e['launcher_exit']}, latest checkpoint then step {e['latest_after']}"
+              f"{' (the run had already finished)' if e['latest_after'] == report['steps'] else ''}")
+    print(f"  steps logged: {report['steps_logged']}; losses/grad norms differing at steps: "
+          f"{report['steps_differing']}")
+    print(f"  final checkpoint: {report['tensor_files_compared']} layer/optimizer files compared, tensors differing: "
+          f"{report['tensors_differing'] or 'none'}")
+    print(f"  result: {'bitwise equal to the uninterrupted run' if report['bitwise_equal'] else 'DIFFERENT'} "
+          f"(uninterrupted run {report['reference_s']} s, killed-and-resumed runs {report['soak_s']} s)")
+    sys.exit(0 if report["bitwise_equal"] else 1)
+
+
+if __name__ == "__main__":
+    main()
