@@ -294,8 +294,11 @@ def load(engine, ref: CheckpointRef, layout: Dict[str, int], state, config) -> D
     another: launch/reshard.py re-shards weights and optimizer state (fp32 rounding)."""
     if not same_layout(ref.meta["layout"], layout):
         from launch.reshard import load_resharded
+        from model.pipe import seed_dropout_rngs
         load_resharded(engine, ref.path, ref.meta["layout"], state, config.n_layer, config.vocab_size,
                        config.padded_vocab_size(state.tp_size))
+        # No saved RNG state fits this layout's ranks: new streams, not step 1's masks again.
+        seed_dropout_rngs(config.seed, state, "resumed", ref.meta["step"])
         return {key: ref.meta[key] for key in ("step", "samples", "recipe")}
     use_safe_engine(engine)  # DeepSpeed's loader then unpickles with weights_only=True
     load_path, client_state = engine.load_checkpoint(str(ref.root), tag=ref.tag)

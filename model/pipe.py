@@ -40,7 +40,7 @@ def dropout_stream_seed(seed: int, *coordinate) -> int:
     return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: every torch seeding API takes it
 
 
-def seed_dropout_rngs(seed: int, state: ParallelState) -> None:
+def seed_dropout_rngs(seed: int, state: ParallelState, *restart) -> None:
     """Megatron's two dropout streams (tensor_parallel/random.py), one per (stage, DP rank):
 
     - the default RNG, shared by the TP ranks of a stage: dropout of activations they all hold
@@ -53,12 +53,14 @@ def seed_dropout_rngs(seed: int, state: ParallelState) -> None:
     same masks; Megatron adds 100 * stage to the seed for this) and across DP ranks (they hold
     different samples: shared streams would give sample i of every replica the same masks, so
     the masks of a global batch would depend on dp). DeepSpeed's activation checkpointing and
-    launch/checkpoint.py save and restore both, so recomputation and resume replay them."""
-    torch.manual_seed(dropout_stream_seed(seed, "replicated", state.pp_rank, state.dp_rank))
+    launch/checkpoint.py save and restore both, so recomputation and resume replay them.
+    `restart` (e.g. ("resumed", step)) starts fresh streams: a resume at another layout, which
+    has no saved state for this rank's coordinate, must not replay the masks of step 1."""
+    torch.manual_seed(dropout_stream_seed(seed, "replicated", state.pp_rank, state.dp_rank, *restart))
     tracker = get_cuda_rng_tracker()
     tracker.reset()
     tracker.add(TP_DROPOUT_RNG, dropout_stream_seed(seed, "tp-sharded", state.pp_rank, state.dp_rank,
-                                                    state.tp_rank))
+                                                    state.tp_rank, *restart))
 
 
 def _tp_dropout_rng():

@@ -7,7 +7,8 @@ one with the module that drew it. One forward of the pipeline stages on 4 proces
   those of the two TP ranks of one block (each its own heads) differ; the embedding and
   residual masks agree across the TP ranks of a stage (they hold the same activations);
 - the same with sequence parallelism: every mask differs across TP ranks (own sequence chunks);
-- tp=1 pp=2 dp=2: the DP ranks of a stage (different samples) draw different masks.
+- tp=1 pp=2 dp=2: the DP ranks of a stage (different samples) draw different masks;
+- streams restarted as a re-sharded resume restarts them draw new masks, still TP-consistent.
 The second test: a pp=2 run with dropout resumes bit for bit (both streams of each rank come
 back from the checkpoint), which the parity runs at dropout 0 cannot show.
 """
@@ -25,7 +26,7 @@ from distributed import run_distributed, uses_deepspeed
 from launcher import TINY, launch, read_metrics
 from model.gpt import GPTConfig
 from model.parallel_state import init_parallel_state
-from model.pipe import build_pipeline
+from model.pipe import build_pipeline, seed_dropout_rngs
 
 P = 0.5
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=4, seed=5,
@@ -56,11 +57,14 @@ class MaskRecorder(TorchDispatchMode):
         return out
 
 
-def _stage_masks(tp: int, pp: int, sequence_parallel: bool):
-    """This rank's masks after one training-mode forward of its stage, and its coordinate."""
+def _stage_masks(tp: int, pp: int, sequence_parallel: bool, restart=()):
+    """This rank's masks after one training-mode forward of its stage, and its coordinate;
+    `restart`: the streams re-seeded as a re-sharded resume does (launch/checkpoint.py: load)."""
     state = init_parallel_state(tp, pp)
     config = dataclasses.replace(CONFIG, sequence_parallel=sequence_parallel)
     pipe = build_pipeline(config, state)
+    if restart:
+        seed_dropout_rngs(config.seed, state, *restart)
     pipe.train()
     g = torch.Generator().manual_seed(3)  # same input on every rank: masks must not depend on it
     if state.pp_rank == 0:
@@ -111,6 +115,17 @@ def _masks_body():
             for kind in RESIDUAL:  # replicated activations: the same mask on both TP ranks
                 assert torch.equal(m[(stage, 0, 0)][kind.format(layer)], m[(stage, 0, 1)][kind.format(layer)])
     assert torch.equal(m[(0, 0, 0)][EMBED], m[(0, 0, 1)][EMBED])
+
+    # A resume at another layout restarts the streams: new masks, not step 1's again, and the
+    # TP ranks of a stage still agree where they hold the same activations.
+    again = _stage_masks(2, 2, sequence_parallel=False, restart=("resumed", 3))
+    for coord, masks in again.items():
+        for name, mask in masks.items():
+            _assert_independent(mask, m[coord][name], f"restarted stream, {coord} {name}")
+    for stage, layers in ((0, (2, 3)), (1, (4, 5))):
+        for kind in RESIDUAL:
+            for layer in layers:
+                assert torch.equal(again[(stage, 0, 0)][kind.format(layer)], again[(stage, 0, 1)][kind.format(layer)])
 
     # Sequence parallelism: each TP rank holds its own chunk, so every mask differs across TP.
     m = _stage_masks(2, 2, sequence_parallel=True)
