@@ -136,9 +136,11 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save(engine, root: Path, step: int, samples: int, recipe_dict: Dict[str, Any],
-         layout: Dict[str, int], keep_last: int, is_writer: bool, wandb_run_id: Optional[str] = None) -> Path:
+         layout: Dict[str, int], keep_last: int, is_writer: bool, wandb_run_id: Optional[str] = None,
+         data_state: Optional[Dict[str, Any]] = None) -> Path:
     """Every rank calls this; rank `is_writer` commits (it holds the wandb run, whose id a
-    resumed run continues). Returns the tag directory."""
+    resumed run continues). `data_state`: the streaming data position of the whole run (JSON,
+    already gathered from the ranks), stored in complete.json for `--load`. Returns the tag directory."""
     tag = tag_for(step)
     client_state = {"step": step, "samples": samples, "recipe": recipe_dict}
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
@@ -150,7 +152,8 @@ def save(engine, root: Path, step: int, samples: int, recipe_dict: Dict[str, Any
         files = {str(f.relative_to(root / tag)): f.stat().st_size
                  for f in sorted((root / tag).rglob("*")) if f.is_file()}
         meta = {"step": step, "samples": samples, "layout": layout, "recipe": recipe_dict,
-                "world_size": dist.get_world_size(), "wandb_run_id": wandb_run_id, "files": files}
+                "world_size": dist.get_world_size(), "wandb_run_id": wandb_run_id, "data_state": data_state,
+                "files": files}
         _write_atomic(root / tag / COMPLETE, json.dumps(meta, indent=1))
         _write_atomic(root / LATEST, tag)
         _prune(root, keep_last)
