@@ -213,7 +213,8 @@ class StreamingBatches:
     def state(self) -> dict:
         """JSON-able: the steps consumed and the state of each stream this rank reads."""
         return {"step": self.step,
-                "streams": {str(s): {"block": list(first), "taken": taken} for s, (first, taken) in self.states.items()}}
+                "streams": {str(s): {"block": list(first), "taken": taken}
+                            for s, (first, taken) in self.states.items()}}
 
 
 def merge_states(local_states: List[dict], n_streams: int) -> dict:

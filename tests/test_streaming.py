@@ -14,7 +14,7 @@ from data.builtin import builtin_corpus, load_tokenizer
 from data.pipeline import prepare_run_data
 from data.spec import DataError, DataSpec
 from data.streaming import merge_states
-from launcher import REPO, TINY
+from launcher import REPO, TINY, launch, read_metrics
 
 N_DOCS, N_FILES = 400, 5
 ID = re.compile(r"w(\d+)x")
@@ -148,3 +148,28 @@ def test_bad_streaming_data_is_one_line_and_exit_2(corpus, tmp_path):
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: "), proc.stderr[-2000:]
         assert all(w in proc.stderr for w in words), proc.stderr
+
+
+def test_streaming_run_resumes_exactly_and_matches_one_process(corpus, tmp_path):
+    """Through launch/train.py: dp=2 streaming 5 steps with a save after step 3; the same run
+    on one process (layout parity); and dp=2 resumed from step 3 (bit for bit)."""
+    common = ["--recipe", str(TINY), "--steps", "5", "--set", f"data.name={corpus / 'part*.parquet'}",
+              "--set", "data.streaming=true", "--set", "data.streams=4", "--set", "data.shuffle_buffer=8"]
+    runs = {}
+    for name, procs, extra in (("dp2", 2, ["--save", str(tmp_path / "ck"), "--save-every", "3"]),
+                               ("one", 1, []),
+                               ("resumed", 2, ["--load", str(tmp_path / "ck" / "step00000003")])):
+        out = tmp_path / f"{name}.jsonl"
+        proc = launch(procs, common + extra + ["--metrics-out", str(out)])
+        assert proc.returncode == 0, (name, proc.stdout[-3000:], proc.stderr[-3000:])
+        runs[name] = read_metrics(out)
+    dp2, one, resumed = runs["dp2"], runs["one"], runs["resumed"]
+    assert [r["step"] for r in dp2] == [1, 2, 3, 4, 5] and [r["step"] for r in resumed] == [4, 5]
+    for a, b in zip(dp2, one):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a or key in b:
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
+    for a, b in zip(dp2[3:], resumed):
+        assert (a["loss"], a["grad_norm"], a.get("val_loss")) == (b["loss"], b["grad_norm"], b.get("val_loss"))
+    meta = json.loads((tmp_path / "ck" / "step00000003" / "complete.json").read_text())
+    assert meta["data_state"]["step"] == 3 and sorted(meta["data_state"]["streams"]) == ["0", "1", "2", "3"]
