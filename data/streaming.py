@@ -125,6 +125,9 @@ def packed_windows(docs: Iterator[Tuple[Position, Optional[str]]], tokenizer: Pr
             while len(carry) >= window:
                 yield pieces[0][1], carry[:window]
                 carry = carry[window:]
+                if len(carry) == 0:  # a document ended with the window: the next one starts the next
+                    pieces = []
+                    break
                 shifted = [(i - window, p) for i, p in pieces]
                 inside = [k for k, (i, _) in enumerate(shifted) if i <= 0][-1]  # holds the new first token
                 i, p = shifted[inside]

@@ -173,3 +173,21 @@ def test_streaming_run_resumes_exactly_and_matches_one_process(corpus, tmp_path)
         assert (a["loss"], a["grad_norm"], a.get("val_loss")) == (b["loss"], b["grad_norm"], b.get("val_loss"))
     meta = json.loads((tmp_path / "ck" / "step00000003" / "complete.json").read_text())
     assert meta["data_state"]["step"] == 3 and sorted(meta["data_state"]["streams"]) == ["0", "1", "2", "3"]
+
+
+def test_each_window_starts_where_its_position_says(corpus, tokenizer):
+    """The position a resume reopens: row r of shard p, token t, is the window's first token."""
+    from data.pipeline import train_source
+    from data.streaming import START, packed_windows, shard_order, stream_documents
+    source = train_source(_spec(corpus))
+    docs = stream_documents(source, 1, 2, seed=0, shuffle=True, start=START, epochs=1)
+    order, shard_rows, n = shard_order(len(source.shards), 0, 0, True), {}, 0
+    for (epoch, place, row, token), w in packed_windows(docs, tokenizer, 16):
+        if w is None:
+            break
+        rows = shard_rows.setdefault(place, list(source.shards[order[place]]))  # read whole, independently
+        n += token > 0
+        ids = tokenizer(rows[row]["text"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        head = ids[token:token + 16]
+        assert row % 2 == 1 and list(w[:len(head)]) == head, (place, row, token)
+    assert n > 100  # most windows start inside a document
