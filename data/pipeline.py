@@ -1,17 +1,26 @@
-"""The data of a run: train micro-batches from any sample position and validation batches,
-map-style (cached, memory-mapped windows) or streaming. The one entry point launch/ uses."""
+"""The data of a run: train micro-batches from any position and validation batches,
+map-style (cached, memory-mapped windows) or streaming. The one entry point launch/ uses.
+
+`prepare_run_data` runs before any process group starts and checks, in both modes, that the
+training data holds at least one global batch and the validation data `eval_batches` of them,
+so that a run never stops at its first step or its first evaluation. Validation is windows in
+memory (map-style: the cached stream; streaming: the first eval_batches * B windows of the
+held-out documents, read once and cached), evaluated the same way in both modes.
+"""
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from functools import partial
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from data.sampler import micro_batches
-from data.sources import load_train_val
+from data.sources import held_out, load_stream_sources
 from data.spec import DataError, DataSpec
-from data.streaming import packed_windows, streaming_micro_batches
-from data.windows import prepare_streams, windows
+from data.streaming import (START, StreamingBatches, StreamSource, gather_data_state, packed_windows, read_rows,
+                            states_from, stream_documents, stream_windows)
+from data.windows import cached_validation_windows, prepare_streams, windows
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
@@ -32,54 +41,152 @@ class RunData:
     def has_validation(self) -> bool:
         return self.spec.val_split is not None or self.spec.val_fraction > 0
 
-    def train_batches(self, dp_rank: int, dp_size: int, start_sample: int = 0) -> Iterator[Batch]:
-        """This dp rank's micro-batches from global sample position `start_sample` on."""
+    def train_batches(self, dp_rank: int, dp_size: int, start_sample: int = 0,
+                      data_state: Optional[dict] = None) -> Iterator[Batch]:
+        """This dp rank's micro-batches from global sample position `start_sample` on. Streaming
+        resumes from `data_state` (the checkpoint's stream positions) without re-reading; a
+        checkpoint without one (saved before streams had positions) is re-read up to its step."""
         if self.train_windows is not None:
             return micro_batches(self.train_windows, self.seed, self.global_batch_size, self.micro_batch_size,
                                  dp_rank, dp_size, start_sample, self.spec.shuffle)
-        train, _ = load_train_val(self.spec, streaming=True)
-        stream = packed_windows(train, self.tokenizer, self.spec.text_field, self.seq_len, self.seed,
-                                self.spec.shuffle, self.spec.shuffle_buffer)
-        return streaming_micro_batches(stream, self.global_batch_size, self.micro_batch_size,
-                                       dp_rank, dp_size, start_sample)
+        spec = self.spec
+        train = train_source(spec)
+        open_stream = partial(stream_windows, train, self.tokenizer, self.seq_len, self.seed, spec.shuffle,
+                              spec.shuffle_buffer, n_streams=spec.streams)
+        step = start_sample // self.global_batch_size
+        batches = StreamingBatches(lambda s, state: open_stream(stream=s, state=state), spec.streams,
+                                   self.global_batch_size, self.micro_batch_size, dp_rank, dp_size,
+                                   step if data_state is not None else 0, states_from(data_state))
+        if data_state is None:
+            for _ in range(step * self.global_batch_size // dp_size // self.micro_batch_size):
+                next(batches)
+        return batches
+
+    def gather_data_state(self, batches: Iterator[Batch]) -> Optional[dict]:
+        """Collective (every rank calls it): the position of every stream, gathered from the
+        ranks that read them, for the checkpoint; None in map-style mode, where the sample
+        count is the whole position."""
+        if self.train_windows is not None:
+            return None
+        return gather_data_state(batches.state(), self.spec.streams)
+
+    def check_data_state(self, data_state: Optional[dict], samples: int) -> None:
+        """A checkpoint's stream positions fit this run (before training starts)."""
+        if data_state is None or self.train_windows is not None:
+            return
+        if data_state["streams_total"] != self.spec.streams:
+            raise DataError(f"the checkpoint's data position is for data.streams={data_state['streams_total']}, "
+                            f"this run has data.streams={self.spec.streams}; resume with "
+                            f"--set data.streams={data_state['streams_total']}")
+        if data_state["step"] * self.global_batch_size != samples:
+            raise DataError(f"the checkpoint's data position is after {data_state['step']} steps of "
+                            f"{self.global_batch_size} samples, not after its {samples} samples: "
+                            f"resume with the train.global_batch_size it was saved with")
 
     def val_batches(self, dp_rank: int, dp_size: int, n_global_batches: int) -> Iterator[Batch]:
         """The first `n_global_batches` global batches of the validation windows, unshuffled:
         the same samples at every evaluation and at every layout."""
-        if self.val_windows is not None:
-            return micro_batches(self.val_windows, self.seed, self.global_batch_size, self.micro_batch_size,
-                                 dp_rank, dp_size, 0, shuffle=False)
-        _, val = load_train_val(self.spec, streaming=True)
-        stream = packed_windows(val, self.tokenizer, self.spec.text_field, self.seq_len, self.seed,
-                                shuffle=False, shuffle_buffer=0, epochs=1)
-        return streaming_micro_batches(stream, self.global_batch_size, self.micro_batch_size, dp_rank, dp_size)
+        return micro_batches(self.val_windows, self.seed, self.global_batch_size, self.micro_batch_size,
+                             dp_rank, dp_size, 0, shuffle=False)
 
     def eval_global_batches(self, wanted: int) -> int:
-        """How many validation global batches exist, up to `wanted` (map-style knows; streaming trusts)."""
+        """How many validation global batches exist, up to `wanted`."""
         if self.val_windows is None:
-            return wanted
+            return 0
         return min(wanted, len(self.val_windows) // self.global_batch_size)
 
 
+def train_source(spec: DataSpec) -> StreamSource:
+    train, _ = load_stream_sources(spec)
+    f = spec.val_fraction if spec.val_split is None else 0.0
+    return StreamSource.of(spec.name, train, spec.text_field, lambda text: not held_out(text, f))
+
+
+def val_source(spec: DataSpec) -> Optional[StreamSource]:
+    train, val = load_stream_sources(spec)
+    if val is not None:
+        return StreamSource.of(spec.name, val, spec.text_field, lambda text: True)
+    if spec.val_fraction > 0:
+        f = spec.val_fraction
+        return StreamSource.of(spec.name, train, spec.text_field, lambda text: held_out(text, f))
+    return None
+
+
+def first_windows(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int, n: int) -> np.ndarray:
+    """Up to `n` windows of one pass over `source` in its own order (a single stream)."""
+    docs = stream_documents(source, 0, 1, seed=0, shuffle=False, start=START, epochs=1)
+    found: List[np.ndarray] = []
+    for _, w in packed_windows(docs, tokenizer, seq_len + 1):
+        if w is None or len(found) == n:
+            break
+        found.append(w)
+    return np.stack(found) if found else np.empty((0, seq_len + 1), dtype=np.int64)
+
+
+def check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int,
+                  global_batch_size: int) -> None:
+    """Every stream holds a global batch's share (B/S windows) per epoch. Reads the data in its
+    own order only until that is shown (about one global batch of tokens), or to its end."""
+    S, window = spec.streams, seq_len + 1
+    if global_batch_size % S:
+        raise DataError(f"data.streams={S} must divide train.global_batch_size={global_batch_size}: every stream "
+                        f"gives B/streams windows to each step")
+    need = global_batch_size // S * window
+    tokens, rows, batch = [0] * S, 0, []
+
+    def count(batch):
+        ids = tokenizer([t for _, t in batch], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        for (s, _), doc in zip(batch, ids):
+            tokens[s] += len(doc) + 1 if doc else 0
+
+    for shard in range(len(source.shards)):
+        for row, text in read_rows(source, shard, 0, 0, 1):
+            rows += 1
+            if text and source.keep(text):
+                batch.append((row % S, text))
+            if len(batch) == 256:
+                count(batch)
+                batch = []
+                if min(tokens) >= need:
+                    return
+    count(batch)
+    if rows == 0:
+        raise DataError(f"data.name={spec.name!r} split {spec.split!r} is empty")
+    worst = int(np.argmin(tokens))
+    if tokens[worst] < need:
+        raise DataError(f"data.name={spec.name!r} (streaming): stream {worst} of data.streams={S} holds "
+                        f"{tokens[worst] // window} windows of seq_len+1 = {window} tokens per epoch, fewer than its "
+                        f"share of one global batch ({global_batch_size}/{S} = {global_batch_size // S}); "
+                        f"lower data.streams, train.global_batch_size or data.seq_len, or use more data")
+
+
 def prepare_run_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
-                     global_batch_size: int, micro_batch_size: int, evaluate: bool) -> RunData:
+                     global_batch_size: int, micro_batch_size: int, evaluate: bool,
+                     eval_batches: int = 1) -> RunData:
     """Check the data against the run and build (or reuse) its cache; raises DataError."""
     if evaluate and spec.val_split is None and spec.val_fraction <= 0:
         raise DataError("train.eval_every > 0 needs validation data: set data.val_split or data.val_fraction "
                         "(or train.eval_every=0)")
     data = RunData(spec, tokenizer, seq_len, seed, global_batch_size, micro_batch_size)
+    window, need_val = seq_len + 1, eval_batches * global_batch_size
     if spec.streaming:
-        train, _ = load_train_val(spec, streaming=True)  # fails early on unknown data or columns
-        return data
-    streams = prepare_streams(spec, tokenizer)
-    data.train_windows = windows(streams.train, seq_len)
-    if len(data.train_windows) == 0:
-        raise DataError(f"data.name={spec.name!r} gives {len(streams.train)} tokens, fewer than one window "
-                        f"of seq_len+1 = {seq_len + 1}; lower data.seq_len or use more data")
-    if streams.val is not None:
-        data.val_windows = windows(streams.val, seq_len)
-        if evaluate and len(data.val_windows) < global_batch_size:
-            raise DataError(f"the validation data gives {len(data.val_windows)} windows of {seq_len + 1} tokens, "
-                            f"fewer than one global batch ({global_batch_size}); raise data.val_fraction or "
-                            f"set train.eval_every=0")
+        check_streams(spec, train_source(spec), tokenizer, seq_len, global_batch_size)
+        val = val_source(spec)
+        if val is not None:
+            data.val_windows = cached_validation_windows(
+                spec, tokenizer, seq_len, need_val, lambda: first_windows(val, tokenizer, seq_len, need_val))
+    else:
+        streams = prepare_streams(spec, tokenizer)
+        data.train_windows = windows(streams.train, seq_len)
+        if len(data.train_windows) < global_batch_size:
+            raise DataError(f"data.name={spec.name!r} gives {len(streams.train)} training tokens = "
+                            f"{len(data.train_windows)} windows of seq_len+1 = {window}, fewer than one global batch "
+                            f"({global_batch_size}); lower train.global_batch_size or data.seq_len, or use more data")
+        if streams.val is not None:
+            data.val_windows = windows(streams.val, seq_len)
+    if evaluate and (data.val_windows is None or len(data.val_windows) < need_val):
+        found = 0 if data.val_windows is None else len(data.val_windows)
+        raise DataError(f"the validation data gives {found} windows of seq_len+1 = {window} tokens, fewer than "
+                        f"train.eval_batches x global batch = {eval_batches} x {global_batch_size} = {need_val}; "
+                        f"raise data.val_fraction, lower train.eval_batches, or set train.eval_every=0")
     return data

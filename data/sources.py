@@ -1,13 +1,19 @@
 """Resolve `data.name` to an HF `datasets` object: builtin, save_to_disk directory, local
 files / glob, or hub id; and the identity of that source for the cache key.
 
-Validation documents are every round(1/val_fraction)-th document of the split (when no
-`val_split` is given): deterministic, and the same for map-style and streaming pipelines.
+Validation documents (when no `val_split` is given) are chosen by a hash of their text, not by
+their index: a document is held out when its hash, mapped to [0, 1), is below val_fraction.
+The rule depends on nothing but the document, so map-style and streaming runs hold out the
+same documents whatever the shard order, the shuffle, the epoch or the number of streams
+(an index-based rule broke here: a streaming dataset renumbers its documents when it
+shuffles its shards). Identical texts land on the same side, so a duplicate of a held-out
+document never trains.
 """
 import glob
+import hashlib
 import os
 from pathlib import Path
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import datasets
 
@@ -52,7 +58,7 @@ def _load_split(spec: DataSpec, split: str, streaming: bool) -> AnyDataset:
         if split != "train":
             raise DataError(f"data.name=builtin has only a 'train' split, not {split!r}; use data.val_fraction")
         ds = builtin_corpus()
-        return ds.to_iterable_dataset() if streaming else ds
+        return as_iterable(ds) if streaming else ds
     files = local_files(name)
     if files is not None:
         if not files:
@@ -79,7 +85,7 @@ def _load_split(spec: DataSpec, split: str, streaming: bool) -> AnyDataset:
             if split not in loaded:
                 raise DataError(f"data.name={spec.name!r} has splits {list(loaded)}, not {split!r}")
             loaded = loaded[split]
-        return loaded.to_iterable_dataset() if streaming else loaded
+        return as_iterable(loaded) if streaming else loaded
     if looks_local(name):
         raise DataError(f"data.name={spec.name!r}: no such file or directory")
     try:
@@ -98,23 +104,44 @@ def _check_text_field(ds: AnyDataset, spec: DataSpec) -> None:
                         f"columns: {', '.join(columns)}")
 
 
-def holdout_period(val_fraction: float) -> int:
-    return max(2, round(1 / val_fraction))
+def as_iterable(ds: datasets.Dataset) -> datasets.IterableDataset:
+    """A map-style dataset as a stream of up to 64 contiguous shards (the unit of the epoch's
+    shard shuffle and of a resume's re-read, see data/streaming.py)."""
+    return ds.to_iterable_dataset(num_shards=max(1, min(len(ds), 64)))
 
 
-def load_train_val(spec: DataSpec, streaming: bool):
-    """(train, validation or None) datasets for the spec."""
-    train = _load_split(spec, spec.split, streaming)
+def held_out(text: str, val_fraction: float) -> bool:
+    """True for a validation document: blake2b of its UTF-8 text, as a number in [0, 1),
+    below val_fraction. Stable across machines, Python versions and runs."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0 ** 64 < val_fraction
+
+
+def load_train_val(spec: DataSpec):
+    """Map-style (train, validation or None) datasets for the spec."""
+    train = _load_split(spec, spec.split, streaming=False)
     _check_text_field(train, spec)
-    if not streaming and len(train) == 0:
+    if len(train) == 0:
         raise DataError(f"data.name={spec.name!r} split {spec.split!r} is empty")
     if spec.val_split is not None:
-        val = _load_split(spec, spec.val_split, streaming)
+        val = _load_split(spec, spec.val_split, streaming=False)
         _check_text_field(val, spec)
         return train, val
     if spec.val_fraction > 0:
-        period = holdout_period(spec.val_fraction)
-        val = train.filter(lambda _, i: i % period == period - 1, with_indices=True)
-        train = train.filter(lambda _, i: i % period != period - 1, with_indices=True)
+        field, f, nproc = spec.text_field, spec.val_fraction, spec.num_proc if spec.num_proc > 1 else None
+        val = train.filter(lambda b: [held_out(t or "", f) for t in b[field]], batched=True, num_proc=nproc)
+        train = train.filter(lambda b: [not held_out(t or "", f) for t in b[field]], batched=True, num_proc=nproc)
         return train, val
     return train, None
+
+
+def load_stream_sources(spec: DataSpec) -> Tuple[datasets.IterableDataset, Optional[datasets.IterableDataset]]:
+    """Streaming (train split, val split or None), unfiltered: data/streaming.py applies
+    `held_out` itself, because it also needs each document's row number in its shard."""
+    train = _load_split(spec, spec.split, streaming=True)
+    _check_text_field(train, spec)
+    val = None
+    if spec.val_split is not None:
+        val = _load_split(spec, spec.val_split, streaming=True)
+        _check_text_field(val, spec)
+    return train, val

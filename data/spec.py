@@ -32,12 +32,20 @@ class DataSpec:
     streaming: bool = False
     """Tokenize and pack on the fly from an IterableDataset (corpora larger than the disk)."""
     shuffle: bool = True
-    """Reshuffle the windows every epoch (map-style) / shuffle through a buffer (streaming)."""
-    shuffle_buffer: int = 10000
-    """Documents in the streaming shuffle buffer."""
+    """Reshuffle the windows every epoch (map-style) / the shard order every epoch and the
+    windows within blocks (streaming)."""
+    shuffle_buffer: int = 1000
+    """Streaming: windows per shuffle block of each stream; a resume re-reads at most one block
+    per stream (and the rows of the current shard before its position)."""
+    streams: int = 1
+    """Streaming: logical streams, each a disjoint 1/streams of every shard's documents, packed on
+    its own and contributing global_batch_size/streams windows to every step. Fixed by the
+    recipe, not by dp: the samples of a step are the same at every layout, and a rank reads
+    only the streams its slice of the batch needs (streams/dp of them when dp divides it)."""
     val_split: Optional[str] = None
     """A held-out split for validation (`validation`); wins over val_fraction."""
     val_fraction: float = 0.0
-    """Hold out this fraction of the documents (every round(1/f)-th) when there is no val_split."""
+    """Hold out this fraction of the documents (chosen by a hash of their text, data/sources.py)
+    when there is no val_split."""
     num_proc: int = 1
     """Processes for tokenization (`datasets.map(num_proc=...)`)."""

@@ -1,57 +1,246 @@
-"""Streaming mode: documents from an `IterableDataset`, tokenized and packed on the fly.
+"""Streaming mode: documents from an `IterableDataset`, tokenized and packed on the fly, in a
+fixed number of logical streams, with a position that resumes without re-reading.
 
-Layout invariance needs global positions: window p of the packed stream is sample p of the
-run, and dp rank r of step k takes positions [k*B + r*B/dp, k*B + (r+1)*B/dp). Each rank reads
-the stream and keeps only its own windows, so every rank tokenizes the whole stream: exact and
-layout-invariant, at the cost of dp-fold tokenization work (cheap next to the model). The TP
-ranks of a replica and its first and last stage read identical sequences. When the stream
-ends, the next epoch starts over, reshuffled through a buffer seeded by (seed, epoch).
+Streams. Row i of every shard belongs to stream i % S (S = `data.streams`, fixed by the
+recipe). Each stream packs its own training documents into windows of seq_len + 1 tokens and
+gives B/S windows to every global batch of B: the global batch of step k is stream 0's
+windows [k*B/S, (k+1)*B/S), then stream 1's, and so on, the same at every layout. dp rank r
+takes the r-th contiguous 1/dp of it, like the map-style sampler, so it reads and tokenizes
+only the streams its slice covers: S/dp of them when dp divides S (dp/S ranks share a
+stream when S < dp). Which rank holds a sample changes with dp, the set of a step does not.
+
+Order. Epoch e of every stream visits the shards in an order drawn from (seed, e) (the
+dataset's order without shuffle) and shuffles its windows within blocks of `shuffle_buffer`
+windows, by a permutation drawn from (seed, stream, the block's first position). At the end
+of its epoch a stream drops its partial window and starts the next epoch on its own.
+
+Position. A stream's state is its current block's first position and the windows of that
+block already taken; a position is (epoch, place in the epoch's shard order, row in that
+shard, token offset in that row's document). A resume opens the shard at the row (the Arrow
+record batches before it are read, not tokenized), rebuilds the one block and skips what was
+taken: bounded by one shard and one block, whatever the samples consumed. (`datasets`'
+IterableDataset.state_dict() would not do: it does not save a shuffle buffer's contents.)
 """
-from typing import Iterator, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from data.tokens import stream_tokens
+from data.spec import DataError
+
+Position = Tuple[int, int, int, int]  # (epoch, place in the shard order, row, token offset)
+START: Position = (0, 0, 0, 0)
+StreamState = Tuple[Position, int]    # (first position of the current block, windows taken)
+Batch = Tuple[torch.Tensor, torch.Tensor]
 
 
-def packed_windows(dataset: datasets.IterableDataset, tokenizer: PreTrainedTokenizerBase, text_field: str,
-                   seq_len: int, seed: int, shuffle: bool, shuffle_buffer: int,
-                   epochs: Optional[int] = None) -> Iterator[np.ndarray]:
-    """Endless (or `epochs` passes of) windows of seq_len + 1 tokens, in stream order."""
-    window = seq_len + 1
-    epoch = 0
+@dataclass
+class StreamSource:
+    """What the streams read: the shards of one split, its text column, which rows train."""
+    name: str
+    shards: List[datasets.IterableDataset]
+    text_field: str
+    keep: Callable[[str], bool]
+
+    @classmethod
+    def of(cls, name: str, dataset: datasets.IterableDataset, text_field: str,
+           keep: Callable[[str], bool]) -> "StreamSource":
+        n = dataset.num_shards
+        return cls(name, [dataset.shard(num_shards=n, index=i) for i in range(n)], text_field, keep)
+
+
+def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool) -> List[int]:
+    if not shuffle:
+        return list(range(n_shards))
+    return np.random.default_rng([seed, epoch]).permutation(n_shards).tolist()
+
+
+def read_rows(source: StreamSource, shard: int, first_row: int, stream: int, n_streams: int,
+              batch_rows: int = 1024) -> Iterator[Tuple[int, Optional[str]]]:
+    """(row, text) of one shard's rows of this stream from `first_row` on. Rows before it and
+    rows of other streams are skipped as Arrow tables: never converted, never tokenized."""
+    row0 = 0
+    for table in source.shards[shard].with_format("arrow").iter(batch_size=batch_rows):
+        n = len(table)
+        if row0 + n > first_row:
+            if source.text_field not in table.column_names:
+                raise DataError(f"data.text_field={source.text_field!r} is not a column of {source.name!r}; "
+                                f"columns: {', '.join(table.column_names)}")
+            lo = max(first_row - row0, 0)
+            idx = list(range(lo + (stream - row0 - lo) % n_streams, n, n_streams))
+            texts = table.column(source.text_field).take(pa.array(idx, type=pa.int64())).to_pylist()
+            for i, text in zip(idx, texts):
+                yield row0 + i, text
+        row0 += n
+
+
+def stream_documents(source: StreamSource, stream: int, n_streams: int, seed: int, shuffle: bool,
+                     start: Position, epochs: Optional[int] = None) -> Iterator[Tuple[Position, Optional[str]]]:
+    """(position of its first token, text) of this stream's training documents from `start`;
+    (end of epoch, None) after each epoch. Endless unless `epochs` is given."""
+    epoch, place, row, _ = start
     while epochs is None or epoch < epochs:
-        docs = dataset.shuffle(seed=seed * 7919 + epoch, buffer_size=shuffle_buffer) if shuffle else dataset
-        carry = np.empty(0, dtype=np.int64)
-        produced = 0
-        for chunk in stream_tokens(docs, tokenizer, text_field):
-            carry = np.concatenate([carry, chunk])
-            n = len(carry) // window
-            for i in range(n):
-                yield carry[i * window:(i + 1) * window]
-            produced += n
-            carry = carry[n * window:]
-        if produced == 0:
-            raise ValueError("the streaming dataset produced no complete window")
-        epoch += 1
+        order = shard_order(len(source.shards), seed, epoch, shuffle)
+        for p in range(place, len(order)):
+            for r, text in read_rows(source, order[p], row, stream, n_streams):
+                if text and source.keep(text):
+                    yield (epoch, p, r, 0), text
+            row = 0
+        yield (epoch, len(order), 0, 0), None
+        epoch, place = epoch + 1, 0
 
 
-def streaming_micro_batches(windows: Iterator[np.ndarray], global_batch_size: int, micro_batch_size: int,
-                            dp_rank: int, dp_size: int, start_sample: int = 0
-                            ) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids, labels) micro-batches of this dp rank from the global window stream."""
-    per_rank = global_batch_size // dp_size
-    position = 0
-    mine = []
-    for window in windows:
-        step_offset = position % global_batch_size
-        if position >= start_sample and dp_rank * per_rank <= step_offset < (dp_rank + 1) * per_rank:
-            mine.append(window)
-            if len(mine) == micro_batch_size:
-                batch = torch.from_numpy(np.stack(mine).astype(np.int64))  # (b, seq_len + 1)
+def packed_windows(docs: Iterator[Tuple[Position, Optional[str]]], tokenizer: PreTrainedTokenizerBase,
+                   window: int, skip_tokens: int = 0, batch_docs: int = 64
+                   ) -> Iterator[Tuple[Position, Optional[np.ndarray]]]:
+    """(position of its first token, window) in stream order; (end of epoch, None) after an
+    epoch's last complete window. Each document is its tokens and EOS (documents that tokenize
+    to nothing are dropped: the rule of data/tokens.py, so streaming packs what map-style does).
+    The first document loses its first `skip_tokens` tokens (a resume inside a document)."""
+    eos = tokenizer.eos_token_id
+    carry = np.empty(0, dtype=np.int64)
+    pieces: List[Tuple[int, Position]] = []  # (index in carry, position of that token)
+
+    def tokenized(batch):
+        ids = tokenizer([text for _, text in batch], add_special_tokens=False,
+                        return_attention_mask=False)["input_ids"]
+        return [(pos, doc) for (pos, _), doc in zip(batch, ids) if doc]
+
+    batch: List[Tuple[Position, str]] = []
+    for pos, text in docs:
+        if text is not None:
+            batch.append((pos, text))
+            if len(batch) < batch_docs:
+                continue
+        for doc_pos, ids in tokenized(batch) if batch else []:
+            tokens = np.asarray(ids + [eos], dtype=np.int64)
+            if skip_tokens:
+                tokens, doc_pos, skip_tokens = tokens[skip_tokens:], doc_pos[:3] + (skip_tokens,), 0
+            pieces.append((len(carry), doc_pos))
+            carry = np.concatenate([carry, tokens])
+            while len(carry) >= window:
+                yield pieces[0][1], carry[:window]
+                carry = carry[window:]
+                if len(carry) == 0:  # a document ended with the window: the next one starts the next
+                    pieces = []
+                    break
+                shifted = [(i - window, p) for i, p in pieces]
+                inside = [k for k, (i, _) in enumerate(shifted) if i <= 0][-1]  # holds the new first token
+                i, p = shifted[inside]
+                pieces = [(0, p[:3] + (p[3] - i,))] + shifted[inside + 1:]
+        batch = []
+        if text is None:  # end of epoch: the partial window is dropped
+            carry, pieces = carry[:0], []
+            yield pos, None
+
+
+def shuffled_windows(packed: Iterator[Tuple[Position, Optional[np.ndarray]]], block: int, seed: int,
+                     stream: int, shuffle: bool) -> Iterator[Tuple[np.ndarray, StreamState]]:
+    """Windows permuted within blocks of `block` (an epoch's end closes a block), each with the
+    stream state after it: (its block's first position, windows of the block taken)."""
+    pending: List[np.ndarray] = []
+    first: Position = START
+    in_epoch = 0
+    for pos, w in packed:
+        if w is not None:
+            if not pending:
+                first = pos
+            pending.append(w)
+            in_epoch += 1
+        if pending and (w is None or len(pending) == block):
+            order = np.random.default_rng([seed, stream, *first]).permutation(len(pending)) \
+                if shuffle else range(len(pending))
+            for taken, j in enumerate(order, start=1):
+                yield pending[j], (first, taken)
+            pending = []
+        if w is None:
+            if in_epoch == 0:  # data/pipeline.py checks this before training; a changed source can still
+                raise DataError(f"streaming stream {stream} holds no complete window in epoch {pos[0]}")
+            in_epoch = 0
+
+
+def stream_windows(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
+                   shuffle: bool, block: int, stream: int, n_streams: int, state: StreamState
+                   ) -> Iterator[Tuple[np.ndarray, StreamState]]:
+    """Stream `stream`'s endless windows, each with the state after it, from `state` on."""
+    first, taken = state
+    docs = stream_documents(source, stream, n_streams, seed, shuffle, first)
+    windows = shuffled_windows(packed_windows(docs, tokenizer, seq_len + 1, skip_tokens=first[3]),
+                               block, seed, stream, shuffle)
+    for i, item in enumerate(windows):
+        if i >= taken:  # the resumed block's windows before `taken` were trained on already
+            yield item
+
+
+class StreamingBatches:
+    """Endless (input_ids, labels), each (b, seq_len) int64, of one dp rank, and the position
+    of every stream it reads as of its last complete step (`state()`, for checkpoints)."""
+
+    def __init__(self, open_stream: Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]],
+                 n_streams: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 step: int, states: Dict[int, StreamState]):
+        self.per_stream = global_batch_size // n_streams
+        self.lo, self.hi = dp_rank * global_batch_size // dp_size, (dp_rank + 1) * global_batch_size // dp_size
+        self.mine = range(self.lo // self.per_stream, (self.hi - 1) // self.per_stream + 1)
+        self.micro_batch_size, self.step = micro_batch_size, step
+        self.states = {s: states.get(s, (START, 0)) for s in self.mine}
+        self.streams = {s: open_stream(s, self.states[s]) for s in self.mine}
+        self._batches = self._generate()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        return next(self._batches)
+
+    def _generate(self) -> Iterator[Batch]:
+        b = self.micro_batch_size
+        while True:
+            windows, after = [], {}
+            for s in self.mine:
+                for j in range(self.per_stream):
+                    w, after[s] = next(self.streams[s])
+                    if self.lo <= s * self.per_stream + j < self.hi:
+                        windows.append(w)
+            for i in range(0, len(windows), b):
+                if i + b >= len(windows):  # the step's last micro-batch: the step is consumed
+                    self.states.update(after)
+                    self.step += 1
+                batch = torch.from_numpy(np.stack(windows[i:i + b]))  # (b, seq_len + 1)
                 yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-                mine = []
-        position += 1
+
+    def state(self) -> dict:
+        """JSON-able: the steps consumed and the state of each stream this rank reads."""
+        return {"step": self.step,
+                "streams": {str(s): {"block": list(first), "taken": taken}
+                            for s, (first, taken) in self.states.items()}}
+
+
+def merge_states(local_states: List[dict], n_streams: int) -> dict:
+    """One position of every stream from the ranks' `state()`s: ranks that never read (middle
+    pipeline stages) still hold an older step and are ignored."""
+    step = max(s["step"] for s in local_states)
+    streams: Dict[str, dict] = {}
+    for s in local_states:
+        if s["step"] == step:
+            streams.update(s["streams"])
+    assert len(streams) == n_streams, (sorted(streams), n_streams)
+    return {"streams_total": n_streams, "step": step, "streams": streams}
+
+
+def gather_data_state(local: dict, n_streams: int) -> dict:
+    """Collective over the world: every rank calls it and gets the whole position."""
+    import torch.distributed as dist
+    everyone: List[Optional[dict]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    return merge_states(everyone, n_streams)
+
+
+def states_from(data_state: Optional[dict]) -> Dict[int, StreamState]:
+    if data_state is None:
+        return {}
+    return {int(s): (tuple(v["block"]), v["taken"]) for s, v in data_state["streams"].items()}

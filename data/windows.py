@@ -11,7 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -19,9 +19,9 @@ from transformers import PreTrainedTokenizerBase
 from data.cache import build_once, default_cache_dir
 from data.sources import load_train_val, source_identity
 from data.spec import DataError, DataSpec
-from data.tokens import write_token_stream
+from data.tokens import token_dtype, write_token_stream
 
-CACHE_VERSION = 2  # bump when tokenization or the file layout changes its output
+CACHE_VERSION = 3  # bump when tokenization, the held-out rule or the file layout changes its output
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -56,7 +56,7 @@ def prepare_streams(spec: DataSpec, tokenizer: PreTrainedTokenizerBase) -> Cache
     """Build the streams unless cached (one process builds, the others wait on its lock)."""
     def build(tmp: Path) -> None:
         start = time.perf_counter()
-        train, val = load_train_val(spec, streaming=False)
+        train, val = load_train_val(spec)
         tmp.mkdir(parents=True)
         meta = {"source": spec.name, "builder_pid": os.getpid(),
                 "train_tokens": write_token_stream(train, tokenizer, spec.text_field, spec.num_proc,
@@ -76,3 +76,15 @@ def prepare_streams(spec: DataSpec, tokenizer: PreTrainedTokenizerBase) -> Cache
     return CachedStreams(directory, np.load(directory / "train.npy", mmap_mode="r"),
                          np.load(val_path, mmap_mode="r") if val_path.exists() else None,
                          built_here=meta["builder_pid"] == os.getpid())
+
+
+def cached_validation_windows(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len: int, n_windows: int,
+                              build: Callable[[], np.ndarray]) -> np.ndarray:
+    """Streaming validation: the first `n_windows` windows that `build()` packs, built by one
+    process once (it may read much of the stream to find the held-out documents) and then
+    memory-mapped by every process and every later run of the same data and length."""
+    def write(tmp: Path) -> None:
+        np.save(tmp, build().astype(token_dtype(len(tokenizer))))
+
+    key = f"{cache_key(spec, tokenizer)}-val-{seq_len + 1}x{n_windows}"
+    return np.load(build_once(default_cache_dir() / "data" / f"{key}.npy", write), mmap_mode="r")

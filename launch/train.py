@@ -209,7 +209,8 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     first_step, samples = restore(engine, resume_from, layout, state, config, logging_rank)
 
     saved_recipe = resolved_recipe_dict(recipe, vocab_size)
-    batches = data.train_batches(state.dp_rank, layout.dp, start_sample=samples)
+    batches = data.train_batches(state.dp_rank, layout.dp, start_sample=samples,
+                                 data_state=resume_from.meta.get("data_state") if resume_from is not None else None)
     tokens_per_step = layout.global_batch_size * recipe.seq_len
     stop = StopRequest(get_accelerator().device_name())
     metrics = None
@@ -243,7 +244,8 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
         if args.save and (stopping or step == t.steps or (args.save_every and step % args.save_every == 0)):
             path = checkpoint.save(engine, args.save, step, samples, saved_recipe, vars(layout),
                                    args.keep_last, is_writer=logging_rank,
-                                   wandb_run_id=metrics.wandb_run_id if metrics is not None else None)
+                                   wandb_run_id=metrics.wandb_run_id if metrics is not None else None,
+                                   data_state=data.gather_data_state(batches))
             if logging_rank:
                 print(f"saved {path}", flush=True)
         if stopping:
@@ -288,7 +290,7 @@ def prepare(recipe: Recipe, layout: Layout):
     tokenizer, vocab_size = load_checked_tokenizer(recipe)
     data = prepare_run_data(recipe.data, tokenizer, recipe.seq_len, recipe.train.seed,
                             layout.global_batch_size, layout.micro_batch_size,
-                            evaluate=recipe.train.eval_every > 0)
+                            evaluate=recipe.train.eval_every > 0, eval_batches=recipe.train.eval_batches)
     return data, vocab_size
 
 
@@ -319,6 +321,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size), resuming=resume_from is not None)
         if resume_from is not None:
             check_compatible(resume_from, resolved_recipe_dict(recipe, vocab_size), vars(layout))
+            data.check_data_state(resume_from.meta.get("data_state"), resume_from.meta["samples"])
             if resume_from.meta["step"] >= recipe.train.steps:
                 raise ConfigError(f"checkpoint {resume_from.path} is at step {resume_from.meta['step']}, "
                                   f"not before --steps {recipe.train.steps}: nothing to train")

@@ -200,3 +200,16 @@ def test_unknown_hub_dataset_and_long_seq_len_exit_2():
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("error: ") and all(w in last for w in words), proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_short_training_or_validation_data_fails_before_training(docs, tokenizer, fresh_cache, tmp_path):
+    """Map-style: training must hold one global batch, validation eval_batches of them."""
+    paths = _write_formats(docs, tmp_path)
+    spec = DataSpec(name=str(paths["jsonl"]), val_fraction=0.1)
+    n_train = len(prepare_run_data(spec, tokenizer, 31, 0, 8, 2, evaluate=False).train_windows)
+    with pytest.raises(DataError) as e:
+        prepare_run_data(spec, tokenizer, 31, 0, n_train + 2, 2, evaluate=False)
+    assert f"{n_train} windows of seq_len+1 = 32" in str(e.value) and f"({n_train + 2})" in str(e.value)
+    with pytest.raises(DataError) as e:
+        prepare_run_data(spec, tokenizer, 31, 0, 8, 2, evaluate=True, eval_batches=1000)
+    assert "1000 x 8 = 8000" in str(e.value) and "data.val_fraction" in str(e.value)
