@@ -25,6 +25,19 @@ from data.windows import cached_validation_windows, prepare_streams, windows
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
 
+def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]:
+    """The micro-batches as DeepSpeed's pipeline engine best receives them on an accelerator:
+    already there, copied from pinned host memory with non_blocking=True. The engine's own
+    `.to(device)` of a pageable tensor waits for the device's queued work at every micro-batch
+    (the host cannot run ahead); of a tensor already on the device it does nothing. Values are
+    unchanged, and nothing is fetched ahead, so the source's position (a checkpoint's
+    data_state) stays exactly what was trained. On CPU: the batches as they are."""
+    if device.type == "cpu":
+        return batches
+    return ((x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
+            for x, y in batches)
+
+
 @dataclass
 class RunData:
     spec: DataSpec

@@ -126,8 +126,13 @@ def param_groups(module):
 
 def evaluate(engine, data, state, layout: Layout, eval_batches: int) -> float:
     """Mean validation loss over the same global batches at every call, via `eval_batch`."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from data.pipeline import on_device
     n = data.eval_global_batches(eval_batches)
-    batches = data.val_batches(state.dp_rank, layout.dp, n)
+    batches = on_device(data.val_batches(state.dp_rank, layout.dp, n),
+                        torch.device(get_accelerator().current_device_name()))
     return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n)) / n
 
 
@@ -180,9 +185,11 @@ def restore(engine, resume_from, layout: Layout, state, config, logging_rank: bo
 
 def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_size: int,
           resume_from=None) -> None:
+    import torch
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
+    from data.pipeline import on_device
     from launch import checkpoint
     from launch.comm_counter import install_comm_counter
     from launch.distributed import shut_down_distributed, start_rank
@@ -211,6 +218,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     saved_recipe = resolved_recipe_dict(recipe, vocab_size)
     batches = data.train_batches(state.dp_rank, layout.dp, start_sample=samples,
                                  data_state=resume_from.meta.get("data_state") if resume_from is not None else None)
+    feed = on_device(batches, torch.device(get_accelerator().current_device_name()))  # batches: the position
     tokens_per_step = layout.global_batch_size * recipe.seq_len
     stop = StopRequest(get_accelerator().device_name())
     metrics = None
@@ -225,7 +233,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
         maybe_inject_fault(fault, state.global_rank, step)
         reset_step_memory_peak()
         start = time.perf_counter()
-        loss = engine.train_batch(data_iter=batches)
+        loss = engine.train_batch(data_iter=feed)
         synchronize_device()  # the clock stops when the device is done, optimizer step included
         seconds = time.perf_counter() - start
         peak_allocated, peak_reserved = step_memory_peak()  # a MAX all-reduce: every rank calls it
