@@ -38,6 +38,25 @@ def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]
             for x, y in batches)
 
 
+def shared_over_tp(batches: Optional[Iterator[Batch]], tp_group, shape: Tuple[int, int],
+                   device: torch.device) -> Iterator[Batch]:
+    """TP rank 0 of a stage reads the micro-batches (`batches`) and broadcasts each to its TP
+    peers, which pass None and read nothing: the TP ranks of a replica train on the same data,
+    so reading and tokenizing it once per replica is enough. Every TP rank of the stage draws
+    its micro-batches at the same point of the same schedule, so the broadcasts pair up."""
+    import torch.distributed as dist
+    source = dist.get_global_rank(tp_group, 0)
+    while True:
+        if batches is not None:
+            x, y = next(batches)
+        else:
+            x = torch.empty(shape, dtype=torch.int64, device=device)
+            y = torch.empty(shape, dtype=torch.int64, device=device)
+        dist.broadcast(x, source, group=tp_group)
+        dist.broadcast(y, source, group=tp_group)
+        yield x, y
+
+
 @dataclass
 class RunData:
     spec: DataSpec
@@ -74,6 +93,17 @@ class RunData:
             for _ in range(step * self.global_batch_size // dp_size // self.micro_batch_size):
                 next(batches)
         return batches
+
+    def feed(self, batches: Iterator[Batch], tp_group, device: torch.device) -> Iterator[Batch]:
+        """What DeepSpeed's engine draws from: `batches` on the device (`on_device`); when
+        streaming at tp > 1, only TP rank 0 of a stage reads and tokenizes them (`shared_over_tp`).
+        `batches` stays the source of the position a checkpoint records."""
+        if self.train_windows is not None or tp_group is None:  # map-style: a memory-mapped slice
+            return on_device(batches, device)
+        import torch.distributed as dist
+        reader = dist.get_rank(tp_group) == 0
+        return shared_over_tp(on_device(batches, device) if reader else None, tp_group,
+                              (self.micro_batch_size, self.seq_len), device)
 
     def gather_data_state(self, batches: Iterator[Batch]) -> Optional[dict]:
         """Collective (every rank calls it): the position of every stream, gathered from the

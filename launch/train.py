@@ -189,7 +189,6 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from data.pipeline import on_device
     from launch import checkpoint
     from launch.comm_counter import install_comm_counter
     from launch.distributed import shut_down_distributed, start_rank
@@ -218,7 +217,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     saved_recipe = resolved_recipe_dict(recipe, vocab_size)
     batches = data.train_batches(state.dp_rank, layout.dp, start_sample=samples,
                                  data_state=resume_from.meta.get("data_state") if resume_from is not None else None)
-    feed = on_device(batches, torch.device(get_accelerator().current_device_name()))  # batches: the position
+    feed = data.feed(batches, state.tp_group, torch.device(get_accelerator().current_device_name()))
     tokens_per_step = layout.global_batch_size * recipe.seq_len
     stop = StopRequest(get_accelerator().device_name())
     metrics = None

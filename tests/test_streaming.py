@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -152,12 +153,14 @@ def test_bad_streaming_data_is_one_line_and_exit_2(corpus, tmp_path):
 
 def test_streaming_run_resumes_exactly_and_matches_one_process(corpus, tmp_path):
     """Through launch/train.py: dp=2 streaming 5 steps with a save after step 3; the same run
-    on one process (layout parity); and dp=2 resumed from step 3 (bit for bit)."""
+    on one process and at tp=2 (TP rank 0 reads, its peer receives) (layout parity); and dp=2
+    resumed from step 3 (bit for bit)."""
     common = ["--recipe", str(TINY), "--steps", "5", "--set", f"data.name={corpus / 'part*.parquet'}",
               "--set", "data.streaming=true", "--set", "data.streams=4", "--set", "data.shuffle_buffer=8"]
     runs = {}
     for name, procs, extra in (("dp2", 2, ["--save", str(tmp_path / "ck"), "--save-every", "3"]),
                                ("one", 1, []),
+                               ("tp2", 2, ["--tp", "2"]),
                                ("resumed", 2, ["--load", str(tmp_path / "ck" / "step00000003")])):
         out = tmp_path / f"{name}.jsonl"
         proc = launch(procs, common + extra + ["--metrics-out", str(out)])
@@ -165,10 +168,12 @@ def test_streaming_run_resumes_exactly_and_matches_one_process(corpus, tmp_path)
         runs[name] = read_metrics(out)
     dp2, one, resumed = runs["dp2"], runs["one"], runs["resumed"]
     assert [r["step"] for r in dp2] == [1, 2, 3, 4, 5] and [r["step"] for r in resumed] == [4, 5]
-    for a, b in zip(dp2, one):
-        for key in ("loss", "grad_norm", "val_loss"):
-            if key in a or key in b:
-                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
+    for other in (dp2, runs["tp2"]):
+        assert len(other) == len(one)
+        for a, b in zip(other, one):
+            for key in ("loss", "grad_norm", "val_loss"):
+                if key in a or key in b:
+                    assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
     for a, b in zip(dp2[3:], resumed):
         assert (a["loss"], a["grad_norm"], a.get("val_loss")) == (b["loss"], b["grad_norm"], b.get("val_loss"))
     meta = json.loads((tmp_path / "ck" / "step00000003" / "complete.json").read_text())
@@ -191,3 +196,27 @@ def test_each_window_starts_where_its_position_says(corpus, tokenizer):
         head = ids[token:token + 16]
         assert row % 2 == 1 and list(w[:len(head)]) == head, (place, row, token)
     assert n > 100  # most windows start inside a document
+
+
+def _tp_feed_body(corpus_dir: str):
+    """tp=2 on 2 gloo processes: TP rank 0 reads, rank 1 only receives (its own stream object
+    stays at step 0); both get exactly the micro-batches one reader produces alone."""
+    import torch
+    import torch.distributed as dist
+    tokenizer = load_tokenizer("builtin")
+    spec = _spec(Path(corpus_dir))
+    data = prepare_run_data(spec, tokenizer, seq_len=16, seed=0, global_batch_size=8, micro_batch_size=2,
+                            evaluate=False)
+    batches = data.train_batches(0, 1)
+    feed = data.feed(batches, dist.group.WORLD, torch.device("cpu"))
+    got = [next(feed) for _ in range(6)]  # 1.5 steps of 4 micro-batches
+    alone = data.train_batches(0, 1)
+    for (x, y), (x_ref, y_ref) in zip(got, (next(alone) for _ in range(6))):
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    assert batches.state()["step"] == (1 if dist.get_rank() == 0 else 0)  # rank 1 read nothing
+
+
+def test_tp_peers_read_once_and_share(corpus, tmp_path, monkeypatch):
+    from distributed import run_distributed
+    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path / "cache"))
+    run_distributed(_tp_feed_body, 2, str(corpus))
