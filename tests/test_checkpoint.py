@@ -332,7 +332,8 @@ def _durable_and_safe_body(root: Path):
     layout = derive_layout(recipe, 2, 1, 2, True)
     state = init_parallel_state(1, 2)
     config = recipe.gpt_config(4096)
-    engine = build_engine(argparse.Namespace(init_from_hf=None), recipe, layout, state, config, False)
+    engine, _ = build_engine(argparse.Namespace(init_from_hf=None, verbose=False), recipe, layout, state, config,
+                             False)
     tokens = torch.randint(0, 4096, (64, 2, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
 
     def batches(step):
