@@ -139,20 +139,21 @@ class RunData:
         return min(wanted, len(self.val_windows) // self.global_batch_size)
 
 
-def train_source(spec: DataSpec) -> StreamSource:
-    train, _ = load_stream_sources(spec)
-    f = spec.val_fraction if spec.val_split is None else 0.0
-    return StreamSource.of(spec.name, train, spec.text_field, lambda text: not held_out(text, f))
-
-
-def val_source(spec: DataSpec) -> Optional[StreamSource]:
+def stream_sources(spec: DataSpec) -> Tuple[StreamSource, Optional[StreamSource]]:
+    """The training stream source and the validation one (None without validation), from one
+    load of the data: held-out documents (`held_out`) train never and validate only."""
     train, val = load_stream_sources(spec)
+    f = spec.val_fraction if spec.val_split is None else 0.0
+    train_src = StreamSource.of(spec.name, train, spec.text_field, lambda text: not held_out(text, f))
     if val is not None:
-        return StreamSource.of(spec.name, val, spec.text_field, lambda text: True)
-    if spec.val_fraction > 0:
-        f = spec.val_fraction
-        return StreamSource.of(spec.name, train, spec.text_field, lambda text: held_out(text, f))
-    return None
+        return train_src, StreamSource.of(spec.name, val, spec.text_field, lambda text: True)
+    if f > 0:
+        return train_src, StreamSource.of(spec.name, train, spec.text_field, lambda text: held_out(text, f))
+    return train_src, None
+
+
+def train_source(spec: DataSpec) -> StreamSource:
+    return stream_sources(spec)[0]
 
 
 def first_windows(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int, n: int) -> np.ndarray:
@@ -213,8 +214,8 @@ def prepare_run_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len
     data = RunData(spec, tokenizer, seq_len, seed, global_batch_size, micro_batch_size)
     window, need_val = seq_len + 1, eval_batches * global_batch_size
     if spec.streaming:
-        check_streams(spec, train_source(spec), tokenizer, seq_len, global_batch_size)
-        val = val_source(spec)
+        train, val = stream_sources(spec)  # one load of the data for both checks
+        check_streams(spec, train, tokenizer, seq_len, global_batch_size)
         if val is not None:
             data.val_windows = cached_validation_windows(
                 spec, tokenizer, seq_len, need_val, lambda: first_windows(val, tokenizer, seq_len, need_val))
