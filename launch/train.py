@@ -124,15 +124,11 @@ def param_groups(module):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def evaluate(engine, data, state, layout: Layout, eval_batches: int) -> float:
+def evaluate(engine, data, state, layout: Layout, eval_batches: int, device) -> float:
     """Mean validation loss over the same global batches at every call, via `eval_batch`."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
     from data.pipeline import on_device
     n = data.eval_global_batches(eval_batches)
-    batches = on_device(data.val_batches(state.dp_rank, layout.dp, n),
-                        torch.device(get_accelerator().current_device_name()))
+    batches = on_device(data.val_batches(state.dp_rank, layout.dp, n), device)
     return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n)) / n
 
 
@@ -217,7 +213,8 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
     saved_recipe = resolved_recipe_dict(recipe, vocab_size)
     batches = data.train_batches(state.dp_rank, layout.dp, start_sample=samples,
                                  data_state=resume_from.meta.get("data_state") if resume_from is not None else None)
-    feed = data.feed(batches, state.tp_group, torch.device(get_accelerator().current_device_name()))
+    device = torch.device(get_accelerator().current_device_name())
+    feed = data.feed(batches, state.tp_group, device)
     tokens_per_step = layout.global_batch_size * recipe.seq_len
     stop = StopRequest(get_accelerator().device_name())
     metrics = None
@@ -243,7 +240,7 @@ def train(args: argparse.Namespace, recipe: Recipe, layout: Layout, data, vocab_
                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved}
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            val_loss = evaluate(engine, data, state, layout, t.eval_batches)
+            val_loss = evaluate(engine, data, state, layout, t.eval_batches, device)
             record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
         if metrics is not None:
             metrics.log(record)
