@@ -9,7 +9,7 @@ parameters. That is what the block keeps alive until its backward; no allocator 
 DeepSpeed's checkpoint (full recompute) keeps its inputs as an attribute of its autograd node
 rather than through save_for_backward, so those are added from the node.
 
-K22's formulas (launch/formulas.py) count fp16 bytes (2 per element, 1 per dropout-mask
+K22's formulas (launch/analysis/formulas.py) count fp16 bytes (2 per element, 1 per dropout-mask
 element) and an attention that stores its s x s scores. Here activations are fp32 (4 bytes),
 CPU dropout keeps a float mask (4 bytes, not 1), and LayerNorm also keeps its mean and 1/std
 (2 floats per token), which K22 leaves out. The column "K22 count, fp32" is K22's own
@@ -28,12 +28,9 @@ import argparse
 import os
 import socket
 import sys
-from pathlib import Path
 from typing import Callable, Dict, Iterable, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
+import torch
 
 MODES = ("none", "selective", "full")
 
@@ -63,13 +60,13 @@ def block_saved_bytes(seq_len: int, batch: int, hidden: int, heads: int, dropout
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
     from model.gpt import Block, GPTConfig
-    from model.pipe import _tp_dropout_rng, seed_dropout_rngs
+    from model.pipe import tp_dropout_rng, seed_dropout_rngs
 
     config = GPTConfig(n_layer=1, n_head=heads, n_embd=hidden, seq_len=seq_len, vocab_size=64,
                        dropout=dropout, sequence_parallel=sequence_parallel,
                        recompute_attention=recompute == "selective")
     seed_dropout_rngs(config.seed, state)
-    block = Block(config, 0, state.tp_group, _tp_dropout_rng)
+    block = Block(config, 0, state.tp_group, tp_dropout_rng)
     local_seq = seq_len // state.tp_size if sequence_parallel else seq_len
     x = torch.randn(batch, local_seq, hidden, requires_grad=True)
     if recompute == "full":  # what PipelineModule(activation_checkpoint_interval=1) runs
@@ -89,7 +86,7 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from launch.distributed import init_distributed, shut_down_distributed
+    from launch.runtime.distributed import init_distributed, shut_down_distributed
     from model.parallel_state import init_parallel_state
     init_distributed(600, dist_backend="gloo", verbose=False)
     state = init_parallel_state(world, 1)
@@ -128,7 +125,7 @@ def main(argv=None) -> int:
         print(f"error: --tp {bad[0]} must divide --heads {args.heads} and --seq-len {args.seq_len}", file=sys.stderr)
         return 2
 
-    from launch import formulas as F
+    from launch.analysis import formulas
     s, b, h, a = args.seq_len, args.batch, args.hidden, args.heads
     sbh = s * b * h
     measured: Dict[Tuple[int, bool, str], int] = {}
@@ -136,7 +133,7 @@ def main(argv=None) -> int:
         measured.update(measure(args, tp))
 
     def formula(tp: int, sp: bool, mode: str, **dtype) -> float:
-        return F.activation_bytes_per_layer(s, b, h, a, tp, recompute=mode == "full",
+        return formulas.activation_bytes_per_layer(s, b, h, a, tp, recompute=mode == "full",
                                             sequence_parallel=sp, selective=mode == "selective", **dtype)
 
     fp32 = dict(element_bytes=4, mask_bytes=4, layernorm_stat_bytes=4)

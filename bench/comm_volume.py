@@ -1,8 +1,8 @@
 """Bytes each collective moves per training step per rank, measured, next to the exact formulas.
 
 Each layout trains recipes/tiny.yaml for 2 steps through DeepSpeed's launcher on CPU, exactly as a
-user starts it, with `launch/train.py --comm-counts DIR` (launch/comm_counter.py); the counts of
-every rank and step are compared with launch/comm_formulas.py. Step 1 also carries DeepSpeed's
+user starts it, with `launch/train.py --comm-counts DIR` (launch/instruments/comm_counter.py); the counts of
+every rank and step are compared with launch/analysis/comm_formulas.py. Step 1 also carries DeepSpeed's
 one-time shape header; step 2 is the steady state. Bookkeeping (loss averaging, grad-norm and
 metric reductions of a few scalars) is printed apart: it has no formula.
 
@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from launch.comm_counter import BOOKKEEPING  # noqa: E402
-from launch.comm_formulas import comm_per_rank_per_step  # noqa: E402
+from launch.instruments.comm_counter import BOOKKEEPING
+from launch.analysis.comm_formulas import comm_per_rank_per_step
 
 TINY = REPO / "recipes" / "tiny.yaml"
 STEPS = 2
@@ -51,9 +50,9 @@ def measure(tp: int, pp: int, dp: int, out_dir: Path, timeout: int = 600) -> Lis
 
 def run_model(tp: int, pp: int, dp: int):
     """The GPTConfig and Layout train.py derives for recipes/tiny.yaml at this layout."""
-    from launch.config import load_recipe
-    from launch.layout import derive_layout
-    from launch.train import load_checked_tokenizer
+    from launch.runtime.recipe import load_recipe
+    from launch.runtime.layout import derive_layout
+    from launch.runtime.run_inputs import load_checked_tokenizer
     recipe = load_recipe(TINY, ["train.eval_every=0", f"train.steps={STEPS}"])
     _, vocab_size = load_checked_tokenizer(recipe)
     return recipe.gpt_config(vocab_size), derive_layout(recipe, tp * pp * dp, tp, pp, on_cpu=True)

@@ -1,6 +1,6 @@
 """Data pipeline throughput against its peers, measured in the same run.
 
-1. Tokenization: `prepare_streams` (what `data/prepare.py` runs: datasets.map, EOS, packing,
+1. Tokenization: `prepare_streams` (what `launch/prepare_data.py` runs: datasets.map, EOS, packing,
    the uint16 file) on a fresh cache, against plain `tokenizer(batch_of_texts)` on the same
    documents. Target: pipeline time / raw time < 1.5.
 2. Loading: micro-batches per second the map-style loader delivers, against the micro-batches
@@ -11,22 +11,19 @@ Alternating repetitions, median. `python bench/data_throughput.py [--repeats 3]`
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import datasets
+import torch
 
-import datasets  # noqa: E402
-import torch  # noqa: E402
-
-from data.builtin import builtin_corpus, load_tokenizer  # noqa: E402
-from data.pipeline import prepare_run_data  # noqa: E402
-from data.spec import DataSpec  # noqa: E402
-from launch.config import load_recipe  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from model.loss import vocab_parallel_cross_entropy  # noqa: E402
+from data.builtin import builtin_corpus, load_tokenizer
+from data.pipeline import prepare_run_data
+from data.spec import DataSpec
+from launch.runtime.recipe import load_recipe
+from model.gpt import GPT
+from model.loss import vocab_parallel_cross_entropy
 
 REPO = Path(__file__).resolve().parent.parent
 

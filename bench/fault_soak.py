@@ -31,9 +31,8 @@ import psutil
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from launch.checkpoint_io import load_safely  # noqa: E402
+from launch.checkpoints.safe_io import load_safely
 
 TINY = REPO / "recipes" / "tiny.yaml"
 WORLD = 2  # tp=1 pp=2

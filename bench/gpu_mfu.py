@@ -7,7 +7,7 @@
 Each recipe trains through the real path: `launch/train.py` in its own process (tp=pp=dp=1,
 DeepSpeed engine, ZeRO-1, bf16 with fp32 gradient accumulation, the recipe's model), for
 `--steps` steps of `--accum` micro-batches of the recipe's micro-batch size. Its metrics file
-(launch/metrics.py) gives each step's time, tokens/s, model TFLOP/s (launch/formulas.py:
+(launch/instruments/metrics.py) gives each step's time, tokens/s, model TFLOP/s (launch/analysis/formulas.py:
 72*B*s*l*h^2*(1 + s/6h + V/12lh), no recompute counted) and MFU against the device's dense
 bf16 peak (H100/H200 989, A100 312 TFLOP/s; GPT3D_PEAK_TFLOPS for others). The first
 `--warmup` steps (CUDA context, cuBLAS heuristics, allocator growth) are left out; the table
@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 RECIPES = ("gpt2-124m", "gpt2-350m", "gpt2-1.3b")
 # Micro-batches per step for each recipe, with the recipe's micro-batch size (16, 8, 8): big
@@ -72,8 +71,8 @@ def recipe_overrides(name: str, args: argparse.Namespace, micro_batch: int) -> l
 
 def run_recipe(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     """Train one recipe in a fresh process; its metrics records, summary and wall time."""
-    from launch import formulas as F
-    from launch.config import load_recipe
+    from launch.analysis import formulas
+    from launch.runtime.recipe import load_recipe
     path = REPO / "recipes" / f"{name}.yaml"
     sets = recipe_overrides(name, args, load_recipe(path, []).train.micro_batch_size)
     recipe = load_recipe(path, sets)  # what train.py will see (fails here on a bad --set)
@@ -86,7 +85,7 @@ def run_recipe(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
     wall = time.perf_counter() - start
     m = recipe.model
-    result = {"recipe": name, "wall_s": wall, "params": F.params_exact(m.n_layer, m.n_embd, m.vocab_size, m.seq_len),
+    result = {"recipe": name, "wall_s": wall, "params": formulas.params_exact(m.n_layer, m.n_embd, m.vocab_size, m.seq_len),
               "n_layer": recipe.model.n_layer, "n_embd": recipe.model.n_embd,
               "n_head": recipe.model.n_head, "seq_len": recipe.seq_len, "vocab_size": recipe.model.vocab_size,
               "micro_batch_size": recipe.train.micro_batch_size,

@@ -21,12 +21,9 @@ import argparse
 import os
 import socket
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 
 def _before_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -93,7 +90,7 @@ def main(argv=None) -> int:
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from launch.distributed import init_distributed
+    from launch.runtime.distributed import init_distributed
     init_distributed(600, dist_backend="gloo", verbose=False)
     torch.set_num_threads(1)
     results = {name: step_memory(args, before=name == "before") for name in ("before", "after")}

@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 COMM_FUNCTIONS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                   "broadcast", "reduce", "send", "recv", "barrier", "all_reduce_coalesced")
@@ -274,12 +273,15 @@ def print_report(ranks, args) -> None:
 # ---------------------------------------------------------------- entry points
 
 def run_rank(args) -> int:
-    """Inside one launched process: instrument, then train.py's main()."""
-    from launch import train
+    """Inside one launched process: instrument, then train the way launch/train.py does."""
+    from launch.runtime.cli import parse_training_args
+    from launch.runtime.loop import run_training
+    from launch.runtime.startup import prepare_training_job
     profiler = StepProfiler(args)
     profiler.wrap_collectives()
     profiler.wrap_instructions()
-    return train.main(train_argv(args))
+    run_training(prepare_training_job(parse_training_args(train_argv(args))))
+    return 0
 
 
 def launch_all(args, argv) -> int:

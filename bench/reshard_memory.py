@@ -1,4 +1,4 @@
-"""Host memory of a re-sharded resume (launch/reshard.py) on CPU, against the sizes that bound it.
+"""Host memory of a re-sharded resume (launch/checkpoints/reshard.py) on CPU, against the sizes that bound it.
 
 Saves a mid-size model (default 8 layers, hidden 768, builtin 4096-token vocabulary: 61M
 parameters) at tp=1 pp=2 through `deepspeed launch/train.py`, then, in one process (tp=pp=dp=1,
@@ -22,7 +22,6 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -76,12 +75,12 @@ def measure(ckpt: Path) -> dict:
     import deepspeed
     import torch
 
-    from launch.config import load_recipe
-    from launch.distributed import init_distributed
-    from launch.ds_config import deepspeed_config
-    from launch.layout import derive_layout
-    from launch.reshard import load_resharded
-    from launch.schedule import warmup_cosine
+    from launch.runtime.recipe import load_recipe
+    from launch.runtime.distributed import init_distributed
+    from launch.runtime.ds_config import deepspeed_config
+    from launch.runtime.layout import derive_layout
+    from launch.checkpoints.reshard import load_resharded
+    from launch.runtime.lr_schedule import warmup_cosine
     from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline
 

@@ -18,23 +18,20 @@ Tokenizer: the builtin BPE (offline; the GPT-2 tokenizer is of the same kind, by
 """
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import datasets
+import torch
 
-import datasets  # noqa: E402
-import torch  # noqa: E402
-
-from data.builtin import builtin_corpus, load_tokenizer  # noqa: E402
-from data.pipeline import prepare_run_data  # noqa: E402
-from data.spec import DataSpec  # noqa: E402
-from data.streaming import merge_states  # noqa: E402
-from launch.config import load_recipe  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from model.loss import vocab_parallel_cross_entropy  # noqa: E402
+from data.builtin import builtin_corpus, load_tokenizer
+from data.pipeline import prepare_run_data
+from data.spec import DataSpec
+from data.streaming import merge_states
+from launch.runtime.recipe import load_recipe
+from model.gpt import GPT
+from model.loss import vocab_parallel_cross_entropy
 
 REPO = Path(__file__).resolve().parent.parent
 H100_GPT2_124M_TOKENS_PER_S = 460_000  # llm.c, GPT-2 124M, one H100, bf16

@@ -1,7 +1,7 @@
 """Training tokens/s of our model through the real training path against transformers' GPT-2.
 
 Ours: model/pipe.py's PipelineModule at tp=pp=dp=1 in a DeepSpeed engine configured by
-launch/ds_config.py (AdamW, ZeRO-1, clipping, the recipe's precision) and `train_batch`.
+launch/runtime/ds_config.py (AdamW, ZeRO-1, clipping, the recipe's precision) and `train_batch`.
 Peer: `GPT2LMHeadModel` of the same dimensions in a plain PyTorch loop: torch AdamW with the
 same hyper-parameters and weight-decay groups, the same clipping, batch and sequence length;
 bf16 runs it under autocast with fp32 weights (DeepSpeed keeps fp32 master weights too).
@@ -13,21 +13,18 @@ Same random token batches, alternating repetitions, median. Runs on the GPU when
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from launch.train import ensure_single_process_env, param_groups  # noqa: E402
+from launch.runtime.distributed import ensure_single_process_env
+from launch.runtime.engine import param_groups
 
 VOCAB = 4096
 
 
 def recipe_for(args, precision: str):
-    from launch.config import Recipe
+    from launch.runtime.recipe import Recipe
     recipe = Recipe()
     m, t = recipe.model, recipe.train
     m.n_layer, m.n_head, m.n_embd, m.seq_len, m.vocab_size = args.layers, args.heads, args.hidden, args.seq_len, VOCAB
@@ -46,9 +43,9 @@ def batches(args, device: str):
 
 def our_stepper(args, precision: str):
     import deepspeed
-    from launch.ds_config import deepspeed_config
-    from launch.layout import derive_layout
-    from launch.schedule import warmup_cosine
+    from launch.runtime.ds_config import deepspeed_config
+    from launch.runtime.layout import derive_layout
+    from launch.runtime.lr_schedule import warmup_cosine
     from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline
 
@@ -112,7 +109,7 @@ def main() -> None:
     ensure_single_process_env()
     from deepspeed.accelerator import get_accelerator
 
-    from launch.distributed import init_distributed
+    from launch.runtime.distributed import init_distributed
     init_distributed(600, verbose=False)
     device = get_accelerator().device_name(0)
     results = {"device": device, "dims": vars(args), "ratio": {}}

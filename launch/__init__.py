@@ -1,1 +1,1 @@
-"""Entry points; the only package that reads the command line, YAML and the environment."""
+"""Entry points (train, evaluate, export_hf, plan, prepare_data), each a thin main(); the machinery lives in the subpackages."""

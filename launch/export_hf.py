@@ -9,22 +9,17 @@ model=DIR)` work. One process, no DeepSpeed engine, no torch.distributed: any la
 on a laptop. Only the model weights are read, never the optimizer state.
 """
 import argparse
-import re
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from launch.config import ConfigError, report_bad_input  # noqa: E402
-from launch.train import _Parser  # noqa: E402  (one line and exit 2 on bad arguments)
-
-# DeepSpeed's name for the weights of pipeline layer XX on TP rank YY (PipelineModule.ckpt_layer_path).
-LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+from launch.checkpoints.hf_export import export
+from launch.runtime.cli import OneLineErrorParser
+from launch.runtime.recipe import ConfigError, report_bad_input
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", type=Path, required=True,
                    help="a save directory (its latest complete checkpoint) or one checkpoint directory")
     p.add_argument("--out", type=Path, required=True, help="the transformers model directory to write")
@@ -32,97 +27,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out (files of the same name are replaced, others kept)")
     return p.parse_args(argv)
-
-
-def checkpoint_gpt_config(recipe: Dict[str, Any]):
-    """The GPTConfig of a checkpoint, from the resolved recipe saved in its complete.json."""
-    from model.gpt import GPTConfig
-    m = recipe["model"]
-    return GPTConfig(n_layer=m["n_layer"], n_head=m["n_head"], n_embd=m["n_embd"], seq_len=m["seq_len"],
-                     vocab_size=m["vocab_size"], vocab_pad_multiple=m["vocab_pad_multiple"],
-                     dropout=m["dropout"], init_std=m["init_std"], seed=recipe["train"]["seed"])
-
-
-def read_checkpoint_weights(load: Path):
-    """(CheckpointRef, GPTConfig, dense state dict with the real vocabulary) of `--load`."""
-    import torch
-
-    from launch.checkpoint import find_checkpoint
-    from model.convert import merge_layer_states
-
-    ref = find_checkpoint(load)  # a complete checkpoint whose files have their recorded sizes
-    config = checkpoint_gpt_config(ref.meta["recipe"])
-    tp = ref.meta["layout"]["tp"]
-    found: Dict[Tuple[int, int], Path] = {}
-    for path in ref.path.iterdir():
-        match = LAYER_FILE.fullmatch(path.name)
-        if match:
-            found[int(match.group(1)), int(match.group(2))] = path
-    # Layer L+3 (the tied head) is a function of layer 0's module, which DeepSpeed saves once.
-    wanted = [(layer, rank) for layer in range(config.n_layer + 3) for rank in range(tp)]
-    missing = [f"layer_{layer:02d}-model_{rank:02d}" for layer, rank in wanted if (layer, rank) not in found]
-    if missing:
-        raise ConfigError(f"checkpoint {ref.path} lacks the weight files {', '.join(missing[:4])}"
-                          f"{' ...' if len(missing) > 4 else ''} of its tp={tp} n_layer={config.n_layer} model")
-    # DeepSpeed writes each layer file with torch.save(module.state_dict()): a plain dict of
-    # tensors, so the safe unpickler (weights_only) reads it and no code in the file runs.
-    layer_states = {layer: [torch.load(found[layer, rank], map_location="cpu", weights_only=True)
-                            for rank in range(tp)]
-                    for layer in range(config.n_layer + 3)}
-    return ref, config, merge_layer_states(layer_states, config.n_layer, config.vocab_size)
-
-
-def dense_gpt(config, dense):
-    """Our dense GPT (tp_group None, one stage) holding the given weights."""
-    from model.convert import load_dense_into
-    from model.gpt import GPT
-    model = GPT(config)
-    load_dense_into(model, dense, None, 0, 1, config.padded_vocab_size(1))
-    return model.eval()
-
-
-def load_export_tokenizer(name: str, vocab_size: int, flag: str):
-    """The tokenizer to ship with the model, or a ConfigError naming the fix."""
-    from data.builtin import load_tokenizer
-    try:
-        tokenizer = load_tokenizer(name)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{flag}={name!r} could not be loaded ({type(e).__name__}) and an export without "
-                          f"a tokenizer cannot generate text; pass --tokenizer with a local tokenizer "
-                          f"directory or 'builtin'") from None
-    if len(tokenizer) > vocab_size:
-        raise ConfigError(f"{flag}={name!r} has {len(tokenizer)} tokens, more than the model's vocabulary "
-                          f"{vocab_size}; pass the tokenizer the model was trained with (--tokenizer)")
-    return tokenizer
-
-
-def check_out_dir(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {str(out)!r} is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"--out {str(out)!r} is not empty; choose a new directory or pass --overwrite")
-
-
-def export(load: Path, out: Path, tokenizer_name: Optional[str] = None, overwrite: bool = False) -> Path:
-    """Write the transformers GPT-2 directory of checkpoint `load` to `out`; return `out`."""
-    check_out_dir(out, overwrite)
-    ref, config, dense = read_checkpoint_weights(load)
-    flag = "--tokenizer" if tokenizer_name else "the checkpoint's data.tokenizer"
-    tokenizer = load_export_tokenizer(tokenizer_name or ref.meta["recipe"]["data"]["tokenizer"],
-                                      config.vocab_size, flag)
-
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from model.hf_gpt2 import gpt2_config_kwargs, to_gpt2_state_dict
-    eos = tokenizer.eos_token_id
-    # GPT2Config's default bos/eos (50256) lies outside a smaller vocabulary: use the tokenizer's.
-    hf = GPT2LMHeadModel(GPT2Config(**gpt2_config_kwargs(config), bos_token_id=eos, eos_token_id=eos))
-    hf.load_state_dict(to_gpt2_state_dict(dense_gpt(config, dense)), strict=True)
-    hf.generation_config.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-    out.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(out)  # transformers 5 always writes safetensors (no pickle in the export)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -14,7 +14,7 @@ from typing import Dict, List, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from model.hf_gpt2 import _LINEARS
+from model.hf_gpt2 import GPT2_LINEARS
 from model.layers import split_rows
 
 StateDict = Dict[str, torch.Tensor]
@@ -145,7 +145,7 @@ def from_gpt2_state_dict(gpt2: Mapping[str, torch.Tensor], n_layer: int) -> Stat
         for norm in ("ln_1", "ln_2"):
             for kind in ("weight", "bias"):
                 dense[f"{dst}{norm}.{kind}"] = gpt2[f"{src}{norm}.{kind}"]
-        for linear in _LINEARS:
+        for linear in GPT2_LINEARS:
             dense[f"{dst}{linear}.weight"] = gpt2[f"{src}{linear}.weight"].t()
             dense[f"{dst}{linear}.bias"] = gpt2[f"{src}{linear}.bias"]
     return {k: v.detach().contiguous().clone() for k, v in dense.items()}

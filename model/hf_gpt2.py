@@ -9,7 +9,7 @@ import torch
 
 from model.gpt import GPT, GPTConfig
 
-_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+GPT2_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 def gpt2_config_kwargs(config: GPTConfig) -> Dict:
@@ -32,7 +32,7 @@ def to_gpt2_state_dict(model: GPT) -> Dict[str, torch.Tensor]:
         for norm in ("ln_1", "ln_2"):
             out[prefix + norm + ".weight"] = getattr(block, norm).weight
             out[prefix + norm + ".bias"] = getattr(block, norm).bias
-        for name in _LINEARS:
+        for name in GPT2_LINEARS:
             linear = block.get_submodule(name)
             out[prefix + name + ".weight"] = linear.weight.t()  # (out, in) -> Conv1D (in, out)
             out[prefix + name + ".bias"] = linear.bias

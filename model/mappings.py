@@ -92,17 +92,6 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
-
-
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -144,11 +133,6 @@ def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
 def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-reduce, in place into x (pass a temporary); backward: identity (Megatron's g)."""
     return x if group is None else _ReduceFromTP.apply(x, group)
-
-
-def scatter_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """forward: keep this rank's chunk of the last dim; backward: all-gather the last dim."""
-    return x if group is None else _ScatterToTP.apply(x, group)
 
 
 def gather_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -53,7 +53,7 @@ def seed_dropout_rngs(seed: int, state: ParallelState, *restart) -> None:
     same masks; Megatron adds 100 * stage to the seed for this) and across DP ranks (they hold
     different samples: shared streams would give sample i of every replica the same masks, so
     the masks of a global batch would depend on dp). DeepSpeed's activation checkpointing and
-    launch/checkpoint.py save and restore both, so recomputation and resume replay them.
+    launch/checkpoints/store.py save and restore both, so recomputation and resume replay them.
     `restart` (e.g. ("resumed", step)) starts fresh streams: a resume at another layout, which
     has no saved state for this rank's coordinate, must not replay the masks of step 1."""
     torch.manual_seed(dropout_stream_seed(seed, "replicated", state.pp_rank, state.dp_rank, *restart))
@@ -63,15 +63,16 @@ def seed_dropout_rngs(seed: int, state: ParallelState, *restart) -> None:
                                                     state.tp_rank, *restart))
 
 
-def _tp_dropout_rng():
+def tp_dropout_rng():
+    """The RNG of dropout on TP-sharded activations (attention probabilities): one stream per TP rank."""
     return get_cuda_rng_tracker().fork(TP_DROPOUT_RNG)
 
 
 def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
     tp = state.tp_group
     return ([TiedLayerSpec("embed", TokenEmbedding, config, tp, tied_weight_attr=["wte.weight"]),
-             LayerSpec(PositionEmbedding, config, tp, _tp_dropout_rng)]
-            + [LayerSpec(Block, config, i, tp, _tp_dropout_rng) for i in range(config.n_layer)]
+             LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng)]
+            + [LayerSpec(Block, config, i, tp, tp_dropout_rng) for i in range(config.n_layer)]
             + [LayerSpec(LayerNorm, config.n_embd, config.sequence_parallel_group(tp)),
                TiedLayerSpec("embed", TokenEmbedding, config, tp, forward_fn=_logits,
                              tied_weight_attr=["wte.weight"])])

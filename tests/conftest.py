@@ -1,13 +1,9 @@
 import os
-import sys
 from pathlib import Path
 
-# The repository root, so tests import model/, data/ and launch/ as the scripts do.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import pytest
 
-import pytest  # noqa: E402
-
-from launcher import TINY, launch, read_metrics  # noqa: E402
+from launcher import TINY, launch, read_metrics
 
 # The layouts of the acceptance test (DESIGN.md section 3): every one trains the same model.
 REFERENCE = (1, 1, 1)
@@ -78,5 +74,3 @@ def parity_runs(tmp_path_factory):
     return ParityRuns(tmp_path_factory)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: a long multi-launch test (deselect with -m \"not slow\")")

@@ -21,7 +21,7 @@ def _entry(rank: int, world_size: int, port: int, fn, args, errors) -> None:
     torch.set_num_threads(1)
     try:
         if fn.__dict__.get("uses_deepspeed"):
-            from launch.distributed import init_distributed
+            from launch.runtime.distributed import init_distributed
             init_distributed(600, dist_backend="gloo", verbose=False)
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)

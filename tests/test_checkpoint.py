@@ -3,7 +3,6 @@ rank, and clear errors for bad checkpoints. All on CPU, through DeepSpeed's laun
 Durable saves (fsync before `latest` moves), loads with weights_only=True through DeepSpeed's
 own loader, `--keep-last` along the run's history and a resume from an older tag.
 (Bitwise resume at every parity layout and resume at another layout: tests/test_resume.py.)"""
-import argparse
 import json
 import os
 import shutil
@@ -140,7 +139,7 @@ def test_dead_rank_makes_the_others_exit_with_an_error(tmp_path):
     assert procs[0].returncode == 1 and time.time() - start < 90
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and lines[0].startswith("error: rank 0: "), err[-3000:]
-    assert "a peer rank probably died" in lines[0], lines  # launch/failure.py: a lost connection
+    assert "a peer rank probably died" in lines[0], lines  # launch/runtime/failure.py: a lost connection
 
 
 def _make_checkpoint(tmp_path):
@@ -180,8 +179,8 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path, monkeypatch, capsys):
 def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
     """SP leaves every weight's shape and shard alone: a checkpoint saved without it (or before
     the key existed) resumes with it; a different n_embd is still refused."""
-    from launch.checkpoint import CheckpointRef, check_compatible
-    from launch.config import ConfigError, Recipe
+    from launch.checkpoints.store import CheckpointRef, check_compatible
+    from launch.runtime.recipe import ConfigError, Recipe
     layout = {"tp": 2, "pp": 2, "dp": 1}
     saved = Recipe().to_dict()
     del saved["model"]["sequence_parallel"]  # a checkpoint from before the switch
@@ -243,7 +242,7 @@ def test_keep_last_follows_the_history_not_the_names(tmp_path):
     """--keep-last 2 after a save at step 5 whose history is 5 <- 4 <- 2: step 2 goes; step 1 (an
     earlier run: step 2 has no parent) and step 3 (not in the chain) stay. Sorting by name, as
     before, would have deleted steps 1-3."""
-    from launch import checkpoint
+    from launch.checkpoints import store as checkpoint
     for step, parent in [(1, None), (2, None), (3, "step00000002"), (4, "step00000002"), (5, "step00000004")]:
         _manifest(tmp_path / f"step{step:08d}", parent)
     (tmp_path / "latest").write_text("step00000005")
@@ -259,7 +258,7 @@ def test_prepare_save_dir_moves_later_tags_aside(tmp_path, capsys):
     """Resumed at step 2 into a directory holding steps 1-5 (4 incomplete): 3, 4 and 5 move into
     one abandoned-<time> directory and `latest` names step 2. A fresh run moves everything and
     removes `latest`; a non-writer rank touches nothing."""
-    from launch.checkpoint import CheckpointRef, prepare_save_dir
+    from launch.checkpoints.store import CheckpointRef, prepare_save_dir
     for step in (1, 2, 3, 5):
         _manifest(tmp_path / f"step{step:08d}", None)
     (tmp_path / "step00000004").mkdir()  # a save cut short
@@ -321,19 +320,19 @@ def _durable_and_safe_body(root: Path):
     model-state files carry a pickled call: refused on every rank, and nothing ran."""
     import torch.distributed as dist
 
-    from launch import checkpoint
-    from launch.checkpoint_io import UnsafeCheckpoint
-    from launch.config import load_recipe
-    from launch.layout import derive_layout
-    from launch.train import build_engine, resolved_recipe_dict
+    from launch.checkpoints import store as checkpoint
+    from launch.checkpoints.safe_io import UnsafeCheckpoint
+    from launch.runtime.recipe import load_recipe
+    from launch.runtime.layout import derive_layout
+    from launch.runtime.engine import build_engine
+    from launch.runtime.run_inputs import resolved_recipe_dict
     from model.parallel_state import init_parallel_state
 
     recipe = load_recipe(TINY, [])
     layout = derive_layout(recipe, 2, 1, 2, True)
     state = init_parallel_state(1, 2)
     config = recipe.gpt_config(4096)
-    engine, _ = build_engine(argparse.Namespace(init_from_hf=None, verbose=False), recipe, layout, state, config,
-                             False)
+    engine, _ = build_engine(recipe, layout, state, config, logging_rank=False)
     tokens = torch.randint(0, 4096, (64, 2, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
 
     def batches(step):

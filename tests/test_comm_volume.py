@@ -1,24 +1,18 @@
-"""Every collective of a training step moves exactly what launch/comm_formulas.py predicts.
+"""Every collective of a training step moves exactly what launch/analysis/comm_formulas.py predicts.
 
-Two launches of recipes/tiny.yaml for 2 steps with `--comm-counts` (launch/comm_counter.py):
+Two launches of recipes/tiny.yaml for 2 steps with `--comm-counts` (launch/instruments/comm_counter.py):
 (tp, pp, dp) = (2, 2, 1) covers the TP all-reduces, the cross-entropy reductions, DeepSpeed's
 TP-partitioned pipeline sends with their re-assembling all-gathers and the tied embedding;
 (1, 2, 2) covers the plain pipeline sends and ZeRO-1's gradient all-reduce and parameter
 all-gather. Calls, elements and bytes must agree exactly on every rank and step.
 """
-import sys
-
 import pytest
 
-from launcher import REPO
-
-sys.path.insert(0, str(REPO / "bench"))
-from comm_volume import STEPS, compare, measure, run_model  # noqa: E402
-
-from launch import formulas as F  # noqa: E402
-from launch.comm_formulas import comm_per_rank_per_step  # noqa: E402
-from launch.layout import Layout  # noqa: E402
-from model.gpt import GPTConfig  # noqa: E402
+from bench.comm_volume import STEPS, compare, measure, run_model
+from launch.analysis import formulas
+from launch.analysis.comm_formulas import comm_per_rank_per_step
+from launch.runtime.layout import Layout
+from model.gpt import GPTConfig
 
 LAYOUTS = {
     (2, 2, 1): {"tp-forward", "tp-backward", "tp-loss", "pp-activations", "pp-grads", "pp-tp-gather",
@@ -62,13 +56,13 @@ def test_exact_formulas_contain_the_design_leading_terms():
     b, m, h, s = 2, 6, config.n_embd, config.seq_len
     plain = comm_per_rank_per_step(config, Layout(8, 1, 4, 2, b, b * m * 2, m), stage=1)
     split = comm_per_rank_per_step(config, Layout(16, 2, 4, 2, b, b * m * 2, m), stage=1)
-    blocks = F.blocks_per_stage(config.n_layer, 4)[1]
+    blocks = formulas.blocks_per_stage(config.n_layer, 4)[1]
     tp_elements = split[("tp-forward", "tp", "all_reduce")][1] + split[("tp-backward", "tp", "all_reduce")][1]
-    assert tp_elements == F.tp_allreduce_bytes_per_step(b, s, h, blocks, m) // F.ACTIVATION_BYTES
-    boundary = F.pp_p2p_bytes_per_step(b, s, h, m) // F.ACTIVATION_BYTES
+    assert tp_elements == formulas.tp_allreduce_bytes_per_step(b, s, h, blocks, m) // formulas.ACTIVATION_BYTES
+    boundary = formulas.pp_p2p_bytes_per_step(b, s, h, m) // formulas.ACTIVATION_BYTES
     assert plain[("pp-activations", "pp-p2p", "send")][1] == boundary == plain[("pp-grads", "pp-p2p", "recv")][1]
     # At tp=2 each TP rank sends half of it (plus a partition header) and all-gathers the rest.
     assert split[("pp-activations", "pp-p2p", "send")][1] == boundary // 2 + 9 * m  # header: ndims, 3 sizes, t, rank, t+1 offsets
-    local = F.stage_params_per_rank(config.n_layer, h, config.vocab_size, s, 2, 4, 1)
+    local = formulas.stage_params_per_rank(config.n_layer, h, config.vocab_size, s, 2, 4, 1)
     assert split[("dp-grads", "dp", "all_reduce")][1] == local
     assert split[("dp-params", "dp", "all_gather_into_tensor")][1] * 2 >= local  # padded to 2*d

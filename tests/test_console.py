@@ -1,6 +1,6 @@
-"""The console of a default run shows our lines, not the library noise launch/console.py names;
+"""The console of a default run shows our lines, not the library noise launch/runtime/console.py names;
 `--verbose` shows it again (so the noise is real and the filter is what hides it)."""
-from launch.console import KNOWN_NOISE
+from launch.runtime.console import KNOWN_NOISE
 from launcher import TINY, launch
 
 # DeepSpeed's PipelineModule prints these on rank 0; the role map says the same.

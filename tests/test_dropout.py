@@ -14,7 +14,6 @@ back from the checkpoint), which the parity runs at dropout 0 cannot show.
 """
 import dataclasses
 from collections import defaultdict
-from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -59,7 +58,7 @@ class MaskRecorder(TorchDispatchMode):
 
 def _stage_masks(tp: int, pp: int, sequence_parallel: bool, restart=()):
     """This rank's masks after one training-mode forward of its stage, and its coordinate;
-    `restart`: the streams re-seeded as a re-sharded resume does (launch/checkpoint.py: load)."""
+    `restart`: the streams re-seeded as a re-sharded resume does (launch/checkpoints/store.py: load)."""
     state = init_parallel_state(tp, pp)
     config = dataclasses.replace(CONFIG, sequence_parallel=sequence_parallel)
     pipe = build_pipeline(config, state)

@@ -111,7 +111,7 @@ def test_wandb_online_without_api_key_is_refused_before_start(tmp_path, monkeypa
     (tmp_path / "netrc").write_text("machine example.com login u password p\n")
     _one_line_exit_2(["--wandb", "online"], capsys, "--wandb online", "WANDB_API_KEY", "wandb login")
     # with a netrc entry, the check lets it through (to wandb itself, not run here)
-    from launch.preflight import wandb_api_key_present
+    from launch.runtime.preflight import wandb_api_key_present
     (tmp_path / "netrc").write_text("machine api.wandb.ai login user password 0123456789abcdef\n")
     assert wandb_api_key_present()
 
@@ -134,10 +134,10 @@ def test_data_cache_lock_gives_up_naming_the_holder(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("GPT3D_CACHE", str(tmp_path))
     monkeypatch.setenv("GPT3D_CACHE_LOCK_TIMEOUT_S", "1")
-    hang = ("import sys, time; sys.path.insert(0, sys.argv[1]); from data.builtin import python_version; "
+    hang = ("import time; from data.builtin import python_version; "
             "from data.cache import build_once, default_cache_dir; "
             "build_once(default_cache_dir() / f'builtin-corpus-py{python_version()}', lambda tmp: time.sleep(120))")
-    holder = subprocess.Popen([sys.executable, "-c", hang, str(REPO)], env=dict(os.environ))
+    holder = subprocess.Popen([sys.executable, "-c", hang], env=dict(os.environ))
     try:
         lock = None
         for _ in range(600):  # until the holder has the lock and wrote its name
@@ -160,7 +160,7 @@ def test_fp16_where_the_accelerator_has_none_is_refused_before_start(monkeypatch
     """The accelerator's own capability answer decides (tests/fp16_on_cpu lifts it for fp16 runs)."""
     from deepspeed.accelerator import get_accelerator
 
-    from launch.train import check_precision_supported
+    from launch.runtime.distributed import check_precision_supported
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     if get_accelerator().is_fp16_supported():

@@ -20,8 +20,10 @@ import model.gpt
 import model.layers
 from distributed import free_port
 from launch import evaluate, export_hf, train
-from launch.config import load_recipe
-from launch.layout import derive_layout
+from launch.checkpoints import hf_export
+from launch.runtime.run_inputs import load_run_data
+from launch.runtime.recipe import load_recipe
+from launch.runtime.layout import derive_layout
 from launcher import REPO, TINY, deepspeed_cli, launch, read_metrics
 from model.convert import (from_gpt2_state_dict, load_dense_into, merge, rule_for, split)
 from model.gpt import GPT, GPTConfig
@@ -104,7 +106,7 @@ def run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def data():
     recipe = load_recipe(TINY, VOCAB[1::2])
-    run_data, vocab_size = train.prepare(recipe, derive_layout(recipe, 1, 1, 1, on_cpu=True))
+    run_data, vocab_size = load_run_data(recipe, derive_layout(recipe, 1, 1, 1, on_cpu=True))
     assert vocab_size == 4100
     return run_data
 
@@ -126,9 +128,9 @@ def test_export_computes_our_loss_and_generates(run, data):
     assert (hf_dir / "model.safetensors").is_file() and not list(hf_dir.glob("*.bin"))
     assert json.loads((hf_dir / "config.json").read_text())["vocab_size"] == 4100  # padding stripped
     x, y = _windows(data.val_batches(0, 1, 1), 8)  # the run's validation batch (16 windows)
-    _, config, dense = export_hf.read_checkpoint_weights(run / "ck")
+    _, config, dense = hf_export.read_checkpoint_weights(run / "ck")
     with torch.no_grad():
-        ours = vocab_parallel_cross_entropy(export_hf.dense_gpt(config, dense)(x), y, None).mean().item()
+        ours = vocab_parallel_cross_entropy(hf_export.dense_gpt(config, dense)(x), y, None).mean().item()
     theirs = _hf_loss(hf_dir, x, y)
     val_loss = read_metrics(run / "m.jsonl")[-1]["val_loss"]  # the run's own, at tp=2 pp=2
     assert _close(ours, theirs) and _close(val_loss, theirs), (ours, theirs, val_loss)
@@ -168,7 +170,7 @@ def test_evaluate_hf_weights_on_training_data(run, tmp_path):
     """--init-from-hf at pp=2, with no validation data configured: the first training batches."""
     no_val = ["--set", "data.val_fraction=0", "--set", "train.eval_every=0"]
     recipe = load_recipe(TINY, no_val[1::2] + VOCAB[1::2])
-    run_data, _ = train.prepare(recipe, derive_layout(recipe, 1, 1, 1, on_cpu=True))
+    run_data, _ = load_run_data(recipe, derive_layout(recipe, 1, 1, 1, on_cpu=True))
     x, y = _windows(run_data.train_batches(0, 1), 16)  # two global batches
     out = tmp_path / "eval.json"
     _evaluate(2, ["--init-from-hf", str(run / "hf"), "--recipe", str(TINY), "--pp", "2", "--batches", "2",

@@ -1,6 +1,6 @@
 """A failure on one rank after torch.distributed started ends every rank within 60 s, each with
-one line on stderr naming itself and the cause (launch/failure.py); what can be checked before
-the start is refused there (launch/preflight.py). 4 processes at tp=2 pp=2, as the issue tried."""
+one line on stderr naming itself and the cause (launch/runtime/failure.py); what can be checked before
+the start is refused there (launch/runtime/preflight.py). 4 processes at tp=2 pp=2, as the issue tried."""
 import json
 import os
 import subprocess
@@ -56,7 +56,7 @@ def test_exception_on_one_rank_stops_all_ranks_with_one_line_each(tmp_path):
     assert "step 2/" not in out
     assert "recvValue failed" not in err  # rank 0 kept the store until rank 3 was done with it
     lines = _error_lines(err)
-    cause = "RuntimeError: fault injected by GPT3D_FAULT_INJECT=3:2 before step 2 (at launch/failure.py:"
+    cause = "RuntimeError: fault injected by GPT3D_FAULT_INJECT=3:2 before step 2 (at launch/runtime/failure.py:"
     assert len(lines) == 4, err[-3000:]
     by_rank = {int(line.split()[2].rstrip(":")): line for line in lines}
     assert sorted(by_rank) == [0, 1, 2, 3], lines
@@ -68,7 +68,7 @@ def test_exception_on_one_rank_stops_all_ranks_with_one_line_each(tmp_path):
 def test_threads_per_rank_from_deepspeed_launcher_environment(tmp_path):
     """DeepSpeed's launcher exports LOCAL_SIZE, not LOCAL_WORLD_SIZE: the ranks of a node share
     its cores by that count, not by the world size (which spans every node)."""
-    from launch.distributed import threads_per_rank
+    from launch.runtime.distributed import threads_per_rank
     cmd = [deepspeed_cli(), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "tests" / "dump_env.py"),
            str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -98,7 +98,7 @@ def test_failure_line_keeps_the_cause_and_its_origin():
     """A device error that mentions NCCL is reported as itself (first lines, where it was raised),
     not as "another rank died"; only a lost connection or a timeout gets the peer hint."""
     import inspect
-    from launch.failure import describe
+    from launch.runtime.failure import describe
     line = inspect.getsourcelines(_raise)[1] + 1
     cuda = describe(_caught("NCCL error in: ProcessGroupNCCL.cpp:1234, unhandled cuda error\n"
                             "ncclUnhandledCudaError: Call to CUDA function failed.\n"

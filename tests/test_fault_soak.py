@@ -3,15 +3,12 @@
 step and resumed: every step's loss and gradient norm and the final checkpoint's weights and
 optimizer state equal the uninterrupted parity run's, bit for bit. Marked slow (two 2-process
 launches): `pytest -m "not slow"` leaves it out."""
-import sys
 
 import pytest
 
 from conftest import STEPS
-from launcher import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
-import fault_soak  # noqa: E402
+from bench import fault_soak
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
-"""launch/formulas.py against published numbers (GPT-2, Narayanan 2021 table 1, the ZeRO paper)
+"""launch/analysis/formulas.py against published numbers (GPT-2, Narayanan 2021 table 1, the ZeRO paper)
 and against itself (per-rank counts add up, per-layer FLOPs add up to the step's)."""
 import pytest
 
-from launch import formulas as F
+from launch.analysis import formulas
 
 # Narayanan et al. 2021, table 1: (published billions, layers, hidden, heads); V=51200, s=2048.
 NARAYANAN_TABLE_1 = [(1.7, 24, 2304, 24), (3.6, 30, 3072, 32), (7.5, 36, 4096, 32), (18.4, 40, 6144, 48),
@@ -11,15 +11,15 @@ NARAYANAN_TABLE_1 = [(1.7, 24, 2304, 24), (3.6, 30, 3072, 32), (7.5, 36, 4096, 3
 
 
 def test_gpt2_small_parameters():
-    assert round(F.params_formula(12, 768, 50257, 1024) / 1e6, 1) == 124.4
-    assert F.params_exact(12, 768, 50257, 1024) == 124_439_808
+    assert round(formulas.params_formula(12, 768, 50257, 1024) / 1e6, 1) == 124.4
+    assert formulas.params_exact(12, 768, 50257, 1024) == 124_439_808
     # The formula is the exact count without the final LayerNorm.
-    assert F.params_formula(12, 768, 50257, 1024) == pytest.approx(124_439_808 - 2 * 768, abs=1e-3)
+    assert formulas.params_formula(12, 768, 50257, 1024) == pytest.approx(124_439_808 - 2 * 768, abs=1e-3)
 
 
 @pytest.mark.parametrize("published,layers,hidden,heads", NARAYANAN_TABLE_1)
 def test_narayanan_table_1_parameter_counts(published, layers, hidden, heads):
-    count = F.params_formula(layers, hidden, 51200, 2048)
+    count = formulas.params_formula(layers, hidden, 51200, 2048)
     # The table rounds to 0.1B; at 1.7B and 3.6B that rounding is itself more than 1%.
     assert round(count / 1e9, 1) == published
     assert count == pytest.approx(published * 1e9, rel=0.03)
@@ -27,14 +27,14 @@ def test_narayanan_table_1_parameter_counts(published, layers, hidden, heads):
 
 @pytest.mark.parametrize("stage,published_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_7_5b_on_64_gpus(stage, published_gb):
-    states = F.model_state_bytes(7.5e9, dp=64, zero_stage=stage)
+    states = formulas.model_state_bytes(7.5e9, dp=64, zero_stage=stage)
     assert round(sum(states.values()) / 1e9, 1) == published_gb
 
 
 def test_zero_1_is_4_plus_12_over_d_bytes_per_param():
-    states = F.model_state_bytes(1.0, dp=8, zero_stage=1)
+    states = formulas.model_state_bytes(1.0, dp=8, zero_stage=1)
     assert states == {"weights": 2.0, "gradients": 2.0, "optimizer": 12 / 8}
-    assert sum(F.model_state_bytes(1.0, dp=8, zero_stage=0).values()) == 16
+    assert sum(formulas.model_state_bytes(1.0, dp=8, zero_stage=0).values()) == 16
 
 
 def test_128_gpu_example():
@@ -43,50 +43,50 @@ def test_128_gpu_example():
     dp = gpus // (tp * pp)
     m = global_batch // (micro * dp)
     assert (dp, m) == (8, 4)
-    assert F.blocks_per_stage(72, pp) == [18, 18, 18, 18]
-    assert F.bubble_fraction(pp, m) == pytest.approx(3 / 7)
-    assert round(F.bubble_fraction(pp, m), 4) == 0.4286
-    assert F.inflight_microbatches(pp, m) == 4
+    assert formulas.blocks_per_stage(72, pp) == [18, 18, 18, 18]
+    assert formulas.bubble_fraction(pp, m) == pytest.approx(3 / 7)
+    assert round(formulas.bubble_fraction(pp, m), 4) == 0.4286
+    assert formulas.inflight_microbatches(pp, m) == 4
 
 
 def test_partition_follows_deepspeed_type_block():
     """Embeddings stay on the first stage, ln_f and the head on the last; extra blocks go first."""
-    assert F.stage_partition(5, 2) == [0, 5, 9]  # [embed, wpe, b0, b1, b2] [b3, b4, ln_f, head]
-    assert F.blocks_per_stage(5, 3) == [2, 2, 1]
-    assert F.blocks_per_stage(4, 3) == [2, 1, 1]
+    assert formulas.stage_partition(5, 2) == [0, 5, 9]  # [embed, wpe, b0, b1, b2] [b3, b4, ln_f, head]
+    assert formulas.blocks_per_stage(5, 3) == [2, 2, 1]
+    assert formulas.blocks_per_stage(4, 3) == [2, 1, 1]
 
 
 def test_stage_counts_add_up_to_the_model():
     l, h, V, s = 5, 32, 101, 16
-    assert F.stage_params_per_rank(l, h, V, s, tp=1, pp=1, stage=0) == F.params_exact(l, h, V, s)
+    assert formulas.stage_params_per_rank(l, h, V, s, tp=1, pp=1, stage=0) == formulas.params_exact(l, h, V, s)
     # pp > 1: the last stage holds a tied copy of wte.
-    two = sum(F.stage_params_per_rank(l, h, V, s, 1, 2, k) for k in range(2))
-    assert two == F.params_exact(l, h, V, s) + V * h
+    two = sum(formulas.stage_params_per_rank(l, h, V, s, 1, 2, k) for k in range(2))
+    assert two == formulas.params_exact(l, h, V, s) + V * h
     # tp > 1: sharded weights add up over the ranks, replicated ones (6h per block, wpe, ln_f) repeat.
     tp = 4
-    padded = F.padded_vocab_size(V, tp, 1)
-    total = tp * F.stage_params_per_rank(l, h, V, s, tp, 1, 0)
-    assert total == F.params_exact(l, h, V, s) + (padded - V) * h + (tp - 1) * (l * 6 * h + s * h + 2 * h)
+    padded = formulas.padded_vocab_size(V, tp, 1)
+    total = tp * formulas.stage_params_per_rank(l, h, V, s, tp, 1, 0)
+    assert total == formulas.params_exact(l, h, V, s) + (padded - V) * h + (tp - 1) * (l * 6 * h + s * h + 2 * h)
 
 
 def test_flops_per_layer_add_up_to_the_step():
     B, b, s, l, h, V = 64, 4, 512, 6, 256, 1000
     for recompute in (False, True):
-        per_micro = l * F.layer_flops_per_microbatch(b, s, h, recompute) + F.logits_flops_per_microbatch(b, s, h, V)
-        assert B // b * per_micro == pytest.approx(F.model_flops_per_step(B, s, l, h, V, recompute))
+        per_micro = l * formulas.layer_flops_per_microbatch(b, s, h, recompute) + formulas.logits_flops_per_microbatch(b, s, h, V)
+        assert B // b * per_micro == pytest.approx(formulas.model_flops_per_step(B, s, l, h, V, recompute))
     # Recompute repeats the forward: 4/3 of the layer FLOPs, the logits unchanged.
-    assert F.layer_flops_per_microbatch(b, s, h, True) == pytest.approx(4 / 3 * F.layer_flops_per_microbatch(b, s, h))
+    assert formulas.layer_flops_per_microbatch(b, s, h, True) == pytest.approx(4 / 3 * formulas.layer_flops_per_microbatch(b, s, h))
 
 
 def test_activation_memory():
     s, b, h, a = 2048, 1, 4096, 32
-    assert F.activation_bytes_per_layer(s, b, h, a) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
-    assert F.activation_bytes_per_layer(s, b, h, a, tp=8) == pytest.approx(s * b * h * (10 + 3 + 5 * a * s / (h * 8)))
-    assert F.activation_bytes_per_layer(s, b, h, a, tp=8, recompute=True) == 2 * s * b * h
-    per_stage = F.activation_bytes_per_stage(s, b, h, a, 8, layers=4, inflight=3)
-    assert per_stage == pytest.approx(12 * F.activation_bytes_per_layer(s, b, h, a, 8))
-    assert [F.inflight_microbatches(4, 8, k) for k in range(4)] == [4, 3, 2, 1]
-    assert F.inflight_microbatches(4, 2) == 2
+    assert formulas.activation_bytes_per_layer(s, b, h, a) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    assert formulas.activation_bytes_per_layer(s, b, h, a, tp=8) == pytest.approx(s * b * h * (10 + 3 + 5 * a * s / (h * 8)))
+    assert formulas.activation_bytes_per_layer(s, b, h, a, tp=8, recompute=True) == 2 * s * b * h
+    per_stage = formulas.activation_bytes_per_stage(s, b, h, a, 8, layers=4, inflight=3)
+    assert per_stage == pytest.approx(12 * formulas.activation_bytes_per_layer(s, b, h, a, 8))
+    assert [formulas.inflight_microbatches(4, 8, k) for k in range(4)] == [4, 3, 2, 1]
+    assert formulas.inflight_microbatches(4, 2) == 2
 
 
 def test_activation_memory_sequence_parallel_and_selective():
@@ -95,7 +95,7 @@ def test_activation_memory_sequence_parallel_and_selective():
     s, b, h, a, t = 2048, 1, 12288, 96, 8  # GPT-3 175B: 5as/h = 80, K22 sec. 5
     sbh = s * b * h
     assert 5 * a * s / h == 80
-    act = F.activation_bytes_per_layer
+    act = formulas.activation_bytes_per_layer
     assert act(s, b, h, a, t, sequence_parallel=True) == pytest.approx(sbh * (34 / t + 80 / t))
     assert act(s, b, h, a, t, selective=True) == pytest.approx(sbh * (10 + 24 / t))
     assert act(s, b, h, a, t, sequence_parallel=True, selective=True) == pytest.approx(sbh * 34 / t)
@@ -108,10 +108,10 @@ def test_activation_memory_sequence_parallel_and_selective():
 
 def test_communication_and_mfu():
     b, s, h = 8, 2048, 10240
-    assert F.tp_allreduce_bytes_per_step(b, s, h, layers=18, microbatches=4) == 4 * b * s * h * 2 * 18 * 4
-    assert F.tp_allreduce_bytes_per_step(b, s, h, 1, 1, recompute=True) == 6 * b * s * h * 2
-    assert F.pp_p2p_bytes_per_step(b, s, h, microbatches=4) == b * s * h * 2 * 4
-    assert F.dp_allreduce_bytes_per_step(1000) == 2000
-    assert F.ring_allreduce_factor(8) == pytest.approx(1.75)
-    assert F.mfu(989e12 * 10 * 0.5, 10.0, F.PEAK_FLOPS_BF16["H100"], 1) == pytest.approx(0.5)
-    assert F.PEAK_FLOPS_BF16 == {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+    assert formulas.tp_allreduce_bytes_per_step(b, s, h, layers=18, microbatches=4) == 4 * b * s * h * 2 * 18 * 4
+    assert formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, recompute=True) == 6 * b * s * h * 2
+    assert formulas.pp_p2p_bytes_per_step(b, s, h, microbatches=4) == b * s * h * 2 * 4
+    assert formulas.dp_allreduce_bytes_per_step(1000) == 2000
+    assert formulas.ring_allreduce_factor(8) == pytest.approx(1.75)
+    assert formulas.mfu(989e12 * 10 * 0.5, 10.0, formulas.PEAK_FLOPS_BF16["H100"], 1) == pytest.approx(0.5)
+    assert formulas.PEAK_FLOPS_BF16 == {"H100": 989e12, "H200": 989e12, "A100": 312e12}

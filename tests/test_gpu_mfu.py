@@ -3,7 +3,7 @@
 The recipes: they parse, their parameter counts are the published ones, they are valid at a
 cluster layout and offline with the embedded tokenizer, and the benchmark's step sizes fit one
 80 GB GPU by the planner's formulas. The script: it runs on CPU at toy sizes through
-launch/train.py, and its table and JSON agree with launch/formulas.py.
+launch/train.py, and its table and JSON agree with launch/analysis/formulas.py.
 """
 import json
 import math
@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 
 from data.builtin import BUILTIN_VOCAB_SIZE
-from launch import formulas as F
-from launch.config import load_recipe
-from launch.layout import check_vocab, derive_layout
+from launch.analysis import formulas
+from launch.runtime.recipe import load_recipe
+from launch.runtime.layout import check_vocab, derive_layout
 from model.layers import padded_vocab_size
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-import gpu_mfu  # noqa: E402
+from bench import gpu_mfu
 
 # (recipe, n_layer, n_embd, n_head, published parameters)
 PUBLISHED = [
@@ -41,13 +40,13 @@ def test_recipe_parses_with_the_published_size(name, layers, hidden, heads, publ
     assert (m.n_layer, m.n_embd, m.n_head, m.seq_len) == (layers, hidden, heads, 1024)
     assert (m.vocab_size, m.vocab_pad_multiple) == (50257, 128)
     assert (t.precision, t.zero_stage) == ("bf16", 1)
-    params = F.params_exact(m.n_layer, m.n_embd, m.vocab_size, m.seq_len)
+    params = formulas.params_exact(m.n_layer, m.n_embd, m.vocab_size, m.seq_len)
     if isinstance(published, int):
         assert params == published
     else:  # published rounded to two digits
         assert round(params, -8) == published, params
     # Narayanan et al.'s closed form omits only the final LayerNorm.
-    assert F.params_formula(m.n_layer, m.n_embd, m.vocab_size, m.seq_len) == pytest.approx(params - 2 * hidden)
+    assert formulas.params_formula(m.n_layer, m.n_embd, m.vocab_size, m.seq_len) == pytest.approx(params - 2 * hidden)
 
 
 @pytest.mark.parametrize("name", gpu_mfu.RECIPES)
@@ -78,7 +77,7 @@ def test_benchmark_step_fits_one_80gb_gpu_by_the_formulas(name):
     planned = json.loads(plan.stdout)["memory_per_device_bytes"]
     m = recipe.model
     logits = b * m.seq_len * padded_vocab_size(m.vocab_size, 1, m.vocab_pad_multiple)
-    extra = 4 * F.params_exact(m.n_layer, m.n_embd, m.vocab_size, m.seq_len) + logits * (2 + 4 + 4 + 4)
+    extra = 4 * formulas.params_exact(m.n_layer, m.n_embd, m.vocab_size, m.seq_len) + logits * (2 + 4 + 4 + 4)
     assert planned + extra < 75 * GIB, (name, planned / GIB, extra / GIB)
 
 
@@ -98,12 +97,12 @@ def test_gpu_mfu_tiny_on_cpu_agrees_with_the_formulas():
         # --tiny: 2 blocks of 64, 32 tokens, micro-batch 2 x 2, the GPT-2 vocabulary.
         l, h, s, V, B = 2, 64, 32, 50257, 4
         assert (r["n_layer"], r["n_embd"], r["seq_len"], r["vocab_size"], r["global_batch_size"]) == (l, h, s, V, B)
-        assert r["params"] == F.params_exact(l, h, V, s)
+        assert r["params"] == formulas.params_exact(l, h, V, s)
         assert len(r["step_times_s"]) == steps
         assert r["step_time_s"] == statistics.median_low(r["step_times_s"][warmup:])
         assert r["step"] > warmup
         assert r["tokens_per_s"] == pytest.approx(B * s / r["step_time_s"], rel=1e-9)
-        flops = F.model_flops_per_step(B, s, l, h, V)
+        flops = formulas.model_flops_per_step(B, s, l, h, V)
         assert r["tflops_per_device"] == pytest.approx(flops / r["step_time_s"] / 1e12, rel=1e-6)
         assert r["mfu"] == pytest.approx(r["tflops_per_device"] / peak_tflops, rel=1e-9)
         assert math.isfinite(r["loss_first"]) and math.isfinite(r["loss_last"])

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launch.config import Recipe
-from launch.ds_config import deepspeed_config
-from launch.layout import derive_layout
+from launch.runtime.recipe import Recipe
+from launch.runtime.ds_config import deepspeed_config
+from launch.runtime.layout import derive_layout
 from model.gpt import GPT, GPTConfig
 from model.loss import vocab_parallel_cross_entropy
 

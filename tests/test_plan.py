@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distributed import run_distributed
-from launch import formulas as F
-from launch.pipeline_chart import idle_fraction, simulate_1f1b
+from launch.analysis import formulas
+from launch.instruments.pipeline_chart import idle_fraction, simulate_1f1b
 from launch.plan import main
 from model.gpt import Block, GPTConfig, PositionEmbedding, TokenEmbedding
 
@@ -37,7 +37,7 @@ def test_128_gpu_example_json():
     assert (plan["dp"], plan["layers_per_stage"], plan["microbatches_per_pipeline"], plan["grad_accum_steps"]) \
         == (8, 18, 4, 4)
     assert plan["bubble_fraction"] == pytest.approx(3 / 7)
-    assert plan["params_per_device"] == F.stage_params_per_rank(72, 10240, 51200, 2048, 4, 4, 0)
+    assert plan["params_per_device"] == formulas.stage_params_per_rank(72, 10240, 51200, 2048, 4, 4, 0)
     assert plan["memory_per_device_bytes"] > 80 * 2 ** 30  # no recompute: over budget, and it says so
     assert any("micro-batches per pipeline" in w for w in plan["warnings"])
     assert any("exceeds --gpu-memory 80" in w and "--recompute full" in w for w in plan["warnings"])
@@ -140,7 +140,7 @@ def test_recipe_gives_the_model(capsys):
 def test_simulated_1f1b_bubble_matches_the_formula(pp, m):
     events = simulate_1f1b(pp, m, 1.0, 2.0)
     assert len(events) == 2 * pp * m
-    assert idle_fraction(events) == pytest.approx(F.bubble_fraction(pp, m))
+    assert idle_fraction(events) == pytest.approx(formulas.bubble_fraction(pp, m))
     assert max(e[4] for e in events) == pytest.approx((m + pp - 1) * 3.0)
 
 
@@ -149,7 +149,7 @@ def test_formula_layer_list_is_model_pipe_layer_list():
     from model.pipe import layer_specs
     kinds = {"TokenEmbedding": "embed", "PositionEmbedding": "wpe", "Block": "block", "LayerNorm": "ln_f"}
     names = [kinds[spec.typename.__name__] for spec in layer_specs(CONFIG, single_process_state())]
-    assert names[:-1] + ["head"] == F.pipeline_layers(CONFIG.n_layer)
+    assert names[:-1] + ["head"] == formulas.pipeline_layers(CONFIG.n_layer)
 
 
 def _build_stage(config: GPTConfig, tp_group, start: int, stop: int) -> nn.ModuleList:
@@ -184,8 +184,8 @@ def _compare_stage_counts(config: GPTConfig, layouts) -> None:
 @pytest.mark.parametrize("tp,pps", [(1, (1, 3)), (2, (1, 2)), (4, (2,))], ids=["tp1-pp1,3", "tp2-pp1,2", "tp4-pp2"])
 def test_per_rank_parameters_match_the_built_model(tp, pps):
     c = CONFIG
-    layouts = [(F.stage_partition(c.n_layer, pp),
-                [F.stage_params_per_rank(c.n_layer, c.n_embd, c.vocab_size, c.seq_len, tp, pp, k, c.vocab_pad_multiple)
+    layouts = [(formulas.stage_partition(c.n_layer, pp),
+                [formulas.stage_params_per_rank(c.n_layer, c.n_embd, c.vocab_size, c.seq_len, tp, pp, k, c.vocab_pad_multiple)
                  for k in range(pp)]) for pp in pps]
     if tp == 1:
         _compare_stage_counts(c, layouts)  # no process group at tp=1, as in model/

@@ -2,7 +2,7 @@
 
 At the saved layout the continuation is bit-identical to the uninterrupted run, at every layout
 of the parity test, and the metrics file continues from step 4. At another layout
-(launch/reshard.py re-shards the ZeRO-1 weights and Adam moments) steps 4-5 match the
+(launch/checkpoints/reshard.py re-shards the ZeRO-1 weights and Adam moments) steps 4-5 match the
 uninterrupted run within fp32 rounding, like the layouts themselves do; a checkpoint of a
 sequence-parallel run re-shards the same way.
 """

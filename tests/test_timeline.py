@@ -1,4 +1,4 @@
-"""`--timeline` (launch/timeline.py): the bubble arithmetic on synthetic events, the recorder
+"""`--timeline` (launch/instruments/timeline.py): the bubble arithmetic on synthetic events, the recorder
 driven by DeepSpeed's own `_exec_schedule` and 1F1B schedule in this process, and a real pp=2 run."""
 import re
 import time
@@ -9,9 +9,9 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from distributed import free_port
-from launch import formulas as F
-from launch.pipeline_chart import simulate_1f1b
-from launch.timeline import install_timeline_recorder, measured_bubble
+from launch.analysis import formulas
+from launch.instruments.pipeline_chart import simulate_1f1b
+from launch.instruments.timeline import install_timeline_recorder, measured_bubble
 from launcher import TINY, launch
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -31,7 +31,7 @@ def test_measured_bubble_of_hand_made_steps():
 def test_measured_bubble_of_an_ideal_schedule_is_the_formula(pp, m):
     """Without communication, 1F1B idles (p-1)/(m+p-1) of the step."""
     events = simulate_1f1b(pp, m, t_fwd=1.0, t_bwd=2.0)
-    assert measured_bubble([events]) == pytest.approx(F.bubble_fraction(pp, m))
+    assert measured_bubble([events]) == pytest.approx(formulas.bubble_fraction(pp, m))
 
 
 # ---------------------------------------------------------------- the recorder, in-process

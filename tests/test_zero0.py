@@ -1,4 +1,4 @@
-"""ZeRO stage 0 in fp32 trains, with a correct gradient norm and clipping (launch/grad_norm.py).
+"""ZeRO stage 0 in fp32 trains, with a correct gradient norm and clipping (launch/runtime/grad_norm.py).
 
 DeepSpeed 0.19.8 gives no norm in that mode (`get_global_grad_norm()` is None) and its own
 clipping miscounts replicated parameters across pipeline stages; ours must reproduce ZeRO-1's

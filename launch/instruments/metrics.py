@@ -2,7 +2,7 @@
 
 Each step's record holds the loss, gradient norm, lr, loss scale, consumed samples and tokens,
 the throughput (tokens/s, model TFLOP/s per device, MFU) and the peak memory of the busiest
-rank. The FLOPs and the batch arithmetic come from launch/formulas.py, the same numbers the
+rank. The FLOPs and the batch arithmetic come from launch/analysis/formulas.py, the same numbers the
 planner (launch/plan.py) predicts with, so a run can be held against its plan.
 """
 import json
@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from launch import formulas as F
-from launch.config import ConfigError
-from launch.layout import Layout
+from launch.analysis import formulas
+from launch.runtime.recipe import ConfigError
+from launch.runtime.layout import Layout
 
 PEAK_TFLOPS_ENV = "GPT3D_PEAK_TFLOPS"
 """Dense TFLOP/s per device that MFU divides by, for devices missing from formulas.PEAK_FLOPS_BF16."""
@@ -52,7 +52,7 @@ def peak_flops(device_name: Optional[str], override_tflops: Optional[str]) -> Tu
         return value * 1e12, f"{value:g} TFLOP/s from {PEAK_TFLOPS_ENV}"
     if device_name is None:
         return None, f"none on CPU (mfu is null; set {PEAK_TFLOPS_ENV} to compare against a peak)"
-    for gpu, flops in F.PEAK_FLOPS_BF16.items():
+    for gpu, flops in formulas.PEAK_FLOPS_BF16.items():
         if gpu in device_name.upper():  # "NVIDIA H100 80GB HBM3" -> H100
             return flops, f"{flops / 1e12:g} TFLOP/s ({gpu} dense bf16, device {device_name!r})"
     return None, f"unknown device {device_name!r} (mfu is null; set {PEAK_TFLOPS_ENV})"
@@ -117,12 +117,12 @@ def run_arithmetic(config, layout: Layout, seq_len: int, total_steps: int) -> Ru
     name and GPT3D_PEAK_TFLOPS for the MFU peak)."""
     peak, source = peak_flops(accelerator_device_name(), os.environ.get(PEAK_TFLOPS_ENV))
     return RunArithmetic(
-        params=F.params_exact(config.n_layer, config.n_embd, config.vocab_size, config.seq_len),
+        params=formulas.params_exact(config.n_layer, config.n_embd, config.vocab_size, config.seq_len),
         layout=layout, seq_len=seq_len, total_steps=total_steps,
         tokens_per_step=layout.global_batch_size * seq_len,
-        model_flops_per_step=F.model_flops_per_step(layout.global_batch_size, seq_len, config.n_layer,
+        model_flops_per_step=formulas.model_flops_per_step(layout.global_batch_size, seq_len, config.n_layer,
                                                     config.n_embd, config.vocab_size),
-        bubble_fraction=F.bubble_fraction(layout.pp, layout.grad_accum_steps),
+        bubble_fraction=formulas.bubble_fraction(layout.pp, layout.grad_accum_steps),
         peak_flops=peak, peak_source=source)
 
 

@@ -41,8 +41,8 @@ FP32 = "fp32"
 
 def _load_deepspeed_file(path: Path) -> dict:
     """A DeepSpeed optimizer or model-states file, read with the safe unpickler (no code runs:
-    launch/checkpoint_io.py), memory-mapped."""
-    from launch.checkpoint_io import load_safely
+    launch/checkpoints/safe_io.py), memory-mapped."""
+    from launch.checkpoints.safe_io import load_safely
     return load_safely(path, map_location="cpu", mmap=True)
 
 

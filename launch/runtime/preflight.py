@@ -10,9 +10,9 @@ from typing import Optional
 from urllib.parse import urlparse
 
 from data.cache import lock_timeout_s
-from launch.config import ConfigError, Recipe
-from launch.failure import fault_injection
-from launch.metrics import PEAK_TFLOPS_ENV, peak_flops
+from launch.runtime.recipe import ConfigError, Recipe
+from launch.runtime.failure import fault_injection
+from launch.instruments.metrics import PEAK_TFLOPS_ENV, peak_flops
 
 WANDB_MODES = ("online", "offline", "disabled")
 

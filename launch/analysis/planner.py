@@ -1,5 +1,5 @@
 """Evaluate one 3D layout (every number launch/plan.py prints) and rank layouts by a stated
-cost model. The formulas live in launch/formulas.py; the layout rules are launch/layout.py's.
+cost model. The formulas live in launch/analysis/formulas.py; the layout rules are launch/runtime/layout.py's.
 
 Cost model of one optimizer step (`estimate_step_time`), all per device:
   slot    = max over stages of [ FLOPs of one micro-batch on the stage / (peak * efficiency)
@@ -14,9 +14,9 @@ lower efficiency of small micro-batches, so it ranks layouts; it does not promis
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from launch import formulas as F
-from launch.config import ConfigError, ModelSection, Recipe, TrainSection
-from launch.layout import Layout, derive_layout
+from launch.analysis import formulas
+from launch.runtime.recipe import ConfigError, ModelSection, Recipe, TrainSection
+from launch.runtime.layout import Layout, derive_layout
 
 GIB = 2 ** 30
 
@@ -32,9 +32,9 @@ class GPU:
     """Bytes/s per GPU, one direction, across nodes (one 400 Gb/s NDR or 200 Gb/s HDR NIC per GPU)."""
 
 
-GPUS: Dict[str, GPU] = {"H100": GPU(F.PEAK_FLOPS_BF16["H100"], 80, 450e9, 50e9),
-                        "H200": GPU(F.PEAK_FLOPS_BF16["H200"], 141, 450e9, 50e9),
-                        "A100": GPU(F.PEAK_FLOPS_BF16["A100"], 80, 300e9, 25e9)}
+GPUS: Dict[str, GPU] = {"H100": GPU(formulas.PEAK_FLOPS_BF16["H100"], 80, 450e9, 50e9),
+                        "H200": GPU(formulas.PEAK_FLOPS_BF16["H200"], 141, 450e9, 50e9),
+                        "A100": GPU(formulas.PEAK_FLOPS_BF16["A100"], 80, 300e9, 25e9)}
 
 
 @dataclass(frozen=True)
@@ -106,14 +106,14 @@ def within_node(groups: List[List[int]], gpus_per_node: int) -> bool:
 
 def _stage_memory(model: ModelDims, setup: Setup, dp: int, m: int, stage: int, blocks: int,
                   params: int) -> Dict[str, int]:
-    plain, zero1 = F.model_state_bytes(params, dp, 0), F.model_state_bytes(params, dp, 1)
+    plain, zero1 = formulas.model_state_bytes(params, dp, 0), formulas.model_state_bytes(params, dp, 1)
     args = (model.seq_len, setup.micro_batch, model.n_embd, model.n_head, setup.tp, blocks,
-            F.inflight_microbatches(setup.pp, m, stage))
+            formulas.inflight_microbatches(setup.pp, m, stage))
     out = {"weights": plain["weights"], "gradients": plain["gradients"],
            "optimizer": plain["optimizer"], "optimizer_zero1": zero1["optimizer"],
-           "activations": F.activation_bytes_per_stage(*args, recompute=False),
-           "activations_recompute": F.activation_bytes_per_stage(*args, recompute=True)}
-    out["total"] = (sum(F.model_state_bytes(params, dp, setup.zero).values())
+           "activations": formulas.activation_bytes_per_stage(*args, recompute=False),
+           "activations_recompute": formulas.activation_bytes_per_stage(*args, recompute=True)}
+    out["total"] = (sum(formulas.model_state_bytes(params, dp, setup.zero).values())
                     + out["activations_recompute" if setup.recompute else "activations"])
     return {k: round(v) for k, v in out.items()}
 
@@ -122,57 +122,57 @@ def estimate_step_time(model: ModelDims, setup: Setup, hw: Hardware, blocks: Lis
                        m: int, params_per_device: int, bandwidth: Dict[str, float]) -> Dict[str, float]:
     """Seconds per step and its parts by the cost model of the module docstring."""
     b, s, h, t, p = setup.micro_batch, model.seq_len, model.n_embd, setup.tp, setup.pp
-    layer_flops = F.layer_flops_per_microbatch(b, s, h, setup.recompute)
-    logits_flops = F.logits_flops_per_microbatch(b, s, h, model.vocab_size)
-    tp_bytes_per_block = F.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.recompute) * F.ring_allreduce_factor(t)
+    layer_flops = formulas.layer_flops_per_microbatch(b, s, h, setup.recompute)
+    logits_flops = formulas.logits_flops_per_microbatch(b, s, h, model.vocab_size)
+    tp_bytes_per_block = formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.recompute) * formulas.ring_allreduce_factor(t)
     compute, tp_comm = [], []
     for stage, n in enumerate(blocks):
         flops = n * layer_flops + (logits_flops if stage == p - 1 else 0)
         compute.append(flops / t / (hw.peak_flops * hw.efficiency))
         tp_comm.append(n * tp_bytes_per_block / bandwidth["tp"])
     slowest = max(range(p), key=lambda k: compute[k] + tp_comm[k])
-    pp_comm = 2 * F.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0
+    pp_comm = 2 * formulas.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0
     slot = compute[slowest] + tp_comm[slowest] + pp_comm
-    dp_comm = F.ring_allreduce_factor(dp) * F.dp_allreduce_bytes_per_step(params_per_device) / bandwidth["dp"]
+    dp_comm = formulas.ring_allreduce_factor(dp) * formulas.dp_allreduce_bytes_per_step(params_per_device) / bandwidth["dp"]
     parts = {"compute": m * compute[slowest], "tp": m * tp_comm[slowest], "pp": m * pp_comm,
              "bubble": (p - 1) * slot, "dp": dp_comm}
     return dict(parts, step=sum(parts.values()))
 
 
-def evaluate(model: ModelDims, setup: Setup, hw: Hardware) -> Dict[str, Any]:
+def estimate_plan(model: ModelDims, setup: Setup, hw: Hardware) -> Dict[str, Any]:
     """Every number of one layout; raises ConfigError when the layout is invalid."""
     layout = check_setup(model, setup)
     l, h, s, V = model.n_layer, model.n_embd, model.seq_len, model.vocab_size
     t, p, d, m, b = setup.tp, setup.pp, layout.dp, layout.grad_accum_steps, setup.micro_batch
-    blocks = F.blocks_per_stage(l, p)
-    params = [F.stage_params_per_rank(l, h, V, s, t, p, k, model.vocab_pad_multiple) for k in range(p)]
+    blocks = formulas.blocks_per_stage(l, p)
+    params = [formulas.stage_params_per_rank(l, h, V, s, t, p, k, model.vocab_pad_multiple) for k in range(p)]
     memory = [_stage_memory(model, setup, d, m, k, blocks[k], params[k]) for k in range(p)]
     fullest = max(range(p), key=lambda k: memory[k]["total"])
     groups = rank_groups(t, p, d)
     intra = {dim: within_node(groups[dim], hw.gpus_per_node) for dim in groups}
     bandwidth = {dim: hw.intra_node_bw if intra[dim] else hw.inter_node_bw for dim in groups}
     time = estimate_step_time(model, setup, hw, blocks, d, m, max(params), bandwidth)
-    flops = F.model_flops_per_step(setup.global_batch, s, l, h, V)
+    flops = formulas.model_flops_per_step(setup.global_batch, s, l, h, V)
     return {
         "gpus": setup.gpus, "tp": t, "pp": p, "dp": d, "micro_batch": b, "global_batch": setup.global_batch,
         "zero": setup.zero, "recompute": "full" if setup.recompute else "none",
-        "padded_vocab": F.padded_vocab_size(V, t, model.vocab_pad_multiple),
-        "params_total": F.params_exact(l, h, V, s), "params_formula": F.params_formula(l, h, V, s),
+        "padded_vocab": formulas.padded_vocab_size(V, t, model.vocab_pad_multiple),
+        "params_total": formulas.params_exact(l, h, V, s), "params_formula": formulas.params_formula(l, h, V, s),
         "blocks_per_stage": blocks, "layers_per_stage": max(blocks),
         "microbatches_per_pipeline": m, "grad_accum_steps": m,
-        "bubble_fraction": F.bubble_fraction(p, m),
+        "bubble_fraction": formulas.bubble_fraction(p, m),
         "params_per_stage": params, "params_per_device": max(params),
         "memory_per_stage_bytes": memory, "memory_fullest_stage": fullest,
         "memory_per_device_bytes": memory[fullest]["total"],
         "model_flops_per_step": flops,
-        "model_flops_per_step_recompute": F.model_flops_per_step(setup.global_batch, s, l, h, V, True),
+        "model_flops_per_step_recompute": formulas.model_flops_per_step(setup.global_batch, s, l, h, V, True),
         "comm_bytes_per_step": {
-            "tp": F.tp_allreduce_bytes_per_step(b, s, h, max(blocks), m, setup.recompute) if t > 1 else 0,
-            "pp": F.pp_p2p_bytes_per_step(b, s, h, m) if p > 1 else 0,
-            "dp": F.dp_allreduce_bytes_per_step(max(params)) if d > 1 else 0},
+            "tp": formulas.tp_allreduce_bytes_per_step(b, s, h, max(blocks), m, setup.recompute) if t > 1 else 0,
+            "pp": formulas.pp_p2p_bytes_per_step(b, s, h, m) if p > 1 else 0,
+            "dp": formulas.dp_allreduce_bytes_per_step(max(params)) if d > 1 else 0},
         "groups": groups, "groups_within_node": intra,
         "step_time_s": time["step"], "step_time_parts_s": time,
-        "mfu_estimate": F.mfu(flops, time["step"], hw.peak_flops, setup.gpus),
+        "mfu_estimate": formulas.mfu(flops, time["step"], hw.peak_flops, setup.gpus),
     }
 
 
@@ -192,7 +192,7 @@ def search(model: ModelDims, gpus: int, global_batch: int, zero: int, recompute:
                 continue
             for b in divisors(global_batch // dp):
                 try:
-                    plan = evaluate(model, Setup(gpus, tp, pp, b, global_batch, zero, recompute), hw)
+                    plan = estimate_plan(model, Setup(gpus, tp, pp, b, global_batch, zero, recompute), hw)
                 except ConfigError:  # heads not divisible by tp, fewer layers than stages, ...
                     continue
                 plan["fits"] = hw.memory_bytes is None or plan["memory_per_device_bytes"] <= hw.memory_bytes

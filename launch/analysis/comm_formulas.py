@@ -1,7 +1,7 @@
 """Exact communication of this implementation: every collective one rank calls in one training
-step, with its element and byte count, as launch/comm_counter.py measures it.
+step, with its element and byte count, as launch/instruments/comm_counter.py measures it.
 
-The planner's formulas (launch/formulas.py, DESIGN.md section 5) give the leading terms:
+The planner's formulas (launch/analysis/formulas.py, DESIGN.md section 5) give the leading terms:
 4 TP all-reduces of b*s*h per block per micro-batch [N21 sec. 2.3], b*s*h per stage boundary per
 micro-batch each way [N21 sec. 3], the local gradient once per step over dp. This module adds
 everything our code and DeepSpeed 0.19.8 really send, so a measurement can be checked to the byte:
@@ -27,11 +27,11 @@ and no activation recomputation (which repeats the blocks' forward all-reduces).
 """
 from typing import Dict, Tuple
 
-from launch import formulas as F
-from launch.layout import Layout
+from launch.analysis import formulas
+from launch.runtime.layout import Layout
 from model.gpt import GPTConfig
 
-Key = Tuple[str, str, str]  # (purpose, role, op), as in launch/comm_counter.py
+Key = Tuple[str, str, str]  # (purpose, role, op), as in launch/instruments/comm_counter.py
 Volume = Tuple[int, int, int]  # (calls, elements, bytes)
 
 SHAPE_HEADER_ELEMENTS, SHAPE_HEADER_BYTES = 256, 4  # DeepSpeed TENSOR_META_SIZE, int32
@@ -50,7 +50,7 @@ def stage_vector_params_per_rank(config: GPTConfig, tp: int, pp: int, stage: int
     """Biases and LayerNorms one rank of `stage` holds: column-parallel biases 7h/t, row-parallel
     biases and both LayerNorms 6h per block, ln_f 2h on the last stage."""
     h = config.n_embd
-    blocks = F.blocks_per_stage(config.n_layer, pp)[stage]
+    blocks = formulas.blocks_per_stage(config.n_layer, pp)[stage]
     return blocks * (7 * h // tp + 6 * h) + (2 * h if stage == pp - 1 else 0)
 
 
@@ -67,7 +67,7 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
     t, p, d, m = layout.tp, layout.pp, layout.dp, layout.grad_accum_steps
     b, s, h = layout.micro_batch_size, config.seq_len, config.n_embd
     first, last = stage == 0, stage == p - 1
-    blocks = F.blocks_per_stage(config.n_layer, p)[stage]
+    blocks = formulas.blocks_per_stage(config.n_layer, p)[stage]
     activation = b * s * h  # one (b, s, h) stage tensor
     out: Dict[Key, Volume] = {}
 
@@ -105,10 +105,10 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
             if not first:
                 add("pp-shape", "pp-p2p", "recv", *header_volume)
         if first or last:
-            wte = F.embedding_params_per_rank(config.vocab_size, h, t, config.vocab_pad_multiple)
+            wte = formulas.embedding_params_per_rank(config.vocab_size, h, t, config.vocab_pad_multiple)
             add("tied-grads", "pp", "all_reduce", 1, wte, wte * element_bytes)
 
-    local = F.stage_params_per_rank(config.n_layer, h, config.vocab_size, s, t, p, stage, config.vocab_pad_multiple)
+    local = formulas.stage_params_per_rank(config.n_layer, h, config.vocab_size, s, t, p, stage, config.vocab_pad_multiple)
     add("dp-grads", "dp" if d > 1 else "self", "all_reduce", 1, local, local * element_bytes)
     if d > 1:
         vectors = stage_vector_params_per_rank(config, t, p, stage)

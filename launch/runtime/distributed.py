@@ -9,6 +9,7 @@ torch.distributed collectives (gloo on CPU, NCCL on GPU), which is all we need.
 """
 import importlib
 import os
+import socket
 from datetime import timedelta
 from typing import Mapping
 
@@ -47,3 +48,30 @@ def shut_down_distributed() -> None:
     import torch.distributed as dist
     dist.barrier()
     dist.destroy_process_group()
+
+
+def on_cpu() -> bool:
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().device_name() == "cpu"
+
+
+def check_precision_supported(precision: str) -> None:
+    """deepspeed.initialize refuses fp16 where the accelerator declares none (DeepSpeed's CPU
+    accelerator on CPUs without oneDNN fp16 kernels): say so before the start."""
+    from deepspeed.accelerator import get_accelerator
+
+    from launch.runtime.recipe import ConfigError
+    if precision == "fp16" and not get_accelerator().is_fp16_supported():
+        raise ConfigError(f"train.precision=fp16: the {get_accelerator().device_name()} accelerator does not "
+                          f"support fp16 here; use fp32 or bf16")
+
+
+def ensure_single_process_env() -> None:
+    """`python launch/train.py` without a launcher: a world of one, on a free local port."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

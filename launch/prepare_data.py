@@ -1,26 +1,24 @@
-"""Build the data cache of a recipe ahead of training: `python data/prepare.py --recipe R.yaml`.
+"""Build the data cache of a recipe ahead of training: `python launch/prepare_data.py --recipe R.yaml`.
 
 Tokenizes with progress bars, writes the cached token streams and prints what a run will
 see. A second call (or a training run) reuses the cache at once. An entry point, so it reads
-the recipe through launch/config.py like launch/train.py does.
+the recipe through launch/runtime/recipe.py like launch/train.py does.
 """
-import argparse
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from launch.config import ConfigError, load_recipe, report_bad_input  # noqa: E402
-from data.spec import DataError  # noqa: E402
+from data.spec import DataError
+from launch.runtime.cli import OneLineErrorParser
+from launch.runtime.recipe import ConfigError, load_recipe, report_bad_input
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = OneLineErrorParser(description=__doc__)
     parser.add_argument("--recipe", type=Path, required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         recipe = load_recipe(args.recipe, args.overrides)
         if recipe.data.streaming:
             raise ConfigError("data.streaming=true tokenizes on the fly: there is nothing to prepare")

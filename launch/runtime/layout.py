@@ -5,7 +5,7 @@ Runs before torch.distributed or DeepSpeed start, so bad input costs nothing.
 """
 from dataclasses import dataclass
 
-from launch.config import ConfigError, Recipe
+from launch.runtime.recipe import ConfigError, Recipe
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -73,8 +73,8 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
     if t.zero_stage == 0 and t.precision == "bf16":
         # deepspeed.initialize raises NotImplementedError for bf16 weights with the fp32 gradient
         # accumulation that pipeline runs need (DESIGN.md contract 8); ZeRO-1 supports it.
-        raise ConfigError(f"train.zero_stage=0 with train.precision=bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 "
-                          f"path with fp32 gradient accumulation; set train.zero_stage=1")
+        raise ConfigError("train.zero_stage=0 with train.precision=bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 "
+                          "path with fp32 gradient accumulation; set train.zero_stage=1")
     if t.activation_checkpoint_interval < 0:
         raise ConfigError(f"train.activation_checkpoint_interval={t.activation_checkpoint_interval} must be >= 0")
     if t.recompute not in RECOMPUTE_MODES:

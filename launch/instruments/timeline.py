@@ -1,5 +1,5 @@
 """The measured pipeline: per-stage forward and backward times of a few training steps, drawn as
-launch/pipeline_chart.py's 1F1B chart with the measured bubble next to the predicted one.
+launch/instruments/pipeline_chart.py's 1F1B chart with the measured bubble next to the predicted one.
 
 `install_timeline_recorder(engine, ...)` wraps the DeepSpeed PipelineEngine's ForwardPass and
 BackwardPass handlers (its `_INSTRUCTION_MAP`, which `_exec_schedule` looks up on the engine)
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
-from launch import formulas as F
-from launch.pipeline_chart import Event, draw_schedule, idle_fraction
+from launch.analysis import formulas
+from launch.instruments.pipeline_chart import Event, draw_schedule, idle_fraction
 
 import matplotlib.pyplot as plt  # after pipeline_chart chose the file backend
 
@@ -97,7 +97,7 @@ class TimelineRecorder:
         steps = [sorted(sum((r[i] for r in per_rank), []), key=lambda e: (e[0], e[3]))
                  for i in range(len(self.steps))]
         p, m = self.engine.num_stages, self.engine.micro_batches
-        predicted = F.bubble_fraction(p, m)
+        predicted = formulas.bubble_fraction(p, m)
         measured = measured_bubble(steps)
         numbers = (f"bubble measured {measured:.1%} (mean of steps {self.first_step}-"
                    f"{self.first_step + len(steps) - 1}) vs predicted {predicted:.1%} = (p-1)/(m+p-1) "

@@ -10,7 +10,7 @@ from safetensors or with torch's weights_only unpickler.
 """
 from typing import Any, Callable, List, Tuple
 
-from launch.config import ConfigError
+from launch.runtime.recipe import ConfigError
 from model.gpt import GPTConfig
 
 # (GPT2Config attribute, the values our model computes the same function with, the fix):

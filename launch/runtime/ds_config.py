@@ -1,20 +1,25 @@
 """The DeepSpeed config, generated from the recipe and the derived layout.
 
-The learning-rate schedule is passed to `deepspeed.initialize` as an object (launch/schedule.py).
+The learning-rate schedule is passed to `deepspeed.initialize` as an object (launch/runtime/lr_schedule.py).
 """
 from typing import Any, Dict
 
-from launch.config import Recipe, deep_merge
-from launch.layout import Layout
+from launch.runtime.recipe import Recipe, deep_merge
+from launch.runtime.layout import Layout
 from model.pipe import pipeline_config
+
+
+def batch_config(layout: Layout) -> Dict[str, int]:
+    """DeepSpeed's three batch keys, from the layout that derived and checked them."""
+    return {"train_batch_size": layout.global_batch_size,
+            "train_micro_batch_size_per_gpu": layout.micro_batch_size,
+            "gradient_accumulation_steps": layout.grad_accum_steps}
 
 
 def deepspeed_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
     t = recipe.train
     config: Dict[str, Any] = {
-        "train_batch_size": layout.global_batch_size,
-        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
-        "gradient_accumulation_steps": layout.grad_accum_steps,
+        **batch_config(layout),
         "optimizer": {
             "type": "AdamW",
             # torch's AdamW: same maths on CPU and GPU, and no CUDA extension to JIT-build.
@@ -36,3 +41,12 @@ def deepspeed_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
     deep_merge(config, recipe.deepspeed)
     return config
 
+
+
+def evaluation_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
+    """The config of an engine that only runs `eval_batch` (launch/runtime/evaluation.py): the same
+    batch keys and pipeline settings, no optimizer (the pipeline engine needs one only for
+    train_batch), and fp32 whatever the recipe trains in, so every layout and the transformers
+    model agree to rounding."""
+    return {**batch_config(layout), "steps_per_print": 10 ** 9,
+            **pipeline_config(recipe.model.sequence_parallel)}

@@ -1,7 +1,7 @@
 """Recipes: typed sections loaded from YAML, overridden by `--set key.sub=value`.
 
 Every field has a type and a docstring; unknown keys and wrong types are errors that name
-the key, the value and what was expected. Validation of the layout lives in launch/layout.py.
+the key, the value and what was expected. Validation of the layout lives in launch/runtime/layout.py.
 """
 import dataclasses
 import os

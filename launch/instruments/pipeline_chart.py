@@ -110,15 +110,6 @@ def draw_device_grid(ax: Axes, tp: int, pp: int, dp: int) -> None:
                  f"outlined = one TP group, columns of boxes = DP replicas", fontsize=9)
 
 
-def draw(events: Sequence[Event], path: str, title: str) -> None:
-    """The schedule alone, e.g. from measured times."""
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.5 * (max(e[0] for e in events) + 1)))
-    draw_schedule(ax, events, title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def draw_plan(path: str, tp: int, pp: int, dp: int, events: Sequence[Event], title: str) -> None:
     """The layout grid above the schedule, in one PNG."""
     fig, (grid, schedule) = plt.subplots(2, 1, figsize=(13, 2.5 + 0.7 * pp),

@@ -18,9 +18,9 @@ committed (the one the run resumed from, or its previous save); `--keep-last K` 
 newest checkpoints of that chain and touches nothing else in DIR.
 Every file is fsynced by the rank that wrote it before the ranks agree the save is done;
 then the writer fsyncs the directories, commits complete.json and moves `latest`
-(launch/checkpoint_io.py). Files are read with torch.load(weights_only=True) only.
+(launch/checkpoints/safe_io.py). Files are read with torch.load(weights_only=True) only.
 At the saved (tp, pp, dp) DeepSpeed's loader restores everything bit for bit; at another layout
-launch/reshard.py re-shards the ZeRO-1 weights and optimizer state.
+launch/checkpoints/reshard.py re-shards the ZeRO-1 weights and optimizer state.
 """
 import json
 import re
@@ -35,8 +35,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from launch.checkpoint_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
-from launch.config import ConfigError
+from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
+from launch.runtime.recipe import ConfigError
 
 COMPLETE = "complete.json"
 LATEST = "latest"
@@ -134,7 +134,7 @@ def same_layout(saved: Dict[str, int], layout: Dict[str, int]) -> bool:
 
 def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Dict[str, int]) -> None:
     """The model shape, the global batch and the ZeRO stage must match the checkpoint's; another
-    layout needs ZeRO-1 (launch/reshard.py re-shards ZeRO-1 state). Say which key differs."""
+    layout needs ZeRO-1 (launch/checkpoints/reshard.py re-shards ZeRO-1 state). Say which key differs."""
     saved_model, model = ref.meta["recipe"]["model"], recipe_dict["model"]
     # Free to change on resume: they leave every weight's shape and TP shard as they are (and
     # checkpoints saved before `sequence_parallel` existed lack the key).
@@ -293,9 +293,9 @@ def history(root: Path, tag: str) -> List[Path]:
 def load(engine, ref: CheckpointRef, layout: Dict[str, int], state, config) -> Dict[str, Any]:
     """Restore the engine and return the client state (step, samples, recipe). At the saved
     layout: DeepSpeed's own loader and this rank's RNG states (a bitwise continuation). At
-    another: launch/reshard.py re-shards weights and optimizer state (fp32 rounding)."""
+    another: launch/checkpoints/reshard.py re-shards weights and optimizer state (fp32 rounding)."""
     if not same_layout(ref.meta["layout"], layout):
-        from launch.reshard import load_resharded
+        from launch.checkpoints.reshard import load_resharded
         from model.pipe import seed_dropout_rngs
         load_resharded(engine, ref.path, ref.meta["layout"], state, config.n_layer, config.vocab_size,
                        config.padded_vocab_size(state.tp_size))

@@ -1,7 +1,7 @@
 """How checkpoint files are read and written: a safe unpickler and durable writes.
 
 Reading: every checkpoint file (ours, DeepSpeed's own loader at the saved layout, and
-launch/reshard.py at another) is unpickled with `torch.load(weights_only=True)`: tensors, plain
+launch/checkpoints/reshard.py at another) is unpickled with `torch.load(weights_only=True)`: tensors, plain
 containers and the four small DeepSpeed types its files pickle (`allowed_types`); anything else, such as
 a pickled callable, is refused, so loading a checkpoint runs no code from it. DeepSpeed 0.19.8
 has no switch for this (its TorchCheckpointEngine.load passes weights_only=False), so the engine

@@ -43,12 +43,11 @@ PAYLOAD_ARGUMENT = {
 POINT_TO_POINT = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
 
 # The innermost calling function (qualified name) that names the purpose of a call; the keys of
-# launch/comm_formulas.py. Calls from anywhere else are bookkeeping (loss, grad norm, metrics).
+# launch/analysis/comm_formulas.py. Calls from anywhere else are bookkeeping (loss, grad norm, metrics).
 PURPOSES = {
     "_ReduceFromTP.forward": "tp-forward",  # row-parallel outputs, the embedding
     "_CopyToTP.backward": "tp-backward",  # input grads of column-parallel layers and the head
     "_GatherFromTP.forward": "tp-gather",
-    "_ScatterToTP.backward": "tp-gather",
     "_VocabParallelCrossEntropy.forward": "tp-loss",  # max, sum-exp, target logit
     "PipelineEngine._send_tensor_meta": "pp-shape",
     "PipelineEngine._recv_tensor_meta": "pp-shape",
@@ -63,7 +62,7 @@ PURPOSES = {
     "all_gather_dp_groups": "dp-params",
 }
 BOOKKEEPING = "bookkeeping: "
-_COMM_LAYERS = ("torch/distributed/", "deepspeed/comm/", "launch/comm_counter.py")
+_COMM_LAYERS = ("torch/distributed/", "deepspeed/comm/", "launch/instruments/comm_counter.py")
 
 
 def purpose_of_call(frame) -> str:

@@ -1,0 +1,216 @@
+"""What launch/plan.py prints: the model and layout resolved from flags and recipe, the plan (or
+the search's ranking) as text or JSON, its warnings, and the device-grid / 1F1B chart."""
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+from launch.analysis.planner import GIB, GPUS, Hardware, ModelDims, Setup, estimate_plan, search, why
+from launch.runtime.recipe import ConfigError, load_recipe
+
+GPT3 = {"layers": 96, "hidden": 12288, "seq_len": 2048, "vocab": 51200}
+GPT3_HEAD_DIM = 128
+
+
+def resolve(args: argparse.Namespace) -> Tuple[ModelDims, Setup, Hardware]:
+    """(ModelDims, Setup, Hardware) from flags > recipe > GPT-3 defaults."""
+    rm = rt = None
+    if args.recipe is not None:
+        recipe = load_recipe(args.recipe, [])
+        rm, rt = recipe.model, recipe.train
+
+    def pick(flag: Any, from_recipe: Any, default: Any) -> Any:
+        return flag if flag is not None else from_recipe if from_recipe is not None else default
+
+    hidden = pick(args.hidden, rm and rm.n_embd, GPT3["hidden"])
+    vocab = pick(args.vocab, rm and rm.vocab_size, None)
+    if vocab is None and rm is not None:  # the recipe takes the tokenizer's vocabulary
+        if recipe.data.tokenizer != "builtin":
+            raise ConfigError(f"recipe {str(args.recipe)!r} has model.vocab_size=null (the tokenizer's, "
+                              f"{recipe.data.tokenizer!r}); pass --vocab N")
+        from data.builtin import BUILTIN_VOCAB_SIZE  # slow import, only when needed
+        vocab = BUILTIN_VOCAB_SIZE
+    model = ModelDims(n_layer=pick(args.layers, rm and rm.n_layer, GPT3["layers"]), n_embd=hidden,
+                      n_head=pick(args.heads, rm and rm.n_head, max(1, hidden // GPT3_HEAD_DIM)),
+                      seq_len=pick(args.seq_len, rm and rm.seq_len, GPT3["seq_len"]),
+                      vocab_size=vocab if vocab is not None else GPT3["vocab"],
+                      vocab_pad_multiple=pick(args.vocab_pad_multiple, rm and rm.vocab_pad_multiple, 1))
+    recompute = args.recompute == "full" if args.recompute else bool(rt and rt.recompute_mode == "full")
+    setup = Setup(gpus=args.gpus, tp=args.tp, pp=args.pp,
+                  micro_batch=pick(args.micro_batch, rt and rt.micro_batch_size, 1),
+                  global_batch=pick(args.global_batch, rt and rt.global_batch_size, 1536),
+                  zero=pick(args.zero, rt and rt.zero_stage, 1), recompute=recompute)
+    gpu = GPUS[args.gpu]
+    memory = args.gpu_memory if args.gpu_memory is not None else (gpu.memory_gib if args.search else None)
+    for name, value in [("--gpu-memory", memory), ("--peak-tflops", args.peak_tflops),
+                        ("--intra-node-gbps", args.intra_node_gbps), ("--inter-node-gbps", args.inter_node_gbps),
+                        ("--gpus-per-node", args.gpus_per_node), ("--top", args.top)]:
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name} {value} must be > 0")
+    if args.plot is not None and not args.plot.parent.is_dir():
+        raise ConfigError(f"--plot {str(args.plot)!r}: folder {str(args.plot.parent)!r} does not exist")
+    if not 0 < args.efficiency <= 1:
+        raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]")
+    hardware = Hardware(peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else gpu.peak_flops,
+                        intra_node_bw=args.intra_node_gbps * 1e9 if args.intra_node_gbps else gpu.intra_node_bw,
+                        inter_node_bw=args.inter_node_gbps * 1e9 if args.inter_node_gbps else gpu.inter_node_bw,
+                        gpus_per_node=args.gpus_per_node, efficiency=args.efficiency,
+                        memory_bytes=memory * GIB if memory is not None else None)
+    return model, setup, hardware
+
+
+def warnings(plan: Dict[str, Any], model: ModelDims, setup: Setup, hw: Hardware) -> List[str]:
+    """Each problem with its fix."""
+    out = []
+    p, m, d, b, B = plan["pp"], plan["microbatches_per_pipeline"], plan["dp"], setup.micro_batch, setup.global_batch
+    if p > 1 and m < 4 * p:
+        fix = f"raise --global-batch to {4 * p * b * d}"
+        smaller = [k for k in range(b - 1, 0, -1) if (B // d) % k == 0 and B // (d * k) >= 4 * p]
+        if smaller:
+            fix += f" or lower --micro-batch to {smaller[0]}"
+        out.append(f"only {m} micro-batches per pipeline for {p} stages: the bubble is "
+                   f"{plan['bubble_fraction']:.0%} of the step; aim for m >= 4*p = {4 * p}: {fix}")
+    if not plan["groups_within_node"]["tp"]:
+        out.append(f"TP groups of {setup.tp} span nodes of {hw.gpus_per_node} GPUs: 4 all-reduces per block "
+                   f"per micro-batch cross the inter-node network; use a tp that divides {hw.gpus_per_node} "
+                   f"and raise --pp instead")
+    mem = plan["memory_per_device_bytes"]
+    if hw.memory_bytes is not None and mem > hw.memory_bytes:
+        changes = ([{"recompute": True}] if not setup.recompute else []) + ([{"zero": 1}] if setup.zero == 0 else [])
+        if len(changes) == 2:
+            changes.append({"recompute": True, "zero": 1})
+        fixes = []
+        for change in changes:
+            alt = estimate_plan(model, dataclasses.replace(setup, **change), hw)["memory_per_device_bytes"]
+            flags = " ".join("--recompute full" if k == "recompute" else "--zero 1" for k in change)
+            fixes.append(f"{flags} gives {alt / GIB:.1f} GiB")
+        fixes.append("or raise --tp/--pp, lower --micro-batch (--search lists layouts that fit)")
+        out.append(f"predicted {mem / GIB:.1f} GiB per device (stage {plan['memory_fullest_stage']}) exceeds "
+                   f"--gpu-memory {hw.memory_bytes / GIB:g} GiB: " + "; ".join(fixes))
+    return out
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,.0f}"
+
+
+def _groups(groups: List[List[int]]) -> str:
+    """'32 x 4 ranks: [0, 1, 2, 3], [4, 5, 6, 7], ..., [124, 125, 126, 127]', long lists cut."""
+    short = lambda g: str(g) if len(g) <= 6 else f"[{g[0]}, {g[1]}, {g[2]}, ..., {g[-1]}]"  # noqa: E731
+    shown = [short(g) for g in groups] if len(groups) <= 3 else [short(groups[0]), short(groups[1]), "...",
+                                                                 short(groups[-1])]
+    return f"{len(groups)} x {len(groups[0])} ranks: " + ", ".join(shown)
+
+
+def report(plan: Dict[str, Any], model: ModelDims, hw: Hardware, notes: List[str]) -> str:
+    t, p, d, m, b = plan["tp"], plan["pp"], plan["dp"], plan["microbatches_per_pipeline"], plan["micro_batch"]
+    comm, where = plan["comm_bytes_per_step"], {k: "in node" if v else "across nodes"
+                                                 for k, v in plan["groups_within_node"].items()}
+    blocks = plan["blocks_per_stage"]
+    k = plan["memory_fullest_stage"]
+    mem = plan["memory_per_stage_bytes"][k]
+    time = plan["step_time_parts_s"]
+    gib = lambda x: f"{x / GIB:7.1f} GiB"  # noqa: E731
+    total_label = f"total (zero {plan['zero']}, recompute {plan['recompute']})"
+    lines = [
+        f"Model: {model.n_layer} layers, hidden {model.n_embd}, {model.n_head} heads, seq {model.seq_len}, "
+        f"vocab {model.vocab_size} (padded {plan['padded_vocab']}): {_count(plan['params_total'])} parameters "
+        f"(formula {_count(plan['params_formula'])})",
+        f"Layout: {plan['gpus']} GPUs = tp {t} x pp {p} x dp {d}; {t * p} GPUs per replica, "
+        f"{hw.gpus_per_node} per node",
+        "",
+        f"{'role':<5}{'size':>5}  {'splits':<44}communication per step per device",
+        f"{'TP':<5}{t:>5}  {'each weight matrix of a block, the vocab':<44}"
+        f"{comm['tp'] / 1e9:.1f} GB all-reduced ({6 if plan['recompute'] == 'full' else 4} x b*s*h per block "
+        f"per micro-batch), {where['tp']}",
+        f"{'':12}groups: {_groups(plan['groups']['tp'])}",
+        f"{'PP':<5}{p:>5}  {f'the {model.n_layer} blocks into {p} stages':<44}"
+        f"{comm['pp'] / 1e9:.1f} GB each way per boundary (b*s*h per micro-batch), {where['pp']}",
+        f"{'':12}groups: {_groups(plan['groups']['pp'])}",
+        f"{'DP':<5}{d:>5}  {f'the batch into {d} replicas':<44}"
+        f"{comm['dp'] / 1e9:.1f} GB all-reduced (the local gradients), {where['dp']}",
+        f"{'':12}groups: {_groups(plan['groups']['dp'])}",
+        "",
+        f"dp = {plan['gpus']} / (tp {t} * pp {p}) = {d}",
+        f"layers per stage: {plan['layers_per_stage']} blocks"
+        + ("" if len(set(blocks)) == 1 else f" at most ({blocks})")
+        + (" (+ wte, wpe on the first stage; ln_f, tied head on the last)" if p > 1 else ""),
+        f"micro-batches per pipeline: m = {plan['global_batch']} / (micro {b} * dp {d}) = {m} "
+        f"= gradient accumulation steps",
+        f"1F1B bubble: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {plan['bubble_fraction']:.4f} of the step",
+        f"parameters per device: {_count(plan['params_per_device'])} "
+        f"(stages: {', '.join(_count(x) for x in plan['params_per_stage'][:8])}{', ...' if p > 8 else ''})",
+        "",
+        f"memory per device, stage {k} (the fullest):",
+        f"  {'weights (bf16)':<32}{gib(mem['weights'])}",
+        f"  {'gradients (bf16)':<32}{gib(mem['gradients'])}",
+        f"  {'optimizer (fp32 Adam)':<32}{gib(mem['optimizer'])}   with ZeRO-1 over dp {d}: "
+        f"{gib(mem['optimizer_zero1'])}",
+        f"  {'activations':<32}{gib(mem['activations'])}   with full recompute:   "
+        f"{gib(mem['activations_recompute'])}",
+        f"  {total_label:<32}{gib(plan['memory_per_device_bytes'])}"
+        + (f" of {hw.memory_bytes / GIB:g} GiB" if hw.memory_bytes else ""),
+        "",
+        f"model FLOPs per step: {plan['model_flops_per_step']:.3e} "
+        f"(executed with full recompute: {plan['model_flops_per_step_recompute']:.3e})",
+        f"estimated step: {time['step']:.2f} s (compute {time['compute']:.2f}, bubble {time['bubble']:.2f}, "
+        f"tp {time['tp']:.2f}, pp {time['pp']:.2f}, dp {time['dp']:.2f}), MFU {plan['mfu_estimate']:.0%} "
+        f"at {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s",
+    ]
+    lines += [""] + [f"warning: {w}" for w in notes] if notes else []
+    return "\n".join(lines)
+
+
+def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setup, hw: Hardware) -> str:
+    budget = f"{hw.memory_bytes / GIB:g} GiB" if hw.memory_bytes else "none"
+    lines = [f"{len(plans)} of {valid} valid layouts fit for {setup.gpus} GPUs, global batch {setup.global_batch}, "
+             f"zero {setup.zero}, recompute {'full' if setup.recompute else 'none'}, memory budget {budget}; "
+             f"cost model: {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s, "
+             f"{hw.intra_node_bw / 1e9:.0f} GB/s in node, {hw.inter_node_bw / 1e9:.0f} GB/s across",
+             f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'micro':>5} {'m':>4} {'bubble':>7} {'GiB':>6} "
+             f"{'step s':>8} {'MFU':>4}  why (share of step time)"]
+    for i, r in enumerate(plans[:top], 1):
+        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['micro_batch']:>5} "
+                     f"{r['microbatches_per_pipeline']:>4} {r['bubble_fraction']:>7.1%} "
+                     f"{r['memory_per_device_bytes'] / GIB:>6.1f} {r['step_time_s']:>8.2f} "
+                     f"{r['mfu_estimate']:>4.0%}  {why(r)}")
+    return "\n".join(lines)
+
+
+def plot(path: Path, plan: Dict[str, Any]) -> None:
+    """Device grid + the simulated 1F1B schedule; forward : backward = 1 : 2 (1 : 3 recomputing)."""
+    from launch.instruments.pipeline_chart import draw_plan, simulate_1f1b  # matplotlib: only when drawing
+    parts, m, p = plan["step_time_parts_s"], plan["microbatches_per_pipeline"], plan["pp"]
+    slot = (parts["compute"] + parts["tp"] + parts["pp"]) / m
+    fwd = slot / (4 if plan["recompute"] == "full" else 3)
+    events = simulate_1f1b(p, m, fwd, slot - fwd)
+    draw_plan(str(path), plan["tp"], p, plan["dp"], events,
+              f"1F1B, p={p}, m={m} (tp {plan['tp']}, dp {plan['dp']}, micro {plan['micro_batch']}): "
+              f"predicted bubble (p-1)/(m+p-1) = {plan['bubble_fraction']:.1%}")
+
+
+def plan_output(args: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
+    """(the text or JSON to print, the plan to draw) for launch/plan.py's arguments."""
+    model, setup, hw = resolve(args)
+    if args.search:
+        valid = search(model, setup.gpus, setup.global_batch, setup.zero, setup.recompute, hw)
+        plans = [plan for plan in valid if plan["fits"]]
+        if not valid:
+            raise ConfigError(f"no valid (tp, pp, micro-batch) for {setup.gpus} GPUs, global batch "
+                              f"{setup.global_batch}, {model.n_head} heads and {model.n_layer} layers; "
+                              f"choose a --global-batch divisible by more dp sizes, or other --gpus")
+        if not plans:
+            raise ConfigError(f"none of the {len(valid)} valid layouts for {setup.gpus} GPUs and global batch "
+                              f"{setup.global_batch} fits {hw.memory_bytes / GIB:g} GiB per device; "
+                              f"try --recompute full, --zero 1, more --gpus or a larger --gpu-memory")
+        chosen, output = plans[0], search_report(plans, len(valid), args.top, setup, hw)
+        if args.json:
+            output = json.dumps({"search": plans[:args.top], "valid_layouts": len(valid),
+                                 "fitting_layouts": len(plans)})
+    else:
+        chosen = estimate_plan(model, setup, hw)
+        notes = warnings(chosen, model, setup, hw)
+        output = (json.dumps(dict(chosen, warnings=notes, model=dataclasses.asdict(model)))
+                  if args.json else report(chosen, model, hw, notes))
+    return output, chosen

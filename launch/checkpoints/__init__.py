@@ -1,0 +1,1 @@
+"""Checkpoints on disk: durable save, find and prune, safe loading, re-sharding to another layout, transformers weights in and out."""

@@ -1,0 +1,1 @@
+"""The run's machinery between the command line and the model: recipe, layout, DeepSpeed config, distributed start, engine, training loop, signals and failures."""

@@ -1,0 +1,66 @@
+"""The training command line (launch/train.py's flags; bench/profile_step.py parses the same) and
+the parser every entry point uses: a bad flag is one line and exit code 2, like any bad input."""
+import argparse
+from pathlib import Path
+from typing import List, Optional
+
+from launch.runtime.recipe import ConfigError, Recipe, load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_RECIPE = REPO / "recipes" / "demo.yaml"
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
+        raise ConfigError(f"{message} (see --help)")
+
+
+def parse_training_args(argv: Optional[List[str]], description: str = "") -> argparse.Namespace:
+    p = OneLineErrorParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help="YAML recipe (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
+    p.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
+    p.add_argument("--seed", type=int, help="seed (overrides train.seed)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field, e.g. --set train.lr=3e-4 (repeatable)")
+    p.add_argument("--metrics-out", type=Path, help="JSON lines, one per optimizer step")
+    p.add_argument("--wandb", choices=["online", "offline", "disabled"], help="overrides wandb.mode")
+    p.add_argument("--save", type=Path, help="save checkpoints under this directory")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="save every N steps (and always at the end, or when signalled)")
+    p.add_argument("--keep-last", type=int, default=0, metavar="K", help="keep only the K newest checkpoints")
+    p.add_argument("--load", type=Path, help="resume: a save directory (its latest complete checkpoint) or one "
+                   "checkpoint directory; --steps stays the run's total")
+    p.add_argument("--init-from-hf", metavar="DIR_OR_NAME",
+                   help="start from GPT-2-format (transformers) weights of the recipe's model shape")
+    p.add_argument("--timeline", type=Path, metavar="FILE.png",
+                   help="draw the measured 1F1B schedule (per-stage forward/backward times) of a few steps")
+    p.add_argument("--timeline-steps", type=int, default=3, metavar="N",
+                   help="steps --timeline records, after one warm-up step (default: %(default)s)")
+    p.add_argument("--comm-counts", type=Path, metavar="DIR",
+                   help="count each collective's bytes per step into DIR/rank{R}.json (bench/comm_volume.py)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every library message, including the known-harmless ones launch/runtime/console.py "
+                   "silences")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.timeline_steps < 1:
+        p.error(f"--timeline-steps {args.timeline_steps} must be >= 1")
+    if args.save_every < 0 or args.keep_last < 0:
+        raise ConfigError(f"--save-every {args.save_every} and --keep-last {args.keep_last} must be >= 0")
+    if (args.save_every or args.keep_last) and args.save is None:
+        raise ConfigError("--save-every and --keep-last need --save DIR")
+    return args
+
+
+def training_recipe(args: argparse.Namespace) -> Recipe:
+    """The recipe file with --set, then the --steps / --seed / --wandb shorthands, applied."""
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    if args.seed is not None:
+        overrides.append(f"train.seed={args.seed}")
+    if args.wandb is not None:
+        overrides.append(f"wandb.mode={args.wandb}")
+    return load_recipe(args.recipe, overrides)

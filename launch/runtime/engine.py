@@ -1,0 +1,66 @@
+"""The run's model inside its DeepSpeed engine: the PipelineModule (seeded, or from transformers
+weights), AdamW with its parameter groups, the LR schedule, and the role map printed at start."""
+from typing import Any, List, Optional, Tuple
+
+from launch.runtime.layout import Layout
+from launch.runtime.recipe import Recipe
+
+
+def print_role_map(layout: Layout, state, stages: List[Tuple[int, str]], seq_len: int,
+                   sequence_parallel: bool = False, recompute: str = "none") -> None:
+    def groups(lists):
+        return " ".join(str(g) for g in lists)
+    print(f"layout: world {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp} "
+          f"(axis order pipe, data, model: TP ranks adjacent)\n"
+          f"  TP groups  (split each weight matrix):  {groups(state.tp_groups)}\n"
+          f"  pipelines  (split the layers, stage 0 first): {groups(state.pipelines)}\n"
+          f"  DP groups  (split the data, all-reduce grads): {groups(state.dp_groups)}")
+    for stage, contents in stages:
+        print(f"  stage {stage}: {contents}")
+    print(f"batch: global {layout.global_batch_size} = micro {layout.micro_batch_size} x dp {layout.dp} "
+          f"x {layout.grad_accum_steps} micro-batches per step; {layout.global_batch_size * seq_len} "
+          f"tokens per step")
+    shard = f"(b, T/tp, h) = ({layout.micro_batch_size}, {seq_len // layout.tp}, h): sequence parallel" \
+        if sequence_parallel and layout.tp > 1 else f"(b, T, h) = ({layout.micro_batch_size}, {seq_len}, h)"
+    print(f"activations: {shard} per rank between TP linears and across stages; recompute {recompute}",
+          flush=True)
+
+
+def param_groups(module) -> List[dict]:
+    """AdamW decays matrices and embeddings, not biases or LayerNorm (GPT-2 / nanoGPT)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2]},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def build_engine(recipe: Recipe, layout: Layout, state, config, logging_rank: bool,
+                 init_from_hf: Optional[str] = None, verbose: bool = False) -> Tuple[Any, Any]:
+    """(engine, own grad norm): the run's PipelineModule (seeded init, or `init_from_hf` weights)
+    inside a DeepSpeed engine with AdamW, ZeRO, clipping and the LR schedule; and, for fp32
+    ZeRO-0, our own gradient norm and clipping (launch/runtime/grad_norm.py), else None."""
+    import deepspeed
+
+    from launch.runtime.console import quiet_stdout
+    from launch.runtime.ds_config import deepspeed_config
+    from launch.runtime.grad_norm import Zero0GradNorm, uses_own_grad_norm
+    from launch.runtime.lr_schedule import warmup_cosine
+    from model.pipe import build_pipeline, stage_contents
+
+    t = recipe.train
+    with quiet_stdout(not verbose):  # DeepSpeed's own layer listing: the role map shows it
+        pipe = build_pipeline(config, state, t.full_recompute_interval)
+    if init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them
+        from launch.checkpoints.hf_weights import init_from_hf as load_hf_weights
+        load_hf_weights(pipe, init_from_hf, config, state)
+    if logging_rank:
+        print_role_map(layout, state, stage_contents(pipe, config), recipe.seq_len,
+                       recipe.model.sequence_parallel, t.recompute_mode)
+    ds_config = deepspeed_config(recipe, layout)
+    own_norm = uses_own_grad_norm(t.zero_stage, t.precision)
+    if own_norm:  # DeepSpeed's fp32 ZeRO-0 clipping miscounts across stages: ours clips instead
+        ds_config["gradient_clipping"] = 0.0
+    engine, _, _, _ = deepspeed.initialize(
+        model=pipe, model_parameters=param_groups(pipe), config=ds_config,
+        lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
+    grad_norm = Zero0GradNorm(engine, state.tp_rank, t.grad_clip) if own_norm else None
+    return engine, grad_norm

@@ -1,0 +1,144 @@
+"""Loss and perplexity of given weights (a checkpoint or GPT-2-format transformers weights) at any
+layout, through the training pipeline code (`build_pipeline`, `engine.eval_batch`).
+
+The weights decide the model's shape (the checkpoint's recipe, or the GPT-2 config); the recipe
+decides the data and the batch. A checkpoint's shards are merged and re-split for this layout
+(model/convert.py), so every layout gives the same numbers. The data: the first n global batches
+of the validation windows, or of the training stream when the recipe holds out no validation data.
+"""
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+from launch.runtime.cli import DEFAULT_RECIPE
+from launch.runtime.distributed import ensure_single_process_env, on_cpu
+from launch.runtime.layout import Layout, derive_layout
+from launch.runtime.recipe import ConfigError, Recipe, load_recipe
+from launch.runtime.run_inputs import load_run_data
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationJob:
+    """A checked evaluation, ready to start its process group."""
+    args: argparse.Namespace
+    recipe: Recipe
+    layout: Layout
+    data: Any
+    """data/pipeline.py's RunData."""
+    vocab_size: int
+    n_batches: int
+    """Global batches to average over."""
+
+
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")
+
+
+def as_overrides(values: Dict[str, Any], prefix: str) -> List[str]:
+    """{'model': {'n_layer': 4}} -> ['model.n_layer=4']: `--set` items (JSON is YAML)."""
+    out = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out += as_overrides(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={json.dumps(value)}")
+    return out
+
+
+def evaluation_recipe(args: argparse.Namespace) -> Recipe:
+    """The recipe: the weights' model shape, the data and batch of --recipe (or the checkpoint's),
+    then --set; read from complete.json or config.json only, no weights yet."""
+    if args.load is not None:
+        from launch.checkpoints.store import find_checkpoint
+        saved = find_checkpoint(args.load).meta["recipe"]
+        weights = as_overrides(saved if args.recipe is None else {"model": saved["model"]}, "")
+        shape = {k: saved["model"][k] for k in SHAPE_KEYS}
+    else:
+        from launch.checkpoints.hf_weights import read_hf_config
+        hf = read_hf_config(args.init_from_hf)
+        shape = dict(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, seq_len=hf.n_positions,
+                     vocab_size=hf.vocab_size)
+        weights = as_overrides({"model": shape}, "")
+    # The weights' shape first, the user's --set last: a --set model.* that contradicts the
+    # weights is caught below instead of silently ignored.
+    recipe = load_recipe(args.recipe or DEFAULT_RECIPE, weights + args.overrides)
+    for key, value in shape.items():
+        if getattr(recipe.model, key) != value:
+            raise ConfigError(f"model.{key}={getattr(recipe.model, key)!r} but the weights have {value!r}: "
+                              f"the weights decide the model's shape; drop --set model.{key}")
+    return recipe
+
+
+def load_weights(pipe, args: argparse.Namespace, config, state) -> None:
+    """This rank's shards of the checkpoint (merged, re-split for this layout) or HF weights."""
+    if args.init_from_hf is not None:
+        from launch.checkpoints.hf_weights import init_from_hf
+        init_from_hf(pipe, args.init_from_hf, config, state)
+        return
+    from launch.checkpoints.hf_export import read_checkpoint_weights
+    from model.convert import load_dense_into
+    _, _, dense = read_checkpoint_weights(args.load)
+    load_dense_into(pipe, dense, config.n_layer, state.tp_rank, state.tp_size, config.padded_vocab_size(state.tp_size))
+
+
+def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
+    """Loss and perplexity of the job's weights over its n_batches global batches; rank 0 prints them
+    (and writes --json-out)."""
+    args, recipe, layout, data, n_batches = job.args, job.recipe, job.layout, job.data, job.n_batches
+    import deepspeed
+
+    from launch.runtime.distributed import shut_down_distributed, start_rank
+    from launch.runtime.ds_config import evaluation_config
+    from launch.instruments.metrics import is_logging_rank
+    from model.parallel_state import init_parallel_state
+    from model.pipe import build_pipeline
+
+    start_rank(layout.world_size, recipe.train.dist_timeout_s)
+    state = init_parallel_state(layout.tp, layout.pp)
+    config = recipe.gpt_config(job.vocab_size)
+    pipe = build_pipeline(config, state)
+    load_weights(pipe, args, config, state)
+    # No optimizer: the pipeline engine needs one for train_batch only. fp32 whatever the
+    # recipe trains in, so every layout and the transformers model agree to rounding.
+    engine, _, _, _ = deepspeed.initialize(model=pipe, config=evaluation_config(recipe, layout))
+    on_validation = data.has_validation
+    if on_validation:
+        batches = data.val_batches(state.dp_rank, layout.dp, n_batches)
+    else:
+        batches = data.train_batches(state.dp_rank, layout.dp)
+    # One eval_batch is one global batch (grad_accum_steps micro-batches per pipeline), averaged
+    # over micro-batches and dp ranks by DeepSpeed and broadcast to every stage.
+    loss = sum(engine.eval_batch(data_iter=batches).item() for _ in range(n_batches)) / n_batches
+    result = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "batches": n_batches,
+              "tokens": n_batches * layout.global_batch_size * recipe.seq_len,
+              "data": "validation" if on_validation else "train", "source": str(args.load or args.init_from_hf),
+              "layout": vars(layout)}
+    if is_logging_rank(state.global_rank):
+        print(f"loss {loss:.6f} ppl {result['ppl']:.4f} ({n_batches} global batches of {result['data']} data, "
+              f"tp={layout.tp} pp={layout.pp} dp={layout.dp})", flush=True)
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps(result, indent=1) + "\n")
+    shut_down_distributed()
+    return result
+
+
+def prepare_evaluation(args: argparse.Namespace) -> EvaluationJob:
+    """Raise ConfigError or DataError (one line) on the first bad input, before any process group."""
+    recipe = evaluation_recipe(args)
+    ensure_single_process_env()
+    layout = derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
+    data, vocab_size = load_run_data(recipe, layout)
+    if args.init_from_hf is not None:  # the parts of its config the shape check above does not see
+        from launch.checkpoints.hf_weights import check_hf_source
+        check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size), resuming=False)
+    wanted = recipe.train.eval_batches if args.batches is None else args.batches
+    if wanted < 1:
+        raise ConfigError(f"--batches {wanted} must be >= 1")
+    n_batches = data.eval_global_batches(wanted) if data.has_validation else wanted
+    if n_batches < 1:
+        raise ConfigError(f"the validation data holds fewer windows than one global batch "
+                          f"({layout.global_batch_size}); raise data.val_fraction or lower train.global_batch_size")
+    return EvaluationJob(args=args, recipe=recipe, layout=layout, data=data, vocab_size=vocab_size,
+                         n_batches=n_batches)

@@ -1,0 +1,121 @@
+"""The training loop of a checked job: start the ranks, build the engine, resume, then per step
+train, measure, validate, log and save, until the last step or an agreed stop signal."""
+import math
+import os
+import time
+from typing import Tuple
+
+from launch.runtime.layout import Layout
+from launch.runtime.run_inputs import resolved_recipe_dict
+from launch.runtime.startup import TrainingJob
+
+
+def validation_loss(engine, data, state, layout: Layout, eval_batches: int, device) -> float:
+    """Mean validation loss over the same global batches at every call, via `eval_batch`."""
+    from data.pipeline import on_device
+    n = data.eval_global_batches(eval_batches)
+    batches = on_device(data.val_batches(state.dp_rank, layout.dp, n), device)
+    return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n)) / n
+
+
+def restore(engine, resume_from, layout: Layout, state, config, logging_rank: bool) -> Tuple[int, int]:
+    """(first step to train, samples consumed so far): (1, 0), or after the checkpoint's step."""
+    from launch.checkpoints import store
+    if resume_from is None:
+        return 1, 0
+    client_state = store.load(engine, resume_from, vars(layout), state, config)
+    step, samples = client_state["step"], client_state["samples"]
+    if logging_rank:
+        saved = resume_from.meta["layout"]
+        print(f"resumed from {resume_from.path} at step {step} ({samples} samples consumed)"
+              + ("" if store.same_layout(saved, vars(layout)) else
+                 f", re-sharded from tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}"), flush=True)
+    return step + 1, samples
+
+
+def run_training(job: TrainingJob) -> None:
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from launch.checkpoints import store
+    from launch.instruments.comm_counter import install_comm_counter
+    from launch.instruments.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak,
+                                            run_arithmetic, step_memory_peak, synchronize_device)
+    from launch.runtime.distributed import shut_down_distributed, start_rank
+    from launch.runtime.engine import build_engine
+    from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
+    from launch.runtime.signals import StopRequest
+    from model.parallel_state import init_parallel_state
+
+    args, recipe, layout, data, resume_from = job.args, job.recipe, job.layout, job.data, job.resume_from
+    t = recipe.train
+    start_rank(layout.world_size, t.dist_timeout_s)
+    watcher = FailureWatcher(int(os.environ["RANK"]), layout.world_size)  # one rank fails: all stop
+    fault = fault_injection()  # a test hook, None unless GPT3D_FAULT_INJECT is set
+    state = init_parallel_state(layout.tp, layout.pp)
+    logging_rank = is_logging_rank(state.global_rank)
+    config = recipe.gpt_config(job.vocab_size)
+    engine, own_grad_norm = build_engine(recipe, layout, state, config, logging_rank,
+                                         init_from_hf=args.init_from_hf, verbose=args.verbose)
+    install_comm_counter(engine, state, args.comm_counts)  # does nothing without --comm-counts
+    timeline = None
+    if args.timeline is not None:
+        from launch.instruments.timeline import install_timeline_recorder
+        timeline = install_timeline_recorder(engine, args.timeline_steps, t.steps,
+                                             one_per_stage=state.tp_rank == 0 and state.dp_rank == 0)
+    first_step, samples = restore(engine, resume_from, layout, state, config, logging_rank)
+
+    saved_recipe = resolved_recipe_dict(recipe, job.vocab_size)
+    batches = data.train_batches(state.dp_rank, layout.dp, start_sample=samples,
+                                 data_state=resume_from.meta.get("data_state") if resume_from is not None else None)
+    device = torch.device(get_accelerator().current_device_name())
+    feed = data.feed(batches, state.tp_group, device)
+    tokens_per_step = layout.global_batch_size * recipe.seq_len
+    stop = StopRequest(get_accelerator().device_name())
+    metrics = None
+    if logging_rank:
+        metrics = MetricsLogger(args.metrics_out, recipe.wandb.mode, recipe.wandb.project,
+                                recipe.wandb.name, dict(recipe.to_dict(), layout=vars(layout)),
+                                run_arithmetic(config, layout, recipe.seq_len, t.steps),
+                                resume_after_step=first_step - 1 if resume_from is not None else None,
+                                wandb_run_id=resume_from.meta.get("wandb_run_id") if resume_from is not None else None)
+    for step in range(first_step, t.steps + 1):
+        lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
+        maybe_inject_fault(fault, state.global_rank, step)
+        reset_step_memory_peak()
+        start = time.perf_counter()
+        loss = engine.train_batch(data_iter=feed)
+        synchronize_device()  # the clock stops when the device is done, optimizer step included
+        seconds = time.perf_counter() - start
+        peak_allocated, peak_reserved = step_memory_peak()  # a MAX all-reduce: every rank calls it
+        samples += layout.global_batch_size
+        grad_norm = own_grad_norm.value if own_grad_norm is not None else engine.get_global_grad_norm()
+        record = {"step": step, "samples": samples, "loss": loss.item(), "grad_norm": float(grad_norm),
+                  "lr": lr, "loss_scale": loss_scale(engine), "tokens": step * tokens_per_step,
+                  "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
+                  "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved}
+        if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            val_loss = validation_loss(engine, data, state, layout, t.eval_batches, device)
+            record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+        if metrics is not None:
+            metrics.log(record)
+        stopping = stop.agreed()
+        if args.save and (stopping or step == t.steps or (args.save_every and step % args.save_every == 0)):
+            path = store.save(engine, args.save, step, samples, saved_recipe, vars(layout),
+                              args.keep_last, is_writer=logging_rank,
+                              wandb_run_id=metrics.wandb_run_id if metrics is not None else None,
+                              data_state=data.gather_data_state(batches))
+            if logging_rank:
+                print(f"saved {path}", flush=True)
+        if stopping:
+            if logging_rank:
+                print(f"stopped by signal after step {step}", flush=True)
+            break
+    if timeline is not None:
+        timeline.draw(args.timeline, logging_rank)  # collective: every rank gathers
+    if metrics is not None:
+        metrics.close()
+    dist.barrier()  # every rank's work is done (rank 0's wandb too), failures still watched
+    watcher.stop()  # before shut_down_distributed's barrier, after which rank 0 (the store) may exit
+    shut_down_distributed()

@@ -1,0 +1,39 @@
+"""A run's inputs before any process group starts: the checked tokenizer, the model's vocabulary
+and the run's data (the cache built once, by one process)."""
+from typing import Any, Dict, Tuple
+
+from launch.runtime.layout import Layout, check_vocab
+from launch.runtime.recipe import ConfigError, Recipe
+
+
+def resolved_recipe_dict(recipe: Recipe, vocab_size: int) -> Dict[str, Any]:
+    """The recipe as trained: the vocabulary resolved from the tokenizer."""
+    resolved = recipe.to_dict()
+    resolved["model"]["vocab_size"] = vocab_size
+    return resolved
+
+
+def load_checked_tokenizer(recipe: Recipe) -> Tuple[Any, int]:
+    """The run's tokenizer and the model's vocabulary size, or a ConfigError naming the fix."""
+    from data.builtin import load_tokenizer
+    from data.spec import DataError
+    from data.tokens import require_eos
+    try:
+        tokenizer = load_tokenizer(recipe.data.tokenizer)
+    except DataError:  # already one line (e.g. the data cache's lock timed out)
+        raise
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.tokenizer={recipe.data.tokenizer!r} could not be loaded "
+                          f"({type(e).__name__}); use 'builtin' or a local tokenizer directory") from None
+    require_eos(tokenizer, recipe.data.tokenizer)
+    return tokenizer, check_vocab(recipe, len(tokenizer))
+
+
+def load_run_data(recipe: Recipe, layout: Layout) -> Tuple[Any, int]:
+    """(the run's data, vocabulary size): data/pipeline.py's RunData for this recipe and batch."""
+    from data.pipeline import prepare_run_data
+    tokenizer, vocab_size = load_checked_tokenizer(recipe)
+    data = prepare_run_data(recipe.data, tokenizer, recipe.seq_len, recipe.train.seed,
+                            layout.global_batch_size, layout.micro_batch_size,
+                            evaluate=recipe.train.eval_every > 0, eval_batches=recipe.train.eval_batches)
+    return data, vocab_size

@@ -1,0 +1,55 @@
+"""Everything a training job checks before its first collective (exit 2 on bad input, nothing
+written yet): recipe, layout, precision, paths, checkpoint to resume, tokenizer and data."""
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from launch.runtime.cli import training_recipe
+from launch.runtime.distributed import check_precision_supported, ensure_single_process_env, on_cpu
+from launch.runtime.layout import Layout, derive_layout
+from launch.runtime.recipe import ConfigError, Recipe
+from launch.runtime.run_inputs import load_run_data, resolved_recipe_dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingJob:
+    """A checked training job, ready to start its process group."""
+    args: argparse.Namespace
+    recipe: Recipe
+    layout: Layout
+    data: Any
+    """data/pipeline.py's RunData."""
+    vocab_size: int
+    resume_from: Optional[Any] = None
+    """launch/checkpoints/store.py's CheckpointRef to resume from, or None."""
+
+
+def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
+    """Raise ConfigError or DataError (one line) on the first bad input; move files only last."""
+    recipe = training_recipe(args)
+    ensure_single_process_env()
+    layout = derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
+    check_precision_supported(recipe.train.precision)
+    from launch.runtime.preflight import check_before_start
+    check_before_start(recipe, args.metrics_out, args.save, args.timeline, args.comm_counts)
+    resume_from = None
+    if args.load is not None:
+        from launch.checkpoints.store import find_checkpoint
+        resume_from = find_checkpoint(args.load)
+    data, vocab_size = load_run_data(recipe, layout)
+    if args.init_from_hf is not None:
+        from launch.checkpoints.hf_weights import check_hf_source
+        check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size), resuming=resume_from is not None)
+    if resume_from is not None:
+        from launch.checkpoints.store import check_compatible
+        check_compatible(resume_from, resolved_recipe_dict(recipe, vocab_size), vars(layout))
+        data.check_data_state(resume_from.meta.get("data_state"), resume_from.meta["samples"])
+        if resume_from.meta["step"] >= recipe.train.steps:
+            raise ConfigError(f"checkpoint {resume_from.path} is at step {resume_from.meta['step']}, "
+                              f"not before --steps {recipe.train.steps}: nothing to train")
+    if args.save is not None:  # last: only a run that passed every check moves files
+        from launch.checkpoints.store import prepare_save_dir
+        prepare_save_dir(args.save, resume_from, is_writer=os.environ["RANK"] == "0")
+    return TrainingJob(args=args, recipe=recipe, layout=layout, data=data, vocab_size=vocab_size,
+                       resume_from=resume_from)
