@@ -1,4 +1,4 @@
-"""Layout-invariant micro-batches (DESIGN.md contract 3).
+"""Layout-invariant micro-batches (docs/design.md contract 3).
 
 The samples of optimizer step k are a pure function of (seed, global batch size, k): positions
 [k*B, (k+1)*B) of an endless stream that visits every window once per epoch in an order

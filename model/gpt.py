@@ -74,7 +74,7 @@ def sequence_dropout_rng(config: GPTConfig, tp_group: Group,
                          dropout_rng: Callable[[], ContextManager]) -> Callable[[], ContextManager]:
     """The RNG of dropout on residual-stream activations: shared by the TP ranks when they hold
     the same (B, T, h) tensor, the per-TP-rank stream when each holds its own sequence chunk
-    (DESIGN.md contract 10; Megatron forks the same tracker under SP)."""
+    (docs/design.md contract 10; Megatron forks the same tracker under SP)."""
     return dropout_rng if config.sequence_parallel_group(tp_group) is not None else contextlib.nullcontext
 
 
@@ -187,7 +187,7 @@ class TokenEmbedding(nn.Module):
 
 class PositionEmbedding(nn.Module):
     """Adds wpe (replicated) and applies embedding dropout; positions derived here, so only the
-    hidden states cross pipeline stages (DESIGN.md contract 7). With sequence parallelism the
+    hidden states cross pipeline stages (docs/design.md contract 7). With sequence parallelism the
     input is TP rank r's chunk, positions [r*T/t, (r+1)*T/t)."""
 
     def __init__(self, config: GPTConfig, tp_group: Group = None,

@@ -1,6 +1,6 @@
 """Tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019), built on `model/mappings.py`.
 
-Layout-invariant initialisation (DESIGN.md contract 2): each layer draws its *full* weight from
+Layout-invariant initialisation (docs/design.md contract 2): each layer draws its *full* weight from
 the generator it is given and keeps only its shard, so step-0 weights are identical at every
 tp size. Sharded parameters carry `tensor_model_parallel = True` (plus Megatron's
 `partition_dim` / `partition_stride`): DeepSpeed's gradient-norm code counts a parameter on
@@ -179,7 +179,7 @@ class VocabParallelEmbedding(nn.Module):
 
     The vocabulary is padded to `padded_vocab_size` (a multiple of tp); rows >= `vocab_size`
     start at zero and `logits()` masks them to -inf, so padding never takes probability mass
-    and the loss is the same at every padding (DESIGN.md contract 4).
+    and the loss is the same at every padding (docs/design.md contract 4).
     The same weight serves as the output head (tied embeddings, GPT-2).
     """
 

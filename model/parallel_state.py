@@ -2,7 +2,7 @@
 
 Built once from DeepSpeed's `PipeModelDataParallelTopology` and passed down explicitly; the
 same topology object goes to `PipelineModule(topology=...)`, so our TP groups and DeepSpeed's
-pipeline / data-parallel groups can never disagree (DESIGN.md contract 1).
+pipeline / data-parallel groups can never disagree (docs/design.md contract 1).
 Axis order is (pipe, data, model): the TP ranks of one stage are adjacent global ranks.
 """
 from dataclasses import dataclass

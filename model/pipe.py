@@ -7,7 +7,7 @@ Layer list, one entry per pipeline layer:
     L+2    LayerNorm (ln_f)
     L+3    TiedLayerSpec('embed')   forward_fn = logits: (B, T, h) -> (B, T, V_pad/tp)
 DeepSpeed builds only the local stage's layers, ties shard k of the embedding on the first
-stage to shard k on the last stage and all-reduces their gradients (DESIGN.md contract 6).
+stage to shard k on the last stage and all-reduces their gradients (docs/design.md contract 6).
 Only the hidden states cross stage boundaries; positions and the causal mask are derived
 inside (contract 7). With sequence parallelism they are (B, T/t, h): TP rank r of a stage
 sends its own sequence chunk to TP rank r of the next stage (DeepSpeed's p2p groups pair the

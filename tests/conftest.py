@@ -5,7 +5,7 @@ import pytest
 
 from launcher import TINY, launch, read_metrics
 
-# The layouts of the acceptance test (DESIGN.md section 3): every one trains the same model.
+# The layouts of the acceptance test (docs/design.md, The acceptance test): every one trains the same model.
 REFERENCE = (1, 1, 1)
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 4, 1)]
 SP_LAYOUTS = [(2, 2, 2, "sp"), (4, 1, 1, "sp"), (4, 4, 1, "sp")]  # sequence parallelism on

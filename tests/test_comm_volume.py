@@ -50,7 +50,7 @@ def test_bookkeeping_is_a_few_scalars(run):
 
 
 def test_exact_formulas_contain_the_design_leading_terms():
-    """DESIGN.md section 5: 4 TP all-reduces of b*s*h per block per micro-batch, b*s*h per
+    """docs/design.md, Formulas: 4 TP all-reduces of b*s*h per block per micro-batch, b*s*h per
     boundary per micro-batch each way, the local gradient over dp; here at a middle stage."""
     config = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=32, vocab_size=1000)
     b, m, h, s = 2, 6, config.n_embd, config.seq_len

@@ -1,7 +1,7 @@
 """Exact communication of this implementation: every collective one rank calls in one training
 step, with its element and byte count, as launch/instruments/comm_counter.py measures it.
 
-The planner's formulas (launch/analysis/formulas.py, DESIGN.md section 5) give the leading terms:
+The planner's formulas (launch/analysis/formulas.py, docs/design.md, Formulas) give the leading terms:
 4 TP all-reduces of b*s*h per block per micro-batch [N21 sec. 2.3], b*s*h per stage boundary per
 micro-batch each way [N21 sec. 3], the local gradient once per step over dp. This module adds
 everything our code and DeepSpeed 0.19.8 really send, so a measurement can be checked to the byte:

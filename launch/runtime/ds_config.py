@@ -33,7 +33,7 @@ def deepspeed_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
     }
     if t.precision == "bf16":
         config["bf16"] = {"enabled": True}
-        # Accumulating micro-batch gradients in bf16 loses bits; fp32 is DESIGN.md contract 8.
+        # Accumulating micro-batch gradients in bf16 loses bits; fp32 is docs/design.md contract 8.
         config["data_types"] = {"grad_accum_dtype": "fp32"}
     elif t.precision == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 1000}

@@ -2,7 +2,7 @@
 
 DeepSpeed 0.19.8 runs fp32 ZeRO-0 with the bare torch optimizer: `engine.get_global_grad_norm()`
 stays None, and its clipping (`runtime/utils.py: clip_grad_norm_`) counts replicated parameters
-only on model-parallel rank 0, i.e. on the first pipeline stage (DESIGN.md contract 5). Here
+only on model-parallel rank 0, i.e. on the first pipeline stage (docs/design.md contract 5). Here
 DeepSpeed's clipping is switched off for that mode and this hook, run just before each optimizer
 step (gradients already all-reduced over dp and between the tied embeddings' stages), computes
 the norm with ZeRO-1's counting rule and clips with it:

@@ -72,7 +72,7 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
                           f"supports ZeRO stage 0 or 1 only; set train.zero_stage=1")
     if t.zero_stage == 0 and t.precision == "bf16":
         # deepspeed.initialize raises NotImplementedError for bf16 weights with the fp32 gradient
-        # accumulation that pipeline runs need (DESIGN.md contract 8); ZeRO-1 supports it.
+        # accumulation that pipeline runs need (docs/design.md contract 8); ZeRO-1 supports it.
         raise ConfigError("train.zero_stage=0 with train.precision=bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 "
                           "path with fp32 gradient accumulation; set train.zero_stage=1")
     if t.activation_checkpoint_interval < 0:
