@@ -2,7 +2,7 @@
 pipeline layers, our dense GPT (`model/gpt.py`, tp=1, one stage) and GPT-2 (transformers).
 
 Used by export (merge the shards of a checkpoint), by `--init-from-hf` and by evaluation at
-any layout (split full weights for this rank). Pure torch: no DeepSpeed, no files, no CLI.
+any layout (split full weights for this rank). No DeepSpeed engine, no files, no CLI.
 
 A dense state dict here is keyed by our dense GPT's names (`embed.wte.weight`, `pos.wpe`,
 `blocks.3.attn.c_attn.weight`, `ln_f.bias`) and holds the *real* vocabulary only: padding rows
@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from model.hf_gpt2 import GPT2_LINEARS
 from model.layers import split_rows
+from model.pipe import dense_prefix, pipeline_layers
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -93,19 +94,11 @@ def split(name: str, full: torch.Tensor, tp_rank: int, tp_size: int, padded_voca
 def dense_name(pipe_name: str, n_layer: int) -> str:
     """A PipelineModule parameter name ("tied_modules.embed.wte.weight", "1.wpe",
     "5.attn.c_attn.weight") or a layer-file key prefixed by its layer index ("0.wte.weight")
-    -> the dense GPT name. Indices follow `model/pipe.py`: 0 tied embed, 1 wpe, 2..L+1 blocks,
-    L+2 ln_f, L+3 tied head (the same weights as 0)."""
+    -> the dense GPT name, through the layer table `model.pipe.pipeline_layers`."""
     if pipe_name.startswith("tied_modules.embed."):
         return "embed." + pipe_name[len("tied_modules.embed."):]
     index_text, rest = pipe_name.split(".", 1)
-    index = int(index_text)
-    if index in (0, n_layer + 3):
-        return "embed." + rest
-    if index == 1:
-        return "pos." + rest
-    if index == n_layer + 2:
-        return "ln_f." + rest
-    return f"blocks.{index - 2}.{rest}"
+    return f"{dense_prefix(*pipeline_layers(n_layer)[int(index_text)])}.{rest}"
 
 
 def merge_layer_states(layer_states: Mapping[int, List[StateDict]], n_layer: int, vocab_size: int) -> StateDict:

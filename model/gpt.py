@@ -15,7 +15,6 @@ Two switches change memory, never the maths (Korthikanti et al. 2022, "K22"):
 """
 import contextlib
 import math
-from dataclasses import dataclass
 from typing import Callable, ContextManager, Optional
 
 import torch
@@ -23,46 +22,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from model.config import GPTConfig
 from model.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
-                          group_rank, group_size, padded_vocab_size)
+                          group_rank, group_size)
 from model.mappings import Group, copy_to_tp_region
 
 # Generator streams: blocks use their index; the embeddings use ids no block can have.
 WTE_STREAM, WPE_STREAM = -1, -2
-
-
-@dataclass
-class GPTConfig:
-    n_layer: int = 12
-    """Transformer blocks."""
-    n_head: int = 12
-    """Attention heads; must divide by tp."""
-    n_embd: int = 768
-    """Hidden size; must divide by n_head."""
-    seq_len: int = 1024
-    """Positions the model has (GPT-2's n_positions); every batch uses exactly this length."""
-    vocab_size: int = 50257
-    """Real vocabulary; padded to `vocab_pad_multiple * tp` inside, stripped on export."""
-    vocab_pad_multiple: int = 1
-    """Pad the vocabulary to a multiple of this times tp (128 keeps GPU matmuls aligned)."""
-    dropout: float = 0.0
-    """Dropout on embeddings, attention probabilities and residual branches."""
-    init_std: float = 0.02
-    """GPT-2 init N(0, 0.02); residual output projections use init_std / sqrt(2 * n_layer)."""
-    seed: int = 1234
-    """Seed of the weight initialisation."""
-    sequence_parallel: bool = False
-    """Shard LayerNorm/dropout/residual activations along the sequence over TP (K22 sec. 4.2);
-    the sequence length must divide by tp. A no-op at tp=1."""
-    recompute_attention: bool = False
-    """Selective recompute: rerun the attention core in backward instead of storing it (K22 sec. 5)."""
-
-    def padded_vocab_size(self, tp_size: int) -> int:
-        return padded_vocab_size(self.vocab_size, tp_size, self.vocab_pad_multiple)
-
-    def sequence_parallel_group(self, tp_group: Group) -> Group:
-        """The TP group when activations are sequence-sharded, else None (the collectives bypass)."""
-        return tp_group if self.sequence_parallel else None
 
 
 def init_generator(config: GPTConfig, stream: int) -> torch.Generator:

@@ -242,10 +242,3 @@ class LayerNorm(nn.LayerNorm):
         group = self.sequence_parallel_group
         return F.layer_norm(x, self.normalized_shape, copy_to_tp_region(self.weight, group),
                             copy_to_tp_region(self.bias, group), self.eps)
-
-
-def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 1) -> int:
-    """Smallest size >= vocab_size divisible by multiple * tp_size (Megatron's padding)."""
-    step = multiple * tp_size
-    return -(-vocab_size // step) * step
-

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ParallelState:
+    """This rank's coordinate in the (pipe, data, model) grid, the sizes and its TP group."""
     topology: PipeModelDataParallelTopology
     global_rank: int
     tp_size: int
@@ -46,7 +47,8 @@ def build_topology(tp_size: int, pp_size: int, dp_size: int) -> PipeModelDataPar
 
 def single_process_state() -> ParallelState:
     """A (1, 1, 1) layout without process groups: the dense reference model in tests."""
-    return ParallelState(build_topology(1, 1, 1), 0, 1, 1, 1, 0, 0, 0, None)
+    return ParallelState(topology=build_topology(1, 1, 1), global_rank=0, tp_size=1, pp_size=1, dp_size=1,
+                         tp_rank=0, pp_rank=0, dp_rank=0, tp_group=None)
 
 
 def init_parallel_state(tp_size: int, pp_size: int) -> ParallelState:
@@ -67,6 +69,6 @@ def init_parallel_state(tp_size: int, pp_size: int) -> ParallelState:
             group = dist.new_group(ranks=ranks)
             if rank in ranks:
                 tp_group = group
-    return ParallelState(topology, rank, tp_size, pp_size, dp_size,
+    return ParallelState(topology=topology, global_rank=rank, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size,
                          tp_rank=coord.model, pp_rank=coord.pipe, dp_rank=coord.data,
                          tp_group=tp_group)

@@ -1,11 +1,12 @@
 """The GPT of `model/gpt.py` as a DeepSpeed `PipelineModule` (Huang et al. 2019; Narayanan 2021).
 
-Layer list, one entry per pipeline layer:
-    0      TiedLayerSpec('embed')   token ids (B, T) -> (B, T, h)
-    1      PositionEmbedding        adds wpe, dropout
-    2..L+1 Block i                  partitioned across stages by transformer block
-    L+2    LayerNorm (ln_f)
-    L+3    TiedLayerSpec('embed')   forward_fn = logits: (B, T, h) -> (B, T, V_pad/tp)
+The layers, one entry per pipeline layer (`pipeline_layers`, the one table every reader of
+layer indices uses: the specs below, stage names, checkpoint conversion, export, the planner):
+    0      embed   TiedLayerSpec('embed')   token ids (B, T) -> (B, T, h)
+    1      wpe     PositionEmbedding        adds wpe, dropout
+    2..L+1 block   Block i                  partitioned across stages by transformer block
+    L+2    ln_f    LayerNorm
+    L+3    head    TiedLayerSpec('embed')   forward_fn = logits: (B, T, h) -> (B, T, V_pad/tp)
 DeepSpeed builds only the local stage's layers, ties shard k of the embedding on the first
 stage to shard k on the last stage and all-reduces their gradients (docs/design.md contract 6).
 Only the hidden states cross stage boundaries; positions and the causal mask are derived
@@ -14,7 +15,7 @@ sends its own sequence chunk to TP rank r of the next stage (DeepSpeed's p2p gro
 same model-parallel coordinate; see `pipeline_config` for what must be switched off).
 """
 import hashlib
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -26,6 +27,24 @@ from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import ParallelState
 
 TP_DROPOUT_RNG = "tp-sharded-dropout"
+
+# kind -> (readable name, prefix of its parameters in the dense GPT of model/gpt.py). The tied
+# head is the embedding's module again: the same parameters, saved once by DeepSpeed (layer 0).
+LAYER_KINDS = {"embed": ("embed (tied)", "embed"), "wpe": ("wpe", "pos"), "block": ("block {i}", "blocks.{i}"),
+               "ln_f": ("ln_f", "ln_f"), "head": ("lm_head (tied embed)", "embed")}
+
+
+def pipeline_layers(n_layer: int) -> List[Tuple[str, Optional[int]]]:
+    """The pipeline's layers in order: (kind of LAYER_KINDS, block index for a block else None)."""
+    return [("embed", None), ("wpe", None)] + [("block", i) for i in range(n_layer)] + [("ln_f", None), ("head", None)]
+
+
+def layer_name(kind: str, block: Optional[int]) -> str:
+    return LAYER_KINDS[kind][0].format(i=block)
+
+
+def dense_prefix(kind: str, block: Optional[int]) -> str:
+    return LAYER_KINDS[kind][1].format(i=block)
 
 
 def _logits(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
@@ -68,14 +87,21 @@ def tp_dropout_rng():
     return get_cuda_rng_tracker().fork(TP_DROPOUT_RNG)
 
 
-def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
+def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: ParallelState) -> LayerSpec:
     tp = state.tp_group
-    return ([TiedLayerSpec("embed", TokenEmbedding, config, tp, tied_weight_attr=["wte.weight"]),
-             LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng)]
-            + [LayerSpec(Block, config, i, tp, tp_dropout_rng) for i in range(config.n_layer)]
-            + [LayerSpec(LayerNorm, config.n_embd, config.sequence_parallel_group(tp)),
-               TiedLayerSpec("embed", TokenEmbedding, config, tp, forward_fn=_logits,
-                             tied_weight_attr=["wte.weight"])])
+    if kind == "embed":
+        return TiedLayerSpec("embed", TokenEmbedding, config, tp, tied_weight_attr=["wte.weight"])
+    if kind == "wpe":
+        return LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng)
+    if kind == "block":
+        return LayerSpec(Block, config, block, tp, tp_dropout_rng)
+    if kind == "ln_f":
+        return LayerSpec(LayerNorm, config.n_embd, config.sequence_parallel_group(tp))
+    return TiedLayerSpec("embed", TokenEmbedding, config, tp, forward_fn=_logits, tied_weight_attr=["wte.weight"])
+
+
+def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
+    return [layer_spec(kind, block, config, state) for kind, block in pipeline_layers(config.n_layer)]
 
 
 def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -120,15 +146,9 @@ def build_pipeline(config: GPTConfig, state: ParallelState,
                           checkpointable_layers=["Block"])
 
 
-def stage_layer_names(config: GPTConfig) -> List[str]:
-    """Readable names of the pipeline layers, index-aligned with `layer_specs`."""
-    return (["embed (tied)", "wpe"] + [f"block {i}" for i in range(config.n_layer)]
-            + ["ln_f", "lm_head (tied embed)"])
-
-
 def stage_contents(pipe: PipelineModule, config: GPTConfig) -> List[Tuple[int, str]]:
     """[(stage, 'layers a-b: names')] from DeepSpeed's partition boundaries `pipe.parts`."""
-    names = stage_layer_names(config)
+    names = [layer_name(kind, block) for kind, block in pipeline_layers(config.n_layer)]
     out = []
     for stage in range(len(pipe.parts) - 1):
         start, stop = pipe.parts[stage], pipe.parts[stage + 1]

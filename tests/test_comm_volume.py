@@ -54,8 +54,9 @@ def test_exact_formulas_contain_the_design_leading_terms():
     boundary per micro-batch each way, the local gradient over dp; here at a middle stage."""
     config = GPTConfig(n_layer=8, n_head=4, n_embd=64, seq_len=32, vocab_size=1000)
     b, m, h, s = 2, 6, config.n_embd, config.seq_len
-    plain = comm_per_rank_per_step(config, Layout(8, 1, 4, 2, b, b * m * 2, m), stage=1)
-    split = comm_per_rank_per_step(config, Layout(16, 2, 4, 2, b, b * m * 2, m), stage=1)
+    pipeline = dict(pp=4, dp=2, micro_batch_size=b, global_batch_size=b * m * 2, grad_accum_steps=m)
+    plain = comm_per_rank_per_step(config, Layout(world_size=8, tp=1, **pipeline), stage=1)
+    split = comm_per_rank_per_step(config, Layout(world_size=16, tp=2, **pipeline), stage=1)
     blocks = formulas.blocks_per_stage(config.n_layer, 4)[1]
     tp_elements = split[("tp-forward", "tp", "all_reduce")][1] + split[("tp-backward", "tp", "all_reduce")][1]
     assert tp_elements == formulas.tp_allreduce_bytes_per_step(b, s, h, blocks, m) // formulas.ACTIVATION_BYTES

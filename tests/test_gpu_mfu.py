@@ -19,7 +19,7 @@ from data.builtin import BUILTIN_VOCAB_SIZE
 from launch.analysis import formulas
 from launch.runtime.recipe import load_recipe
 from launch.runtime.layout import check_vocab, derive_layout
-from model.layers import padded_vocab_size
+from model.config import padded_vocab_size
 
 REPO = Path(__file__).resolve().parent.parent
 from bench import gpu_mfu

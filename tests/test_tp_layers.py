@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from distributed import run_distributed
 from model.convert import rule_for
 from model.gpt import GPT, GPTConfig
-from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                          padded_vocab_size, shard_rows)
+from model.config import padded_vocab_size
+from model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_rows
 from model.loss import vocab_parallel_cross_entropy
 from model.mappings import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
 

@@ -14,7 +14,7 @@ t tp, p pp, d dp, m micro-batches per pipeline per step. Bytes assume bf16/fp16 
 import functools
 from typing import Dict, List, Tuple
 
-from model.layers import padded_vocab_size
+from model.config import padded_vocab_size
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, without sparsity).
 PEAK_FLOPS_BF16: Dict[str, float] = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -58,13 +58,14 @@ def embedding_params_per_rank(vocab: int, hidden: int, tp: int, pad_multiple: in
     return padded_vocab_size(vocab, tp, pad_multiple) // tp * hidden
 
 
-def pipeline_layers(n_layer: int) -> List[str]:
-    """The pipeline layer list of model/pipe.py: [embed, wpe, blocks..., ln_f, head]."""
-    return ["embed", "wpe"] + ["block"] * n_layer + ["ln_f", "head"]
+def layer_kinds(n_layer: int) -> List[str]:
+    """The kind of each pipeline layer, from model/pipe.py's table: [embed, wpe, block..., ln_f, head]."""
+    from model.pipe import pipeline_layers  # imports torch and DeepSpeed: only when asked
+    return [kind for kind, _ in pipeline_layers(n_layer)]
 
 
 def stage_partition(n_layer: int, pp: int) -> List[int]:
-    """Stage boundaries over `pipeline_layers`: stage k holds layers parts[k]:parts[k+1].
+    """Stage boundaries over the pipeline layers (`layer_kinds`): stage k holds layers parts[k]:parts[k+1].
 
     The rule of PipelineModule(partition_method='type:Block'): DeepSpeed's partition_balanced
     with weight 1 per Block and 0 for the other layers."""
@@ -74,12 +75,12 @@ def stage_partition(n_layer: int, pp: int) -> List[int]:
 @functools.lru_cache(maxsize=None)  # an O(l^2 p) Python loop; the planner's search asks often
 def _partition(n_layer: int, pp: int) -> Tuple[int, ...]:
     from deepspeed.runtime.utils import partition_balanced  # imported late: a slow import
-    weights = [int(name == "block") for name in pipeline_layers(n_layer)]
+    weights = [int(name == "block") for name in layer_kinds(n_layer)]
     return tuple(int(x) for x in partition_balanced(weights, pp))
 
 
 def blocks_per_stage(n_layer: int, pp: int) -> List[int]:
-    parts, names = stage_partition(n_layer, pp), pipeline_layers(n_layer)
+    parts, names = stage_partition(n_layer, pp), layer_kinds(n_layer)
     return [names[parts[k]:parts[k + 1]].count("block") for k in range(pp)]
 
 
@@ -89,7 +90,7 @@ def stage_params_per_rank(n_layer: int, hidden: int, vocab: int, seq_len: int, t
 
     The first stage holds wte, the last stage a tied copy of it (DeepSpeed TiedLayerSpec);
     at pp=1 both are one module. wpe and ln_f are replicated over TP."""
-    parts, names = stage_partition(n_layer, pp), pipeline_layers(n_layer)
+    parts, names = stage_partition(n_layer, pp), layer_kinds(n_layer)
     held = names[parts[stage]:parts[stage + 1]]
     embed = embedding_params_per_rank(vocab, hidden, tp, pad_multiple)
     count = held.count("block") * block_params_per_rank(hidden, tp)

@@ -6,15 +6,16 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-from launch.analysis.planner import GIB, GPUS, Hardware, ModelDims, Setup, estimate_plan, search, why
+from launch.analysis.planner import GIB, GPUS, Hardware, Setup, estimate_plan, search, why
+from model.config import ModelConfig
 from launch.runtime.recipe import ConfigError, load_recipe
 
 GPT3 = {"layers": 96, "hidden": 12288, "seq_len": 2048, "vocab": 51200}
 GPT3_HEAD_DIM = 128
 
 
-def resolve(args: argparse.Namespace) -> Tuple[ModelDims, Setup, Hardware]:
-    """(ModelDims, Setup, Hardware) from flags > recipe > GPT-3 defaults."""
+def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
+    """(ModelConfig, Setup, Hardware) from flags > recipe > GPT-3 defaults."""
     rm = rt = None
     if args.recipe is not None:
         recipe = load_recipe(args.recipe, [])
@@ -31,7 +32,7 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelDims, Setup, Hardware]:
                               f"{recipe.data.tokenizer!r}); pass --vocab N")
         from data.builtin import BUILTIN_VOCAB_SIZE  # slow import, only when needed
         vocab = BUILTIN_VOCAB_SIZE
-    model = ModelDims(n_layer=pick(args.layers, rm and rm.n_layer, GPT3["layers"]), n_embd=hidden,
+    model = ModelConfig(n_layer=pick(args.layers, rm and rm.n_layer, GPT3["layers"]), n_embd=hidden,
                       n_head=pick(args.heads, rm and rm.n_head, max(1, hidden // GPT3_HEAD_DIM)),
                       seq_len=pick(args.seq_len, rm and rm.seq_len, GPT3["seq_len"]),
                       vocab_size=vocab if vocab is not None else GPT3["vocab"],
@@ -60,7 +61,7 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelDims, Setup, Hardware]:
     return model, setup, hardware
 
 
-def warnings(plan: Dict[str, Any], model: ModelDims, setup: Setup, hw: Hardware) -> List[str]:
+def warnings(plan: Dict[str, Any], model: ModelConfig, setup: Setup, hw: Hardware) -> List[str]:
     """Each problem with its fix."""
     out = []
     p, m, d, b, B = plan["pp"], plan["microbatches_per_pipeline"], plan["dp"], setup.micro_batch, setup.global_batch
@@ -103,7 +104,7 @@ def _groups(groups: List[List[int]]) -> str:
     return f"{len(groups)} x {len(groups[0])} ranks: " + ", ".join(shown)
 
 
-def report(plan: Dict[str, Any], model: ModelDims, hw: Hardware, notes: List[str]) -> str:
+def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[str]) -> str:
     t, p, d, m, b = plan["tp"], plan["pp"], plan["dp"], plan["microbatches_per_pipeline"], plan["micro_batch"]
     comm, where = plan["comm_bytes_per_step"], {k: "in node" if v else "across nodes"
                                                  for k, v in plan["groups_within_node"].items()}

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from launch.analysis import formulas
-from launch.runtime.recipe import ConfigError, ModelSection, Recipe, TrainSection
 from launch.runtime.layout import Layout, derive_layout
+from launch.runtime.recipe import ConfigError, Recipe, TrainSection
+from model.config import ModelConfig
 
 GIB = 2 ** 30
 
@@ -35,16 +36,6 @@ class GPU:
 GPUS: Dict[str, GPU] = {"H100": GPU(formulas.PEAK_FLOPS_BF16["H100"], 80, 450e9, 50e9),
                         "H200": GPU(formulas.PEAK_FLOPS_BF16["H200"], 141, 450e9, 50e9),
                         "A100": GPU(formulas.PEAK_FLOPS_BF16["A100"], 80, 300e9, 25e9)}
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    n_layer: int
-    n_embd: int
-    n_head: int
-    seq_len: int
-    vocab_size: int
-    vocab_pad_multiple: int = 1
 
 
 @dataclass(frozen=True)
@@ -71,7 +62,7 @@ class Hardware:
     """Per-device budget; None checks nothing."""
 
 
-def check_setup(model: ModelDims, setup: Setup) -> Layout:
+def check_setup(model: ModelConfig, setup: Setup) -> Layout:
     """The training script's own layout rules (derive_layout), on a bf16 recipe of these dims."""
     # Checked before derive_layout, which divides by n_head before checking it is >= 1.
     for flag, value in [("--gpus", setup.gpus), ("--layers", model.n_layer), ("--hidden", model.n_embd),
@@ -84,9 +75,7 @@ def check_setup(model: ModelDims, setup: Setup) -> Layout:
         raise ConfigError(f"--gpus {setup.gpus} is not divisible by tp*pp = {setup.tp}*{setup.pp} = "
                           f"{setup.tp * setup.pp}; use a multiple of {setup.tp * setup.pp} GPUs, or a tp*pp "
                           f"that divides {setup.gpus}")
-    recipe = Recipe(model=ModelSection(n_layer=model.n_layer, n_head=model.n_head, n_embd=model.n_embd,
-                                       seq_len=model.seq_len, vocab_size=model.vocab_size,
-                                       vocab_pad_multiple=model.vocab_pad_multiple),
+    recipe = Recipe(model=model,
                     train=TrainSection(micro_batch_size=setup.micro_batch, global_batch_size=setup.global_batch,
                                        precision="bf16", zero_stage=setup.zero))
     return derive_layout(recipe, setup.gpus, setup.tp, setup.pp, on_cpu=False)
@@ -94,8 +83,8 @@ def check_setup(model: ModelDims, setup: Setup) -> Layout:
 
 def rank_groups(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
     """Global ranks of every TP, PP and DP group, from the topology the training run builds."""
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # slow import
-    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    from model.parallel_state import build_topology  # imports DeepSpeed: only when asked
+    topology = build_topology(tp, pp, dp)
     return {"tp": topology.get_axis_comm_lists("model"), "pp": topology.get_axis_comm_lists("pipe"),
             "dp": topology.get_axis_comm_lists("data")}
 
@@ -104,7 +93,7 @@ def within_node(groups: List[List[int]], gpus_per_node: int) -> bool:
     return all(len({rank // gpus_per_node for rank in group}) == 1 for group in groups)
 
 
-def _stage_memory(model: ModelDims, setup: Setup, dp: int, m: int, stage: int, blocks: int,
+def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, blocks: int,
                   params: int) -> Dict[str, int]:
     plain, zero1 = formulas.model_state_bytes(params, dp, 0), formulas.model_state_bytes(params, dp, 1)
     args = (model.seq_len, setup.micro_batch, model.n_embd, model.n_head, setup.tp, blocks,
@@ -118,7 +107,7 @@ def _stage_memory(model: ModelDims, setup: Setup, dp: int, m: int, stage: int, b
     return {k: round(v) for k, v in out.items()}
 
 
-def estimate_step_time(model: ModelDims, setup: Setup, hw: Hardware, blocks: List[int], dp: int,
+def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: List[int], dp: int,
                        m: int, params_per_device: int, bandwidth: Dict[str, float]) -> Dict[str, float]:
     """Seconds per step and its parts by the cost model of the module docstring."""
     b, s, h, t, p = setup.micro_batch, model.seq_len, model.n_embd, setup.tp, setup.pp
@@ -139,7 +128,7 @@ def estimate_step_time(model: ModelDims, setup: Setup, hw: Hardware, blocks: Lis
     return dict(parts, step=sum(parts.values()))
 
 
-def estimate_plan(model: ModelDims, setup: Setup, hw: Hardware) -> Dict[str, Any]:
+def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, Any]:
     """Every number of one layout; raises ConfigError when the layout is invalid."""
     layout = check_setup(model, setup)
     l, h, s, V = model.n_layer, model.n_embd, model.seq_len, model.vocab_size
@@ -180,7 +169,7 @@ def divisors(n: int) -> List[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def search(model: ModelDims, gpus: int, global_batch: int, zero: int, recompute: bool,
+def search(model: ModelConfig, gpus: int, global_batch: int, zero: int, recompute: bool,
            hw: Hardware) -> List[Dict[str, Any]]:
     """Every valid (tp, pp, dp, micro-batch), fastest first; `fits` says whether it fits
     hw.memory_bytes."""

@@ -14,11 +14,8 @@ LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 
 def checkpoint_gpt_config(recipe: Dict[str, Any]):
     """The GPTConfig of a checkpoint, from the resolved recipe saved in its complete.json."""
-    from model.gpt import GPTConfig
-    m = recipe["model"]
-    return GPTConfig(n_layer=m["n_layer"], n_head=m["n_head"], n_embd=m["n_embd"], seq_len=m["seq_len"],
-                     vocab_size=m["vocab_size"], vocab_pad_multiple=m["vocab_pad_multiple"],
-                     dropout=m["dropout"], init_std=m["init_std"], seed=recipe["train"]["seed"])
+    from model.config import GPTConfig
+    return GPTConfig(**recipe["model"], seed=recipe["train"]["seed"])
 
 
 def read_checkpoint_weights(load: Path):
@@ -27,6 +24,7 @@ def read_checkpoint_weights(load: Path):
 
     from launch.checkpoints.store import find_checkpoint
     from model.convert import merge_layer_states
+    from model.pipe import pipeline_layers
 
     ref = find_checkpoint(load)  # a complete checkpoint whose files have their recorded sizes
     config = checkpoint_gpt_config(ref.meta["recipe"])
@@ -36,8 +34,9 @@ def read_checkpoint_weights(load: Path):
         match = LAYER_FILE.fullmatch(path.name)
         if match:
             found[int(match.group(1)), int(match.group(2))] = path
-    # Layer L+3 (the tied head) is a function of layer 0's module, which DeepSpeed saves once.
-    wanted = [(layer, rank) for layer in range(config.n_layer + 3) for rank in range(tp)]
+    # The tied head is a function of the embedding's module, which DeepSpeed saves once (layer 0).
+    saved_layers = [index for index, (kind, _) in enumerate(pipeline_layers(config.n_layer)) if kind != "head"]
+    wanted = [(layer, rank) for layer in saved_layers for rank in range(tp)]
     missing = [f"layer_{layer:02d}-model_{rank:02d}" for layer, rank in wanted if (layer, rank) not in found]
     if missing:
         raise ConfigError(f"checkpoint {ref.path} lacks the weight files {', '.join(missing[:4])}"
@@ -46,7 +45,7 @@ def read_checkpoint_weights(load: Path):
     # tensors, so the safe unpickler (weights_only) reads it and no code in the file runs.
     layer_states = {layer: [torch.load(found[layer, rank], map_location="cpu", weights_only=True)
                             for rank in range(tp)]
-                    for layer in range(config.n_layer + 3)}
+                    for layer in saved_layers}
     return ref, config, merge_layer_states(layer_states, config.n_layer, config.vocab_size)
 
 

@@ -12,8 +12,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
+    """The run's derived numbers; checkpoints record them (vars(layout))."""
     world_size: int
     tp: int
     pp: int
@@ -117,7 +118,8 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
     if clashing:
         raise ConfigError(f"deepspeed.{clashing[0]} may not be set: batch keys are derived from "
                           f"train.micro_batch_size, train.global_batch_size and dp; set those instead")
-    return Layout(world_size, tp, pp, dp, b, B, B // (b * dp))
+    return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, micro_batch_size=b, global_batch_size=B,
+                  grad_accum_steps=B // (b * dp))
 
 
 def check_vocab(recipe: Recipe, tokenizer_vocab: int) -> int:

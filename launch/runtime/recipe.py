@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from data.spec import DataSpec
-from model.gpt import GPTConfig
+from model.config import GPTConfig, ModelConfig
 
 
 class ConfigError(Exception):
@@ -29,29 +29,6 @@ def report_bad_input(error: Exception) -> int:
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {error}", file=sys.stderr)
     return BAD_INPUT_EXIT
-
-
-@dataclass
-class ModelSection:
-    n_layer: int = 12
-    """Transformer blocks; at least one per pipeline stage."""
-    n_head: int = 12
-    """Attention heads; divisible by tp."""
-    n_embd: int = 768
-    """Hidden size; divisible by n_head."""
-    seq_len: int = 1024
-    """Tokens per sample and positions of the model."""
-    vocab_size: Optional[int] = None
-    """Real vocabulary; null takes the tokenizer's size. Never below the tokenizer's size."""
-    vocab_pad_multiple: int = 1
-    """Pad the vocabulary to a multiple of this times tp (128 on GPUs)."""
-    dropout: float = 0.0
-    """Dropout probability (0 for parity checks; most modern pretraining uses 0)."""
-    init_std: float = 0.02
-    """Std of the GPT-2 normal init."""
-    sequence_parallel: bool = False
-    """Sequence parallelism (Korthikanti et al. 2022): LayerNorm/dropout/residual activations
-    split along the sequence over TP; the sequence length must divide by tp. Same losses."""
 
 
 @dataclass
@@ -119,7 +96,7 @@ class WandbSection:
 
 @dataclass
 class Recipe:
-    model: ModelSection = field(default_factory=ModelSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataSpec = field(default_factory=DataSpec)
     train: TrainSection = field(default_factory=TrainSection)
     wandb: WandbSection = field(default_factory=WandbSection)
@@ -132,11 +109,8 @@ class Recipe:
         return self.data.seq_len or self.model.seq_len
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
-        m = self.model
-        return GPTConfig(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, seq_len=m.seq_len,
-                         vocab_size=vocab_size, vocab_pad_multiple=m.vocab_pad_multiple,
-                         dropout=m.dropout, init_std=m.init_std, seed=self.train.seed,
-                         sequence_parallel=m.sequence_parallel,
+        """The model to build: this recipe's model section with the tokenizer's vocabulary resolved."""
+        return GPTConfig(**dict(dataclasses.asdict(self.model), vocab_size=vocab_size), seed=self.train.seed,
                          recompute_attention=self.train.recompute_mode == "selective")
 
     def to_dict(self) -> Dict[str, Any]:
