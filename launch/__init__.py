@@ -1,1 +1,2 @@
-"""Entry points (train, evaluate, export_hf, plan, prepare_data), each a thin main(); the machinery lives in the subpackages."""
+"""Entry points (train, evaluate, export_hf, plan, prepare_data), each a thin main();
+the machinery lives in the subpackages."""

@@ -3,11 +3,8 @@
 (or `python launch/evaluate.py --init-from-hf DIR` in one process).
 
 The weights decide the model's shape; the recipe decides the data and the batch: the recipe of
-the checkpoint by default, `--recipe` otherwise (recipes/demo.yaml for --init-from-hf). The model runs through the same pipeline
-code as training (`build_pipeline`, `engine.eval_batch`); a checkpoint's shards are merged and
-re-split for this layout (`model/convert.py`), so every layout gives the same numbers. The
-data: the first --batches global batches of the validation windows, or of the training
-stream when the recipe holds out no validation data.
+the checkpoint by default, `--recipe` otherwise (recipes/demo.yaml for --init-from-hf). Every
+layout gives the same numbers (launch/runtime/evaluation.py).
 """
 import argparse
 import sys

@@ -1,1 +1,2 @@
-"""What a layout costs, computed without running it: parameter, FLOP, memory and communication formulas and the layout planner."""
+"""What a layout costs, computed without running it: parameter, FLOP, memory and
+communication formulas, and the layout planner."""

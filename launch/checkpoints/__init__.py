@@ -1,1 +1,2 @@
-"""Checkpoints on disk: durable save, find and prune, safe loading, re-sharding to another layout, transformers weights in and out."""
+"""Checkpoints on disk: durable save, find and prune, safe loading, re-sharding to another
+layout, transformers weights in and out."""

@@ -2,11 +2,16 @@
 (one per pipeline layer and TP rank), merge the TP shards and stages with model/convert.py, strip
 the vocab padding, write config, safetensors weights, generation config and tokenizer.
 One process, no DeepSpeed engine, no torch.distributed; only model weights, never optimizer state."""
+from __future__ import annotations
+
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from launch.runtime.recipe import ConfigError
+
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    from model.config import GPTConfig
 
 # DeepSpeed's name for the weights of pipeline layer XX on TP rank YY (PipelineModule.ckpt_layer_path).
 LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
@@ -49,7 +54,7 @@ def read_checkpoint_weights(load: Path):
     return ref, config, merge_layer_states(layer_states, config.n_layer, config.vocab_size)
 
 
-def dense_gpt(config, dense):
+def dense_gpt(config: GPTConfig, dense):
     """Our dense GPT (tp_group None, one stage) holding the given weights."""
     from model.convert import load_dense_into
     from model.gpt import GPT

@@ -8,10 +8,16 @@ trains exactly those weights whatever (tp, pp, dp) is. Nothing from the source e
 code: the model class is fixed (GPT2LMHeadModel, never trust_remote_code) and weights load
 from safetensors or with torch's weights_only unpickler.
 """
-from typing import Any, Callable, List, Tuple
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, List, Tuple
 
 from launch.runtime.recipe import ConfigError
 from model.gpt import GPTConfig
+
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    from deepspeed.pipe import PipelineModule
+    from model.parallel_state import ParallelState
 
 # (GPT2Config attribute, the values our model computes the same function with, the fix):
 # every field that changes what the weights compute; dropout does not, and the recipe sets it.
@@ -76,7 +82,7 @@ def hf_dense_state_dict(source: str, n_layer: int):
     return from_gpt2_state_dict(hf.state_dict(), n_layer)
 
 
-def init_from_hf(pipe, source: str, config: GPTConfig, state) -> None:
+def init_from_hf(pipe: PipelineModule, source: str, config: GPTConfig, state: ParallelState) -> None:
     """Overwrite the local stage's parameters of `pipe` with this rank's shards of `source`.
 
     Call before `deepspeed.initialize`, so the optimizer (and ZeRO's fp32 master copy) start

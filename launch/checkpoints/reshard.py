@@ -26,14 +26,19 @@ Only ZeRO-1 checkpoints re-shard (the default): ZeRO-0 keeps torch's per-paramet
 state in another file format. RNG states are per (stage, TP rank) and are not carried over:
 with dropout on, the masks after a layout change differ from those of the original layout.
 """
+from __future__ import annotations
+
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Set, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Set, Tuple
 
 import torch
 import torch.nn as nn
 
 from model.convert import dense_name, merge, split
 from model.parallel_state import ParallelState, build_topology
+
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # torch AdamW's state, next to the fp32 master weight
 FP32 = "fp32"
@@ -155,7 +160,7 @@ def _init_adam_state(optimizer, step: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def load_resharded(engine, ckpt: Path, saved_layout: Dict[str, int], state: ParallelState, n_layer: int,
+def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, int], state: ParallelState, n_layer: int,
                    vocab_size: int, padded_vocab_size: int) -> None:
     """Fill `engine` (a fresh DeepSpeed pipeline engine with a ZeRO-1 or bf16 optimizer) with
     the weights, optimizer state, LR schedule and counters of checkpoint `ckpt`, saved at

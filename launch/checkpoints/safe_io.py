@@ -11,13 +11,18 @@ Writing: each file is fsynced by the rank that wrote it before the save returns,
 directory is fsynced after an entry in it changes, so a checkpoint that `latest` names is on
 disk, not in a page cache that a power loss empties.
 """
+from __future__ import annotations
+
 import os
 import pickle
 from pathlib import Path
-from typing import List, Union
+from typing import TYPE_CHECKING, List, Union
 
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
 PathLike = Union[str, Path]
 
@@ -94,7 +99,7 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
         return load_safely(path, map_location)
 
 
-def use_safe_engine(engine) -> None:
+def use_safe_engine(engine: PipelineEngine) -> None:
     """Give a DeepSpeed engine our checkpoint engine (its save and load look it up each call)."""
     if not isinstance(engine.checkpoint_engine, SafeCheckpointEngine):
         engine.checkpoint_engine = SafeCheckpointEngine(engine._config)

@@ -22,6 +22,8 @@ then the writer fsyncs the directories, commits complete.json and moves `latest`
 At the saved (tp, pp, dp) DeepSpeed's loader restores everything bit for bit; at another layout
 launch/checkpoints/reshard.py re-shards the ZeRO-1 weights and optimizer state.
 """
+from __future__ import annotations
+
 import json
 import re
 import shutil
@@ -30,13 +32,18 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
 from launch.runtime.recipe import ConfigError
+
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from model.config import GPTConfig
+    from model.parallel_state import ParallelState
 
 COMPLETE = "complete.json"
 LATEST = "latest"
@@ -212,7 +219,7 @@ def _set_aside_later_tags(root: Path, resume_from: Optional[CheckpointRef]) -> N
         fsync_dir(root)
 
 
-def save(engine, root: Path, step: int, samples: int, recipe_dict: Dict[str, Any],
+def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dict: Dict[str, Any],
          layout: Dict[str, int], keep_last: int, is_writer: bool, wandb_run_id: Optional[str] = None,
          data_state: Optional[Dict[str, Any]] = None) -> Path:
     """Every rank calls this; rank `is_writer` commits (it holds the wandb run, whose id a
@@ -290,7 +297,7 @@ def history(root: Path, tag: str) -> List[Path]:
     return chain
 
 
-def load(engine, ref: CheckpointRef, layout: Dict[str, int], state, config) -> Dict[str, Any]:
+def load(engine: PipelineEngine, ref: CheckpointRef, layout: Dict[str, int], state: ParallelState, config: GPTConfig) -> Dict[str, Any]:
     """Restore the engine and return the client state (step, samples, recipe). At the saved
     layout: DeepSpeed's own loader and this rank's RNG states (a bitwise continuation). At
     another: launch/checkpoints/reshard.py re-shards weights and optimizer state (fp32 rounding)."""

@@ -21,6 +21,8 @@ know which step is running. Each call is recorded as
 Each rank writes OUT_DIR/rank{R}.json after every step and at exit. The wrappers stay for the
 life of the process: a measurement tool for bench/comm_volume.py and tests, not for production.
 """
+from __future__ import annotations
+
 import atexit
 import functools
 import importlib
@@ -29,9 +31,15 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from model.parallel_state import ParallelState
+    from types import FrameType
 
 # Function -> the argument holding the payload: what this rank hands to the collective.
 PAYLOAD_ARGUMENT = {
@@ -65,7 +73,7 @@ BOOKKEEPING = "bookkeeping: "
 _COMM_LAYERS = ("torch/distributed/", "deepspeed/comm/", "launch/instruments/comm_counter.py")
 
 
-def purpose_of_call(frame) -> str:
+def purpose_of_call(frame: Optional[FrameType]) -> str:
     """PURPOSES entry of the innermost matching caller, else 'bookkeeping: <first caller>'."""
     first_caller = None
     while frame is not None:
@@ -80,7 +88,7 @@ def purpose_of_call(frame) -> str:
 
 
 class CommCounter:
-    def __init__(self, topology, rank: int, out_dir: Path):
+    def __init__(self, topology: PipeModelDataParallelTopology, rank: int, out_dir: Path):
         self.topology = topology
         self.rank = rank
         self.path = Path(out_dir) / f"rank{rank}.json"
@@ -107,7 +115,7 @@ class CommCounter:
             self._roles[ranks] = role
         return self._roles[ranks]
 
-    def record(self, op: str, bound: inspect.BoundArguments, frame) -> None:
+    def record(self, op: str, bound: inspect.BoundArguments, frame: Optional[FrameType]) -> None:
         payload = bound.arguments[PAYLOAD_ARGUMENT[op]]
         tensors = payload if isinstance(payload, (list, tuple)) else [payload]
         elements = sum(t.numel() for t in tensors)
@@ -136,7 +144,7 @@ class CommCounter:
         counted.comm_counter_original = original
         return counted
 
-    def install(self, engine) -> None:
+    def install(self, engine: PipelineEngine) -> None:
         for op in PAYLOAD_ARGUMENT:
             setattr(dist, op, self.wrap(op, getattr(dist, op)))
         # DeepSpeed's TorchBackend caches these two functions when it is built: wrap the cached ones.
@@ -179,7 +187,7 @@ class CommCounter:
         tmp.replace(self.path)
 
 
-def install_comm_counter(engine, state, out_dir: Optional[Path]) -> Optional[CommCounter]:
+def install_comm_counter(engine: PipelineEngine, state: ParallelState, out_dir: Optional[Path]) -> Optional[CommCounter]:
     """Count this rank's communication from now on into out_dir/rank{R}.json; None: do nothing."""
     if out_dir is None:
         return None

@@ -5,17 +5,23 @@ the throughput (tokens/s, model TFLOP/s per device, MFU) and the peak memory of 
 rank. The FLOPs and the batch arithmetic come from launch/analysis/formulas.py, the same numbers the
 planner (launch/plan.py) predicts with, so a run can be held against its plan.
 """
+from __future__ import annotations
+
 import json
 import os
 import resource
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from launch.analysis import formulas
 from launch.runtime.recipe import ConfigError
 from launch.runtime.layout import Layout
+
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from model.config import GPTConfig
 
 PEAK_TFLOPS_ENV = "GPT3D_PEAK_TFLOPS"
 """Dense TFLOP/s per device that MFU divides by, for devices missing from formulas.PEAK_FLOPS_BF16."""
@@ -112,7 +118,7 @@ def accelerator_device_name() -> Optional[str]:
     return torch.cuda.get_device_name()
 
 
-def run_arithmetic(config, layout: Layout, seq_len: int, total_steps: int) -> RunArithmetic:
+def run_arithmetic(config: GPTConfig, layout: Layout, seq_len: int, total_steps: int) -> RunArithmetic:
     """From the model's GPTConfig, the layout, tokens per sample and steps (reads the device
     name and GPT3D_PEAK_TFLOPS for the MFU peak)."""
     peak, source = peak_flops(accelerator_device_name(), os.environ.get(PEAK_TFLOPS_ENV))
@@ -128,7 +134,7 @@ def run_arithmetic(config, layout: Layout, seq_len: int, total_steps: int) -> Ru
 
 # ---------------------------------------------------------------- read on every rank
 
-def loss_scale(engine) -> float:
+def loss_scale(engine: PipelineEngine) -> float:
     """The fp16 dynamic loss scale now; 1.0 for fp32 and bf16, which scale nothing.
 
     `_get_optimizer_loss_scale` is how DeepSpeed 0.19.8's own PipelineEngine reads it: it covers

@@ -11,15 +11,20 @@ right before each recorded step lets the ranks start it together, so the stages'
 to within the barrier's exit skew (microseconds on one host, more across nodes): an
 approximation, no clock synchronisation.
 """
+from __future__ import annotations
+
 import functools
 import time
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 from launch.analysis import formulas
 from launch.instruments.pipeline_chart import Event, draw_schedule, idle_fraction
 
 import matplotlib.pyplot as plt  # after pipeline_chart chose the file backend
+
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
 
 def measured_bubble(steps: Sequence[Sequence[Event]]) -> float:
@@ -31,7 +36,7 @@ def measured_bubble(steps: Sequence[Sequence[Event]]) -> float:
 class TimelineRecorder:
     """Times the forward and backward passes of `steps` training steps from `first_step` on."""
 
-    def __init__(self, engine, first_step: int, steps: int, one_per_stage: bool):
+    def __init__(self, engine: PipelineEngine, first_step: int, steps: int, one_per_stage: bool):
         self.engine = engine
         self.first_step, self.last_step = first_step, first_step + steps - 1
         self.one_per_stage = one_per_stage  # this rank speaks for its stage in the chart
@@ -46,7 +51,7 @@ class TimelineRecorder:
         from deepspeed.accelerator import get_accelerator
 
         @functools.wraps(handler)
-        def run(engine, **kwargs) -> None:  # called as `_exec_schedule` does: (buffer_id=...)
+        def run(engine: PipelineEngine, **kwargs) -> None:  # called as `_exec_schedule` does: (buffer_id=...)
             if not self.recording:
                 return handler(engine, **kwargs)
             get_accelerator().synchronize()  # GPU kernels run asynchronously: time them, not their launch
@@ -114,7 +119,7 @@ class TimelineRecorder:
         return measured
 
 
-def install_timeline_recorder(engine, steps: int, total_steps: int, one_per_stage: bool) -> TimelineRecorder:
+def install_timeline_recorder(engine: PipelineEngine, steps: int, total_steps: int, one_per_stage: bool) -> TimelineRecorder:
     """Time `steps` steps of `engine` (a PipelineEngine) after one warm-up step (none when the
     run has a single step). `one_per_stage`: this rank is the one whose times stand for its
     stage (the first TP and DP coordinate); every rank times, so all see the same barriers."""

@@ -1,1 +1,2 @@
-"""The run's machinery between the command line and the model: recipe, layout, DeepSpeed config, distributed start, engine, training loop, signals and failures."""
+"""The run's machinery between the command line and the model: recipe, layout, DeepSpeed
+config, distributed start, engine, training loop, evaluation, signals and failures."""

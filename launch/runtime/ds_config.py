@@ -42,7 +42,6 @@ def deepspeed_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
     return config
 
 
-
 def evaluation_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
     """The config of an engine that only runs `eval_batch` (launch/runtime/evaluation.py): the same
     batch keys and pipeline settings, no optimizer (the pipeline engine needs one only for

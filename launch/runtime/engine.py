@@ -1,12 +1,19 @@
 """The run's model inside its DeepSpeed engine: the PipelineModule (seeded, or from transformers
 weights), AdamW with its parameter groups, the LR schedule, and the role map printed at start."""
-from typing import Any, List, Optional, Tuple
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from launch.runtime.layout import Layout
 from launch.runtime.recipe import Recipe
 
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    import torch
+    from model.config import GPTConfig
+    from model.parallel_state import ParallelState
 
-def print_role_map(layout: Layout, state, stages: List[Tuple[int, str]], seq_len: int,
+
+def print_role_map(layout: Layout, state: ParallelState, stages: List[Tuple[int, str]], seq_len: int,
                    sequence_parallel: bool = False, recompute: str = "none") -> None:
     def groups(lists):
         return " ".join(str(g) for g in lists)
@@ -17,23 +24,20 @@ def print_role_map(layout: Layout, state, stages: List[Tuple[int, str]], seq_len
           f"  DP groups  (split the data, all-reduce grads): {groups(state.dp_groups)}")
     for stage, contents in stages:
         print(f"  stage {stage}: {contents}")
-    print(f"batch: global {layout.global_batch_size} = micro {layout.micro_batch_size} x dp {layout.dp} "
-          f"x {layout.grad_accum_steps} micro-batches per step; {layout.global_batch_size * seq_len} "
-          f"tokens per step")
     shard = f"(b, T/tp, h) = ({layout.micro_batch_size}, {seq_len // layout.tp}, h): sequence parallel" \
         if sequence_parallel and layout.tp > 1 else f"(b, T, h) = ({layout.micro_batch_size}, {seq_len}, h)"
     print(f"activations: {shard} per rank between TP linears and across stages; recompute {recompute}",
           flush=True)
 
 
-def param_groups(module) -> List[dict]:
+def param_groups(module: torch.nn.Module) -> List[dict]:
     """AdamW decays matrices and embeddings, not biases or LayerNorm (GPT-2 / nanoGPT)."""
     params = [p for p in module.parameters() if p.requires_grad]
     return [{"params": [p for p in params if p.dim() >= 2]},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def build_engine(recipe: Recipe, layout: Layout, state, config, logging_rank: bool,
+def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: GPTConfig, logging_rank: bool,
                  init_from_hf: Optional[str] = None, verbose: bool = False) -> Tuple[Any, Any]:
     """(engine, own grad norm): the run's PipelineModule (seeded init, or `init_from_hf` weights)
     inside a DeepSpeed engine with AdamW, ZeRO, clipping and the LR schedule; and, for fp32

@@ -6,18 +6,26 @@ decides the data and the batch. A checkpoint's shards are merged and re-split fo
 (model/convert.py), so every layout gives the same numbers. The data: the first n global batches
 of the validation windows, or of the training stream when the recipe holds out no validation data.
 """
+from __future__ import annotations
+
 import argparse
 import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 from launch.runtime.cli import DEFAULT_RECIPE
 from launch.runtime.distributed import ensure_single_process_env, on_cpu
 from launch.runtime.layout import Layout, derive_layout
 from launch.runtime.recipe import ConfigError, Recipe, load_recipe
 from launch.runtime.run_inputs import load_run_data
+from model.config import SHAPE_FIELDS
+
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    from deepspeed.pipe import PipelineModule
+    from model.config import GPTConfig
+    from model.parallel_state import ParallelState
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,9 +39,6 @@ class EvaluationJob:
     vocab_size: int
     n_batches: int
     """Global batches to average over."""
-
-
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")
 
 
 def as_overrides(values: Dict[str, Any], prefix: str) -> List[str]:
@@ -54,7 +59,7 @@ def evaluation_recipe(args: argparse.Namespace) -> Recipe:
         from launch.checkpoints.store import find_checkpoint
         saved = find_checkpoint(args.load).meta["recipe"]
         weights = as_overrides(saved if args.recipe is None else {"model": saved["model"]}, "")
-        shape = {k: saved["model"][k] for k in SHAPE_KEYS}
+        shape = {k: saved["model"][k] for k in SHAPE_FIELDS}
     else:
         from launch.checkpoints.hf_weights import read_hf_config
         hf = read_hf_config(args.init_from_hf)
@@ -71,7 +76,7 @@ def evaluation_recipe(args: argparse.Namespace) -> Recipe:
     return recipe
 
 
-def load_weights(pipe, args: argparse.Namespace, config, state) -> None:
+def load_weights(pipe: PipelineModule, args: argparse.Namespace, config: GPTConfig, state: ParallelState) -> None:
     """This rank's shards of the checkpoint (merged, re-split for this layout) or HF weights."""
     if args.init_from_hf is not None:
         from launch.checkpoints.hf_weights import init_from_hf

@@ -11,11 +11,16 @@ the norm with ZeRO-1's counting rule and clips with it:
 - a pipeline-replicated copy (`ds_pipe_replicated`: the tied embedding's second stage) not at all;
 then the squares are summed over the model-parallel group (every TP rank of every stage).
 """
+from __future__ import annotations
+
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
 
 def uses_own_grad_norm(zero_stage: int, precision: str) -> bool:
@@ -26,7 +31,7 @@ def uses_own_grad_norm(zero_stage: int, precision: str) -> bool:
 class Zero0GradNorm:
     """Install with `Zero0GradNorm(engine, tp_rank, grad_clip)`; `value` is the last step's norm."""
 
-    def __init__(self, engine, tp_rank: int, grad_clip: float):
+    def __init__(self, engine: PipelineEngine, tp_rank: int, grad_clip: float):
         self.module, self.mpu, self.tp_rank, self.grad_clip = engine.module, engine.mpu, tp_rank, grad_clip
         self.value: Optional[float] = None
         engine.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._before_step())

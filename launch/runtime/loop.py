@@ -1,16 +1,27 @@
 """The training loop of a checked job: start the ranks, build the engine, resume, then per step
 train, measure, validate, log and save, until the last step or an agreed stop signal."""
+from __future__ import annotations
+
 import math
 import os
 import time
-from typing import Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 from launch.runtime.layout import Layout
 from launch.runtime.run_inputs import resolved_recipe_dict
 from launch.runtime.startup import TrainingJob
 
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    import torch
+    from data.pipeline import RunData
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from launch.checkpoints.store import CheckpointRef
+    from model.config import GPTConfig
+    from model.parallel_state import ParallelState
 
-def validation_loss(engine, data, state, layout: Layout, eval_batches: int, device) -> float:
+
+def validation_loss(engine: PipelineEngine, data: RunData, state: ParallelState, layout: Layout, eval_batches: int,
+                    device: torch.device) -> float:
     """Mean validation loss over the same global batches at every call, via `eval_batch`."""
     from data.pipeline import on_device
     n = data.eval_global_batches(eval_batches)
@@ -18,7 +29,8 @@ def validation_loss(engine, data, state, layout: Layout, eval_batches: int, devi
     return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n)) / n
 
 
-def restore(engine, resume_from, layout: Layout, state, config, logging_rank: bool) -> Tuple[int, int]:
+def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout: Layout, state: ParallelState,
+            config: GPTConfig, logging_rank: bool) -> Tuple[int, int]:
     """(first step to train, samples consumed so far): (1, 0), or after the checkpoint's step."""
     from launch.checkpoints import store
     if resume_from is None:
@@ -71,13 +83,14 @@ def run_training(job: TrainingJob) -> None:
                                  data_state=resume_from.meta.get("data_state") if resume_from is not None else None)
     device = torch.device(get_accelerator().current_device_name())
     feed = data.feed(batches, state.tp_group, device)
-    tokens_per_step = layout.global_batch_size * recipe.seq_len
+    arithmetic = run_arithmetic(config, layout, recipe.seq_len, t.steps)  # the run summary prints it
+    tokens_per_step = arithmetic.tokens_per_step
     stop = StopRequest(get_accelerator().device_name())
     metrics = None
     if logging_rank:
         metrics = MetricsLogger(args.metrics_out, recipe.wandb.mode, recipe.wandb.project,
                                 recipe.wandb.name, dict(recipe.to_dict(), layout=vars(layout)),
-                                run_arithmetic(config, layout, recipe.seq_len, t.steps),
+                                arithmetic,
                                 resume_after_step=first_step - 1 if resume_from is not None else None,
                                 wandb_run_id=resume_from.meta.get("wandb_run_id") if resume_from is not None else None)
     for step in range(first_step, t.steps + 1):

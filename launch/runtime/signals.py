@@ -5,11 +5,17 @@ SIGTERM to its children one after the other; SLURM signals every task). So each 
 ranks agree with one MAX all-reduce of their flags: if any rank was signalled, all stop
 after the same step and save together.
 """
+from __future__ import annotations
+
 import os
 import signal
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # annotations only: no import cost at run time
+    from types import FrameType
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -21,7 +27,7 @@ class StopRequest:
         for sig in SIGNALS:
             signal.signal(sig, self._handle)
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.signalled:  # the second signal: no checkpoint, no clean-up
             os._exit(128 + signum)
         self.signalled = True
