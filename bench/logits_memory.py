@@ -23,12 +23,12 @@ import socket
 import sys
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 
 def _before_logits(self, hidden: torch.Tensor) -> torch.Tensor:
     """The head as it was: the matmul, then a `masked_fill` copy of the padded columns."""
-    logits = F.linear(hidden, self.weight)
+    logits = functional.linear(hidden, self.weight)
     padded = torch.arange(self.vocab_start, self.vocab_end, device=logits.device) >= self.vocab_size
     return logits.masked_fill(padded, float("-inf"))
 

@@ -19,7 +19,7 @@ from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from torch.nn import functional
 import torch.utils.checkpoint
 
 from model.config import GPTConfig
@@ -68,7 +68,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        return functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h), or (B, T/t, h) with SP
@@ -108,7 +108,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # GPT-2's "gelu_new" is the tanh approximation.
-        y = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        y = self.c_proj(functional.gelu(self.c_fc(x), approximate="tanh"))
         with self.residual_dropout_rng():
             return self.dropout(y)
 

@@ -15,7 +15,7 @@ row-parallel bias) get their gradient summed over TP by `copy_to_tp_region`.
 """
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from torch.nn import functional
 
 from model.mappings import (Group, all_gather_sequence, copy_to_tp_region,
                             gather_from_sequence_parallel_region, gather_from_tp_region,
@@ -64,7 +64,7 @@ class _SequenceGatherLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(all_gather_sequence(x, group), weight, bias)
+        return functional.linear(all_gather_sequence(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):  # grad: (B, T, out/p)
@@ -108,7 +108,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # (B, T/t, in) -> (B, T, out/p)
             return _SequenceGatherLinear.apply(x, self.weight, self.bias, self.tp_group)
-        y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
+        y = functional.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -136,7 +136,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x_parallel: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x_parallel, self.weight)  # (B, T, out): this rank's partial sum
+        partial = functional.linear(x_parallel, self.weight)  # (B, T, out): this rank's partial sum
         if not self.sequence_parallel:
             y = reduce_from_tp_region(partial, self.tp_group)
             return y if self.bias is None else y + self.bias
@@ -159,7 +159,7 @@ class _PaddedVocabLogits(torch.autograd.Function):
     def forward(ctx, hidden, weight, real_rows):
         ctx.save_for_backward(hidden, weight)
         ctx.real_rows = real_rows
-        logits = F.linear(hidden, weight)
+        logits = functional.linear(hidden, weight)
         logits[..., real_rows:] = float("-inf")
         return logits
 
@@ -204,10 +204,10 @@ class VocabParallelEmbedding(nn.Module):
         """(B, T) token ids -> (B, T, h) embeddings, replicated on the TP group; with
         sequence parallelism this rank's (B, T/t, h) chunk (reduce-scatter, not all-reduce)."""
         if self.tp_group is None:  # one rank holds every row: no masking, no (B, T, h) masked copy
-            return F.embedding(ids, self.weight)
+            return functional.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        emb = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        emb = functional.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(emb, self.tp_group)
         return reduce_from_tp_region(emb, self.tp_group)
@@ -221,7 +221,7 @@ class VocabParallelEmbedding(nn.Module):
             hidden = copy_to_tp_region(hidden, self.tp_group)
         real_rows = min(max(self.vocab_size - self.vocab_start, 0), self.rows_per_partition)
         if real_rows == self.rows_per_partition:  # this shard holds no padding rows
-            return F.linear(hidden, self.weight)
+            return functional.linear(hidden, self.weight)
         return _PaddedVocabLogits.apply(hidden, self.weight, real_rows)
 
 
@@ -240,5 +240,5 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.sequence_parallel_group
-        return F.layer_norm(x, self.normalized_shape, copy_to_tp_region(self.weight, group),
+        return functional.layer_norm(x, self.normalized_shape, copy_to_tp_region(self.weight, group),
                             copy_to_tp_region(self.bias, group), self.eps)
