@@ -2,10 +2,8 @@
 NVIDIA's datasheets) and against the built model (torch's parameter count and FLOP counter)."""
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
-from torch.utils.flop_counter import FlopCounterMode
 
+from flop_count import counted_flops
 from launch.analysis import formulas
 from model.gpt import GPT, Block, GPTConfig
 
@@ -73,20 +71,6 @@ def test_parameter_counts_are_the_built_models(pad_multiple):
     assert formulas.stage_params_per_rank(l, h, V, s, tp=1, pp=1, stage=0, pad_multiple=pad_multiple) == built
 
 
-def _counted_flops(module, inputs, recompute=False) -> int:
-    """FLOPs torch counts in one forward and backward of `module`; attention runs as plain matmuls
-    (the math kernel), which the counter sees, and a recompute reruns the whole forward, as
-    DeepSpeed's activation checkpointing does."""
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        if recompute:
-            with set_checkpoint_early_stop(False):
-                out = checkpoint(module, inputs, use_reentrant=False)
-                out.float().sum().backward()
-        else:
-            module(inputs).float().sum().backward()
-    return counter.get_total_flops()
-
-
 def test_flops_are_what_torch_counts_in_the_built_model():
     """[N21]'s 72Bslh^2(1 + s/6h + V/12lh) against torch's FLOP counter over a forward and backward
     of our GPT: every matmul, attention's included (the formula counts the full s x s scores; the
@@ -94,10 +78,10 @@ def test_flops_are_what_torch_counts_in_the_built_model():
     b, s, l, h, V = 3, 32, 2, 64, 101
     config = GPTConfig(n_layer=l, n_head=4, n_embd=h, seq_len=s, vocab_size=V)
     ids = torch.randint(0, V, (b, s), generator=torch.Generator().manual_seed(0))
-    model = _counted_flops(GPT(config), ids)
+    model = counted_flops(GPT(config), ids)
     assert model == pytest.approx(formulas.model_flops_per_step(b, s, l, h, V))
     hidden = torch.randn(b, s, h, requires_grad=True)
-    block, block_recomputed = (_counted_flops(Block(config, 0, None), hidden, recompute) for recompute in (False, True))
+    block, block_recomputed = (counted_flops(Block(config, 0, None), hidden, recompute) for recompute in (False, True))
     assert block == pytest.approx(formulas.layer_flops_per_microbatch(b, s, h))
     assert block_recomputed == pytest.approx(formulas.layer_flops_per_microbatch(b, s, h, recompute=True))
     assert model - l * block == pytest.approx(formulas.logits_flops_per_microbatch(b, s, h, V))
