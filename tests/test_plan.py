@@ -33,11 +33,9 @@ def _json(out: str):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_128_gpu_example_json():
-    proc = subprocess.run([sys.executable, "launch/plan.py", *EXAMPLE, "--json"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    plan = json.loads(proc.stdout)
+def test_128_gpu_example_json(capsys):
+    assert main([*EXAMPLE, "--json"]) == 0
+    plan = _json(capsys.readouterr().out)
     assert (plan["dp"], plan["layers_per_stage"], plan["microbatches_per_pipeline"], plan["grad_accum_steps"]) \
         == (8, 18, 4, 4)
     assert plan["bubble_fraction"] == pytest.approx(3 / 7)
