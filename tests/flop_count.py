@@ -10,10 +10,15 @@ def counted_flops(module: torch.nn.Module, inputs: torch.Tensor, recompute: bool
     math kernel, as plain matmuls the counter sees (the CPU's fused kernel it does not count); a
     recompute reruns the whole forward, as DeepSpeed's activation checkpointing does (torch's own
     checkpoint would otherwise stop once backward has what it needs)."""
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        if recompute:
-            with set_checkpoint_early_stop(False):
-                checkpoint(module, inputs, use_reentrant=False).float().sum().backward()
-        else:
-            module(inputs).float().sum().backward()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # toy matmuls gain nothing from more; on a busy CPU, threads waiting cost seconds
+    try:
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            if recompute:
+                with set_checkpoint_early_stop(False):
+                    checkpoint(module, inputs, use_reentrant=False).float().sum().backward()
+            else:
+                module(inputs).float().sum().backward()
+    finally:
+        torch.set_num_threads(threads)
     return counter.get_total_flops()

@@ -1,6 +1,7 @@
 """Training metrics (launch/instruments/metrics.py): the pure helpers and the logger's arithmetic on
 hand-made numbers, then one real run on 2 CPU processes whose metrics file and console are held
 against the built model's parameters and FLOPs as torch counts them, and the run's own clock."""
+import functools
 import json
 import re
 from types import SimpleNamespace
@@ -25,6 +26,7 @@ NEW_KEYS = {"samples", "loss_scale", "step_time_s", "tflops_per_device", "mfu", 
 OLD_KEYS = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "elapsed_s"}
 
 
+@functools.cache  # one count per test session: the FLOP counter takes seconds to start
 def built_tiny_model():
     """The tiny recipe's model as model/gpt.py builds it, its parameters as torch counts them, and
     the FLOPs torch counts in one step: a forward and backward of one sample, times the batch."""

@@ -193,9 +193,9 @@ def _real_stage_matches_the_plan(config: GPTConfig, tp: int, pp: int) -> None:
     assert held == predicted, f"tp {tp} pp {pp}, rank {state.global_rank}: holds {held}, planned {predicted}"
 
 
-@pytest.mark.slow  # 3 and 4 spawned processes
-@pytest.mark.parametrize("tp,pp", [(1, 3), (2, 2)], ids=["tp1-pp3", "tp2-pp2"])
-def test_per_rank_parameters_match_the_real_pipeline_module(tp, pp):
-    """5 blocks over 3 stages split unevenly (2, 2, 1); at tp 2 the vocabulary pads (101 -> 104)
-    and the last stage holds a tied copy of wte."""
-    run_distributed(_real_stage_matches_the_plan, tp * pp, CONFIG, tp, pp)
+@pytest.mark.slow  # 4 spawned processes
+def test_per_rank_parameters_match_the_real_pipeline_module():
+    """tp 2 x pp 2, one layout that shows every rule: 5 blocks split unevenly over the stages
+    (3, 2), the vocabulary padded (101 -> 104) and split over TP, and the last stage holding a
+    tied copy of wte."""
+    run_distributed(_real_stage_matches_the_plan, 4, CONFIG, 2, 2)
