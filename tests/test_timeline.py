@@ -52,12 +52,12 @@ def _timed_pass(seconds):
 
 class FakeEngine:
     """Stage 0 of 2 running DeepSpeed's real `_exec_schedule` over its real schedules; only the
-    instruction handlers are stand-ins: forward 2 ms, backward 4 ms, and 3 ms waiting for each
+    instruction handlers are stand-ins: forward 5 ms, backward 10 ms, and 7.5 ms waiting for each
     gradient from the next stage (RecvGrad), the idle time of a real first stage; the rest nothing."""
     num_stages, micro_batches, stage_id = 2, 4, 0
     _INSTRUCTION_MAP = {**{cmd: _wait(0) for cmd in PipelineEngine._INSTRUCTION_MAP},
-                        schedule.ForwardPass: _timed_pass(0.002), schedule.BackwardPass: _timed_pass(0.004),
-                        schedule.RecvGrad: _wait(0.003)}
+                        schedule.ForwardPass: _timed_pass(0.005), schedule.BackwardPass: _timed_pass(0.010),
+                        schedule.RecvGrad: _wait(0.0075)}
 
     def __init__(self):
         self.passes = []  # per train_batch or eval_batch call: its passes' (start, end)
@@ -103,14 +103,15 @@ def test_recorder_times_the_recorded_train_steps_only(world_of_one, tmp_path, ca
         assert all(stage == 0 for stage, *_ in events)
         starts = [e[3] for e in events]
         assert starts == sorted(starts) and starts[0] >= 0.0
-        # Each recorded pass holds the pass the handler timed itself, and little more.
+        # Each recorded pass holds the pass the handler timed itself, and little more (a busy
+        # machine may deschedule the recorder for a moment).
         for (_, _, _, start, end), (own_start, own_end) in zip(events, own):
-            assert own_end - own_start <= end - start < own_end - own_start + 0.001
+            assert own_end - own_start <= end - start < own_end - own_start + 0.003
 
     path = tmp_path / "charts" / "timeline.png"
     measured = recorder.draw(path, logging_rank=True)
     reference = sum(own_idle_share(own) for own in recorded_calls) / 2
-    assert reference > 0.15  # the 4 x 3 ms waits for gradients among 4 x 6 ms of passes
+    assert reference > 0.15  # 4 waits for a gradient, 30 ms of a span of about 90 ms
     assert measured == pytest.approx(reference, abs=0.02)
     assert "vs predicted 20.0% = (p-1)/(m+p-1) with p=2, m=4" in capsys.readouterr().out
 
@@ -125,7 +126,7 @@ def test_recorder_times_the_recorded_train_steps_only(world_of_one, tmp_path, ca
     assert [chart_pixels.boxes_in_row(forward, row) for row in rows] == [4, 4]
     assert [chart_pixels.boxes_in_row(backward, row) for row in rows] == [4, 4]
     drawn_idle = [chart_pixels.idle_share(schedule_pixels, row) for row in rows]
-    assert sum(drawn_idle) / 2 == pytest.approx(measured, abs=0.02), drawn_idle
+    assert sum(drawn_idle) / 2 == pytest.approx(measured, abs=0.02), (drawn_idle, measured)
 
 
 # ---------------------------------------------------------------- a real pp=2 run
