@@ -84,7 +84,7 @@ def test_benchmark_step_fits_one_80gb_gpu_by_the_formulas(name, capsys):
 
 @pytest.mark.slow  # one training run through launch/train.py
 def test_gpu_mfu_tiny_on_cpu_reports_the_built_models_flops():
-    """One recipe (at --tiny every recipe is the same toy model; the test above checks each is
+    """One recipe (at --tiny every recipe is the same toy model; the tests above check each is
     valid), 2 steps, the first left out as warm-up: the reported numbers are the second step's,
     with the FLOPs torch counts in a forward and backward of the toy model on the GPT-2 vocabulary
     (unpadded: the 47 padding rows are no model FLOPs) and the peak given on the command line."""
