@@ -1,8 +1,11 @@
-"""launch/analysis/formulas.py against published numbers (GPT-2, Narayanan 2021 table 1, the ZeRO paper)
-and against itself (per-rank counts add up, per-layer FLOPs add up to the step's)."""
+"""launch/analysis/formulas.py against published numbers (GPT-2, Narayanan 2021 table 1, the ZeRO paper,
+NVIDIA's datasheets) and against the built model (torch's parameter count and FLOP counter)."""
 import pytest
+import torch
 
+from flop_count import counted_flops
 from launch.analysis import formulas
+from model.gpt import GPT, Block, GPTConfig
 
 # Narayanan et al. 2021, table 1: (published billions, layers, hidden, heads); V=51200, s=2048.
 NARAYANAN_TABLE_1 = [(1.7, 24, 2304, 24), (3.6, 30, 3072, 32), (7.5, 36, 4096, 32), (18.4, 40, 6144, 48),
@@ -56,26 +59,32 @@ def test_partition_follows_deepspeed_type_block():
     assert formulas.blocks_per_stage(4, 3) == [2, 1, 1]
 
 
-def test_stage_counts_add_up_to_the_model():
-    l, h, V, s = 5, 32, 101, 16
-    assert formulas.stage_params_per_rank(l, h, V, s, tp=1, pp=1, stage=0) == formulas.params_exact(l, h, V, s)
-    # pp > 1: the last stage holds a tied copy of wte.
-    two = sum(formulas.stage_params_per_rank(l, h, V, s, 1, 2, k) for k in range(2))
-    assert two == formulas.params_exact(l, h, V, s) + V * h
-    # tp > 1: sharded weights add up over the ranks, replicated ones (6h per block, wpe, ln_f) repeat.
-    tp = 4
-    padded = formulas.padded_vocab_size(V, tp, 1)
-    total = tp * formulas.stage_params_per_rank(l, h, V, s, tp, 1, 0)
-    assert total == formulas.params_exact(l, h, V, s) + (padded - V) * h + (tp - 1) * (l * 6 * h + s * h + 2 * h)
+@pytest.mark.parametrize("pad_multiple", [1, 4])
+def test_parameter_counts_are_the_built_models(pad_multiple):
+    """torch counts the parameters of model/gpt.py's GPT: params_exact is it (unpadded vocabulary);
+    the one-stage, one-rank count of the planner includes the padded rows (101 -> 104)."""
+    config = GPTConfig(n_layer=3, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=pad_multiple)
+    built = sum(p.numel() for p in GPT(config).parameters())
+    l, h, V, s = config.n_layer, config.n_embd, config.vocab_size, config.seq_len
+    padding = (config.padded_vocab_size(1) - V) * h
+    assert formulas.params_exact(l, h, V, s) == built - padding
+    assert formulas.stage_params_per_rank(l, h, V, s, tp=1, pp=1, stage=0, pad_multiple=pad_multiple) == built
 
 
-def test_flops_per_layer_add_up_to_the_step():
-    B, b, s, l, h, V = 64, 4, 512, 6, 256, 1000
-    for recompute in (False, True):
-        per_micro = l * formulas.layer_flops_per_microbatch(b, s, h, recompute) + formulas.logits_flops_per_microbatch(b, s, h, V)
-        assert B // b * per_micro == pytest.approx(formulas.model_flops_per_step(B, s, l, h, V, recompute))
-    # Recompute repeats the forward: 4/3 of the layer FLOPs, the logits unchanged.
-    assert formulas.layer_flops_per_microbatch(b, s, h, True) == pytest.approx(4 / 3 * formulas.layer_flops_per_microbatch(b, s, h))
+def test_flops_are_what_torch_counts_in_the_built_model():
+    """[N21]'s 72Bslh^2(1 + s/6h + V/12lh) against torch's FLOP counter over a forward and backward
+    of our GPT: every matmul, attention's included (the formula counts the full s x s scores; the
+    math kernel computes them). Per block: 72bsh^2 + 12bs^2h, 4/3 of it with recompute."""
+    b, s, l, h, V = 3, 32, 2, 64, 101
+    config = GPTConfig(n_layer=l, n_head=4, n_embd=h, seq_len=s, vocab_size=V)
+    ids = torch.randint(0, V, (b, s), generator=torch.Generator().manual_seed(0))
+    model = counted_flops(GPT(config), ids)
+    assert model == pytest.approx(formulas.model_flops_per_step(b, s, l, h, V))
+    hidden = torch.randn(b, s, h, requires_grad=True)
+    block, block_recomputed = (counted_flops(Block(config, 0, None), hidden, recompute) for recompute in (False, True))
+    assert block == pytest.approx(formulas.layer_flops_per_microbatch(b, s, h))
+    assert block_recomputed == pytest.approx(formulas.layer_flops_per_microbatch(b, s, h, recompute=True))
+    assert model - l * block == pytest.approx(formulas.logits_flops_per_microbatch(b, s, h, V))
 
 
 def test_activation_memory():
@@ -107,11 +116,20 @@ def test_activation_memory_sequence_parallel_and_selective():
 
 
 def test_communication_and_mfu():
-    b, s, h = 8, 2048, 10240
-    assert formulas.tp_allreduce_bytes_per_step(b, s, h, layers=18, microbatches=4) == 4 * b * s * h * 2 * 18 * 4
-    assert formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, recompute=True) == 6 * b * s * h * 2
-    assert formulas.pp_p2p_bytes_per_step(b, s, h, microbatches=4) == b * s * h * 2 * 4
-    assert formulas.dp_allreduce_bytes_per_step(1000) == 2000
-    assert formulas.ring_allreduce_factor(8) == pytest.approx(1.75)
-    assert formulas.mfu(989e12 * 10 * 0.5, 10.0, formulas.PEAK_FLOPS_BF16["H100"], 1) == pytest.approx(0.5)
-    assert formulas.PEAK_FLOPS_BF16 == {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+    """Hand arithmetic; the TP and PP volumes are measured in a real run by tests/test_comm_volume.py."""
+    assert formulas.dp_allreduce_bytes_per_step(1000) == 2000  # bf16 gradients
+    assert formulas.ring_allreduce_factor(8) == pytest.approx(1.75)  # 2 * 7/8
+    # Half the peak's FLOPs for 10 s on one GPU, or all of them over 2 GPUs for 10 s: 50%.
+    assert formulas.mfu(989e12 * 10 * 0.5, 10.0, 989e12, 1) == pytest.approx(0.5)
+    assert formulas.mfu(989e12 * 10, 10.0, 989e12, 2) == pytest.approx(0.5)
+
+
+def test_peak_flops_are_the_datasheets_dense_numbers():
+    """NVIDIA's datasheets give bf16 tensor-core TFLOP/s with 2:4 sparsity, twice the dense rate MFU
+    divides by: H100 SXM and H200 1,979, A100 624. The A100 whitepaper's arithmetic gives the same
+    dense rate: 108 SMs x 1,024 dense FP16/BF16 FMAs per clock x 2 FLOPs x 1,410 MHz boost."""
+    sparse_datasheet = {"H100": 1979e12, "H200": 1979e12, "A100": 624e12}
+    assert formulas.PEAK_FLOPS_BF16.keys() == sparse_datasheet.keys()
+    for gpu, sparse in sparse_datasheet.items():
+        assert formulas.PEAK_FLOPS_BF16[gpu] == pytest.approx(sparse / 2, rel=1e-3), gpu
+    assert formulas.PEAK_FLOPS_BF16["A100"] == pytest.approx(108 * 1024 * 2 * 1410e6, rel=1e-3)

@@ -1,19 +1,24 @@
-"""launch/plan.py: the 128-GPU example, bad input, --search, --plot, the 1F1B simulation, and the
-per-rank parameter count it predicts against the modules our model builds on each TP rank."""
+"""launch/plan.py: the 128-GPU example, bad input, --search, --plot (read back as pixels), the 1F1B
+simulation, and the stage partition and per-rank parameter count it predicts against the real
+DeepSpeed PipelineModule our model builds on each rank."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib
 import pytest
-import torch.distributed as dist
-import torch.nn as nn
+import yaml
+from matplotlib import colors
 
-from distributed import run_distributed
+import chart_pixels
+from distributed import run_distributed, uses_deepspeed
 from launch.analysis import formulas
-from launch.instruments.pipeline_chart import idle_fraction, simulate_1f1b
+from launch.instruments.pipeline_chart import COLOURS, idle_fraction, simulate_1f1b
 from launch.plan import main
-from model.gpt import Block, GPTConfig, PositionEmbedding, TokenEmbedding
+from model.gpt import GPTConfig
+from model.parallel_state import init_parallel_state
+from model.pipe import build_pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = ["--layers", "72", "--hidden", "10240", "--heads", "80", "--seq-len", "2048", "--vocab", "51200",
@@ -29,11 +34,9 @@ def _json(out: str):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_128_gpu_example_json():
-    proc = subprocess.run([sys.executable, "launch/plan.py", *EXAMPLE, "--json"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    plan = json.loads(proc.stdout)
+def test_128_gpu_example_json(capsys):
+    assert main([*EXAMPLE, "--json"]) == 0
+    plan = _json(capsys.readouterr().out)
     assert (plan["dp"], plan["layers_per_stage"], plan["microbatches_per_pipeline"], plan["grad_accum_steps"]) \
         == (8, 18, 4, 4)
     assert plan["bubble_fraction"] == pytest.approx(3 / 7)
@@ -119,20 +122,46 @@ def test_search_respects_the_memory_budget(capsys):
     assert all(p["fits"] and p["memory_per_device_bytes"] <= 0.3 * 2 ** 30 for p in plans)
 
 
-def test_plot_writes_a_png(tmp_path, capsys):
+def test_plot_shows_the_layout_and_its_schedule(tmp_path, capsys):
+    """The PNG read back as pixels. 16 GPUs at tp 2, pp 4 make dp 2, and m = 32 / (2 * dp) = 8
+    micro-batches of 2: the grid shows one row per stage of tp * dp device cells in that stage's
+    colour; the schedule one row per stage with m forward and m backward boxes, idle for
+    (p-1)/(m+p-1) of the row [N21 sec. 2.2.1]."""
+    gpus, tp, pp, micro, global_batch = 16, 2, 4, 2, 32
+    dp = gpus // (tp * pp)
+    m = global_batch // (micro * dp)
     path = tmp_path / "plan.png"
-    assert main([*SMALL, "--gpus", "16", "--tp", "2", "--pp", "4", "--micro-batch", "2", "--global-batch", "32",
-                 "--plot", str(path)]) == 0
+    assert main([*SMALL, "--gpus", str(gpus), "--tp", str(tp), "--pp", str(pp), "--micro-batch", str(micro),
+                 "--global-batch", str(global_batch), "--plot", str(path)]) == 0
     assert f"wrote {path}" in capsys.readouterr().out
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    rgb = chart_pixels.read_rgb(path)
+    (top, bottom), (left, right) = chart_pixels.schedule_area(rgb)
+    grid, schedule = rgb[:top], rgb[top:bottom, left:right]
+
+    stage_colours = matplotlib.colormaps["tab10"]  # the grid's palette, drawn at alpha 0.55
+    grid_rows = []
+    for stage in range(pp):
+        cells = chart_pixels.colour_mask(grid, colors.to_hex(stage_colours(stage)), alpha=0.55)
+        (band,) = chart_pixels.box_rows(cells)  # one row per stage
+        assert chart_pixels.boxes_in_row(cells, band) == tp * dp, stage
+        grid_rows.append(band)
+    assert grid_rows == sorted(grid_rows)  # stage 0 on top
+
+    forward, backward = (chart_pixels.colour_mask(schedule, COLOURS[kind]) for kind in "FB")
+    rows = chart_pixels.box_rows(forward | backward)
+    assert len(rows) == pp
+    assert [chart_pixels.boxes_in_row(forward, row) for row in rows] == [m] * pp
+    assert [chart_pixels.boxes_in_row(backward, row) for row in rows] == [m] * pp
+    idle = [chart_pixels.idle_share(schedule, row) for row in rows]
+    assert sum(idle) / pp == pytest.approx((pp - 1) / (m + pp - 1), abs=0.01), idle
 
 
 def test_recipe_gives_the_model(capsys):
     assert main(["--recipe", "recipes/tiny.yaml", "--vocab", "4096", "--gpus", "8", "--tp", "2", "--pp", "2",
                  "--json"]) == 0
     plan = _json(capsys.readouterr().out)
-    assert plan["model"] == {"n_layer": 4, "n_embd": 64, "n_head": 4, "seq_len": 32, "vocab_size": 4096,
-                             "vocab_pad_multiple": 1}
+    expected = dict(yaml.safe_load((REPO / "recipes" / "tiny.yaml").read_text())["model"], vocab_size=4096)
+    assert {key: plan["model"][key] for key in expected} == expected
     assert (plan["dp"], plan["micro_batch"], plan["global_batch"], plan["zero"]) == (2, 2, 16, 1)
 
 
@@ -144,50 +173,30 @@ def test_simulated_1f1b_bubble_matches_the_formula(pp, m):
     assert max(e[4] for e in events) == pytest.approx((m + pp - 1) * 3.0)
 
 
-def test_formula_layer_list_is_model_pipe_layer_list():
+def test_built_layer_specs_follow_the_layer_table():
     from model.parallel_state import single_process_state
     from model.pipe import layer_specs
     kinds = {"TokenEmbedding": "embed", "PositionEmbedding": "wpe", "Block": "block", "LayerNorm": "ln_f"}
     names = [kinds[spec.typename.__name__] for spec in layer_specs(CONFIG, single_process_state())]
-    assert names[:-1] + ["head"] == formulas.pipeline_layers(CONFIG.n_layer)
+    assert names[:-1] + ["head"] == formulas.layer_kinds(CONFIG.n_layer)
 
 
-def _build_stage(config: GPTConfig, tp_group, start: int, stop: int) -> nn.ModuleList:
-    """The modules of pipeline layers start:stop, as model/pipe.py's layer list builds them;
-    wte and the tied head are one module per stage (DeepSpeed's TiedLayerSpec key 'embed')."""
-    modules = {}
-    for index in range(start, stop):
-        if index in (0, config.n_layer + 3):
-            modules["embed"] = TokenEmbedding(config, tp_group)
-        elif index == 1:
-            modules["wpe"] = PositionEmbedding(config)
-        elif index == config.n_layer + 2:
-            modules["ln_f"] = nn.LayerNorm(config.n_embd)
-        else:
-            modules[f"block{index - 2}"] = Block(config, index - 2, tp_group)
-    return nn.ModuleList(modules.values())
+@uses_deepspeed
+def _real_stage_matches_the_plan(config: GPTConfig, tp: int, pp: int) -> None:
+    """On each rank: DeepSpeed's partition of the real PipelineModule is the planner's, and the
+    parameters this rank holds are the planner's count for its stage."""
+    state = init_parallel_state(tp, pp)
+    pipe = build_pipeline(config, state)
+    assert pipe.parts == formulas.stage_partition(config.n_layer, pp)
+    held = sum(p.numel() for p in pipe.parameters())  # a tied module is one module on its stage
+    predicted = formulas.stage_params_per_rank(config.n_layer, config.n_embd, config.vocab_size, config.seq_len,
+                                               tp, pp, state.pp_rank, config.vocab_pad_multiple)
+    assert held == predicted, f"tp {tp} pp {pp}, rank {state.global_rank}: holds {held}, planned {predicted}"
 
 
-def _compare_stage_counts(config: GPTConfig, layouts) -> None:
-    """On each TP rank, for each (parts, expected) layout: every stage's parameter count equals
-    the planner's prediction."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    tp_group = dist.new_group(list(range(world))) if world > 1 else None  # model/ passes None at tp=1
-    for parts, expected in layouts:
-        for stage, want in enumerate(expected):
-            modules = _build_stage(config, tp_group, parts[stage], parts[stage + 1])
-            got = sum(p.numel() for p in modules.parameters())
-            assert got == want, (f"pp {len(expected)}, stage {stage}, tp rank {dist.get_rank() if world > 1 else 0}: "
-                                 f"built {got}, predicted {want}")
-
-
-@pytest.mark.parametrize("tp,pps", [(1, (1, 3)), (2, (1, 2)), (4, (2,))], ids=["tp1-pp1,3", "tp2-pp1,2", "tp4-pp2"])
-def test_per_rank_parameters_match_the_built_model(tp, pps):
-    c = CONFIG
-    layouts = [(formulas.stage_partition(c.n_layer, pp),
-                [formulas.stage_params_per_rank(c.n_layer, c.n_embd, c.vocab_size, c.seq_len, tp, pp, k, c.vocab_pad_multiple)
-                 for k in range(pp)]) for pp in pps]
-    if tp == 1:
-        _compare_stage_counts(c, layouts)  # no process group at tp=1, as in model/
-    else:
-        run_distributed(_compare_stage_counts, tp, c, layouts)
+@pytest.mark.slow  # 4 spawned processes
+def test_per_rank_parameters_match_the_real_pipeline_module():
+    """tp 2 x pp 2, one layout that shows every rule: 5 blocks split unevenly over the stages
+    (3, 2), the vocabulary padded (101 -> 104) and split over TP, and the last stage holding a
+    tied copy of wte."""
+    run_distributed(_real_stage_matches_the_plan, 4, CONFIG, 2, 2)
