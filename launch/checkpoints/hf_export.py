@@ -40,7 +40,7 @@ def read_checkpoint_weights(load: Path):
         if match:
             found[int(match.group(1)), int(match.group(2))] = path
     # The tied head is a function of the embedding's module, which DeepSpeed saves once (layer 0).
-    saved_layers = [index for index, (kind, _) in enumerate(pipeline_layers(config.n_layer)) if kind != "head"]
+    saved_layers = [index for index, (kind, _) in enumerate(pipeline_layers(config)) if kind != "head"]
     wanted = [(layer, rank) for layer in saved_layers for rank in range(tp)]
     missing = [f"layer_{layer:02d}-model_{rank:02d}" for layer, rank in wanted if (layer, rank) not in found]
     if missing:
@@ -51,7 +51,7 @@ def read_checkpoint_weights(load: Path):
     layer_states = {layer: [torch.load(found[layer, rank], map_location="cpu", weights_only=True)
                             for rank in range(tp)]
                     for layer in saved_layers}
-    return ref, config, merge_layer_states(layer_states, config.n_layer, config.vocab_size)
+    return ref, config, merge_layer_states(layer_states, config, config.vocab_size)
 
 
 def dense_gpt(config: GPTConfig, dense):

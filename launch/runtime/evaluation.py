@@ -85,7 +85,7 @@ def load_weights(pipe: PipelineModule, args: argparse.Namespace, config: GPTConf
     from launch.checkpoints.hf_export import read_checkpoint_weights
     from model.convert import load_dense_into
     _, _, dense = read_checkpoint_weights(args.load)
-    load_dense_into(pipe, dense, config.n_layer, state.tp_rank, state.tp_size, config.padded_vocab_size(state.tp_size))
+    load_dense_into(pipe, dense, config, state.tp_rank, state.tp_size, config.padded_vocab_size(state.tp_size))
 
 
 def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
