@@ -67,7 +67,8 @@ def test_run_arithmetic_and_summary(monkeypatch):
     monkeypatch.delenv(metrics.PEAK_TFLOPS_ENV, raising=False)
     layout = Layout(world_size=8, tp=2, pp=2, dp=2, micro_batch_size=MICRO, global_batch_size=GLOBAL,
                     grad_accum_steps=4)
-    config = SimpleNamespace(n_layer=N_LAYER, n_embd=HIDDEN, vocab_size=BUILTIN_VOCAB_SIZE, seq_len=SEQ)
+    from model.config import GPTConfig  # run_arithmetic reads the architecture switches too (#12)
+    config = GPTConfig(n_layer=N_LAYER, n_head=4, n_embd=HIDDEN, vocab_size=BUILTIN_VOCAB_SIZE, seq_len=SEQ)
     run = metrics.run_arithmetic(config, layout, SEQ, STEPS)
     assert run.params == formulas.params_exact(N_LAYER, HIDDEN, BUILTIN_VOCAB_SIZE, SEQ)
     assert run.model_flops_per_step == formulas.model_flops_per_step(GLOBAL, SEQ, N_LAYER, HIDDEN, BUILTIN_VOCAB_SIZE)

@@ -1,0 +1,83 @@
+"""The planner's counts for the Llama family (launch/analysis/formulas.py) against independent
+references: transformers' LlamaForCausalLM on the meta device for the three GPU recipes'
+shapes (parameters, exactly, and the published counts), the parameters our model really
+builds, torch's FLOP counter on our model's forward, and GPT-2's closed forms (which the
+general functions must reproduce bit for bit)."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from launch.analysis import formulas
+from launch.analysis.planner import GPUS, Hardware, Setup, estimate_plan
+from launch.runtime.layout import derive_layout
+from launch.runtime.recipe import load_recipe
+from model.config import GPTConfig, ModelConfig
+from model.gpt import GPT
+
+REPO = Path(__file__).resolve().parent.parent
+# (recipe, published parameters: the model cards / config.json, as transformers counts them)
+PUBLISHED = [("tinyllama-1.1b", 1_100_048_384), ("llama3.2-1b", 1_235_814_400), ("llama2-7b", 6_738_415_616)]
+
+
+@pytest.mark.parametrize("name,published", PUBLISHED, ids=[p[0] for p in PUBLISHED])
+def test_planner_parameters_equal_transformers_on_meta(name, published):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model.hf_llama import llama_config_kwargs
+    recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", [])
+    config = GPTConfig(**dataclasses.asdict(recipe.model))
+    with torch.device("meta"):
+        theirs = LlamaForCausalLM(LlamaConfig(**llama_config_kwargs(config)))
+    counted = sum(p.numel() for p in theirs.parameters())  # a tied head is one parameter, counted once
+    plan = estimate_plan(recipe.model, Setup(gpus=64, tp=2, pp=2, micro_batch=1, global_batch=1024),
+                         Hardware(GPUS["H100"].peak_flops, 450e9, 50e9))
+    assert plan["params_total"] == formulas.model_params(config) == counted == published
+    # Valid at a cluster layout, and the per-rank counts at tp=2, pp=2 add up to the whole plus what
+    # the layout adds: padded vocabulary rows, the last stage's copy of a tied head, a second copy
+    # of the replicated RMSNorm weights (2 per block and the final one; no biases).
+    derive_layout(recipe, 64, 2, 2, on_cpu=False)
+    h, padded_vocab = config.n_embd, config.padded_vocab_size(2)
+    vocab_matrices = 1 if config.tie_embeddings else 2
+    added = ((padded_vocab - config.vocab_size) * h * vocab_matrices + (padded_vocab * h if config.tie_embeddings else 0)
+             + (2 * config.n_layer + 1) * h)
+    assert 2 * sum(plan["params_per_stage"]) == published + added
+
+
+def _built_params(config: GPTConfig) -> int:
+    model = GPT(config)
+    padding = (config.padded_vocab_size(1) - config.vocab_size) * config.n_embd
+    return sum(p.numel() for p in model.parameters()) - padding * (1 if config.tie_embeddings else 2)
+
+
+@pytest.mark.parametrize("changes", [dict(arch="llama"), dict(arch="llama", n_kv_head=1, tie_embeddings=True, bias=True,
+                                                               position="learned", norm="layernorm", mlp="gelu"),
+                                     dict(position="rope", norm="rmsnorm", tie_embeddings=False, bias=False)],
+                         ids=["llama-gqa", "llama-mqa-mixed", "gpt2-mixed"])
+def test_parameters_and_flops_of_the_built_model(changes):
+    llama = dict(n_kv_head=2, ffn_hidden_size=176) if changes.get("arch") else {}
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=64, seq_len=32, **dict(llama, **changes),
+                       vocab_size=304, vocab_pad_multiple=8)  # no padding: torch counts the padded logits too
+    assert formulas.model_params(config) == _built_params(config)
+    assert formulas.model_stage_params_per_rank(config, 1, 1, 0) == formulas.model_params(config) + (
+        (config.padded_vocab_size(1) - config.vocab_size) * config.n_embd * (1 if config.tie_embeddings else 2))
+    b, s = 2, config.seq_len
+    with FlopCounterMode(display=False) as counter:
+        GPT(config)(torch.randint(0, 304, (b, s)))
+    # torch counts the matmuls; the attention core (QK^T and @V, 4*b*s^2*a*d per layer) runs in
+    # SDPA, which the CPU counter leaves out. Forward + backward = 3x forward.
+    core = 4 * b * s * s * config.n_head * config.head_dim * config.n_layer
+    assert formulas.model_flops_per_step_of(config, b, s) == pytest.approx(3 * (counter.get_total_flops() + core), rel=1e-12)
+
+
+@pytest.mark.parametrize("l,h,a,V,s", [(12, 768, 12, 50257, 1024), (4, 64, 4, 512, 32), (24, 2048, 16, 50257, 2048)])
+def test_general_formulas_are_gpt2_closed_forms_for_gpt2(l, h, a, V, s):
+    m = ModelConfig(n_layer=l, n_embd=h, n_head=a, vocab_size=V, seq_len=s).resolved()
+    assert formulas.model_params(m) == formulas.params_exact(l, h, V, s)
+    for recompute in (False, True):
+        assert formulas.model_flops_per_step_of(m, 64, s, recompute) == formulas.model_flops_per_step(64, s, l, h, V, recompute)
+    for tp, pp in ((1, 1), (2, 2), (4, 3)):
+        assert [formulas.model_stage_params_per_rank(m, tp, pp, k) for k in range(pp)] == \
+            [formulas.stage_params_per_rank(l, h, V, s, tp, pp, k) for k in range(pp)]
