@@ -81,3 +81,38 @@ def test_general_formulas_are_gpt2_closed_forms_for_gpt2(l, h, a, V, s):
     for tp, pp in ((1, 1), (2, 2), (4, 3)):
         assert [formulas.model_stage_params_per_rank(m, tp, pp, k) for k in range(pp)] == \
             [formulas.stage_params_per_rank(l, h, V, s, tp, pp, k) for k in range(pp)]
+
+
+# ------------------------------------------------------------------ activation memory
+
+def _saved_block_bytes(config: GPTConfig, batch: int) -> int:
+    from bench.activation_memory import saved_activation_bytes
+    from model.gpt import Block
+    block = Block(config, 0, None).train()
+    x = torch.randn(batch, config.seq_len, config.n_embd, requires_grad=True)
+    return saved_activation_bytes(lambda: block(x), block.parameters())
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(mlp="gelu"), dict(norm="layernorm"),
+                                     dict(position="learned", mlp="gelu", norm="layernorm")],
+                         ids=["llama", "gelu", "layernorm", "gpt2-like"])
+def test_activation_formula_is_what_autograd_saves(changes):
+    """fp32 (E = 4), CPU dropout masks of 4 bytes, norm statistics of 4 bytes, dropout > 0 so that
+    SDPA stores its scores (the core term): the count equals the saved bytes exactly (tp=1).
+    n_kv_head = n_head here: SDPA's math path saves k and v expanded to all heads anyway."""
+    config = GPTConfig(arch="llama", n_layer=2, n_head=4, n_embd=32, ffn_hidden_size=64, seq_len=16, vocab_size=50,
+                       dropout=0.1, **changes)
+    formula = formulas.model_activation_bytes_per_layer(config, config.seq_len, 2, element_bytes=4, mask_bytes=4,
+                                                        layernorm_stat_bytes=4)
+    assert formula == _saved_block_bytes(config, 2)
+
+
+@pytest.mark.parametrize("l,h,a,s,b,t", [(12, 768, 12, 1024, 4, 2), (4, 64, 4, 32, 2, 4)])
+def test_activation_and_layer_flops_are_gpt2s_for_gpt2(l, h, a, s, b, t):
+    m = ModelConfig(n_layer=l, n_embd=h, n_head=a, seq_len=s, vocab_size=100).resolved()
+    for kwargs in (dict(), dict(sequence_parallel=True), dict(selective=True), dict(recompute=True)):
+        assert formulas.model_activation_bytes_per_layer(m, s, b, t, **kwargs) == \
+            formulas.activation_bytes_per_layer(s, b, h, a, t, **kwargs)
+    for recompute in (False, True):
+        assert formulas.model_layer_flops_per_microbatch(m, b, s, recompute) == \
+            formulas.layer_flops_per_microbatch(b, s, h, recompute)

@@ -169,6 +169,46 @@ def model_flops_per_step_of(m: ModelConfig, global_batch: int, seq_len: int, rec
     return 72 * B * s * l * h ** 2 * (blocks + core + V / (12 * l * h))
 
 
+def model_layer_flops_per_microbatch(m: ModelConfig, micro_batch: int, seq_len: int, recompute: bool = False) -> int:
+    """`layer_flops_per_microbatch` for any architecture: 3 x (2 b s W + 4 b s^2 a d), W the
+    block's matrix weights; 4 x with full recompute. GPT-2: 72bsh^2 + 12bs^2h."""
+    b, s = micro_batch, seq_len
+    forward = 2 * b * s * block_matmul_params(m) + 4 * b * s * s * m.n_head * m.head_dim
+    return (4 if recompute else 3) * forward
+
+
+def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1,
+                                     recompute: bool = False, sequence_parallel: bool = False,
+                                     selective: bool = False, element_bytes: int = ACTIVATION_BYTES,
+                                     mask_bytes: int = 1, layernorm_stat_bytes: int = 0) -> float:
+    """`activation_bytes_per_layer` (K22's tensor-by-tensor count) for any architecture; equal to
+    it for GPT-2. Per s*b*h, E = element_bytes, M = mask_bytes:
+      replicated over TP, split by SP: norm inputs 2E, inputs of the q/k/v and first MLP
+        projections 2E, two dropout masks 2M; RMSNorm (model/layers.py, transformers' formula)
+        also keeps its normalised output before the weight, 2E for the two norms;
+      split by TP: Q E*a*d/h, K and V E*kv*d/h each (SDPA's math path, CPU with dropout, expands
+        them to all a heads before saving: count kv = a there), the o_proj input E*a*d/h; the MLP
+        keeps 2 tensors of width f (GELU: its input and output) or 4 (SwiGLU: gate, up, silu(gate)
+        and their product), E*f/h each;
+      attention core, per a*s/h: (2E + M), as K22.
+    Per token: `layernorm_stat_bytes` for each LayerNorm's mean and 1/std, or each RMSNorm's 1/rms.
+    RoPE adds its cos and sin tables, 2*s*d*E per block (independent of b)."""
+    s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
+    E, M = element_bytes, mask_bytes
+    sp = t if sequence_parallel else 1
+    if recompute:
+        return E * s * b * h / sp
+    rms = m.norm == "rmsnorm"
+    replicated = 4 * E + 2 * M + (2 * E if rms else 0)
+    d, kv, f = m.head_dim, m.n_kv_head, m.ffn_hidden_size
+    attention = E * (2 * a * d + 2 * kv * d) / h
+    mlp = (4 if m.mlp == "swiglu" else 2) * E * f / h
+    core = 0 if selective else (2 * E + M) * a * s / h
+    stats = 2 * (1 if rms else 2) * layernorm_stat_bytes * s * b  # two norms per block
+    rope = 2 * s * d * E if m.position == "rope" else 0
+    return s * b * h * (replicated / sp + (attention + mlp) / t + core / t) + stats / sp + rope
+
+
 # ---------------------------------------------------------------- compute and schedule
 
 def model_flops_per_step(global_batch: int, seq_len: int, n_layer: int, hidden: int, vocab: int,

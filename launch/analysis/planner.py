@@ -96,12 +96,13 @@ def within_node(groups: List[List[int]], gpus_per_node: int) -> bool:
 def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, blocks: int,
                   params: int) -> Dict[str, int]:
     plain, zero1 = formulas.model_state_bytes(params, dp, 0), formulas.model_state_bytes(params, dp, 1)
-    args = (model.seq_len, setup.micro_batch, model.n_embd, model.n_head, setup.tp, blocks,
-            formulas.inflight_microbatches(setup.pp, m, stage))
+    inflight = formulas.inflight_microbatches(setup.pp, m, stage)  # micro-batches alive at the peak
+    per_layer = lambda recompute: formulas.model_activation_bytes_per_layer(  # noqa: E731
+        model.resolved(), model.seq_len, setup.micro_batch, setup.tp, recompute)
     out = {"weights": plain["weights"], "gradients": plain["gradients"],
            "optimizer": plain["optimizer"], "optimizer_zero1": zero1["optimizer"],
-           "activations": formulas.activation_bytes_per_stage(*args, recompute=False),
-           "activations_recompute": formulas.activation_bytes_per_stage(*args, recompute=True)}
+           "activations": per_layer(False) * blocks * inflight,
+           "activations_recompute": per_layer(True) * blocks * inflight}
     out["total"] = (sum(formulas.model_state_bytes(params, dp, setup.zero).values())
                     + out["activations_recompute" if setup.recompute else "activations"])
     return {k: round(v) for k, v in out.items()}
@@ -111,7 +112,7 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
                        m: int, params_per_device: int, bandwidth: Dict[str, float]) -> Dict[str, float]:
     """Seconds per step and its parts by the cost model of the module docstring."""
     b, s, h, t, p = setup.micro_batch, model.seq_len, model.n_embd, setup.tp, setup.pp
-    layer_flops = formulas.layer_flops_per_microbatch(b, s, h, setup.recompute)
+    layer_flops = formulas.model_layer_flops_per_microbatch(model.resolved(), b, s, setup.recompute)
     logits_flops = formulas.logits_flops_per_microbatch(b, s, h, model.vocab_size)
     tp_bytes_per_block = formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.recompute) * formulas.ring_allreduce_factor(t)
     compute, tp_comm = [], []
