@@ -6,8 +6,8 @@ attention with the heads split across TP, input embedding tied to the output hea
 follow GPT-2 / nanoGPT (`wte`, `wpe`, `ln_f`, `c_attn`, `c_proj`, `c_fc`) so export is a
 rename. With `arch: llama` the blocks hold model/llama.py's attention and MLP instead, and
 the switches choose RoPE (model/rotary.py) or learned positions, RMSNorm or LayerNorm and a
-tied or separate output head (`LMHead`). Each module seeds its own full-size initialisation from (seed, module index), so the
-weights do not depend on which stage or TP rank builds them.
+tied or separate output head (`LMHead`). Each module seeds its own full-size initialisation
+from (seed, module index), so the weights do not depend on which stage or TP rank builds them.
 
 Two switches change memory, never the maths (Korthikanti et al. 2022, "K22"):
 - `sequence_parallel`: between the TP linears (LayerNorms, dropouts, residual adds) each TP
