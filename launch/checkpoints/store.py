@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
 from launch.runtime.recipe import ConfigError
-from model.config import ModelConfig
+from model.config import ARCH_SWITCHES, ModelConfig
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -151,7 +151,8 @@ def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Di
     # Free to change on resume: they leave every weight's shape and TP shard as they are (and
     # checkpoints saved before `sequence_parallel` existed lack the key).
     free = ("dropout", "sequence_parallel")
-    for key in sorted(set(saved_model) | set(model)):
+    # The shape first, then the switches (a different n_embd also changes the derived ffn_hidden_size).
+    for key in sorted(set(saved_model) | set(model), key=lambda k: (k in ARCH_SWITCHES, k)):
         if saved_model.get(key) != model.get(key) and key not in free:
             raise ConfigError(f"checkpoint {ref.path} has model.{key}={saved_model.get(key)!r}, this run "
                               f"{model.get(key)!r}: a checkpoint only resumes the model it was saved from")
