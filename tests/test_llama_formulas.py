@@ -116,3 +116,21 @@ def test_activation_and_layer_flops_are_gpt2s_for_gpt2(l, h, a, s, b, t):
     for recompute in (False, True):
         assert formulas.model_layer_flops_per_microbatch(m, b, s, recompute) == \
             formulas.layer_flops_per_microbatch(b, s, h, recompute)
+
+
+OFFLINE = ["data.name=builtin", "data.config=null", "data.tokenizer=builtin", "data.streaming=false",
+           "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_kv_head=2", "model.ffn_hidden_size=176",
+           "model.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_every=0"]
+
+
+@pytest.mark.parametrize("name,tp", [("tinyllama-1.1b", 4), ("llama3.2-1b", 8), ("llama2-7b", 8)])
+def test_gpu_recipes_name_their_tokenizer_and_run_offline(name, tp):
+    from data.builtin import BUILTIN_VOCAB_SIZE
+    from launch.runtime.layout import check_vocab
+    path = REPO / "recipes" / f"{name}.yaml"
+    recipe = load_recipe(path, [])
+    assert recipe.data.tokenizer != "builtin" and recipe.model.arch == "llama"
+    derive_layout(recipe, 8 * tp, tp, 1, on_cpu=False)  # the largest tp the header names
+    offline = load_recipe(path, OFFLINE)
+    derive_layout(offline, 1, 1, 1, on_cpu=True)
+    assert check_vocab(offline, BUILTIN_VOCAB_SIZE) == recipe.model.vocab_size  # the published vocabulary kept
