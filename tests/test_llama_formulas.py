@@ -134,3 +134,12 @@ def test_gpu_recipes_name_their_tokenizer_and_run_offline(name, tp):
     offline = load_recipe(path, OFFLINE)
     derive_layout(offline, 1, 1, 1, on_cpu=True)
     assert check_vocab(offline, BUILTIN_VOCAB_SIZE) == recipe.model.vocab_size  # the published vocabulary kept
+
+
+def test_kv_gather_traffic_only_when_tp_exceeds_kv_heads():
+    m = ModelConfig(arch="llama", n_layer=4, n_head=32, n_kv_head=8, n_embd=2048, vocab_size=100).resolved()
+    assert formulas.kv_gather_bytes_per_step(m, 8, 4, 3) == 0
+    # tp 16: per block per micro-batch, k and v (8 heads x 64 rows x 2048) gathered and reduce-scattered
+    assert formulas.kv_gather_bytes_per_step(m, 16, 4, 3) == 2 * 2 * 8 * 64 * 2048 * 2 * 4 * 3
+    gpt2 = ModelConfig(n_layer=4, n_head=16, n_embd=1024, vocab_size=100).resolved()
+    assert formulas.kv_gather_bytes_per_step(gpt2, 8, 4, 3) == 0

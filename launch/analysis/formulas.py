@@ -259,6 +259,18 @@ def tp_allreduce_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, lay
     return count * micro_batch * seq_len * hidden * ACTIVATION_BYTES * layers * microbatches
 
 
+def kv_gather_bytes_per_step(m: ModelConfig, tp: int, layers: int, microbatches: int,
+                              recompute: bool = False) -> int:
+    """What GQA adds to one TP rank's traffic when tp > n_kv_head (model/llama.py): per block
+    per micro-batch, k_proj's and v_proj's rows all-gathered in forward (again with recompute)
+    and their gradients reduce-scattered in backward: the gathered size is kv*d*h (+ kv*d with
+    biases) elements each. Zero when n_kv_head divides by tp (each rank holds its own heads)."""
+    if tp <= m.n_kv_head:
+        return 0
+    weights = m.n_kv_head * m.head_dim * (m.n_embd + (1 if m.bias else 0))
+    return (3 if recompute else 2) * 2 * weights * ACTIVATION_BYTES * layers * microbatches
+
+
 def pp_p2p_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, microbatches: int) -> int:
     """Sent over one stage boundary per step, each way: b*s*h elements per micro-batch
     (activations forward, their gradients backward) [N21 sec. 3]."""

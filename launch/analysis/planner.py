@@ -159,7 +159,8 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
         "model_flops_per_step": flops,
         "model_flops_per_step_recompute": formulas.model_flops_per_step_of(arch, setup.global_batch, s, True),
         "comm_bytes_per_step": {
-            "tp": formulas.tp_allreduce_bytes_per_step(b, s, h, max(blocks), m, setup.recompute) if t > 1 else 0,
+            "tp": (formulas.tp_allreduce_bytes_per_step(b, s, h, max(blocks), m, setup.recompute)
+                   + formulas.kv_gather_bytes_per_step(arch, t, max(blocks), m, setup.recompute)) if t > 1 else 0,
             "pp": formulas.pp_p2p_bytes_per_step(b, s, h, m) if p > 1 else 0,
             "dp": formulas.dp_allreduce_bytes_per_step(max(params)) if d > 1 else 0},
         "groups": groups, "groups_within_node": intra,
