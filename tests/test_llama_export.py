@@ -152,3 +152,16 @@ def test_llama_tiny_exports_imports_and_exports_back(tmp_path):
     assert export_hf.main(["--load", str(tmp_path / "ck2"), "--out", str(tmp_path / "hf2")]) == 0
     before, after = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
     assert before.keys() == after.keys() and [k for k in before if not torch.equal(before[k], after[k])] == []
+
+
+def test_gpt2_weights_need_the_gpt2_switches(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from model.hf_gpt2 import gpt2_config_kwargs
+    config = GPTConfig(n_layer=1, n_head=4, n_embd=32, seq_len=8, vocab_size=97)
+    GPT2LMHeadModel(GPT2Config(**gpt2_config_kwargs(config))).save_pretrained(tmp_path)
+    check_hf_source(str(tmp_path), config, resuming=False)
+    for changes, words in [(dict(position="rope"), "model.position='rope'"), (dict(arch="llama"), "model.arch='llama'")]:
+        with pytest.raises(ConfigError, match=words) as error:
+            check_hf_source(str(tmp_path), dataclasses.replace(config, **changes), resuming=False)
+        assert "\n" not in str(error.value)

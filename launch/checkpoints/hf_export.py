@@ -89,16 +89,12 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 
 def check_exportable(config: GPTConfig) -> None:
     """A ConfigError naming the switches the target transformers class cannot express."""
-    from model.config import preset_values
+    from model.hf_gpt2 import gpt2_incompatibilities
     from model.hf_llama import llama_incompatibilities
     if config.arch == "llama":
-        problems = llama_incompatibilities(config)
-        target = "LlamaForCausalLM (RoPE, RMSNorm, SwiGLU)"
+        problems, target = llama_incompatibilities(config), "LlamaForCausalLM (RoPE, RMSNorm, SwiGLU)"
     else:
-        gpt2 = preset_values("gpt2", config.n_embd, config.n_head)
-        problems = [f"model.{key}={getattr(config, key)!r}" for key in ("position", "norm", "ffn_hidden_size",
-                                                                       "tie_embeddings", "bias", "norm_eps")
-                    if getattr(config, key) != gpt2[key]]
+        problems = gpt2_incompatibilities(config)
         target = "GPT2LMHeadModel (learned positions, LayerNorm, 4h GELU MLP, tied head, biases)"
     if problems:
         raise ConfigError(f"the checkpoint's model has {', '.join(problems)}, which {target} cannot express; "

@@ -102,9 +102,11 @@ def check_hf_source(source: str, config: GPTConfig, resuming: bool) -> None:
         if problems:
             raise ConfigError(f"--init-from-hf {source!r} has {problems[0]}")
         return
-    if config.arch != "gpt2":
-        raise ConfigError(f"--init-from-hf {source!r} is a GPT-2 model, this run's model.arch={config.arch!r}; "
-                          f"set model.arch=gpt2")
+    from model.hf_gpt2 import gpt2_incompatibilities
+    problems = gpt2_incompatibilities(config)
+    if problems:
+        raise ConfigError(f"--init-from-hf {source!r} is a GPT-2 model, this run's model has {problems[0]}; "
+                          f"drop that setting (GPT-2 weights need the gpt2 preset's switches)")
     for attr, accepted, fix in _REQUIREMENTS:
         have = getattr(hf, attr, None)
         if have not in accepted(config):
