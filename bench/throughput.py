@@ -1,13 +1,16 @@
-"""Training tokens/s of our model through the real training path against transformers' GPT-2.
+"""Training tokens/s of our model through the real training path against transformers' GPT-2 and,
+for `arch: llama` (GQA with --kv-heads, SwiGLU of --ffn, RoPE, RMSNorm, untied head), against
+transformers' LlamaForCausalLM of the same shape; both architectures in one run by default.
 
 Ours: model/pipe.py's PipelineModule at tp=pp=dp=1 in a DeepSpeed engine configured by
 launch/runtime/ds_config.py (AdamW, ZeRO-1, clipping, the recipe's precision) and `train_batch`.
-Peer: `GPT2LMHeadModel` of the same dimensions in a plain PyTorch loop: torch AdamW with the
+Peer: `GPT2LMHeadModel` (or `LlamaForCausalLM`) of the same dimensions in a plain PyTorch loop: torch AdamW with the
 same hyper-parameters and weight-decay groups, the same clipping, batch and sequence length;
 bf16 runs it under autocast with fp32 weights (DeepSpeed keeps fp32 master weights too).
 Same random token batches, alternating repetitions, median. Runs on the GPU when one is present.
 
     python bench/throughput.py [--layers 4 --hidden 256 --heads 4 --seq-len 256 --batch 8]
+                               [--archs gpt2,llama --kv-heads 2 --ffn 688]
                                [--steps 5 --repeats 3] [--precisions fp32,bf16] [--json]
 """
 import argparse
@@ -23,11 +26,13 @@ from launch.runtime.engine import param_groups
 VOCAB = 4096
 
 
-def recipe_for(args, precision: str):
+def recipe_for(args, precision: str, arch: str = "gpt2"):
     from launch.runtime.recipe import Recipe
     recipe = Recipe()
     m, t = recipe.model, recipe.train
     m.n_layer, m.n_head, m.n_embd, m.seq_len, m.vocab_size = args.layers, args.heads, args.hidden, args.seq_len, VOCAB
+    if arch == "llama":
+        m.arch, m.n_kv_head, m.ffn_hidden_size = "llama", args.kv_heads, args.ffn
     t.micro_batch_size = t.global_batch_size = args.batch
     t.precision, t.zero_stage, t.grad_clip, t.warmup_steps = precision, 1, 1.0, 0
     t.steps = args.steps * (args.repeats + 1) + 1
@@ -41,7 +46,7 @@ def batches(args, device: str):
         yield tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def our_stepper(args, precision: str):
+def our_stepper(args, precision: str, arch: str):
     import deepspeed
     from launch.runtime.ds_config import deepspeed_config
     from launch.runtime.layout import derive_layout
@@ -49,7 +54,7 @@ def our_stepper(args, precision: str):
     from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline
 
-    recipe = recipe_for(args, precision)
+    recipe = recipe_for(args, precision, arch)
     layout = derive_layout(recipe, 1, 1, 1, on_cpu=True)
     pipe = build_pipeline(recipe.gpt_config(VOCAB), init_parallel_state(1, 1))
     t = recipe.train
@@ -60,12 +65,21 @@ def our_stepper(args, precision: str):
     return lambda: engine.train_batch(data_iter=data).item()
 
 
-def peer_stepper(args, precision: str, device: str):
+def peer_model(args, arch: str):
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from model.hf_llama import llama_config_kwargs
+        return LlamaForCausalLM(LlamaConfig(**llama_config_kwargs(recipe_for(args, "fp32", arch).gpt_config(VOCAB))))
     from transformers import GPT2Config, GPT2LMHeadModel
-    t = recipe_for(args, precision).train
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=args.seq_len, n_embd=args.hidden,
-                                       n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0,
-                                       embd_pdrop=0.0, attn_pdrop=0.0)).to(device)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=args.seq_len, n_embd=args.hidden,
+                                      n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def peer_stepper(args, precision: str, device: str, arch: str):
+    t = recipe_for(args, precision, arch).train
+    model = peer_model(args, arch).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(param_groups(model), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                   weight_decay=t.weight_decay)
@@ -103,6 +117,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--archs", default="gpt2,llama", help="gpt2 against GPT2LMHeadModel, llama against LlamaForCausalLM")
+    p.add_argument("--kv-heads", type=int, default=2, help="llama: key/value heads (default %(default)s)")
+    p.add_argument("--ffn", type=int, default=688, help="llama: SwiGLU width (default %(default)s, ~8/3 * 256)")
     p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
     args = p.parse_args()
 
@@ -113,8 +130,8 @@ def main() -> None:
     init_distributed(600, verbose=False)
     device = get_accelerator().device_name(0)
     results = {"device": device, "dims": vars(args), "ratio": {}}
-    for precision in args.precisions.split(","):
-        ours, peer = our_stepper(args, precision), peer_stepper(args, precision, device)
+    for arch, precision in ((a, p) for a in args.archs.split(",") for p in args.precisions.split(",")):
+        ours, peer = our_stepper(args, precision, arch), peer_stepper(args, precision, device, arch)
         ours(), peer()  # warm-up: first-step allocations and lazy initialisation
         measured = {"ours": [], "transformers": []}
         for _ in range(args.repeats):  # alternate, so drift of a noisy machine hits both
@@ -122,9 +139,11 @@ def main() -> None:
             measured["transformers"].append(tokens_per_s(peer, args))
         median = {k: statistics.median(v) for k, v in measured.items()}
         ratio = median["ours"] / median["transformers"]
-        results[precision] = {"tokens_per_s": median, "runs": measured}
-        results["ratio"][precision] = ratio
-        print(f"{precision} on {device}: ours {median['ours']:,.0f} tok/s, transformers GPT-2 "
+        key = precision if arch == "gpt2" else f"{arch}-{precision}"  # GPT-2's keys as before
+        results[key] = {"tokens_per_s": median, "runs": measured}
+        results["ratio"][key] = ratio
+        peer_name = "GPT-2" if arch == "gpt2" else "Llama"
+        print(f"{arch} {precision} on {device}: ours {median['ours']:,.0f} tok/s, transformers {peer_name} "
               f"{median['transformers']:,.0f} tok/s, ratio {ratio:.2f} (target >= 1.0)", flush=True)
     if args.json:
         print(json.dumps(results))

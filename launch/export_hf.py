@@ -1,10 +1,10 @@
-"""Export a checkpoint as a transformers GPT-2 model directory:
+"""Export a checkpoint as a transformers model directory (GPT-2, or Llama for `arch: llama`):
 `python launch/export_hf.py --load CKPT --out DIR [--tokenizer NAME_OR_PATH]`.
 
 Reads DeepSpeed's per-layer weight files of the checkpoint (one per pipeline layer and TP
 rank), merges the TP shards and the pipeline stages with `model/convert.py`, strips the vocab
 padding and writes `config.json`, `model.safetensors`, `generation_config.json` and the
-tokenizer, so `GPT2LMHeadModel.from_pretrained(DIR)` and `pipeline("text-generation",
+tokenizer, so `AutoModelForCausalLM.from_pretrained(DIR)` and `pipeline("text-generation",
 model=DIR)` work. One process, no DeepSpeed engine, no torch.distributed: any layout exports
 on a laptop. Only the model weights are read, never the optimizer state.
 """

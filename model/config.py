@@ -2,13 +2,46 @@
 checkpoint records, what the planner sizes and what export and import translate; `GPTConfig`
 adds what a built model also needs from the run (its init seed, selective recompute).
 
+The architecture is an `arch` preset plus individual switches (docs/architectures.md). A switch
+left null takes the preset's value (`ARCH_PRESETS`, `ModelConfig.resolved`); a switch that is
+set wins. `arch` also names the module layout: `gpt2` keeps GPT-2's fused c_attn / c_fc modules
+(so its grouped-query attention and SwiGLU switches must stay at GPT-2's values), `llama` has
+separate q/k/v/o and gate/up/down projections and accepts every value of every switch.
+
 No torch here: the planner and the recipe loader read it without starting torch.
 """
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")
 """The fields a set of weights fixes (a checkpoint or a transformers model decides them)."""
+
+ARCHS = ("gpt2", "llama")
+POSITIONS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+ARCH_SWITCHES = ("position", "rope_theta", "norm", "norm_eps", "mlp", "ffn_hidden_size", "n_kv_head",
+                 "tie_embeddings", "bias")
+"""The switches an `arch` preset fills when the recipe leaves them null."""
+
+
+def llama_ffn_hidden_size(n_embd: int, multiple_of: int = 256) -> int:
+    """Meta's SwiGLU width: 2/3 of 4h (the same parameters as a 4h GELU MLP), rounded up to a
+    multiple of 256 (Llama 1/2 `FeedForward`; Llama-2-7B: 4096 -> 11008)."""
+    return multiple_of * -(-int(2 * 4 * n_embd / 3) // multiple_of)
+
+
+def preset_values(arch: str, n_embd: int, n_head: int) -> Dict[str, Any]:
+    """The switch values of preset `arch` for a model of this width."""
+    if arch == "gpt2":  # Radford et al. 2019: what this repository trained before the switches
+        return dict(position="learned", rope_theta=10000.0, norm="layernorm", norm_eps=1e-5, mlp="gelu",
+                    ffn_hidden_size=4 * n_embd, n_kv_head=n_head, tie_embeddings=True, bias=True)
+    if arch == "llama":  # Touvron et al. 2023: RoPE, RMSNorm, SwiGLU, untied head, no biases
+        return dict(position="rope", rope_theta=10000.0, norm="rmsnorm", norm_eps=1e-5, mlp="swiglu",
+                    ffn_hidden_size=llama_ffn_hidden_size(n_embd), n_kv_head=n_head, tie_embeddings=False,
+                    bias=False)
+    raise ValueError(f"model.arch={arch!r} is not one of {', '.join(ARCHS)}")
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 1) -> int:
@@ -40,9 +73,40 @@ class ModelConfig:
     sequence_parallel: bool = False
     """Shard LayerNorm/dropout/residual activations along the sequence over TP (Korthikanti et
     al. 2022, sec. 4.2); the sequence length must divide by tp. Same losses; a no-op at tp=1."""
+    arch: str = "gpt2"
+    """gpt2 or llama: the module layout and the values of the switches below left null."""
+    position: Optional[str] = None
+    """learned (a wpe table of seq_len rows) or rope (rotary embeddings of q and k, no parameters)."""
+    rope_theta: Optional[float] = None
+    """RoPE base (10000 in Llama 1/2 and TinyLlama, 500000 in Llama 3)."""
+    norm: Optional[str] = None
+    """layernorm (weight and bias) or rmsnorm (weight only)."""
+    norm_eps: Optional[float] = None
+    """Epsilon of every norm (1e-5 in both presets)."""
+    mlp: Optional[str] = None
+    """gelu (up, tanh-GELU, down) or swiglu (down(silu(gate) * up)); swiglu needs arch llama."""
+    ffn_hidden_size: Optional[int] = None
+    """Width of the MLP (gpt2: 4 * n_embd; llama: 2/3 of that rounded up to a multiple of 256)."""
+    n_kv_head: Optional[int] = None
+    """Key/value heads (grouped-query attention; 1 is multi-query); null is n_head. Must divide
+    n_head; fewer than n_head needs arch llama."""
+    tie_embeddings: Optional[bool] = None
+    """The output head is the token embedding (gpt2) or a weight of its own (llama)."""
+    bias: Optional[bool] = None
+    """Biases in the attention and MLP linears (gpt2 yes, llama no). LayerNorm keeps its own."""
 
     def padded_vocab_size(self, tp_size: int) -> int:
         return padded_vocab_size(self.vocab_size, tp_size, self.vocab_pad_multiple)
+
+    def resolved(self) -> "ModelConfig":
+        """A copy with every switch left null set from the `arch` preset (the recipe's wins)."""
+        preset = preset_values(self.arch, self.n_embd, self.n_head)
+        filled = {key: preset[key] for key in ARCH_SWITCHES if getattr(self, key) is None}
+        return dataclasses.replace(self, **filled)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
 
 
 @dataclass(kw_only=True)
@@ -57,6 +121,11 @@ class GPTConfig(ModelConfig):
     def __post_init__(self) -> None:
         if self.vocab_size is None:
             raise ValueError("GPTConfig needs a vocab_size (a recipe's null is resolved from the tokenizer first)")
+        # A built model never sees a null switch: fill them from the preset here, once.
+        preset = preset_values(self.arch, self.n_embd, self.n_head)
+        for key in ARCH_SWITCHES:
+            if getattr(self, key) is None:
+                setattr(self, key, preset[key])
 
     def sequence_parallel_group(self, tp_group: Any) -> Any:
         """The TP group when activations are sequence-sharded, else None (the collectives bypass)."""

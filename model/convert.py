@@ -9,11 +9,12 @@ A dense state dict here is keyed by our dense GPT's names (`embed.wte.weight`, `
 depend on tp and `vocab_pad_multiple`, so they are stripped on merge and re-added on split.
 """
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
 
+from model.config import ModelConfig
 from model.hf_gpt2 import GPT2_LINEARS
 from model.layers import split_rows
 from model.pipe import dense_prefix, pipeline_layers
@@ -42,6 +43,13 @@ RULES: Dict[str, Rule] = {
     "mlp.c_fc.bias": Rule(0),
     "attn.c_proj.weight": Rule(1),         # RowParallelLinear: input columns
     "mlp.c_proj.weight": Rule(1),
+    # The Llama family (model/llama.py): every column-parallel projection a plain split of its
+    # rows, k_proj / v_proj too (also when tp exceeds n_kv_head: each rank then holds part of a head).
+    "lm_head.weight": Rule(0, vocab=True),  # LMHead, the untied output head: vocab rows
+    **{f"{name}.{kind}": Rule(0) for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj",
+                                               "mlp.up_proj") for kind in ("weight", "bias")},
+    "attn.o_proj.weight": Rule(1),
+    "mlp.down_proj.weight": Rule(1),
 }
 
 
@@ -91,32 +99,37 @@ def split(name: str, full: torch.Tensor, tp_rank: int, tp_size: int, padded_voca
 
 # ------------------------------------------------------------------ pipeline <-> dense names
 
-def dense_name(pipe_name: str, n_layer: int) -> str:
+Layers = Union[ModelConfig, int]
+"""What `model.pipe.pipeline_layers` reads the layer table from: a resolved config, or GPT-2's n_layer."""
+
+
+def dense_name(pipe_name: str, layers: Layers) -> str:
     """A PipelineModule parameter name ("tied_modules.embed.wte.weight", "1.wpe",
     "5.attn.c_attn.weight") or a layer-file key prefixed by its layer index ("0.wte.weight")
     -> the dense GPT name, through the layer table `model.pipe.pipeline_layers`."""
     if pipe_name.startswith("tied_modules.embed."):
         return "embed." + pipe_name[len("tied_modules.embed."):]
     index_text, rest = pipe_name.split(".", 1)
-    return f"{dense_prefix(*pipeline_layers(n_layer)[int(index_text)])}.{rest}"
+    return f"{dense_prefix(*pipeline_layers(layers)[int(index_text)])}.{rest}"
 
 
-def merge_layer_states(layer_states: Mapping[int, List[StateDict]], n_layer: int, vocab_size: int) -> StateDict:
+def merge_layer_states(layer_states: Mapping[int, List[StateDict]], layers: Layers, vocab_size: int) -> StateDict:
     """{pipeline layer index: [its state dict on TP rank 0, 1, ...]} -> the dense state dict."""
     dense: StateDict = {}
     for index, per_rank in sorted(layer_states.items()):
         for key in per_rank[0]:
-            dense[dense_name(f"{index}.{key}", n_layer)] = merge(key, [sd[key] for sd in per_rank], vocab_size)
+            name = dense_name(f"{index}.{key}", layers)
+            dense[name] = merge(name, [sd[key] for sd in per_rank], vocab_size)
     return dense
 
 
 @torch.no_grad()
-def load_dense_into(module: nn.Module, dense: StateDict, n_layer: Optional[int], tp_rank: int, tp_size: int,
+def load_dense_into(module: nn.Module, dense: StateDict, layers: Optional[Layers], tp_rank: int, tp_size: int,
                     padded_vocab_size: int) -> None:
     """Copy this rank's shard of every parameter of `module` (a PipelineModule stage when
-    `n_layer` is given, else a dense GPT) from the dense state dict, in place."""
+    `layers` is given, else a dense GPT) from the dense state dict, in place."""
     for name, param in module.named_parameters():
-        key = dense_name(name, n_layer) if n_layer is not None else name
+        key = dense_name(name, layers) if layers is not None else name
         if key not in dense:
             raise KeyError(f"no weights for {key} (parameter {name})")
         shard = split(key, dense[key], tp_rank, tp_size, padded_vocab_size)

@@ -1,10 +1,13 @@
-"""GPT-2 architecture (Radford et al. 2019) on tensor-parallel layers; no DeepSpeed here.
+"""GPT-2 architecture (Radford et al. 2019) on tensor-parallel layers, and the Llama family's
+switches (model/config.py, model/llama.py); no DeepSpeed here.
 
 Learned positions, pre-LayerNorm blocks, GELU MLP of 4*n_embd, causal scaled-dot-product
 attention with the heads split across TP, input embedding tied to the output head. Names
 follow GPT-2 / nanoGPT (`wte`, `wpe`, `ln_f`, `c_attn`, `c_proj`, `c_fc`) so export is a
-rename. Each module seeds its own full-size initialisation from (seed, module index), so the
-weights do not depend on which stage or TP rank builds them.
+rename. With `arch: llama` the blocks hold model/llama.py's attention and MLP instead, and
+the switches choose RoPE (model/rotary.py) or learned positions, RMSNorm or LayerNorm and a
+tied or separate output head (`LMHead`). Each module seeds its own full-size initialisation
+from (seed, module index), so the weights do not depend on which stage or TP rank builds them.
 
 Two switches change memory, never the maths (Korthikanti et al. 2022, "K22"):
 - `sequence_parallel`: between the TP linears (LayerNorms, dropouts, residual adds) each TP
@@ -23,17 +26,28 @@ from torch.nn import functional
 import torch.utils.checkpoint
 
 from model.config import GPTConfig
-from model.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,
+from model.layers import (ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                           group_rank, group_size)
+from model.llama import GroupedQueryAttention, LlamaMLP
 from model.mappings import Group, copy_to_tp_region
+from model.rotary import apply_rope, rope_cos_sin
 
-# Generator streams: blocks use their index; the embeddings use ids no block can have.
-WTE_STREAM, WPE_STREAM = -1, -2
+# Generator streams: blocks use their index; the embeddings and the head use ids no block can have.
+WTE_STREAM, WPE_STREAM, HEAD_STREAM = -1, -2, -3
 
 
 def init_generator(config: GPTConfig, stream: int) -> torch.Generator:
     """A generator private to one module, so its init is the same wherever it is built."""
     return torch.Generator().manual_seed(config.seed * 1_000_003 + stream + 10)
+
+
+def norm_class(config: GPTConfig) -> type:
+    return LayerNorm if config.norm == "layernorm" else RMSNorm
+
+
+def make_norm(config: GPTConfig, tp_group: Group) -> nn.Module:
+    """The block's and the final norm: LayerNorm or RMSNorm, replicated, SP-aware."""
+    return norm_class(config)(config.n_embd, config.sequence_parallel_group(tp_group), eps=config.norm_eps)
 
 
 def sequence_dropout_rng(config: GPTConfig, tp_group: Group,
@@ -61,10 +75,12 @@ class CausalSelfAttention(nn.Module):
         self.dropout_rng = dropout_rng
         self.residual_dropout_rng = residual_dropout_rng
         self.recompute_attention = config.recompute_attention
+        self.rope_theta = config.rope_theta if config.position == "rope" else None
         self.c_attn = ColumnParallelLinear(h, 3 * h, tp_group, generator, config.init_std, stride=3,
-                                           sequence_parallel=sp)
+                                           bias=config.bias, sequence_parallel=sp)
         self.c_proj = RowParallelLinear(h, h, tp_group, generator,
-                                        config.init_std / math.sqrt(2 * config.n_layer), sequence_parallel=sp)
+                                        config.init_std / math.sqrt(2 * config.n_layer), bias=config.bias,
+                                        sequence_parallel=sp)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -76,6 +92,9 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = q.shape
         q, k, v = (t.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)
                    for t in (q, k, v))  # (B, nh/p, T, hs)
+        if self.rope_theta is not None:
+            cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Attention probabilities are TP-sharded: their dropout mask must differ per TP rank.
         with self.dropout_rng():
             if self.recompute_attention and self.training:
@@ -93,16 +112,19 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """c_fc column-parallel (h -> 4h/p), GELU, c_proj row-parallel (4h/p -> h)."""
+    """c_fc column-parallel (h -> f/p), GELU, c_proj row-parallel (f/p -> h); f = 4h in GPT-2."""
 
     def __init__(self, config: GPTConfig, tp_group: Group, generator: torch.Generator,
                  residual_dropout_rng: Callable[[], ContextManager]):
         super().__init__()
         h = config.n_embd
         sp = config.sequence_parallel
-        self.c_fc = ColumnParallelLinear(h, 4 * h, tp_group, generator, config.init_std, sequence_parallel=sp)
-        self.c_proj = RowParallelLinear(4 * h, h, tp_group, generator,
-                                        config.init_std / math.sqrt(2 * config.n_layer), sequence_parallel=sp)
+        f = config.ffn_hidden_size
+        self.c_fc = ColumnParallelLinear(h, f, tp_group, generator, config.init_std, bias=config.bias,
+                                         sequence_parallel=sp)
+        self.c_proj = RowParallelLinear(f, h, tp_group, generator,
+                                        config.init_std / math.sqrt(2 * config.n_layer), bias=config.bias,
+                                        sequence_parallel=sp)
         self.dropout = nn.Dropout(config.dropout)
         self.residual_dropout_rng = residual_dropout_rng
 
@@ -114,7 +136,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+    """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). GPT-2's attention
+    and MLP for arch gpt2, model/llama.py's for arch llama; ln_1 and ln_2 as `config.norm` says.
 
     `dropout_rng` enters the per-TP-rank dropout RNG (model/pipe.py); the dense reference
     leaves it a no-op."""
@@ -123,12 +146,13 @@ class Block(nn.Module):
                  dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext):
         super().__init__()
         generator = init_generator(config, layer_index)
-        sp_group = config.sequence_parallel_group(tp_group)
         residual_rng = sequence_dropout_rng(config, tp_group, dropout_rng)
-        self.ln_1 = LayerNorm(config.n_embd, sp_group)
-        self.attn = CausalSelfAttention(config, tp_group, generator, dropout_rng, residual_rng)
-        self.ln_2 = LayerNorm(config.n_embd, sp_group)
-        self.mlp = MLP(config, tp_group, generator, residual_rng)
+        llama = config.arch == "llama"
+        self.ln_1 = make_norm(config, tp_group)
+        attention = GroupedQueryAttention if llama else CausalSelfAttention
+        self.attn = attention(config, tp_group, generator, dropout_rng, residual_rng)
+        self.ln_2 = make_norm(config, tp_group)
+        self.mlp = (LlamaMLP if llama else MLP)(config, tp_group, generator, residual_rng)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h) -> (B, T, h); (B, T/t, h) with SP
         x = x + self.attn(self.ln_1(x))
@@ -136,7 +160,7 @@ class Block(nn.Module):
 
 
 class TokenEmbedding(nn.Module):
-    """wte: vocab-parallel token embedding; also the output head (tied weights)."""
+    """wte: vocab-parallel token embedding; also the output head when `tie_embeddings`."""
 
     def __init__(self, config: GPTConfig, tp_group: Group):
         super().__init__()
@@ -149,6 +173,20 @@ class TokenEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, h) or (B, T/t, h) -> (B, T, V_pad/p)
         return self.wte.logits(hidden)
+
+
+class LMHead(VocabParallelEmbedding):
+    """The output head of a model with untied embeddings: its own vocab-parallel (V_pad/p, h)
+    weight, drawn N(0, init_std) from its own stream; forward is the logits.
+    (B, T, h) or (B, T/t, h) with SP -> (B, T, V_pad/p)."""
+
+    def __init__(self, config: GPTConfig, tp_group: Group):
+        super().__init__(config.vocab_size, config.padded_vocab_size(group_size(tp_group)), config.n_embd,
+                         tp_group, init_generator(config, HEAD_STREAM), config.init_std,
+                         sequence_parallel=config.sequence_parallel)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden)
 
 
 class PositionEmbedding(nn.Module):
@@ -186,13 +224,19 @@ class GPT(nn.Module):
         self.config = config
         self.tp_group = tp_group
         self.embed = TokenEmbedding(config, tp_group)
-        self.pos = PositionEmbedding(config, tp_group)
+        if config.position == "learned":
+            self.pos = PositionEmbedding(config, tp_group)
         self.blocks = nn.ModuleList(Block(config, i, tp_group) for i in range(config.n_layer))
-        self.ln_f = LayerNorm(config.n_embd, config.sequence_parallel_group(tp_group))
+        self.ln_f = make_norm(config, tp_group)
+        if not config.tie_embeddings:
+            self.lm_head = LMHead(config, tp_group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) ids -> (B, T, V_pad/p) vocab-sharded logits."""
-        x = self.pos(self.embed(ids))
+        x = self.embed(ids)
+        if self.config.position == "learned":
+            x = self.pos(x)
         for block in self.blocks:
             x = block(x)
-        return self.embed.logits(self.ln_f(x))
+        x = self.ln_f(x)
+        return self.embed.logits(x) if self.config.tie_embeddings else self.lm_head(x)

@@ -3,13 +3,22 @@
 GPT-2 stores its linear weights as Conv1D (in, out); ours are nn.Linear-style (out, in).
 The vocabulary padding rows are stripped. Used by the export and by the architecture test.
 """
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
+from model.config import preset_values
 from model.gpt import GPT, GPTConfig
 
 GPT2_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def gpt2_incompatibilities(config: GPTConfig) -> List[str]:
+    """Switches GPT2LMHeadModel cannot express, as `model.key=value` items (empty: exportable)."""
+    gpt2 = preset_values("gpt2", config.n_embd, config.n_head)
+    keys = ("arch", "position", "norm", "norm_eps", "mlp", "ffn_hidden_size", "n_kv_head", "tie_embeddings", "bias")
+    return [f"model.{key}={getattr(config, key)!r}" for key in keys
+            if getattr(config, key) != (gpt2[key] if key != "arch" else "gpt2")]
 
 
 def gpt2_config_kwargs(config: GPTConfig) -> Dict:

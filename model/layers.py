@@ -112,6 +112,44 @@ class ColumnParallelLinear(nn.Module):
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
+class _SequenceGatherLinears(torch.autograd.Function):
+    """`_SequenceGatherLinear` for several weights that read the same input (q, k, v; gate, up):
+    one all-gather of the sequence in forward and one in backward for all of them, and only this
+    rank's (B, T/t, in) chunk saved. Arguments after the group: n, then n weights, then n biases
+    (None where a linear has none); returns the n outputs (B, T, out_i)."""
+
+    @staticmethod
+    def forward(ctx, x, group, n, *params):
+        weights, biases = params[:n], params[n:]
+        ctx.save_for_backward(x, *weights)
+        ctx.group, ctx.has_bias = group, [b is not None for b in biases]
+        x_full = all_gather_sequence(x, group)
+        return tuple(functional.linear(x_full, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        x_full = all_gather_sequence(x, ctx.group)
+        x_2d = x_full.reshape(-1, x_full.size(-1))
+        grad_x_full = sum(g.matmul(w) for g, w in zip(grads, weights))
+        grad_weights, grad_biases = [], []
+        for grad, has_bias in zip(grads, ctx.has_bias):
+            grad_2d = grad.reshape(-1, grad.size(-1))
+            grad_weights.append(grad_2d.t().matmul(x_2d))
+            grad_biases.append(grad_2d.sum(0) if has_bias else None)
+        return (reduce_scatter_sequence(grad_x_full, ctx.group), None, None, *grad_weights, *grad_biases)
+
+
+def column_parallel_projections(x: torch.Tensor, params, tp_group: Group, sequence_parallel: bool):
+    """[X A_i^T + b_i for (A_i, b_i) in params]: several column-parallel linears of one input,
+    which is copied to the TP region (or, with sequence parallelism, all-gathered) once for all."""
+    if sequence_parallel and tp_group is not None:  # (B, T/t, in) -> n x (B, T, out_i/p)
+        weights, biases = zip(*params)
+        return list(_SequenceGatherLinears.apply(x, tp_group, len(params), *weights, *biases))
+    x = copy_to_tp_region(x, tp_group)
+    return [functional.linear(x, weight, bias) for weight, bias in params]
+
+
 class RowParallelLinear(nn.Module):
     """Y = XA^T + b with A split by input columns: A = [A_1 ... A_p], Y = sum_i X_i A_i^T + b.
 
@@ -234,11 +272,28 @@ class LayerNorm(nn.LayerNorm):
     parameters stay replicated (counted once in the gradient norm). None: plain nn.LayerNorm.
     """
 
-    def __init__(self, normalized_shape: int, sequence_parallel_group: Group = None):
-        super().__init__(normalized_shape)
+    def __init__(self, normalized_shape: int, sequence_parallel_group: Group = None, eps: float = 1e-5):
+        super().__init__(normalized_shape, eps=eps)
         self.sequence_parallel_group = sequence_parallel_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.sequence_parallel_group
         return functional.layer_norm(x, self.normalized_shape, copy_to_tp_region(self.weight, group),
                             copy_to_tp_region(self.bias, group), self.eps)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight (Zhang and Sennrich 2019), transformers' LlamaRMSNorm:
+    the statistics in fp32, the weight applied after casting back. The weight's gradient is summed
+    over `sequence_parallel_group` as LayerNorm's is."""
+
+    def __init__(self, normalized_shape: int, sequence_parallel_group: Group = None, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(normalized_shape))
+        self.eps = eps
+        self.sequence_parallel_group = sequence_parallel_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return copy_to_tp_region(self.weight, self.sequence_parallel_group) * normed.to(x.dtype)

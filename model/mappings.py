@@ -63,6 +63,19 @@ def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
+def _gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def _reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
+    chunks = [c.contiguous() for c in torch.chunk(x, dist.get_world_size(group), dim=0)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -125,6 +138,17 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather_sequence(grad, ctx.group), None
 
 
+class _GatherRowsFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad, ctx.group), None
+
+
 def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: identity; backward: all-reduce (Megatron's f)."""
     return x if group is None else _CopyToTP.apply(x, group)
@@ -151,3 +175,13 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: reduce-scatter along the sequence (dim 1); backward: all-gather it (K22's g-bar)."""
     return x if group is None else _ReduceScatterToSequence.apply(x, group)
+
+
+def gather_rows_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: all-gather dim 0 (each rank's row shard of a weight -> the full weight);
+    backward: reduce-scatter dim 0 (each rank keeps the sum over TP of its rows' gradient).
+
+    For a weight that TP ranks use but hold only a shard of (key/value heads when tp exceeds
+    their number, model/llama.py): the sum in backward reaches exactly the ranks that used
+    those rows, the others contribute zeros."""
+    return x if group is None else _GatherRowsFromTP.apply(x, group)

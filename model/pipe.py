@@ -1,28 +1,32 @@
 """The GPT of `model/gpt.py` as a DeepSpeed `PipelineModule` (Huang et al. 2019; Narayanan 2021).
 
 The layers, one entry per pipeline layer (`pipeline_layers`, the one table every reader of
-layer indices uses: the specs below, stage names, checkpoint conversion, export, the planner):
+layer indices uses: the specs below, stage names, checkpoint conversion, export, the planner).
+GPT-2's table:
     0      embed   TiedLayerSpec('embed')   token ids (B, T) -> (B, T, h)
     1      wpe     PositionEmbedding        adds wpe, dropout
     2..L+1 block   Block i                  partitioned across stages by transformer block
     L+2    ln_f    LayerNorm
     L+3    head    TiedLayerSpec('embed')   forward_fn = logits: (B, T, h) -> (B, T, V_pad/tp)
-DeepSpeed builds only the local stage's layers, ties shard k of the embedding on the first
-stage to shard k on the last stage and all-reduces their gradients (docs/design.md contract 6).
+With RoPE there is no wpe layer (the blocks rotate q and k); with untied embeddings `embed` is a
+plain LayerSpec and the last layer is `lm_head`, an LMHead with its own weight (Llama's table:
+embed, block 0..L-1, ln_f, lm_head). DeepSpeed builds only the local stage's layers; when tied,
+it ties shard k of the embedding on the first stage to shard k on the last stage and
+all-reduces their gradients (docs/design.md contract 6).
 Only the hidden states cross stage boundaries; positions and the causal mask are derived
 inside (contract 7). With sequence parallelism they are (B, T/t, h): TP rank r of a stage
 sends its own sequence chunk to TP rank r of the next stage (DeepSpeed's p2p groups pair the
 same model-parallel coordinate; see `pipeline_config` for what must be switched off).
 """
 import hashlib
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
-from model.gpt import Block, GPTConfig, PositionEmbedding, TokenEmbedding
-from model.layers import LayerNorm
+from model.config import ModelConfig
+from model.gpt import Block, GPTConfig, LMHead, PositionEmbedding, TokenEmbedding, norm_class
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import ParallelState
 
@@ -31,16 +35,25 @@ TP_DROPOUT_RNG = "tp-sharded-dropout"
 # kind -> (readable name, prefix of its parameters in the dense GPT of model/gpt.py). The tied
 # head is the embedding's module again: the same parameters, saved once by DeepSpeed (layer 0).
 LAYER_KINDS = {"embed": ("embed (tied)", "embed"), "wpe": ("wpe", "pos"), "block": ("block {i}", "blocks.{i}"),
-               "ln_f": ("ln_f", "ln_f"), "head": ("lm_head (tied embed)", "embed")}
+               "ln_f": ("ln_f", "ln_f"), "head": ("lm_head (tied embed)", "embed"), "lm_head": ("lm_head", "lm_head")}
 
 
-def pipeline_layers(n_layer: int) -> List[Tuple[str, Optional[int]]]:
-    """The pipeline's layers in order: (kind of LAYER_KINDS, block index for a block else None)."""
-    return [("embed", None), ("wpe", None)] + [("block", i) for i in range(n_layer)] + [("ln_f", None), ("head", None)]
+def pipeline_layers(model: Union[ModelConfig, int]) -> List[Tuple[str, Optional[int]]]:
+    """The pipeline's layers in order: (kind of LAYER_KINDS, block index for a block else None).
+
+    `model` is a resolved config (a GPTConfig, or `ModelConfig.resolved()`); a bare number of
+    blocks means GPT-2's table (learned positions, tied head)."""
+    if isinstance(model, int):
+        n_layer, learned, tied = model, True, True
+    else:
+        n_layer, learned, tied = model.n_layer, model.position == "learned", model.tie_embeddings
+    return ([("embed", None)] + [("wpe", None)] * learned + [("block", i) for i in range(n_layer)]
+            + [("ln_f", None), ("head" if tied else "lm_head", None)])
 
 
-def layer_name(kind: str, block: Optional[int]) -> str:
-    return LAYER_KINDS[kind][0].format(i=block)
+def layer_name(kind: str, block: Optional[int], tied: bool = True) -> str:
+    name = LAYER_KINDS[kind][0].format(i=block)
+    return name if tied else name.replace(" (tied)", "")
 
 
 def dense_prefix(kind: str, block: Optional[int]) -> str:
@@ -89,19 +102,23 @@ def tp_dropout_rng():
 
 def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: ParallelState) -> LayerSpec:
     tp = state.tp_group
-    if kind == "embed":
+    if kind == "embed" and config.tie_embeddings:
         return TiedLayerSpec("embed", TokenEmbedding, config, tp, tied_weight_attr=["wte.weight"])
+    if kind == "embed":
+        return LayerSpec(TokenEmbedding, config, tp)
     if kind == "wpe":
         return LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng)
     if kind == "block":
         return LayerSpec(Block, config, block, tp, tp_dropout_rng)
     if kind == "ln_f":
-        return LayerSpec(LayerNorm, config.n_embd, config.sequence_parallel_group(tp))
+        return LayerSpec(norm_class(config), config.n_embd, config.sequence_parallel_group(tp), eps=config.norm_eps)
+    if kind == "lm_head":
+        return LayerSpec(LMHead, config, tp)
     return TiedLayerSpec("embed", TokenEmbedding, config, tp, forward_fn=_logits, tied_weight_attr=["wte.weight"])
 
 
 def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
-    return [layer_spec(kind, block, config, state) for kind, block in pipeline_layers(config.n_layer)]
+    return [layer_spec(kind, block, config, state) for kind, block in pipeline_layers(config)]
 
 
 def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -148,7 +165,7 @@ def build_pipeline(config: GPTConfig, state: ParallelState,
 
 def stage_contents(pipe: PipelineModule, config: GPTConfig) -> List[Tuple[int, str]]:
     """[(stage, 'layers a-b: names')] from DeepSpeed's partition boundaries `pipe.parts`."""
-    names = [layer_name(kind, block) for kind, block in pipeline_layers(config.n_layer)]
+    names = [layer_name(kind, block, config.tie_embeddings) for kind, block in pipeline_layers(config)]
     out = []
     for stage in range(len(pipe.parts) - 1):
         start, stop = pipe.parts[stage], pipe.parts[stage + 1]

@@ -231,7 +231,7 @@ def test_bad_input_is_one_line_and_exit_2(run, tmp_path, monkeypatch, capsys):
         (["--init-from-hf", hf, "--set", "model.n_layer=2"], ["n_layer=4", "model.n_layer"]),
         (["--init-from-hf", hf, "--set", "model.vocab_size=4200"], ["vocab_size=4100", "4200"]),
         (["--init-from-hf", str(tmp_path / "other")], ["no readable config.json"]),
-        (["--init-from-hf", str(tmp_path / "llama")], ["'llama' model, not GPT-2"]),
+        (["--init-from-hf", str(tmp_path / "llama")], ["arch='llama'", "model.arch='gpt2'"]),  # #12: Llama imports
         (["--init-from-hf", hf, "--load", str(ck)], ["pass only one"]),
     ]:
         _one_line_error(train.main, tiny + argv, words, capsys)

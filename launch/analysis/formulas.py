@@ -12,9 +12,9 @@ Symbols: l layers, h hidden, a heads, s sequence, V vocabulary, b micro-batch, B
 t tp, p pp, d dp, m micro-batches per pipeline per step. Bytes assume bf16/fp16 mixed precision.
 """
 import functools
-from typing import Dict, List, Tuple
+from typing import Dict, List, Tuple, Union
 
-from model.config import padded_vocab_size
+from model.config import ModelConfig, padded_vocab_size
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, without sparsity).
 PEAK_FLOPS_BF16: Dict[str, float] = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -58,29 +58,30 @@ def embedding_params_per_rank(vocab: int, hidden: int, tp: int, pad_multiple: in
     return padded_vocab_size(vocab, tp, pad_multiple) // tp * hidden
 
 
-def layer_kinds(n_layer: int) -> List[str]:
-    """The kind of each pipeline layer, from model/pipe.py's table: [embed, wpe, block..., ln_f, head]."""
+def layer_kinds(model: Union[ModelConfig, int]) -> List[str]:
+    """The kind of each pipeline layer, from model/pipe.py's table: [embed, wpe, block..., ln_f, head]
+    for GPT-2 (a bare n_layer), [embed, block..., ln_f, lm_head] for Llama (a resolved config)."""
     from model.pipe import pipeline_layers  # imports torch and DeepSpeed: only when asked
-    return [kind for kind, _ in pipeline_layers(n_layer)]
+    return [kind for kind, _ in pipeline_layers(model)]
 
 
-def stage_partition(n_layer: int, pp: int) -> List[int]:
+def stage_partition(model: Union[ModelConfig, int], pp: int) -> List[int]:
     """Stage boundaries over the pipeline layers (`layer_kinds`): stage k holds layers parts[k]:parts[k+1].
 
     The rule of PipelineModule(partition_method='type:Block'): DeepSpeed's partition_balanced
     with weight 1 per Block and 0 for the other layers."""
-    return list(_partition(n_layer, pp))
+    return list(_partition(tuple(layer_kinds(model)), pp))
 
 
 @functools.lru_cache(maxsize=None)  # an O(l^2 p) Python loop; the planner's search asks often
-def _partition(n_layer: int, pp: int) -> Tuple[int, ...]:
+def _partition(kinds: Tuple[str, ...], pp: int) -> Tuple[int, ...]:
     from deepspeed.runtime.utils import partition_balanced  # imported late: a slow import
-    weights = [int(name == "block") for name in layer_kinds(n_layer)]
+    weights = [int(name == "block") for name in kinds]
     return tuple(int(x) for x in partition_balanced(weights, pp))
 
 
-def blocks_per_stage(n_layer: int, pp: int) -> List[int]:
-    parts, names = stage_partition(n_layer, pp), layer_kinds(n_layer)
+def blocks_per_stage(model: Union[ModelConfig, int], pp: int) -> List[int]:
+    parts, names = stage_partition(model, pp), layer_kinds(model)
     return [names[parts[k]:parts[k + 1]].count("block") for k in range(pp)]
 
 
@@ -98,6 +99,114 @@ def stage_params_per_rank(n_layer: int, hidden: int, vocab: int, seq_len: int, t
     count += seq_len * hidden if "wpe" in held else 0
     count += 2 * hidden if "ln_f" in held else 0
     return count
+
+
+# ---------------------------------------------------------------- any architecture (model/config.py)
+# The functions above are GPT-2's closed forms; these count the same things for any preset and
+# switches, from a resolved ModelConfig (`ModelConfig.resolved()`, vocab_size set). For GPT-2
+# they return exactly what the closed forms do (tests/test_llama_formulas.py).
+
+def block_matmul_params(m: ModelConfig) -> int:
+    """Weights of one block's matrices: q and o (h x a*d each), k and v (h x kv*d each), and the
+    MLP's up and down (h x f each) plus gate with SwiGLU. GPT-2: 4h^2 + 8h^2 = 12h^2."""
+    h, attention = m.n_embd, m.n_head * m.head_dim
+    kv = m.n_kv_head * m.head_dim
+    return h * (2 * attention + 2 * kv) + (3 if m.mlp == "swiglu" else 2) * h * m.ffn_hidden_size
+
+
+def block_vector_params(m: ModelConfig) -> Tuple[int, int]:
+    """(split over TP, replicated) vectors of one block: column-parallel biases (q, k, v, gate,
+    up); row-parallel biases (o, down) and the two norms (2h each for LayerNorm, h for RMSNorm)."""
+    h, f = m.n_embd, m.ffn_hidden_size
+    column = (m.n_head + 2 * m.n_kv_head) * m.head_dim + (2 if m.mlp == "swiglu" else 1) * f if m.bias else 0
+    row = 2 * h if m.bias else 0
+    return column, row + 2 * norm_params(m)
+
+
+def norm_params(m: ModelConfig) -> int:
+    return 2 * m.n_embd if m.norm == "layernorm" else m.n_embd
+
+
+def model_params(m: ModelConfig) -> int:
+    """Every parameter of the model (unpadded vocabulary, a tied head counted once): the token
+    embedding, a separate head, the position table, the blocks and the final norm."""
+    column, replicated = block_vector_params(m)
+    embeddings = m.vocab_size * m.n_embd * (1 if m.tie_embeddings else 2)
+    positions = m.seq_len * m.n_embd if m.position == "learned" else 0
+    return embeddings + positions + m.n_layer * (block_matmul_params(m) + column + replicated) + norm_params(m)
+
+
+def model_block_params_per_rank(m: ModelConfig, tp: int) -> int:
+    """A block on one TP rank: matrices and column-parallel biases split over t (k and v too
+    when tp > n_kv_head: each rank holds its share of a key/value head's rows); row-parallel
+    biases and norms replicated."""
+    column, replicated = block_vector_params(m)
+    return (block_matmul_params(m) + column) // tp + replicated
+
+
+def model_stage_params_per_rank(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
+    """`stage_params_per_rank` for any architecture: the stage's layers from the model's table."""
+    parts, names = stage_partition(m, pp), layer_kinds(m)
+    held = names[parts[stage]:parts[stage + 1]]
+    vocab = embedding_params_per_rank(m.vocab_size, m.n_embd, tp, m.vocab_pad_multiple)
+    count = held.count("block") * model_block_params_per_rank(m, tp)
+    count += vocab * (("embed" in held or "head" in held) + ("lm_head" in held))
+    count += m.seq_len * m.n_embd if "wpe" in held else 0
+    count += norm_params(m) if "ln_f" in held else 0
+    return count
+
+
+def model_flops_per_step_of(m: ModelConfig, global_batch: int, seq_len: int, recompute: bool = False) -> float:
+    """`model_flops_per_step` for any architecture: 2 FLOPs per matrix weight per token (q, k, v,
+    o, gate, up, down: GQA and SwiGLU change these counts), 4*s*a*d per token for QK^T and @V
+    (all query heads, whatever n_kv_head), 2hV for the head; backward twice the forward. In the
+    closed form's shape, so GPT-2 (block matrices 12h^2) gives its float exactly."""
+    B, s, l, h, V = global_batch, seq_len, m.n_layer, m.n_embd, m.vocab_size
+    blocks = block_matmul_params(m) / (12 * h ** 2)
+    core = s / (6 * h) * (m.n_head * m.head_dim / h)  # s/(6h) when a*d = h, as in every preset
+    if recompute:
+        return 96 * B * s * l * h ** 2 * (blocks + core + V / (16 * l * h))
+    return 72 * B * s * l * h ** 2 * (blocks + core + V / (12 * l * h))
+
+
+def model_layer_flops_per_microbatch(m: ModelConfig, micro_batch: int, seq_len: int, recompute: bool = False) -> int:
+    """`layer_flops_per_microbatch` for any architecture: 3 x (2 b s W + 4 b s^2 a d), W the
+    block's matrix weights; 4 x with full recompute. GPT-2: 72bsh^2 + 12bs^2h."""
+    b, s = micro_batch, seq_len
+    forward = 2 * b * s * block_matmul_params(m) + 4 * b * s * s * m.n_head * m.head_dim
+    return (4 if recompute else 3) * forward
+
+
+def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1,
+                                     recompute: bool = False, sequence_parallel: bool = False,
+                                     selective: bool = False, element_bytes: int = ACTIVATION_BYTES,
+                                     mask_bytes: int = 1, layernorm_stat_bytes: int = 0) -> float:
+    """`activation_bytes_per_layer` (K22's tensor-by-tensor count) for any architecture; equal to
+    it for GPT-2. Per s*b*h, E = element_bytes, M = mask_bytes:
+      replicated over TP, split by SP: norm inputs 2E, inputs of the q/k/v and first MLP
+        projections 2E, two dropout masks 2M; RMSNorm (model/layers.py, transformers' formula)
+        also keeps its normalised output before the weight, 2E for the two norms;
+      split by TP: Q E*a*d/h, K and V E*kv*d/h each (SDPA's math path, CPU with dropout, expands
+        them to all a heads before saving: count kv = a there), the o_proj input E*a*d/h; the MLP
+        keeps 2 tensors of width f (GELU: its input and output) or 4 (SwiGLU: gate, up, silu(gate)
+        and their product), E*f/h each;
+      attention core, per a*s/h: (2E + M), as K22.
+    Per token: `layernorm_stat_bytes` for each LayerNorm's mean and 1/std, or each RMSNorm's 1/rms.
+    RoPE adds its cos and sin tables, 2*s*d*E per block (independent of b)."""
+    s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
+    E, M = element_bytes, mask_bytes
+    sp = t if sequence_parallel else 1
+    if recompute:
+        return E * s * b * h / sp
+    rms = m.norm == "rmsnorm"
+    replicated = 4 * E + 2 * M + (2 * E if rms else 0)
+    d, kv, f = m.head_dim, m.n_kv_head, m.ffn_hidden_size
+    attention = E * (2 * a * d + 2 * kv * d) / h
+    mlp = (4 if m.mlp == "swiglu" else 2) * E * f / h
+    core = 0 if selective else (2 * E + M) * a * s / h
+    stats = 2 * (1 if rms else 2) * layernorm_stat_bytes * s * b  # two norms per block
+    rope = 2 * s * d * E if m.position == "rope" else 0
+    return s * b * h * (replicated / sp + (attention + mlp) / t + core / t) + stats / sp + rope
 
 
 # ---------------------------------------------------------------- compute and schedule
@@ -148,6 +257,18 @@ def tp_allreduce_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, lay
     Ignores the embedding's and the logits' all-reduces (one each per micro-batch)."""
     count = 6 if recompute else 4
     return count * micro_batch * seq_len * hidden * ACTIVATION_BYTES * layers * microbatches
+
+
+def kv_gather_bytes_per_step(m: ModelConfig, tp: int, layers: int, microbatches: int,
+                              recompute: bool = False) -> int:
+    """What GQA adds to one TP rank's traffic when tp > n_kv_head (model/llama.py): per block
+    per micro-batch, k_proj's and v_proj's rows all-gathered in forward (again with recompute)
+    and their gradients reduce-scattered in backward: the gathered size is kv*d*h (+ kv*d with
+    biases) elements each. Zero when n_kv_head divides by tp (each rank holds its own heads)."""
+    if tp <= m.n_kv_head:
+        return 0
+    weights = m.n_kv_head * m.head_dim * (m.n_embd + (1 if m.bias else 0))
+    return (3 if recompute else 2) * 2 * weights * ACTIVATION_BYTES * layers * microbatches
 
 
 def pp_p2p_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, microbatches: int) -> int:

@@ -6,12 +6,22 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
+from launch.analysis import formulas
 from launch.analysis.planner import GIB, GPUS, Hardware, Setup, estimate_plan, search, why
 from model.config import ModelConfig
 from launch.runtime.recipe import ConfigError, load_recipe
 
 GPT3 = {"layers": 96, "hidden": 12288, "seq_len": 2048, "vocab": 51200}
 GPT3_HEAD_DIM = 128
+
+
+def _edge_layers(model: ModelConfig) -> str:
+    """The non-block layers of the first and the last stage, from the model's layer table."""
+    kinds = formulas.layer_kinds(model.resolved())
+    names = {"embed": "wte", "wpe": "wpe", "ln_f": "ln_f", "head": "tied head", "lm_head": "lm_head"}
+    first = [names[k] for k in kinds[:kinds.index("block")]]
+    last = [names[k] for k in kinds[len(kinds) - kinds[::-1].index("block"):]]
+    return f"{', '.join(first)} on the first stage; {', '.join(last)} on the last"
 
 
 def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
@@ -32,11 +42,12 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
                               f"{recipe.data.tokenizer!r}); pass --vocab N")
         from data.builtin import BUILTIN_VOCAB_SIZE  # slow import, only when needed
         vocab = BUILTIN_VOCAB_SIZE
-    model = ModelConfig(n_layer=pick(args.layers, rm and rm.n_layer, GPT3["layers"]), n_embd=hidden,
-                      n_head=pick(args.heads, rm and rm.n_head, max(1, hidden // GPT3_HEAD_DIM)),
-                      seq_len=pick(args.seq_len, rm and rm.seq_len, GPT3["seq_len"]),
-                      vocab_size=vocab if vocab is not None else GPT3["vocab"],
-                      vocab_pad_multiple=pick(args.vocab_pad_multiple, rm and rm.vocab_pad_multiple, 1))
+    # The recipe's architecture switches (arch, n_kv_head, mlp, ...) carry over; flags set the dims.
+    model = dataclasses.replace(rm or ModelConfig(), n_layer=pick(args.layers, rm and rm.n_layer, GPT3["layers"]),
+                                n_embd=hidden, n_head=pick(args.heads, rm and rm.n_head, max(1, hidden // GPT3_HEAD_DIM)),
+                                seq_len=pick(args.seq_len, rm and rm.seq_len, GPT3["seq_len"]),
+                                vocab_size=vocab if vocab is not None else GPT3["vocab"],
+                                vocab_pad_multiple=pick(args.vocab_pad_multiple, rm and rm.vocab_pad_multiple, 1))
     recompute = args.recompute == "full" if args.recompute else bool(rt and rt.recompute_mode == "full")
     setup = Setup(gpus=args.gpus, tp=args.tp, pp=args.pp,
                   micro_batch=pick(args.micro_batch, rt and rt.micro_batch_size, 1),
@@ -117,7 +128,8 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
     lines = [
         f"Model: {model.n_layer} layers, hidden {model.n_embd}, {model.n_head} heads, seq {model.seq_len}, "
         f"vocab {model.vocab_size} (padded {plan['padded_vocab']}): {_count(plan['params_total'])} parameters "
-        f"(formula {_count(plan['params_formula'])})",
+        + (f"(formula {_count(plan['params_formula'])})" if model.arch == "gpt2"
+           else f"({model.arch}: GPT-2's closed form would say {_count(plan['params_formula'])})"),
         f"Layout: {plan['gpus']} GPUs = tp {t} x pp {p} x dp {d}; {t * p} GPUs per replica, "
         f"{hw.gpus_per_node} per node",
         "",
@@ -136,7 +148,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"dp = {plan['gpus']} / (tp {t} * pp {p}) = {d}",
         f"layers per stage: {plan['layers_per_stage']} blocks"
         + ("" if len(set(blocks)) == 1 else f" at most ({blocks})")
-        + (" (+ wte, wpe on the first stage; ln_f, tied head on the last)" if p > 1 else ""),
+        + (f" (+ {_edge_layers(model)})" if p > 1 else ""),
         f"micro-batches per pipeline: m = {plan['global_batch']} / (micro {b} * dp {d}) = {m} "
         f"= gradient accumulation steps",
         f"1F1B bubble: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {plan['bubble_fraction']:.4f} of the step",
@@ -212,6 +224,6 @@ def plan_output(args: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
     else:
         chosen = estimate_plan(model, setup, hw)
         notes = warnings(chosen, model, setup, hw)
-        output = (json.dumps(dict(chosen, warnings=notes, model=dataclasses.asdict(model)))
+        output = (json.dumps(dict(chosen, warnings=notes, model=dataclasses.asdict(model.resolved())))
                   if args.json else report(chosen, model, hw, notes))
     return output, chosen

@@ -96,12 +96,13 @@ def within_node(groups: List[List[int]], gpus_per_node: int) -> bool:
 def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, blocks: int,
                   params: int) -> Dict[str, int]:
     plain, zero1 = formulas.model_state_bytes(params, dp, 0), formulas.model_state_bytes(params, dp, 1)
-    args = (model.seq_len, setup.micro_batch, model.n_embd, model.n_head, setup.tp, blocks,
-            formulas.inflight_microbatches(setup.pp, m, stage))
+    inflight = formulas.inflight_microbatches(setup.pp, m, stage)  # micro-batches alive at the peak
+    per_layer = lambda recompute: formulas.model_activation_bytes_per_layer(  # noqa: E731
+        model.resolved(), model.seq_len, setup.micro_batch, setup.tp, recompute)
     out = {"weights": plain["weights"], "gradients": plain["gradients"],
            "optimizer": plain["optimizer"], "optimizer_zero1": zero1["optimizer"],
-           "activations": formulas.activation_bytes_per_stage(*args, recompute=False),
-           "activations_recompute": formulas.activation_bytes_per_stage(*args, recompute=True)}
+           "activations": per_layer(False) * blocks * inflight,
+           "activations_recompute": per_layer(True) * blocks * inflight}
     out["total"] = (sum(formulas.model_state_bytes(params, dp, setup.zero).values())
                     + out["activations_recompute" if setup.recompute else "activations"])
     return {k: round(v) for k, v in out.items()}
@@ -111,7 +112,7 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
                        m: int, params_per_device: int, bandwidth: Dict[str, float]) -> Dict[str, float]:
     """Seconds per step and its parts by the cost model of the module docstring."""
     b, s, h, t, p = setup.micro_batch, model.seq_len, model.n_embd, setup.tp, setup.pp
-    layer_flops = formulas.layer_flops_per_microbatch(b, s, h, setup.recompute)
+    layer_flops = formulas.model_layer_flops_per_microbatch(model.resolved(), b, s, setup.recompute)
     logits_flops = formulas.logits_flops_per_microbatch(b, s, h, model.vocab_size)
     tp_bytes_per_block = formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.recompute) * formulas.ring_allreduce_factor(t)
     compute, tp_comm = [], []
@@ -131,22 +132,24 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
 def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, Any]:
     """Every number of one layout; raises ConfigError when the layout is invalid."""
     layout = check_setup(model, setup)
+    arch = model.resolved()  # every architecture switch set (GQA, SwiGLU, untied head, RoPE change the counts)
     l, h, s, V = model.n_layer, model.n_embd, model.seq_len, model.vocab_size
     t, p, d, m, b = setup.tp, setup.pp, layout.dp, layout.grad_accum_steps, setup.micro_batch
-    blocks = formulas.blocks_per_stage(l, p)
-    params = [formulas.stage_params_per_rank(l, h, V, s, t, p, k, model.vocab_pad_multiple) for k in range(p)]
+    blocks = formulas.blocks_per_stage(arch, p)
+    params = [formulas.model_stage_params_per_rank(arch, t, p, k) for k in range(p)]
     memory = [_stage_memory(model, setup, d, m, k, blocks[k], params[k]) for k in range(p)]
     fullest = max(range(p), key=lambda k: memory[k]["total"])
     groups = rank_groups(t, p, d)
     intra = {dim: within_node(groups[dim], hw.gpus_per_node) for dim in groups}
     bandwidth = {dim: hw.intra_node_bw if intra[dim] else hw.inter_node_bw for dim in groups}
     time = estimate_step_time(model, setup, hw, blocks, d, m, max(params), bandwidth)
-    flops = formulas.model_flops_per_step(setup.global_batch, s, l, h, V)
+    flops = formulas.model_flops_per_step_of(arch, setup.global_batch, s)
     return {
         "gpus": setup.gpus, "tp": t, "pp": p, "dp": d, "micro_batch": b, "global_batch": setup.global_batch,
         "zero": setup.zero, "recompute": "full" if setup.recompute else "none",
         "padded_vocab": formulas.padded_vocab_size(V, t, model.vocab_pad_multiple),
-        "params_total": formulas.params_exact(l, h, V, s), "params_formula": formulas.params_formula(l, h, V, s),
+        # The closed form [N21] is GPT-2's: for another architecture it is a reference point only.
+        "params_total": formulas.model_params(arch), "params_formula": formulas.params_formula(l, h, V, s),
         "blocks_per_stage": blocks, "layers_per_stage": max(blocks),
         "microbatches_per_pipeline": m, "grad_accum_steps": m,
         "bubble_fraction": formulas.bubble_fraction(p, m),
@@ -154,9 +157,10 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
         "memory_per_stage_bytes": memory, "memory_fullest_stage": fullest,
         "memory_per_device_bytes": memory[fullest]["total"],
         "model_flops_per_step": flops,
-        "model_flops_per_step_recompute": formulas.model_flops_per_step(setup.global_batch, s, l, h, V, True),
+        "model_flops_per_step_recompute": formulas.model_flops_per_step_of(arch, setup.global_batch, s, True),
         "comm_bytes_per_step": {
-            "tp": formulas.tp_allreduce_bytes_per_step(b, s, h, max(blocks), m, setup.recompute) if t > 1 else 0,
+            "tp": (formulas.tp_allreduce_bytes_per_step(b, s, h, max(blocks), m, setup.recompute)
+                   + formulas.kv_gather_bytes_per_step(arch, t, max(blocks), m, setup.recompute)) if t > 1 else 0,
             "pp": formulas.pp_p2p_bytes_per_step(b, s, h, m) if p > 1 else 0,
             "dp": formulas.dp_allreduce_bytes_per_step(max(params)) if d > 1 else 0},
         "groups": groups, "groups_within_node": intra,

@@ -1,6 +1,7 @@
-"""A checkpoint as a transformers GPT-2 model directory: read DeepSpeed's per-layer weight files
-(one per pipeline layer and TP rank), merge the TP shards and stages with model/convert.py, strip
-the vocab padding, write config, safetensors weights, generation config and tokenizer.
+"""A checkpoint as a transformers model directory (GPT2LMHeadModel for arch gpt2,
+LlamaForCausalLM for arch llama): read DeepSpeed's per-layer weight files (one per pipeline layer
+and TP rank), merge the TP shards and stages with model/convert.py, strip the vocab padding,
+write config, safetensors weights, generation config and tokenizer.
 One process, no DeepSpeed engine, no torch.distributed; only model weights, never optimizer state."""
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def read_checkpoint_weights(load: Path):
         match = LAYER_FILE.fullmatch(path.name)
         if match:
             found[int(match.group(1)), int(match.group(2))] = path
-    # The tied head is a function of the embedding's module, which DeepSpeed saves once (layer 0).
-    saved_layers = [index for index, (kind, _) in enumerate(pipeline_layers(config.n_layer)) if kind != "head"]
+    # The tied head is a function of the embedding's module, which DeepSpeed saves once (layer 0);
+    # an untied one (lm_head) has its own layer file.
+    saved_layers = [index for index, (kind, _) in enumerate(pipeline_layers(config)) if kind != "head"]
     wanted = [(layer, rank) for layer in saved_layers for rank in range(tp)]
     missing = [f"layer_{layer:02d}-model_{rank:02d}" for layer, rank in wanted if (layer, rank) not in found]
     if missing:
@@ -51,7 +53,7 @@ def read_checkpoint_weights(load: Path):
     layer_states = {layer: [torch.load(found[layer, rank], map_location="cpu", weights_only=True)
                             for rank in range(tp)]
                     for layer in saved_layers}
-    return ref, config, merge_layer_states(layer_states, config.n_layer, config.vocab_size)
+    return ref, config, merge_layer_states(layer_states, config, config.vocab_size)
 
 
 def dense_gpt(config: GPTConfig, dense):
@@ -85,21 +87,48 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
         raise ConfigError(f"--out {str(out)!r} is not empty; choose a new directory or pass --overwrite")
 
 
-def export(load: Path, out: Path, tokenizer_name: Optional[str] = None, overwrite: bool = False) -> Path:
-    """Write the transformers GPT-2 directory of checkpoint `load` to `out`; return `out`."""
-    check_out_dir(out, overwrite)
-    ref, config, dense = read_checkpoint_weights(load)
-    flag = "--tokenizer" if tokenizer_name else "the checkpoint's data.tokenizer"
-    tokenizer = load_export_tokenizer(tokenizer_name or ref.meta["recipe"]["data"]["tokenizer"],
-                                      config.vocab_size, flag)
+def check_exportable(config: GPTConfig) -> None:
+    """A ConfigError naming the switches the target transformers class cannot express."""
+    from model.hf_gpt2 import gpt2_incompatibilities
+    from model.hf_llama import llama_incompatibilities
+    if config.arch == "llama":
+        problems, target = llama_incompatibilities(config), "LlamaForCausalLM (RoPE, RMSNorm, SwiGLU)"
+    else:
+        problems = gpt2_incompatibilities(config)
+        target = "GPT2LMHeadModel (learned positions, LayerNorm, 4h GELU MLP, tied head, biases)"
+    if problems:
+        raise ConfigError(f"the checkpoint's model has {', '.join(problems)}, which {target} cannot express; "
+                          f"only checkpoints of that architecture export")
 
+
+def transformers_model(config: GPTConfig, dense, eos: int):
+    """The transformers model of our architecture holding the dense weights (GPT-2 or Llama)."""
+    if config.arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from model.hf_llama import llama_config_kwargs, to_llama_state_dict
+        hf = LlamaForCausalLM(LlamaConfig(**llama_config_kwargs(config), bos_token_id=eos, eos_token_id=eos))
+        hf.load_state_dict(to_llama_state_dict(dense, config), strict=True)
+        return hf
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from model.hf_gpt2 import gpt2_config_kwargs, to_gpt2_state_dict
-    eos = tokenizer.eos_token_id
     # GPT2Config's default bos/eos (50256) lies outside a smaller vocabulary: use the tokenizer's.
     hf = GPT2LMHeadModel(GPT2Config(**gpt2_config_kwargs(config), bos_token_id=eos, eos_token_id=eos))
     hf.load_state_dict(to_gpt2_state_dict(dense_gpt(config, dense)), strict=True)
+    return hf
+
+
+def export(load: Path, out: Path, tokenizer_name: Optional[str] = None, overwrite: bool = False) -> Path:
+    """Write the transformers directory of checkpoint `load` to `out`; return `out`."""
+    check_out_dir(out, overwrite)
+    ref, config, dense = read_checkpoint_weights(load)
+    check_exportable(config)
+    flag = "--tokenizer" if tokenizer_name else "the checkpoint's data.tokenizer"
+    tokenizer = load_export_tokenizer(tokenizer_name or ref.meta["recipe"]["data"]["tokenizer"],
+                                      config.vocab_size, flag)
+    eos = tokenizer.eos_token_id
+    hf = transformers_model(config, dense, eos)
     hf.generation_config.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out)  # transformers 5 always writes safetensors (no pickle in the export)

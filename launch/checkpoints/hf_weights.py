@@ -1,16 +1,16 @@
-"""`--init-from-hf DIR_OR_NAME`: start from GPT-2-format (transformers) weights at any layout.
+"""`--init-from-hf DIR_OR_NAME`: start from GPT-2- or Llama-format (transformers) weights at any layout.
 
 Two halves, because bad input must fail before any process group or engine starts:
 `check_hf_source` reads only config.json and compares it with the recipe's model;
 `init_from_hf` runs after `build_pipeline` and overwrites each local parameter with this
 rank's shard of the GPT-2 weights (split by `model/convert.py`'s rules), so the first step
 trains exactly those weights whatever (tp, pp, dp) is. Nothing from the source executes
-code: the model class is fixed (GPT2LMHeadModel, never trust_remote_code) and weights load
-from safetensors or with torch's weights_only unpickler.
+code: the model class is fixed (GPT2LMHeadModel or LlamaForCausalLM by the config's model_type,
+never trust_remote_code) and weights load from safetensors or with torch's weights_only unpickler.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
 from launch.runtime.recipe import ConfigError
 from model.gpt import GPTConfig
@@ -38,8 +38,8 @@ _REQUIREMENTS: List[Tuple[str, Callable[[GPTConfig], Tuple[Any, ...]], str]] = [
 
 
 def read_hf_config(source: str):
-    """The GPT2Config of a model directory or hub id (config.json only, no weights)."""
-    from transformers import GPT2Config
+    """The GPT2Config or LlamaConfig of a model directory or hub id (config.json only, no weights)."""
+    from transformers import GPT2Config, LlamaConfig
 
     from data.hub import hub_errors_only
     try:
@@ -53,17 +53,60 @@ def read_hf_config(source: str):
         raise ConfigError(f"--init-from-hf {source!r}: no readable config.json{why}; pass a transformers "
                           f"model directory (or a hub id that is cached)")
     # GPT2Config.from_pretrained would read any model type's config.json (with a warning).
+    if raw.get("model_type") == "llama":
+        return LlamaConfig.from_dict(raw)
     if raw.get("model_type") != "gpt2":
-        raise ConfigError(f"--init-from-hf {source!r} is a {raw.get('model_type')!r} model, not GPT-2 "
-                          f"(model_type 'gpt2'); only GPT-2-format weights can be imported")
+        raise ConfigError(f"--init-from-hf {source!r} is a {raw.get('model_type')!r} model, not GPT-2 or Llama "
+                          f"(model_type 'gpt2' or 'llama'); only those formats can be imported")
     return GPT2Config.from_dict(raw)
 
 
+def hf_model_fields(hf) -> Dict[str, Any]:
+    """The recipe's `model:` fields that a transformers config fixes (its weights' shape and
+    the switches that change what they compute)."""
+    if hf.model_type == "gpt2":
+        return dict(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, seq_len=hf.n_positions,
+                    vocab_size=hf.vocab_size)
+    rope = hf.rope_parameters or {}
+    return dict(arch="llama", n_layer=hf.num_hidden_layers, n_head=hf.num_attention_heads, n_embd=hf.hidden_size,
+                n_kv_head=hf.num_key_value_heads, ffn_hidden_size=hf.intermediate_size, vocab_size=hf.vocab_size,
+                rope_theta=float(rope.get("rope_theta", 10000.0)), norm_eps=hf.rms_norm_eps,
+                tie_embeddings=hf.tie_word_embeddings, bias=hf.attention_bias)
+
+
+def _llama_problems(hf, config: GPTConfig) -> List[str]:
+    """`key=value (needs X: fix)` items for each way a Llama config differs from the run's model."""
+    problems = [f"{key}={value!r} where this run's model has model.{key}={getattr(config, key)!r}; set "
+                f"model.{key}={value!r}" for key, value in hf_model_fields(hf).items() if getattr(config, key) != value]
+    for key, have, want in (("position", config.position, "rope"), ("norm", config.norm, "rmsnorm"),
+                            ("mlp", config.mlp, "swiglu")):
+        if have != want:
+            problems.append(f"a Llama model where this run's model has model.{key}={have!r}; set model.{key}={want}")
+    rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
+    extras = [("hidden_act", hf.hidden_act, "silu", "our SwiGLU uses SiLU"),
+              ("mlp_bias", hf.mlp_bias, hf.attention_bias, "our model.bias sets attention and MLP biases together"),
+              ("head_dim", getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+               hf.hidden_size // hf.num_attention_heads, "our head size is hidden_size / num_attention_heads"),
+              ("rope_type", rope_type, "default", "RoPE frequency scaling (e.g. Llama 3's) is not implemented")]
+    problems += [f"{key}={have!r} ({why})" for key, have, want, why in extras if have != want]
+    return problems
+
+
 def check_hf_source(source: str, config: GPTConfig, resuming: bool) -> None:
-    """Raise ConfigError unless `source` holds GPT-2 weights of exactly the recipe's model."""
+    """Raise ConfigError unless `source` holds weights of exactly the recipe's model."""
     if resuming:
         raise ConfigError("--init-from-hf starts a new run from weights, --load resumes one: pass only one")
     hf = read_hf_config(source)
+    if hf.model_type == "llama":
+        problems = _llama_problems(hf, config)
+        if problems:
+            raise ConfigError(f"--init-from-hf {source!r} has {problems[0]}")
+        return
+    from model.hf_gpt2 import gpt2_incompatibilities
+    problems = gpt2_incompatibilities(config)
+    if problems:
+        raise ConfigError(f"--init-from-hf {source!r} is a GPT-2 model, this run's model has {problems[0]}; "
+                          f"drop that setting (GPT-2 weights need the gpt2 preset's switches)")
     for attr, accepted, fix in _REQUIREMENTS:
         have = getattr(hf, attr, None)
         if have not in accepted(config):
@@ -71,15 +114,19 @@ def check_hf_source(source: str, config: GPTConfig, resuming: bool) -> None:
                               f"{accepted(config)[0]!r}: {fix}")
 
 
-def hf_dense_state_dict(source: str, n_layer: int):
-    """GPT-2 weights of `source` as a dense state dict of our GPT (model/convert.py names)."""
-    from transformers import GPT2LMHeadModel
+def hf_dense_state_dict(source: str, config: GPTConfig):
+    """GPT-2 or Llama weights of `source` as a dense state dict of our model (model/convert.py names)."""
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
     from data.hub import hub_errors_only
     from model.convert import from_gpt2_state_dict
+    from model.hf_llama import from_llama_state_dict
     with hub_errors_only():
+        if config.arch == "llama":
+            hf = LlamaForCausalLM.from_pretrained(source, weights_only=True, dtype="float32")
+            return from_llama_state_dict(hf.state_dict(), config)
         hf = GPT2LMHeadModel.from_pretrained(source, weights_only=True)
-    return from_gpt2_state_dict(hf.state_dict(), n_layer)
+    return from_gpt2_state_dict(hf.state_dict(), config.n_layer)
 
 
 def init_from_hf(pipe: PipelineModule, source: str, config: GPTConfig, state: ParallelState) -> None:
@@ -88,5 +135,5 @@ def init_from_hf(pipe: PipelineModule, source: str, config: GPTConfig, state: Pa
     Call before `deepspeed.initialize`, so the optimizer (and ZeRO's fp32 master copy) start
     from these weights. Every rank reads the whole source: simple, and fine for GPT-2 sizes."""
     from model.convert import load_dense_into
-    load_dense_into(pipe, hf_dense_state_dict(source, config.n_layer), config.n_layer, state.tp_rank,
+    load_dense_into(pipe, hf_dense_state_dict(source, config), config, state.tp_rank,
                     state.tp_size, config.padded_vocab_size(state.tp_size))

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Set, Tuple
 import torch
 import torch.nn as nn
 
-from model.convert import dense_name, merge, split
+from model.convert import Layers, dense_name, merge, split
 from model.parallel_state import ParallelState, build_topology
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
@@ -111,7 +111,7 @@ class _SavedSlice:
         return {key: torch.cat(parts).view(shape) for key, parts in pieces.items()}
 
 
-def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], n_layer: int, vocab_size: int,
+def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: Layers, vocab_size: int,
                         wanted: Iterable[str]) -> Iterator[Tuple[str, Dict[str, torch.Tensor]]]:
     """(dense name, {fp32, exp_avg, exp_avg_sq}) for each dense parameter name in `wanted`: the
     full (TP-merged, real-vocabulary) fp32 weight and Adam moments, one parameter at a time.
@@ -127,7 +127,7 @@ def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], n_layer: int, 
         names = {}  # pipeline name on this stage -> dense name, for the wanted ones not yet read
         for group in _load_deepspeed_file(_model_file(ckpt, mp_ranks[stage, 0]))["param_shapes"]:
             for name in group:
-                dense = dense_name(name, n_layer)
+                dense = dense_name(name, layers)
                 if dense in wanted and dense not in done and dense not in names.values():
                     names[name] = dense
         if not names:
@@ -160,7 +160,7 @@ def _init_adam_state(optimizer, step: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, int], state: ParallelState, n_layer: int,
+def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, int], state: ParallelState, layers: Layers,
                    vocab_size: int, padded_vocab_size: int) -> None:
     """Fill `engine` (a fresh DeepSpeed pipeline engine with a ZeRO-1 or bf16 optimizer) with
     the weights, optimizer state, LR schedule and counters of checkpoint `ckpt`, saved at
@@ -168,7 +168,7 @@ def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, i
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     module: nn.Module = engine.module
-    params = {dense_name(name, n_layer): param for name, param in module.named_parameters()}
+    params = {dense_name(name, layers): param for name, param in module.named_parameters()}
     common = _rank_independent_state(ckpt)
     base = common["base_optimizer_state"]
     _init_adam_state(engine.optimizer, base["state"][0]["step"])
@@ -176,7 +176,7 @@ def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, i
         group.update({k: v for k, v in saved_group.items() if k != "params"})  # lr, betas, ...
     if getattr(engine.optimizer, "dynamic_loss_scale", False) and getattr(common.get("loss_scaler"), "dynamic", False):
         engine.optimizer.loss_scaler = common["loss_scaler"]  # fp16: the scale found so far, and its counters
-    for dense, full in iter_training_state(ckpt, saved_layout, n_layer, vocab_size, params):
+    for dense, full in iter_training_state(ckpt, saved_layout, layers, vocab_size, params):
         param = params[dense]
         shards = {key: split(dense, tensor, state.tp_rank, state.tp_size, padded_vocab_size)
                   for key, tensor in full.items()}

@@ -24,6 +24,7 @@ launch/checkpoints/reshard.py re-shards the ZeRO-1 weights and optimizer state.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
 from launch.runtime.recipe import ConfigError
+from model.config import ARCH_SWITCHES, ModelConfig
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -142,11 +144,15 @@ def same_layout(saved: Dict[str, int], layout: Dict[str, int]) -> bool:
 def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Dict[str, int]) -> None:
     """The model shape, the global batch and the ZeRO stage must match the checkpoint's; another
     layout needs ZeRO-1 (launch/checkpoints/reshard.py re-shards ZeRO-1 state). Say which key differs."""
-    saved_model, model = ref.meta["recipe"]["model"], recipe_dict["model"]
+    # Compared with every architecture switch filled from its preset: a checkpoint saved before
+    # the switches existed is the gpt2 preset.
+    saved_model, model = (dataclasses.asdict(ModelConfig(**section).resolved())
+                          for section in (ref.meta["recipe"]["model"], recipe_dict["model"]))
     # Free to change on resume: they leave every weight's shape and TP shard as they are (and
     # checkpoints saved before `sequence_parallel` existed lack the key).
     free = ("dropout", "sequence_parallel")
-    for key in sorted(set(saved_model) | set(model)):
+    # The shape first, then the switches (a different n_embd also changes the derived ffn_hidden_size).
+    for key in sorted(set(saved_model) | set(model), key=lambda k: (k in ARCH_SWITCHES, k)):
         if saved_model.get(key) != model.get(key) and key not in free:
             raise ConfigError(f"checkpoint {ref.path} has model.{key}={saved_model.get(key)!r}, this run "
                               f"{model.get(key)!r}: a checkpoint only resumes the model it was saved from")
@@ -304,7 +310,7 @@ def load(engine: PipelineEngine, ref: CheckpointRef, layout: Dict[str, int], sta
     if not same_layout(ref.meta["layout"], layout):
         from launch.checkpoints.reshard import load_resharded
         from model.pipe import seed_dropout_rngs
-        load_resharded(engine, ref.path, ref.meta["layout"], state, config.n_layer, config.vocab_size,
+        load_resharded(engine, ref.path, ref.meta["layout"], state, config, config.vocab_size,
                        config.padded_vocab_size(state.tp_size))
         # No saved RNG state fits this layout's ranks: new streams, not step 1's masks again.
         seed_dropout_rngs(config.seed, state, "resumed", ref.meta["step"])

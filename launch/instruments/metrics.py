@@ -85,14 +85,14 @@ def eta_seconds(elapsed_s: float, step: int, total_steps: int) -> float:
 class RunArithmetic:
     """Numbers fixed for the whole run: what the per-step metrics divide by, and the summary."""
     params: int
-    """Model parameters (formulas.params_exact: unpadded vocabulary, tied embedding once)."""
+    """Model parameters (formulas.model_params: unpadded vocabulary, a tied head once)."""
     layout: Layout
     seq_len: int
     """Tokens per sample."""
     total_steps: int
     tokens_per_step: int
     model_flops_per_step: float
-    """formulas.model_flops_per_step without recompute: what MFU counts."""
+    """formulas.model_flops_per_step_of without recompute: what MFU counts."""
     bubble_fraction: float
     """Predicted 1F1B bubble, (p-1)/(m+p-1)."""
     peak_flops: Optional[float]
@@ -123,11 +123,10 @@ def run_arithmetic(config: GPTConfig, layout: Layout, seq_len: int, total_steps:
     name and GPT3D_PEAK_TFLOPS for the MFU peak)."""
     peak, source = peak_flops(accelerator_device_name(), os.environ.get(PEAK_TFLOPS_ENV))
     return RunArithmetic(
-        params=formulas.params_exact(config.n_layer, config.n_embd, config.vocab_size, config.seq_len),
+        params=formulas.model_params(config),
         layout=layout, seq_len=seq_len, total_steps=total_steps,
         tokens_per_step=layout.global_batch_size * seq_len,
-        model_flops_per_step=formulas.model_flops_per_step(layout.global_batch_size, seq_len, config.n_layer,
-                                                    config.n_embd, config.vocab_size),
+        model_flops_per_step=formulas.model_flops_per_step_of(config, layout.global_batch_size, seq_len),
         bubble_fraction=formulas.bubble_fraction(layout.pp, layout.grad_accum_steps),
         peak_flops=peak, peak_source=source)
 

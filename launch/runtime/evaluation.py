@@ -61,10 +61,8 @@ def evaluation_recipe(args: argparse.Namespace) -> Recipe:
         weights = as_overrides(saved if args.recipe is None else {"model": saved["model"]}, "")
         shape = {k: saved["model"][k] for k in SHAPE_FIELDS}
     else:
-        from launch.checkpoints.hf_weights import read_hf_config
-        hf = read_hf_config(args.init_from_hf)
-        shape = dict(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, seq_len=hf.n_positions,
-                     vocab_size=hf.vocab_size)
+        from launch.checkpoints.hf_weights import hf_model_fields, read_hf_config
+        shape = hf_model_fields(read_hf_config(args.init_from_hf))
         weights = as_overrides({"model": shape}, "")
     # The weights' shape first, the user's --set last: a --set model.* that contradicts the
     # weights is caught below instead of silently ignored.
@@ -85,7 +83,7 @@ def load_weights(pipe: PipelineModule, args: argparse.Namespace, config: GPTConf
     from launch.checkpoints.hf_export import read_checkpoint_weights
     from model.convert import load_dense_into
     _, _, dense = read_checkpoint_weights(args.load)
-    load_dense_into(pipe, dense, config.n_layer, state.tp_rank, state.tp_size, config.padded_vocab_size(state.tp_size))
+    load_dense_into(pipe, dense, config, state.tp_rank, state.tp_size, config.padded_vocab_size(state.tp_size))
 
 
 def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:

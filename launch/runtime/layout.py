@@ -6,6 +6,7 @@ Runs before torch.distributed or DeepSpeed start, so bad input costs nothing.
 from dataclasses import dataclass
 
 from launch.runtime.recipe import ConfigError, Recipe
+from model.config import ARCHS, MLPS, NORMS, POSITIONS, ModelConfig
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -47,6 +48,7 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
                           f"choose tp among the divisors of n_head")
     if m.n_embd % m.n_head != 0:
         raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
+    check_architecture(m, tp)
     if m.n_layer < pp:
         raise ConfigError(f"model.n_layer={m.n_layer} is fewer than the {pp} pipeline stages of --pp {pp}; "
                           f"use --pp <= {m.n_layer}")
@@ -120,6 +122,40 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
                           f"train.micro_batch_size, train.global_batch_size and dp; set those instead")
     return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, micro_batch_size=b, global_batch_size=B,
                   grad_accum_steps=B // (b * dp))
+
+
+def check_architecture(model: ModelConfig, tp: int) -> None:
+    """The arch preset and its switches (model/config.py), alone and against --tp."""
+    if model.arch not in ARCHS:
+        raise ConfigError(f"model.arch={model.arch!r} is not one of {', '.join(ARCHS)}")
+    m = model.resolved()
+    for key, allowed in (("position", POSITIONS), ("norm", NORMS), ("mlp", MLPS)):
+        if getattr(m, key) not in allowed:
+            raise ConfigError(f"model.{key}={getattr(m, key)!r} is not one of {', '.join(allowed)}")
+    if m.arch == "gpt2" and (m.mlp != "gelu" or m.n_kv_head != m.n_head):
+        key, value = ("mlp", m.mlp) if m.mlp != "gelu" else ("n_kv_head", m.n_kv_head)
+        raise ConfigError(f"model.{key}={value!r} with model.arch=gpt2: GPT-2's fused c_attn and c_fc have "
+                          f"n_kv_head = n_head and a GELU MLP; set model.arch=llama, which takes every switch")
+    if m.norm_eps <= 0 or m.rope_theta <= 0:
+        raise ConfigError(f"model.norm_eps={m.norm_eps} and model.rope_theta={m.rope_theta} must be > 0")
+    if m.position == "rope" and m.head_dim % 2:
+        raise ConfigError(f"model.position=rope needs an even head size, n_embd/n_head = {m.n_embd}/{m.n_head} = "
+                          f"{m.head_dim}; choose n_embd and n_head with an even quotient")
+    if m.ffn_hidden_size < 1 or m.ffn_hidden_size % tp:
+        raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} must be >= 1 and divisible by --tp {tp} "
+                          f"(each rank holds ffn_hidden_size/tp of the MLP); choose a multiple of {tp}")
+    kv = m.n_kv_head
+    if kv < 1 or m.n_head % kv:
+        raise ConfigError(f"model.n_kv_head={kv} must divide model.n_head={m.n_head} (each key/value head serves "
+                          f"n_head/n_kv_head query heads; 1 is multi-query, null is n_head)")
+    if kv % tp and tp % kv:
+        raise ConfigError(f"model.n_kv_head={kv} with --tp {tp}: tp must divide n_kv_head (each rank holds its "
+                          f"own key/value heads) or n_kv_head must divide tp (tp/n_kv_head ranks share one); "
+                          f"choose --tp among the divisors or multiples of {kv}")
+    if tp > kv and m.head_dim % (tp // kv):
+        raise ConfigError(f"model.n_kv_head={kv} with --tp {tp}: the {tp // kv} ranks sharing a key/value head "
+                          f"each hold 1/{tp // kv} of its {m.head_dim} rows, which does not divide; choose a "
+                          f"smaller --tp")
 
 
 def check_vocab(recipe: Recipe, tokenizer_vocab: int) -> int:

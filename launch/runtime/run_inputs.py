@@ -1,5 +1,6 @@
 """A run's inputs before any process group starts: the checked tokenizer, the model's vocabulary
 and the run's data (the cache built once, by one process)."""
+import dataclasses
 from typing import Any, Dict, Tuple
 
 from launch.runtime.layout import Layout, check_vocab
@@ -7,8 +8,10 @@ from launch.runtime.recipe import ConfigError, Recipe
 
 
 def resolved_recipe_dict(recipe: Recipe, vocab_size: int) -> Dict[str, Any]:
-    """The recipe as trained: the vocabulary resolved from the tokenizer."""
+    """The recipe as trained: the vocabulary resolved from the tokenizer, and every architecture
+    switch the recipe left null set from its arch preset (a checkpoint names its model fully)."""
     resolved = recipe.to_dict()
+    resolved["model"] = dataclasses.asdict(recipe.model.resolved())
     resolved["model"]["vocab_size"] = vocab_size
     return resolved
 

@@ -1,0 +1,71 @@
+"""Name map between our dense model with `arch: llama` (tp=1, one stage) and transformers'
+LlamaForCausalLM.
+
+Both store nn.Linear (out, in) weights and the same RoPE layout (rotate_half, model/rotary.py),
+so the map is a rename: no transpose, no permutation of q_proj / k_proj rows. The vocabulary
+padding rows are stripped. Used by export, `--init-from-hf` and the tests.
+"""
+from typing import Dict, List, Mapping, Optional
+
+import torch
+
+from model.config import GPTConfig
+
+# (our name inside blocks.{i}, transformers' inside model.layers.{i}): one parameter each.
+LLAMA_BLOCK_NAMES = (("ln_1.weight", "input_layernorm.weight"), ("ln_2.weight", "post_attention_layernorm.weight"),
+                     ("attn.q_proj", "self_attn.q_proj"), ("attn.k_proj", "self_attn.k_proj"),
+                     ("attn.v_proj", "self_attn.v_proj"), ("attn.o_proj", "self_attn.o_proj"),
+                     ("mlp.gate_proj", "mlp.gate_proj"), ("mlp.up_proj", "mlp.up_proj"),
+                     ("mlp.down_proj", "mlp.down_proj"))
+
+
+def llama_incompatibilities(config: GPTConfig) -> List[str]:
+    """Switches LlamaForCausalLM cannot express, as `model.key=value` items (empty: exportable)."""
+    wanted = dict(arch="llama", position="rope", norm="rmsnorm", mlp="swiglu")
+    return [f"model.{key}={getattr(config, key)!r}" for key, value in wanted.items() if getattr(config, key) != value]
+
+
+def llama_config_kwargs(config: GPTConfig, rope_theta: Optional[float] = None) -> Dict:
+    """Keyword arguments of `transformers.LlamaConfig` for the same architecture."""
+    return dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.ffn_hidden_size,
+                num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+                num_key_value_heads=config.n_kv_head, head_dim=config.head_dim, hidden_act="silu",
+                max_position_embeddings=config.seq_len, rms_norm_eps=config.norm_eps,
+                rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+                tie_word_embeddings=config.tie_embeddings, attention_bias=config.bias, mlp_bias=config.bias,
+                attention_dropout=config.dropout, initializer_range=config.init_std)
+
+
+def _block_pairs(config: GPTConfig, i: int):
+    """(our dense name, transformers' name) of every parameter of block i."""
+    for ours, theirs in LLAMA_BLOCK_NAMES:
+        if ours.endswith(".weight"):
+            yield f"blocks.{i}.{ours}", f"model.layers.{i}.{theirs}"
+            continue
+        yield f"blocks.{i}.{ours}.weight", f"model.layers.{i}.{theirs}.weight"
+        if config.bias:  # transformers' attention_bias and mlp_bias, both set from ours
+            yield f"blocks.{i}.{ours}.bias", f"model.layers.{i}.{theirs}.bias"
+
+
+def name_pairs(config: GPTConfig):
+    """(our dense name, transformers' name) of every parameter, in model order."""
+    yield "embed.wte.weight", "model.embed_tokens.weight"
+    for i in range(config.n_layer):
+        yield from _block_pairs(config, i)
+    yield "ln_f.weight", "model.norm.weight"
+    if not config.tie_embeddings:
+        yield "lm_head.weight", "lm_head.weight"
+
+
+def to_llama_state_dict(dense: Mapping[str, torch.Tensor], config: GPTConfig) -> Dict[str, torch.Tensor]:
+    """Our dense state dict (real vocabulary, model/convert.py names) -> LlamaForCausalLM's."""
+    out = {theirs: dense[ours][: config.vocab_size] if ours in ("embed.wte.weight", "lm_head.weight") else dense[ours]
+           for ours, theirs in name_pairs(config)}
+    if config.tie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def from_llama_state_dict(llama: Mapping[str, torch.Tensor], config: GPTConfig) -> Dict[str, torch.Tensor]:
+    """Inverse of `to_llama_state_dict`: LlamaForCausalLM weights -> our dense state dict."""
+    return {ours: llama[theirs].detach().contiguous().clone() for ours, theirs in name_pairs(config)}

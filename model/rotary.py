@@ -1,0 +1,34 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) in transformers' Llama layout.
+
+Each head's dimensions are two halves [x1; x2], and dimension i of the first half rotates with
+dimension i of the second ("rotate_half"), by the angle position * theta^(-2i/d). Meta's
+original code pairs adjacent dimensions (2i, 2i+1) instead; transformers' conversion script
+permutes the rows of q_proj and k_proj once so that the halves layout computes the same. We
+use the halves layout, so our q_proj / k_proj rows are transformers' and export is a rename
+(docs/architectures.md). No parameters: the angles are a function of the positions.
+"""
+from typing import Tuple
+
+import torch
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device,
+                 dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (seq_len, head_dim), of positions 0..seq_len-1; computed in fp32 as
+    transformers' LlamaRotaryEmbedding does, then cast to the activations' dtype."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    positions = torch.arange(seq_len, device=device).float()
+    freqs = torch.outer(positions, inv_freq)  # (T, d/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (T, d): both halves rotate by the same angle
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1; x2] -> [-x2; x1] along the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """(B, heads, T, d) queries or keys rotated by their position: x*cos + rotate_half(x)*sin."""
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,167 @@
+"""Llama checkpoints in and out of transformers (model/hf_llama.py, launch/checkpoints/hf_export.py,
+launch/checkpoints/hf_weights.py):
+- the split/merge rule table agrees with the shards the layers build at tp=2 and tp=4, also for
+  key/value heads shared by two ranks (n_kv_head=2 at tp=4) and multi-query;
+- transformers Llama weights -> our shards at tp=2 and tp=4 -> merged -> transformers: bitwise;
+- a saved LlamaForCausalLM directory passes `check_hf_source` for the matching recipe, and each
+  mismatch is one line naming the key and the fix;
+- slow, through the launcher: llama-tiny trained at tp=4 (two ranks per key/value head), exported
+  by launch/export_hf.py, loaded by AutoModelForCausalLM with our loss within 1e-5, generating
+  text; a run started from that export at tp=2 pp=2 computes its loss at step 1 and exports back
+  to the same bits (ours -> transformers -> ours)."""
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model.gpt
+import model.layers
+import model.llama
+from launch import export_hf
+from launch.checkpoints import hf_export
+from launch.checkpoints.hf_weights import check_hf_source, hf_dense_state_dict
+from launch.runtime.recipe import ConfigError
+from launcher import REPO, launch, read_metrics
+from model.config import GPTConfig
+from model.convert import load_dense_into, merge, rule_for, split
+from model.gpt import GPT
+from model.hf_llama import from_llama_state_dict, llama_config_kwargs, to_llama_state_dict
+
+CONFIG = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=8,
+                   vocab_size=97, vocab_pad_multiple=8, seed=3)
+LLAMA_TINY = REPO / "recipes" / "llama-tiny.yaml"
+REL = 1e-5
+
+
+def _tp_model(config: GPTConfig, tp: int, rank: int, monkeypatch) -> GPT:
+    """The model the layers build on TP rank `rank` of `tp` (constructors only: no process group)."""
+    for module in (model.layers, model.gpt, model.llama):
+        monkeypatch.setattr(module, "group_size", lambda g: 1 if g is None else tp)
+    for module in (model.layers, model.llama):
+        monkeypatch.setattr(module, "group_rank", lambda g: 0 if g is None else rank)
+    return GPT(config, tp_group="fake-tp-group")
+
+
+@pytest.mark.parametrize("tp,n_kv_head", [(2, 2), (4, 2), (4, 1)])
+def test_split_and_merge_follow_the_llama_layers(tp, n_kv_head, monkeypatch):
+    config = dataclasses.replace(CONFIG, n_kv_head=n_kv_head)
+    dense = {k: v.detach() for k, v in GPT(config).named_parameters()}
+    for name in ("embed.wte.weight", "lm_head.weight"):
+        dense[name] = dense[name][: config.vocab_size]
+    shards = [dict(_tp_model(config, tp, rank, monkeypatch).named_parameters()) for rank in range(tp)]
+    for name, full in dense.items():
+        param, rule = shards[0][name], rule_for(name)
+        assert rule.dim == (param.partition_dim if getattr(param, "tensor_model_parallel", False) else None), name
+        for rank in range(tp):
+            assert torch.equal(split(name, full, rank, tp, config.padded_vocab_size(tp)), shards[rank][name]), name
+        assert torch.equal(merge(name, [s[name].detach() for s in shards], config.vocab_size), full), name
+
+
+def _random_llama(config: GPTConfig):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**llama_config_kwargs(config)))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_()  # every value distinct, the RMSNorm weights included
+    return hf
+
+
+def test_llama_weights_round_trip_bitwise_through_every_tp_split():
+    hf = _random_llama(CONFIG)
+    w = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    dense = from_llama_state_dict(w, CONFIG)
+    for tp in (2, 4):
+        padded = CONFIG.padded_vocab_size(tp)
+        merged = {name: merge(name, [split(name, full, r, tp, padded) for r in range(tp)], CONFIG.vocab_size)
+                  for name, full in dense.items()}
+        ours = GPT(CONFIG)
+        load_dense_into(ours, merged, None, 0, 1, CONFIG.padded_vocab_size(1))
+        back = to_llama_state_dict(dict(ours.named_parameters()), CONFIG)
+        assert back.keys() == w.keys()
+        assert [k for k in w if not torch.equal(back[k], w[k])] == []
+
+
+def test_saved_llama_directory_is_checked_and_read(tmp_path):
+    hf = _random_llama(CONFIG)
+    hf.save_pretrained(tmp_path)
+    check_hf_source(str(tmp_path), CONFIG, resuming=False)
+    dense = hf_dense_state_dict(str(tmp_path), CONFIG)
+    assert all(torch.equal(dense[k], v) for k, v in from_llama_state_dict(hf.state_dict(), CONFIG).items())
+    for changes, words in [(dict(n_kv_head=4), "has n_kv_head=2 where this run's model has model.n_kv_head=4; "
+                                               "set model.n_kv_head=2"),
+                           (dict(ffn_hidden_size=64), "ffn_hidden_size=48 where"),
+                           (dict(tie_embeddings=True), "tie_embeddings=False where"),
+                           (dict(rope_theta=5e5), "rope_theta=10000.0 where"),
+                           (dict(norm="layernorm"), "set model.norm=rmsnorm"),
+                           (dict(arch="gpt2", n_kv_head=4, mlp="gelu"), "set model.arch='llama'")]:
+        with pytest.raises(ConfigError) as error:
+            check_hf_source(str(tmp_path), dataclasses.replace(CONFIG, **changes), resuming=False)
+        assert words in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_export_refuses_what_llama_cannot_express():
+    with pytest.raises(ConfigError, match="model.mlp='gelu'.*cannot express"):
+        hf_export.check_exportable(dataclasses.replace(CONFIG, mlp="gelu"))
+    with pytest.raises(ConfigError, match="model.position='rope'.*GPT2LMHeadModel"):
+        hf_export.check_exportable(GPTConfig(n_layer=1, n_head=4, n_embd=32, vocab_size=97, position="rope"))
+    hf_export.check_exportable(CONFIG)
+
+
+# ------------------------------------------------------------------ through the launcher
+
+def _loss_of_transformers(path, ids) -> float:
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = hf(ids[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)).item()
+
+
+@pytest.mark.slow
+def test_llama_tiny_exports_imports_and_exports_back(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import pipeline
+    proc = launch(4, ["--recipe", str(LLAMA_TINY), "--tp", "4", "--steps", "2", "--save", str(tmp_path / "ck")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = subprocess.run([sys.executable, "launch/export_hf.py", "--load", str(tmp_path / "ck"), "--out",
+                          str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "exported" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    assert '"model_type": "llama"' in (tmp_path / "hf" / "config.json").read_text()
+
+    _, config, dense = hf_export.read_checkpoint_weights(tmp_path / "ck")
+    ours = hf_export.dense_gpt(config, {**dense})
+    ids = torch.randint(0, config.vocab_size, (4, config.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = ours(ids[:, :-1])[..., :config.vocab_size]
+    our_loss = F.cross_entropy(logits.reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1)).item()
+    assert abs(_loss_of_transformers(tmp_path / "hf", ids) - our_loss) <= REL * our_loss
+    generated = pipeline("text-generation", model=str(tmp_path / "hf"))("def", max_new_tokens=5, do_sample=False)
+    assert generated[0]["generated_text"].startswith("def")
+
+    # ours -> transformers -> ours: a run from the export at another layout, lr far below one ulp.
+    metrics = tmp_path / "m.jsonl"
+    proc = launch(4, ["--recipe", str(LLAMA_TINY), "--tp", "2", "--pp", "2", "--steps", "1", "--init-from-hf",
+                      str(tmp_path / "hf"), "--set", "train.lr=1e-30", "--set", "train.eval_every=0",
+                      "--save", str(tmp_path / "ck2"), "--metrics-out", str(metrics)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(read_metrics(metrics)) == 1
+    assert export_hf.main(["--load", str(tmp_path / "ck2"), "--out", str(tmp_path / "hf2")]) == 0
+    before, after = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
+    assert before.keys() == after.keys() and [k for k in before if not torch.equal(before[k], after[k])] == []
+
+
+def test_gpt2_weights_need_the_gpt2_switches(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from model.hf_gpt2 import gpt2_config_kwargs
+    config = GPTConfig(n_layer=1, n_head=4, n_embd=32, seq_len=8, vocab_size=97)
+    GPT2LMHeadModel(GPT2Config(**gpt2_config_kwargs(config))).save_pretrained(tmp_path)
+    check_hf_source(str(tmp_path), config, resuming=False)
+    for changes, words in [(dict(position="rope"), "model.position='rope'"), (dict(arch="llama"), "model.arch='llama'")]:
+        with pytest.raises(ConfigError, match=words) as error:
+            check_hf_source(str(tmp_path), dataclasses.replace(config, **changes), resuming=False)
+        assert "\n" not in str(error.value)
