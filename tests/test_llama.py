@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import run_distributed, uses_deepspeed
-from launch.runtime.layout import derive_layout
 from launch.runtime.recipe import ConfigError, load_recipe
 from launch.runtime.run_inputs import resolved_recipe_dict
 from model.config import GPTConfig, ModelConfig, llama_ffn_hidden_size

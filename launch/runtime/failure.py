@@ -37,7 +37,7 @@ _KEY, _ACK, _DONE = "gpt3d/failure", "gpt3d/failure_ack", "gpt3d/failure_done"
 _POLL_S = 1.0  # one small store request per rank per second, also at a thousand ranks
 _ACK_WAIT_S = 5.0  # the longest a failing rank waits for the others to read its cause
 _STORE_LOST_POLLS = 5  # consecutive store errors before a watcher concludes rank 0 is gone
-_REPO = str(Path(__file__).resolve().parent.parent)
+_REPO = str(Path(__file__).resolve().parents[2])  # the repository root: launch/runtime/failure.py
 # What a collective says when the rank at the other end is gone. Only these get the "peer"
 # hint: an NCCL or CUDA error raised by this rank's own device is reported as what it is.
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout")
