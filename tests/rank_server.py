@@ -1,0 +1,116 @@
+"""Forks the ranks of launch/train.py from one process that has already imported torch, DeepSpeed,
+transformers and datasets (tests/launcher.py: launch_forked starts it once per test session).
+
+Why: on the 2-core test machine every rank that DeepSpeed's launcher starts spends about 10 s of
+CPU importing those libraries before it does any work; a 16-rank parity run spent 3 of its
+4 minutes there. A forked rank shares the imported modules with this process, so only the work of
+the run remains. What the rank then runs is unchanged: launch/train.py as `__main__`, with the
+environment and `--local_rank` that DeepSpeed's launcher gives it (deepspeed/launcher/launch.py),
+its output in the run's stdout and stderr files. Nothing here runs a torch op or starts a thread
+before forking, so each rank starts its own thread pools as a fresh process would.
+
+Protocol: one JSON request per line on stdin, {"world", "args", "env", "cwd", "stdout", "stderr",
+"timeout"}; one JSON reply per line on the stdout it was started with, {"returncode", "timed_out", "cpu_s"} (the CPU seconds of its ranks). Like DeepSpeed's
+launcher, the first rank to exit non-zero stops the others, and its code is the run's.
+"""
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+from pathlib import Path
+
+# Replies go to the pipe that stdout is now; stdout itself goes to stderr, so that a library
+# printing while it loads (or a rank before its own files) cannot garble them.
+REPLIES = os.dup(1)
+os.dup2(2, 1)
+
+# What every rank of launch/train.py imports (the heavy part of its start), before any fork.
+import datasets  # noqa: F401
+import deepspeed  # noqa: F401
+import deepspeed.runtime.pipe.engine  # noqa: F401
+import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (DeepSpeed's optimizer check imports it)
+import torch  # noqa: F401
+import torch._dynamo  # noqa: F401  (torch.optim imports it when the optimizer is built)
+import transformers  # noqa: F401
+
+import data.pipeline  # noqa: F401
+import launch.runtime.engine  # noqa: F401
+import launch.runtime.loop  # noqa: F401
+import launch.runtime.startup  # noqa: F401
+
+TRAIN = Path(__file__).resolve().parent.parent / "launch" / "train.py"
+STOP_GRACE_S = 5  # after one rank failed, the others get this long to exit on their own
+
+
+def run_rank(request: dict, rank: int) -> None:
+    """In the forked child: become rank `rank` of the run and run launch/train.py; never returns."""
+    os.setpgrp()  # a group of its own, so that stopping it also stops anything it started
+    os.close(REPLIES)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"], RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(request["world"]),
+                      LOCAL_SIZE=str(request["world"]), CROSS_RANK="0", CROSS_SIZE="1")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):  # the run's files, shared by its ranks
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
+    sys.stdout.reconfigure(line_buffering=True)  # `python -u`, as the launcher starts ranks
+    sys.stderr.reconfigure(line_buffering=True)
+    # A sitecustomize on the run's PYTHONPATH (tests/fp16_on_cpu) runs first, as at a Python start.
+    for directory in request["env"].get("PYTHONPATH", "").split(os.pathsep):
+        if directory and (Path(directory) / "sitecustomize.py").is_file():
+            runpy.run_path(str(Path(directory) / "sitecustomize.py"))
+    sys.argv = [str(TRAIN), f"--local_rank={rank}"] + request["args"]
+    sys.path[0] = str(TRAIN.parent)
+    runpy.run_path(str(TRAIN), run_name="__main__")  # ends with sys.exit(main()): a normal interpreter exit
+    sys.exit(0)
+
+
+def stop(pids) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run(request: dict) -> dict:
+    """Fork the run's ranks and wait for them; the reply to `request`."""
+    sys.stdout.flush()  # nothing of ours buffered, or each child would write it again
+    pids = {}
+    for rank in range(request["world"]):
+        pid = os.fork()
+        if pid == 0:
+            run_rank(request, rank)
+        pids[pid] = rank
+    deadline, stop_at, returncode, timed_out, cpu_s = time.monotonic() + request["timeout"], None, 0, False, 0.0
+    while pids:
+        pid, status, usage = os.wait4(-1, os.WNOHANG)
+        if pid == 0:
+            now = time.monotonic()
+            if now > deadline or (stop_at is not None and now > stop_at):
+                timed_out = now > deadline
+                stop(pids)
+                deadline = stop_at = float("inf")
+            time.sleep(0.05)
+            continue
+        if pid not in pids:
+            continue
+        del pids[pid]
+        cpu_s += usage.ru_utime + usage.ru_stime
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and returncode == 0:
+            returncode = code
+            stop_at = time.monotonic() + STOP_GRACE_S
+    return {"returncode": -signal.SIGKILL if timed_out else returncode, "timed_out": timed_out, "cpu_s": round(cpu_s, 1)}
+
+
+def main() -> None:
+    for line in sys.stdin:
+        os.write(REPLIES, (json.dumps(run(json.loads(line))) + "\n").encode())
+
+
+if __name__ == "__main__":
+    main()
