@@ -34,8 +34,8 @@ _rank_server = None  # started by the first launch_forked of the session; it exi
 
 
 def launch_forked(num_procs: int, args: List[str], env: Optional[Dict[str, str]] = None,
-                  timeout: int = 600) -> subprocess.CompletedProcess:
-    """The run `launch(num_procs, args, env)` starts, its ranks forked from tests/rank_server.py
+                  timeout: int = 600, script: str = "train.py") -> subprocess.CompletedProcess:
+    """The run `launch(num_procs, args, env)` starts (of launch/SCRIPT), its ranks forked from tests/rank_server.py
     (what each rank sees is the same: environment, argv, working directory; output in one
     stdout and one stderr). For the many training runs whose subject is what they compute;
     tests of the launcher itself, signals and failures use `launch`."""
@@ -45,7 +45,7 @@ def launch_forked(num_procs: int, args: List[str], env: Optional[Dict[str, str]]
                                         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        request = {"world": num_procs, "args": [str(a) for a in args], "cwd": str(REPO), "timeout": timeout,
+        request = {"script": str(REPO / "launch" / script), "world": num_procs, "args": [str(a) for a in args], "cwd": str(REPO), "timeout": timeout,
                    "env": dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **(env or {})),
                    "stdout": str(out), "stderr": str(err)}
         _rank_server.stdin.write(json.dumps(request) + "\n")

@@ -1,4 +1,4 @@
-"""Forks the ranks of launch/train.py from one process that has already imported torch, DeepSpeed,
+"""Forks the ranks of launch/train.py (or launch/evaluate.py) from one process that has already imported torch, DeepSpeed,
 transformers and datasets (tests/launcher.py: launch_forked starts it once per test session).
 
 Why: on the 2-core test machine every rank that DeepSpeed's launcher starts spends about 10 s of
@@ -9,7 +9,7 @@ environment and `--local_rank` that DeepSpeed's launcher gives it (deepspeed/lau
 its output in the run's stdout and stderr files. Nothing here runs a torch op or starts a thread
 before forking, so each rank starts its own thread pools as a fresh process would.
 
-Protocol: one JSON request per line on stdin, {"world", "args", "env", "cwd", "stdout", "stderr",
+Protocol: one JSON request per line on stdin, {"script", "world", "args", "env", "cwd", "stdout", "stderr",
 "timeout"}; one JSON reply per line on the stdout it was started with, {"returncode", "timed_out", "cpu_s"} (the CPU seconds of its ranks). Like DeepSpeed's
 launcher, the first rank to exit non-zero stops the others, and its code is the run's.
 """
@@ -37,15 +37,15 @@ import transformers  # noqa: F401
 
 import data.pipeline  # noqa: F401
 import launch.runtime.engine  # noqa: F401
+import launch.runtime.evaluation  # noqa: F401
 import launch.runtime.loop  # noqa: F401
 import launch.runtime.startup  # noqa: F401
 
-TRAIN = Path(__file__).resolve().parent.parent / "launch" / "train.py"
 STOP_GRACE_S = 5  # after one rank failed, the others get this long to exit on their own
 
 
 def run_rank(request: dict, rank: int) -> None:
-    """In the forked child: become rank `rank` of the run and run launch/train.py; never returns."""
+    """In the forked child: become rank `rank` of the run and run its script; never returns."""
     os.setpgrp()  # a group of its own, so that stopping it also stops anything it started
     os.close(REPLIES)
     os.chdir(request["cwd"])
@@ -62,9 +62,9 @@ def run_rank(request: dict, rank: int) -> None:
     for directory in request["env"].get("PYTHONPATH", "").split(os.pathsep):
         if directory and (Path(directory) / "sitecustomize.py").is_file():
             runpy.run_path(str(Path(directory) / "sitecustomize.py"))
-    sys.argv = [str(TRAIN), f"--local_rank={rank}"] + request["args"]
-    sys.path[0] = str(TRAIN.parent)
-    runpy.run_path(str(TRAIN), run_name="__main__")  # ends with sys.exit(main()): a normal interpreter exit
+    sys.argv = [request["script"], f"--local_rank={rank}"] + request["args"]
+    sys.path[0] = str(Path(request["script"]).parent)
+    runpy.run_path(request["script"], run_name="__main__")  # ends with sys.exit(main()): a normal interpreter exit
     sys.exit(0)
 
 

@@ -18,13 +18,13 @@ import torch
 
 from conftest import REFERENCE, SAVE_AT, STEPS
 from distributed import free_port, run_distributed, uses_deepspeed
-from launcher import REPO, TINY, deepspeed_cli, launch, read_metrics
+from launcher import REPO, TINY, deepspeed_cli, launch_forked, read_metrics
 from launch.train import main
 
 
 def _train(n, tmp_path, name, extra, check=True):
     out = tmp_path / f"{name}.jsonl"
-    proc = launch(n, ["--recipe", str(TINY), "--metrics-out", str(out)] + extra)
+    proc = launch_forked(n, ["--recipe", str(TINY), "--metrics-out", str(out)] + extra)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, out
@@ -285,7 +285,7 @@ def test_resume_from_an_older_tag_keeps_this_runs_history(parity_runs, tmp_path)
     prunes step 3 (its parent, the third newest of its history), and its steps 4-5 and final
     weights are the uninterrupted run's, bit for bit."""
     ck, metrics = _copy_checkpoints(parity_runs, tmp_path), tmp_path / "m.jsonl"
-    proc = launch(1, ["--recipe", str(TINY), "--steps", str(STEPS), "--load", str(ck / f"step{SAVE_AT:08d}"),
+    proc = launch_forked(1, ["--recipe", str(TINY), "--steps", str(STEPS), "--load", str(ck / f"step{SAVE_AT:08d}"),
                       "--save", str(ck), "--save-every", "1", "--keep-last", "2", "--metrics-out", str(metrics)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     aside, = ck.glob("abandoned-*")

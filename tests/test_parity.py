@@ -19,7 +19,7 @@ import math
 import pytest
 
 from conftest import LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
-from launcher import TINY, launch, read_metrics
+from launcher import TINY, launch_forked, read_metrics
 
 RTOL = 1e-5
 # Measured (README, "Layout parity"; deterministic on one machine): the losses of (2,2,2) within
@@ -74,7 +74,7 @@ def test_bf16_layout_matches_single_process(parity_runs, layout):
 
 
 def test_evaluation_does_not_change_training(parity_runs, tmp_path):
-    proc = launch(1, ["--recipe", str(TINY), "--steps", str(STEPS), "--set", "train.eval_every=0",
+    proc = launch_forked(1, ["--recipe", str(TINY), "--steps", str(STEPS), "--set", "train.eval_every=0",
                       "--metrics-out", str(tmp_path / "m.jsonl")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     without = read_metrics(tmp_path / "m.jsonl")

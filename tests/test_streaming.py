@@ -15,7 +15,7 @@ from data.builtin import builtin_corpus, load_tokenizer
 from data.pipeline import prepare_run_data
 from data.spec import DataError, DataSpec
 from data.streaming import merge_states
-from launcher import REPO, TINY, launch, read_metrics
+from launcher import REPO, TINY, launch_forked, read_metrics
 
 N_DOCS, N_FILES = 400, 5
 ID = re.compile(r"w(\d+)x")
@@ -163,7 +163,7 @@ def test_streaming_run_resumes_exactly_and_matches_one_process(corpus, tmp_path)
                                ("tp2", 2, ["--tp", "2"]),
                                ("resumed", 2, ["--load", str(tmp_path / "ck" / "step00000003")])):
         out = tmp_path / f"{name}.jsonl"
-        proc = launch(procs, common + extra + ["--metrics-out", str(out)])
+        proc = launch_forked(procs, common + extra + ["--metrics-out", str(out)])
         assert proc.returncode == 0, (name, proc.stdout[-3000:], proc.stderr[-3000:])
         runs[name] = read_metrics(out)
     dp2, one, resumed = runs["dp2"], runs["one"], runs["resumed"]
