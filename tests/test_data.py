@@ -12,7 +12,7 @@ from data.pipeline import prepare_run_data
 from data.sampler import micro_batches
 from data.spec import DataError, DataSpec
 from data.windows import prepare_streams, windows
-from launcher import REPO, TINY
+from launcher import REPO, TINY, launch_forked
 
 N_DOCS = 60
 
@@ -74,9 +74,8 @@ def test_every_local_format_trains(docs, tmp_path):
     paths = _write_formats(docs, tmp_path)
     for fmt in ("jsonl", "parquet", "saved", "txt"):
         out = tmp_path / f"{fmt}.jsonl"
-        proc = subprocess.run([sys.executable, "launch/train.py", "--recipe", str(TINY), "--steps", "2",
-                               "--set", f"data.name={paths[fmt]}", "--metrics-out", str(out)],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        proc = launch_forked(1, ["--recipe", str(TINY), "--steps", "2", "--set", f"data.name={paths[fmt]}",
+                                 "--metrics-out", str(out)], timeout=300)
         assert proc.returncode == 0, (fmt, proc.stderr[-2000:])
         records = [json.loads(l) for l in out.read_text().splitlines()]
         assert [r["step"] for r in records] == [1, 2] and "val_loss" in records[1], (fmt, records)
