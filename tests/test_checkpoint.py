@@ -76,6 +76,7 @@ def _kill_while_saving(ck: Path) -> bool:
     return bool(incomplete)
 
 
+@pytest.mark.slow
 def test_kill_during_save_keeps_latest_complete(tmp_path):
     """SIGKILL every rank while a checkpoint is being written: `latest` still names a complete
     checkpoint, and --load resumes from it."""
@@ -90,6 +91,7 @@ def test_kill_during_save_keeps_latest_complete(tmp_path):
                                   "--set", "model.n_embd=256"])
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     """SIGTERM to one rank: every rank finishes the step, saves together, exits 0."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
@@ -106,6 +108,7 @@ def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     assert [m["step"] for m in read_metrics(metrics)] == list(range(1, steps[-1] + 3))
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once(tmp_path):
     metrics = tmp_path / "m.jsonl"
     job = _start(1, ["--steps", "1000", "--set", "train.global_batch_size=512", "--save", str(tmp_path / "ck"),
@@ -120,6 +123,7 @@ def test_second_signal_exits_at_once(tmp_path):
     assert "stopped by signal" not in out
 
 
+@pytest.mark.slow
 def test_dead_rank_makes_the_others_exit_with_an_error(tmp_path):
     """Without a launcher to clean up (as on another node), a killed rank makes the survivor
     fail its next collective with a clear error instead of hanging."""
@@ -278,6 +282,7 @@ def test_prepare_save_dir_moves_later_tags_aside(tmp_path, capsys):
     assert len(list(tmp_path.glob("abandoned-*"))) == 2
 
 
+@pytest.mark.slow
 def test_resume_from_an_older_tag_keeps_this_runs_history(parity_runs, tmp_path):
     """Resume the (1,1,1) parity run from step 3 into its own save directory, which holds its
     step 5 (latest), with --save-every 1 --keep-last 2. The old step 5 moves aside (before, the

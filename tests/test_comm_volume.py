@@ -38,6 +38,7 @@ def run(request, tmp_path_factory):
     return request.param, rows, bookkeeping
 
 
+@pytest.mark.slow
 def test_measured_equals_formula_on_every_rank_and_step(run):
     layout, rows, _ = run
     wrong = [r for r in rows if r["measured"] != r["formula"]]
@@ -47,11 +48,13 @@ def test_measured_equals_formula_on_every_rank_and_step(run):
     assert {r["purpose"] for r in rows} == LAYOUTS[layout]
 
 
+@pytest.mark.slow
 def test_shape_header_only_in_the_first_step(run):
     _, rows, _ = run
     assert {r["step"] for r in rows if r["purpose"] == "pp-shape"} == {1}
 
 
+@pytest.mark.slow
 def test_bookkeeping_is_a_few_scalars(run):
     layout, _, bookkeeping = run
     assert bookkeeping and max(bookkeeping.values()) <= BOOKKEEPING_LIMIT, (layout, dict(bookkeeping))

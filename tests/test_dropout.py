@@ -15,6 +15,7 @@ back from the checkpoint), which the parity runs at dropout 0 cannot show.
 import dataclasses
 from collections import defaultdict
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -143,6 +144,7 @@ def test_dropout_masks_differ_where_activations_differ():
     run_distributed(_masks_body, 4)
 
 
+@pytest.mark.slow
 def test_resume_with_dropout_is_bitwise(parity_runs, tmp_path):
     """Both dropout streams of every rank come back from the checkpoint: steps 3-4 of the resumed
     run equal the uninterrupted run's bit for bit."""

@@ -122,6 +122,7 @@ def _hf_loss(path, x, y) -> float:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item()
 
 
+@pytest.mark.slow
 def test_export_computes_our_loss_and_generates(run, data):
     hf_dir = run / "hf"
     assert (hf_dir / "model.safetensors").is_file() and not list(hf_dir.glob("*.bin"))
@@ -145,6 +146,7 @@ def _evaluate(n, args):
     return proc
 
 
+@pytest.mark.slow
 def test_evaluate_gives_the_same_loss_at_every_layout(run, data):
     """Saved at tp=2 pp=2, evaluated at tp=1 pp=1 and tp=2 pp=1 (other vocab paddings too):
     the loss of the transformers model on the same validation batch."""
@@ -163,6 +165,7 @@ def test_evaluate_gives_the_same_loss_at_every_layout(run, data):
     assert _close(losses[0], theirs) and _close(losses[1], theirs) and _close(losses[0], losses[1]), (losses, theirs)
 
 
+@pytest.mark.slow
 def test_evaluate_hf_weights_on_training_data(run, tmp_path):
     """--init-from-hf at pp=2, with no validation data configured: the first training batches."""
     no_val = ["--set", "data.val_fraction=0", "--set", "train.eval_every=0"]
@@ -176,6 +179,7 @@ def test_evaluate_hf_weights_on_training_data(run, tmp_path):
     assert result["data"] == "train" and _close(result["loss"], _hf_loss(run / "hf", x, y)), result
 
 
+@pytest.mark.slow
 def test_init_from_hf_places_every_shard_and_exports_back(run, data, tmp_path):
     """A run started from the export at tp=2 pp=2: its step-1 loss is the transformers model's
     on the same first batch (every shard in place), and with a learning rate far below one
@@ -202,6 +206,7 @@ def _one_line_error(main, argv, words, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), (argv, err)
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(run, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")

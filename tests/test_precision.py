@@ -12,6 +12,7 @@ import pytest
 from conftest import (REFERENCE, SAVE_AT, STEPS, layout_id, precision_args, precision_env)
 from launcher import TINY, launch_forked, read_metrics
 
+pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/test_parity.py)
 FP16 = REFERENCE + ("fp16",), (2, 2, 2, "fp16")
 # Measured (README, "Layout parity"): losses within 5.1e-5 of (1,1,1), gradient norms within
 # 7.9e-4; fp16's unit roundoff is 2**-11 = 4.9e-4, so one rounding of a gradient norm's terms

@@ -9,6 +9,7 @@ import pytest
 
 from launcher import TINY, launch_forked, read_metrics
 
+pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/test_parity.py)
 SP = ["--set", "model.sequence_parallel=true"]
 
 

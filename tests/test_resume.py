@@ -11,6 +11,7 @@ import pytest
 from conftest import LAYOUTS, REFERENCE, SAVE_AT, STEPS, layout_id
 from launcher import TINY, launch_forked, read_metrics
 
+pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/test_parity.py)
 RTOL = 1e-5
 
 

@@ -151,6 +151,7 @@ def test_bad_streaming_data_is_one_line_and_exit_2(corpus, tmp_path):
         assert all(w in proc.stderr for w in words), proc.stderr
 
 
+@pytest.mark.slow
 def test_streaming_run_resumes_exactly_and_matches_one_process(corpus, tmp_path):
     """Through launch/train.py: dp=2 streaming 5 steps with a save after step 3; the same run
     on one process and at tp=2 (TP rank 0 reads, its peer receives) (layout parity); and dp=2

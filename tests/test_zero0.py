@@ -4,9 +4,12 @@ DeepSpeed 0.19.8 gives no norm in that mode (`get_global_grad_norm()` is None) a
 clipping miscounts replicated parameters across pipeline stages; ours must reproduce ZeRO-1's
 single-process run (DeepSpeed's ZeRO-1 norm and clipping: an independent implementation) at a
 layout with both TP shards and two stages, clipping active."""
+import pytest
+
 from conftest import REFERENCE, STEPS
 from launcher import TINY, launch_forked, read_metrics
 
+pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/test_parity.py)
 RTOL = 1e-5  # tests/test_parity.py: fp32 rounding between layouts
 
 
