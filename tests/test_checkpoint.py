@@ -146,13 +146,8 @@ def test_dead_rank_makes_the_others_exit_with_an_error(tmp_path):
     assert "a peer rank probably died" in lines[0], lines  # launch/runtime/failure.py: a lost connection
 
 
-def _make_checkpoint(tmp_path):
-    _train(1, tmp_path, "base", ["--steps", "2", "--save", str(tmp_path / "ck")])
-    return tmp_path / "ck"
-
-
-def test_bad_checkpoints_are_one_line_errors(tmp_path, monkeypatch, capsys):
-    ck = _make_checkpoint(tmp_path)
+def test_bad_checkpoints_are_one_line_errors(parity_runs, tmp_path, monkeypatch, capsys):
+    ck = _copy_checkpoints(parity_runs, tmp_path)  # steps 3 and 5 (latest)
     (tmp_path / "empty").mkdir()
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
@@ -163,21 +158,21 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path, monkeypatch, capsys):
         (["--load", str(tmp_path / "empty")], ["is empty"]),
         (["--load", str(tmp_path / "other")], ["no complete checkpoint"]),
         (["--load", str(ck), "--set", "model.n_embd=32"], ["model.n_embd=64", "32"]),
-        (["--load", str(ck), "--steps", "2"], ["step 2", "nothing to train"]),
+        (["--load", str(ck), "--steps", str(STEPS)], [f"step {STEPS}", "nothing to train"]),
         (["--load", str(ck), "--set", "train.zero_stage=0"], ["train.zero_stage=1", "this run 0"]),
         (["--save-every", "2"], ["need --save"]),
     ]
     for argv, words in cases:
-        assert main(["--recipe", str(TINY), "--steps", "4"] + argv) == 2, argv
+        assert main(["--recipe", str(TINY), "--steps", str(STEPS + 2)] + argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), (argv, err)
-    layer = next((ck / "step00000002").glob("layer_02-*"))
+    layer = next((ck / f"step{STEPS:08d}").glob("layer_02-*"))
     layer.write_bytes(layer.read_bytes()[:100])  # truncated, as by a full disk
-    assert main(["--recipe", str(TINY), "--steps", "4", "--load", str(ck)]) == 2
+    assert main(["--recipe", str(TINY), "--steps", str(STEPS + 2), "--load", str(ck)]) == 2
     err = capsys.readouterr().err
     assert "is damaged" in err and layer.name in err
-    meta = json.loads((ck / "step00000002" / "complete.json").read_text())
-    assert meta["step"] == 2 and meta["recipe"]["model"]["vocab_size"] == 4096
+    meta = json.loads((ck / f"step{STEPS:08d}" / "complete.json").read_text())
+    assert meta["step"] == STEPS and meta["recipe"]["model"]["vocab_size"] == 4096
 
 
 def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
