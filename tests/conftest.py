@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from forked import stop_rank_server
 from launcher import TINY, launch_forked, read_metrics
 
 # The layouts of the acceptance test (docs/design.md, The acceptance test): every one trains the same model.
@@ -72,5 +73,9 @@ class ParityRuns:
 @pytest.fixture(scope="session")
 def parity_runs(tmp_path_factory):
     return ParityRuns(tmp_path_factory)
+
+
+def pytest_sessionfinish(session):
+    stop_rank_server()  # tests/rank_server.py, if a test started it
 
 

@@ -28,3 +28,13 @@ def run_forked(request: dict, timeout: int) -> Tuple[dict, str, str]:
         reply = _server.stdout.readline()
         assert reply, "tests/rank_server.py exited"
         return (json.loads(reply),) + tuple(path.read_text() if path.exists() else "" for path in (out, err))
+
+
+def stop_rank_server() -> None:
+    """At the end of the session: close the server's stdin (it exits) and wait for it, so that
+    its CPU time counts as the session's."""
+    global _server
+    if _server is not None:
+        _server.stdin.close()
+        _server.wait(timeout=60)
+        _server = None

@@ -51,6 +51,7 @@ import launch.runtime.startup  # noqa: F401,E402
 from distributed import run_body  # noqa: E402  (tests/ is this script's directory)
 
 STOP_GRACE_S = 5  # after one rank failed, the others get this long to exit on their own
+SESSION = os.getppid()  # the test session; if it dies (killed, Ctrl-C), the ranks stop with it
 
 
 def become_rank(request: dict, rank: int) -> None:
@@ -114,6 +115,9 @@ def run(request: dict) -> dict:
         pid, status, usage = os.wait4(-1, os.WNOHANG)
         if pid == 0:
             now = time.monotonic()
+            if os.getppid() != SESSION:
+                stop(pids)
+                sys.exit(1)
             if now > deadline or (stop_at is not None and now > stop_at):
                 timed_out = now > deadline
                 stop(pids)
