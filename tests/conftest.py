@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import TINY, launch, read_metrics
+from forked import stop_rank_server
+from launcher import TINY, launch_forked, read_metrics
 
 # The layouts of the acceptance test (docs/design.md, The acceptance test): every one trains the same model.
 REFERENCE = (1, 1, 1)
@@ -58,11 +59,11 @@ class ParityRuns:
             precision = run_precision(layout)
             tmp = self.tmp_path_factory.mktemp(layout_id(layout))
             wandb = ["--wandb", "offline"] if layout == (1, 1, 2) else []
-            proc = launch(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp),
+            proc = launch_forked(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp),
                                          "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
                                          "--save", str(tmp / "ck"), "--save-every", str(SAVE_AT)]
                           + sp + precision_args(precision) + wandb,
-                          env=dict(precision_env(precision), WANDB_DIR=str(tmp)))
+                                 env=dict(precision_env(precision), WANDB_DIR=str(tmp)))
             assert proc.returncode == 0, f"layout {layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             self.done[layout] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout,
                                  "stderr": proc.stderr}
@@ -72,5 +73,9 @@ class ParityRuns:
 @pytest.fixture(scope="session")
 def parity_runs(tmp_path_factory):
     return ParityRuns(tmp_path_factory)
+
+
+def pytest_sessionfinish(session):
+    stop_rank_server()  # tests/rank_server.py, if a test started it
 
 

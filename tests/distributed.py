@@ -1,11 +1,15 @@
-"""Run a test body on N CPU processes joined by a gloo process group (no DeepSpeed launcher)."""
+"""Run a test body on N CPU processes joined by a gloo process group (no DeepSpeed launcher).
+
+The processes are forked from tests/rank_server.py, which has torch and DeepSpeed imported
+already (tests/forked.py); fn must be a module-level function (it travels pickled, by name)."""
+import base64
 import os
+import pickle
 import socket
 import sys
 import traceback
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked import run_forked
 
 
 def free_port() -> int:
@@ -14,10 +18,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, errors) -> None:
+def run_body(rank: int, world_size: int, port: int, fn, args) -> None:
+    """In rank `rank`'s process: join the group, call fn(*args), leave. A failure is printed
+    (to the rank's stderr) and raised."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
+    import torch.distributed as dist
     torch.set_num_threads(1)
     try:
         if fn.__dict__.get("uses_deepspeed"):
@@ -28,24 +35,19 @@ def _entry(rank: int, world_size: int, port: int, fn, args, errors) -> None:
         fn(*args)
         dist.barrier()
     except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        sys.exit(1)
+        print(f"rank {rank}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args) -> None:
-    """Call fn(*args) on `world_size` spawned processes; re-raise the first rank's failure."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_entry, args=(world_size, free_port(), fn, args, errors),
-                           nprocs=world_size, start_method="spawn")
-    except mp.ProcessRaisedException as e:
-        raise AssertionError(str(e)) from None
-    except mp.ProcessExitedException:
-        raise AssertionError(errors.get() if not errors.empty() else "a rank exited") from None
+def run_distributed(fn, world_size: int, *args, timeout: int = 600) -> None:
+    """Call fn(*args) on `world_size` processes; raise AssertionError with the first failure."""
+    call = base64.b64encode(pickle.dumps((fn, args))).decode()
+    reply, _, stderr = run_forked({"call": call, "world": world_size, "port": free_port()}, timeout)
+    if reply["returncode"] != 0:
+        raise AssertionError(("timed out after %d s\n" % timeout if reply["timed_out"] else "") + stderr[-6000:])
 
 
 def uses_deepspeed(fn):

@@ -1,4 +1,6 @@
-"""Start launch/train.py the way a user does: through DeepSpeed's launcher, N CPU processes."""
+"""Start launch/train.py on N CPU processes: through DeepSpeed's launcher, as a user does (launch),
+or forked from tests/rank_server.py with the launcher's environment (launch_forked, the same run
+without importing torch and DeepSpeed again in every rank)."""
 import json
 import os
 import subprocess
@@ -7,6 +9,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from distributed import free_port
+from forked import run_forked
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -25,6 +28,22 @@ def launch(num_procs: Optional[int], args: List[str], env: Optional[Dict[str, st
            + args)
     return subprocess.run(cmd, cwd=REPO, env=dict(os.environ, **(env or {})), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def launch_forked(num_procs: int, args: List[str], env: Optional[Dict[str, str]] = None,
+                  timeout: int = 600, script: str = "train.py") -> subprocess.CompletedProcess:
+    """The run `launch(num_procs, args, env)` starts (of launch/SCRIPT), its ranks forked from
+    tests/rank_server.py: what each rank sees is the same (environment, argv, working directory;
+    output in one stdout and one stderr), without every rank importing torch and DeepSpeed again.
+    For the training runs whose subject is what they compute; the tests of the launcher itself,
+    signals, failures and the console use `launch`."""
+    cmd = ["launch_forked", str(num_procs), script] + [str(a) for a in args]
+    reply, stdout, stderr = run_forked({"script": str(REPO / "launch" / script), "world": num_procs,
+                                        "args": cmd[3:], "env": dict(env or {}, MASTER_ADDR="127.0.0.1",
+                                                                     MASTER_PORT=str(free_port()))}, timeout)
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
 
 
 def read_metrics(path: Path) -> List[dict]:

@@ -18,13 +18,13 @@ import torch
 
 from conftest import REFERENCE, SAVE_AT, STEPS
 from distributed import free_port, run_distributed, uses_deepspeed
-from launcher import REPO, TINY, deepspeed_cli, launch, read_metrics
+from launcher import REPO, TINY, deepspeed_cli, launch_forked, read_metrics
 from launch.train import main
 
 
 def _train(n, tmp_path, name, extra, check=True):
     out = tmp_path / f"{name}.jsonl"
-    proc = launch(n, ["--recipe", str(TINY), "--metrics-out", str(out)] + extra)
+    proc = launch_forked(n, ["--recipe", str(TINY), "--metrics-out", str(out)] + extra)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, out
@@ -76,6 +76,7 @@ def _kill_while_saving(ck: Path) -> bool:
     return bool(incomplete)
 
 
+@pytest.mark.slow
 def test_kill_during_save_keeps_latest_complete(tmp_path):
     """SIGKILL every rank while a checkpoint is being written: `latest` still names a complete
     checkpoint, and --load resumes from it."""
@@ -90,6 +91,7 @@ def test_kill_during_save_keeps_latest_complete(tmp_path):
                                   "--set", "model.n_embd=256"])
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     """SIGTERM to one rank: every rank finishes the step, saves together, exits 0."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
@@ -106,6 +108,7 @@ def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     assert [m["step"] for m in read_metrics(metrics)] == list(range(1, steps[-1] + 3))
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once(tmp_path):
     metrics = tmp_path / "m.jsonl"
     job = _start(1, ["--steps", "1000", "--set", "train.global_batch_size=512", "--save", str(tmp_path / "ck"),
@@ -120,6 +123,7 @@ def test_second_signal_exits_at_once(tmp_path):
     assert "stopped by signal" not in out
 
 
+@pytest.mark.slow
 def test_dead_rank_makes_the_others_exit_with_an_error(tmp_path):
     """Without a launcher to clean up (as on another node), a killed rank makes the survivor
     fail its next collective with a clear error instead of hanging."""
@@ -142,13 +146,8 @@ def test_dead_rank_makes_the_others_exit_with_an_error(tmp_path):
     assert "a peer rank probably died" in lines[0], lines  # launch/runtime/failure.py: a lost connection
 
 
-def _make_checkpoint(tmp_path):
-    _train(1, tmp_path, "base", ["--steps", "2", "--save", str(tmp_path / "ck")])
-    return tmp_path / "ck"
-
-
-def test_bad_checkpoints_are_one_line_errors(tmp_path, monkeypatch, capsys):
-    ck = _make_checkpoint(tmp_path)
+def test_bad_checkpoints_are_one_line_errors(parity_runs, tmp_path, monkeypatch, capsys):
+    ck = _copy_checkpoints(parity_runs, tmp_path)  # steps 3 and 5 (latest)
     (tmp_path / "empty").mkdir()
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
@@ -159,21 +158,21 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path, monkeypatch, capsys):
         (["--load", str(tmp_path / "empty")], ["is empty"]),
         (["--load", str(tmp_path / "other")], ["no complete checkpoint"]),
         (["--load", str(ck), "--set", "model.n_embd=32"], ["model.n_embd=64", "32"]),
-        (["--load", str(ck), "--steps", "2"], ["step 2", "nothing to train"]),
+        (["--load", str(ck), "--steps", str(STEPS)], [f"step {STEPS}", "nothing to train"]),
         (["--load", str(ck), "--set", "train.zero_stage=0"], ["train.zero_stage=1", "this run 0"]),
         (["--save-every", "2"], ["need --save"]),
     ]
     for argv, words in cases:
-        assert main(["--recipe", str(TINY), "--steps", "4"] + argv) == 2, argv
+        assert main(["--recipe", str(TINY), "--steps", str(STEPS + 2)] + argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), (argv, err)
-    layer = next((ck / "step00000002").glob("layer_02-*"))
+    layer = next((ck / f"step{STEPS:08d}").glob("layer_02-*"))
     layer.write_bytes(layer.read_bytes()[:100])  # truncated, as by a full disk
-    assert main(["--recipe", str(TINY), "--steps", "4", "--load", str(ck)]) == 2
+    assert main(["--recipe", str(TINY), "--steps", str(STEPS + 2), "--load", str(ck)]) == 2
     err = capsys.readouterr().err
     assert "is damaged" in err and layer.name in err
-    meta = json.loads((ck / "step00000002" / "complete.json").read_text())
-    assert meta["step"] == 2 and meta["recipe"]["model"]["vocab_size"] == 4096
+    meta = json.loads((ck / f"step{STEPS:08d}" / "complete.json").read_text())
+    assert meta["step"] == STEPS and meta["recipe"]["model"]["vocab_size"] == 4096
 
 
 def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
@@ -278,6 +277,7 @@ def test_prepare_save_dir_moves_later_tags_aside(tmp_path, capsys):
     assert len(list(tmp_path.glob("abandoned-*"))) == 2
 
 
+@pytest.mark.slow
 def test_resume_from_an_older_tag_keeps_this_runs_history(parity_runs, tmp_path):
     """Resume the (1,1,1) parity run from step 3 into its own save directory, which holds its
     step 5 (latest), with --save-every 1 --keep-last 2. The old step 5 moves aside (before, the
@@ -285,7 +285,7 @@ def test_resume_from_an_older_tag_keeps_this_runs_history(parity_runs, tmp_path)
     prunes step 3 (its parent, the third newest of its history), and its steps 4-5 and final
     weights are the uninterrupted run's, bit for bit."""
     ck, metrics = _copy_checkpoints(parity_runs, tmp_path), tmp_path / "m.jsonl"
-    proc = launch(1, ["--recipe", str(TINY), "--steps", str(STEPS), "--load", str(ck / f"step{SAVE_AT:08d}"),
+    proc = launch_forked(1, ["--recipe", str(TINY), "--steps", str(STEPS), "--load", str(ck / f"step{SAVE_AT:08d}"),
                       "--save", str(ck), "--save-every", "1", "--keep-last", "2", "--metrics-out", str(metrics)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     aside, = ck.glob("abandoned-*")

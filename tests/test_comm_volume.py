@@ -6,12 +6,15 @@ TP-partitioned pipeline sends with their re-assembling all-gathers and the tied 
 (1, 2, 2) covers the plain pipeline sends and ZeRO-1's gradient all-reduce and parameter
 all-gather. Calls, elements and bytes must agree exactly on every rank and step.
 """
+import json
+
 import pytest
 
-from bench.comm_volume import STEPS, compare, measure, run_model
+from bench.comm_volume import STEPS, compare, run_model
 from launch.analysis import formulas
 from launch.analysis.comm_formulas import comm_per_rank_per_step
 from launch.runtime.layout import Layout
+from launcher import TINY, launch_forked
 from model.gpt import GPTConfig
 
 LAYOUTS = {
@@ -25,11 +28,17 @@ BOOKKEEPING_LIMIT = 256  # bytes per rank per step: a few scalars (loss, grad no
 @pytest.fixture(scope="module", params=list(LAYOUTS), ids=lambda l: "tp%d-pp%d-dp%d" % l)
 def run(request, tmp_path_factory):
     tp, pp, dp = request.param
-    counts = measure(tp, pp, dp, tmp_path_factory.mktemp("counts"))
+    out = tmp_path_factory.mktemp("counts")
+    # bench/comm_volume.py's measure(), its ranks forked (tests/launcher.py): the same run and counts.
+    proc = launch_forked(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp), "--steps", str(STEPS),
+                                        "--set", "train.eval_every=0", "--comm-counts", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    counts = [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp * pp * dp)]
     rows, bookkeeping = compare(counts, *run_model(tp, pp, dp))
     return request.param, rows, bookkeeping
 
 
+@pytest.mark.slow
 def test_measured_equals_formula_on_every_rank_and_step(run):
     layout, rows, _ = run
     wrong = [r for r in rows if r["measured"] != r["formula"]]
@@ -39,11 +48,13 @@ def test_measured_equals_formula_on_every_rank_and_step(run):
     assert {r["purpose"] for r in rows} == LAYOUTS[layout]
 
 
+@pytest.mark.slow
 def test_shape_header_only_in_the_first_step(run):
     _, rows, _ = run
     assert {r["step"] for r in rows if r["purpose"] == "pp-shape"} == {1}
 
 
+@pytest.mark.slow
 def test_bookkeeping_is_a_few_scalars(run):
     layout, _, bookkeeping = run
     assert bookkeeping and max(bookkeeping.values()) <= BOOKKEEPING_LIMIT, (layout, dict(bookkeeping))

@@ -1,8 +1,11 @@
 """The console of a default run shows our lines, not the library noise launch/runtime/console.py names;
 `--verbose` shows it again (so the noise is real and the filter is what hides it)."""
+import pytest
+
 from launch.runtime.console import KNOWN_NOISE
 from launcher import TINY, launch
 
+pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/test_parity.py)
 # DeepSpeed's PipelineModule prints these on rank 0; the role map says the same.
 DEEPSPEED_PRINTS = ["SEED_LAYERS=", "Using topology:", "stage=0 layers="]
 NOISE = DEEPSPEED_PRINTS + [message for _, message, _ in KNOWN_NOISE]

@@ -1,8 +1,8 @@
 """The data pipeline on local data only: formats, cache, packing, sharding, resume, streaming."""
 import json
-import multiprocessing as mp
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +12,8 @@ from data.pipeline import prepare_run_data
 from data.sampler import micro_batches
 from data.spec import DataError, DataSpec
 from data.windows import prepare_streams, windows
-from launcher import REPO, TINY
+from distributed import run_distributed
+from launcher import REPO, TINY, launch_forked
 
 N_DOCS = 60
 
@@ -70,27 +71,36 @@ def test_every_local_format_gives_the_same_stream(docs, tokenizer, fresh_cache, 
     assert len(streams["txt"]) == sum(len(tokenizer(l)["input_ids"]) + 1 for l in lines if tokenizer(l)["input_ids"])
 
 
+@pytest.mark.slow
 def test_every_local_format_trains(docs, tmp_path):
     paths = _write_formats(docs, tmp_path)
     for fmt in ("jsonl", "parquet", "saved", "txt"):
         out = tmp_path / f"{fmt}.jsonl"
-        proc = subprocess.run([sys.executable, "launch/train.py", "--recipe", str(TINY), "--steps", "2",
-                               "--set", f"data.name={paths[fmt]}", "--metrics-out", str(out)],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        proc = launch_forked(1, ["--recipe", str(TINY), "--steps", "2", "--set", f"data.name={paths[fmt]}",
+                                 "--metrics-out", str(out)], timeout=300)
         assert proc.returncode == 0, (fmt, proc.stderr[-2000:])
         records = [json.loads(l) for l in out.read_text().splitlines()]
         assert [r["step"] for r in records] == [1, 2] and "val_loss" in records[1], (fmt, records)
 
 
-def _build_in_process(name, cache_dir, results):
+def _build_in_process(name, cache_dir, out_dir):
+    """One of several processes (tests/distributed.py) preparing the same data at once."""
     import os
+
+    import torch.distributed as dist
     os.environ["GPT3D_CACHE"] = str(cache_dir)
     from data.builtin import load_tokenizer as load
     from data.windows import prepare_streams as prepare
     streams = prepare(DataSpec(name=name), load("builtin"))
-    results.put((streams.built_here, int(streams.train.sum())))
+    (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps([streams.built_here,
+                                                                          int(streams.train.sum())]))
 
 
+def _outcomes(out_dir):
+    return [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
+
+
+@pytest.mark.slow
 def test_cache_is_built_once_across_processes_and_reused(docs, tmp_path, fresh_cache):
     paths = _write_formats(docs, tmp_path)
     cache_dir = tmp_path / "shared-cache"
@@ -99,20 +109,15 @@ def test_cache_is_built_once_across_processes_and_reused(docs, tmp_path, fresh_c
     for entry in fresh_cache.iterdir():
         if entry.name.startswith(("builtin-bpe", "builtin-corpus")):
             shutil.copytree(entry, cache_dir / entry.name)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_build_in_process, args=(str(paths["parquet"]), cache_dir, results)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    outcomes = [results.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join()
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    run_distributed(_build_in_process, 4, str(paths["parquet"]), str(cache_dir), str(first))
+    outcomes = _outcomes(first)
     assert sorted(built for built, _ in outcomes) == [False, False, False, True]
     assert len({checksum for _, checksum in outcomes}) == 1
-    second = ctx.Process(target=_build_in_process, args=(str(paths["parquet"]), cache_dir, results))
-    second.start()
-    assert results.get(timeout=300)[0] is False  # a second run reuses it
-    second.join()
+    run_distributed(_build_in_process, 1, str(paths["parquet"]), str(cache_dir), str(second))
+    assert _outcomes(second)[0][0] is False  # a second run reuses it
     entries = sorted(e.name for e in (cache_dir / "data").iterdir())
     assert len(entries) == 2 and entries[0].endswith(".lock"), entries  # the cache and its lock, no temporaries
 

@@ -15,6 +15,7 @@ back from the checkpoint), which the parity runs at dropout 0 cannot show.
 import dataclasses
 from collections import defaultdict
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -22,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import REFERENCE
 from distributed import run_distributed, uses_deepspeed
-from launcher import TINY, launch, read_metrics
+from launcher import TINY, launch_forked, read_metrics
 from model.gpt import GPTConfig
 from model.parallel_state import init_parallel_state
 from model.pipe import build_pipeline, seed_dropout_rngs
@@ -143,14 +144,15 @@ def test_dropout_masks_differ_where_activations_differ():
     run_distributed(_masks_body, 4)
 
 
+@pytest.mark.slow
 def test_resume_with_dropout_is_bitwise(parity_runs, tmp_path):
     """Both dropout streams of every rank come back from the checkpoint: steps 3-4 of the resumed
     run equal the uninterrupted run's bit for bit."""
     common = ["--recipe", str(TINY), "--pp", "2", "--steps", "4", "--set", "model.dropout=0.1"]
     full, resumed = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
-    proc = launch(2, common + ["--save", str(tmp_path / "ck"), "--save-every", "2", "--metrics-out", str(full)])
+    proc = launch_forked(2, common + ["--save", str(tmp_path / "ck"), "--save-every", "2", "--metrics-out", str(full)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    proc = launch(2, common + ["--load", str(tmp_path / "ck" / "step00000002"), "--metrics-out", str(resumed)])
+    proc = launch_forked(2, common + ["--load", str(tmp_path / "ck" / "step00000002"), "--metrics-out", str(resumed)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     full_metrics, again = read_metrics(full), read_metrics(resumed)
     assert [m["step"] for m in again] == [3, 4]

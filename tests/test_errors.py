@@ -66,6 +66,7 @@ def test_plain_process_prints_only_the_error():
     assert proc.stderr == "error: train.lr='fast' has the wrong type: expected float\n"
 
 
+@pytest.mark.slow
 def test_cpu_launcher_default_says_how_to_start_16_processes():
     """On CPU `deepspeed launch/train.py --tp 4 --pp 4` starts one process: say --num_gpus 16."""
     proc = launch(None, ["--tp", "4", "--pp", "4", "--recipe", str(TINY)])

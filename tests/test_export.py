@@ -18,13 +18,12 @@ from transformers import GPT2Config, GPT2LMHeadModel, pipeline
 
 import model.gpt
 import model.layers
-from distributed import free_port
 from launch import evaluate, export_hf, train
 from launch.checkpoints import hf_export
 from launch.runtime.run_inputs import load_run_data
 from launch.runtime.recipe import load_recipe
 from launch.runtime.layout import derive_layout
-from launcher import REPO, TINY, deepspeed_cli, launch, read_metrics
+from launcher import REPO, TINY, launch_forked, read_metrics
 from model.convert import (from_gpt2_state_dict, load_dense_into, merge, rule_for, split)
 from model.gpt import GPT, GPTConfig
 from model.hf_gpt2 import gpt2_config_kwargs, to_gpt2_state_dict
@@ -94,7 +93,7 @@ def test_hf_weights_round_trip_bitwise_through_every_tp_split():
 def run(tmp_path_factory):
     """A 2-step run at tp=2 pp=2 saved, and its export through the command line."""
     root = tmp_path_factory.mktemp("export")
-    proc = launch(4, ["--recipe", str(TINY), "--tp", "2", "--pp", "2", "--steps", "2", "--save", str(root / "ck"),
+    proc = launch_forked(4, ["--recipe", str(TINY), "--tp", "2", "--pp", "2", "--steps", "2", "--save", str(root / "ck"),
                       "--metrics-out", str(root / "m.jsonl")] + VOCAB)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = subprocess.run([sys.executable, "launch/export_hf.py", "--load", str(root / "ck"), "--out", str(root / "hf")],
@@ -123,6 +122,7 @@ def _hf_loss(path, x, y) -> float:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item()
 
 
+@pytest.mark.slow
 def test_export_computes_our_loss_and_generates(run, data):
     hf_dir = run / "hf"
     assert (hf_dir / "model.safetensors").is_file() and not list(hf_dir.glob("*.bin"))
@@ -141,13 +141,12 @@ def test_export_computes_our_loss_and_generates(run, data):
 
 
 def _evaluate(n, args):
-    cmd = [deepspeed_cli(), "--num_gpus", str(n), "--master_port", str(free_port()),
-           str(REPO / "launch" / "evaluate.py")] + args
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = launch_forked(n, args, script="evaluate.py")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
+@pytest.mark.slow
 def test_evaluate_gives_the_same_loss_at_every_layout(run, data):
     """Saved at tp=2 pp=2, evaluated at tp=1 pp=1 and tp=2 pp=1 (other vocab paddings too):
     the loss of the transformers model on the same validation batch."""
@@ -166,6 +165,7 @@ def test_evaluate_gives_the_same_loss_at_every_layout(run, data):
     assert _close(losses[0], theirs) and _close(losses[1], theirs) and _close(losses[0], losses[1]), (losses, theirs)
 
 
+@pytest.mark.slow
 def test_evaluate_hf_weights_on_training_data(run, tmp_path):
     """--init-from-hf at pp=2, with no validation data configured: the first training batches."""
     no_val = ["--set", "data.val_fraction=0", "--set", "train.eval_every=0"]
@@ -179,12 +179,13 @@ def test_evaluate_hf_weights_on_training_data(run, tmp_path):
     assert result["data"] == "train" and _close(result["loss"], _hf_loss(run / "hf", x, y)), result
 
 
+@pytest.mark.slow
 def test_init_from_hf_places_every_shard_and_exports_back(run, data, tmp_path):
     """A run started from the export at tp=2 pp=2: its step-1 loss is the transformers model's
     on the same first batch (every shard in place), and with a learning rate far below one
     ulp of any weight its checkpoint exports back to the same bits."""
     metrics = tmp_path / "m.jsonl"
-    proc = launch(4, ["--recipe", str(TINY), "--tp", "2", "--pp", "2", "--steps", "1", "--init-from-hf",
+    proc = launch_forked(4, ["--recipe", str(TINY), "--tp", "2", "--pp", "2", "--steps", "1", "--init-from-hf",
                       str(run / "hf"), "--set", "train.lr=1e-30", "--set", "train.eval_every=0",
                       "--save", str(tmp_path / "ck"), "--metrics-out", str(metrics)] + VOCAB)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -205,6 +206,7 @@ def _one_line_error(main, argv, words, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), (argv, err)
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(run, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")

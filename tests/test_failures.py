@@ -6,6 +6,8 @@ import os
 import subprocess
 import time
 
+import pytest
+
 from distributed import free_port
 from launcher import REPO, TINY, deepspeed_cli
 
@@ -25,6 +27,7 @@ def _error_lines(stderr: str):
     return [line for line in stderr.splitlines() if line.startswith("error: ")]
 
 
+@pytest.mark.slow
 def test_wandb_online_without_api_key_stops_before_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env.update(NETRC=str(tmp_path / "netrc"), WANDB_DIR=str(tmp_path))  # no key anywhere
@@ -40,6 +43,7 @@ def test_wandb_online_without_api_key_stops_before_start(tmp_path):
     assert "--wandb online" in lines[0] and "WANDB_API_KEY" in lines[0], lines
 
 
+@pytest.mark.slow
 def test_exception_on_one_rank_stops_all_ranks_with_one_line_each(tmp_path):
     """Rank 3 (last stage, TP rank 1) raises before step 2, while the others are already in the
     step's collectives: every rank exits, non-zero, within 60 s of step 1's line."""
@@ -65,6 +69,7 @@ def test_exception_on_one_rank_stops_all_ranks_with_one_line_each(tmp_path):
         assert by_rank[rank].startswith(f"error: rank {rank}: stopping: rank 3 failed: {cause}"), by_rank[rank]
 
 
+@pytest.mark.slow
 def test_threads_per_rank_from_deepspeed_launcher_environment(tmp_path):
     """DeepSpeed's launcher exports LOCAL_SIZE, not LOCAL_WORLD_SIZE: the ranks of a node share
     its cores by that count, not by the world size (which spans every node)."""

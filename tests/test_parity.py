@@ -19,7 +19,7 @@ import math
 import pytest
 
 from conftest import LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
-from launcher import TINY, launch, read_metrics
+from launcher import TINY, launch_forked, read_metrics
 
 RTOL = 1e-5
 # Measured (README, "Layout parity"; deterministic on one machine): the losses of (2,2,2) within
@@ -48,7 +48,12 @@ def test_reference_run_learns_with_clipping_active(parity_runs):
     assert ref[-1]["tokens"] == STEPS * 16 * 32  # global batch 16 x seq_len 32
 
 
-@pytest.mark.parametrize("layout", LAYOUTS + SP_LAYOUTS, ids=layout_id)
+# The fast tier (-m "not slow") compares (2,2,2), which has every kind of parallelism, with (1,1,1).
+FAST_LAYOUT = (2, 2, 2)
+
+
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=[] if layout == FAST_LAYOUT else pytest.mark.slow)
+                                    for layout in LAYOUTS + SP_LAYOUTS], ids=layout_id)
 def test_layout_matches_single_process(parity_runs, layout):
     ref, got = parity_runs[REFERENCE]["metrics"], parity_runs[layout]["metrics"]
     assert len(got) == STEPS
@@ -61,6 +66,7 @@ def test_layout_matches_single_process(parity_runs, layout):
             assert _rel(g["val_loss"], r["val_loss"]) <= RTOL, (layout, r["step"], g["val_loss"], r["val_loss"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", BF16_LAYOUTS, ids=layout_id)
 def test_bf16_layout_matches_single_process(parity_runs, layout):
     ref, got = parity_runs[REFERENCE + ("bf16",)]["metrics"], parity_runs[layout]["metrics"]
@@ -73,8 +79,9 @@ def test_bf16_layout_matches_single_process(parity_runs, layout):
                 assert _rel(g[key], r[key]) <= rtol, (layout, r["step"], key, g[key], r[key])
 
 
+@pytest.mark.slow
 def test_evaluation_does_not_change_training(parity_runs, tmp_path):
-    proc = launch(1, ["--recipe", str(TINY), "--steps", str(STEPS), "--set", "train.eval_every=0",
+    proc = launch_forked(1, ["--recipe", str(TINY), "--steps", str(STEPS), "--set", "train.eval_every=0",
                       "--metrics-out", str(tmp_path / "m.jsonl")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     without = read_metrics(tmp_path / "m.jsonl")
@@ -85,6 +92,7 @@ def test_evaluation_does_not_change_training(parity_runs, tmp_path):
     assert [m["step"] for m in with_eval if "val_loss" in m] == [2, 4, 5]
 
 
+@pytest.mark.slow
 def test_role_map_names_groups_and_stages(parity_runs):
     out = parity_runs[(2, 2, 2)]["stdout"]
     assert "world 8 = tp 2 x pp 2 x dp 2" in out
@@ -97,6 +105,7 @@ def test_role_map_names_groups_and_stages(parity_runs):
     assert "activations: (b, T/tp, h) = (2, 16, h): sequence parallel" in parity_runs[(2, 2, 2, "sp")]["stdout"]
 
 
+@pytest.mark.slow
 def test_wandb_offline_writes_a_run_directory(parity_runs):
     """Offline mode needs no account and leaves a real run directory with the run's history."""
     run_dirs = list((parity_runs[(1, 1, 2)]["dir"] / "wandb").glob("offline-run-*"))

@@ -10,8 +10,9 @@ continues with the saved scale and its growth counter, and the same losses withi
 import pytest
 
 from conftest import (REFERENCE, SAVE_AT, STEPS, layout_id, precision_args, precision_env)
-from launcher import TINY, launch, read_metrics
+from launcher import TINY, launch_forked, read_metrics
 
+pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/test_parity.py)
 FP16 = REFERENCE + ("fp16",), (2, 2, 2, "fp16")
 # Measured (README, "Layout parity"): losses within 5.1e-5 of (1,1,1), gradient norms within
 # 7.9e-4; fp16's unit roundoff is 2**-11 = 4.9e-4, so one rounding of a gradient norm's terms
@@ -49,7 +50,7 @@ def test_fp16_loss_scale_changes_and_layouts_agree(parity_runs, layout):
 def test_fp16_resume_at_another_layout_keeps_the_loss_scale(parity_runs, tmp_path):
     saved = parity_runs[FP16[1]]
     metrics = tmp_path / "resumed.jsonl"
-    proc = launch(2, ["--recipe", str(TINY), "--pp", "2", "--steps", str(STEPS), "--metrics-out", str(metrics),
+    proc = launch_forked(2, ["--recipe", str(TINY), "--pp", "2", "--steps", str(STEPS), "--metrics-out", str(metrics),
                       "--load", str(saved["dir"] / "ck" / f"step{SAVE_AT:08d}")] + precision_args("fp16"),
                   env=precision_env("fp16"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

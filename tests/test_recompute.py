@@ -7,14 +7,15 @@ activations. The same holds with sequence parallelism, whose residual and embedd
 draw from the per-TP-rank RNG."""
 import pytest
 
-from launcher import TINY, launch, read_metrics
+from launcher import TINY, launch_forked, read_metrics
 
+pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/test_parity.py)
 SP = ["--set", "model.sequence_parallel=true"]
 
 
 def _run(tmp_path, name, extra):
     out = tmp_path / f"{name}.jsonl"
-    proc = launch(4, ["--recipe", str(TINY), "--tp", "2", "--pp", "2", "--steps", "3",
+    proc = launch_forked(4, ["--recipe", str(TINY), "--tp", "2", "--pp", "2", "--steps", "3",
                       "--set", "model.dropout=0.1", "--metrics-out", str(out)] + extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return read_metrics(out)

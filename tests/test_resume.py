@@ -9,14 +9,15 @@ sequence-parallel run re-shards the same way.
 import pytest
 
 from conftest import LAYOUTS, REFERENCE, SAVE_AT, STEPS, layout_id
-from launcher import TINY, launch, read_metrics
+from launcher import TINY, launch_forked, read_metrics
 
+pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/test_parity.py)
 RTOL = 1e-5
 
 
 def _resume(checkpoint, layout, metrics, extra=(), env=None):
     tp, pp, dp = layout
-    proc = launch(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp), "--steps", str(STEPS),
+    proc = launch_forked(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp), "--steps", str(STEPS),
                                  "--load", str(checkpoint), "--metrics-out", str(metrics)] + list(extra), env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -68,9 +69,9 @@ def test_bf16_resume_at_another_layout(tmp_path):
     run within bf16 rounding (the layouts themselves differ by about 1e-4 here)."""
     full, resumed = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
     bf16 = ["--recipe", str(TINY), "--steps", "4", "--set", "train.precision=bf16"]
-    proc = launch(2, bf16 + ["--pp", "2", "--save", str(tmp_path / "ck"), "--save-every", "2", "--metrics-out", str(full)])
+    proc = launch_forked(2, bf16 + ["--pp", "2", "--save", str(tmp_path / "ck"), "--save-every", "2", "--metrics-out", str(full)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    proc = launch(2, bf16 + ["--tp", "2", "--load", str(tmp_path / "ck" / "step00000002"), "--metrics-out", str(resumed)])
+    proc = launch_forked(2, bf16 + ["--tp", "2", "--load", str(tmp_path / "ck" / "step00000002"), "--metrics-out", str(resumed)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "re-sharded from tp=1 pp=2 dp=1" in proc.stdout
     for x, y in zip(read_metrics(full)[2:], read_metrics(resumed)):

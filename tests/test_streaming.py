@@ -3,8 +3,7 @@ and do not move with shuffling, epochs or streams; resume from a position is exa
 samples of a step do not depend on dp; bad streaming data fails before training."""
 import json
 import re
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import datasets
@@ -12,10 +11,11 @@ import numpy as np
 import pytest
 
 from data.builtin import builtin_corpus, load_tokenizer
+from data.cache import default_cache_dir
 from data.pipeline import prepare_run_data
 from data.spec import DataError, DataSpec
 from data.streaming import merge_states
-from launcher import REPO, TINY, launch, read_metrics
+from launcher import TINY, launch_forked, read_metrics
 
 N_DOCS, N_FILES = 400, 5
 ID = re.compile(r"w(\d+)x")
@@ -139,18 +139,21 @@ def test_bad_streaming_data_fails_before_training(rows, words, tokenizer, cache,
         assert word in str(e.value), str(e.value)
 
 
-def test_bad_streaming_data_is_one_line_and_exit_2(corpus, tmp_path):
+def test_bad_streaming_data_is_one_line_and_exit_2(corpus, tmp_path, monkeypatch, capsys):
+    """launch/train.py's main, in this process (tests/test_errors.py: a real process prints only the line)."""
+    from launch.train import main
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
     (tmp_path / "short.jsonl").write_text('{"text": "too short for a window"}\n')
     for name, words in ((str(tmp_path / "short.jsonl"), ["fewer than its share"]),
                         (str(corpus / "part*.parquet"), ["validation data gives", "train.eval_batches"])):
-        proc = subprocess.run([sys.executable, "launch/train.py", "--recipe", str(TINY), "--set", f"data.name={name}",
-                               "--set", "data.streaming=true", "--set", "train.eval_batches=1000"],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: "), proc.stderr[-2000:]
-        assert all(w in proc.stderr for w in words), proc.stderr
+        assert main(["--recipe", str(TINY), "--set", f"data.name={name}", "--set", "data.streaming=true",
+                     "--set", "train.eval_batches=1000"]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and all(w in err for w in words), err
 
 
+@pytest.mark.slow
 def test_streaming_run_resumes_exactly_and_matches_one_process(corpus, tmp_path):
     """Through launch/train.py: dp=2 streaming 5 steps with a save after step 3; the same run
     on one process and at tp=2 (TP rank 0 reads, its peer receives) (layout parity); and dp=2
@@ -163,7 +166,7 @@ def test_streaming_run_resumes_exactly_and_matches_one_process(corpus, tmp_path)
                                ("tp2", 2, ["--tp", "2"]),
                                ("resumed", 2, ["--load", str(tmp_path / "ck" / "step00000003")])):
         out = tmp_path / f"{name}.jsonl"
-        proc = launch(procs, common + extra + ["--metrics-out", str(out)])
+        proc = launch_forked(procs, common + extra + ["--metrics-out", str(out)])
         assert proc.returncode == 0, (name, proc.stdout[-3000:], proc.stderr[-3000:])
         runs[name] = read_metrics(out)
     dp2, one, resumed = runs["dp2"], runs["one"], runs["resumed"]
@@ -218,5 +221,9 @@ def _tp_feed_body(corpus_dir: str):
 
 def test_tp_peers_read_once_and_share(corpus, tmp_path, monkeypatch):
     from distributed import run_distributed
+    # A data cache of the test's own, with the shared builtin tokenizer copied in (not trained again).
+    for entry in default_cache_dir().iterdir():
+        if entry.name.startswith(("builtin-bpe", "builtin-corpus")):
+            shutil.copytree(entry, tmp_path / "cache" / entry.name)
     monkeypatch.setenv("GPT3D_CACHE", str(tmp_path / "cache"))
     run_distributed(_tp_feed_body, 2, str(corpus))

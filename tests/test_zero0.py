@@ -4,14 +4,17 @@ DeepSpeed 0.19.8 gives no norm in that mode (`get_global_grad_norm()` is None) a
 clipping miscounts replicated parameters across pipeline stages; ours must reproduce ZeRO-1's
 single-process run (DeepSpeed's ZeRO-1 norm and clipping: an independent implementation) at a
 layout with both TP shards and two stages, clipping active."""
-from conftest import REFERENCE, STEPS
-from launcher import TINY, launch, read_metrics
+import pytest
 
+from conftest import REFERENCE, STEPS
+from launcher import TINY, launch_forked, read_metrics
+
+pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/test_parity.py)
 RTOL = 1e-5  # tests/test_parity.py: fp32 rounding between layouts
 
 
 def test_zero0_matches_zero1_losses_and_grad_norms_at_tp2_pp2(parity_runs, tmp_path):
-    proc = launch(4, ["--recipe", str(TINY), "--tp", "2", "--pp", "2", "--steps", str(STEPS),
+    proc = launch_forked(4, ["--recipe", str(TINY), "--tp", "2", "--pp", "2", "--steps", str(STEPS),
                       "--set", "train.zero_stage=0", "--metrics-out", str(tmp_path / "m.jsonl")])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got, ref = read_metrics(tmp_path / "m.jsonl"), parity_runs[REFERENCE]["metrics"]
