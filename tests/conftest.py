@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from forked import stop_rank_server
-from launcher import TINY, launch_forked, read_metrics
+from launcher import LLAMA_TINY, TINY, launch_forked, read_metrics
 
 # The layouts of the acceptance test (docs/design.md, The acceptance test): every one trains the same model.
 REFERENCE = (1, 1, 1)
@@ -47,7 +47,8 @@ class ParityRuns:
     kept for the session (so `-k sp` launches only the reference and the SP layouts); each run
     saves a checkpoint after step SAVE_AT. runs[layout] = {metrics, dir (checkpoints under
     dir/ck), stdout, stderr}. (1,1,2) also writes a wandb offline run. Tags after (tp, pp, dp): "sp"
-    (sequence parallelism), a precision of PRECISIONS (fp32 without one)."""
+    (sequence parallelism), a precision of PRECISIONS (fp32 without one), "llama" (recipes/llama-tiny.yaml
+    instead of recipes/tiny.yaml)."""
 
     def __init__(self, tmp_path_factory):
         self.tmp_path_factory, self.done = tmp_path_factory, {}
@@ -59,7 +60,8 @@ class ParityRuns:
             precision = run_precision(layout)
             tmp = self.tmp_path_factory.mktemp(layout_id(layout))
             wandb = ["--wandb", "offline"] if layout == (1, 1, 2) else []
-            proc = launch_forked(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp),
+            recipe = LLAMA_TINY if "llama" in layout else TINY
+            proc = launch_forked(tp * pp * dp, ["--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
                                          "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
                                          "--save", str(tmp / "ck"), "--save-every", str(SAVE_AT)]
                           + sp + precision_args(precision) + wandb,

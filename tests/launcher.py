@@ -13,6 +13,7 @@ from forked import run_forked
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
+LLAMA_TINY = REPO / "recipes" / "llama-tiny.yaml"
 
 
 def deepspeed_cli() -> str:

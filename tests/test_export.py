@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, pipeline
 
@@ -119,7 +119,7 @@ def _hf_loss(path, x, y) -> float:
     hf = GPT2LMHeadModel.from_pretrained(path).eval()
     with torch.no_grad():
         logits = hf(x).logits
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item()
+    return functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item()
 
 
 @pytest.mark.slow

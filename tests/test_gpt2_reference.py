@@ -1,7 +1,7 @@
 """Our GPT at tp=1 is GPT-2: same logits and loss as transformers' GPT2LMHeadModel given the
 same weights, and the same gradients."""
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from model.gpt import GPT, GPTConfig
@@ -27,7 +27,7 @@ def test_dense_gpt_matches_transformers_gpt2():
 
     labels = ids.roll(-1, dims=1)
     loss = vocab_parallel_cross_entropy(logits, labels, None).mean()
-    ref_loss = F.cross_entropy(ref.reshape(-1, config.vocab_size), labels.reshape(-1))
+    ref_loss = functional.cross_entropy(ref.reshape(-1, config.vocab_size), labels.reshape(-1))
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
 
     loss.backward(), ref_loss.backward()

@@ -16,7 +16,7 @@ import deepspeed
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.nn import functional
 
 from distributed import run_distributed, uses_deepspeed
 from launch.runtime.recipe import ConfigError, load_recipe
@@ -63,7 +63,7 @@ def test_dense_llama_matches_transformers(changes):
         logits_theirs = theirs(ids[:, :-1]).logits
         loss_ours = _loss(ours, ids)
         loss_theirs = theirs(ids[:, :-1], labels=ids[:, :-1]).loss  # transformers shifts the labels itself
-        loss_theirs_next = F.cross_entropy(logits_theirs.reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1))
+        loss_theirs_next = functional.cross_entropy(logits_theirs.reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1))
     assert (logits_ours - logits_theirs).abs().max().item() <= 1e-5
     assert abs(loss_ours.item() - loss_theirs_next.item()) <= 1e-5 * loss_theirs_next.item()
     assert torch.isfinite(loss_theirs)

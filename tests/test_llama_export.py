@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 import model.gpt
 import model.layers
@@ -24,7 +24,7 @@ from launch import export_hf
 from launch.checkpoints import hf_export
 from launch.checkpoints.hf_weights import check_hf_source, hf_dense_state_dict
 from launch.runtime.recipe import ConfigError
-from launcher import REPO, launch, read_metrics
+from launcher import LLAMA_TINY, REPO, launch_forked, read_metrics
 from model.config import GPTConfig
 from model.convert import load_dense_into, merge, rule_for, split
 from model.gpt import GPT
@@ -32,7 +32,6 @@ from model.hf_llama import from_llama_state_dict, llama_config_kwargs, to_llama_
 
 CONFIG = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=8,
                    vocab_size=97, vocab_pad_multiple=8, seed=3)
-LLAMA_TINY = REPO / "recipes" / "llama-tiny.yaml"
 REL = 1e-5
 
 
@@ -118,14 +117,14 @@ def _loss_of_transformers(path, ids) -> float:
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         logits = hf(ids[:, :-1]).logits
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)).item()
+    return functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)).item()
 
 
 @pytest.mark.slow
 def test_llama_tiny_exports_imports_and_exports_back(tmp_path):
     from safetensors.torch import load_file
     from transformers import pipeline
-    proc = launch(4, ["--recipe", str(LLAMA_TINY), "--tp", "4", "--steps", "2", "--save", str(tmp_path / "ck")])
+    proc = launch_forked(4, ["--recipe", str(LLAMA_TINY), "--tp", "4", "--steps", "2", "--save", str(tmp_path / "ck")])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = subprocess.run([sys.executable, "launch/export_hf.py", "--load", str(tmp_path / "ck"), "--out",
                           str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -137,14 +136,14 @@ def test_llama_tiny_exports_imports_and_exports_back(tmp_path):
     ids = torch.randint(0, config.vocab_size, (4, config.seq_len + 1), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = ours(ids[:, :-1])[..., :config.vocab_size]
-    our_loss = F.cross_entropy(logits.reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1)).item()
+    our_loss = functional.cross_entropy(logits.reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1)).item()
     assert abs(_loss_of_transformers(tmp_path / "hf", ids) - our_loss) <= REL * our_loss
     generated = pipeline("text-generation", model=str(tmp_path / "hf"))("def", max_new_tokens=5, do_sample=False)
     assert generated[0]["generated_text"].startswith("def")
 
     # ours -> transformers -> ours: a run from the export at another layout, lr far below one ulp.
     metrics = tmp_path / "m.jsonl"
-    proc = launch(4, ["--recipe", str(LLAMA_TINY), "--tp", "2", "--pp", "2", "--steps", "1", "--init-from-hf",
+    proc = launch_forked(4, ["--recipe", str(LLAMA_TINY), "--tp", "2", "--pp", "2", "--steps", "1", "--init-from-hf",
                       str(tmp_path / "hf"), "--set", "train.lr=1e-30", "--set", "train.eval_every=0",
                       "--save", str(tmp_path / "ck2"), "--metrics-out", str(metrics)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -5,7 +5,7 @@ largest tensor (the (B, T, V) logits) in the loss's backward.
 """
 import pytest
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 from launch.runtime.recipe import Recipe
 from launch.runtime.ds_config import deepspeed_config
@@ -63,7 +63,7 @@ def test_loss_gradient_is_exact_and_a_second_backward_is_refused():
     loss = vocab_parallel_cross_entropy(logits, target, None).mean()
     loss.backward(retain_graph=True)
     reference = logits.detach().clone().requires_grad_()
-    F.cross_entropy(reference.flatten(0, 1), target.flatten()).backward()
+    functional.cross_entropy(reference.flatten(0, 1), target.flatten()).backward()
     torch.testing.assert_close(logits.grad, reference.grad, rtol=1e-6, atol=1e-7)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()  # the saved softmax was consumed in place

@@ -1,11 +1,11 @@
 """Every tensor-parallel layer and the vocab-parallel cross-entropy against its dense reference
-(nn.Linear, F.embedding, F.cross_entropy): forward and every gradient, at tp=2 and tp=4.
+(nn.Linear, functional.embedding, functional.cross_entropy): forward and every gradient, at tp=2 and tp=4.
 Sequence parallelism: its collectives against slicing and summing, and a whole sequence-parallel
 GPT (with selective recompute) against the single-process GPT: loss and every gradient."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.nn import functional
 
 from distributed import run_distributed
 from model.convert import rule_for
@@ -104,7 +104,7 @@ def _embedding_body():
     probe = _randn(4, 7, dim, seed=2)
 
     _check("embedding shard init", layer.weight.detach(), shard_rows(full, group))
-    emb_dense = F.embedding(ids, dense_weight)
+    emb_dense = functional.embedding(ids, dense_weight)
     (emb_dense * probe).sum().backward()
     emb_tp = layer(ids)
     _check("embedding output", emb_tp, emb_dense)
@@ -139,7 +139,7 @@ def _cross_entropy_body():
     weights = _randn(3, 6, seed=2)  # a non-uniform dL/dloss per token
 
     l_dense = logits[..., :vocab].clone().requires_grad_()
-    loss_dense = F.cross_entropy(l_dense.reshape(-1, vocab), target.reshape(-1), reduction="none").view(3, 6)
+    loss_dense = functional.cross_entropy(l_dense.reshape(-1, vocab), target.reshape(-1), reduction="none").view(3, 6)
     (loss_dense * weights).sum().backward()
 
     l_tp = _shard_last(logits, group).clone().requires_grad_()
@@ -222,7 +222,7 @@ def test_cross_entropy_single_rank_matches_torch():
     logits = _randn(2, 5, 11, seed=0).requires_grad_()
     target = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
     ours = vocab_parallel_cross_entropy(logits, target, None).mean()
-    ref = F.cross_entropy(logits.view(-1, 11), target.view(-1))
+    ref = functional.cross_entropy(logits.view(-1, 11), target.view(-1))
     assert torch.allclose(ours, ref, atol=1e-6)
     (g_ours,) = torch.autograd.grad(ours, logits)
     (g_ref,) = torch.autograd.grad(ref, logits)
