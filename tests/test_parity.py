@@ -3,7 +3,7 @@
 The first 5 optimizer steps of recipes/tiny.yaml (fp32, ZeRO-1, gradient clipping active, a
 learning rate that moves the loss) give the same loss and gradient norm, relative difference
 <= 1e-5, at (tp, pp, dp) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,2) and (4,4,1), and with
-sequence parallelism (`model.sequence_parallel`) at (2,2,2), (4,1,1) and (4,4,1).
+sequence parallelism (`model.sequence_parallel`) at (2,2,2) and (4,4,1).
 Each layout runs through DeepSpeed's launcher exactly as a user starts it, once per session,
 when a test first asks for it (conftest.py: parity_runs; tests/test_resume.py resumes the
 checkpoints these runs save).
