@@ -77,6 +77,8 @@ def run_script(request: dict, rank: int) -> None:
         if directory and (Path(directory) / "sitecustomize.py").is_file():
             runpy.run_path(str(Path(directory) / "sitecustomize.py"))
     sys.argv = [request["script"], f"--local_rank={rank}"] + request["args"]
+    # What `python SCRIPT` does itself: the script's directory first. Not a package path edit:
+    # launch/, model/ and data/ come from the installed package.
     sys.path[0] = str(Path(request["script"]).parent)
     runpy.run_path(request["script"], run_name="__main__")  # ends with sys.exit(main()): a normal interpreter exit
     sys.exit(0)
