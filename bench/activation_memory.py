@@ -9,7 +9,7 @@ parameters. That is what the block keeps alive until its backward; no allocator 
 DeepSpeed's checkpoint (full recompute) keeps its inputs as an attribute of its autograd node
 rather than through save_for_backward, so those are added from the node.
 
-K22's formulas (launch/analysis/formulas.py) count fp16 bytes (2 per element, 1 per dropout-mask
+K22's formulas (launch/analysis/memory_formulas.py) count fp16 bytes (2 per element, 1 per dropout-mask
 element) and an attention that stores its s x s scores. Here activations are fp32 (4 bytes),
 CPU dropout keeps a float mask (4 bytes, not 1), and LayerNorm also keeps its mean and 1/std
 (2 floats per token), which K22 leaves out. The column "K22 count, fp32" is K22's own
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         print(f"error: --tp {bad[0]} must divide --heads {args.heads} and --seq-len {args.seq_len}", file=sys.stderr)
         return 2
 
-    from launch.analysis import formulas
+    from launch.analysis import memory_formulas
     s, b, h, a = args.seq_len, args.batch, args.hidden, args.heads
     sbh = s * b * h
     measured: Dict[Tuple[int, bool, str], int] = {}
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
         measured.update(measure(args, tp))
 
     def formula(tp: int, sp: bool, mode: str, **dtype) -> float:
-        return formulas.activation_bytes_per_layer(s, b, h, a, tp, recompute=mode == "full",
+        return memory_formulas.activation_bytes_per_layer(s, b, h, a, tp, recompute=mode == "full",
                                             sequence_parallel=sp, selective=mode == "selective", **dtype)
 
     fp32 = dict(element_bytes=4, mask_bytes=4, layernorm_stat_bytes=4)

@@ -1,6 +1,6 @@
 """The activations a block saves for backward, measured by bench/activation_memory.py (every
 tensor autograd saves, distinct storages, parameters excluded), equal Korthikanti et al. 2022's
-tensor-by-tensor count (launch/analysis/formulas.py) with fp32 elements, fp32 CPU dropout masks and the
+tensor-by-tensor count (launch/analysis/memory_formulas.py) with fp32 elements, fp32 CPU dropout masks and the
 LayerNorm statistics, to the byte: at tp=1 and tp=2, with and without sequence parallelism,
 with no, selective and full recompute."""
 import pytest
@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from bench.activation_memory import MODES, block_saved_bytes
 from distributed import run_distributed, uses_deepspeed
-from launch.analysis.formulas import activation_bytes_per_layer
+from launch.analysis.memory_formulas import activation_bytes_per_layer
 from model.parallel_state import init_parallel_state
 
 S, B, H, A = 16, 2, 32, 4

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flop_count import counted_flops
-from launch.analysis import formulas
+from launch.analysis import formulas, memory_formulas
 from model.gpt import GPT, Block, GPTConfig
 
 # Narayanan et al. 2021, table 1: (published billions, layers, hidden, heads); V=51200, s=2048.
@@ -30,14 +30,14 @@ def test_narayanan_table_1_parameter_counts(published, layers, hidden, heads):
 
 @pytest.mark.parametrize("stage,published_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_7_5b_on_64_gpus(stage, published_gb):
-    states = formulas.model_state_bytes(7.5e9, dp=64, zero_stage=stage)
+    states = memory_formulas.model_state_bytes(7.5e9, dp=64, zero_stage=stage)
     assert round(sum(states.values()) / 1e9, 1) == published_gb
 
 
 def test_zero_1_is_4_plus_12_over_d_bytes_per_param():
-    states = formulas.model_state_bytes(1.0, dp=8, zero_stage=1)
+    states = memory_formulas.model_state_bytes(1.0, dp=8, zero_stage=1)
     assert states == {"weights": 2.0, "gradients": 2.0, "optimizer": 12 / 8}
-    assert sum(formulas.model_state_bytes(1.0, dp=8, zero_stage=0).values()) == 16
+    assert sum(memory_formulas.model_state_bytes(1.0, dp=8, zero_stage=0).values()) == 16
 
 
 def test_128_gpu_example():
@@ -49,7 +49,7 @@ def test_128_gpu_example():
     assert formulas.blocks_per_stage(72, pp) == [18, 18, 18, 18]
     assert formulas.bubble_fraction(pp, m) == pytest.approx(3 / 7)
     assert round(formulas.bubble_fraction(pp, m), 4) == 0.4286
-    assert formulas.inflight_microbatches(pp, m) == 4
+    assert memory_formulas.inflight_microbatches(pp, m) == 4
 
 
 def test_partition_follows_deepspeed_type_block():
@@ -89,13 +89,13 @@ def test_flops_are_what_torch_counts_in_the_built_model():
 
 def test_activation_memory():
     s, b, h, a = 2048, 1, 4096, 32
-    assert formulas.activation_bytes_per_layer(s, b, h, a) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
-    assert formulas.activation_bytes_per_layer(s, b, h, a, tp=8) == pytest.approx(s * b * h * (10 + 3 + 5 * a * s / (h * 8)))
-    assert formulas.activation_bytes_per_layer(s, b, h, a, tp=8, recompute=True) == 2 * s * b * h
-    per_stage = formulas.activation_bytes_per_stage(s, b, h, a, 8, layers=4, inflight=3)
-    assert per_stage == pytest.approx(12 * formulas.activation_bytes_per_layer(s, b, h, a, 8))
-    assert [formulas.inflight_microbatches(4, 8, k) for k in range(4)] == [4, 3, 2, 1]
-    assert formulas.inflight_microbatches(4, 2) == 2
+    assert memory_formulas.activation_bytes_per_layer(s, b, h, a) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    assert memory_formulas.activation_bytes_per_layer(s, b, h, a, tp=8) == pytest.approx(s * b * h * (10 + 3 + 5 * a * s / (h * 8)))
+    assert memory_formulas.activation_bytes_per_layer(s, b, h, a, tp=8, recompute=True) == 2 * s * b * h
+    per_stage = memory_formulas.activation_bytes_per_stage(s, b, h, a, 8, layers=4, inflight=3)
+    assert per_stage == pytest.approx(12 * memory_formulas.activation_bytes_per_layer(s, b, h, a, 8))
+    assert [memory_formulas.inflight_microbatches(4, 8, k) for k in range(4)] == [4, 3, 2, 1]
+    assert memory_formulas.inflight_microbatches(4, 2) == 2
 
 
 def test_activation_memory_sequence_parallel_and_selective():
@@ -104,7 +104,7 @@ def test_activation_memory_sequence_parallel_and_selective():
     s, b, h, a, t = 2048, 1, 12288, 96, 8  # GPT-3 175B: 5as/h = 80, K22 sec. 5
     sbh = s * b * h
     assert 5 * a * s / h == 80
-    act = formulas.activation_bytes_per_layer
+    act = memory_formulas.activation_bytes_per_layer
     assert act(s, b, h, a, t, sequence_parallel=True) == pytest.approx(sbh * (34 / t + 80 / t))
     assert act(s, b, h, a, t, selective=True) == pytest.approx(sbh * (10 + 24 / t))
     assert act(s, b, h, a, t, sequence_parallel=True, selective=True) == pytest.approx(sbh * 34 / t)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from launch.analysis import formulas
+from launch.analysis import formulas, memory_formulas
 from launch.analysis.planner import GPUS, Hardware, Setup, estimate_plan
 from launch.runtime.layout import derive_layout
 from launch.runtime.recipe import load_recipe
@@ -102,7 +102,7 @@ def test_activation_formula_is_what_autograd_saves(changes):
     n_kv_head = n_head here: SDPA's math path saves k and v expanded to all heads anyway."""
     config = GPTConfig(arch="llama", n_layer=2, n_head=4, n_embd=32, ffn_hidden_size=64, seq_len=16, vocab_size=50,
                        dropout=0.1, **changes)
-    formula = formulas.model_activation_bytes_per_layer(config, config.seq_len, 2, element_bytes=4, mask_bytes=4,
+    formula = memory_formulas.model_activation_bytes_per_layer(config, config.seq_len, 2, element_bytes=4, mask_bytes=4,
                                                         layernorm_stat_bytes=4)
     assert formula == _saved_block_bytes(config, 2)
 
@@ -111,8 +111,8 @@ def test_activation_formula_is_what_autograd_saves(changes):
 def test_activation_and_layer_flops_are_gpt2s_for_gpt2(l, h, a, s, b, t):
     m = ModelConfig(n_layer=l, n_embd=h, n_head=a, seq_len=s, vocab_size=100).resolved()
     for kwargs in (dict(), dict(sequence_parallel=True), dict(selective=True), dict(recompute=True)):
-        assert formulas.model_activation_bytes_per_layer(m, s, b, t, **kwargs) == \
-            formulas.activation_bytes_per_layer(s, b, h, a, t, **kwargs)
+        assert memory_formulas.model_activation_bytes_per_layer(m, s, b, t, **kwargs) == \
+            memory_formulas.activation_bytes_per_layer(s, b, h, a, t, **kwargs)
     for recompute in (False, True):
         assert formulas.model_layer_flops_per_microbatch(m, b, s, recompute) == \
             formulas.layer_flops_per_microbatch(b, s, h, recompute)

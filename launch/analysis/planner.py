@@ -1,5 +1,6 @@
 """Evaluate one 3D layout (every number launch/plan.py prints) and rank layouts by a stated
-cost model. The formulas live in launch/analysis/formulas.py; the layout rules are launch/runtime/layout.py's.
+cost model. The formulas live in launch/analysis/formulas.py and memory_formulas.py; the layout
+rules are launch/runtime/layout.py's.
 
 Cost model of one optimizer step (`estimate_step_time`), all per device:
   slot    = max over stages of [ FLOPs of one micro-batch on the stage / (peak * efficiency)
@@ -14,7 +15,7 @@ lower efficiency of small micro-batches, so it ranks layouts; it does not promis
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from launch.analysis import formulas
+from launch.analysis import formulas, memory_formulas
 from launch.runtime.layout import Layout, derive_layout
 from launch.runtime.recipe import ConfigError, Recipe, TrainSection
 from model.config import ModelConfig
@@ -95,15 +96,15 @@ def within_node(groups: List[List[int]], gpus_per_node: int) -> bool:
 
 def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, blocks: int,
                   params: int) -> Dict[str, int]:
-    plain, zero1 = formulas.model_state_bytes(params, dp, 0), formulas.model_state_bytes(params, dp, 1)
-    inflight = formulas.inflight_microbatches(setup.pp, m, stage)  # micro-batches alive at the peak
-    per_layer = lambda recompute: formulas.model_activation_bytes_per_layer(  # noqa: E731
+    plain, zero1 = memory_formulas.model_state_bytes(params, dp, 0), memory_formulas.model_state_bytes(params, dp, 1)
+    inflight = memory_formulas.inflight_microbatches(setup.pp, m, stage)  # micro-batches alive at the peak
+    per_layer = lambda recompute: memory_formulas.model_activation_bytes_per_layer(  # noqa: E731
         model.resolved(), model.seq_len, setup.micro_batch, setup.tp, recompute)
     out = {"weights": plain["weights"], "gradients": plain["gradients"],
            "optimizer": plain["optimizer"], "optimizer_zero1": zero1["optimizer"],
            "activations": per_layer(False) * blocks * inflight,
            "activations_recompute": per_layer(True) * blocks * inflight}
-    out["total"] = (sum(formulas.model_state_bytes(params, dp, setup.zero).values())
+    out["total"] = (sum(memory_formulas.model_state_bytes(params, dp, setup.zero).values())
                     + out["activations_recompute" if setup.recompute else "activations"])
     return {k: round(v) for k, v in out.items()}
 

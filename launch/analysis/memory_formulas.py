@@ -1,0 +1,110 @@
+"""Memory formulas of 3D-parallel GPT training: model states per device under ZeRO and the
+activations a block and a pipeline stage keep for backward.
+
+Pure functions of the model dimensions and the layout, used by the planner (launch/plan.py),
+bench/activation_memory.py and the tests that check them against measured memory. Sources:
+  [N21] Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+        Clusters Using Megatron-LM" (SC'21).
+  [K22] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+        Models".
+  [R20] Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+        Parameter Models" (SC'20).
+Symbols as in launch/analysis/formulas.py: s sequence, b micro-batch, h hidden, a heads, t tp.
+"""
+from typing import Dict
+
+from launch.analysis.formulas import ACTIVATION_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+from model.config import ModelConfig
+
+
+def model_state_bytes(params: float, dp: int, zero_stage: int) -> Dict[str, float]:
+    """Weights, gradients and optimizer states per device for `params` local parameters [R20
+    sec. 3.1 and 5, fig. 1]: 2 + 2 + K bytes/param with K = 12, i.e. 16 without ZeRO (stage 0);
+    stage 1 splits the optimizer over d (4 + 12/d); stage 2 also the gradients (2 + 14/d);
+    stage 3 also the weights (16/d)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage} must be 0, 1, 2 or 3")
+    split = lambda stage: dp if zero_stage >= stage else 1  # noqa: E731
+    return {"weights": params * WEIGHT_BYTES / split(3),
+            "gradients": params * GRAD_BYTES / split(2),
+            "optimizer": params * OPTIMIZER_BYTES / split(1)}
+
+
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int,
+                               tp: int = 1, recompute: bool = False, sequence_parallel: bool = False,
+                               selective: bool = False, element_bytes: int = ACTIVATION_BYTES,
+                               mask_bytes: int = 1, layernorm_stat_bytes: int = 0) -> float:
+    """Activations one block stores for backward, per micro-batch, per TP rank [K22 sec. 4-5,
+    table 2]. With the defaults (fp16/bf16: 2 bytes per element, 1 per dropout-mask element):
+      no parallelism                 s*b*h*(34 + 5*a*s/h)
+      tensor parallel (t)            s*b*h*(10 + 24/t + 5*a*s/(h*t))
+      tensor + sequence parallel     s*b*h*(34/t + 5*a*s/(h*t))
+      selective recompute            the same without the 5*a*s/h terms
+      full recompute                 2*s*b*h, the block input; with sequence parallelism the
+                                     stored input is a (s/t, b, h) chunk: 2*s*b*h/t (K22's
+                                     table 2 lists 2sbh, without SP).
+    K22's tensor-by-tensor count, per s*b*h, with E = element_bytes and M = mask_bytes:
+      replicated over TP, split by SP:  LayerNorm inputs 2E, inputs of the QKV and first MLP
+                                        linears 2E, two dropout masks 2M          (10 in fp16)
+      split by TP:                      Q and K 2E, V E, attention-output projection input E,
+                                        GELU input 4E and output 4E               (24)
+      attention core, per a*s/h:        softmax output E, its dropout mask M and output E (5)
+    `layernorm_stat_bytes` adds what K22 leaves out: each LayerNorm's mean and 1/std per token
+    (4 bytes each in fp32). The core assumes the s x s scores are stored: an upper bound for
+    fused (flash) attention, which keeps none."""
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    E, M = element_bytes, mask_bytes
+    sp = t if sequence_parallel else 1
+    if recompute:
+        return E * s * b * h / sp
+    replicated = 4 * E + 2 * M
+    split = 12 * E
+    core = 0 if selective else (2 * E + M) * a * s / h
+    stats = 2 * 2 * layernorm_stat_bytes * s * b  # two LayerNorms, mean and 1/std per token
+    return s * b * h * (replicated / sp + split / t + core / t) + stats / sp
+
+
+def inflight_microbatches(pp: int, microbatches: int, stage: int = 0) -> int:
+    """Micro-batches whose activations stage `stage` holds at the peak of 1F1B: min(p - stage, m);
+    the first stage holds the most, min(p, m) [N21 sec. 2.2.1; K22 sec. 4]."""
+    return min(pp - stage, microbatches)
+
+
+def activation_bytes_per_stage(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int,
+                               layers: int, inflight: int, recompute: bool = False) -> float:
+    """Peak activation memory of one stage: per-layer activations x layers x in-flight
+    micro-batches. Excludes the embedding and output-layer activations."""
+    per_layer = activation_bytes_per_layer(seq_len, micro_batch, hidden, heads, tp, recompute)
+    return per_layer * layers * inflight
+
+
+def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1,
+                                     recompute: bool = False, sequence_parallel: bool = False,
+                                     selective: bool = False, element_bytes: int = ACTIVATION_BYTES,
+                                     mask_bytes: int = 1, layernorm_stat_bytes: int = 0) -> float:
+    """`activation_bytes_per_layer` (K22's tensor-by-tensor count) for any architecture; equal to
+    it for GPT-2. Per s*b*h, E = element_bytes, M = mask_bytes:
+      replicated over TP, split by SP: norm inputs 2E, inputs of the q/k/v and first MLP
+        projections 2E, two dropout masks 2M; RMSNorm (model/layers.py, transformers' formula)
+        also keeps its normalised output before the weight, 2E for the two norms;
+      split by TP: Q E*a*d/h, K and V E*kv*d/h each (SDPA's math path, CPU with dropout, expands
+        them to all a heads before saving: count kv = a there), the o_proj input E*a*d/h; the MLP
+        keeps 2 tensors of width f (GELU: its input and output) or 4 (SwiGLU: gate, up, silu(gate)
+        and their product), E*f/h each;
+      attention core, per a*s/h: (2E + M), as K22.
+    Per token: `layernorm_stat_bytes` for each LayerNorm's mean and 1/std, or each RMSNorm's 1/rms.
+    RoPE adds its cos and sin tables, 2*s*d*E per block (independent of b)."""
+    s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
+    E, M = element_bytes, mask_bytes
+    sp = t if sequence_parallel else 1
+    if recompute:
+        return E * s * b * h / sp
+    rms = m.norm == "rmsnorm"
+    replicated = 4 * E + 2 * M + (2 * E if rms else 0)
+    d, kv, f = m.head_dim, m.n_kv_head, m.ffn_hidden_size
+    attention = E * (2 * a * d + 2 * kv * d) / h
+    mlp = (4 if m.mlp == "swiglu" else 2) * E * f / h
+    core = 0 if selective else (2 * E + M) * a * s / h
+    stats = 2 * (1 if rms else 2) * layernorm_stat_bytes * s * b  # two norms per block
+    rope = 2 * s * d * E if m.position == "rope" else 0
+    return s * b * h * (replicated / sp + (attention + mlp) / t + core / t) + stats / sp + rope
