@@ -178,7 +178,7 @@ def test_bad_checkpoints_are_one_line_errors(parity_runs, tmp_path, monkeypatch,
 def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
     """SP leaves every weight's shape and shard alone: a checkpoint saved without it (or before
     the key existed) resumes with it; a different n_embd is still refused."""
-    from launch.checkpoints.store import CheckpointRef, check_compatible
+    from launch.checkpoints.locate import CheckpointRef, check_compatible
     from launch.runtime.recipe import ConfigError, Recipe
     layout = {"tp": 2, "pp": 2, "dp": 1}
     saved = Recipe().to_dict()
@@ -257,7 +257,8 @@ def test_prepare_save_dir_moves_later_tags_aside(tmp_path, capsys):
     """Resumed at step 2 into a directory holding steps 1-5 (4 incomplete): 3, 4 and 5 move into
     one abandoned-<time> directory and `latest` names step 2. A fresh run moves everything and
     removes `latest`; a non-writer rank touches nothing."""
-    from launch.checkpoints.store import CheckpointRef, prepare_save_dir
+    from launch.checkpoints.locate import CheckpointRef
+    from launch.checkpoints.store import prepare_save_dir
     for step in (1, 2, 3, 5):
         _manifest(tmp_path / f"step{step:08d}", None)
     (tmp_path / "step00000004").mkdir()  # a save cut short
@@ -321,6 +322,7 @@ def _durable_and_safe_body(root: Path):
     import torch.distributed as dist
 
     from launch.checkpoints import store as checkpoint
+    from launch.checkpoints.locate import CheckpointRef, find_checkpoint
     from launch.checkpoints.safe_io import UnsafeCheckpoint
     from launch.runtime.recipe import load_recipe
     from launch.runtime.layout import derive_layout
@@ -353,7 +355,7 @@ def _durable_and_safe_body(root: Path):
 
     loss = engine.train_batch(batches(2)).item()
     after = [p.detach().clone() for p in engine.module.parameters()]
-    ref = checkpoint.find_checkpoint(root)
+    ref = find_checkpoint(root)
     assert checkpoint.load(engine, ref, vars(layout), state, config)["step"] == 1
     assert engine.train_batch(batches(2)).item() == loss  # the weights of step 1
     assert all(torch.equal(a, p) for a, p in zip(after, engine.module.parameters()))  # Adam's state too
@@ -366,7 +368,7 @@ def _durable_and_safe_body(root: Path):
                        model_states)
     dist.barrier()
     with pytest.raises(UnsafeCheckpoint, match="refused to load checkpoint file .*mp_rank_0.*Unsupported global"):
-        checkpoint.load(engine, checkpoint.CheckpointRef(poisoned, ref.tag, ref.meta), vars(layout), state, config)
+        checkpoint.load(engine, CheckpointRef(poisoned, ref.tag, ref.meta), vars(layout), state, config)
     assert not (root.parent / "ran").exists()
 
 

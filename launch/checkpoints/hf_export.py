@@ -28,7 +28,7 @@ def read_checkpoint_weights(load: Path):
     """(CheckpointRef, GPTConfig, dense state dict with the real vocabulary) of `--load`."""
     import torch
 
-    from launch.checkpoints.store import find_checkpoint
+    from launch.checkpoints.locate import find_checkpoint
     from model.convert import merge_layer_states
     from model.pipe import pipeline_layers
 

@@ -24,152 +24,25 @@ launch/checkpoints/reshard.py re-shards the ZeRO-1 weights and optimizer state.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import re
 import shutil
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from launch.checkpoints.locate import COMPLETE, LATEST, CheckpointRef, same_layout, step_of, tag_for
 from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
 from launch.runtime.recipe import ConfigError
-from model.config import ARCH_SWITCHES, ModelConfig
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from model.config import GPTConfig
     from model.parallel_state import ParallelState
-
-COMPLETE = "complete.json"
-LATEST = "latest"
-TAG = re.compile(r"step(\d{8})")
-PRUNING = ".pruning-"  # a pruned tag is renamed to this prefix at once, then deleted in the background
-REQUIRED = ("step", "samples", "layout", "recipe", "files")
-
-
-def tag_for(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def step_of(tag: str) -> Optional[int]:
-    match = TAG.fullmatch(tag)
-    return int(match.group(1)) if match else None
-
-
-@dataclass
-class CheckpointRef:
-    """A complete checkpoint on disk and what complete.json says about it."""
-    root: Path
-    tag: str
-    meta: Dict[str, Any]
-
-    @property
-    def path(self) -> Path:
-        return self.root / self.tag
-
-
-def _read_complete(path: Path) -> Optional[Dict[str, Any]]:
-    """complete.json of tag directory `path`, or None if it has none (an interrupted save). One
-    that exists but cannot be read is an error: loading an older checkpoint instead would
-    silently throw away training."""
-    manifest = path / COMPLETE
-    if not manifest.exists():
-        return None
-    try:
-        meta = json.loads(manifest.read_text())
-        missing = [key for key in REQUIRED if key not in meta]
-        if missing:
-            raise ValueError(f"no {', '.join(missing)}")
-    except (OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"checkpoint {path} has an unreadable {COMPLETE} ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); restore it or load another "
-                          f"checkpoint (a tag directory) explicitly") from None
-    return meta
-
-
-def find_checkpoint(load: Path) -> CheckpointRef:
-    """The checkpoint `--load` names, verified against its manifest of file sizes."""
-    ref = _locate(load)
-    for name, size in ref.meta["files"].items():
-        path = ref.path / name
-        actual = path.stat().st_size if path.is_file() else None
-        if actual != size:
-            found = "missing" if actual is None else f"{actual} bytes"
-            raise ConfigError(f"checkpoint {ref.path} is damaged: {name} is {found}, expected {size} bytes; "
-                              f"load an older checkpoint (a tag directory) instead")
-    return ref
-
-
-def _locate(load: Path) -> CheckpointRef:
-    """`load` is a save directory (the checkpoint its `latest` names) or one tag directory."""
-    if not load.is_dir():
-        raise ConfigError(f"--load {str(load)!r}: no such directory")
-    meta = _read_complete(load)
-    if meta is not None:
-        return CheckpointRef(load.parent, load.name, meta)
-    latest = load / LATEST
-    if latest.exists():
-        try:
-            tag = latest.read_text().strip()
-        except OSError as e:
-            raise ConfigError(f"{latest} cannot be read ({type(e).__name__}: {e}); load a checkpoint "
-                              f"(a tag directory) explicitly") from None
-        meta = _read_complete(load / tag) if tag and (load / tag).is_dir() else None
-        if meta is None:
-            raise ConfigError(f"{latest} names {tag!r}, which is not a complete checkpoint in {load}; "
-                              f"load a checkpoint (a tag directory) explicitly")
-        return CheckpointRef(load, tag, meta)
-    complete = sorted(p.name for p in load.iterdir() if p.is_dir() and (p / COMPLETE).exists())
-    if complete:  # no `latest`: which of them continues the run is not recorded, so do not guess
-        raise ConfigError(f"--load {str(load)!r} has no {LATEST} file but complete checkpoints "
-                          f"({', '.join(complete[-3:])}); load one of them explicitly, e.g. --load "
-                          f"{load / complete[-1]}")
-    if any(load.iterdir()):
-        raise ConfigError(f"--load {str(load)!r} holds no complete checkpoint (no {COMPLETE}); "
-                          f"it is not a checkpoint directory or every save in it was interrupted")
-    raise ConfigError(f"--load {str(load)!r} is empty: no checkpoint to resume from")
-
-
-def same_layout(saved: Dict[str, int], layout: Dict[str, int]) -> bool:
-    return all(saved[k] == layout[k] for k in ("tp", "pp", "dp"))
-
-
-def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Dict[str, int]) -> None:
-    """The model shape, the global batch and the ZeRO stage must match the checkpoint's; another
-    layout needs ZeRO-1 (launch/checkpoints/reshard.py re-shards ZeRO-1 state). Say which key differs."""
-    # Compared with every architecture switch filled from its preset: a checkpoint saved before
-    # the switches existed is the gpt2 preset.
-    saved_model, model = (dataclasses.asdict(ModelConfig(**section).resolved())
-                          for section in (ref.meta["recipe"]["model"], recipe_dict["model"]))
-    # Free to change on resume: they leave every weight's shape and TP shard as they are (and
-    # checkpoints saved before `sequence_parallel` existed lack the key).
-    free = ("dropout", "sequence_parallel")
-    # The shape first, then the switches (a different n_embd also changes the derived ffn_hidden_size).
-    for key in sorted(set(saved_model) | set(model), key=lambda k: (k in ARCH_SWITCHES, k)):
-        if saved_model.get(key) != model.get(key) and key not in free:
-            raise ConfigError(f"checkpoint {ref.path} has model.{key}={saved_model.get(key)!r}, this run "
-                              f"{model.get(key)!r}: a checkpoint only resumes the model it was saved from")
-    saved_batch, batch = ref.meta["recipe"]["train"]["global_batch_size"], recipe_dict["train"]["global_batch_size"]
-    if saved_batch != batch:
-        raise ConfigError(f"checkpoint {ref.path} has train.global_batch_size={saved_batch}, this run {batch}: "
-                          f"the data position and the LR schedule count steps of that batch; resume with "
-                          f"--set train.global_batch_size={saved_batch}")
-    saved, stages = ref.meta["layout"], (ref.meta["recipe"]["train"]["zero_stage"], recipe_dict["train"]["zero_stage"])
-    if stages[0] != stages[1]:
-        raise ConfigError(f"checkpoint {ref.path} has train.zero_stage={stages[0]}, this run {stages[1]}: "
-                          f"the optimizer state is stored per ZeRO stage; resume with --set train.zero_stage={stages[0]}")
-    if not same_layout(saved, layout) and stages[1] != 1:
-        raise ConfigError(f"checkpoint {ref.path} was saved at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "
-                          f"with train.zero_stage={stages[0]}, this run is tp={layout['tp']} pp={layout['pp']} "
-                          f"dp={layout['dp']}: a change of layout re-shards ZeRO-1 state only; resume at the "
-                          f"saved layout")
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -185,6 +58,9 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
     get_accelerator().set_rng_state(state["accelerator"])
     get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+PRUNING = ".pruning-"  # a pruned tag is renamed to this prefix at once, then deleted in the background
 
 
 def prepare_save_dir(root: Path, resume_from: Optional[CheckpointRef], is_writer: bool) -> None:

@@ -56,7 +56,7 @@ def evaluation_recipe(args: argparse.Namespace) -> Recipe:
     """The recipe: the weights' model shape, the data and batch of --recipe (or the checkpoint's),
     then --set; read from complete.json or config.json only, no weights yet."""
     if args.load is not None:
-        from launch.checkpoints.store import find_checkpoint
+        from launch.checkpoints.locate import find_checkpoint
         saved = find_checkpoint(args.load).meta["recipe"]
         weights = as_overrides(saved if args.recipe is None else {"model": saved["model"]}, "")
         shape = {k: saved["model"][k] for k in SHAPE_FIELDS}

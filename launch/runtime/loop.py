@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # annotations only: no import cost at run time
     import torch
     from data.pipeline import RunData
     from deepspeed.runtime.pipe.engine import PipelineEngine
-    from launch.checkpoints.store import CheckpointRef
+    from launch.checkpoints.locate import CheckpointRef
     from model.config import GPTConfig
     from model.parallel_state import ParallelState
 
@@ -33,6 +33,7 @@ def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout
             config: GPTConfig, logging_rank: bool) -> Tuple[int, int]:
     """(first step to train, samples consumed so far): (1, 0), or after the checkpoint's step."""
     from launch.checkpoints import store
+    from launch.checkpoints.locate import same_layout
     if resume_from is None:
         return 1, 0
     client_state = store.load(engine, resume_from, vars(layout), state, config)
@@ -40,7 +41,7 @@ def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout
     if logging_rank:
         saved = resume_from.meta["layout"]
         print(f"resumed from {resume_from.path} at step {step} ({samples} samples consumed)"
-              + ("" if store.same_layout(saved, vars(layout)) else
+              + ("" if same_layout(saved, vars(layout)) else
                  f", re-sharded from tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}"), flush=True)
     return step + 1, samples
 

@@ -22,7 +22,7 @@ class TrainingJob:
     """data/pipeline.py's RunData."""
     vocab_size: int
     resume_from: Optional[Any] = None
-    """launch/checkpoints/store.py's CheckpointRef to resume from, or None."""
+    """launch/checkpoints/locate.py's CheckpointRef to resume from, or None."""
 
 
 def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
@@ -35,14 +35,14 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     check_before_start(recipe, args.metrics_out, args.save, args.timeline, args.comm_counts)
     resume_from = None
     if args.load is not None:
-        from launch.checkpoints.store import find_checkpoint
+        from launch.checkpoints.locate import find_checkpoint
         resume_from = find_checkpoint(args.load)
     data, vocab_size = load_run_data(recipe, layout)
     if args.init_from_hf is not None:
         from launch.checkpoints.hf_weights import check_hf_source
         check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size), resuming=resume_from is not None)
     if resume_from is not None:
-        from launch.checkpoints.store import check_compatible
+        from launch.checkpoints.locate import check_compatible
         check_compatible(resume_from, resolved_recipe_dict(recipe, vocab_size), vars(layout))
         data.check_data_state(resume_from.meta.get("data_state"), resume_from.meta["samples"])
         if resume_from.meta["step"] >= recipe.train.steps:
