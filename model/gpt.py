@@ -27,9 +27,9 @@ import torch.utils.checkpoint
 
 from model.config import GPTConfig
 from model.layers import (ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
-                          group_rank, group_size)
+                          group_rank, group_size, mark_sequence_parallel)
 from model.llama import GroupedQueryAttention, LlamaMLP
-from model.mappings import Group, copy_to_tp_region
+from model.mappings import Group
 from model.rotary import apply_rope, rope_cos_sin
 
 # Generator streams: blocks use their index; the embeddings and the head use ids no block can have.
@@ -202,15 +202,14 @@ class PositionEmbedding(nn.Module):
                                              generator=init_generator(config, WPE_STREAM)))
         self.drop = nn.Dropout(config.dropout)
         self.sp_group = config.sequence_parallel_group(tp_group)
+        mark_sequence_parallel(self.wpe, self.sp_group)  # each rank's gradient reaches only its rows
         self.dropout_rng = sequence_dropout_rng(config, tp_group, dropout_rng)
 
     def forward(self, tok_emb: torch.Tensor) -> torch.Tensor:  # (B, T, h) -> (B, T, h); SP: (B, T/t, h)
         T_local = tok_emb.size(1)
         start = group_rank(self.sp_group) * T_local
-        # Under SP each rank's gradient reaches only its rows of wpe: sum it over TP.
-        wpe = copy_to_tp_region(self.wpe, self.sp_group)
         with self.dropout_rng():
-            return self.drop(tok_emb + wpe[start:start + T_local])
+            return self.drop(tok_emb + self.wpe[start:start + T_local])
 
 
 class GPT(nn.Module):

@@ -10,12 +10,19 @@ LayerNorm) on TP rank 0 only.
 Sequence parallelism (Korthikanti et al. 2022, "K22"), when a layer is built with
 `sequence_parallel=True` and tp > 1: activations outside the linears are (B, T/t, h) sequence
 chunks; a column-parallel linear all-gathers the sequence first, a row-parallel linear and the
-embedding reduce-scatter it after, and replicated parameters used on a chunk (LayerNorm,
-row-parallel bias) get their gradient summed over TP by `copy_to_tp_region`.
+embedding reduce-scatter it after. Replicated parameters used on a chunk (norm weights and
+biases, row-parallel biases, learned positions) then get only the gradient of their rank's chunk:
+they carry `sequence_parallel = True` (Megatron's attribute), and their gradients are summed
+over TP once per step, after the last micro-batch's backward (`sequence_parallel_params`; the
+pipeline has DeepSpeed do it, model/pipe.py; Megatron's finalize_model_grads does the same), not
+by an all-reduce per parameter per micro-batch.
 """
+from typing import List
+
 import torch
 import torch.nn as nn
 from torch.nn import functional
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from model.mappings import (Group, all_gather_sequence, copy_to_tp_region,
                             gather_from_sequence_parallel_region, gather_from_tp_region,
@@ -44,6 +51,29 @@ def split_rows(full: torch.Tensor, tp_rank: int, tp_size: int, stride: int = 1) 
 def shard_rows(full: torch.Tensor, group: Group, stride: int = 1) -> torch.Tensor:
     """This rank's share of dim 0 of `full` (see `split_rows`)."""
     return split_rows(full, group_rank(group), group_size(group), stride)
+
+
+def mark_sequence_parallel(param: nn.Parameter, group: Group) -> None:
+    """`param` is replicated over TP but, under sequence parallelism (`group` not None), used on
+    this rank's sequence chunk only: its gradient must be summed over TP (once per step)."""
+    if group is not None and param is not None:
+        param.sequence_parallel = True
+
+
+def sequence_parallel_params(module: nn.Module) -> List[nn.Parameter]:
+    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+
+
+def allreduce_sequence_parallel_grads(module: nn.Module, tp_group: Group) -> None:
+    """Sum the gradients of `module`'s sequence-parallel parameters over TP, in one all-reduce:
+    after backward, for a model trained without DeepSpeed's pipeline engine (tests, benches)."""
+    grads = [p.grad for p in sequence_parallel_params(module) if p.grad is not None]
+    if tp_group is None or not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    torch.distributed.all_reduce(flat, group=tp_group)
+    for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(summed)
 
 
 def _mark_tp(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
@@ -172,6 +202,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(shard_rows(full.t(), tp_group).t().contiguous())  # (out, in/p)
         _mark_tp(self.weight, partition_dim=1)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        mark_sequence_parallel(self.bias, tp_group if self.sequence_parallel else None)
 
     def forward(self, x_parallel: torch.Tensor) -> torch.Tensor:
         partial = functional.linear(x_parallel, self.weight)  # (B, T, out): this rank's partial sum
@@ -179,8 +210,7 @@ class RowParallelLinear(nn.Module):
             y = reduce_from_tp_region(partial, self.tp_group)
             return y if self.bias is None else y + self.bias
         y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # (B, T/t, out)
-        # The bias meets only this rank's chunk: sum its gradient over TP.
-        return y if self.bias is None else y + copy_to_tp_region(self.bias, self.tp_group)
+        return y if self.bias is None else y + self.bias  # meets this rank's chunk only: marked
 
 
 class _PaddedVocabLogits(torch.autograd.Function):
@@ -264,22 +294,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm whose weight and bias get their gradient summed over `sequence_parallel_group`.
-
-    Under sequence parallelism each TP rank normalises only its (B, T/t, h) chunk, so its
-    gradient of the replicated weight covers T/t positions; copy_to_tp_region (forward:
-    identity, backward: all-reduce) makes it the full-sequence gradient on every rank, and the
-    parameters stay replicated (counted once in the gradient norm). None: plain nn.LayerNorm.
-    """
+    """nn.LayerNorm whose weight and bias are marked sequence-parallel when
+    `sequence_parallel_group` is given: each TP rank normalises only its (B, T/t, h) chunk, so
+    its gradient of the replicated weight covers T/t positions until the once-per-step sum over
+    TP (module docstring). The parameters stay replicated (counted once in the gradient norm)."""
 
     def __init__(self, normalized_shape: int, sequence_parallel_group: Group = None, eps: float = 1e-5):
         super().__init__(normalized_shape, eps=eps)
-        self.sequence_parallel_group = sequence_parallel_group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        group = self.sequence_parallel_group
-        return functional.layer_norm(x, self.normalized_shape, copy_to_tp_region(self.weight, group),
-                            copy_to_tp_region(self.bias, group), self.eps)
+        mark_sequence_parallel(self.weight, sequence_parallel_group)
+        mark_sequence_parallel(self.bias, sequence_parallel_group)
 
 
 class RMSNorm(nn.Module):
@@ -291,9 +314,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(normalized_shape))
         self.eps = eps
-        self.sequence_parallel_group = sequence_parallel_group
+        mark_sequence_parallel(self.weight, sequence_parallel_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return copy_to_tp_region(self.weight, self.sequence_parallel_group) * normed.to(x.dtype)
+        return self.weight * normed.to(x.dtype)

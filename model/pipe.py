@@ -27,6 +27,7 @@ from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rn
 
 from model.config import ModelConfig
 from model.gpt import Block, GPTConfig, LMHead, PositionEmbedding, TokenEmbedding, norm_class
+from model.layers import sequence_parallel_params
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import ParallelState
 
@@ -150,17 +151,37 @@ def pipeline_config(sequence_parallel: bool) -> Dict[str, Any]:
     return {}
 
 
+class GPTPipelineModule(PipelineModule):
+    """DeepSpeed's PipelineModule, plus the sequence-parallel gradient sum (model/layers.py).
+
+    After the last micro-batch's backward and before the data-parallel reduction and the
+    optimizer step, DeepSpeed's pipeline engine all-reduces the gradient of every weight
+    `get_tied_weights_and_groups` lists over its group (`_exec_reduce_tied_grads`; DeepSpeed's
+    BF16 optimizer's fp32 gradients included). Listing this stage's sequence-parallel parameters
+    with the TP group makes that the once-per-step TP sum they need, where an all-reduce per
+    parameter per micro-batch in backward would cost m times the calls."""
+
+    def __init__(self, tp_group, **kwargs):
+        super().__init__(**kwargs)
+        self.sequence_parallel_group = tp_group
+
+    def get_tied_weights_and_groups(self):
+        return super().get_tied_weights_and_groups() + [
+            (param, self.sequence_parallel_group) for param in sequence_parallel_params(self)]
+
+
 def build_pipeline(config: GPTConfig, state: ParallelState,
                    activation_checkpoint_interval: int = 0) -> PipelineModule:
     """One PipelineModule on the run's topology, balanced by transformer blocks."""
     seed_dropout_rngs(config.seed, state)
-    return PipelineModule(layers=layer_specs(config, state),
-                          topology=state.topology,
-                          loss_fn=make_loss_fn(state),
-                          partition_method="type:Block",
-                          activation_checkpoint_interval=activation_checkpoint_interval,
-                          # Without it DeepSpeed would checkpoint the embedding layers too (contract 9).
-                          checkpointable_layers=["Block"])
+    return GPTPipelineModule(tp_group=state.tp_group,
+                             layers=layer_specs(config, state),
+                             topology=state.topology,
+                             loss_fn=make_loss_fn(state),
+                             partition_method="type:Block",
+                             activation_checkpoint_interval=activation_checkpoint_interval,
+                             # Without it DeepSpeed would checkpoint the embedding layers too (contract 9).
+                             checkpointable_layers=["Block"])
 
 
 def stage_contents(pipe: PipelineModule, config: GPTConfig) -> List[Tuple[int, str]]:

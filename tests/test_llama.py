@@ -25,7 +25,7 @@ from model.config import GPTConfig, ModelConfig, llama_ffn_hidden_size
 from model.convert import dense_name, rule_for
 from model.gpt import GPT
 from model.hf_llama import llama_config_kwargs, to_llama_state_dict
-from model.layers import shard_rows
+from model.layers import allreduce_sequence_parallel_grads, shard_rows
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import init_parallel_state
 from model.pipe import build_pipeline, pipeline_config, pipeline_layers
@@ -106,6 +106,7 @@ def _tp_matches_dense(config: GPTConfig):
     losses = [_loss(dense, ids), _loss(tp_model, ids, group)]
     for loss in losses:
         loss.backward()
+    allreduce_sequence_parallel_grads(tp_model, group)  # the once-per-step sum (model/layers.py)
     assert abs(losses[1].item() - losses[0].item()) <= 1e-5 * losses[0].item(), [x.item() for x in losses]
     for name, param in tp_model.named_parameters():
         want = _dense_shard(dense_params[name].grad, name, group)

@@ -1,18 +1,18 @@
 """Layout parity for the Llama family: recipes/llama-tiny.yaml (grouped-query attention with
 n_kv_head=2, so at tp=4 two ranks share each key/value head; RoPE, RMSNorm, SwiGLU, an untied
 head as its own pipeline layer) gives the same losses, gradient norms and validation losses,
-fp32, relative difference <= 1e-5, at (1,1,1), (4,1,1) with sequence parallelism and (2,2,2)
-with and without it (docs/design.md, the acceptance test); and the checkpoint the (4,1,1) run
-saves after step 3 resumes bit for bit there and re-shards to (2,2,2). The runs are the session's
-parity runs (conftest.py: parity_runs, tag "llama")."""
+fp32, relative difference <= 1e-5, at every layout of GPT-2's parity test, with and without
+sequence parallelism (docs/design.md, the acceptance test); and the checkpoint the (4,1,1)
+sequence-parallel run saves after step 3 resumes bit for bit there and re-shards to (2,2,2). The
+runs are the session's parity runs (conftest.py: parity_runs, tag "llama")."""
 import pytest
 
-from conftest import SAVE_AT
+from conftest import LAYOUTS as GPT2_LAYOUTS, SAVE_AT, SP_LAYOUTS as GPT2_SP_LAYOUTS
 from launcher import LLAMA_TINY, launch_forked, read_metrics
 
 RTOL = 1e-5
 REFERENCE = (1, 1, 1, "llama")
-LAYOUTS = [(4, 1, 1, "llama", "sp"), (2, 2, 2, "llama"), (2, 2, 2, "llama", "sp")]
+LAYOUTS = [layout[:3] + ("llama",) + layout[3:] for layout in GPT2_LAYOUTS + GPT2_SP_LAYOUTS]
 
 
 def _close(got: float, want: float) -> bool:

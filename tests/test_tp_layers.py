@@ -11,7 +11,8 @@ from distributed import run_distributed
 from model.convert import rule_for
 from model.gpt import GPT, GPTConfig
 from model.config import padded_vocab_size
-from model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_rows
+from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, allreduce_sequence_parallel_grads,
+                          shard_rows)
 from model.loss import vocab_parallel_cross_entropy
 from model.mappings import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
 
@@ -196,6 +197,7 @@ def _sequence_parallel_gpt_body():
               for model, g in ((dense, None), (sp, group))]
     for loss in losses:
         loss.backward()
+    allreduce_sequence_parallel_grads(sp, group)  # the once-per-step sum (model/layers.py)
     _check("SP GPT loss", losses[1].detach(), losses[0].detach())
     dense_params = dict(dense.named_parameters())
     for name, param in sp.named_parameters():
