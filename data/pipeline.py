@@ -207,7 +207,12 @@ def check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreTrainedTok
 def prepare_run_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
                      global_batch_size: int, micro_batch_size: int, evaluate: bool,
                      eval_batches: int = 1) -> RunData:
-    """Check the data against the run and build (or reuse) its cache; raises DataError."""
+    """Check the data against the run and build (or reuse) its cache; raises DataError. A mixture
+    (`data.mix`) gives data/mixture_run.py's MixtureData, which has the same methods."""
+    if spec.mix:
+        from data.mixture_run import prepare_mixture
+        return prepare_mixture(spec, tokenizer, seq_len, seed, global_batch_size, micro_batch_size, evaluate,
+                               eval_batches)
     if evaluate and spec.val_split is None and spec.val_fraction <= 0:
         raise DataError("train.eval_every > 0 needs validation data: set data.val_split or data.val_fraction "
                         "(or train.eval_every=0)")
