@@ -22,7 +22,7 @@ section's value, so there is one definition of what a source is.
 import math
 from dataclasses import dataclass, fields, replace
 from fractions import Fraction
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import typing
 
 import numpy as np
@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data.sampler import epoch_order
 from data.spec import DataError, DataSpec
+from data.streaming import START, StreamState
 
 RUN_WIDE = ("tokenizer", "seq_len", "mix")
 """DataSpec fields that belong to the run, not to a source: one tokenizer, one sample length."""
@@ -179,26 +180,120 @@ def source_seed(seed: int, index: int) -> int:
     return seed + index
 
 
+@dataclass
+class SourceReader:
+    """Where one source's samples come from: cached windows (map-style), or `n_streams` logical
+    streams opened by `open_stream(stream, state)` (data/streaming.py's stream_windows)."""
+    windows: Optional[np.ndarray] = None
+    seed: int = 0
+    shuffle: bool = True
+    open_stream: Optional[Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]]] = None
+    n_streams: int = 1
+
+
+class MixtureBatches:
+    """Endless (input_ids, labels), each (b, seq_len) int64, of one dp rank, in step order from
+    step `step` on, and the position of every stream it reads (`state()`, for checkpoints).
+
+    Slot j of step k's global batch (position k*B + j) holds the interleave's source for that
+    position. A cached source gives it the window at that source's own position (SourceOrder).
+    A streamed source with S streams gives it the next window of stream j * S // B: each stream
+    owns a contiguous B/S of the slots, as in data/streaming.py, and advances by the slots of its
+    share the source holds in that step. So a rank reads only the streams of its slots, and a
+    one-source mixture is that source's own order."""
+
+    def __init__(self, readers: List[SourceReader], interleave: Interleave, global_batch_size: int,
+                 micro_batch_size: int, dp_rank: int, dp_size: int, step: int = 0,
+                 states: Optional[Dict[int, Dict[int, StreamState]]] = None):
+        self.readers, self.interleave, self.step = readers, interleave, step
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.lo, self.hi = dp_rank * global_batch_size // dp_size, (dp_rank + 1) * global_batch_size // dp_size
+        self.orders = {s: SourceOrder(len(r.windows), r.seed, r.shuffle)
+                       for s, r in enumerate(readers) if r.windows is not None}
+        self.states: Dict[int, Dict[int, StreamState]] = {}
+        self.streams: Dict[int, Dict[int, Iterator]] = {}
+        for s, r in enumerate(readers):
+            if r.open_stream is not None:
+                per = global_batch_size // r.n_streams
+                mine = range(self.lo // per, (self.hi - 1) // per + 1)
+                saved = (states or {}).get(s, {})
+                self.states[s] = {t: saved.get(t, (START, 0)) for t in mine}
+                self.streams[s] = {t: r.open_stream(t, self.states[s][t]) for t in mine}
+        self._batches = self._generate()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        return next(self._batches)
+
+    def _step_windows(self) -> Tuple[List[np.ndarray], Dict[int, Dict[int, StreamState]]]:
+        """This rank's windows of the current step, in slot order, and the stream states after it."""
+        B, lo, hi = self.global_batch_size, self.lo, self.hi
+        sources, local = self.interleave.slots(self.step * B, (self.step + 1) * B)
+        rows: List[Optional[np.ndarray]] = [None] * (hi - lo)
+        after: Dict[int, Dict[int, StreamState]] = {}
+        for s, reader in enumerate(self.readers):
+            if reader.windows is not None:
+                slots = np.flatnonzero(sources[lo:hi] == s)
+                for j, w in zip(slots, reader.windows[self.orders[s].indices(local[lo:hi][slots])]):
+                    rows[j] = w
+                continue
+            per = B // reader.n_streams
+            after[s] = {}
+            for t, stream in self.streams[s].items():
+                for j in range(t * per, (t + 1) * per):
+                    if sources[j] == s:  # the stream's next window; kept where the slot is this rank's
+                        w, after[s][t] = next(stream)
+                        if lo <= j < hi:
+                            rows[j - lo] = w
+        return rows, after
+
+    def _generate(self) -> Iterator[Batch]:
+        b = self.micro_batch_size
+        while True:
+            rows, after = self._step_windows()
+            for i in range(0, len(rows), b):
+                if i + b >= len(rows):  # the step's last micro-batch: the step is consumed
+                    for s, states in after.items():
+                        self.states[s].update(states)
+                    self.step += 1
+                batch = torch.from_numpy(np.stack(rows[i:i + b]).astype(np.int64))  # (b, seq_len + 1)
+                yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def state(self) -> dict:
+        """JSON-able: the steps consumed and the state of each stream this rank reads, per source."""
+        return {"step": self.step,
+                "sources": {str(s): {str(t): {"block": list(first), "taken": taken}
+                                     for t, (first, taken) in states.items()}
+                            for s, states in self.states.items()}}
+
+
+def merge_mixture_states(local_states: List[dict]) -> dict:
+    """One position of every stream of every source from the ranks' `state()`s; ranks that never
+    read (middle pipeline stages) hold an older step and are ignored."""
+    step = max(s["step"] for s in local_states)
+    sources: Dict[str, dict] = {}
+    for local in local_states:
+        if local["step"] == step:
+            for s, streams in local["sources"].items():
+                sources.setdefault(s, {}).update(streams)
+    return {"step": step, "sources": sources}
+
+
+def mixture_states_from(data_state: Optional[dict]) -> Dict[int, Dict[int, StreamState]]:
+    if data_state is None:
+        return {}
+    return {int(s): {int(t): (tuple(v["block"]), v["taken"]) for t, v in streams.items()}
+            for s, streams in data_state["sources"].items()}
+
+
 def mixture_micro_batches(windows: List[np.ndarray], seeds: List[int], shuffles: List[bool], interleave: Interleave,
                           global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                           start_sample: int = 0) -> Iterator[Batch]:
-    """Endless (input_ids, labels), each (b, seq_len) int64, of this dp rank in step order from
-    global position `start_sample` (a multiple of the global batch): data/sampler.py's
-    micro_batches over several sources' windows (all (N_s, seq_len + 1))."""
+    """MixtureBatches over cached sources only (all windows (N_s, seq_len + 1)), from global
+    position `start_sample` (a multiple of the global batch): a pure function of the position."""
     assert start_sample % global_batch_size == 0, (start_sample, global_batch_size)
-    orders = [SourceOrder(len(w), seed, shuffle) for w, seed, shuffle in zip(windows, seeds, shuffles)]
-    per_rank = global_batch_size // dp_size
-    step = start_sample // global_batch_size
-    width = windows[0].shape[1]
-    while True:
-        first = step * global_batch_size + dp_rank * per_rank
-        sources, local = interleave.slots(first, first + per_rank)
-        for start in range(0, per_rank, micro_batch_size):
-            source, position = sources[start:start + micro_batch_size], local[start:start + micro_batch_size]
-            batch = np.empty((len(source), width), dtype=np.int64)
-            for s in np.unique(source):
-                mine = source == s
-                batch[mine] = windows[s][orders[s].indices(position[mine])]
-            batch = torch.from_numpy(batch)  # (b, seq_len + 1)
-            yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        step += 1
+    readers = [SourceReader(w, seed, shuffle) for w, seed, shuffle in zip(windows, seeds, shuffles)]
+    return MixtureBatches(readers, interleave, global_batch_size, micro_batch_size, dp_rank, dp_size,
+                          start_sample // global_batch_size)
