@@ -10,10 +10,13 @@ W_s, the deficits are back to zero and the pattern repeats. So the source of a p
 table lookup, cycle[g % T], a pure function of g: the same at every layout, and a resume needs
 only the sample count.
 
-Each source then reads its own windows in its own order: a source's k-th sample is position k
-of that source's endless stream, reshuffled every epoch (data/sampler.py's permutation, seeded
-per source), so a source smaller than its share repeats epoch after epoch. dp rank r takes the
-r-th contiguous 1/dp of every global batch, as for a single source (docs/design.md contract 3).
+Each source then reads its own windows in its own order. A cached source's k-th sample is
+position k of that source's endless stream, reshuffled every epoch (data/sampler.py's
+permutation, seeded per source), so a source smaller than its share repeats epoch after epoch.
+A streamed source's S streams each own a contiguous B/S of every global batch's slots and give
+the next window of their own stream (data/streaming.py) to each of those slots the source holds;
+their positions are the checkpoint's data_state. dp rank r takes the r-th contiguous 1/dp of
+every global batch, as for a single source (docs/design.md contract 3).
 
 Fields. A source is the source fields of data/spec.py's DataSpec (everything but the run-wide
 tokenizer, seq_len and mix) plus `weight` and `label`; a field it leaves out takes the data
@@ -22,12 +25,11 @@ section's value, so there is one definition of what a source is.
 import math
 from dataclasses import dataclass, fields, replace
 from fractions import Fraction
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import typing
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from data.sampler import epoch_order
 from data.spec import DataError, DataSpec
