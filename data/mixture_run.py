@@ -161,8 +161,8 @@ class MixtureData:
         for source, per_epoch, n in zip(self.sources, self.windows_per_epoch, drawn):
             head = f"  {source.label}: weight {float(source.weight):g}, {int(n):,} samples"
             if per_epoch is None:
-                lines.append(head + " (streamed: more windows than the start-up check read; a stream starts "
-                                    "its next epoch when it ends)")
+                lines.append(head + " (streamed: windows per epoch not counted at start-up; each stream "
+                                    "starts its next epoch when it ends)")
                 continue
             epochs = n / per_epoch
             lines.append(head + f" of {per_epoch:,} windows = {epochs:.2f} epochs" + (" (repeats)" if epochs > 1 else ""))
