@@ -73,6 +73,11 @@ def _typed(where: str, value, annotation):
 
 
 def _weight(where: str, value) -> Fraction:
+    if isinstance(value, str):  # YAML 1.1 reads `3e-1` (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise DataError(f"{where}={value!r} must be a number >= 0")
     if value < 0:
