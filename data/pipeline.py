@@ -117,6 +117,9 @@ class RunData:
         """A checkpoint's stream positions fit this run (before training starts)."""
         if data_state is None or self.train_windows is not None:
             return
+        if "sources" in data_state:  # saved by a mixture's streamed sources (data/mixture.py)
+            raise DataError("the checkpoint holds the stream positions of a mixture (data.mix), this run reads one "
+                            "streamed source: resume with the data section it was saved with")
         if data_state["streams_total"] != self.spec.streams:
             raise DataError(f"the checkpoint's data position is for data.streams={data_state['streams_total']}, "
                             f"this run has data.streams={self.spec.streams}; resume with "
