@@ -117,6 +117,9 @@ class RunData:
         """A checkpoint's stream positions fit this run (before training starts)."""
         if data_state is None or self.train_windows is not None:
             return
+        if "sources" in data_state:  # saved by a mixture's streamed sources (data/mixture.py)
+            raise DataError("the checkpoint holds the stream positions of a mixture (data.mix), this run reads one "
+                            "streamed source: resume with the data section it was saved with")
         if data_state["streams_total"] != self.spec.streams:
             raise DataError(f"the checkpoint's data position is for data.streams={data_state['streams_total']}, "
                             f"this run has data.streams={self.spec.streams}; resume with "
@@ -168,14 +171,17 @@ def first_windows(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_
 
 
 def check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int,
-                  global_batch_size: int) -> None:
-    """Every stream holds a global batch's share (B/S windows) per epoch. Reads the data in its
-    own order only until that is shown (about one global batch of tokens), or to its end."""
+                  global_batch_size: int, windows_per_stream: Optional[int] = None) -> Optional[int]:
+    """Every stream holds a global batch's share (B/S windows; or `windows_per_stream`, a mixture's
+    source, which repeats) per epoch. Reads the data in its own order only until that is shown
+    (about one global batch of tokens), or to its end; returns the windows per epoch when it read
+    to the end (the data is that small), else None."""
     S, window = spec.streams, seq_len + 1
     if global_batch_size % S:
         raise DataError(f"data.streams={S} must divide train.global_batch_size={global_batch_size}: every stream "
                         f"gives B/streams windows to each step")
-    need = global_batch_size // S * window
+    share = windows_per_stream or global_batch_size // S
+    need = share * window
     tokens, rows, batch = [0] * S, 0, []
 
     def count(batch):
@@ -192,22 +198,29 @@ def check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreTrainedTok
                 count(batch)
                 batch = []
                 if min(tokens) >= need:
-                    return
+                    return None
     count(batch)
     if rows == 0:
         raise DataError(f"data.name={spec.name!r} split {spec.split!r} is empty")
     worst = int(np.argmin(tokens))
     if tokens[worst] < need:
         raise DataError(f"data.name={spec.name!r} (streaming): stream {worst} of data.streams={S} holds "
-                        f"{tokens[worst] // window} windows of seq_len+1 = {window} tokens per epoch, fewer than its "
-                        f"share of one global batch ({global_batch_size}/{S} = {global_batch_size // S}); "
-                        f"lower data.streams, train.global_batch_size or data.seq_len, or use more data")
+                        f"{tokens[worst] // window} windows of seq_len+1 = {window} tokens per epoch, fewer than "
+                        + (f"its share of one global batch ({global_batch_size}/{S} = {share}); "
+                           if windows_per_stream is None else f"{share} (no complete window); ")
+                        + "lower data.streams, train.global_batch_size or data.seq_len, or use more data")
+    return sum(t // window for t in tokens)  # each stream packs its own documents
 
 
 def prepare_run_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
                      global_batch_size: int, micro_batch_size: int, evaluate: bool,
                      eval_batches: int = 1) -> RunData:
-    """Check the data against the run and build (or reuse) its cache; raises DataError."""
+    """Check the data against the run and build (or reuse) its cache; raises DataError. A mixture
+    (`data.mix`) gives data/mixture_run.py's MixtureData, which has the same methods."""
+    if spec.mix:
+        from data.mixture_run import prepare_mixture
+        return prepare_mixture(spec, tokenizer, seq_len, seed, global_batch_size, micro_batch_size, evaluate,
+                               eval_batches)
     if evaluate and spec.val_split is None and spec.val_fraction <= 0:
         raise DataError("train.eval_every > 0 needs validation data: set data.val_split or data.val_fraction "
                         "(or train.eval_every=0)")

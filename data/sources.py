@@ -22,7 +22,7 @@ from data.hub import hub_errors_only
 from data.spec import DataError, DataSpec
 
 AnyDataset = Union[datasets.Dataset, datasets.IterableDataset]
-FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+FILE_BUILDERS = {".txt": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def local_files(name: str) -> Optional[List[str]]:

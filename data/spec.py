@@ -3,8 +3,8 @@
 Defined here (not in launch/) so that data/ stays independent of the launcher; the recipe
 loader uses this class as its `data` section.
 """
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
 
 class DataError(ValueError):
@@ -49,3 +49,9 @@ class DataSpec:
     when there is no val_split."""
     num_proc: int = 1
     """Processes for tokenization (`datasets.map(num_proc=...)`)."""
+    mix: List[Dict[str, Any]] = field(default_factory=list)
+    """A mixture: a list of sources, each a mapping of the source fields above (name, config,
+    split, revision, text_field, streaming, shuffle, shuffle_buffer, streams, val_split,
+    val_fraction, num_proc) plus `weight` and an optional `label`. A field a source leaves out
+    takes this section's value; tokenizer and seq_len are the run's, one for all sources.
+    Empty: the single source above. Checked and used by data/mixture.py."""

@@ -20,20 +20,34 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         recipe = load_recipe(args.recipe, args.overrides)
-        if recipe.data.streaming:
+        if recipe.data.streaming and not recipe.data.mix:
             raise ConfigError("data.streaming=true tokenizes on the fly: there is nothing to prepare")
         from data.builtin import load_tokenizer
-        from data.windows import prepare_streams, windows
+        from data.windows import prepare_streams
         start = time.perf_counter()
-        streams = prepare_streams(recipe.data, load_tokenizer(recipe.data.tokenizer))
+        tokenizer = load_tokenizer(recipe.data.tokenizer)
+        if recipe.data.mix:  # every source of the mixture, one progress bar over them
+            from data.mixture import parse_mixture
+            from data.mixture_run import build_source_caches
+            sources = parse_mixture(recipe.data)
+            built = list(zip((s.label for s in sources), build_source_caches(sources, tokenizer, progress=True)))
+        else:
+            built = [(None, prepare_streams(recipe.data, tokenizer))]
     except (ConfigError, DataError, OSError) as e:
         return report_bad_input(e)
-    seq_len = recipe.seq_len
-    how = "built" if streams.built_here else "reused"
-    print(f"{how} {streams.directory} in {time.perf_counter() - start:.1f}s: "
-          f"train {len(streams.train):,} tokens = {len(windows(streams.train, seq_len)):,} windows of "
-          f"{seq_len + 1}" + (f"; validation {len(streams.val):,} tokens" if streams.val is not None else ""))
+    for label, streams in built:
+        print(describe(streams, recipe.seq_len, label))
+    print(f"done in {time.perf_counter() - start:.1f}s")
     return 0
+
+
+def describe(streams, seq_len: int, label=None) -> str:
+    """One line: built or reused, where, and the train and validation tokens and windows a run sees."""
+    from data.windows import windows
+    how = "built" if streams.built_here else "reused"
+    return (("" if label is None else f"{label}: ") + f"{how} {streams.directory}: "
+            f"train {len(streams.train):,} tokens = {len(windows(streams.train, seq_len)):,} windows of "
+            f"{seq_len + 1}" + (f"; validation {len(streams.val):,} tokens" if streams.val is not None else ""))
 
 
 if __name__ == "__main__":

@@ -272,6 +272,8 @@ class MetricsLogger:
             parts.append(f"scale {record['loss_scale']:g}")
         if "val_loss" in record:
             parts.append(f"val_loss {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})")
+        for label, loss in record.get("val_loss_by_source", {}).items():  # a mixture (data.mix)
+            parts.append(f"val[{label}] {loss:.4f}")
         eta = eta_seconds(record["elapsed_s"], step - self.steps_before, total - self.steps_before)
         parts.append(f"eta {format_duration(eta)}")
         return " | ".join(parts)

@@ -107,20 +107,33 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
     # recipe trains in, so every layout and the transformers model agree to rounding.
     engine, _, _, _ = deepspeed.initialize(model=pipe, config=evaluation_config(recipe, layout))
     on_validation = data.has_validation
-    if on_validation:
-        batches = data.val_batches(state.dp_rank, layout.dp, n_batches)
+
+    def mean_loss(batches) -> float:
+        # One eval_batch is one global batch (grad_accum_steps micro-batches per pipeline), averaged
+        # over micro-batches and dp ranks by DeepSpeed and broadcast to every stage.
+        return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n_batches)) / n_batches
+
+    from data.mixture_run import MixtureData
+    by_source = None
+    if on_validation and isinstance(data, MixtureData):  # each source's own loss, then their weighted mean
+        by_source = {label: mean_loss(part.val_batches(state.dp_rank, layout.dp, n_batches))
+                     for label, part in zip(data.labels, data.parts)}
+        loss = data.overall_val_loss(by_source)
+    elif on_validation:
+        loss = mean_loss(data.val_batches(state.dp_rank, layout.dp, n_batches))
     else:
-        batches = data.train_batches(state.dp_rank, layout.dp)
-    # One eval_batch is one global batch (grad_accum_steps micro-batches per pipeline), averaged
-    # over micro-batches and dp ranks by DeepSpeed and broadcast to every stage.
-    loss = sum(engine.eval_batch(data_iter=batches).item() for _ in range(n_batches)) / n_batches
+        loss = mean_loss(data.train_batches(state.dp_rank, layout.dp))
     result = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "batches": n_batches,
               "tokens": n_batches * layout.global_batch_size * recipe.seq_len,
               "data": "validation" if on_validation else "train", "source": str(args.load or args.init_from_hf),
               "layout": vars(layout)}
+    if by_source is not None:
+        result["loss_by_source"] = by_source
     if is_logging_rank(state.global_rank):
         print(f"loss {loss:.6f} ppl {result['ppl']:.4f} ({n_batches} global batches of {result['data']} data, "
               f"tp={layout.tp} pp={layout.pp} dp={layout.dp})", flush=True)
+        for label, source_loss in (by_source or {}).items():
+            print(f"  {label}: loss {source_loss:.6f} ppl {math.exp(min(source_loss, 50.0)):.4f}", flush=True)
         if args.json_out is not None:
             args.json_out.write_text(json.dumps(result, indent=1) + "\n")
     shut_down_distributed()

@@ -29,6 +29,20 @@ def validation_loss(engine: PipelineEngine, data: RunData, state: ParallelState,
     return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n)) / n
 
 
+def validation_record(engine: PipelineEngine, data, state: ParallelState, layout: Layout, eval_batches: int,
+                      device: torch.device) -> dict:
+    """val_loss and val_ppl; for a mixture also val_loss_by_source (label -> that source's own
+    validation loss), with val_loss their mean weighted by the mixture's weights."""
+    from data.mixture_run import MixtureData
+    if isinstance(data, MixtureData):
+        by_source = {label: validation_loss(engine, part, state, layout, eval_batches, device)
+                     for label, part in zip(data.labels, data.parts)}
+        val_loss = data.overall_val_loss(by_source)
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_loss_by_source": by_source}
+    val_loss = validation_loss(engine, data, state, layout, eval_batches, device)
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+
 def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout: Layout, state: ParallelState,
             config: GPTConfig, logging_rank: bool) -> Tuple[int, int]:
     """(first step to train, samples consumed so far): (1, 0), or after the checkpoint's step."""
@@ -51,6 +65,7 @@ def run_training(job: TrainingJob) -> None:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
+    from data.mixture_run import MixtureData
     from launch.checkpoints import store
     from launch.instruments.comm_counter import install_comm_counter
     from launch.instruments.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak,
@@ -94,6 +109,9 @@ def run_training(job: TrainingJob) -> None:
                                 arithmetic,
                                 resume_after_step=first_step - 1 if resume_from is not None else None,
                                 wandb_run_id=resume_from.meta.get("wandb_run_id") if resume_from is not None else None)
+    mixture = isinstance(data, MixtureData)
+    if mixture and logging_rank:  # says once which sources repeat, and how often
+        print(data.repeat_report(t.steps), flush=True)
     for step in range(first_step, t.steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
         maybe_inject_fault(fault, state.global_rank, step)
@@ -109,9 +127,10 @@ def run_training(job: TrainingJob) -> None:
                   "lr": lr, "loss_scale": loss_scale(engine), "tokens": step * tokens_per_step,
                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved}
+        if mixture:
+            record["samples_by_source"] = data.samples_by_source(samples)
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            val_loss = validation_loss(engine, data, state, layout, t.eval_batches, device)
-            record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+            record.update(validation_record(engine, data, state, layout, t.eval_batches, device))
         if metrics is not None:
             metrics.log(record)
         stopping = stop.agreed()

@@ -1,0 +1,307 @@
+"""A mixture of data sources (`data.mix`): which source each sample comes from, and the data of
+a run that draws from several sources with one tokenizer.
+
+Interleave. Position g of the global sample stream goes to the source with the largest deficit
+weight_s * (g + 1) - count_s(g) (ties to the lower index), where count_s(g) is how many of the
+positions before g went to s. Every source's cumulative count then stays within one sample of
+weight_s * samples after every sample, so after every step. The weights are exact fractions
+(0.3 is 3/10), scaled to integers W_s with sum T: after T positions every count is exactly
+W_s, the deficits are back to zero and the pattern repeats. So the source of a position is a
+table lookup, cycle[g % T], a pure function of g: the same at every layout, and a resume needs
+only the sample count.
+
+Each source then reads its own windows in its own order. A cached source's k-th sample is
+position k of that source's endless stream, reshuffled every epoch (data/sampler.py's
+permutation, seeded per source), so a source smaller than its share repeats epoch after epoch.
+A streamed source's S streams each own a contiguous B/S of every global batch's slots and give
+the next window of their own stream (data/streaming.py) to each of those slots the source holds;
+their positions are the checkpoint's data_state. dp rank r takes the r-th contiguous 1/dp of
+every global batch, as for a single source (docs/design.md contract 3).
+
+Fields. A source is the source fields of data/spec.py's DataSpec (everything but the run-wide
+tokenizer, seq_len and mix) plus `weight` and `label`; a field it leaves out takes the data
+section's value, so there is one definition of what a source is.
+"""
+import math
+from dataclasses import dataclass, fields, replace
+from fractions import Fraction
+import typing
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from data.sampler import epoch_order
+from data.spec import DataError, DataSpec
+from data.streaming import START, StreamState
+
+RUN_WIDE = ("tokenizer", "seq_len", "mix")
+"""DataSpec fields that belong to the run, not to a source: one tokenizer, one sample length."""
+SOURCE_FIELDS = tuple(f.name for f in fields(DataSpec) if f.name not in RUN_WIDE)
+MIX_FIELDS = SOURCE_FIELDS + ("weight", "label")
+MAX_CYCLE = 1_000_000
+"""Longest interleave cycle (T samples): computed once per process at start-up (3 s for 1,000,000
+samples of three sources on a loaded 2-core machine; 0.3 of 1 and 0.7 is a cycle of 10)."""
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MixSource:
+    """One checked source of a mixture."""
+    index: int
+    label: str
+    weight: Fraction
+    """As given (not normalised); exact: 0.3 is 3/10."""
+    spec: DataSpec
+    """The data section with this source's fields in place of the section's own, and no mix."""
+
+
+def _typed(where: str, value, annotation):
+    """`value` as the DataSpec field's type, or a DataError naming the field and the type."""
+    if typing.get_origin(annotation) is typing.Union:  # Optional[T]
+        if value is None:
+            return None
+        annotation = [a for a in typing.get_args(annotation) if a is not type(None)][0]
+    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if annotation is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if annotation in (str, bool) and type(value) is annotation:
+        return value
+    raise DataError(f"{where}={value!r} has the wrong type: expected {annotation.__name__}")
+
+
+def _weight(where: str, value) -> Fraction:
+    if isinstance(value, str):  # YAML 1.1 reads `3e-1` (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{where}={value!r} must be a number >= 0")
+    if value < 0:
+        raise DataError(f"{where}={value!r} is negative; weights are shares of the samples, >= 0")
+    return Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
+
+
+def parse_mixture(spec: DataSpec) -> List[MixSource]:
+    """The checked sources of `spec.mix` (DataError, one line, naming the source and the field)."""
+    hints = typing.get_type_hints(DataSpec)
+    sources: List[MixSource] = []
+    for i, item in enumerate(spec.mix):
+        where = f"data.mix[{i}]"
+        if not isinstance(item, dict):
+            raise DataError(f"{where} must be a mapping of source fields ({', '.join(MIX_FIELDS)}), got {item!r}")
+        for key in item:
+            if key in RUN_WIDE:
+                raise DataError(f"{where}.{key}: one {key} for all sources of a mixture; set data.{key} instead")
+            if key not in MIX_FIELDS:
+                raise DataError(f"{where} has an unknown field {key!r}; the fields of a source: {', '.join(MIX_FIELDS)}")
+        values = {k: _typed(f"{where}.{k}", v, hints[k]) for k, v in item.items() if k in SOURCE_FIELDS}
+        source_spec = replace(spec, mix=[], **values)
+        label = item.get("label", source_spec.name)
+        if not isinstance(label, str) or not label:
+            raise DataError(f"{where}.label={label!r} must be a non-empty string")
+        sources.append(MixSource(i, label, _weight(f"{where}.weight", item.get("weight", 1)), source_spec))
+    labels = [s.label for s in sources]
+    for s in sources:
+        if labels.count(s.label) > 1:
+            twins = [i for i, label in enumerate(labels) if label == s.label]
+            raise DataError(f"data.mix: sources {twins} share the label {s.label!r}; give each its own `label`")
+    if not sources:
+        raise DataError("data.mix is empty; list at least one source, or leave data.mix out for one source")
+    if sum(s.weight for s in sources) == 0:
+        raise DataError("data.mix: every weight is 0; give at least one source a positive weight")
+    return sources
+
+
+class Interleave:
+    """The source of every position of the global sample stream, and the counts per source."""
+
+    def __init__(self, weights: List[Fraction]):
+        denominator = math.lcm(*(w.denominator for w in weights))
+        scaled = [int(w * denominator) for w in weights]
+        divisor = math.gcd(*scaled)
+        self.weights = [w // divisor for w in scaled]  # W_s, integers, sum T
+        self.period = sum(self.weights)
+        if self.period > MAX_CYCLE:
+            shown = ", ".join(str(float(w)) for w in weights)
+            raise DataError(f"data.mix weights [{shown}] repeat only every {self.period:,} samples (over "
+                            f"{MAX_CYCLE:,}); give them with fewer digits (e.g. 0.33 or integers like 1, 2)")
+        self.cycle = self._one_cycle()
+
+    def _one_cycle(self) -> np.ndarray:
+        """Largest deficit first, in integers: deficit_s * T = W_s * (g + 1) - T * count_s(g)."""
+        n, total = len(self.weights), self.period
+        deficit = [0] * n  # W_s * g - T * count_s(g) before position g
+        cycle = np.empty(total, dtype=np.int64)
+        for g in range(total):
+            best = max(range(n), key=lambda s: (deficit[s] + self.weights[s], -s))
+            for s in range(n):
+                deficit[s] += self.weights[s]
+            deficit[best] -= total
+            cycle[g] = best
+        return cycle
+
+    def counts(self, position: int) -> np.ndarray:
+        """Samples each source gave to positions [0, position)."""
+        cycles, rest = divmod(position, self.period)
+        return cycles * np.asarray(self.weights, dtype=np.int64) + np.bincount(self.cycle[:rest],
+                                                                             minlength=len(self.weights))
+
+    def slots(self, start: int, stop: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(source, that source's own sample position) of each global position in [start, stop)."""
+        source = self.cycle[np.arange(start, stop) % self.period]
+        local = np.empty(stop - start, dtype=np.int64)
+        before = self.counts(start)
+        for s in np.unique(source):
+            mine = source == s
+            local[mine] = before[s] + np.arange(int(mine.sum()))
+        return source, local
+
+
+class SourceOrder:
+    """Window index at each of one source's sample positions: every window once per epoch,
+    reshuffled by (the source's seed, epoch) like data/sampler.py. Keeps its current epoch's
+    permutation itself (the sampler's shared cache of two would thrash between sources)."""
+
+    def __init__(self, n_windows: int, seed: int, shuffle: bool):
+        self.n, self.seed, self.shuffle = n_windows, seed, shuffle
+        self.epoch, self.order = -1, None
+
+    def indices(self, positions: np.ndarray) -> np.ndarray:
+        if not self.shuffle:
+            return positions % self.n
+        out = np.empty(len(positions), dtype=np.int64)
+        epochs = positions // self.n
+        for epoch in np.unique(epochs):
+            if epoch != self.epoch:
+                self.epoch, self.order = int(epoch), epoch_order.__wrapped__(self.n, self.seed, int(epoch)).numpy()
+            here = epochs == epoch
+            out[here] = self.order[positions[here] % self.n]
+        return out
+
+
+def source_seed(seed: int, index: int) -> int:
+    """Source i's own data order: the run's seed plus i (a one-source mixture is the plain source)."""
+    return seed + index
+
+
+@dataclass
+class SourceReader:
+    """Where one source's samples come from: cached windows (map-style), or `n_streams` logical
+    streams opened by `open_stream(stream, state)` (data/streaming.py's stream_windows)."""
+    windows: Optional[np.ndarray] = None
+    seed: int = 0
+    shuffle: bool = True
+    open_stream: Optional[Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]]] = None
+    n_streams: int = 1
+
+
+class MixtureBatches:
+    """Endless (input_ids, labels), each (b, seq_len) int64, of one dp rank, in step order from
+    step `step` on, and the position of every stream it reads (`state()`, for checkpoints).
+
+    Slot j of step k's global batch (position k*B + j) holds the interleave's source for that
+    position. A cached source gives it the window at that source's own position (SourceOrder).
+    A streamed source with S streams gives it the next window of stream j * S // B: each stream
+    owns a contiguous B/S of the slots, as in data/streaming.py, and advances by the slots of its
+    share the source holds in that step. So a rank reads only the streams of its slots, and a
+    one-source mixture is that source's own order."""
+
+    def __init__(self, readers: List[SourceReader], interleave: Interleave, global_batch_size: int,
+                 micro_batch_size: int, dp_rank: int, dp_size: int, step: int = 0,
+                 states: Optional[Dict[int, Dict[int, StreamState]]] = None):
+        self.readers, self.interleave, self.step = readers, interleave, step
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.lo, self.hi = dp_rank * global_batch_size // dp_size, (dp_rank + 1) * global_batch_size // dp_size
+        self.orders = {s: SourceOrder(len(r.windows), r.seed, r.shuffle)
+                       for s, r in enumerate(readers) if r.windows is not None}
+        self.states: Dict[int, Dict[int, StreamState]] = {}
+        self.streams: Dict[int, Dict[int, Iterator]] = {}
+        for s, r in enumerate(readers):
+            if r.open_stream is not None:
+                per = global_batch_size // r.n_streams
+                mine = range(self.lo // per, (self.hi - 1) // per + 1)
+                saved = (states or {}).get(s, {})
+                self.states[s] = {t: saved.get(t, (START, 0)) for t in mine}
+                self.streams[s] = {t: r.open_stream(t, self.states[s][t]) for t in mine}
+        self._batches = self._generate()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        return next(self._batches)
+
+    def _step_windows(self) -> Tuple[List[np.ndarray], Dict[int, Dict[int, StreamState]]]:
+        """This rank's windows of the current step, in slot order, and the stream states after it."""
+        B, lo, hi = self.global_batch_size, self.lo, self.hi
+        sources, local = self.interleave.slots(self.step * B, (self.step + 1) * B)
+        rows: List[Optional[np.ndarray]] = [None] * (hi - lo)
+        after: Dict[int, Dict[int, StreamState]] = {}
+        for s, reader in enumerate(self.readers):
+            if reader.windows is not None:
+                slots = np.flatnonzero(sources[lo:hi] == s)
+                for j, w in zip(slots, reader.windows[self.orders[s].indices(local[lo:hi][slots])]):
+                    rows[j] = w
+                continue
+            per = B // reader.n_streams
+            after[s] = {}
+            for t, stream in self.streams[s].items():
+                for j in range(t * per, (t + 1) * per):
+                    if sources[j] == s:  # the stream's next window; kept where the slot is this rank's
+                        w, after[s][t] = next(stream)
+                        if lo <= j < hi:
+                            rows[j - lo] = w
+        return rows, after
+
+    def _generate(self) -> Iterator[Batch]:
+        b = self.micro_batch_size
+        while True:
+            rows, after = self._step_windows()
+            for i in range(0, len(rows), b):
+                if i + b >= len(rows):  # the step's last micro-batch: the step is consumed
+                    for s, states in after.items():
+                        self.states[s].update(states)
+                    self.step += 1
+                batch = torch.from_numpy(np.stack(rows[i:i + b]).astype(np.int64))  # (b, seq_len + 1)
+                yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def state(self) -> dict:
+        """JSON-able: the steps consumed and the state of each stream this rank reads, per source."""
+        return {"step": self.step,
+                "sources": {str(s): {str(t): {"block": list(first), "taken": taken}
+                                     for t, (first, taken) in states.items()}
+                            for s, states in self.states.items()}}
+
+
+def merge_mixture_states(local_states: List[dict]) -> dict:
+    """One position of every stream of every source from the ranks' `state()`s; ranks that never
+    read (middle pipeline stages) hold an older step and are ignored."""
+    step = max(s["step"] for s in local_states)
+    sources: Dict[str, dict] = {}
+    for local in local_states:
+        if local["step"] == step:
+            for s, streams in local["sources"].items():
+                sources.setdefault(s, {}).update(streams)
+    return {"step": step, "sources": sources}
+
+
+def mixture_states_from(data_state: Optional[dict]) -> Dict[int, Dict[int, StreamState]]:
+    if data_state is None:
+        return {}
+    return {int(s): {int(t): (tuple(v["block"]), v["taken"]) for t, v in streams.items()}
+            for s, streams in data_state["sources"].items()}
+
+
+def mixture_micro_batches(windows: List[np.ndarray], seeds: List[int], shuffles: List[bool], interleave: Interleave,
+                          global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                          start_sample: int = 0) -> Iterator[Batch]:
+    """MixtureBatches over cached sources only (all windows (N_s, seq_len + 1)), from global
+    position `start_sample` (a multiple of the global batch): a pure function of the position."""
+    assert start_sample % global_batch_size == 0, (start_sample, global_batch_size)
+    readers = [SourceReader(w, seed, shuffle) for w, seed, shuffle in zip(windows, seeds, shuffles)]
+    return MixtureBatches(readers, interleave, global_batch_size, micro_batch_size, dp_rank, dp_size,
+                          start_sample // global_batch_size)
