@@ -14,6 +14,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Dict, Iterator, Optional
 
 import datasets
 import torch
@@ -49,27 +50,35 @@ def time_pipeline(tokenizer) -> float:
             windows_module.default_cache_dir = original
 
 
-def loader_vs_model(repeats: int) -> tuple:
+def tiny_run_data(mix: Optional[list] = None):
+    """(run data, tokenizer, model) of recipes/tiny.yaml, its data section's `mix` set to `mix`."""
     recipe = load_recipe(REPO / "recipes" / "tiny.yaml", [])
+    if mix is not None:
+        recipe.data.mix = mix
     tokenizer = load_tokenizer("builtin")
     t = recipe.train
     data = prepare_run_data(recipe.data, tokenizer, recipe.seq_len, t.seed, t.global_batch_size,
                             t.micro_batch_size, evaluate=False)
-    model = GPT(recipe.gpt_config(len(tokenizer)))
-    batches = data.train_batches(0, 1)
-    n = 200
-    loader, consumer = [], []
+    return data, tokenizer, GPT(recipe.gpt_config(len(tokenizer)))
+
+
+def loader_vs_model(loaders: Dict[str, Iterator], model: GPT, repeats: int, n: int = 200) -> Dict[str, float]:
+    """Median micro-batches per second each of `loaders` delivers, and (key "model") what `model`
+    consumes, forward + backward, of the first loader's batches; alternating repetitions."""
+    rates: Dict[str, list] = {name: [] for name in list(loaders) + ["model"]}
+    consumed = next(iter(loaders.values()))
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(n):
-            next(batches)
-        loader.append(n / (time.perf_counter() - start))
+        for name, batches in loaders.items():
+            start = time.perf_counter()
+            for _ in range(n):
+                next(batches)
+            rates[name].append(n / (time.perf_counter() - start))
         start = time.perf_counter()
         for _ in range(20):
-            x, y = next(batches)
+            x, y = next(consumed)
             vocab_parallel_cross_entropy(model(x), y, None).mean().backward()
-        consumer.append(20 / (time.perf_counter() - start))
-    return statistics.median(loader), statistics.median(consumer)
+        rates["model"].append(20 / (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in rates.items()}
 
 
 def main() -> None:
@@ -90,7 +99,9 @@ def main() -> None:
     print(f"  raw tokenizer(batch)      {raw_s:7.3f} s  {n_tokens / raw_s:12,.0f} tok/s")
     print(f"  data pipeline (prepare)   {pipe_s:7.3f} s  {n_tokens / pipe_s:12,.0f} tok/s")
     print(f"  overhead ratio pipeline/raw = {pipe_s / raw_s:.2f}x (target < 1.5x)")
-    loader, consumer = loader_vs_model(args.repeats)
+    data, _, model = tiny_run_data()
+    rates = loader_vs_model({"loader": data.train_batches(0, 1)}, model, args.repeats)
+    loader, consumer = rates["loader"], rates["model"]
     print(f"micro-batches of recipes/tiny.yaml (median of {args.repeats}):")
     print(f"  loader delivers           {loader:10,.0f} batches/s")
     print(f"  tiny model consumes       {consumer:10,.1f} batches/s (forward + backward)")

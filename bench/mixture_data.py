@@ -11,18 +11,13 @@ Target: ratio >= 20. Alternating repetitions, median. `python bench/mixture_data
 """
 import argparse
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from data.builtin import builtin_corpus, load_tokenizer
-from data.pipeline import prepare_run_data
-from launch.runtime.recipe import load_recipe
-from model.gpt import GPT
-from model.loss import vocab_parallel_cross_entropy
+from bench.data_throughput import loader_vs_model, tiny_run_data
+from data.builtin import builtin_corpus
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,41 +29,18 @@ def three_sources(tmp: Path) -> list:
             {"name": str(tmp / "first200.jsonl"), "label": "first200", "weight": 0.1}]
 
 
-def loader_vs_model(repeats: int, mix: list) -> tuple:
-    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", [])
-    recipe.data.mix = mix
-    tokenizer = load_tokenizer("builtin")
-    t = recipe.train
-    data = prepare_run_data(recipe.data, tokenizer, recipe.seq_len, t.seed, t.global_batch_size,
-                            t.micro_batch_size, evaluate=False)
-    print(data.repeat_report(10_000))
-    single = prepare_run_data(load_recipe(REPO / "recipes" / "tiny.yaml", []).data, tokenizer, recipe.seq_len,
-                              t.seed, t.global_batch_size, t.micro_batch_size, evaluate=False)
-    model = GPT(recipe.gpt_config(len(tokenizer)))
-    batches, one_source = data.train_batches(0, 1), single.train_batches(0, 1)
-    n = 400
-    loader, plain, consumer = [], [], []
-    for _ in range(repeats):
-        for rates, it in ((loader, batches), (plain, one_source)):
-            start = time.perf_counter()
-            for _ in range(n):
-                next(it)
-            rates.append(n / (time.perf_counter() - start))
-        start = time.perf_counter()
-        for _ in range(20):
-            x, y = next(batches)
-            vocab_parallel_cross_entropy(model(x), y, None).mean().backward()
-        consumer.append(20 / (time.perf_counter() - start))
-    return statistics.median(loader), statistics.median(plain), statistics.median(consumer)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as tmp:
-        loader, plain, consumer = loader_vs_model(args.repeats, three_sources(Path(tmp)))
+        mixture, _, model = tiny_run_data(three_sources(Path(tmp)))
+        print(mixture.repeat_report(10_000))
+        single, _, _ = tiny_run_data()
+        rates = loader_vs_model({"mixture": mixture.train_batches(0, 1), "single": single.train_batches(0, 1)},
+                                model, args.repeats, n=400)
+    loader, plain, consumer = rates["mixture"], rates["single"], rates["model"]
     print(f"micro-batches of recipes/tiny.yaml from a three-source mixture (median of {args.repeats}):")
     print(f"  loader delivers           {loader:10,.0f} batches/s")
     print(f"  (one source, builtin      {plain:10,.0f} batches/s)")
