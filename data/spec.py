@@ -49,3 +49,7 @@ class DataSpec:
     when there is no val_split."""
     num_proc: int = 1
     """Processes for tokenization (`datasets.map(num_proc=...)`)."""
+    document_mask: bool = False
+    """Attention within documents only: in a packed window each token attends to the earlier tokens
+    of its own document, and positions (learned or RoPE) restart at 0 at each document start. Each
+    EOS starts the next document, as a BOS would, so no loss is masked (docs/data.md)."""

@@ -26,6 +26,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
 from model.config import ModelConfig
+from model.documents import DocumentMasks
 from model.gpt import Block, GPTConfig, LMHead, PositionEmbedding, TokenEmbedding, norm_class
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import ParallelState
@@ -100,7 +101,8 @@ def tp_dropout_rng():
     return get_cuda_rng_tracker().fork(TP_DROPOUT_RNG)
 
 
-def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: ParallelState) -> LayerSpec:
+def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: ParallelState,
+               document_masks: Optional[DocumentMasks] = None) -> LayerSpec:
     tp = state.tp_group
     if kind == "embed" and config.tie_embeddings:
         return TiedLayerSpec("embed", TokenEmbedding, config, tp, tied_weight_attr=["wte.weight"])
@@ -109,7 +111,7 @@ def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: Parall
     if kind == "wpe":
         return LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng)
     if kind == "block":
-        return LayerSpec(Block, config, block, tp, tp_dropout_rng)
+        return LayerSpec(Block, config, block, tp, tp_dropout_rng, document_masks)
     if kind == "ln_f":
         return LayerSpec(norm_class(config), config.n_embd, config.sequence_parallel_group(tp), eps=config.norm_eps)
     if kind == "lm_head":
@@ -118,7 +120,9 @@ def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: Parall
 
 
 def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
-    return [layer_spec(kind, block, config, state) for kind, block in pipeline_layers(config)]
+    # One cache of the document mask for all blocks: DeepSpeed builds only this stage's layers.
+    masks = DocumentMasks(config.dropout) if config.document_mask else None
+    return [layer_spec(kind, block, config, state, masks) for kind, block in pipeline_layers(config)]
 
 
 def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -1,0 +1,166 @@
+"""The document mask (`data.document_mask`, model/documents.py) against an independent reference:
+each document of a packed window gives, token for token, the losses it has when the model runs on
+it alone from position 0 with plain causal attention (no mask; fp32, relative 1e-5).
+
+- in process, the dense model at (1,1,1): GPT-2 (learned positions) and Llama (RoPE, grouped-query
+  attention), two rows with different boundaries, with and without selective recompute;
+- at tp=2 with sequence parallelism, GPT-2's learned positions on every rank's sequence chunk
+  (forked ranks, no launcher);
+- through a real run at (2,2,2) with sequence parallelism: the per-token losses the last stage
+  of the session's Llama parity run wrote for its first micro-batch (`--token-losses`, step-0
+  weights, which every layout shares: docs/design.md contract 2) against the dense model alone.
+Layout parity with the mask on is tests/test_llama_parity.py: its runs train with the mask.
+"""
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_distributed
+from model.config import GPTConfig
+from model.documents import block_document_mask, dense_document_mask, document_ids, document_positions
+from model.gpt import GPT
+from model.loss import vocab_parallel_cross_entropy
+
+RTOL = 1e-5
+EOS = 0
+GPT2 = GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=32, vocab_size=97, seed=3)
+LLAMA = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=32,
+                  vocab_size=97, seed=3)
+
+
+def _masked(config: GPTConfig, **changes) -> GPTConfig:
+    return dataclasses.replace(config, document_mask=True, eos_token_id=EOS, **changes)
+
+
+def _windows(config: GPTConfig) -> torch.Tensor:
+    """Two packed windows of seq_len + 1 tokens: a cut document's tail, then whole documents, each
+    starting with the EOS that ended the one before; other boundaries in each row."""
+    generator = torch.Generator().manual_seed(5)
+    rows = []
+    for cuts in ([5, 15], [2, 11, 20, 21]):  # row 2 also has an empty document (EOS EOS)
+        row = torch.randint(1, config.vocab_size, (config.seq_len + 1,), generator=generator)
+        row[cuts] = EOS
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def _segments(ids_row: torch.Tensor) -> list:
+    """[(start, stop)) of each segment of one row: a new one at every EOS."""
+    starts = [0] + [i for i in range(1, len(ids_row)) if ids_row[i] == EOS]
+    return list(zip(starts, starts[1:] + [len(ids_row)]))
+
+
+def _token_losses(model: GPT, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return vocab_parallel_cross_entropy(model(ids), labels, model.tp_group)
+
+
+def _assert_documents_alone(windows: torch.Tensor, losses: torch.Tensor, plain: GPT) -> None:
+    """Each segment's losses in `losses` (B, T) equal `plain` (no mask) on the segment alone."""
+    ids, labels = windows[:, :-1], windows[:, 1:]
+    checked = 0
+    with torch.no_grad():
+        for b in range(ids.size(0)):
+            for start, stop in _segments(ids[b]):
+                alone = _token_losses(plain, ids[b:b + 1, start:stop], labels[b:b + 1, start:stop])[0]
+                torch.testing.assert_close(losses[b, start:stop], alone, rtol=RTOL, atol=0,
+                                           msg=lambda m: f"row {b}, document [{start}, {stop}): {m}")
+                checked += 1
+    assert checked >= 5
+
+
+def test_segments_and_positions_restart_at_each_eos():
+    ids = torch.tensor([[7, 8, EOS, 5, 6, 9, EOS, EOS, 4]])
+    segments = document_ids(ids, EOS)
+    assert segments.tolist() == [[0, 0, 1, 1, 1, 1, 2, 3, 3]]
+    assert document_positions(segments).tolist() == [[0, 1, 0, 1, 2, 3, 0, 0, 1]]
+    mask = dense_document_mask(segments)[0, 0]
+    for i in range(9):
+        for j in range(9):
+            assert mask[i, j] == (j <= i and segments[0, i] == segments[0, j]), (i, j)
+
+
+def test_flex_block_mask_matches_the_dense_mask():
+    """The GPU kernel's BlockMask (flex_attention; on CPU forward only, unfused) against the
+    boolean mask of the CPU path, on a sequence of several 128-token blocks."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn import functional
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 50, (2, 384), generator=generator)
+    ids[0, [100, 130, 300]] = EOS
+    ids[1, [255, 256]] = EOS
+    segments = document_ids(ids, EOS)
+    q = torch.randn(2, 4, 384, 8, generator=generator)
+    k, v = (torch.randn(2, 2, 384, 8, generator=generator) for _ in range(2))
+    want = functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_document_mask(segments), enable_gqa=True)
+    with torch.no_grad(), pytest.warns(UserWarning, match="without torch.compile"):
+        got = flex_attention(q, k, v, block_mask=block_document_mask(segments), enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_packed_documents_match_each_document_alone(config):
+    windows = _windows(config)
+    masked, plain = GPT(_masked(config)), GPT(config)  # the same weights: seeded per layer
+    with torch.no_grad():
+        losses = _token_losses(masked, windows[:, :-1], windows[:, 1:])
+        unmasked = _token_losses(plain, windows[:, :-1], windows[:, 1:])
+    _assert_documents_alone(windows, losses, plain)
+    assert (losses - unmasked).abs().max() > 1e-3  # the mask changes what documents see
+
+
+@pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_selective_recompute_with_the_mask_gives_the_same_gradients(config):
+    windows = _windows(config)
+    grads = []
+    for recompute in (False, True):
+        model = GPT(_masked(config, recompute_attention=recompute)).train()
+        _token_losses(model, windows[:, :-1], windows[:, 1:]).mean().backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def _sequence_parallel_body():
+    group = dist.new_group(list(range(dist.get_world_size())))
+    windows = _windows(GPT2)
+    model = GPT(_masked(GPT2, sequence_parallel=True), group)
+    with torch.no_grad():
+        losses = _token_losses(model, windows[:, :-1], windows[:, 1:])
+    _assert_documents_alone(windows, losses, GPT(GPT2))
+
+
+@pytest.mark.slow  # forked ranks
+def test_gpt2_learned_positions_under_sequence_parallelism():
+    run_distributed(_sequence_parallel_body, 2)
+
+
+@pytest.mark.slow
+def test_packed_documents_at_tp2_pp2_dp2_with_sequence_parallelism(parity_runs):
+    """The per-token losses of the (2,2,2) Llama run with sequence parallelism, written by its
+    last stage for the first micro-batch of step 1 (step-0 weights), against the dense model on
+    each document alone. The labels are the window's tokens 1..T; a segment that starts at
+    position s >= 1 is ids[s:e] = labels[s-1:e-1], so the windows are rebuilt from them."""
+    from launch.runtime.recipe import load_recipe
+    from launcher import LLAMA_TINY
+    from data.builtin import load_tokenizer
+    run = parity_runs[(2, 2, 2, "llama", "sp", "docmask")]
+    dumped = json.loads((run["dir"] / "token_losses.json").read_text())
+    labels, losses = torch.tensor(dumped["labels"]), torch.tensor(dumped["losses"], dtype=torch.float32)
+    tokenizer = load_tokenizer("builtin")
+    config = load_recipe(LLAMA_TINY, []).gpt_config(len(tokenizer))
+    plain = GPT(config)
+    eos = tokenizer.eos_token_id
+    checked = 0
+    with torch.no_grad():
+        for b in range(labels.size(0)):
+            starts = [s for s in range(1, labels.size(1)) if labels[b, s - 1] == eos]
+            for start, stop in zip(starts, starts[1:] + [labels.size(1)]):
+                ids = labels[b:b + 1, start - 1:stop - 1]
+                alone = vocab_parallel_cross_entropy(plain(ids), labels[b:b + 1, start:stop], None)[0]
+                torch.testing.assert_close(losses[b, start:stop], alone, rtol=RTOL, atol=0,
+                                           msg=lambda m: f"row {b}, document [{start}, {stop}): {m}")
+                checked += 1
+    assert checked >= 2, labels
