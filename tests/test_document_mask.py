@@ -4,25 +4,27 @@ it alone from position 0 with plain causal attention (no mask; fp32, relative 1e
 
 - in process, the dense model at (1,1,1): GPT-2 (learned positions) and Llama (RoPE, grouped-query
   attention), two rows with different boundaries, with and without selective recompute;
-- at tp=2 with sequence parallelism, GPT-2's learned positions on every rank's sequence chunk
-  (forked ranks, no launcher);
-- through a real run at (2,2,2) with sequence parallelism: the per-token losses the last stage
-  of the session's Llama parity run wrote for its first micro-batch (`--token-losses`, step-0
-  weights, which every layout shares: docs/design.md contract 2) against the dense model alone.
-Layout parity with the mask on is tests/test_llama_parity.py: its runs train with the mask.
+- at (tp, pp, dp) = (2,2,2) with sequence parallelism through DeepSpeed's pipeline engine (8
+  forked ranks): the per-token losses the last stage computes, both architectures (GPT-2's
+  learned positions taken per rank's sequence chunk), at step-0 weights (the same at every
+  layout: docs/design.md contract 2).
+The packed windows are synthetic, so that each holds several documents (in the embedded corpus
+3% of 33-token windows hold a document boundary). Layout parity with the mask on, trained, with
+both recompute modes, is tests/test_llama_parity.py: its runs use the mask.
 """
 import dataclasses
-import json
 
+import deepspeed
 import pytest
 import torch
-import torch.distributed as dist
 
-from distributed import run_distributed
+from distributed import run_distributed, uses_deepspeed
 from model.config import GPTConfig
 from model.documents import block_document_mask, dense_document_mask, document_ids, document_positions
 from model.gpt import GPT
 from model.loss import vocab_parallel_cross_entropy
+from model.parallel_state import init_parallel_state
+from model.pipe import build_pipeline, pipeline_config
 
 RTOL = 1e-5
 EOS = 0
@@ -35,10 +37,10 @@ def _masked(config: GPTConfig, **changes) -> GPTConfig:
     return dataclasses.replace(config, document_mask=True, eos_token_id=EOS, **changes)
 
 
-def _windows(config: GPTConfig) -> torch.Tensor:
+def _windows(config: GPTConfig, seed: int = 5) -> torch.Tensor:
     """Two packed windows of seq_len + 1 tokens: a cut document's tail, then whole documents, each
     starting with the EOS that ended the one before; other boundaries in each row."""
-    generator = torch.Generator().manual_seed(5)
+    generator = torch.Generator().manual_seed(seed)
     rows = []
     for cuts in ([5, 15], [2, 11, 20, 21]):  # row 2 also has an empty document (EOS EOS)
         row = torch.randint(1, config.vocab_size, (config.seq_len + 1,), generator=generator)
@@ -123,44 +125,37 @@ def test_selective_recompute_with_the_mask_gives_the_same_gradients(config):
         torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
-def _sequence_parallel_body():
-    group = dist.new_group(list(range(dist.get_world_size())))
-    windows = _windows(GPT2)
-    model = GPT(_masked(GPT2, sequence_parallel=True), group)
-    with torch.no_grad():
-        losses = _token_losses(model, windows[:, :-1], windows[:, 1:])
-    _assert_documents_alone(windows, losses, GPT(GPT2))
+MICRO, N_MICRO = 2, 2
 
 
-@pytest.mark.slow  # forked ranks
-def test_gpt2_learned_positions_under_sequence_parallelism():
-    run_distributed(_sequence_parallel_body, 2)
+@uses_deepspeed
+def _pipeline_body():
+    """At tp=2 pp=2 dp=2 with sequence parallelism, through DeepSpeed's pipeline engine: the last
+    stage records each micro-batch's per-token losses and compares every document in it with the
+    dense model alone. GPT-2 (learned positions on each rank's chunk) and Llama (RoPE, GQA)."""
+    state = init_parallel_state(2, 2)
+    for config in (GPT2, LLAMA):
+        pipe = build_pipeline(_masked(config, sequence_parallel=True), state)
+        recorded = []
+
+        def loss_fn(logits, labels):  # the engine's loss, keeping the per-token values
+            losses = vocab_parallel_cross_entropy(logits, labels, state.tp_group)
+            recorded.append(losses.detach().clone())
+            return losses.mean()
+        pipe.loss_fn = loss_fn
+        engine, _, _, _ = deepspeed.initialize(
+            model=pipe, config={"train_batch_size": MICRO * N_MICRO * state.dp_size,
+                                "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
+                                **pipeline_config(True)})
+        # Each DP rank its own windows (the same on its first and last stage).
+        windows = [_windows(config, seed=10 * state.dp_rank + m) for m in range(N_MICRO)]
+        engine.eval_batch(iter([(w[:, :-1], w[:, 1:]) for w in windows]))
+        if state.pp_rank == 1 and state.tp_rank == 0:  # the TP ranks hold the same reduced losses
+            assert len(recorded) == N_MICRO
+            for w, losses in zip(windows, recorded):
+                _assert_documents_alone(w, losses, GPT(config))
 
 
-@pytest.mark.slow
-def test_packed_documents_at_tp2_pp2_dp2_with_sequence_parallelism(parity_runs):
-    """The per-token losses of the (2,2,2) Llama run with sequence parallelism, written by its
-    last stage for the first micro-batch of step 1 (step-0 weights), against the dense model on
-    each document alone. The labels are the window's tokens 1..T; a segment that starts at
-    position s >= 1 is ids[s:e] = labels[s-1:e-1], so the windows are rebuilt from them."""
-    from launch.runtime.recipe import load_recipe
-    from launcher import LLAMA_TINY
-    from data.builtin import load_tokenizer
-    run = parity_runs[(2, 2, 2, "llama", "sp", "docmask")]
-    dumped = json.loads((run["dir"] / "token_losses.json").read_text())
-    labels, losses = torch.tensor(dumped["labels"]), torch.tensor(dumped["losses"], dtype=torch.float32)
-    tokenizer = load_tokenizer("builtin")
-    config = load_recipe(LLAMA_TINY, []).gpt_config(len(tokenizer))
-    plain = GPT(config)
-    eos = tokenizer.eos_token_id
-    checked = 0
-    with torch.no_grad():
-        for b in range(labels.size(0)):
-            starts = [s for s in range(1, labels.size(1)) if labels[b, s - 1] == eos]
-            for start, stop in zip(starts, starts[1:] + [labels.size(1)]):
-                ids = labels[b:b + 1, start - 1:stop - 1]
-                alone = vocab_parallel_cross_entropy(plain(ids), labels[b:b + 1, start:stop], None)[0]
-                torch.testing.assert_close(losses[b, start:stop], alone, rtol=RTOL, atol=0,
-                                           msg=lambda m: f"row {b}, document [{start}, {stop}): {m}")
-                checked += 1
-    assert checked >= 2, labels
+@pytest.mark.slow  # 8 forked ranks
+def test_packed_documents_at_tp2_pp2_dp2_with_sequence_parallelism():
+    run_distributed(_pipeline_body, 8)

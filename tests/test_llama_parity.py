@@ -4,15 +4,24 @@ head as its own pipeline layer) gives the same losses, gradient norms and valida
 fp32, relative difference <= 1e-5, at (1,1,1), (4,1,1) with sequence parallelism and (2,2,2)
 with and without it (docs/design.md, the acceptance test); and the checkpoint the (4,1,1) run
 saves after step 3 resumes bit for bit there and re-shards to (2,2,2). The runs are the session's
-parity runs (conftest.py: parity_runs, tag "llama")."""
+parity runs (conftest.py: parity_runs, tag "llama").
+
+Every one of these runs trains with the document mask (`data.document_mask`, tag "docmask"), so
+they also show layout parity with the mask on: the segment ids crossing stages with the hidden
+states, with DeepSpeed's partitioned sends (tp=2 pp=2 without SP) and without them (SP), under
+full recompute (DeepSpeed's checkpointing of blocks) at (2,2,2) and selective recompute at
+(2,2,2) with SP. Recomputation changes memory, not losses (tests/test_recompute.py). The
+unmasked Llama model is checked against transformers and the dense model in tests/test_llama.py;
+the per-token losses of the masked (2,2,2) SP run in tests/test_document_mask.py."""
 import pytest
 
 from conftest import SAVE_AT
 from launcher import LLAMA_TINY, launch_forked, read_metrics
 
 RTOL = 1e-5
-REFERENCE = (1, 1, 1, "llama")
-LAYOUTS = [(4, 1, 1, "llama", "sp"), (2, 2, 2, "llama"), (2, 2, 2, "llama", "sp")]
+REFERENCE = (1, 1, 1, "llama", "docmask")
+LAYOUTS = [(4, 1, 1, "llama", "sp", "docmask"), (2, 2, 2, "llama", "docmask", "full"),
+           (2, 2, 2, "llama", "sp", "docmask", "selective")]
 
 
 def _close(got: float, want: float) -> bool:
@@ -40,14 +49,15 @@ def test_llama_tiny_layout_matches_single_process(parity_runs, layout):
 def test_llama_tiny_resumes_bitwise_and_reshards(parity_runs, tmp_path):
     """Saved at tp=4 (two ranks per key/value head) after step 3 of 5: resumed at tp=4 it repeats
     steps 4-5 bit for bit; re-sharded to (2,2,2) it matches them within 1e-5 (docs/design.md contract 13)."""
-    saved = parity_runs[(4, 1, 1, "llama", "sp")]
+    saved = parity_runs[LAYOUTS[0]]
     full = saved["metrics"]
     checkpoint = saved["dir"] / "ck" / f"step{SAVE_AT:08d}"
 
     def resume(n, args, name):
         out = tmp_path / f"{name}.jsonl"
         result = launch_forked(n, ["--recipe", str(LLAMA_TINY), "--steps", str(len(full)), "--load", str(checkpoint),
-                                   "--set", "model.sequence_parallel=true", "--metrics-out", str(out)] + args)
+                                   "--set", "model.sequence_parallel=true", "--set", "data.document_mask=true",
+                                   "--metrics-out", str(out)] + args)
         assert result.returncode == 0, result.stderr[-3000:]
         return read_metrics(out)
 
