@@ -4,12 +4,14 @@ same batches: the CPU demo shape (recipes/demo.yaml: 4 x 128, 4 heads) at sequen
 Both models are model/pipe.py's PipelineModule at tp=pp=dp=1 in a DeepSpeed engine configured by
 launch/runtime/ds_config.py (AdamW, ZeRO-1, clipping), stepped with `train_batch` on the same
 windows of the recipe's data (real documents, so the windows hold real boundaries), alternating
-repetitions; median step times and their ratio (target: at most 1.3 at sequence 1024). It prints
+repetitions. Other jobs on a shared machine only ever add time, by 2x and more, so the ratio is
+that of the fastest repetition of each (the least disturbed); the median of the per-repetition
+ratios (the two measured back to back) is printed too. Target: at most 1.3 at sequence 1024. It prints
 which attention kernel the masked model runs (model/documents.py: flex_attention on CUDA without
 dropout, else SDPA with one boolean (B, 1, T, T) mask per micro-batch).
 
     python bench/document_mask.py [--recipe recipes/demo.yaml] [--seq-len 1024] [--batch 4]
-                                  [--steps 3 --repeats 3] [--set KEY=VALUE ...] [--json]
+                                  [--steps 3 --repeats 5] [--set KEY=VALUE ...] [--json]
 """
 import argparse
 import json
@@ -36,6 +38,7 @@ def load(args, document_mask: bool):
 
 def stepper(args, document_mask: bool, windows: torch.Tensor, eos: int, vocab: int):
     import deepspeed
+    from launch.runtime.console import quiet_stdout
     from launch.runtime.ds_config import deepspeed_config
     from launch.runtime.lr_schedule import warmup_cosine
     from model.parallel_state import init_parallel_state
@@ -43,7 +46,8 @@ def stepper(args, document_mask: bool, windows: torch.Tensor, eos: int, vocab: i
 
     recipe, layout = load(args, document_mask)
     t = recipe.train
-    pipe = build_pipeline(recipe.gpt_config(vocab, eos), init_parallel_state(1, 1))
+    with quiet_stdout(True):  # DeepSpeed's layer listing
+        pipe = build_pipeline(recipe.gpt_config(vocab, eos), init_parallel_state(1, 1))
     engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=param_groups(pipe),
                                            config=deepspeed_config(recipe, layout),
                                            lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
@@ -71,7 +75,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4, help="samples per step (one micro-batch)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per repetition")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
     args = p.parse_args()
@@ -99,17 +103,19 @@ def main() -> None:
     for _ in range(args.repeats):  # alternate, so drift of a noisy machine hits both
         for name, step in steppers.items():
             measured[name].append(seconds_per_step(step, args.steps))
-    median = {name: statistics.median(times) for name, times in measured.items()}
-    ratio = median["document_mask"] / median["causal"]
+    fastest = {name: min(times) for name, times in measured.items()}
+    ratio = fastest["document_mask"] / fastest["causal"]
+    paired = statistics.median(m / c for m, c in zip(measured["document_mask"], measured["causal"]))
     m = recipe.model
     print(f"{args.recipe.name} ({m.n_layer} x {m.n_embd}, {m.n_head} heads), batch {args.batch} x {args.seq_len} "
           f"tokens, {documents:.1f} documents per window, on {device.type}; masked kernel: {kernel}\n"
-          f"step time: causal {median['causal']:.3f} s, document mask {median['document_mask']:.3f} s, "
-          f"ratio {ratio:.2f} (target <= 1.3)", flush=True)
+          f"step time (fastest repetition): causal {fastest['causal']:.3f} s, document mask "
+          f"{fastest['document_mask']:.3f} s, ratio {ratio:.2f} (target <= 1.3); median of the repetitions' "
+          f"ratios {paired:.2f}", flush=True)
     if args.json:
         print(json.dumps({"device": device.type, "kernel": kernel, "dims": vars(args) | {"recipe": str(args.recipe)},
-                          "documents_per_window": documents, "seconds_per_step": median, "runs": measured,
-                          "ratio": ratio}))
+                          "documents_per_window": documents, "seconds_per_step": fastest, "runs": measured,
+                          "ratio": ratio, "median_paired_ratio": paired}))
 
 
 if __name__ == "__main__":

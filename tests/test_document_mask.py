@@ -5,12 +5,15 @@ it alone from position 0 with plain causal attention (no mask; fp32, relative 1e
 - in process, the dense model at (1,1,1): GPT-2 (learned positions) and Llama (RoPE, grouped-query
   attention), two rows with different boundaries, with and without selective recompute;
 - at (tp, pp, dp) = (2,2,2) with sequence parallelism through DeepSpeed's pipeline engine (8
-  forked ranks): the per-token losses the last stage computes, both architectures (GPT-2's
-  learned positions taken per rank's sequence chunk), at step-0 weights (the same at every
-  layout: docs/design.md contract 2).
-The packed windows are synthetic, so that each holds several documents (in the embedded corpus
-3% of 33-token windows hold a document boundary). Layout parity with the mask on, trained, with
-both recompute modes, is tests/test_llama_parity.py: its runs use the mask.
+  forked ranks), both architectures (GPT-2's learned positions taken per rank's sequence chunk),
+  one under each recompute mode: the per-token losses the last stage computes at step-0 weights
+  (the same at every layout: docs/design.md contract 2), and the gradient of every shard against
+  the dense masked model's.
+The packed windows are synthetic, so that each holds several documents: in the embedded corpus
+only 3% of the 33-token windows of the tiny recipes hold a document boundary. For the same reason
+tests/test_llama_parity.py, whose runs train with the mask on, shows mostly that the mask's
+plumbing (segment ids across stages, DeepSpeed's partitioned sends, both recompute modes,
+resume) keeps layout parity: in its 5 steps one window holds a boundary.
 """
 import dataclasses
 
@@ -20,6 +23,7 @@ import torch
 
 from distributed import run_distributed, uses_deepspeed
 from model.config import GPTConfig
+from model.convert import dense_name, split
 from model.documents import block_document_mask, dense_document_mask, document_ids, document_positions
 from model.gpt import GPT
 from model.loss import vocab_parallel_cross_entropy
@@ -130,12 +134,17 @@ MICRO, N_MICRO = 2, 2
 
 @uses_deepspeed
 def _pipeline_body():
-    """At tp=2 pp=2 dp=2 with sequence parallelism, through DeepSpeed's pipeline engine: the last
-    stage records each micro-batch's per-token losses and compares every document in it with the
-    dense model alone. GPT-2 (learned positions on each rank's chunk) and Llama (RoPE, GQA)."""
+    """At tp=2 pp=2 dp=2 with sequence parallelism, one SGD step (lr 1) through DeepSpeed's
+    pipeline engine. The last stage records each micro-batch's per-token losses and compares every
+    document in it with the dense model alone; every rank compares its update (the gradient
+    averaged over micro-batches and DP ranks) with its shard of the dense masked model's gradient.
+    GPT-2 (learned positions per rank's sequence chunk, tied head) under full recompute
+    (DeepSpeed's checkpointing of blocks), Llama (RoPE, GQA) under selective recompute."""
     state = init_parallel_state(2, 2)
-    for config in (GPT2, LLAMA):
-        pipe = build_pipeline(_masked(config, sequence_parallel=True), state)
+    for config, interval in ((_masked(GPT2, sequence_parallel=True), 1),
+                             (_masked(LLAMA, sequence_parallel=True, recompute_attention=True), 0)):
+        pipe = build_pipeline(config, state, activation_checkpoint_interval=interval)
+        before = {name: param.detach().clone() for name, param in pipe.named_parameters()}
         recorded = []
 
         def loss_fn(logits, labels):  # the engine's loss, keeping the per-token values
@@ -144,16 +153,29 @@ def _pipeline_body():
             return losses.mean()
         pipe.loss_fn = loss_fn
         engine, _, _, _ = deepspeed.initialize(
-            model=pipe, config={"train_batch_size": MICRO * N_MICRO * state.dp_size,
-                                "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
-                                **pipeline_config(True)})
-        # Each DP rank its own windows (the same on its first and last stage).
-        windows = [_windows(config, seed=10 * state.dp_rank + m) for m in range(N_MICRO)]
-        engine.eval_batch(iter([(w[:, :-1], w[:, 1:]) for w in windows]))
+            model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1.0),
+            config={"train_batch_size": MICRO * N_MICRO * state.dp_size, "train_micro_batch_size_per_gpu": MICRO,
+                    "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
+                    **pipeline_config(True)})
+        # DP rank r's micro-batches (the same on its first and last stage); every rank knows all.
+        windows = {(r, m): _windows(config, seed=10 * r + m) for r in range(state.dp_size) for m in range(N_MICRO)}
+        mine = [windows[(state.dp_rank, m)] for m in range(N_MICRO)]
+        engine.train_batch(iter([(w[:, :-1], w[:, 1:]) for w in mine]))
+
+        plain = GPT(dataclasses.replace(config, document_mask=False, sequence_parallel=False,
+                                        recompute_attention=False))
         if state.pp_rank == 1 and state.tp_rank == 0:  # the TP ranks hold the same reduced losses
             assert len(recorded) == N_MICRO
-            for w, losses in zip(windows, recorded):
-                _assert_documents_alone(w, losses, GPT(config))
+            for w, losses in zip(mine, recorded):
+                _assert_documents_alone(w, losses, plain)
+        dense = GPT(dataclasses.replace(config, sequence_parallel=False, recompute_attention=False))
+        torch.stack([_token_losses(dense, w[:, :-1], w[:, 1:]).mean() for w in windows.values()]).mean().backward()
+        dense_grads = {name: param.grad for name, param in dense.named_parameters()}
+        for name, param in pipe.named_parameters():
+            key = dense_name(name, config)
+            want = split(key, dense_grads[key], state.tp_rank, state.tp_size, config.padded_vocab_size(state.tp_size))
+            torch.testing.assert_close(before[name] - param.detach(), want, rtol=1e-4, atol=2e-6,
+                                       msg=lambda m: f"{config.arch} {name}: {m}")
 
 
 @pytest.mark.slow  # 8 forked ranks
