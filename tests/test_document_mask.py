@@ -14,6 +14,8 @@ only 3% of the 33-token windows of the tiny recipes hold a document boundary. Fo
 tests/test_llama_parity.py, whose runs train with the mask on, shows mostly that the mask's
 plumbing (segment ids across stages, DeepSpeed's partitioned sends, both recompute modes,
 resume) keeps layout parity: in its 5 steps one window holds a boundary.
+RoPE's restart at each document is invisible in losses (RoPE scores depend on offsets only, which
+the mask keeps within a document); learned positions' restart is not, and is checked.
 """
 import dataclasses
 
