@@ -90,6 +90,7 @@ def test_segments_and_positions_restart_at_each_eos():
             assert mask[i, j] == (j <= i and segments[0, i] == segments[0, j]), (i, j)
 
 
+@pytest.mark.slow  # 5 s: flex_attention's first use
 def test_flex_block_mask_matches_the_dense_mask():
     """The GPU kernel's BlockMask (flex_attention; on CPU forward only, unfused) against the
     boolean mask of the CPU path, on a sequence of several 128-token blocks."""
