@@ -117,10 +117,17 @@ class GPTConfig(ModelConfig):
     """Seed of the weight initialisation (the recipe's train.seed)."""
     recompute_attention: bool = False
     """Selective recompute: rerun the attention core in backward instead of storing it (K22 sec. 5)."""
+    document_mask: bool = False
+    """Attend only within documents, positions restarting at each (the recipe's data.document_mask;
+    model/documents.py)."""
+    eos_token_id: Optional[int] = None
+    """The token that starts each document under `document_mask` (the tokenizer's EOS, data/tokens.py)."""
 
     def __post_init__(self) -> None:
         if self.vocab_size is None:
             raise ValueError("GPTConfig needs a vocab_size (a recipe's null is resolved from the tokenizer first)")
+        if self.document_mask and self.eos_token_id is None:
+            raise ValueError("GPTConfig with document_mask needs the eos_token_id that starts each document")
         # A built model never sees a null switch: fill them from the preset here, once.
         preset = preset_values(self.arch, self.n_embd, self.n_head)
         for key in ARCH_SWITCHES:

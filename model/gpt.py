@@ -18,7 +18,7 @@ Two switches change memory, never the maths (Korthikanti et al. 2022, "K22"):
 """
 import contextlib
 import math
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -26,11 +26,12 @@ from torch.nn import functional
 import torch.utils.checkpoint
 
 from model.config import GPTConfig
+from model.documents import DocumentLayout, DocumentMasks, document_attention, document_ids, document_positions
 from model.layers import (ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                           group_rank, group_size, mark_sequence_parallel)
 from model.llama import GroupedQueryAttention, LlamaMLP
 from model.mappings import Group
-from model.rotary import apply_rope, rope_cos_sin
+from model.rotary import apply_rope, at_positions, rope_cos_sin
 
 # Generator streams: blocks use their index; the embeddings and the head use ids no block can have.
 WTE_STREAM, WPE_STREAM, HEAD_STREAM = -1, -2, -3
@@ -83,28 +84,34 @@ class CausalSelfAttention(nn.Module):
                                         sequence_parallel=sp)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        dropout_p = self.dropout if self.training else 0.0
+        if mask is not None:  # the document mask (model/documents.py)
+            return document_attention(q, k, v, mask, dropout_p)
+        return functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h), or (B, T/t, h) with SP
+    def forward(self, x: torch.Tensor, documents: Optional[DocumentLayout] = None) -> torch.Tensor:
+        """(B, T, h), or (B, T/t, h) with SP; `documents`: positions and mask of the document mask."""
         q, k, v = self.c_attn(x).split(self.n_head_local * self.head_dim, dim=-1)  # (B, T, h/p) each
         B, T, _ = q.shape
         q, k, v = (t.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)
                    for t in (q, k, v))  # (B, nh/p, T, hs)
         if self.rope_theta is not None:
             cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device, q.dtype)
+            if documents is not None:
+                cos, sin = at_positions(cos, sin, documents.positions)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        masks = () if documents is None else (documents.mask,)
         # Attention probabilities are TP-sharded: their dropout mask must differ per TP rank.
         with self.dropout_rng():
             if self.recompute_attention and self.training:
                 # Selective recompute (K22 sec. 5): store only q, k, v. The checkpoint runs
                 # inside the forked RNG, so the state it saves and restores for the replay is
                 # the TP-rank stream that drew the forward's dropout mask.
-                y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, use_reentrant=False,
+                y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, *masks, use_reentrant=False,
                                                       preserve_rng_state=True)
             else:
-                y = self._core(q, k, v)
+                y = self._core(q, k, v, *masks)
         y = y.transpose(1, 2).reshape(B, T, self.n_head_local * self.head_dim)  # (B, T, h/p)
         y = self.c_proj(y)  # (B, T, h), or (B, T/t, h) with SP
         with self.residual_dropout_rng():
@@ -135,16 +142,28 @@ class MLP(nn.Module):
             return self.dropout(y)
 
 
+Carried = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+"""What flows between the layers: the hidden states, or with the document mask (hidden states,
+(B, T) segment ids) until the last block (model/documents.py)."""
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). GPT-2's attention
     and MLP for arch gpt2, model/llama.py's for arch llama; ln_1 and ln_2 as `config.norm` says.
 
     `dropout_rng` enters the per-TP-rank dropout RNG (model/pipe.py); the dense reference
-    leaves it a no-op."""
+    leaves it a no-op. With the document mask a block takes (hidden, segment ids) and passes the
+    segment ids on, except the last block, whose output is the hidden states alone (ln_f and
+    the head are unchanged); `document_masks` is shared by the blocks of one stage."""
 
     def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group,
-                 dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext):
+                 dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext,
+                 document_masks: Optional[DocumentMasks] = None):
         super().__init__()
+        self.document_masks = None
+        if config.document_mask:
+            self.document_masks = document_masks or DocumentMasks(config.dropout)
+            self.last = layer_index == config.n_layer - 1
         generator = init_generator(config, layer_index)
         residual_rng = sequence_dropout_rng(config, tp_group, dropout_rng)
         llama = config.arch == "llama"
@@ -154,9 +173,14 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config, tp_group)
         self.mlp = (LlamaMLP if llama else MLP)(config, tp_group, generator, residual_rng)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h) -> (B, T, h); (B, T/t, h) with SP
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: Carried) -> Carried:  # (B, T, h) -> (B, T, h); (B, T/t, h) with SP
+        if self.document_masks is None:
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+        hidden, segments = x
+        hidden = hidden + self.attn(self.ln_1(hidden), self.document_masks.layout(segments))
+        hidden = hidden + self.mlp(self.ln_2(hidden))
+        return hidden if self.last else (hidden, segments)
 
 
 class TokenEmbedding(nn.Module):
@@ -167,9 +191,13 @@ class TokenEmbedding(nn.Module):
         self.wte = VocabParallelEmbedding(config.vocab_size, config.padded_vocab_size(group_size(tp_group)),
                                           config.n_embd, tp_group, init_generator(config, WTE_STREAM),
                                           config.init_std, sequence_parallel=config.sequence_parallel)
+        self.document_eos = config.eos_token_id if config.document_mask else None
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, h); (B, T/t, h) with SP
-        return self.wte(ids)
+    def forward(self, ids: torch.Tensor) -> Carried:  # (B, T) -> (B, T, h); (B, T/t, h) with SP
+        """With the document mask also the (B, T) segment ids, full length on every TP rank."""
+        if self.document_eos is None:
+            return self.wte(ids)
+        return self.wte(ids), document_ids(ids, self.document_eos)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, h) or (B, T/t, h) -> (B, T, V_pad/p)
         return self.wte.logits(hidden)
@@ -205,11 +233,19 @@ class PositionEmbedding(nn.Module):
         mark_sequence_parallel(self.wpe, self.sp_group)  # each rank's gradient reaches only its rows
         self.dropout_rng = sequence_dropout_rng(config, tp_group, dropout_rng)
 
-    def forward(self, tok_emb: torch.Tensor) -> torch.Tensor:  # (B, T, h) -> (B, T, h); SP: (B, T/t, h)
+    def forward(self, x: Carried) -> Carried:  # (B, T, h) -> (B, T, h); SP: (B, T/t, h)
+        """With the document mask x is (token embeddings, segment ids): each token takes the row
+        of its position inside its document, and the segment ids pass on."""
+        tok_emb, segments = x if isinstance(x, tuple) else (x, None)
         T_local = tok_emb.size(1)
         start = group_rank(self.sp_group) * T_local
+        if segments is None:
+            pos_emb = self.wpe[start:start + T_local]
+        else:
+            pos_emb = self.wpe[document_positions(segments)[:, start:start + T_local]]  # (B, T_local, h)
         with self.dropout_rng():
-            return self.drop(tok_emb + self.wpe[start:start + T_local])
+            out = self.drop(tok_emb + pos_emb)
+        return out if segments is None else (out, segments)
 
 
 class GPT(nn.Module):
@@ -225,7 +261,8 @@ class GPT(nn.Module):
         self.embed = TokenEmbedding(config, tp_group)
         if config.position == "learned":
             self.pos = PositionEmbedding(config, tp_group)
-        self.blocks = nn.ModuleList(Block(config, i, tp_group) for i in range(config.n_layer))
+        masks = DocumentMasks(config.dropout) if config.document_mask else None
+        self.blocks = nn.ModuleList(Block(config, i, tp_group, document_masks=masks) for i in range(config.n_layer))
         self.ln_f = make_norm(config, tp_group)
         if not config.tie_embeddings:
             self.lm_head = LMHead(config, tp_group)

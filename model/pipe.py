@@ -13,8 +13,8 @@ plain LayerSpec and the last layer is `lm_head`, an LMHead with its own weight (
 embed, block 0..L-1, ln_f, lm_head). DeepSpeed builds only the local stage's layers; when tied,
 it ties shard k of the embedding on the first stage to shard k on the last stage and
 all-reduces their gradients (docs/design.md contract 6).
-Only the hidden states cross stage boundaries; positions and the causal mask are derived
-inside (contract 7). With sequence parallelism they are (B, T/t, h): TP rank r of a stage
+Only the hidden states cross stage boundaries (with the document mask, a tuple of them and the
+(B, T) segment ids: model/documents.py); positions and the mask are derived inside (contract 7). With sequence parallelism they are (B, T/t, h): TP rank r of a stage
 sends its own sequence chunk to TP rank r of the next stage (DeepSpeed's p2p groups pair the
 same model-parallel coordinate; see `pipeline_config` for what must be switched off).
 """
@@ -26,6 +26,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
 from model.config import ModelConfig
+from model.documents import DocumentMasks
 from model.gpt import Block, GPTConfig, LMHead, PositionEmbedding, TokenEmbedding, norm_class
 from model.layers import sequence_parallel_params
 from model.loss import vocab_parallel_cross_entropy
@@ -101,7 +102,8 @@ def tp_dropout_rng():
     return get_cuda_rng_tracker().fork(TP_DROPOUT_RNG)
 
 
-def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: ParallelState) -> LayerSpec:
+def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: ParallelState,
+               document_masks: Optional[DocumentMasks] = None) -> LayerSpec:
     tp = state.tp_group
     if kind == "embed" and config.tie_embeddings:
         return TiedLayerSpec("embed", TokenEmbedding, config, tp, tied_weight_attr=["wte.weight"])
@@ -110,7 +112,7 @@ def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: Parall
     if kind == "wpe":
         return LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng)
     if kind == "block":
-        return LayerSpec(Block, config, block, tp, tp_dropout_rng)
+        return LayerSpec(Block, config, block, tp, tp_dropout_rng, document_masks)
     if kind == "ln_f":
         return LayerSpec(norm_class(config), config.n_embd, config.sequence_parallel_group(tp), eps=config.norm_eps)
     if kind == "lm_head":
@@ -119,7 +121,9 @@ def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: Parall
 
 
 def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
-    return [layer_spec(kind, block, config, state) for kind, block in pipeline_layers(config)]
+    # One cache of the document mask for all blocks: DeepSpeed builds only this stage's layers.
+    masks = DocumentMasks(config.dropout) if config.document_mask else None
+    return [layer_spec(kind, block, config, state, masks) for kind, block in pipeline_layers(config)]
 
 
 def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

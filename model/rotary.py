@@ -32,3 +32,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """(B, heads, T, d) queries or keys rotated by their position: x*cos + rotate_half(x)*sin."""
     return x * cos + rotate_half(x) * sin
+
+
+def at_positions(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(T, d) tables -> (B, 1, T, d): the rows of each token's (B, T) position (positions that
+    restart at every document, model/documents.py), broadcast over the heads."""
+    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)

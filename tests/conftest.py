@@ -22,6 +22,7 @@ FP16_SETTINGS = ["--set", "deepspeed.fp16.loss_scale_window=2"]
 # or AMX-FP16 CPUs), and the engine refuses to start. torch's own CPU kernels compute fp16 (slowly),
 # so the fp16 runs lift only that capability check, in every rank, through this sitecustomize.
 FP16_ON_CPU = Path(__file__).resolve().parent / "fp16_on_cpu"
+RECOMPUTE_MODES = ("selective", "full")
 
 
 def layout_id(layout) -> str:
@@ -50,7 +51,8 @@ class ParityRuns:
     saves a checkpoint after step SAVE_AT. runs[layout] = {metrics, dir (checkpoints under
     dir/ck), stdout, stderr}. (1,1,2) also writes a wandb offline run. Tags after (tp, pp, dp): "sp"
     (sequence parallelism), a precision of PRECISIONS (fp32 without one), "llama" (recipes/llama-tiny.yaml
-    instead of recipes/tiny.yaml)."""
+    instead of recipes/tiny.yaml), "docmask" (data.document_mask), a mode of RECOMPUTE_MODES (train.recompute: the
+    same losses, other code paths)."""
 
     def __init__(self, tmp_path_factory):
         self.tmp_path_factory, self.done = tmp_path_factory, {}
@@ -58,15 +60,18 @@ class ParityRuns:
     def __getitem__(self, layout):
         if layout not in self.done:
             tp, pp, dp = layout[:3]
-            sp = ["--set", "model.sequence_parallel=true"] if "sp" in layout else []
-            precision = run_precision(layout)
             tmp = self.tmp_path_factory.mktemp(layout_id(layout))
+            sp = ["--set", "model.sequence_parallel=true"] if "sp" in layout else []
+            docmask = ["--set", "data.document_mask=true"] if "docmask" in layout else []
+            recompute = [arg for tag in layout[3:] if tag in RECOMPUTE_MODES
+                         for arg in ("--set", f"train.recompute={tag}")]
+            precision = run_precision(layout)
             wandb = ["--wandb", "offline"] if layout == (1, 1, 2) else []
             recipe = LLAMA_TINY if "llama" in layout else TINY
             proc = launch_forked(tp * pp * dp, ["--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
                                          "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
                                          "--save", str(tmp / "ck"), "--save-every", str(SAVE_AT)]
-                          + sp + precision_args(precision) + wandb,
+                          + sp + docmask + recompute + precision_args(precision) + wandb,
                                  env=dict(precision_env(precision), WANDB_DIR=str(tmp)))
             assert proc.returncode == 0, f"layout {layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             self.done[layout] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout,

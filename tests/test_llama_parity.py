@@ -4,15 +4,25 @@ head as its own pipeline layer) gives the same losses, gradient norms and valida
 fp32, relative difference <= 1e-5, at every layout of GPT-2's parity test, with and without
 sequence parallelism (docs/design.md, the acceptance test); and the checkpoint the (4,1,1)
 sequence-parallel run saves after step 3 resumes bit for bit there and re-shards to (2,2,2). The
-runs are the session's parity runs (conftest.py: parity_runs, tag "llama")."""
+runs are the session's parity runs (conftest.py: parity_runs, tag "llama").
+
+Every one of these runs trains with the document mask (`data.document_mask`, tag "docmask"), so
+they also show layout parity with the mask on: the segment ids crossing stages with the hidden
+states, with DeepSpeed's partitioned sends (tp=2 pp=2 without SP) and without them (SP), under
+full recompute (DeepSpeed's checkpointing of blocks) at (2,2,2) and selective recompute at
+(2,2,2) with SP. Recomputation changes memory, not losses (tests/test_recompute.py). The
+unmasked Llama model is checked against transformers and the dense model in tests/test_llama.py;
+the per-token losses of the masked (2,2,2) SP run in tests/test_document_mask.py."""
 import pytest
 
 from conftest import LAYOUTS as GPT2_LAYOUTS, SAVE_AT, SP_LAYOUTS as GPT2_SP_LAYOUTS
 from launcher import LLAMA_TINY, launch_forked, read_metrics
 
 RTOL = 1e-5
-REFERENCE = (1, 1, 1, "llama")
-LAYOUTS = [layout[:3] + ("llama",) + layout[3:] for layout in GPT2_LAYOUTS + GPT2_SP_LAYOUTS]
+REFERENCE = (1, 1, 1, "llama", "docmask")
+RECOMPUTE = {(2, 2, 2): "full", (2, 2, 2, "sp"): "selective"}
+LAYOUTS = [layout[:3] + ("llama",) + layout[3:] + ("docmask",) + ((RECOMPUTE[layout],) if layout in RECOMPUTE else ())
+           for layout in GPT2_LAYOUTS + GPT2_SP_LAYOUTS]
 
 
 def _close(got: float, want: float) -> bool:
@@ -40,14 +50,15 @@ def test_llama_tiny_layout_matches_single_process(parity_runs, layout):
 def test_llama_tiny_resumes_bitwise_and_reshards(parity_runs, tmp_path):
     """Saved at tp=4 (two ranks per key/value head) after step 3 of 5: resumed at tp=4 it repeats
     steps 4-5 bit for bit; re-sharded to (2,2,2) it matches them within 1e-5 (docs/design.md contract 13)."""
-    saved = parity_runs[(4, 1, 1, "llama", "sp")]
+    saved = parity_runs[(4, 1, 1, "llama", "sp", "docmask")]
     full = saved["metrics"]
     checkpoint = saved["dir"] / "ck" / f"step{SAVE_AT:08d}"
 
     def resume(n, args, name):
         out = tmp_path / f"{name}.jsonl"
         result = launch_forked(n, ["--recipe", str(LLAMA_TINY), "--steps", str(len(full)), "--load", str(checkpoint),
-                                   "--set", "model.sequence_parallel=true", "--metrics-out", str(out)] + args)
+                                   "--set", "model.sequence_parallel=true", "--set", "data.document_mask=true",
+                                   "--metrics-out", str(out)] + args)
         assert result.returncode == 0, result.stderr[-3000:]
         return read_metrics(out)
 

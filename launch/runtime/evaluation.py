@@ -100,7 +100,7 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
 
     start_rank(layout.world_size, recipe.train.dist_timeout_s)
     state = init_parallel_state(layout.tp, layout.pp)
-    config = recipe.gpt_config(job.vocab_size)
+    config = recipe.gpt_config(job.vocab_size, data.tokenizer.eos_token_id)
     pipe = build_pipeline(config, state)
     load_weights(pipe, args, config, state)
     # No optimizer: the pipeline engine needs one for train_batch only. fp32 whatever the
@@ -148,7 +148,8 @@ def prepare_evaluation(args: argparse.Namespace) -> EvaluationJob:
     data, vocab_size = load_run_data(recipe, layout)
     if args.init_from_hf is not None:  # the parts of its config the shape check above does not see
         from launch.checkpoints.hf_weights import check_hf_source
-        check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size), resuming=False)
+        check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size, data.tokenizer.eos_token_id),
+                        resuming=False)
     wanted = recipe.train.eval_batches if args.batches is None else args.batches
     if wanted < 1:
         raise ConfigError(f"--batches {wanted} must be >= 1")

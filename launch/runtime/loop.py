@@ -83,7 +83,7 @@ def run_training(job: TrainingJob) -> None:
     fault = fault_injection()  # a test hook, None unless GPT3D_FAULT_INJECT is set
     state = init_parallel_state(layout.tp, layout.pp)
     logging_rank = is_logging_rank(state.global_rank)
-    config = recipe.gpt_config(job.vocab_size)
+    config = recipe.gpt_config(job.vocab_size, data.tokenizer.eos_token_id)
     engine, own_grad_norm = build_engine(recipe, layout, state, config, logging_rank,
                                          init_from_hf=args.init_from_hf, verbose=args.verbose)
     install_comm_counter(engine, state, args.comm_counts)  # does nothing without --comm-counts

@@ -108,10 +108,12 @@ class Recipe:
         """Tokens per training sample: data.seq_len, or the model's positions."""
         return self.data.seq_len or self.model.seq_len
 
-    def gpt_config(self, vocab_size: int) -> GPTConfig:
-        """The model to build: this recipe's model section with the tokenizer's vocabulary resolved."""
+    def gpt_config(self, vocab_size: int, eos_token_id: Optional[int] = None) -> GPTConfig:
+        """The model to build: this recipe's model section with the tokenizer's vocabulary resolved
+        (and its EOS, which starts each document under data.document_mask)."""
         return GPTConfig(**dict(dataclasses.asdict(self.model), vocab_size=vocab_size), seed=self.train.seed,
-                         recompute_attention=self.train.recompute_mode == "selective")
+                         recompute_attention=self.train.recompute_mode == "selective",
+                         document_mask=self.data.document_mask, eos_token_id=eos_token_id)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

@@ -40,7 +40,8 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     data, vocab_size = load_run_data(recipe, layout)
     if args.init_from_hf is not None:
         from launch.checkpoints.hf_weights import check_hf_source
-        check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size), resuming=resume_from is not None)
+        check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size, data.tokenizer.eos_token_id),
+                        resuming=resume_from is not None)
     if resume_from is not None:
         from launch.checkpoints.locate import check_compatible
         check_compatible(resume_from, resolved_recipe_dict(recipe, vocab_size), vars(layout))
