@@ -36,7 +36,8 @@ from data.spec import DataError, DataSpec
 from data.streaming import START, StreamState
 
 RUN_WIDE = ("tokenizer", "seq_len", "mix", "document_mask")
-"""DataSpec fields that belong to the run, not to a source: one tokenizer, one sample length."""
+"""DataSpec fields that belong to the run, not to a source: one tokenizer, one sample length, one
+attention rule."""
 SOURCE_FIELDS = tuple(f.name for f in fields(DataSpec) if f.name not in RUN_WIDE)
 MIX_FIELDS = SOURCE_FIELDS + ("weight", "label")
 MAX_CYCLE = 1_000_000
