@@ -24,6 +24,8 @@ MLPS = ("gelu", "swiglu")
 ARCH_SWITCHES = ("position", "rope_theta", "norm", "norm_eps", "mlp", "ffn_hidden_size", "n_kv_head",
                  "tie_embeddings", "bias")
 """The switches an `arch` preset fills when the recipe leaves them null."""
+LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+"""The keys of `model.rope_scaling` (Llama 3's, transformers' rope_parameters of rope_type llama3)."""
 
 
 def llama_ffn_hidden_size(n_embd: int, multiple_of: int = 256) -> int:
@@ -79,6 +81,10 @@ class ModelConfig:
     """learned (a wpe table of seq_len rows) or rope (rotary embeddings of q and k, no parameters)."""
     rope_theta: Optional[float] = None
     """RoPE base (10000 in Llama 1/2 and TinyLlama, 500000 in Llama 3)."""
+    rope_scaling: Optional[Dict[str, float]] = None
+    """Llama 3's RoPE frequency scaling (transformers' rope_type llama3, model/rotary.py): a mapping
+    of factor, low_freq_factor, high_freq_factor and original_max_position_embeddings (Llama 3.1
+    and 3.2: 8 or 32, 1, 4, 8192). null: unscaled, as in every preset."""
     norm: Optional[str] = None
     """layernorm (weight and bias) or rmsnorm (weight only)."""
     norm_eps: Optional[float] = None

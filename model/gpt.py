@@ -77,6 +77,7 @@ class CausalSelfAttention(nn.Module):
         self.residual_dropout_rng = residual_dropout_rng
         self.recompute_attention = config.recompute_attention
         self.rope_theta = config.rope_theta if config.position == "rope" else None
+        self.rope_scaling = config.rope_scaling
         self.c_attn = ColumnParallelLinear(h, 3 * h, tp_group, generator, config.init_std, stride=3,
                                            bias=config.bias, sequence_parallel=sp)
         self.c_proj = RowParallelLinear(h, h, tp_group, generator,
@@ -97,7 +98,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)
                    for t in (q, k, v))  # (B, nh/p, T, hs)
         if self.rope_theta is not None:
-            cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device, q.dtype)
+            cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device, q.dtype, self.rope_scaling)
             if documents is not None:
                 cos, sin = at_positions(cos, sin, documents.positions)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -25,13 +25,20 @@ def llama_incompatibilities(config: GPTConfig) -> List[str]:
     return [f"model.{key}={getattr(config, key)!r}" for key, value in wanted.items() if getattr(config, key) != value]
 
 
+def rope_parameters(config: GPTConfig) -> Dict:
+    """transformers' `rope_parameters` of our RoPE: its base, and Llama 3's scaling when set."""
+    if config.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    return {"rope_type": "llama3", "rope_theta": config.rope_theta, **config.rope_scaling}
+
+
 def llama_config_kwargs(config: GPTConfig, rope_theta: Optional[float] = None) -> Dict:
     """Keyword arguments of `transformers.LlamaConfig` for the same architecture."""
     return dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.ffn_hidden_size,
                 num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
                 num_key_value_heads=config.n_kv_head, head_dim=config.head_dim, hidden_act="silu",
                 max_position_embeddings=config.seq_len, rms_norm_eps=config.norm_eps,
-                rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+                rope_parameters=rope_parameters(config),
                 tie_word_embeddings=config.tie_embeddings, attention_bias=config.bias, mlp_bias=config.bias,
                 attention_dropout=config.dropout, initializer_range=config.init_std)
 

@@ -61,6 +61,7 @@ class GroupedQueryAttention(nn.Module):
         # The key/value head this rank uses when it holds only part of it (replicas > 1).
         self.kv_head = group_rank(tp_group) // self.replicas
         self.rope_theta = config.rope_theta if config.position == "rope" else None
+        self.rope_scaling = config.rope_scaling
         self.dropout, self.dropout_rng = config.dropout, dropout_rng
         self.residual_dropout_rng = residual_dropout_rng
         self.recompute_attention = config.recompute_attention
@@ -97,7 +98,7 @@ class GroupedQueryAttention(nn.Module):
         q = q.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)  # (B, a/t, T, d)
         k, v = (t.view(B, T, self.n_kv_local, self.head_dim).transpose(1, 2) for t in (k, v))  # (B, kv, T, d)
         if self.rope_theta is not None:
-            cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device, q.dtype)
+            cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device, q.dtype, self.rope_scaling)
             if documents is not None:
                 cos, sin = at_positions(cos, sin, documents.positions)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -44,8 +44,14 @@ def _loss(model, ids, group=None):
 
 # ------------------------------------------------------------------ against transformers
 
-@pytest.mark.parametrize("changes", [{}, dict(n_kv_head=1, tie_embeddings=True, bias=True, rope_theta=500000.0)],
-                         ids=["gqa-untied", "mqa-tied-bias-theta5e5"])
+# Llama 3's RoPE scaling with an original context of 8 < seq_len 16: every frequency of the 8-dim
+# heads is divided by the factor or interpolated, so an ignored scaling changes the logits.
+LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8)
+
+
+@pytest.mark.parametrize("changes", [{}, dict(n_kv_head=1, tie_embeddings=True, bias=True, rope_theta=500000.0),
+                                     dict(rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)],
+                         ids=["gqa-untied", "mqa-tied-bias-theta5e5", "llama3-rope-scaling"])
 def test_dense_llama_matches_transformers(changes):
     from transformers import LlamaConfig, LlamaForCausalLM
     config = dataclasses.replace(LLAMA, **changes)
@@ -67,6 +73,11 @@ def test_dense_llama_matches_transformers(changes):
     assert (logits_ours - logits_theirs).abs().max().item() <= 1e-5
     assert abs(loss_ours.item() - loss_theirs_next.item()) <= 1e-5 * loss_theirs_next.item()
     assert torch.isfinite(loss_theirs)
+    if config.rope_scaling is not None:  # the scaling matters here: without it the logits move 10x the bar
+        unscaled = GPT(dataclasses.replace(config, rope_scaling=None))
+        unscaled.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            assert (unscaled(ids[:, :-1])[..., :config.vocab_size] - logits_theirs).abs().max().item() > 1e-4
 
 
 # ------------------------------------------------------------------ tensor parallel vs dense
@@ -210,8 +221,12 @@ REPO_RECIPE = __import__("pathlib").Path(__file__).resolve().parent.parent / "re
     (["model.norm=batchnorm"], 1, "model.norm='batchnorm' is not one of layernorm, rmsnorm"),
     (["model.n_embd=60", "model.n_head=4", "model.n_kv_head=1"], 1, "even head size"),
     (["model.n_kv_head=1", "model.n_head=8", "model.n_embd=16"], 8, "1/8 of its 2 rows"),
+    (["model.rope_scaling={factor: 8}"], 1, "model.rope_scaling has keys factor; Llama 3's scaling takes exactly"),
+    (["model.rope_scaling={factor: 8, low_freq_factor: 4, high_freq_factor: 1, original_max_position_embeddings: 8}"],
+     1, "must be numbers > 0 with low_freq_factor < high_freq_factor"),
+    (["model.position=learned", "model.rope_scaling={factor: 8}"], 1, "set model.position=rope or drop"),
 ], ids=["kv-not-dividing-heads", "tp-vs-kv", "ffn-vs-tp", "gpt2-swiglu", "gpt2-gqa", "arch",
-        "norm", "rope-odd-head", "kv-rows"])
+        "norm", "rope-odd-head", "kv-rows", "rope-scaling-keys", "rope-scaling-order", "rope-scaling-learned"])
 def test_bad_architecture_is_one_line(overrides, tp, needle):
     with pytest.raises(ConfigError) as error:
         _derive(overrides, tp)

@@ -10,6 +10,7 @@ launch/checkpoints/hf_weights.py):
   text; a run started from that export at tp=2 pp=2 computes its loss at step 1 and exports back
   to the same bits (ours -> transformers -> ours)."""
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -30,6 +31,7 @@ from model.convert import load_dense_into, merge, rule_for, split
 from model.gpt import GPT
 from model.hf_llama import from_llama_state_dict, llama_config_kwargs, to_llama_state_dict
 
+LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=4)
 CONFIG = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=8,
                    vocab_size=97, vocab_pad_multiple=8, seed=3)
 REL = 1e-5
@@ -95,11 +97,25 @@ def test_saved_llama_directory_is_checked_and_read(tmp_path):
                            (dict(ffn_hidden_size=64), "ffn_hidden_size=48 where"),
                            (dict(tie_embeddings=True), "tie_embeddings=False where"),
                            (dict(rope_theta=5e5), "rope_theta=10000.0 where"),
+                           (dict(rope_scaling=LLAMA3_SCALING), "rope_scaling=None where"),
                            (dict(norm="layernorm"), "set model.norm=rmsnorm"),
                            (dict(arch="gpt2", n_kv_head=4, mlp="gelu"), "set model.arch='llama'")]:
         with pytest.raises(ConfigError) as error:
             check_hf_source(str(tmp_path), dataclasses.replace(CONFIG, **changes), resuming=False)
         assert words in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_llama3_rope_scaling_is_written_and_read_back(tmp_path):
+    """A model with Llama 3's RoPE scaling exports it as transformers' rope_type llama3, and a
+    directory with it imports into a recipe with the same model.rope_scaling (not another)."""
+    scaled = dataclasses.replace(CONFIG, rope_theta=5e5, rope_scaling=LLAMA3_SCALING)
+    _random_llama(scaled).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())["rope_parameters"]
+    assert written == {"rope_type": "llama3", "rope_theta": 5e5, **LLAMA3_SCALING}, written
+    check_hf_source(str(tmp_path), scaled, resuming=False)
+    with pytest.raises(ConfigError, match="has rope_scaling=.*'factor': 8.0.* where this run's model has "
+                                          "model.rope_scaling=None"):
+        check_hf_source(str(tmp_path), dataclasses.replace(scaled, rope_scaling=None), resuming=False)
 
 
 def test_export_refuses_what_llama_cannot_express():

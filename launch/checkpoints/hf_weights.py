@@ -10,9 +10,10 @@ never trust_remote_code) and weights load from safetensors or with torch's weigh
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from launch.runtime.recipe import ConfigError
+from model.config import LLAMA3_SCALING_KEYS
 from model.gpt import GPTConfig
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
@@ -70,8 +71,17 @@ def hf_model_fields(hf) -> Dict[str, Any]:
     rope = hf.rope_parameters or {}
     return dict(arch="llama", n_layer=hf.num_hidden_layers, n_head=hf.num_attention_heads, n_embd=hf.hidden_size,
                 n_kv_head=hf.num_key_value_heads, ffn_hidden_size=hf.intermediate_size, vocab_size=hf.vocab_size,
-                rope_theta=float(rope.get("rope_theta", 10000.0)), norm_eps=hf.rms_norm_eps,
+                rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling=_llama3_scaling(rope),
+                norm_eps=hf.rms_norm_eps,
                 tie_embeddings=hf.tie_word_embeddings, bias=hf.attention_bias)
+
+
+def _llama3_scaling(rope: Dict[str, Any]) -> Optional[Dict[str, float]]:
+    """Our model.rope_scaling of transformers' rope_parameters: Llama 3's four numbers, or None."""
+    if rope.get("rope_type") != "llama3":
+        return None
+    return {key: float(rope[key]) if key != "original_max_position_embeddings" else int(rope[key])
+            for key in LLAMA3_SCALING_KEYS}
 
 
 def _llama_problems(hf, config: GPTConfig) -> List[str]:
@@ -83,11 +93,12 @@ def _llama_problems(hf, config: GPTConfig) -> List[str]:
         if have != want:
             problems.append(f"a Llama model where this run's model has model.{key}={have!r}; set model.{key}={want}")
     rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
+    rope_type = "default" if rope_type == "llama3" else rope_type  # Llama 3's: compared as model.rope_scaling
     extras = [("hidden_act", hf.hidden_act, "silu", "our SwiGLU uses SiLU"),
               ("mlp_bias", hf.mlp_bias, hf.attention_bias, "our model.bias sets attention and MLP biases together"),
               ("head_dim", getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
                hf.hidden_size // hf.num_attention_heads, "our head size is hidden_size / num_attention_heads"),
-              ("rope_type", rope_type, "default", "RoPE frequency scaling (e.g. Llama 3's) is not implemented")]
+              ("rope_type", rope_type, "default", "RoPE scalings other than Llama 3's are not implemented")]
     problems += [f"{key}={have!r} ({why})" for key, have, want, why in extras if have != want]
     return problems
 

@@ -6,7 +6,7 @@ Runs before torch.distributed or DeepSpeed start, so bad input costs nothing.
 from dataclasses import dataclass
 
 from launch.runtime.recipe import ConfigError, Recipe
-from model.config import ARCHS, MLPS, NORMS, POSITIONS, ModelConfig
+from model.config import ARCHS, LLAMA3_SCALING_KEYS, MLPS, NORMS, POSITIONS, ModelConfig
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -138,6 +138,7 @@ def check_architecture(model: ModelConfig, tp: int) -> None:
                           f"n_kv_head = n_head and a GELU MLP; set model.arch=llama, which takes every switch")
     if m.norm_eps <= 0 or m.rope_theta <= 0:
         raise ConfigError(f"model.norm_eps={m.norm_eps} and model.rope_theta={m.rope_theta} must be > 0")
+    check_rope_scaling(m)
     if m.position == "rope" and m.head_dim % 2:
         raise ConfigError(f"model.position=rope needs an even head size, n_embd/n_head = {m.n_embd}/{m.n_head} = "
                           f"{m.head_dim}; choose n_embd and n_head with an even quotient")
@@ -156,6 +157,25 @@ def check_architecture(model: ModelConfig, tp: int) -> None:
         raise ConfigError(f"model.n_kv_head={kv} with --tp {tp}: the {tp // kv} ranks sharing a key/value head "
                           f"each hold 1/{tp // kv} of its {m.head_dim} rows, which does not divide; choose a "
                           f"smaller --tp")
+
+
+def check_rope_scaling(m: ModelConfig) -> None:
+    """model.rope_scaling: null, or Llama 3's four numbers with 0 < low_freq_factor < high_freq_factor."""
+    scaling = m.rope_scaling
+    if scaling is None:
+        return
+    keys = ", ".join(LLAMA3_SCALING_KEYS)
+    if m.position != "rope":
+        raise ConfigError(f"model.rope_scaling is set with model.position={m.position!r}: it scales RoPE's "
+                          f"frequencies; set model.position=rope or drop model.rope_scaling")
+    if sorted(scaling) != sorted(LLAMA3_SCALING_KEYS):
+        raise ConfigError(f"model.rope_scaling has keys {', '.join(sorted(scaling)) or 'none'}; Llama 3's scaling "
+                          f"takes exactly {keys} (e.g. 32, 1, 4, 8192 for Llama 3.2)")
+    bad = [k for k in LLAMA3_SCALING_KEYS if isinstance(scaling[k], bool) or not isinstance(scaling[k], (int, float))
+           or scaling[k] <= 0]
+    if bad or scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
+        raise ConfigError(f"model.rope_scaling={scaling!r}: {keys} must be numbers > 0 with low_freq_factor < "
+                          f"high_freq_factor")
 
 
 def check_vocab(recipe: Recipe, tokenizer_vocab: int) -> int:
