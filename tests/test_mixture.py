@@ -16,6 +16,7 @@ from data.mixture import Interleave, merge_mixture_states, mixture_micro_batches
 from data.pipeline import prepare_run_data
 from data.spec import DataError, DataSpec
 from launcher import REPO, TINY, launch_forked, read_metrics
+from stream_steps import windows_per_step
 
 MIX_DEMO = REPO / "recipes" / "mix-demo.yaml"
 AWKWARD = [["0.7", "0.2", "0.1"], ["1", "1", "1"], ["0.01", "0.99"], ["5", "3", "2", "1"], ["0.333", "0.667", "0"],
@@ -118,17 +119,8 @@ def shards(tmp_path_factory):
 
 
 def _mixture_steps(data, dp, steps, start=0, data_state=None):
-    """[[step k's windows (input_ids + last label) in global-batch order]] over all dp ranks, and
-    the merged stream positions after the last step."""
-    B, b = data.global_batch_size, data.micro_batch_size
-    per_step, states = [[] for _ in range(steps)], []
-    for rank in range(dp):
-        it = data.train_batches(rank, dp, start_sample=start * B, data_state=data_state)
-        for k in range(steps):
-            for _ in range(B // dp // b):
-                x, y = next(it)
-                per_step[k] += [tuple(xi.tolist()) + (int(yi[-1]),) for xi, yi in zip(x, y)]
-        states.append(it.state())
+    """[[step k's windows in global-batch order]] over all dp ranks, and the merged stream positions."""
+    per_step, states = windows_per_step(data, dp, steps, start, data_state)
     return per_step, merge_mixture_states(states)
 
 

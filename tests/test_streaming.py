@@ -16,6 +16,7 @@ from data.pipeline import prepare_run_data
 from data.spec import DataError, DataSpec
 from data.streaming import merge_states
 from launcher import TINY, launch_forked, read_metrics
+from stream_steps import windows_per_step
 
 N_DOCS, N_FILES = 400, 5
 ID = re.compile(r"w(\d+)x")
@@ -56,18 +57,8 @@ def _spec(corpus, **kw):
 
 
 def _steps(data, dp, steps, start=0, data_state=None):
-    """[(step's windows as sorted tuples of (input_ids + last label))] over every dp rank, and
-    the merged stream states after the last step."""
-    B, b = data.global_batch_size, data.micro_batch_size
-    per_step = [[] for _ in range(steps)]
-    states = []
-    for rank in range(dp):
-        it = data.train_batches(rank, dp, start_sample=start * B, data_state=data_state)
-        for k in range(steps):
-            for _ in range(B // dp // b):
-                x, y = next(it)
-                per_step[k] += [tuple(xi.tolist()) + (int(yi[-1]),) for xi, yi in zip(x, y)]
-        states.append(it.state())
+    """[(step's windows, sorted)] over every dp rank, and the merged stream states after the last step."""
+    per_step, states = windows_per_step(data, dp, steps, start, data_state)
     return [sorted(s) for s in per_step], merge_states(states, data.spec.streams)
 
 

@@ -2,14 +2,9 @@
 activations a block and a pipeline stage keep for backward.
 
 Pure functions of the model dimensions and the layout, used by the planner (launch/plan.py),
-bench/activation_memory.py and the tests that check them against measured memory. Sources:
-  [N21] Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-        Clusters Using Megatron-LM" (SC'21).
-  [K22] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-        Models".
-  [R20] Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
-        Parameter Models" (SC'20).
-Symbols as in launch/analysis/formulas.py: s sequence, b micro-batch, h hidden, a heads, t tp.
+bench/activation_memory.py and the tests that check them against measured memory. Sources and
+symbols as in launch/analysis/formulas.py: [K22] Korthikanti et al. 2022, [R20] Rajbhandari et
+al. 2020 (ZeRO), [N21] Narayanan et al. 2021; s sequence, b micro-batch, h hidden, a heads, t tp.
 """
 from typing import Dict
 
