@@ -15,10 +15,10 @@ import pytest
 
 from bench.comm_volume import OVERRIDES, STEPS, compare, run_model
 from launch.analysis import formulas
-from launch.analysis.comm_formulas import comm_per_rank_per_step
+from launch.analysis.comm_formulas import comm_per_rank_per_step, stage_vector_params_per_rank
 from launch.runtime.layout import Layout
 from launcher import LLAMA_TINY, TINY, launch_forked
-from model.gpt import GPTConfig
+from model.gpt import GPT, GPTConfig
 
 # id -> (recipe, --set overrides, (tp, pp, dp), the purposes that must appear)
 RUNS = {
@@ -89,3 +89,15 @@ def test_exact_formulas_contain_the_design_leading_terms():
     local = formulas.stage_params_per_rank(config.n_layer, h, config.vocab_size, s, 2, 4, 1)
     assert split[("dp-grads", "dp", "all_reduce")][1] == local
     assert split[("dp-params", "dp", "all_gather_into_tensor")][1] * 2 >= local  # padded to 2*d
+
+
+@pytest.mark.parametrize("switches", [{}, {"arch": "llama", "n_kv_head": 2},
+                                      {"arch": "llama", "bias": True, "norm": "layernorm"}],
+                         ids=["gpt2", "llama", "llama-bias-layernorm"])
+def test_zero1_vector_group_is_the_built_models(switches):
+    """ZeRO-1 gathers the weight-decay groups separately (launch/runtime/engine.py: parameters of
+    dim < 2 apart); the launches' groups are multiples of 2*d, so their measured gather sees only
+    the sum. Here the vector group's size against the built dense model's parameters."""
+    config = GPTConfig(n_layer=3, n_head=4, n_embd=64, seq_len=32, vocab_size=300, **switches)
+    vectors = sum(p.numel() for p in GPT(config).parameters() if p.dim() < 2)
+    assert stage_vector_params_per_rank(config, tp=1, pp=1, stage=0) == vectors
