@@ -17,11 +17,11 @@ everything our code and DeepSpeed 0.19.8 really send, so a measurement can be ch
     all-gather in the TP group: the scatter/gather optimisation of [N21 sec. 4.1]. The sending
     stage also all-gathers its own output again before its backward pass (it kept only 1/t).
   - PP, first step only: one 256-element int32 shape header per boundary, forward direction.
-  - Tied embedding (pp > 1, GPT-2's tied head; none with an untied head): one all-reduce of the wte shard's gradient between the first and
-    the last stage per step (DeepSpeed `_exec_reduce_tied_grads`).
+  - Tied embedding (pp > 1; none with an untied head): one all-reduce of the wte shard's gradient
+    between the first and the last stage per step (DeepSpeed `_exec_reduce_tied_grads`).
   - DP, ZeRO-1 (DeepSpeed stage_1_and_2): one all-reduce of the stage's whole local gradient
     (all buckets fit in the default 5e8-element bucket), then after the optimizer step one
-    all-gather per parameter group (matrices, vectors: launch/train.py's weight-decay groups) of
+    all-gather per parameter group (matrices, vectors: launch/runtime/engine.py's weight-decay groups) of
     this rank's partition, the group padded to a multiple of 2*d elements [R20 sec. 5.1].
 Parameter counts come from launch/analysis/formulas.py's architecture-general functions, so any
 ModelConfig the repository builds is covered: GPT-2 and the Llama switches (RoPE: no wpe; RMSNorm
@@ -58,7 +58,7 @@ def partition_header_elements(tp: int) -> int:
 
 
 def stage_vector_params_per_rank(config: ModelConfig, tp: int, pp: int, stage: int) -> int:
-    """The vectors (biases, norms: launch/train.py's no-weight-decay group) one rank of `stage`
+    """The vectors (biases, norms: launch/runtime/engine.py's no-weight-decay group) one rank of `stage`
     holds: per block the column-parallel biases split over t and the replicated rest, the final
     norm on the last stage. GPT-2: 7h/t + 6h per block and 2h; Llama: 2h per block and h."""
     column, replicated = formulas.block_vector_params(config)
