@@ -1,12 +1,15 @@
 """Bytes each collective moves per training step per rank, measured, next to the exact formulas.
 
-Each layout trains recipes/tiny.yaml for 2 steps through DeepSpeed's launcher on CPU, exactly as a
-user starts it, with `launch/train.py --comm-counts DIR` (launch/instruments/comm_counter.py); the counts of
-every rank and step are compared with launch/analysis/comm_formulas.py. Step 1 also carries DeepSpeed's
-one-time shape header; step 2 is the steady state. Bookkeeping (loss averaging, grad-norm and
+Each layout trains a recipe (recipes/tiny.yaml unless --recipe) for 2 steps through DeepSpeed's
+launcher on CPU, exactly as a user starts it, with `launch/train.py --comm-counts DIR`
+(launch/instruments/comm_counter.py); the counts of every rank and step are compared with
+launch/analysis/comm_formulas.py. Step 1 also carries DeepSpeed's one-time shape header; step 2 is the steady state. Bookkeeping (loss averaging, grad-norm and
 metric reductions of a few scalars) is printed apart: it has no formula.
 
     python bench/comm_volume.py [--layouts 2,1,1 1,2,1 1,1,2 2,2,2 1,4,1] [--keep DIR]
+    python bench/comm_volume.py --recipe recipes/llama-tiny.yaml --layouts 4,2,1 4,1,2
+    python bench/comm_volume.py --recipe recipes/llama-tiny.yaml --set model.n_kv_head=1 --layouts 2,2,2
+The Llama layouts at tp > n_kv_head add the key/value row gathers (tp-kv-gather, tp-kv-grads).
 """
 import argparse
 import json
@@ -16,7 +19,7 @@ import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,6 +28,7 @@ from launch.analysis.comm_formulas import comm_per_rank_per_step
 
 TINY = REPO / "recipes" / "tiny.yaml"
 STEPS = 2
+OVERRIDES = ["train.eval_every=0", f"train.steps={STEPS}"]  # no evaluation traffic inside the steps
 DEFAULT_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1)]
 Row = Dict[str, object]  # rank, stage, step, purpose, role, op, measured and formula (calls, elements, bytes)
 
@@ -36,24 +40,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(tp: int, pp: int, dp: int, out_dir: Path, timeout: int = 600) -> List[dict]:
-    """Train STEPS steps at (tp, pp, dp) with the counter on; every rank's counts, rank order."""
+def measure(tp: int, pp: int, dp: int, out_dir: Path, recipe: Path = TINY, overrides: Sequence[str] = (),
+            timeout: int = 600) -> List[dict]:
+    """Train STEPS steps of `recipe` (with --set `overrides`) at (tp, pp, dp) with the counter on;
+    every rank's counts, rank order."""
     deepspeed = str(Path(sys.executable).parent / "deepspeed")
     cmd = [deepspeed, "--num_gpus", str(tp * pp * dp), "--master_port", str(free_port()),
-           str(REPO / "launch" / "train.py"), "--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp),
-           "--steps", str(STEPS), "--set", "train.eval_every=0", "--comm-counts", str(out_dir)]
+           str(REPO / "launch" / "train.py"), "--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
+           "--comm-counts", str(out_dir)] + [a for o in OVERRIDES + list(overrides) for a in ("--set", o)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     if proc.returncode != 0:
         raise RuntimeError(f"layout {(tp, pp, dp)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(tp * pp * dp)]
 
 
-def run_model(tp: int, pp: int, dp: int):
-    """The GPTConfig and Layout train.py derives for recipes/tiny.yaml at this layout."""
+def run_model(tp: int, pp: int, dp: int, recipe_path: Path = TINY, overrides: Sequence[str] = ()):
+    """The GPTConfig and Layout train.py derives for the recipe at this layout."""
     from launch.runtime.recipe import load_recipe
     from launch.runtime.layout import derive_layout
     from launch.runtime.run_inputs import load_checked_tokenizer
-    recipe = load_recipe(TINY, ["train.eval_every=0", f"train.steps={STEPS}"])
+    recipe = load_recipe(recipe_path, OVERRIDES + list(overrides))
     _, vocab_size = load_checked_tokenizer(recipe)
     return recipe.gpt_config(vocab_size), derive_layout(recipe, tp * pp * dp, tp, pp, on_cpu=True)
 
@@ -106,6 +112,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", nargs="+", default=[",".join(map(str, l)) for l in DEFAULT_LAYOUTS],
                    metavar="TP,PP,DP")
+    p.add_argument("--recipe", type=Path, default=TINY, help="the recipe to train (default recipes/tiny.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field, as launch/train.py's --set (repeatable)")
     p.add_argument("--keep", type=Path, help="keep the per-rank counts under this directory")
     args = p.parse_args()
     all_agree = True
@@ -113,8 +122,8 @@ def main() -> int:
         root = args.keep or Path(tmp)
         for text in args.layouts:
             tp, pp, dp = (int(x) for x in text.split(","))
-            counts = measure(tp, pp, dp, root / f"tp{tp}-pp{pp}-dp{dp}")
-            rows, bookkeeping = compare(counts, *run_model(tp, pp, dp))
+            counts = measure(tp, pp, dp, root / f"tp{tp}-pp{pp}-dp{dp}", args.recipe, args.overrides)
+            rows, bookkeeping = compare(counts, *run_model(tp, pp, dp, args.recipe, args.overrides))
             print_table(tp, pp, dp, rows, bookkeeping)
             all_agree &= all(r["measured"] == r["formula"] for r in rows)
     return 0 if all_agree else 1

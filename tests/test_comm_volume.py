@@ -1,51 +1,62 @@
 """Every collective of a training step moves exactly what launch/analysis/comm_formulas.py predicts.
 
-Two launches of recipes/tiny.yaml for 2 steps with `--comm-counts` (launch/instruments/comm_counter.py):
-(tp, pp, dp) = (2, 2, 1) covers the TP all-reduces, the cross-entropy reductions, DeepSpeed's
-TP-partitioned pipeline sends with their re-assembling all-gathers and the tied embedding;
-(1, 2, 2) covers the plain pipeline sends and ZeRO-1's gradient all-reduce and parameter
-all-gather. Calls, elements and bytes must agree exactly on every rank and step.
+Three launches for 2 steps with `--comm-counts` (launch/instruments/comm_counter.py). GPT-2
+(recipes/tiny.yaml): (tp, pp, dp) = (2, 2, 1) covers the TP all-reduces, the cross-entropy
+reductions, DeepSpeed's TP-partitioned pipeline sends with their re-assembling all-gathers and the
+tied embedding; (1, 2, 2) covers the plain pipeline sends and ZeRO-1's gradient all-reduce and
+parameter all-gather. Llama (recipes/llama-tiny.yaml with one key/value head) at (2, 2, 2): the
+key/value row gathers and their reduce-scattered gradients at tp > n_kv_head, no tied-gradient
+all-reduce with the untied head, RoPE (no wpe) and ZeRO-1's groups with RMSNorm and no biases.
+Calls, elements and bytes must agree exactly on every rank and step.
 """
 import json
 
 import pytest
 
-from bench.comm_volume import STEPS, compare, run_model
+from bench.comm_volume import OVERRIDES, STEPS, compare, run_model
 from launch.analysis import formulas
-from launch.analysis.comm_formulas import comm_per_rank_per_step
+from launch.analysis.comm_formulas import comm_per_rank_per_step, stage_vector_params_per_rank
 from launch.runtime.layout import Layout
-from launcher import TINY, launch_forked
-from model.gpt import GPTConfig
+from launcher import LLAMA_TINY, TINY, launch_forked
+from model.gpt import GPT, GPTConfig
 
-LAYOUTS = {
-    (2, 2, 1): {"tp-forward", "tp-backward", "tp-loss", "pp-activations", "pp-grads", "pp-tp-gather",
-                "pp-shape", "tied-grads", "dp-grads"},
-    (1, 2, 2): {"pp-activations", "pp-grads", "pp-shape", "tied-grads", "dp-grads", "dp-params"},
+# id -> (recipe, --set overrides, (tp, pp, dp), the purposes that must appear)
+RUNS = {
+    "gpt2-tp2-pp2-dp1": (TINY, [], (2, 2, 1), {"tp-forward", "tp-backward", "tp-loss", "pp-activations", "pp-grads",
+                                               "pp-tp-gather", "pp-shape", "tied-grads", "dp-grads"}),
+    "gpt2-tp1-pp2-dp2": (TINY, [], (1, 2, 2), {"pp-activations", "pp-grads", "pp-shape", "tied-grads", "dp-grads",
+                                               "dp-params"}),
+    # Multi-query (n_kv_head=1): both TP ranks share the one key/value head, so 8 ranks also cover
+    # ZeRO-1's gather (llama-tiny's 2 heads need tp=4 for the kv gathers: (4, 2, 1), no dp).
+    "llama-mqa-tp2-pp2-dp2": (LLAMA_TINY, ["model.n_kv_head=1"], (2, 2, 2), {
+        "tp-forward", "tp-backward", "tp-loss", "tp-kv-gather", "tp-kv-grads", "pp-activations", "pp-grads",
+        "pp-tp-gather", "pp-shape", "dp-grads", "dp-params"}),
 }
 BOOKKEEPING_LIMIT = 256  # bytes per rank per step: a few scalars (loss, grad norm, metrics)
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS), ids=lambda l: "tp%d-pp%d-dp%d" % l)
+@pytest.fixture(scope="module", params=list(RUNS))
 def run(request, tmp_path_factory):
-    tp, pp, dp = request.param
+    recipe, overrides, (tp, pp, dp), _ = RUNS[request.param]
     out = tmp_path_factory.mktemp("counts")
     # bench/comm_volume.py's measure(), its ranks forked (tests/launcher.py): the same run and counts.
-    proc = launch_forked(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp), "--steps", str(STEPS),
-                                        "--set", "train.eval_every=0", "--comm-counts", str(out)])
+    proc = launch_forked(tp * pp * dp, ["--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
+                                        "--comm-counts", str(out)]
+                         + [arg for o in OVERRIDES + overrides for arg in ("--set", o)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     counts = [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp * pp * dp)]
-    rows, bookkeeping = compare(counts, *run_model(tp, pp, dp))
+    rows, bookkeeping = compare(counts, *run_model(tp, pp, dp, recipe, overrides))
     return request.param, rows, bookkeeping
 
 
 @pytest.mark.slow
 def test_measured_equals_formula_on_every_rank_and_step(run):
-    layout, rows, _ = run
+    name, rows, _ = run
     wrong = [r for r in rows if r["measured"] != r["formula"]]
-    assert not wrong, f"{layout}: (calls, elements, bytes) differ:\n" + "\n".join(map(str, wrong))
-    tp, pp, dp = layout
+    assert not wrong, f"{name}: (calls, elements, bytes) differ:\n" + "\n".join(map(str, wrong))
+    _, _, (tp, pp, dp), purposes = RUNS[name]
     assert {(r["rank"], r["step"]) for r in rows} == {(k, s) for k in range(tp * pp * dp) for s in range(1, STEPS + 1)}
-    assert {r["purpose"] for r in rows} == LAYOUTS[layout]
+    assert {r["purpose"] for r in rows} == purposes
 
 
 @pytest.mark.slow
@@ -56,8 +67,8 @@ def test_shape_header_only_in_the_first_step(run):
 
 @pytest.mark.slow
 def test_bookkeeping_is_a_few_scalars(run):
-    layout, _, bookkeeping = run
-    assert bookkeeping and max(bookkeeping.values()) <= BOOKKEEPING_LIMIT, (layout, dict(bookkeeping))
+    name, _, bookkeeping = run
+    assert bookkeeping and max(bookkeeping.values()) <= BOOKKEEPING_LIMIT, (name, dict(bookkeeping))
 
 
 def test_exact_formulas_contain_the_design_leading_terms():
@@ -78,3 +89,15 @@ def test_exact_formulas_contain_the_design_leading_terms():
     local = formulas.stage_params_per_rank(config.n_layer, h, config.vocab_size, s, 2, 4, 1)
     assert split[("dp-grads", "dp", "all_reduce")][1] == local
     assert split[("dp-params", "dp", "all_gather_into_tensor")][1] * 2 >= local  # padded to 2*d
+
+
+@pytest.mark.parametrize("switches", [{}, {"arch": "llama", "n_kv_head": 2},
+                                      {"arch": "llama", "bias": True, "norm": "layernorm"}],
+                         ids=["gpt2", "llama", "llama-bias-layernorm"])
+def test_zero1_vector_group_is_the_built_models(switches):
+    """ZeRO-1 gathers the weight-decay groups separately (launch/runtime/engine.py: parameters of
+    dim < 2 apart); the launches' groups are multiples of 2*d, so their measured gather sees only
+    the sum. Here the vector group's size against the built dense model's parameters."""
+    config = GPTConfig(n_layer=3, n_head=4, n_embd=64, seq_len=32, vocab_size=300, **switches)
+    vectors = sum(p.numel() for p in GPT(config).parameters() if p.dim() < 2)
+    assert stage_vector_params_per_rank(config, tp=1, pp=1, stage=0) == vectors

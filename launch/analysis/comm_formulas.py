@@ -6,30 +6,41 @@ The planner's formulas (launch/analysis/formulas.py, docs/design.md, Formulas) g
 micro-batch each way [N21 sec. 3], the local gradient once per step over dp. This module adds
 everything our code and DeepSpeed 0.19.8 really send, so a measurement can be checked to the byte:
   - TP: the embedding's forward all-reduce (first stage), the head's backward all-reduce
-    (copy_to_tp_region, last stage) and the vocab-parallel cross-entropy's three fp32 all-reduces
-    of b*s elements (max, sum of exponentials, target logit) [Megatron-LM cross_entropy.py].
+    (copy_to_tp_region, last stage, tied or not) and the vocab-parallel cross-entropy's three fp32
+    all-reduces of b*s elements (max, sum of exponentials, target logit) [Megatron-LM cross_entropy.py].
+  - Grouped-query attention at tp > n_kv_head (model/llama.py): per block per micro-batch, k_proj's
+    and v_proj's weight (and bias) shards all-gathered in forward ("tp-kv-gather") and the full
+    gradient reduce-scattered in backward ("tp-kv-grads").
   - PP at tp > 1: DeepSpeed's pipeline engine (`pipe_partitioned`, `grad_partitioned`, both on by
     default) splits each stage tensor over the TP group, so every TP rank sends b*s*h/t elements
     plus a (t+7)-element int64 partition header, and the receiver re-assembles the tensor with an
     all-gather in the TP group: the scatter/gather optimisation of [N21 sec. 4.1]. The sending
     stage also all-gathers its own output again before its backward pass (it kept only 1/t).
   - PP, first step only: one 256-element int32 shape header per boundary, forward direction.
-  - Tied embedding (pp > 1): one all-reduce of the wte shard's gradient between the first and
-    the last stage per step (DeepSpeed `_exec_reduce_tied_grads`).
+  - Tied embedding (pp > 1; none with an untied head): one all-reduce of the wte shard's gradient
+    between the first and the last stage per step (DeepSpeed `_exec_reduce_tied_grads`).
   - DP, ZeRO-1 (DeepSpeed stage_1_and_2): one all-reduce of the stage's whole local gradient
     (all buckets fit in the default 5e8-element bucket), then after the optimizer step one
-    all-gather per parameter group (matrices, vectors: launch/train.py's weight-decay groups) of
+    all-gather per parameter group (matrices, vectors: launch/runtime/engine.py's weight-decay groups) of
     this rank's partition, the group padded to a multiple of 2*d elements [R20 sec. 5.1].
+Parameter counts come from launch/analysis/formulas.py's architecture-general functions, so any
+ModelConfig the repository builds is covered: GPT-2 and the Llama switches (RoPE: no wpe; RMSNorm
+and no biases: a smaller vector group; untied head; grouped-query attention).
 Payload = what this rank hands to the call (all-gather: its own shard). Not counted here:
 bookkeeping reductions of a few scalars (loss, grad norm, metrics), which comm_counter reports
 under "bookkeeping: ...". Assumes b*s*h divisible by t (DeepSpeed uses broadcasts otherwise)
-and no activation recomputation (which repeats the blocks' forward all-reduces).
+and no activation recomputation (which repeats the blocks' forward all-reduces and kv gathers).
+Not covered: sequence parallelism (model.sequence_parallel), whose all-gathers and
+reduce-scatters replace the TP all-reduces and whose replicated parameters' gradients are summed
+over TP once per step through DeepSpeed's tied-gradient hook (GPTPipelineModule, model/pipe.py).
 """
 from typing import Dict, Tuple
 
 from launch.analysis import formulas
 from launch.runtime.layout import Layout
+from model.config import ModelConfig
 from model.gpt import GPTConfig
+from model.llama import kv_replicas
 
 Key = Tuple[str, str, str]  # (purpose, role, op), as in launch/instruments/comm_counter.py
 Volume = Tuple[int, int, int]  # (calls, elements, bytes)
@@ -46,18 +57,29 @@ def partition_header_elements(tp: int) -> int:
     return 1 + 3 + 2 + (tp + 1)
 
 
-def stage_vector_params_per_rank(config: GPTConfig, tp: int, pp: int, stage: int) -> int:
-    """Biases and LayerNorms one rank of `stage` holds: column-parallel biases 7h/t, row-parallel
-    biases and both LayerNorms 6h per block, ln_f 2h on the last stage."""
-    h = config.n_embd
-    blocks = formulas.blocks_per_stage(config.n_layer, pp)[stage]
-    return blocks * (7 * h // tp + 6 * h) + (2 * h if stage == pp - 1 else 0)
+def stage_vector_params_per_rank(config: ModelConfig, tp: int, pp: int, stage: int) -> int:
+    """The vectors (biases, norms: launch/runtime/engine.py's no-weight-decay group) one rank of `stage`
+    holds: per block the column-parallel biases split over t and the replicated rest, the final
+    norm on the last stage. GPT-2: 7h/t + 6h per block and 2h; Llama: 2h per block and h."""
+    column, replicated = formulas.block_vector_params(config)
+    blocks = formulas.blocks_per_stage(config, pp)[stage]
+    return blocks * (column // tp + replicated) + (formulas.norm_params(config) if stage == pp - 1 else 0)
 
 
 def zero1_gather_elements(group_params: int, dp: int) -> int:
     """This rank's partition of one ZeRO-1 parameter group: padded to 2*d, split over d."""
     alignment = ZERO_ALIGNMENT * dp
     return -(-group_params // alignment) * alignment // dp
+
+
+def kv_gathered_elements(config: ModelConfig, tp: int) -> Tuple[int, int]:
+    """(calls, elements of the whole tensors) gathered per block per micro-batch when TP ranks share
+    a key/value head (model/llama.py `kv_replicas` > 1): k_proj's and v_proj's weight, and bias if
+    any, each n_kv_head*d rows; (0, 0) when every rank holds whole heads of its own."""
+    if kv_replicas(config.n_kv_head, tp) == 1:
+        return 0, 0
+    rows = config.n_kv_head * config.head_dim
+    return 2 * (2 if config.bias else 1), 2 * rows * (config.n_embd + (1 if config.bias else 0))
 
 
 def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_step: bool = False,
@@ -67,7 +89,7 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
     t, p, d, m = layout.tp, layout.pp, layout.dp, layout.grad_accum_steps
     b, s, h = layout.micro_batch_size, config.seq_len, config.n_embd
     first, last = stage == 0, stage == p - 1
-    blocks = formulas.blocks_per_stage(config.n_layer, p)[stage]
+    blocks = formulas.blocks_per_stage(config, p)[stage]
     activation = b * s * h  # one (b, s, h) stage tensor
     out: Dict[Key, Volume] = {}
 
@@ -76,12 +98,17 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
             out[(purpose, role, op)] = (calls, elements, nbytes)
 
     if t > 1:
-        forward = m * (2 * blocks + first)  # attn and mlp c_proj per block; the embedding
-        backward = m * (2 * blocks + last)  # c_attn and c_fc input grads per block; the head
+        forward = m * (2 * blocks + first)  # the attention's and MLP's row-parallel outputs per block; the embedding
+        backward = m * (2 * blocks + last)  # their column-parallel inputs' grads per block; the head's input grad
         add("tp-forward", "tp", "all_reduce", forward, forward * activation, forward * activation * element_bytes)
         add("tp-backward", "tp", "all_reduce", backward, backward * activation, backward * activation * element_bytes)
         if last:
             add("tp-loss", "tp", "all_reduce", 3 * m, 3 * m * b * s, 3 * m * b * s * LOSS_BYTES)
+        # Shared key/value heads: the gather hands this rank's 1/t shard, the reduce-scatter the whole gradient.
+        per_block, gathered = kv_gathered_elements(config, t)
+        calls, elements = m * blocks * per_block, m * blocks * gathered
+        add("tp-kv-gather", "tp", "all_gather", calls, elements // t, elements // t * element_bytes)
+        add("tp-kv-grads", "tp", "reduce_scatter", calls, elements, elements * element_bytes)
 
     if p > 1:
         shard = activation // t  # each TP rank's part of a stage tensor (all of it at t = 1)
@@ -104,11 +131,11 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
                 add("pp-shape", "pp-p2p", "send", *header_volume)
             if not first:
                 add("pp-shape", "pp-p2p", "recv", *header_volume)
-        if first or last:
+        if config.tie_embeddings and (first or last):
             wte = formulas.embedding_params_per_rank(config.vocab_size, h, t, config.vocab_pad_multiple)
             add("tied-grads", "pp", "all_reduce", 1, wte, wte * element_bytes)
 
-    local = formulas.stage_params_per_rank(config.n_layer, h, config.vocab_size, s, t, p, stage, config.vocab_pad_multiple)
+    local = formulas.model_stage_params_per_rank(config, t, p, stage)
     add("dp-grads", "dp" if d > 1 else "self", "all_reduce", 1, local, local * element_bytes)
     if d > 1:
         vectors = stage_vector_params_per_rank(config, t, p, stage)

@@ -56,6 +56,8 @@ PURPOSES = {
     "_ReduceFromTP.forward": "tp-forward",  # row-parallel outputs, the embedding
     "_CopyToTP.backward": "tp-backward",  # input grads of column-parallel layers and the head
     "_GatherFromTP.forward": "tp-gather",
+    "_GatherRowsFromTP.forward": "tp-kv-gather",  # key/value heads shared by TP ranks (model/llama.py)
+    "_GatherRowsFromTP.backward": "tp-kv-grads",  # their gradients, reduce-scattered
     "_VocabParallelCrossEntropy.forward": "tp-loss",  # max, sum-exp, target logit
     "PipelineEngine._send_tensor_meta": "pp-shape",
     "PipelineEngine._recv_tensor_meta": "pp-shape",
