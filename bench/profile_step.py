@@ -39,8 +39,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-COMM_FUNCTIONS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                  "broadcast", "reduce", "send", "recv", "barrier", "all_reduce_coalesced")
+COMM_FUNCTIONS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+                  "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "send", "recv", "barrier",
+                  "all_reduce_coalesced")
 COPY_OPS = {"aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::to", "aten::cat",
             "aten::zero_", "aten::fill_", "aten::zeros", "aten::zeros_like", "aten::empty_like",
             "aten::_foreach_zero_", "aten::new_zeros", "aten::detach_", "aten::resize_"}

@@ -45,34 +45,50 @@ def _gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def all_gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """(B, T/t, ...) on each rank -> (B, T, ...), rank order along dim 1. No autograd: for
-    Functions that manage their own backward (model/layers.py); otherwise use the wrappers."""
+    Functions that manage their own backward (model/layers.py); otherwise use the wrappers.
+
+    Into one rank-major (t*B, T/t, ...) tensor (`all_gather_single`, torch's name for
+    all_gather_into_tensor), then one copy to batch-first order; none at B = 1. The list form
+    (`all_gather` + `cat`) copies twice: NCCL and gloo gather into a flat buffer and copy out to
+    the list, then `cat` copies again (#15)."""
     if group is None:
         return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
+    t, x = dist.get_world_size(group), x.contiguous()
+    gathered = torch.empty((t * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(gathered, x, group=group)
+    return gathered.view(t, *x.shape).movedim(0, 1).reshape(x.size(0), -1, *x.shape[2:])  # (B, T, ...)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """(B, T, ...) partial sums on each rank -> this rank's (B, T/t, ...) chunk of their sum."""
+    """(B, T, ...) partial sums on each rank -> this rank's (B, T/t, ...) chunk of their sum.
+
+    One copy to rank-major order (t*B, T/t, ...), none at B = 1, then `reduce_scatter_single`
+    (torch's name for reduce_scatter_tensor); the list form copies each chunk and the collective
+    flattens the list again (#15)."""
     if group is None:
         return x
-    chunks = [c.contiguous() for c in torch.chunk(x, dist.get_world_size(group), dim=1)]
-    out = torch.empty_like(chunks[0])
-    dist.reduce_scatter(out, chunks, group=group)
+    t = dist.get_world_size(group)
+    B, T = x.shape[:2]
+    ranked = x.reshape(B, t, T // t, *x.shape[2:]).movedim(1, 0).reshape(t * B, T // t, *x.shape[2:])
+    out = torch.empty((B, T // t) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, ranked, group=group)
     return out
 
 
 def _gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+    """(rows, ...) on each rank -> (t * rows, ...), rank order: the collective's own layout, no copy."""
+    x = x.contiguous()
+    out = torch.empty((dist.get_world_size(group) * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, x, group=group)
+    return out
 
 
 def _reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
-    chunks = [c.contiguous() for c in torch.chunk(x, dist.get_world_size(group), dim=0)]
-    out = torch.empty_like(chunks[0])
-    dist.reduce_scatter(out, chunks, group=group)
+    """(t * rows, ...) partial sums -> this rank's (rows, ...) of their sum, no copy."""
+    x = x.contiguous()
+    out = torch.empty((x.size(0) // dist.get_world_size(group),) + tuple(x.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    dist.reduce_scatter_single(out, x, group=group)
     return out
 
 

@@ -107,8 +107,8 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
         # Shared key/value heads: the gather hands this rank's 1/t shard, the reduce-scatter the whole gradient.
         per_block, gathered = kv_gathered_elements(config, t)
         calls, elements = m * blocks * per_block, m * blocks * gathered
-        add("tp-kv-gather", "tp", "all_gather", calls, elements // t, elements // t * element_bytes)
-        add("tp-kv-grads", "tp", "reduce_scatter", calls, elements, elements * element_bytes)
+        add("tp-kv-gather", "tp", "all_gather_single", calls, elements // t, elements // t * element_bytes)
+        add("tp-kv-grads", "tp", "reduce_scatter_single", calls, elements, elements * element_bytes)
 
     if p > 1:
         shard = activation // t  # each TP rank's part of a stage tensor (all of it at t = 1)

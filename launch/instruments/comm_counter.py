@@ -46,6 +46,7 @@ PAYLOAD_ARGUMENT = {
     "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
     "all_gather": "tensor", "all_gather_into_tensor": "input_tensor",
     "reduce_scatter": "input_list", "reduce_scatter_tensor": "input",
+    "all_gather_single": "input_tensor", "reduce_scatter_single": "input",  # torch 2.13's names of the two above
     "send": "tensor", "recv": "tensor", "isend": "tensor", "irecv": "tensor",
 }
 POINT_TO_POINT = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
