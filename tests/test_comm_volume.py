@@ -1,10 +1,11 @@
 """Every collective of a training step moves exactly what launch/analysis/comm_formulas.py predicts.
 
-Three launches for 2 steps with `--comm-counts` (launch/instruments/comm_counter.py). GPT-2
+Four launches for 2 steps with `--comm-counts` (launch/instruments/comm_counter.py). GPT-2
 (recipes/tiny.yaml): (tp, pp, dp) = (2, 2, 1) covers the TP all-reduces, the cross-entropy
 reductions, DeepSpeed's TP-partitioned pipeline sends with their re-assembling all-gathers and the
-tied embedding; (1, 2, 2) covers the plain pipeline sends and ZeRO-1's gradient all-reduce and
-parameter all-gather. Llama (recipes/llama-tiny.yaml with one key/value head) at (2, 2, 2): the
+tied embedding; the same with sequence parallelism its all-gathers and reduce-scatters, whole
+chunks between stages and the once-per-step sum of the replicated parameters' gradients;
+(1, 2, 2) covers the plain pipeline sends and ZeRO-1's gradient all-reduce and parameter all-gather. Llama (recipes/llama-tiny.yaml with one key/value head) at (2, 2, 2): the
 key/value row gathers and their reduce-scattered gradients at tp > n_kv_head, no tied-gradient
 all-reduce with the untied head, RoPE (no wpe) and ZeRO-1's groups with RMSNorm and no biases.
 Calls, elements and bytes must agree exactly on every rank and step.
@@ -26,6 +27,10 @@ RUNS = {
                                                "pp-tp-gather", "pp-shape", "tied-grads", "dp-grads"}),
     "gpt2-tp1-pp2-dp2": (TINY, [], (1, 2, 2), {"pp-activations", "pp-grads", "pp-shape", "tied-grads", "dp-grads",
                                                "dp-params"}),
+    # Sequence parallelism: all-gathers and reduce-scatters instead of the TP all-reduces, whole
+    # chunks between stages, the replicated parameters' gradients summed over TP once per step.
+    "gpt2-tp2-pp2-dp1-sp": (TINY, ["model.sequence_parallel=true"], (2, 2, 1), {
+        "sp-gather", "sp-scatter", "tp-loss", "pp-activations", "pp-grads", "pp-shape", "tied-grads", "dp-grads"}),
     # Multi-query (n_kv_head=1): both TP ranks share the one key/value head, so 8 ranks also cover
     # ZeRO-1's gather (llama-tiny's 2 heads need tp=4 for the kv gathers: (4, 2, 1), no dp).
     "llama-mqa-tp2-pp2-dp2": (LLAMA_TINY, ["model.n_kv_head=1"], (2, 2, 2), {

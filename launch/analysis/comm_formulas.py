@@ -30,9 +30,19 @@ Payload = what this rank hands to the call (all-gather: its own shard). Not coun
 bookkeeping reductions of a few scalars (loss, grad norm, metrics), which comm_counter reports
 under "bookkeeping: ...". Assumes b*s*h divisible by t (DeepSpeed uses broadcasts otherwise)
 and no activation recomputation (which repeats the blocks' forward all-reduces and kv gathers).
-Not covered: sequence parallelism (model.sequence_parallel), whose all-gathers and
-reduce-scatters replace the TP all-reduces and whose replicated parameters' gradients are summed
-over TP once per step through DeepSpeed's tied-gradient hook (GPTPipelineModule, model/pipe.py).
+Sequence parallelism (model.sequence_parallel, t > 1; model/mappings.py) replaces the TP
+all-reduces with sequence all-gathers ("sp-gather", payload b*s*h/t) and reduce-scatters
+("sp-scatter", payload b*s*h) [K22 sec. 4.2], per micro-batch:
+  - each column-parallel input (GPT-2's c_attn and c_fc; Llama's shared q/k/v and gate/up input):
+    a gather in forward, in backward a gather again (only the chunk was saved) and a scatter;
+  - each row-parallel output (attention out, MLP down) and the embedding: a scatter in forward, a
+    gather of its gradient in backward; the head's input: a gather in forward, a scatter back;
+  - pipeline sends carry each TP rank's whole (b, s/t, h) chunk (`pipe_partitioned` off: no
+    partition header, no re-assembling gather);
+  - once per step, DeepSpeed's tied-gradient hook all-reduces over TP each replicated parameter
+    the stage holds (norms, row-parallel biases, wpe: GPTPipelineModule, model/pipe.py), under
+    the purpose "tied-grads" with role tp.
+Not covered: the document mask's segment ids crossing stages (data.document_mask).
 """
 from typing import Dict, Tuple
 
@@ -72,6 +82,18 @@ def zero1_gather_elements(group_params: int, dp: int) -> int:
     return -(-group_params // alignment) * alignment // dp
 
 
+def sequence_parallel_params(config: ModelConfig, blocks: int, first: bool, last: bool) -> Tuple[int, int]:
+    """(parameters, elements) of a stage's replicated parameters that see one sequence chunk under
+    SP: per block the norms' weights (and LayerNorm biases) and the row-parallel biases, ln_f on
+    the last stage, learned positions on the first; each is all-reduced once per step."""
+    per_norm = 2 if config.norm == "layernorm" else 1
+    calls = blocks * (2 * per_norm + (2 if config.bias else 0)) + (per_norm if last else 0)
+    elements = blocks * formulas.block_vector_params(config)[1] + (formulas.norm_params(config) if last else 0)
+    if first and config.position == "learned":
+        calls, elements = calls + 1, elements + config.seq_len * config.n_embd
+    return calls, elements
+
+
 def kv_gathered_elements(config: ModelConfig, tp: int) -> Tuple[int, int]:
     """(calls, elements of the whole tensors) gathered per block per micro-batch when TP ranks share
     a key/value head (model/llama.py `kv_replicas` > 1): k_proj's and v_proj's weight, and bias if
@@ -97,13 +119,26 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
         if calls:
             out[(purpose, role, op)] = (calls, elements, nbytes)
 
-    if t > 1:
+    sp = config.sequence_parallel and t > 1
+    if sp:
+        gathers = m * (6 * blocks + first + last)
+        scatters = m * (4 * blocks + first + last)
+        add("sp-gather", "tp", "all_gather_single", gathers, gathers * activation // t,
+            gathers * activation // t * element_bytes)
+        add("sp-scatter", "tp", "reduce_scatter_single", scatters, scatters * activation,
+            scatters * activation * element_bytes)
+        if last:
+            add("tp-loss", "tp", "all_reduce", 3 * m, 3 * m * b * s, 3 * m * b * s * LOSS_BYTES)
+        calls, elements = sequence_parallel_params(config, blocks, first, last)
+        add("tied-grads", "tp", "all_reduce", calls, elements, elements * element_bytes)
+    elif t > 1:
         forward = m * (2 * blocks + first)  # the attention's and MLP's row-parallel outputs per block; the embedding
         backward = m * (2 * blocks + last)  # their column-parallel inputs' grads per block; the head's input grad
         add("tp-forward", "tp", "all_reduce", forward, forward * activation, forward * activation * element_bytes)
         add("tp-backward", "tp", "all_reduce", backward, backward * activation, backward * activation * element_bytes)
         if last:
             add("tp-loss", "tp", "all_reduce", 3 * m, 3 * m * b * s, 3 * m * b * s * LOSS_BYTES)
+    if t > 1:
         # Shared key/value heads: the gather hands this rank's 1/t shard, the reduce-scatter the whole gradient.
         per_block, gathered = kv_gathered_elements(config, t)
         calls, elements = m * blocks * per_block, m * blocks * gathered
@@ -112,8 +147,9 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
 
     if p > 1:
         shard = activation // t  # each TP rank's part of a stage tensor (all of it at t = 1)
-        header = partition_header_elements(t) if t > 1 else 0
-        calls = m * (2 if t > 1 else 1)  # header + shard, or the tensor
+        partitioned = t > 1 and not sp  # DeepSpeed's pipe_partitioned (model/pipe.py: pipeline_config)
+        header = partition_header_elements(t) if partitioned else 0
+        calls = m * (2 if partitioned else 1)  # header + shard, or the tensor (SP: this rank's chunk)
         message = (calls, m * (shard + header), m * (shard * element_bytes + header * PARTITION_HEADER_BYTES))
         if not last:
             add("pp-activations", "pp-p2p", "send", *message)
@@ -121,7 +157,7 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
         if not first:
             add("pp-activations", "pp-p2p", "recv", *message)
             add("pp-grads", "pp-p2p", "send", *message)
-        if t > 1:  # re-assemble: received activations; own output and received grads
+        if partitioned:  # re-assemble: received activations; own output and received grads
             gathers = m * ((not first) + 2 * (not last))
             add("pp-tp-gather", "tp", "all_gather_into_tensor", gathers, gathers * shard,
                 gathers * shard * element_bytes)

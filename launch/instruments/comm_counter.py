@@ -60,6 +60,8 @@ PURPOSES = {
     "_GatherRowsFromTP.forward": "tp-kv-gather",  # key/value heads shared by TP ranks (model/llama.py)
     "_GatherRowsFromTP.backward": "tp-kv-grads",  # their gradients, reduce-scattered
     "_VocabParallelCrossEntropy.forward": "tp-loss",  # max, sum-exp, target logit
+    "all_gather_sequence": "sp-gather",  # sequence parallelism (model/mappings.py), both directions
+    "reduce_scatter_sequence": "sp-scatter",
     "PipelineEngine._send_tensor_meta": "pp-shape",
     "PipelineEngine._recv_tensor_meta": "pp-shape",
     "PipelineEngine._exec_send_activations": "pp-activations",
