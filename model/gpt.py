@@ -27,10 +27,11 @@ import torch.utils.checkpoint
 
 from model.config import GPTConfig
 from model.documents import DocumentLayout, DocumentMasks, document_attention, document_ids, document_positions
-from model.layers import (ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
+from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                           group_rank, group_size, mark_sequence_parallel)
 from model.llama import GroupedQueryAttention, LlamaMLP
 from model.mappings import Group
+from model.norms import LayerNorm, RMSNorm
 from model.rotary import apply_rope, at_positions, rope_cos_sin
 
 # Generator streams: blocks use their index; the embeddings and the head use ids no block can have.

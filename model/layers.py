@@ -291,32 +291,3 @@ class VocabParallelEmbedding(nn.Module):
         if real_rows == self.rows_per_partition:  # this shard holds no padding rows
             return functional.linear(hidden, self.weight)
         return _PaddedVocabLogits.apply(hidden, self.weight, real_rows)
-
-
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm whose weight and bias are marked sequence-parallel when
-    `sequence_parallel_group` is given: each TP rank normalises only its (B, T/t, h) chunk, so
-    its gradient of the replicated weight covers T/t positions until the once-per-step sum over
-    TP (module docstring). The parameters stay replicated (counted once in the gradient norm)."""
-
-    def __init__(self, normalized_shape: int, sequence_parallel_group: Group = None, eps: float = 1e-5):
-        super().__init__(normalized_shape, eps=eps)
-        mark_sequence_parallel(self.weight, sequence_parallel_group)
-        mark_sequence_parallel(self.bias, sequence_parallel_group)
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight (Zhang and Sennrich 2019), transformers' LlamaRMSNorm:
-    the statistics in fp32, the weight applied after casting back. The weight's gradient is summed
-    over `sequence_parallel_group` as LayerNorm's is."""
-
-    def __init__(self, normalized_shape: int, sequence_parallel_group: Group = None, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(normalized_shape))
-        self.eps = eps
-        mark_sequence_parallel(self.weight, sequence_parallel_group)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()
-        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
