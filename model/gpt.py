@@ -23,16 +23,15 @@ from typing import Callable, ContextManager, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 from torch.nn import functional
-import torch.utils.checkpoint
 
+from model.attention import AttentionCore
 from model.config import GPTConfig
-from model.documents import DocumentLayout, DocumentMasks, document_attention, document_ids, document_positions
+from model.documents import DocumentLayout, DocumentMasks, document_ids, document_positions
 from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                           group_rank, group_size, mark_sequence_parallel)
 from model.llama import GroupedQueryAttention, LlamaMLP
 from model.mappings import Group
 from model.norms import LayerNorm, RMSNorm
-from model.rotary import apply_rope, at_positions, rope_cos_sin
 
 # Generator streams: blocks use their index; the embeddings and the head use ids no block can have.
 WTE_STREAM, WPE_STREAM, HEAD_STREAM = -1, -2, -3
@@ -73,12 +72,8 @@ class CausalSelfAttention(nn.Module):
         sp = config.sequence_parallel
         self.n_head_local = config.n_head // group_size(tp_group)
         self.head_dim = h // config.n_head
-        self.dropout = config.dropout
-        self.dropout_rng = dropout_rng
+        self.core = AttentionCore(config, dropout_rng)
         self.residual_dropout_rng = residual_dropout_rng
-        self.recompute_attention = config.recompute_attention
-        self.rope_theta = config.rope_theta if config.position == "rope" else None
-        self.rope_scaling = config.rope_scaling
         self.c_attn = ColumnParallelLinear(h, 3 * h, tp_group, generator, config.init_std, stride=3,
                                            bias=config.bias, sequence_parallel=sp)
         self.c_proj = RowParallelLinear(h, h, tp_group, generator,
@@ -86,34 +81,13 @@ class CausalSelfAttention(nn.Module):
                                         sequence_parallel=sp)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
-        dropout_p = self.dropout if self.training else 0.0
-        if mask is not None:  # the document mask (model/documents.py)
-            return document_attention(q, k, v, mask, dropout_p)
-        return functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-
     def forward(self, x: torch.Tensor, documents: Optional[DocumentLayout] = None) -> torch.Tensor:
         """(B, T, h), or (B, T/t, h) with SP; `documents`: positions and mask of the document mask."""
         q, k, v = self.c_attn(x).split(self.n_head_local * self.head_dim, dim=-1)  # (B, T, h/p) each
         B, T, _ = q.shape
         q, k, v = (t.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)
                    for t in (q, k, v))  # (B, nh/p, T, hs)
-        if self.rope_theta is not None:
-            cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device, q.dtype, self.rope_scaling)
-            if documents is not None:
-                cos, sin = at_positions(cos, sin, documents.positions)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        masks = () if documents is None else (documents.mask,)
-        # Attention probabilities are TP-sharded: their dropout mask must differ per TP rank.
-        with self.dropout_rng():
-            if self.recompute_attention and self.training:
-                # Selective recompute (K22 sec. 5): store only q, k, v. The checkpoint runs
-                # inside the forked RNG, so the state it saves and restores for the replay is
-                # the TP-rank stream that drew the forward's dropout mask.
-                y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, *masks, use_reentrant=False,
-                                                      preserve_rng_state=True)
-            else:
-                y = self._core(q, k, v, *masks)
+        y = self.core(q, k, v, self.training, documents)  # (B, nh/p, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_head_local * self.head_dim)  # (B, T, h/p)
         y = self.c_proj(y)  # (B, T, h), or (B, T/t, h) with SP
         with self.residual_dropout_rng():

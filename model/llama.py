@@ -29,13 +29,12 @@ from typing import Callable, ContextManager, Optional
 import torch
 import torch.nn as nn
 from torch.nn import functional
-import torch.utils.checkpoint
 
+from model.attention import AttentionCore
 from model.config import GPTConfig
-from model.documents import DocumentLayout, document_attention
+from model.documents import DocumentLayout
 from model.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_projections, group_rank, group_size
 from model.mappings import Group, gather_rows_from_tp_region
-from model.rotary import apply_rope, at_positions, rope_cos_sin
 
 
 def kv_replicas(n_kv_head: int, tp_size: int) -> int:
@@ -60,11 +59,8 @@ class GroupedQueryAttention(nn.Module):
         self.n_kv_local = 1 if self.replicas > 1 else config.n_kv_head // tp_size
         # The key/value head this rank uses when it holds only part of it (replicas > 1).
         self.kv_head = group_rank(tp_group) // self.replicas
-        self.rope_theta = config.rope_theta if config.position == "rope" else None
-        self.rope_scaling = config.rope_scaling
-        self.dropout, self.dropout_rng = config.dropout, dropout_rng
+        self.core = AttentionCore(config, dropout_rng, enable_gqa=True)
         self.residual_dropout_rng = residual_dropout_rng
-        self.recompute_attention = config.recompute_attention
         std, bias = config.init_std, config.bias
         # Drawn in this order from the block's generator: the full weights, then each rank's rows.
         self.q_proj = ColumnParallelLinear(h, config.n_head * d, tp_group, generator, std, bias=bias)
@@ -84,12 +80,6 @@ class GroupedQueryAttention(nn.Module):
         bias = None if linear.bias is None else gather_rows_from_tp_region(linear.bias, self.tp_group)[rows]
         return weight, bias
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
-        dropout_p = self.dropout if self.training else 0.0
-        if mask is not None:  # the document mask (model/documents.py)
-            return document_attention(q, k, v, mask, dropout_p, enable_gqa=True)
-        return functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, dropout_p=dropout_p)
-
     def forward(self, x: torch.Tensor, documents: Optional[DocumentLayout] = None) -> torch.Tensor:
         """(B, T, h), or (B, T/t, h) with SP; `documents`: positions and mask of the document mask."""
         params = [(self.q_proj.weight, self.q_proj.bias), self._kv_params(self.k_proj), self._kv_params(self.v_proj)]
@@ -97,18 +87,7 @@ class GroupedQueryAttention(nn.Module):
         B, T, _ = q.shape
         q = q.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)  # (B, a/t, T, d)
         k, v = (t.view(B, T, self.n_kv_local, self.head_dim).transpose(1, 2) for t in (k, v))  # (B, kv, T, d)
-        if self.rope_theta is not None:
-            cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, q.device, q.dtype, self.rope_scaling)
-            if documents is not None:
-                cos, sin = at_positions(cos, sin, documents.positions)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        masks = () if documents is None else (documents.mask,)
-        with self.dropout_rng():  # attention probabilities are TP-sharded: per-rank masks
-            if self.recompute_attention and self.training:
-                y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, *masks, use_reentrant=False,
-                                                      preserve_rng_state=True)
-            else:
-                y = self._core(q, k, v, *masks)
+        y = self.core(q, k, v, self.training, documents)  # (B, a/t, T, d)
         y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head_local * self.head_dim))
         with self.residual_dropout_rng():
             return self.resid_dropout(y)

@@ -14,9 +14,10 @@ embed, block 0..L-1, ln_f, lm_head). DeepSpeed builds only the local stage's lay
 it ties shard k of the embedding on the first stage to shard k on the last stage and
 all-reduces their gradients (docs/design.md contract 6).
 Only the hidden states cross stage boundaries (with the document mask, a tuple of them and the
-(B, T) segment ids: model/documents.py); positions and the mask are derived inside (contract 7). With sequence parallelism they are (B, T/t, h): TP rank r of a stage
-sends its own sequence chunk to TP rank r of the next stage (DeepSpeed's p2p groups pair the
-same model-parallel coordinate; see `pipeline_config` for what must be switched off).
+(B, T) segment ids: model/documents.py); positions and the mask are derived inside (contract 7).
+With sequence parallelism they are (B, T/t, h): TP rank r of a stage sends its own sequence
+chunk to TP rank r of the next stage (DeepSpeed's p2p groups pair the same model-parallel
+coordinate; see `pipeline_config` for what must be switched off).
 """
 import hashlib
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union

@@ -18,6 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+
 def scale_llama3(inv_freq: torch.Tensor, scaling: Dict[str, float]) -> torch.Tensor:
     """Llama 3's scaled inverse frequencies (module docstring), as transformers computes them."""
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
