@@ -10,7 +10,7 @@ windows. A source's own errors (an unknown file, a missing text column...) name 
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from tqdm.auto import tqdm
@@ -147,12 +147,14 @@ class MixtureData:
         """Validation global batches every source holds, up to `wanted`."""
         return min(part.eval_global_batches(wanted) for part in self.parts)
 
-    def overall_val_loss(self, by_source: Dict[str, float]) -> float:
-        """The mixture's validation loss: the per-source losses weighted by the mixture's weights,
-        i.e. the expected loss of a validation sample drawn the way training samples are."""
+    def validation_losses(self, loss_of: Callable[[RunData], float]) -> Tuple[float, Dict[str, float]]:
+        """(validation loss, label -> each source's own `loss_of`): the mixture's loss is the
+        per-source losses weighted by the mixture's weights, i.e. the expected loss of a
+        validation sample drawn the way training samples are."""
+        by_source = {label: loss_of(part) for label, part in zip(self.labels, self.parts)}
         weights = {s.label: s.weight for s in self.sources}
         total = sum(weights[label] for label in by_source)
-        return float(sum(float(weights[label] / total) * loss for label, loss in by_source.items()))
+        return float(sum(float(weights[label] / total) * loss for label, loss in by_source.items())), by_source
 
     def repeat_report(self, steps: int) -> str:
         """What the run will draw from each source: samples, windows per epoch, epochs; once at start."""

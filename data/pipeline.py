@@ -9,7 +9,7 @@ held-out documents, read once and cached), evaluated the same way in both modes.
 """
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -140,6 +140,11 @@ class RunData:
         if self.val_windows is None:
             return 0
         return min(wanted, len(self.val_windows) // self.global_batch_size)
+
+    def validation_losses(self, loss_of: Callable[["RunData"], float]) -> Tuple[float, Optional[Dict[str, float]]]:
+        """(validation loss, per source): `loss_of(self)`, and None (one source; a mixture's
+        MixtureData gives each source's loss too)."""
+        return loss_of(self), None
 
 
 def stream_sources(spec: DataSpec) -> Tuple[StreamSource, Optional[StreamSource]]:

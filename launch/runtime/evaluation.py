@@ -113,16 +113,11 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
         # over micro-batches and dp ranks by DeepSpeed and broadcast to every stage.
         return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n_batches)) / n_batches
 
-    from data.mixture_run import MixtureData
-    by_source = None
-    if on_validation and isinstance(data, MixtureData):  # each source's own loss, then their weighted mean
-        by_source = {label: mean_loss(part.val_batches(state.dp_rank, layout.dp, n_batches))
-                     for label, part in zip(data.labels, data.parts)}
-        loss = data.overall_val_loss(by_source)
-    elif on_validation:
-        loss = mean_loss(data.val_batches(state.dp_rank, layout.dp, n_batches))
+    if on_validation:  # a mixture: each source's own loss, then their weighted mean
+        loss, by_source = data.validation_losses(
+            lambda part: mean_loss(part.val_batches(state.dp_rank, layout.dp, n_batches)))
     else:
-        loss = mean_loss(data.train_batches(state.dp_rank, layout.dp))
+        loss, by_source = mean_loss(data.train_batches(state.dp_rank, layout.dp)), None
     result = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "batches": n_batches,
               "tokens": n_batches * layout.global_batch_size * recipe.seq_len,
               "data": "validation" if on_validation else "train", "source": str(args.load or args.init_from_hf),

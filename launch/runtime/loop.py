@@ -29,18 +29,16 @@ def validation_loss(engine: PipelineEngine, data: RunData, state: ParallelState,
     return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n)) / n
 
 
-def validation_record(engine: PipelineEngine, data, state: ParallelState, layout: Layout, eval_batches: int,
-                      device: torch.device) -> dict:
+def validation_record(engine: PipelineEngine, data: RunData, state: ParallelState, layout: Layout,
+                      eval_batches: int, device: torch.device) -> dict:
     """val_loss and val_ppl; for a mixture also val_loss_by_source (label -> that source's own
     validation loss), with val_loss their mean weighted by the mixture's weights."""
-    from data.mixture_run import MixtureData
-    if isinstance(data, MixtureData):
-        by_source = {label: validation_loss(engine, part, state, layout, eval_batches, device)
-                     for label, part in zip(data.labels, data.parts)}
-        val_loss = data.overall_val_loss(by_source)
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_loss_by_source": by_source}
-    val_loss = validation_loss(engine, data, state, layout, eval_batches, device)
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+    val_loss, by_source = data.validation_losses(
+        lambda part: validation_loss(engine, part, state, layout, eval_batches, device))
+    record = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+    if by_source is not None:
+        record["val_loss_by_source"] = by_source
+    return record
 
 
 def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout: Layout, state: ParallelState,
