@@ -81,9 +81,8 @@ def run_script(request: dict, rank: int) -> None:
         if directory and (Path(directory) / "sitecustomize.py").is_file():
             runpy.run_path(str(Path(directory) / "sitecustomize.py"))
     sys.argv = [request["script"], f"--local_rank={rank}"] + request["args"]
-    # What `python SCRIPT` does itself: the script's directory first. Not a package path edit:
-    # launch/, model/ and data/ come from the installed package.
-    sys.path[0] = str(Path(request["script"]).parent)
+    # sys.path stays the server's: the scripts import only the installed packages (launch,
+    # model, data), never a module beside them, so `python SCRIPT`'s script directory is not needed.
     try:
         runpy.run_path(request["script"], run_name="__main__")  # ends with sys.exit(main())
         code = 0
