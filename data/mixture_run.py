@@ -16,8 +16,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from data.mixture import (Interleave, MixSource, MixtureBatches, SourceReader, merge_mixture_states,
-                          mixture_states_from, parse_mixture, source_seed)
+from data.mixture import Interleave, MixtureBatches, SourceReader, merge_mixture_states, mixture_states_from, source_seed
+from data.mixture_spec import MixSource, parse_mixture
 from data.pipeline import (Batch, RunData, check_streams, first_windows, on_device, shared_over_tp, stream_sources,
                            train_source)
 from data.spec import DataError, DataSpec

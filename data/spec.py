@@ -54,7 +54,7 @@ class DataSpec:
     split, revision, text_field, streaming, shuffle, shuffle_buffer, streams, val_split,
     val_fraction, num_proc) plus `weight` and an optional `label`. A field a source leaves out
     takes this section's value; tokenizer and seq_len are the run's, one for all sources.
-    Empty: the single source above. Checked and used by data/mixture.py."""
+    Empty: the single source above. Checked by data/mixture_spec.py."""
     document_mask: bool = False
     """Attention within documents only: in a packed window each token attends to the earlier tokens
     of its own document, and positions (learned or RoPE) restart at 0 at each document start. Each

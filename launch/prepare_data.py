@@ -27,7 +27,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         tokenizer = load_tokenizer(recipe.data.tokenizer)
         if recipe.data.mix:  # every source of the mixture, one progress bar over them
-            from data.mixture import parse_mixture
+            from data.mixture_spec import parse_mixture
             from data.mixture_run import build_source_caches
             sources = parse_mixture(recipe.data)
             built = list(zip((s.label for s in sources), build_source_caches(sources, tokenizer, progress=True)))

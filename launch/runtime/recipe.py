@@ -128,7 +128,7 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
     if typing.get_origin(annotation) is dict:
         if isinstance(value, dict):
             return value
-    elif typing.get_origin(annotation) is list:  # data.mix: its items are checked by data/mixture.py
+    elif typing.get_origin(annotation) is list:  # data.mix: its items are checked by data/mixture_spec.py
         if isinstance(value, list):
             return value
     elif annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
