@@ -28,6 +28,7 @@ from model.mappings import (Group, all_gather_sequence, copy_to_tp_region,
                             gather_from_sequence_parallel_region, gather_from_tp_region,
                             reduce_from_tp_region, reduce_scatter_sequence,
                             reduce_scatter_to_sequence_parallel_region)
+from model.weight_grad import WEIGHT_GRADS, linear, weight_grad_now_or_later
 
 
 def group_size(group: Group) -> int:
@@ -99,12 +100,15 @@ class _SequenceGatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # grad: (B, T, out/p)
         x, weight = ctx.saved_tensors
-        x_full = all_gather_sequence(x, ctx.group)  # (B, T, in)
-        grad_x = reduce_scatter_sequence(grad.matmul(weight), ctx.group)  # (B, T/t, in)
+        group = ctx.group
+        grad_x = reduce_scatter_sequence(grad.matmul(weight), group)  # (B, T/t, in)
         grad_2d = grad.reshape(-1, grad.size(-1))  # (B*T, out/p)
-        grad_weight = grad_2d.t().matmul(x_full.reshape(-1, x_full.size(-1)))  # (out/p, in)
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None
+
+        def weight_grad():  # gathers the sequence when it runs: a deferred W pass keeps only x
+            x_full = all_gather_sequence(x, group)  # (B, T, in)
+            return grad_2d.t().matmul(x_full.reshape(-1, x_full.size(-1)))  # (out/p, in)
+        return grad_x, weight_grad_now_or_later(weight, weight_grad), grad_bias, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -138,7 +142,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # (B, T/t, in) -> (B, T, out/p)
             return _SequenceGatherLinear.apply(x, self.weight, self.bias, self.tp_group)
-        y = functional.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
+        y = linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -159,15 +163,17 @@ class _SequenceGatherLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        x_full = all_gather_sequence(x, ctx.group)
-        x_2d = x_full.reshape(-1, x_full.size(-1))
+        group = ctx.group
         grad_x_full = sum(g.matmul(w) for g, w in zip(grads, weights))
-        grad_weights, grad_biases = [], []
-        for grad, has_bias in zip(grads, ctx.has_bias):
-            grad_2d = grad.reshape(-1, grad.size(-1))
-            grad_weights.append(grad_2d.t().matmul(x_2d))
-            grad_biases.append(grad_2d.sum(0) if has_bias else None)
-        return (reduce_scatter_sequence(grad_x_full, ctx.group), None, None, *grad_weights, *grad_biases)
+        grads_2d = [grad.reshape(-1, grad.size(-1)) for grad in grads]
+        grad_biases = [grad_2d.sum(0) if has_bias else None for grad_2d, has_bias in zip(grads_2d, ctx.has_bias)]
+
+        def weight_grads():  # one sequence gather for all the weights, when it runs (B or W pass)
+            x_full = all_gather_sequence(x, group)
+            x_2d = x_full.reshape(-1, x_full.size(-1))
+            return [grad_2d.t().matmul(x_2d) for grad_2d in grads_2d]
+        grad_weights = WEIGHT_GRADS.weight_grads_now_or_later(weights, weight_grads)
+        return (reduce_scatter_sequence(grad_x_full, group), None, None, *grad_weights, *grad_biases)
 
 
 def column_parallel_projections(x: torch.Tensor, params, tp_group: Group, sequence_parallel: bool):
@@ -177,7 +183,7 @@ def column_parallel_projections(x: torch.Tensor, params, tp_group: Group, sequen
         weights, biases = zip(*params)
         return list(_SequenceGatherLinears.apply(x, tp_group, len(params), *weights, *biases))
     x = copy_to_tp_region(x, tp_group)
-    return [functional.linear(x, weight, bias) for weight, bias in params]
+    return [linear(x, weight, bias) for weight, bias in params]
 
 
 class RowParallelLinear(nn.Module):
@@ -205,7 +211,7 @@ class RowParallelLinear(nn.Module):
         mark_sequence_parallel(self.bias, tp_group if self.sequence_parallel else None)
 
     def forward(self, x_parallel: torch.Tensor) -> torch.Tensor:
-        partial = functional.linear(x_parallel, self.weight)  # (B, T, out): this rank's partial sum
+        partial = linear(x_parallel, self.weight)  # (B, T, out): this rank's partial sum
         if not self.sequence_parallel:
             y = reduce_from_tp_region(partial, self.tp_group)
             return y if self.bias is None else y + self.bias
@@ -237,9 +243,12 @@ class _PaddedVocabLogits(torch.autograd.Function):
         real = ctx.real_rows
         grad_real = grad.reshape(-1, grad.size(-1))[:, :real]  # (B*T, real): a view, no copy
         grad_hidden = grad_real.matmul(weight[:real]).view_as(hidden)  # (B, T, h)
-        grad_weight = torch.zeros_like(weight)  # (V/p, h); padded rows: zero
-        torch.mm(grad_real.t(), hidden.reshape(-1, hidden.size(-1)), out=grad_weight[:real])
-        return grad_hidden, grad_weight, None
+
+        def weight_grad():
+            grad_weight = torch.zeros_like(weight)  # (V/p, h); padded rows: zero
+            torch.mm(grad_real.t(), hidden.reshape(-1, hidden.size(-1)), out=grad_weight[:real])
+            return grad_weight
+        return grad_hidden, weight_grad_now_or_later(weight, weight_grad), None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -289,5 +298,5 @@ class VocabParallelEmbedding(nn.Module):
             hidden = copy_to_tp_region(hidden, self.tp_group)
         real_rows = min(max(self.vocab_size - self.vocab_start, 0), self.rows_per_partition)
         if real_rows == self.rows_per_partition:  # this shard holds no padding rows
-            return functional.linear(hidden, self.weight)
+            return linear(hidden, self.weight)
         return _PaddedVocabLogits.apply(hidden, self.weight, real_rows)

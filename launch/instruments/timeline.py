@@ -44,10 +44,10 @@ class TimelineRecorder:
         self.step = 0
         self.recording = False
         self.step_start = 0.0
-        self.count = {"F": 0, "B": 0}
+        self.count = {"F": 0, "B": 0, "W": 0}
 
     def timed(self, kind: str, handler: Callable) -> Callable:
-        """`handler` (an unbound `_exec_forward_pass` / `_exec_backward_pass`) with a timer."""
+        """`handler` (an unbound `_exec_forward_pass`, `_exec_backward_pass`, ...) with a timer."""
         from deepspeed.accelerator import get_accelerator
 
         @functools.wraps(handler)
@@ -59,7 +59,8 @@ class TimelineRecorder:
             handler(engine, **kwargs)
             get_accelerator().synchronize()
             end = time.perf_counter()
-            # 1F1B runs the forwards in micro-batch order, and the backwards too: the n-th is micro-batch n.
+            # Both schedules run the forwards, the backwards and the W passes each in micro-batch
+            # order: the n-th of a kind is micro-batch n.
             micro = self.count[kind]
             self.count[kind] += 1
             self.steps[-1].append((engine.stage_id, kind, micro, start - self.step_start, end - self.step_start))
@@ -78,7 +79,7 @@ class TimelineRecorder:
                 dist.barrier()  # the common step start of the clock approximation (module docstring)
                 get_accelerator().synchronize()
                 self.steps.append([])
-                self.count = {"F": 0, "B": 0}
+                self.count = {"F": 0, "B": 0, "W": 0}
                 self.step_start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
@@ -124,11 +125,15 @@ def install_timeline_recorder(engine: PipelineEngine, steps: int, total_steps: i
     run has a single step). `one_per_stage`: this rank is the one whose times stand for its
     stage (the first TP and DP coordinate); every rank times, so all see the same barriers."""
     from deepspeed.runtime.pipe import schedule
+
+    from launch.runtime.zero_bubble import BackwardInputPass, WeightPass
     first_step = 2 if total_steps > 1 else 1
     recorder = TimelineRecorder(engine, first_step, steps, one_per_stage)
-    handlers = dict(type(engine)._INSTRUCTION_MAP)
-    handlers[schedule.ForwardPass] = recorder.timed("F", handlers[schedule.ForwardPass])
-    handlers[schedule.BackwardPass] = recorder.timed("B", handlers[schedule.BackwardPass])
+    handlers = dict(engine._INSTRUCTION_MAP)  # the engine's own: ZB-H1's passes included when installed
+    for instruction, kind in [(schedule.ForwardPass, "F"), (schedule.BackwardPass, "B"),
+                              (BackwardInputPass, "B"), (WeightPass, "W")]:
+        if instruction in handlers:
+            handlers[instruction] = recorder.timed(kind, handlers[instruction])
     engine._INSTRUCTION_MAP = handlers  # an instance attribute: other engines keep the class's map
     engine.train_batch = recorder.train_batch(engine.train_batch)
     return recorder

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # annotations only: no import cost at run time
 
 
 def print_role_map(layout: Layout, state: ParallelState, stages: List[Tuple[int, str]], seq_len: int,
-                   sequence_parallel: bool = False, recompute: str = "none") -> None:
+                   sequence_parallel: bool = False, recompute: str = "none", schedule: str = "1f1b") -> None:
     def groups(lists):
         return " ".join(str(g) for g in lists)
     print(f"layout: world {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp} "
@@ -26,8 +26,8 @@ def print_role_map(layout: Layout, state: ParallelState, stages: List[Tuple[int,
         print(f"  stage {stage}: {contents}")
     shard = f"(b, T/tp, h) = ({layout.micro_batch_size}, {seq_len // layout.tp}, h): sequence parallel" \
         if sequence_parallel and layout.tp > 1 else f"(b, T, h) = ({layout.micro_batch_size}, {seq_len}, h)"
-    print(f"activations: {shard} per rank between TP linears and across stages; recompute {recompute}",
-          flush=True)
+    print(f"activations: {shard} per rank between TP linears and across stages; recompute {recompute}; "
+          f"schedule {schedule}", flush=True)
 
 
 def param_groups(module: torch.nn.Module) -> List[dict]:
@@ -50,7 +50,11 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     from launch.runtime.lr_schedule import warmup_cosine
     from model.pipe import build_pipeline, stage_contents
 
+    from model.weight_grad import WEIGHT_GRADS
+
     t = recipe.train
+    zero_bubble = t.schedule == "zb-h1" and layout.pp > 1  # at pp = 1 there is no bubble: 1F1B runs
+    WEIGHT_GRADS.enabled = zero_bubble  # before the first forward: the linears read it there
     with quiet_stdout(not verbose):  # DeepSpeed's own layer listing: the role map shows it
         pipe = build_pipeline(config, state, t.full_recompute_interval)
     if init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them
@@ -58,7 +62,8 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
         load_hf_weights(pipe, init_from_hf, config, state)
     if logging_rank:
         print_role_map(layout, state, stage_contents(pipe, config), recipe.seq_len,
-                       recipe.model.sequence_parallel, t.recompute_mode)
+                       recipe.model.sequence_parallel, t.recompute_mode,
+                       t.schedule if zero_bubble or t.schedule == "1f1b" else f"1f1b ({t.schedule} needs pp > 1)")
     ds_config = deepspeed_config(recipe, layout)
     own_norm = uses_own_grad_norm(t.zero_stage, t.precision)
     if own_norm:  # DeepSpeed's fp32 ZeRO-0 clipping miscounts across stages: ours clips instead
@@ -66,5 +71,8 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, model_parameters=param_groups(pipe), config=ds_config,
         lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
+    if zero_bubble:
+        from launch.runtime.zero_bubble import use_zero_bubble_schedule
+        use_zero_bubble_schedule(engine)
     grad_norm = Zero0GradNorm(engine, state.tp_rank, t.grad_clip) if own_norm else None
     return engine, grad_norm

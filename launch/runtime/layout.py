@@ -11,6 +11,7 @@ from model.config import ARCHS, LLAMA3_SCALING_KEYS, MLPS, NORMS, POSITIONS, Mod
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE_MODES = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "zb-h1")  # launch/runtime/zero_bubble.py
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +87,8 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
         raise ConfigError(f"train.recompute=selective with train.activation_checkpoint_interval="
                           f"{t.activation_checkpoint_interval}: the interval is for full recompute; "
                           f"set train.recompute=full or train.activation_checkpoint_interval=0")
+    if t.schedule not in SCHEDULES:
+        raise ConfigError(f"train.schedule={t.schedule!r} is not one of {', '.join(SCHEDULES)}")
     if t.warmup_steps < 0 or t.grad_clip < 0 or t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.lr={t.lr} must be > 0, warmup_steps={t.warmup_steps} and "
                           f"grad_clip={t.grad_clip} >= 0, min_lr_ratio={t.min_lr_ratio} in [0, 1]")

@@ -64,6 +64,9 @@ class TrainSection:
     activation_checkpoint_interval: int = 0
     """Full recompute: checkpoint every k blocks (0 means 1). k > 0 with recompute=none is the
     older spelling of recompute=full, kept for existing recipes."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: 1f1b (DeepSpeed's) or zb-h1 (zero-bubble H1, Qi et al. 2023: weight
+    gradients deferred into 1F1B's idle slots; launch/runtime/zero_bubble.py). The same losses."""
     eval_every: int = 0
     """Validation loss every this many steps and at the last step; 0 disables."""
     eval_batches: int = 10

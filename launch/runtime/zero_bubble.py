@@ -1,0 +1,104 @@
+"""ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1) on DeepSpeed's own
+pipeline engine: a schedule class and two instructions, installed on one engine.
+
+1F1B's backward of a micro-batch is one pass, B+W: the input gradients the previous stage waits
+for and the weight gradients nothing waits for. ZB-H1 splits it: `BackwardInputPass` (B) runs the
+engine's own backward while our linears defer their weight gradients (model/weight_grad.py), and
+`WeightPass` (W) computes the oldest deferred micro-batch's weight gradients later, where 1F1B
+would wait for a gradient from the next stage.
+
+The schedule is DeepSpeed's TrainSchedule step for step: the same sends and receives in the same
+order, so it pairs across stages exactly as 1F1B does (no new deadlock to reason about), with each
+BackwardPass replaced by a B pass and W passes added:
+  - in each step where 1F1B idles (no forward or backward for this stage), one W if any is queued;
+  - at the end of a B step when more than `stage + 1` W passes are queued, one W: stage k keeps at
+    most k + 1 micro-batches' weight gradients pending, which bounds the memory they hold (their
+    linears' inputs and output gradients) while the later stages, whose gradients the earlier
+    ones wait for, defer the most. A simulation of every placement we tried (launch/instruments/
+    pipeline_chart.py runs these same instruction streams) found this one reaching ZB-H1's
+    bubble (p-1)(T_F+T_B-T_W) whenever T_W <= T_B;
+  - the rest before the gradient reductions of the step's end.
+W passes run in micro-batch order, so each gradient is summed in 1F1B's order: the same bits.
+At pp = 1 there is no bubble to fill and 1F1B runs (the tied embedding would otherwise receive its
+two gradients in another order).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator, List
+
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from model.weight_grad import WEIGHT_GRADS
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.schedule import PipeInstruction
+
+
+class BackwardInputPass(schedule.BufferOpInstruction):
+    """The backward pass of one micro-batch, with the linears' weight gradients deferred (B)."""
+
+
+class WeightPass(schedule.PipeInstruction):
+    """The deferred weight gradients of the oldest micro-batch whose B pass ran (W)."""
+
+
+class ZeroBubbleH1Schedule(schedule.TrainSchedule):
+    """DeepSpeed's TrainSchedule with its backward split into B and W (module docstring)."""
+
+    def steps(self) -> Iterator[List[PipeInstruction]]:
+        pending = 0
+        keep = self.stage_id + 1  # W passes this stage may leave pending after a B step
+        for cmds in super().steps():
+            out: List[PipeInstruction] = []
+            computes = any(isinstance(c, (schedule.ForwardPass, schedule.BackwardPass)) for c in cmds)
+            for cmd in cmds:
+                if isinstance(cmd, schedule.BackwardPass):
+                    out.append(BackwardInputPass(cmd.buffer_id))
+                    pending += 1
+                elif isinstance(cmd, schedule.ReduceTiedGrads):  # the step's end: every W first
+                    out += [WeightPass() for _ in range(pending)]
+                    pending = 0
+                    out.append(cmd)
+                else:
+                    out.append(cmd)
+            if pending and (not computes or pending > keep):
+                out.append(WeightPass())
+                pending -= 1
+            yield out
+
+
+def _exec_backward_input_pass(engine: PipelineEngine, buffer_id: int) -> None:
+    with WEIGHT_GRADS.deferring():
+        PipelineEngine._exec_backward_pass(engine, buffer_id)
+    WEIGHT_GRADS.seal_microbatch()
+    # The deferred work holds the gradient received from the next stage (the output gradient of
+    # this stage's last linear); DeepSpeed would receive the next one into the same buffer.
+    engine.grad_layer, engine._grad_layer_buf = None, []
+
+
+def _exec_weight_pass(engine: PipelineEngine) -> None:
+    """What the engine's backward does around autograd, for the weight gradients alone: DeepSpeed's
+    BF16 optimizer adds each micro-batch's bf16 gradients into its fp32 ones after the pass."""
+    bf16 = engine.using_bf16_optimizer
+    if bf16:
+        engine.optimizer.clear_lp_grads()
+    WEIGHT_GRADS.compute_oldest()
+    if bf16:
+        engine.optimizer.update_hp_grads(clear_lp_grads=False)
+
+
+def _exec_reduce_tied_grads(engine: PipelineEngine) -> None:
+    assert WEIGHT_GRADS.pending == 0, f"{WEIGHT_GRADS.pending} micro-batches' weight gradients were never computed"
+    PipelineEngine._exec_reduce_tied_grads(engine)
+
+
+def use_zero_bubble_schedule(engine: PipelineEngine) -> None:
+    """Train `engine` with ZB-H1 from its next `train_batch` on (evaluation is unchanged)."""
+    handlers = dict(engine._INSTRUCTION_MAP)
+    handlers[BackwardInputPass] = _exec_backward_input_pass
+    handlers[WeightPass] = _exec_weight_pass
+    handlers[schedule.ReduceTiedGrads] = _exec_reduce_tied_grads
+    engine._INSTRUCTION_MAP = handlers  # an instance attribute: `_exec_schedule` looks it up on the engine
+    engine._train_schedule = lambda: ZeroBubbleH1Schedule(micro_batches=engine.micro_batches,
+                                                          stages=engine.num_stages, stage_id=engine.stage_id)

@@ -1,0 +1,119 @@
+"""Deferred weight gradients, for the zero-bubble pipeline schedule ZB-H1 (Qi et al. 2023,
+"Zero Bubble Pipeline Parallelism"; launch/runtime/zero_bubble.py runs the schedule).
+
+The backward of a linear layer Y = X W^T computes two things:
+  B: dL/dX = G W      which the layer before it, and the stage before this one, wait for;
+  W: dL/dW = G^T X    which nothing needs until the optimizer step.
+ZB-H1 runs B at once and W later, in slots where 1F1B would idle. Our linears (model/layers.py)
+ask `weight_grad_now_or_later` for their weight gradients: while the store is deferring (the
+pipeline's B pass), it queues the computation (holding X, or this rank's sequence chunk of it,
+and G) and the linear returns no weight gradient; `seal_microbatch` closes one micro-batch's
+queue; `compute_oldest` runs the oldest micro-batch's queue (the W pass) and adds the results
+to `.grad` as autograd's AccumulateGrad would. Micro-batches are computed in the order they were
+deferred, so every `.grad` receives the same additions in the same order as under 1F1B: the
+gradients, and so the losses, are the same to the bit (tests/test_zero_bubble.py).
+
+Biases, norms and embeddings stay in B (small, Qi et al. sec. 3), as do weights that are not
+parameters (a gathered key/value head, model/llama.py): their gradient must flow on through
+autograd to the shard it came from.
+"""
+import contextlib
+from collections import deque
+from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+GradWork = Tuple[Sequence[torch.nn.Parameter], Callable[[], Sequence[torch.Tensor]]]
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """What autograd's AccumulateGrad does with a new gradient: keep it (laid out like the
+    parameter: optimizers flatten and view gradients), or add it in place."""
+    if param.grad is None:
+        param.grad = grad.contiguous()
+    else:
+        param.grad.add_(grad)
+
+
+class WeightGradStore:
+    """The process's queue of deferred weight-gradient computations, one list per micro-batch."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        """Route the plain linears through `DeferrableLinear` (set by the run's schedule, at build)."""
+        self._deferring = False
+        self._open: List[GradWork] = []
+        self._sealed: Deque[List[GradWork]] = deque()
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Within: the linears' backward queues its weight gradients (the B pass)."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+
+    def weight_grads_now_or_later(self, weights: Sequence[torch.Tensor],
+                                  compute: Callable[[], Sequence[torch.Tensor]]) -> Sequence[Optional[torch.Tensor]]:
+        """The gradients of `weights` for a backward to return: `compute()` now, or, while
+        deferring and when every weight is a parameter (a leaf), Nones and the work queued."""
+        if self._deferring and all(w.is_leaf and w.requires_grad for w in weights):
+            self._open.append((weights, compute))
+            return [None] * len(weights)
+        return compute()
+
+    def seal_microbatch(self) -> None:
+        """The B pass of one micro-batch is done: its queue is one W pass."""
+        self._sealed.append(self._open)
+        self._open = []
+
+    def compute_oldest(self) -> None:
+        """The W pass: compute the oldest sealed micro-batch's weight gradients into `.grad`."""
+        with torch.no_grad():
+            for weights, compute in self._sealed.popleft():
+                for weight, grad in zip(weights, compute()):
+                    accumulate_grad(weight, grad)
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches whose weight gradients are still queued."""
+        return len(self._sealed) + bool(self._open)
+
+
+WEIGHT_GRADS = WeightGradStore()
+
+
+def weight_grad_now_or_later(weight: torch.Tensor, compute: Callable[[], torch.Tensor]) -> Optional[torch.Tensor]:
+    """`WEIGHT_GRADS.weight_grads_now_or_later` for one weight."""
+    return WEIGHT_GRADS.weight_grads_now_or_later([weight], lambda: [compute()])[0]
+
+
+class DeferrableLinear(torch.autograd.Function):
+    """functional.linear (x (..., in), W (out, in), b (out,) -> (..., out)) whose weight
+    gradient may be deferred. Forward and both gradients are computed with the calls autograd
+    uses for functional.linear (addmm/mm on the flattened input; dL/dW as (X^T G)^T), so the
+    numbers are the same to the bit as functional.linear's, deferred or not."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (..., out)
+        x, weight = ctx.saved_tensors
+        grad_2d = grad.reshape(-1, grad.size(-1))  # (N, out)
+        grad_x = grad.matmul(weight)  # (..., in)
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        grad_weight = weight_grad_now_or_later(
+            weight, lambda: x.reshape(-1, x.size(-1)).t().mm(grad_2d).t())  # (out, in)
+        return grad_x, grad_weight, grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """functional.linear, through `DeferrableLinear` when the run's schedule defers weight gradients."""
+    if WEIGHT_GRADS.enabled:
+        return DeferrableLinear.apply(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
