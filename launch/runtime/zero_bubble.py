@@ -72,9 +72,14 @@ def _exec_backward_input_pass(engine: PipelineEngine, buffer_id: int) -> None:
     with WEIGHT_GRADS.deferring():
         PipelineEngine._exec_backward_pass(engine, buffer_id)
     WEIGHT_GRADS.seal_microbatch()
-    # The deferred work holds the gradient received from the next stage (the output gradient of
-    # this stage's last linear); DeepSpeed would receive the next one into the same buffer.
+
+
+def _exec_recv_grads(engine: PipelineEngine, buffer_id: int) -> None:
+    """DeepSpeed's receive into a new buffer. Its own reuses one, which it also shares with the
+    received activations (`_allocate_or_extend_buffers`); a deferred W pass still holds the
+    gradient received for its micro-batch (the output gradient of this stage's last linear)."""
     engine.grad_layer, engine._grad_layer_buf = None, []
+    PipelineEngine._exec_recv_grads(engine, buffer_id)
 
 
 def _exec_weight_pass(engine: PipelineEngine) -> None:
@@ -98,6 +103,7 @@ def use_zero_bubble_schedule(engine: PipelineEngine) -> None:
     handlers = dict(engine._INSTRUCTION_MAP)
     handlers[BackwardInputPass] = _exec_backward_input_pass
     handlers[WeightPass] = _exec_weight_pass
+    handlers[schedule.RecvGrad] = _exec_recv_grads
     handlers[schedule.ReduceTiedGrads] = _exec_reduce_tied_grads
     engine._INSTRUCTION_MAP = handlers  # an instance attribute: `_exec_schedule` looks it up on the engine
     engine._train_schedule = lambda: ZeroBubbleH1Schedule(micro_batches=engine.micro_batches,

@@ -1,0 +1,84 @@
+"""The predicted pipeline schedule: the instruction streams DeepSpeed's engine executes (1F1B's
+TrainSchedule, or ZB-H1's, launch/runtime/zero_bubble.py), played with given pass times.
+
+Each stage runs its own stream in order. A forward, backward, B or W pass takes its stage's time
+for it; a send and the matching receive on the neighbouring stage complete together, when the
+later of the two is posted (blocking point-to-point, as DeepSpeed's sends and receives pair up),
+and take no time. The result is a list of events (stage, kind, micro-batch, start, end), kind
+"F", "B" (1F1B's whole backward, or ZB-H1's input-gradient pass) or "W", for
+launch/instruments/pipeline_chart.py to draw and `idle_fraction` to measure.
+
+With equal stages this gives 1F1B's bubble (p-1)/(m+p-1) (Narayanan et al. 2021) and, when
+T_F = T_B = T_W, ZB-H1's (p-1)(T_F+T_B-T_W) (Qi et al. 2023, sec. 3.1): tests/test_zero_bubble.py.
+"""
+import os
+from typing import Dict, List, Sequence, Tuple
+
+Event = Tuple[int, str, int, float, float]  # (stage, "F" | "B" | "W", micro-batch, start, end)
+
+
+def instruction_streams(schedule: str, pp: int, microbatches: int) -> List[list]:
+    """Every stage's instructions for one step, from the schedule classes the engine runs."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's schedule classes need no device
+    from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+    from launch.runtime.zero_bubble import ZeroBubbleH1Schedule
+    cls = ZeroBubbleH1Schedule if schedule == "zb-h1" and pp > 1 else TrainSchedule
+    return [[cmd for step in cls(micro_batches=microbatches, stages=pp, stage_id=k) for cmd in step]
+            for k in range(pp)]
+
+
+def _program(commands: list, stage: int, times: Dict[str, float]) -> List[tuple]:
+    """A stage's stream as ("pass", kind, seconds) and ("send" | "recv", peer, what)."""
+    from deepspeed.runtime.pipe import schedule
+
+    from launch.runtime.zero_bubble import BackwardInputPass, WeightPass
+    passes = {schedule.ForwardPass: "F", schedule.BackwardPass: "F+B+W", BackwardInputPass: "B", WeightPass: "W"}
+    p2p = {schedule.SendActivation: ("send", stage + 1, "activation"),
+           schedule.RecvActivation: ("recv", stage - 1, "activation"),
+           schedule.SendGrad: ("send", stage - 1, "gradient"),
+           schedule.RecvGrad: ("recv", stage + 1, "gradient")}
+    program = []
+    for cmd in commands:
+        if type(cmd) in passes:
+            kind = passes[type(cmd)]
+            seconds = times["B"] + times["W"] if kind == "F+B+W" else times[kind]
+            program.append(("pass", "B" if kind == "F+B+W" else kind, seconds))
+        elif type(cmd) in p2p:
+            program.append(p2p[type(cmd)])
+    return program
+
+
+def simulate_schedule(schedule: str, pp: int, microbatches: int, t_forward: Sequence[float],
+                      t_backward_input: Sequence[float], t_weight: Sequence[float]) -> List[Event]:
+    """Play the step's instruction streams with per-stage pass times (seconds, one per stage):
+    forward, input-gradient backward (B) and weight-gradient backward (W). 1F1B's backward
+    takes B + W in one pass."""
+    programs = [_program(commands, k, {"F": t_forward[k], "B": t_backward_input[k], "W": t_weight[k]})
+                for k, commands in enumerate(instruction_streams(schedule, pp, microbatches))]
+    position, clock = [0] * pp, [0.0] * pp
+    counts = [{"F": 0, "B": 0, "W": 0} for _ in range(pp)]
+    events: List[Event] = []
+    while any(position[k] < len(programs[k]) for k in range(pp)):
+        progressed = False
+        for k in range(pp):
+            while position[k] < len(programs[k]) and programs[k][position[k]][0] == "pass":
+                _, kind, seconds = programs[k][position[k]]
+                events.append((k, kind, counts[k][kind], clock[k], clock[k] + seconds))
+                counts[k][kind] += 1
+                clock[k] += seconds
+                position[k] += 1
+                progressed = True
+            if position[k] == len(programs[k]):
+                continue
+            op, peer, what = programs[k][position[k]]
+            if position[peer] < len(programs[peer]):
+                peer_op, peer_peer, peer_what = programs[peer][position[peer]]
+                if peer_op in ("send", "recv") and peer_op != op and peer_peer == k:
+                    assert peer_what == what, f"stages {k} and {peer} would exchange {what} for {peer_what}"
+                    clock[k] = clock[peer] = max(clock[k], clock[peer])
+                    position[k] += 1
+                    position[peer] += 1
+                    progressed = True
+        assert progressed, f"the {schedule} streams deadlock at positions {position}"
+    return sorted(events, key=lambda e: (e[0], e[3]))
