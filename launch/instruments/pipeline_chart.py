@@ -12,8 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
-Event = Tuple[int, str, int, float, float]  # (stage, "F" | "B", microbatch, start, end)
-COLOURS = {"F": "#8ecae6", "B": "#f4a261"}
+Event = Tuple[int, str, int, float, float]  # (stage, "F" | "B" | "W", microbatch, start, end)
+COLOURS = {"F": "#8ecae6", "B": "#f4a261", "W": "#90be6d"}
 
 
 def one_f_one_b_order(pp: int, microbatches: int, stage: int) -> List[Tuple[str, int]]:
@@ -78,9 +78,10 @@ def draw_schedule(ax: Axes, events: Sequence[Event], title: str) -> None:
     ax.set_yticks(range(pp), [f"stage {k}" for k in range(pp)])
     ax.set_xlabel("time (s)")
     ax.set_title(title)
-    ax.legend(handles=[Patch(facecolor=COLOURS["F"], label="forward"),
-                       Patch(facecolor=COLOURS["B"], label="backward"),
-                       Patch(facecolor="#dddddd", hatch="//", label="bubble (idle)")],
+    split = any(e[1] == "W" for e in events)  # ZB-H1: the backward is B (input grads) and W
+    labels = {"F": "forward", "B": "B (input grads)" if split else "backward", "W": "W (weight grads)"}
+    ax.legend(handles=[Patch(facecolor=COLOURS[kind], label=labels[kind]) for kind in ("FBW" if split else "FB")]
+              + [Patch(facecolor="#dddddd", hatch="//", label="bubble (idle)")],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # outside: never hides a box
 
 

@@ -1,8 +1,10 @@
-"""The measured pipeline: per-stage forward and backward times of a few training steps, drawn as
-launch/instruments/pipeline_chart.py's 1F1B chart with the measured bubble next to the predicted one.
+"""The measured pipeline: per-stage forward, backward (and ZB-H1's W) times of a few training steps,
+drawn as launch/instruments/pipeline_chart.py's schedule chart, with the measured bubble next to
+the one predicted by playing the same schedule with the measured mean pass times
+(launch/instruments/schedule_sim.py) and to 1F1B's formula for equal stages.
 
 `install_timeline_recorder(engine, ...)` wraps the DeepSpeed PipelineEngine's ForwardPass and
-BackwardPass handlers (its `_INSTRUCTION_MAP`, which `_exec_schedule` looks up on the engine)
+BackwardPass handlers, or ZB-H1's B and W passes (its `_INSTRUCTION_MAP`, which `_exec_schedule` looks up on the engine)
 with a timer, on this engine only. `.draw(path, ...)` gathers the times and draws; every rank
 must call it (it is a collective).
 
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 from launch.analysis import formulas
 from launch.instruments.pipeline_chart import Event, draw_schedule, idle_fraction
+from launch.instruments.schedule_sim import simulate_schedule
 
 import matplotlib.pyplot as plt  # after pipeline_chart chose the file backend
 
@@ -31,6 +34,17 @@ def measured_bubble(steps: Sequence[Sequence[Event]]) -> float:
     """1 - (busy time summed over stages) / (stages * span), averaged over steps; the span runs
     from the first forward to the last backward, so the optimizer step after it is not bubble."""
     return sum(idle_fraction(events) for events in steps) / len(steps)
+
+
+def mean_pass_times(steps: Sequence[Sequence[Event]], stages: int) -> List[List[float]]:
+    """[forward, backward (B), weight (W)] seconds per stage, each the mean over the recorded
+    passes (W 0 under 1F1B, whose B is the whole backward): the prediction's inputs."""
+    times = []
+    for kind in "FBW":
+        per_stage = [[e[4] - e[3] for events in steps for e in events if e[0] == k and e[1] == kind]
+                     for k in range(stages)]
+        times.append([sum(d) / len(d) if d else 0.0 for d in per_stage])
+    return times
 
 
 class TimelineRecorder:
@@ -45,6 +59,7 @@ class TimelineRecorder:
         self.recording = False
         self.step_start = 0.0
         self.count = {"F": 0, "B": 0, "W": 0}
+        self.schedule = "1f1b"  # install_timeline_recorder says when the engine runs ZB-H1
 
     def timed(self, kind: str, handler: Callable) -> Callable:
         """`handler` (an unbound `_exec_forward_pass`, `_exec_backward_pass`, ...) with a timer."""
@@ -103,15 +118,15 @@ class TimelineRecorder:
         steps = [sorted(sum((r[i] for r in per_rank), []), key=lambda e: (e[0], e[3]))
                  for i in range(len(self.steps))]
         p, m = self.engine.num_stages, self.engine.micro_batches
-        predicted = formulas.bubble_fraction(p, m)
         measured = measured_bubble(steps)
-        numbers = (f"bubble measured {measured:.1%} (mean of steps {self.first_step}-"
-                   f"{self.first_step + len(steps) - 1}) vs predicted {predicted:.1%} = (p-1)/(m+p-1) "
-                   f"with p={p}, m={m}")
+        predicted = idle_fraction(simulate_schedule(self.schedule, p, m, *mean_pass_times(steps, p)))
+        numbers = (f"{self.schedule} bubble measured {measured:.1%} (mean of steps {self.first_step}-"
+                   f"{self.first_step + len(steps) - 1}) vs predicted {predicted:.1%} from the measured "
+                   f"pass times; (p-1)/(m+p-1) = {formulas.bubble_fraction(p, m):.1%} with p={p}, m={m}")
         fig, axes = plt.subplots(len(steps), 1, squeeze=False, figsize=(12, len(steps) * (1.2 + 0.5 * p)))
         for i, (ax, events) in enumerate(zip(axes[:, 0], steps)):
             draw_schedule(ax, events, f"step {self.first_step + i}: bubble {idle_fraction(events):.1%}")
-        fig.suptitle(f"measured 1F1B schedule: {numbers}", fontsize=10)
+        fig.suptitle(f"measured schedule: {numbers}", fontsize=10)
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
@@ -134,6 +149,7 @@ def install_timeline_recorder(engine: PipelineEngine, steps: int, total_steps: i
                               (BackwardInputPass, "B"), (WeightPass, "W")]:
         if instruction in handlers:
             handlers[instruction] = recorder.timed(kind, handlers[instruction])
+    recorder.schedule = "zb-h1" if WeightPass in handlers else "1f1b"
     engine._INSTRUCTION_MAP = handlers  # an instance attribute: other engines keep the class's map
     engine.train_batch = recorder.train_batch(engine.train_batch)
     return recorder
