@@ -113,7 +113,7 @@ def test_recorder_times_the_recorded_train_steps_only(world_of_one, tmp_path, ca
     reference = sum(own_idle_share(own) for own in recorded_calls) / 2
     assert reference > 0.15  # 4 waits for a gradient, 30 ms of a span of about 90 ms
     assert measured == pytest.approx(reference, abs=0.02)
-    assert "vs predicted 20.0% = (p-1)/(m+p-1) with p=2, m=4" in capsys.readouterr().out
+    assert "(p-1)/(m+p-1) = 20.0% with p=2, m=4" in capsys.readouterr().out
 
     # The chart: one panel per recorded step, each one stage row of 4 forward and 4 backward boxes,
     # idle where the recorder measured idle.
@@ -133,25 +133,28 @@ def test_recorder_times_the_recorded_train_steps_only(world_of_one, tmp_path, ca
 
 @pytest.mark.slow  # a 2-process training run
 def test_timeline_of_a_pp2_run(tmp_path):
-    """tiny.yaml at pp=2, 3 steps: steps 2 and 3 recorded after the warm-up step. The chart read
-    back as pixels shows 2 panels of 2 stage rows, and as much idle as the printed bubble says."""
+    """tiny.yaml at pp=2 under ZB-H1, 3 steps: steps 2 and 3 recorded after the warm-up step. The
+    chart read back as pixels shows 2 panels of 2 stage rows, each with forward, B and W boxes, and
+    as much idle as the printed bubble says."""
     png = tmp_path / "timeline.png"
     proc = launch(2, ["--recipe", str(TINY), "--pp", "2", "--steps", "3", "--set", "train.eval_every=0",
-                      "--timeline", str(png), "--timeline-steps", "2"])
+                      "--set", "train.schedule=zb-h1", "--timeline", str(png), "--timeline-steps", "2"])
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    # tiny.yaml at pp=2: m = 16 / 2 = 8 micro-batches, predicted (2-1)/(8+2-1) = 11.1%.
-    line = re.search(r"^timeline: bubble measured ([\d.]+)% \(mean of steps 2-3\) vs predicted 11\.1% "
-                     r"= \(p-1\)/\(m\+p-1\) with p=2, m=8; chart in (.+)$", proc.stdout, re.MULTILINE)
+    # tiny.yaml at pp=2: m = 16 / 2 = 8 micro-batches, (2-1)/(8+2-1) = 11.1%.
+    line = re.search(r"^timeline: zb-h1 bubble measured ([\d.]+)% \(mean of steps 2-3\) vs predicted ([\d.]+)% "
+                     r"from the measured pass times; \(p-1\)/\(m\+p-1\) = 11\.1% with p=2, m=8; chart in (.+)$",
+                     proc.stdout, re.MULTILINE)
     assert line, proc.stdout[-3000:]
-    assert line.group(2) == str(png)
+    assert line.group(3) == str(png)
     assert proc.stdout.count("timeline:") == 1  # the logging rank only
 
     rgb = chart_pixels.read_rgb(png)
     (top, bottom), (left, right) = chart_pixels.schedule_area(rgb)
     schedule_pixels = rgb[top:bottom, left:right]
-    forward, backward = (chart_pixels.colour_mask(schedule_pixels, COLOURS[kind]) for kind in "FB")
-    rows = chart_pixels.box_rows(forward | backward)
+    forward, backward, weight = (chart_pixels.colour_mask(schedule_pixels, COLOURS[kind]) for kind in "FBW")
+    rows = chart_pixels.box_rows(forward | backward | weight)
     assert len(rows) == 2 * 2, rows  # steps x stages
+    assert all(chart_pixels.boxes_in_row(weight, row) > 0 for row in rows)  # W passes on every stage
     drawn_idle = [chart_pixels.idle_share(schedule_pixels, row) for row in rows]
     # Boxes of a millisecond are a few pixels wide, their black edges a pixel of it: 3 points.
     assert sum(drawn_idle) / len(rows) == pytest.approx(float(line.group(1)) / 100, abs=0.03), drawn_idle
