@@ -108,7 +108,7 @@ class _SequenceGatherLinear(torch.autograd.Function):
         def weight_grad():  # gathers the sequence when it runs: a deferred W pass keeps only x
             x_full = all_gather_sequence(x, group)  # (B, T, in)
             return grad_2d.t().matmul(x_full.reshape(-1, x_full.size(-1)))  # (out/p, in)
-        return grad_x, weight_grad_now_or_later(weight, weight_grad), grad_bias, None
+        return grad_x, weight_grad_now_or_later(weight, weight_grad, holds=(x, grad)), grad_bias, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -172,7 +172,7 @@ class _SequenceGatherLinears(torch.autograd.Function):
             x_full = all_gather_sequence(x, group)
             x_2d = x_full.reshape(-1, x_full.size(-1))
             return [grad_2d.t().matmul(x_2d) for grad_2d in grads_2d]
-        grad_weights = WEIGHT_GRADS.weight_grads_now_or_later(weights, weight_grads)
+        grad_weights = WEIGHT_GRADS.weight_grads_now_or_later(weights, weight_grads, holds=(x, *grads))
         return (reduce_scatter_sequence(grad_x_full, group), None, None, *grad_weights, *grad_biases)
 
 
@@ -248,7 +248,7 @@ class _PaddedVocabLogits(torch.autograd.Function):
             grad_weight = torch.zeros_like(weight)  # (V/p, h); padded rows: zero
             torch.mm(grad_real.t(), hidden.reshape(-1, hidden.size(-1)), out=grad_weight[:real])
             return grad_weight
-        return grad_hidden, weight_grad_now_or_later(weight, weight_grad), None
+        return grad_hidden, weight_grad_now_or_later(weight, weight_grad, holds=(hidden, grad)), None
 
 
 class VocabParallelEmbedding(nn.Module):

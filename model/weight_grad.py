@@ -23,7 +23,8 @@ from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-GradWork = Tuple[Sequence[torch.nn.Parameter], Callable[[], Sequence[torch.Tensor]]]
+# (weights, the computation of their gradients, the tensors it holds until it runs)
+GradWork = Tuple[Sequence[torch.nn.Parameter], Callable[[], Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -54,12 +55,14 @@ class WeightGradStore:
         finally:
             self._deferring = False
 
-    def weight_grads_now_or_later(self, weights: Sequence[torch.Tensor],
-                                  compute: Callable[[], Sequence[torch.Tensor]]) -> Sequence[Optional[torch.Tensor]]:
+    def weight_grads_now_or_later(self, weights: Sequence[torch.Tensor], compute: Callable[[], Sequence[torch.Tensor]],
+                                  holds: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
         """The gradients of `weights` for a backward to return: `compute()` now, or, while
-        deferring and when every weight is a parameter (a leaf), Nones and the work queued."""
+        deferring and when every weight is a parameter (a leaf), Nones and the work queued.
+        `holds`: the tensors `compute` reads (a linear's input and output gradient), which a
+        deferred computation keeps alive until its W pass (`held_bytes`)."""
         if self._deferring and all(w.is_leaf and w.requires_grad for w in weights):
-            self._open.append((weights, compute))
+            self._open.append((weights, compute, holds))
             return [None] * len(weights)
         return compute()
 
@@ -71,9 +74,15 @@ class WeightGradStore:
     def compute_oldest(self) -> None:
         """The W pass: compute the oldest sealed micro-batch's weight gradients into `.grad`."""
         with torch.no_grad():
-            for weights, compute in self._sealed.popleft():
+            for weights, compute, _ in self._sealed.popleft():
                 for weight, grad in zip(weights, compute()):
                     accumulate_grad(weight, grad)
+
+    def held_bytes(self) -> int:
+        """Bytes of the distinct storages the queued computations hold (the memory ZB-H1 adds)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for work in list(self._sealed) + [self._open] for _, _, holds in work for t in holds}
+        return sum(storages.values())
 
     @property
     def pending(self) -> int:
@@ -84,9 +93,10 @@ class WeightGradStore:
 WEIGHT_GRADS = WeightGradStore()
 
 
-def weight_grad_now_or_later(weight: torch.Tensor, compute: Callable[[], torch.Tensor]) -> Optional[torch.Tensor]:
+def weight_grad_now_or_later(weight: torch.Tensor, compute: Callable[[], torch.Tensor],
+                             holds: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """`WEIGHT_GRADS.weight_grads_now_or_later` for one weight."""
-    return WEIGHT_GRADS.weight_grads_now_or_later([weight], lambda: [compute()])[0]
+    return WEIGHT_GRADS.weight_grads_now_or_later([weight], lambda: [compute()], holds)[0]
 
 
 class DeferrableLinear(torch.autograd.Function):
@@ -108,7 +118,7 @@ class DeferrableLinear(torch.autograd.Function):
         grad_x = grad.matmul(weight)  # (..., in)
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
         grad_weight = weight_grad_now_or_later(
-            weight, lambda: x.reshape(-1, x.size(-1)).t().mm(grad_2d).t())  # (out, in)
+            weight, lambda: x.reshape(-1, x.size(-1)).t().mm(grad_2d).t(), holds=(x, grad))  # (out, in)
         return grad_x, grad_weight, grad_bias
 
 

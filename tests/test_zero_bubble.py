@@ -10,10 +10,13 @@ import torch
 from deepspeed.runtime.pipe import schedule
 
 from distributed import run_distributed, uses_deepspeed
-from launch.analysis import formulas
+from launch.analysis import formulas, memory_formulas
 from launch.instruments.pipeline_chart import idle_fraction
 from launch.instruments.schedule_sim import instruction_streams, simulate_schedule
 from launch.runtime.zero_bubble import BackwardInputPass, WeightPass
+from model.gpt import GPT, GPTConfig
+from model.loss import vocab_parallel_cross_entropy
+from model.weight_grad import WEIGHT_GRADS
 
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny.yaml"
 P2P = (schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad)
@@ -62,6 +65,56 @@ def test_predicted_bubbles_are_the_papers(pp, m):
         done = {(e[1], e[2]): e for e in zb if e[0] == stage}
         assert sorted(done) == sorted((kind, i) for kind in "FBW" for i in range(m))
         assert all(done[("W", i)][3] >= done[("B", i)][4] for i in range(m))
+
+
+# ---------------------------------------------------------------- what the deferred work holds
+
+def _held_bytes_against_formula(arch: str, sequence_parallel: bool = False, n_kv_head: int = 2, tp_group=None):
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=4, seed=3,
+                       arch=arch, sequence_parallel=sequence_parallel,
+                       **({"n_kv_head": n_kv_head} if arch == "llama" else {}))
+    tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+    micro = 3
+    model = GPT(config, tp_group)
+    ids = torch.randint(0, config.vocab_size, (micro, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    WEIGHT_GRADS.enabled = True
+    try:
+        loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], None).mean()
+        with WEIGHT_GRADS.deferring():
+            loss.backward()
+        WEIGHT_GRADS.seal_microbatch()
+        held = WEIGHT_GRADS.held_bytes()
+        gathered = (("q_proj", "k_proj", "v_proj") if sequence_parallel else ("k_proj", "v_proj")) if tp > n_kv_head else ()
+        multiplied = {n: p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("embed.", "pos."))}
+        assert multiplied and all((p.grad is None) != any(g in n for g in gathered) for n, p in multiplied.items())
+        WEIGHT_GRADS.compute_oldest()
+    finally:
+        WEIGHT_GRADS.enabled = False
+    expected = (config.n_layer * memory_formulas.weight_grad_stash_bytes_per_layer(
+        config, config.seq_len, micro, tp, sequence_parallel, element_bytes=4)
+        + memory_formulas.head_weight_grad_stash_bytes(config, config.seq_len, micro, tp, element_bytes=4))
+    assert held == expected, (held, expected)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_held_memory_is_the_formula(arch):
+    """After a B pass of the single-process model, the distinct storages the deferred weight
+    gradients hold equal the stash formulas: per block, and the output layer's (b, s, V) gradient."""
+    _held_bytes_against_formula(arch)
+
+
+def _held_bytes_at_tp2():
+    from model.parallel_state import init_parallel_state
+    group = init_parallel_state(2, 1).tp_group
+    for arch, sp, kv in [("gpt2", False, 4), ("gpt2", True, 4), ("llama", True, 2), ("llama", False, 1),
+                         ("llama", True, 1)]:
+        _held_bytes_against_formula(arch, sp, kv, group)
+
+
+def test_held_memory_is_the_formula_at_tp2():
+    """The same per TP rank at tp=2: with and without sequence parallelism, and with a key/value
+    head shared by both ranks (its weights gathered: their gradients are not deferred)."""
+    run_distributed(_held_bytes_at_tp2, 2)
 
 
 # ---------------------------------------------------------------- real engines, both schedules

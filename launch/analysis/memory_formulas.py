@@ -9,7 +9,7 @@ al. 2020 (ZeRO), [N21] Narayanan et al. 2021; s sequence, b micro-batch, h hidde
 from typing import Dict
 
 from launch.analysis.formulas import ACTIVATION_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
-from model.config import ModelConfig
+from model.config import ModelConfig, padded_vocab_size
 
 
 def model_state_bytes(params: float, dp: int, zero_stage: int) -> Dict[str, float]:
@@ -103,3 +103,34 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
     stats = 2 * (1 if rms else 2) * layernorm_stat_bytes * s * b  # two norms per block
     rope = 2 * s * d * E if m.position == "rope" else 0
     return s * b * h * (replicated / sp + (attention + mlp) / t + core / t) + stats / sp + rope
+
+
+def weight_grad_stash_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1,
+                                      sequence_parallel: bool = False, element_bytes: int = ACTIVATION_BYTES) -> float:
+    """What ZB-H1 keeps of one block per micro-batch from its B pass to its W pass
+    (model/weight_grad.py): each deferred linear's input and output gradient, per TP rank.
+    Per token, with d the head size, f the MLP width and h_in = h/t under sequence parallelism
+    (each rank keeps its sequence chunk of a column-parallel input), else h:
+      inputs:  attention input h_in, MLP input h_in, o_proj input a*d/t, down-projection input f/t;
+      output gradients: q, k, v (a*d + 2*kv*d)/t, o_proj h (the row-parallel output gradient is
+               whole on every rank), the first MLP projection(s) f/t (two with SwiGLU), down h.
+    When tp > n_kv_head the key/value weights are gathered, not parameters: their gradients are
+    computed at once, and under sequence parallelism so are q's (one gather feeds all three)."""
+    s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
+    d, kv, f = m.head_dim, m.n_kv_head, m.ffn_hidden_size
+    h_in = h / t if sequence_parallel else h
+    qkv_input, qkv_grads = h_in, (a * d + 2 * kv * d) / t
+    if t > kv:
+        qkv_input, qkv_grads = (0, 0) if sequence_parallel else (h_in, a * d / t)
+    inputs = qkv_input + h_in + a * d / t + f / t
+    grads = qkv_grads + h + (2 if m.mlp == "swiglu" else 1) * f / t + h
+    return element_bytes * s * b * (inputs + grads)
+
+
+def head_weight_grad_stash_bytes(m: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1,
+                                 element_bytes: int = ACTIVATION_BYTES) -> float:
+    """ZB-H1's stash of the output layer per micro-batch, on the last stage: its (b, s, h) input,
+    whole on every rank (gathered under sequence parallelism), and the (b, s, V_pad/t) gradient
+    of the logits, the largest tensor of the model."""
+    vocab = padded_vocab_size(m.vocab_size, tp, m.vocab_pad_multiple) // tp
+    return element_bytes * seq_len * micro_batch * (m.n_embd + vocab)
