@@ -33,6 +33,13 @@ def measured_bubble(steps: Sequence[Sequence[Event]]) -> float:
     return sum(idle_fraction(events) for events in steps) / len(steps)
 
 
+def stage_busy_seconds(steps: Sequence[Sequence[Event]]) -> List[float]:
+    """Each stage's forward + backward time in one step, averaged over steps: equal when the
+    stages are balanced (launch/analysis/partition.py)."""
+    pp = 1 + max(e[0] for events in steps for e in events)
+    return [sum(e[4] - e[3] for events in steps for e in events if e[0] == k) / len(steps) for k in range(pp)]
+
+
 class TimelineRecorder:
     """Times the forward and backward passes of `steps` training steps from `first_step` on."""
 
@@ -107,6 +114,9 @@ class TimelineRecorder:
         numbers = (f"bubble measured {measured:.1%} (mean of steps {self.first_step}-"
                    f"{self.first_step + len(steps) - 1}) vs predicted {predicted:.1%} = (p-1)/(m+p-1) "
                    f"with p={p}, m={m}")
+        busy = stage_busy_seconds(steps)
+        busy_text = (", ".join(f"stage {k} {seconds:.3f} s" for k, seconds in enumerate(busy))
+                     + f" (slowest / fastest {max(busy) / min(busy):.2f})")
         fig, axes = plt.subplots(len(steps), 1, squeeze=False, figsize=(12, len(steps) * (1.2 + 0.5 * p)))
         for i, (ax, events) in enumerate(zip(axes[:, 0], steps)):
             draw_schedule(ax, events, f"step {self.first_step + i}: bubble {idle_fraction(events):.1%}")
@@ -115,7 +125,7 @@ class TimelineRecorder:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
         plt.close(fig)
-        print(f"timeline: {numbers}; chart in {path}", flush=True)
+        print(f"timeline: {numbers}; busy per step: {busy_text}; chart in {path}", flush=True)
         return measured
 
 
