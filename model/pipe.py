@@ -157,7 +157,8 @@ def pipeline_config(sequence_parallel: bool) -> Dict[str, Any]:
 
 
 class GPTPipelineModule(PipelineModule):
-    """DeepSpeed's PipelineModule, plus the sequence-parallel gradient sum (model/layers.py).
+    """DeepSpeed's PipelineModule, plus stage boundaries given by the caller (`parts`, instead of
+    a DeepSpeed partition method) and the sequence-parallel gradient sum (model/layers.py).
 
     After the last micro-batch's backward and before the data-parallel reduction and the
     optimizer step, DeepSpeed's pipeline engine all-reduces the gradient of every weight

@@ -197,7 +197,8 @@ def _real_stage_matches_the_plan(config: GPTConfig, tp: int, pp: int) -> None:
         held = sum(p.numel() for p in pipe.parameters())  # a tied module is one module on its stage
         predicted = formulas.stage_params_per_rank(config.n_layer, config.n_embd, config.vocab_size, config.seq_len,
                                                    tp, pp, state.pp_rank, config.vocab_pad_multiple, parts)
-        assert held == predicted, f"{rule}, tp {tp} pp {pp}, rank {state.global_rank}: holds {held}, planned {predicted}"
+        assert held == predicted, \
+            f"{rule}, tp {tp} pp {pp}, rank {state.global_rank}: holds {held}, planned {predicted}"
 
 
 @pytest.mark.slow  # 4 spawned processes
