@@ -57,11 +57,12 @@ def measure(tp: int, pp: int, dp: int, out_dir: Path, recipe: Path = TINY, overr
 def run_model(tp: int, pp: int, dp: int, recipe_path: Path = TINY, overrides: Sequence[str] = ()):
     """The GPTConfig and Layout train.py derives for the recipe at this layout."""
     from launch.runtime.recipe import load_recipe
-    from launch.runtime.layout import derive_layout
+    from launch.runtime.layout import derive_layout, with_parts
     from launch.runtime.run_inputs import load_checked_tokenizer
     recipe = load_recipe(recipe_path, OVERRIDES + list(overrides))
     _, vocab_size = load_checked_tokenizer(recipe)
-    return recipe.gpt_config(vocab_size), derive_layout(recipe, tp * pp * dp, tp, pp, on_cpu=True)
+    layout = with_parts(derive_layout(recipe, tp * pp * dp, tp, pp, on_cpu=True), recipe, vocab_size)
+    return recipe.gpt_config(vocab_size), layout
 
 
 def compare(counts: List[dict], config, layout) -> Tuple[List[Row], Dict[Tuple[int, int], int]]:

@@ -5,6 +5,7 @@
   python launch/plan.py --recipe recipes/demo.yaml --gpus 8 --tp 2 --pp 2
   python launch/plan.py ... --search          # every valid layout, fastest first
   python launch/plan.py ... --plot plan.png   # device grid + 1F1B schedule
+  python launch/plan.py ... --partition blocks  # stages cut by block count (default: balanced)
 
 Model fields not given come from --recipe, else GPT-3 defaults (Brown et al. 2020, 175B):
 96 layers, hidden 12288, heads = hidden / 128, sequence 2048, vocabulary 51200 (GPT-2's
@@ -42,6 +43,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     lay.add_argument("--zero", type=int, choices=[0, 1], help="ZeRO stage (default: recipe's, else 1)")
     lay.add_argument("--recompute", choices=["none", "full"],
                      help="activation recompute (default: full if the recipe checkpoints, else none)")
+    lay.add_argument("--partition", metavar="balanced|blocks|N,N,...",
+                     help="where stages are cut: balanced compute, equal blocks, or blocks per stage "
+                          "(default: the recipe's train.partition, else balanced)")
     hw = p.add_argument_group("hardware (defaults per --gpu: " + "; ".join(
         f"{name} {g.peak_flops / 1e12:.0f} TFLOP/s, {g.memory_gib:g} GiB, {g.intra_node_bw / 1e9:.0f} GB/s "
         f"in node, {g.inter_node_bw / 1e9:.0f} GB/s across" for name, g in GPUS.items()) + ")")

@@ -5,7 +5,7 @@ layer indices uses: the specs below, stage names, checkpoint conversion, export,
 GPT-2's table:
     0      embed   TiedLayerSpec('embed')   token ids (B, T) -> (B, T, h)
     1      wpe     PositionEmbedding        adds wpe, dropout
-    2..L+1 block   Block i                  partitioned across stages by transformer block
+    2..L+1 block   Block i                  cut into stages just before a block
     L+2    ln_f    LayerNorm
     L+3    head    TiedLayerSpec('embed')   forward_fn = logits: (B, T, h) -> (B, T, V_pad/tp)
 With RoPE there is no wpe layer (the blocks rotate q and k); with untied embeddings `embed` is a
@@ -20,7 +20,7 @@ chunk to TP rank r of the next stage (DeepSpeed's p2p groups pair the same model
 coordinate; see `pipeline_config` for what must be switched off).
 """
 import hashlib
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -157,7 +157,8 @@ def pipeline_config(sequence_parallel: bool) -> Dict[str, Any]:
 
 
 class GPTPipelineModule(PipelineModule):
-    """DeepSpeed's PipelineModule, plus the sequence-parallel gradient sum (model/layers.py).
+    """DeepSpeed's PipelineModule, plus stage boundaries given by the caller (`parts`, instead of
+    a DeepSpeed partition method) and the sequence-parallel gradient sum (model/layers.py).
 
     After the last micro-batch's backward and before the data-parallel reduction and the
     optimizer step, DeepSpeed's pipeline engine all-reduces the gradient of every weight
@@ -166,20 +167,36 @@ class GPTPipelineModule(PipelineModule):
     with the TP group makes that the once-per-step TP sum they need, where an all-reduce per
     parameter per micro-batch in backward would cost m times the calls."""
 
-    def __init__(self, tp_group, **kwargs):
+    def __init__(self, tp_group, parts: Optional[Sequence[int]] = None, **kwargs):
+        self.given_parts = None if parts is None else tuple(parts)  # read by super().__init__
         super().__init__(**kwargs)
         self.sequence_parallel_group = tp_group
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        """DeepSpeed's partition, or the stage boundaries the run computed (launch/analysis/partition.py):
+        stage k builds layers parts[k]:parts[k+1], set as DeepSpeed's own methods set them."""
+        if self.given_parts is None:
+            return super()._partition_layers(method)
+        parts = list(self.given_parts)
+        if len(parts) != self.num_stages + 1 or parts[0] != 0 or parts[-1] != len(self._layer_specs) \
+                or any(a > b for a, b in zip(parts, parts[1:])):
+            raise ValueError(f"parts={parts} are not {self.num_stages} stages over {len(self._layer_specs)} layers")
+        self.parts = parts
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=parts[stage], stop=parts[stage + 1])
 
     def get_tied_weights_and_groups(self):
         return super().get_tied_weights_and_groups() + [
             (param, self.sequence_parallel_group) for param in sequence_parallel_params(self)]
 
 
-def build_pipeline(config: GPTConfig, state: ParallelState,
-                   activation_checkpoint_interval: int = 0) -> PipelineModule:
-    """One PipelineModule on the run's topology, balanced by transformer blocks."""
+def build_pipeline(config: GPTConfig, state: ParallelState, activation_checkpoint_interval: int = 0,
+                   parts: Optional[Sequence[int]] = None) -> PipelineModule:
+    """One PipelineModule on the run's topology, cut at `parts` (stage k holds layers
+    parts[k]:parts[k+1]; the training run computes them from train.partition), else by counting
+    transformer blocks (DeepSpeed's type:Block)."""
     seed_dropout_rngs(config.seed, state)
-    return GPTPipelineModule(tp_group=state.tp_group,
+    return GPTPipelineModule(tp_group=state.tp_group, parts=parts,
                              layers=layer_specs(config, state),
                              topology=state.topology,
                              loss_fn=make_loss_fn(state),

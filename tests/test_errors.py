@@ -41,6 +41,12 @@ CASES = [
     (1, ["--set", "train.dist_timeout_s=0"], ["train.dist_timeout_s=0", ">= 1"]),
     (1, ["--set", "wandb.mode=cloud"], ["wandb.mode='cloud'", "online, offline, disabled"]),
     (1, ["--set", "train.zero_stage=0", "--set", "train.precision=bf16"], ["zero_stage=0", "bf16", "zero_stage=1"]),
+    (1, ["--set", "train.partition=even"], ["train.partition='even'", "balanced, blocks", "[3, 1]"]),
+    (2, ["--pp", "2", "--set", "train.partition=[3, 2]"], ["train.partition=[3, 2]", "--pp 2", "n_layer=4",
+                                                           "summing to 4"]),
+    (2, ["--pp", "2", "--set", "train.partition=[4]"], ["train.partition=[4]", "give 2 numbers"]),
+    (2, ["--pp", "2", "--set", "train.partition=[0, 4]"], ["train.partition=[0, 4]", "each >= 1 (the last may be 0)"]),
+    (1, ["--set", "train.partition=3"], ["train.partition=3", "expected str or List[int]"]),
 ]
 
 

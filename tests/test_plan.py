@@ -1,6 +1,7 @@
 """launch/plan.py: the 128-GPU example, bad input, --search, --plot (read back as pixels), the 1F1B
 simulation, and the stage partition and per-rank parameter count it predicts against the real
 DeepSpeed PipelineModule our model builds on each rank."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from matplotlib import colors
 
 import chart_pixels
 from distributed import run_distributed, uses_deepspeed
-from launch.analysis import formulas
+from launch.analysis import formulas, partition
 from launch.instruments.pipeline_chart import COLOURS, idle_fraction, simulate_1f1b
 from launch.plan import main
 from model.gpt import GPTConfig
@@ -39,7 +40,9 @@ def test_128_gpu_example_json(capsys):
     plan = _json(capsys.readouterr().out)
     assert (plan["dp"], plan["layers_per_stage"], plan["microbatches_per_pipeline"], plan["grad_accum_steps"]) \
         == (8, 18, 4, 4)
-    assert plan["bubble_fraction"] == pytest.approx(3 / 7)
+    assert plan["bubble_fraction_equal_stages"] == pytest.approx(3 / 7)
+    # 18 blocks per stage either way; the last stage's head makes it the slowest: a larger simulated bubble.
+    assert plan["blocks_per_stage"] == [18, 18, 18, 18] and plan["bubble_fraction"] > 3 / 7
     assert plan["params_per_device"] == formulas.stage_params_per_rank(72, 10240, 51200, 2048, 4, 4, 0)
     assert plan["memory_per_device_bytes"] > 80 * 2 ** 30  # no recompute: over budget, and it says so
     assert any("micro-batches per pipeline" in w for w in plan["warnings"])
@@ -183,20 +186,26 @@ def test_built_layer_specs_follow_the_layer_table():
 
 @uses_deepspeed
 def _real_stage_matches_the_plan(config: GPTConfig, tp: int, pp: int) -> None:
-    """On each rank: DeepSpeed's partition of the real PipelineModule is the planner's, and the
-    parameters this rank holds are the planner's count for its stage."""
+    """On each rank: DeepSpeed's own type:Block partition of the real PipelineModule is the
+    `blocks` rule, a module built at the balanced rule's boundaries holds them, and the parameters
+    this rank holds are the planner's count for its stage either way."""
     state = init_parallel_state(tp, pp)
-    pipe = build_pipeline(config, state)
-    assert pipe.parts == formulas.stage_partition(config.n_layer, pp)
-    held = sum(p.numel() for p in pipe.parameters())  # a tied module is one module on its stage
-    predicted = formulas.stage_params_per_rank(config.n_layer, config.n_embd, config.vocab_size, config.seq_len,
-                                               tp, pp, state.pp_rank, config.vocab_pad_multiple)
-    assert held == predicted, f"tp {tp} pp {pp}, rank {state.global_rank}: holds {held}, planned {predicted}"
+    for rule in ("blocks", "balanced"):
+        parts = partition.stage_partition(config, pp, rule)
+        pipe = build_pipeline(config, state) if rule == "blocks" else build_pipeline(config, state, parts=parts)
+        assert pipe.parts == parts, (rule, pipe.parts, parts)
+        held = sum(p.numel() for p in pipe.parameters())  # a tied module is one module on its stage
+        predicted = formulas.stage_params_per_rank(config.n_layer, config.n_embd, config.vocab_size, config.seq_len,
+                                                   tp, pp, state.pp_rank, config.vocab_pad_multiple, parts)
+        assert held == predicted, \
+            f"{rule}, tp {tp} pp {pp}, rank {state.global_rank}: holds {held}, planned {predicted}"
 
 
 @pytest.mark.slow  # 4 spawned processes
 def test_per_rank_parameters_match_the_real_pipeline_module():
     """tp 2 x pp 2, one layout that shows every rule: 5 blocks split unevenly over the stages
-    (3, 2), the vocabulary padded (101 -> 104) and split over TP, and the last stage holding a
-    tied copy of wte."""
-    run_distributed(_real_stage_matches_the_plan, 4, CONFIG, 2, 2)
+    ((3, 2) by count; (4, 1) balanced, the 1001-word head being worth 2.4 blocks), the vocabulary
+    padded (1001 -> 1008) and split over TP, and the last stage holding a tied copy of wte."""
+    config = dataclasses.replace(CONFIG, vocab_size=1001)
+    assert partition.blocks_per_stage(config, partition.stage_partition(config, 2, "balanced")) == [4, 1]
+    run_distributed(_real_stage_matches_the_plan, 4, config, 2, 2)

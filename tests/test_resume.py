@@ -63,6 +63,20 @@ def test_resume_at_another_layout_matches(parity_runs, tmp_path, saved, layout):
                 assert abs(x[key] - y[key]) <= RTOL * abs(x[key]), (layout, key, x, y)
 
 
+def test_resume_at_another_partition_matches(parity_runs, tmp_path):
+    """Saved at (1,2,1) with the balanced cut (blocks [3, 1]), resumed at the same layout cut by
+    block count ([2, 2]): each rank's ZeRO-1 partition holds other layers, so the state is
+    re-sharded, and steps 4-5 match the uninterrupted run (the losses do not depend on the cut)."""
+    saved, metrics = parity_runs[(1, 2, 1)], tmp_path / "resumed.jsonl"
+    out = _resume(saved["dir"] / "ck" / f"step{SAVE_AT:08d}", (1, 2, 1), metrics, ["--set", "train.partition=blocks"])
+    assert "re-sharded from tp=1 pp=2 dp=1 (stage boundaries [0, 5, 8] -> [0, 4, 8])" in out
+    again = read_metrics(metrics)
+    for original in (saved["metrics"], parity_runs[REFERENCE]["metrics"]):
+        for x, y in zip(original[SAVE_AT:], again, strict=True):
+            for key in ("loss", "grad_norm", "val_loss"):
+                assert abs(x[key] - y[key]) <= RTOL * abs(x[key]), (key, x, y)
+
+
 def test_bf16_resume_at_another_layout(tmp_path):
     """bf16 with pp>1 runs DeepSpeed's bf16 optimizer, not ZeRO's: its state re-shards too.
     Saved at tp=1 pp=2 after step 2, resumed at tp=2 pp=1: steps 3-4 match the uninterrupted

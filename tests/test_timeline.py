@@ -12,7 +12,7 @@ import chart_pixels
 from distributed import free_port
 from launch.analysis import formulas
 from launch.instruments.pipeline_chart import COLOURS, simulate_1f1b
-from launch.instruments.timeline import install_timeline_recorder, measured_bubble
+from launch.instruments.timeline import install_timeline_recorder, measured_bubble, stage_busy_seconds
 from launcher import TINY, launch
 
 
@@ -24,6 +24,7 @@ def test_measured_bubble_of_hand_made_steps():
     never_idle = [(0, "F", 0, 5.0, 6.0), (1, "F", 0, 5.0, 6.0)]  # offsets do not matter
     assert measured_bubble([half_idle]) == pytest.approx(0.5)
     assert measured_bubble([half_idle, never_idle]) == pytest.approx(0.25)  # the mean over steps
+    assert stage_busy_seconds([half_idle, never_idle]) == pytest.approx([(2 + 1) / 2, (1 + 1) / 2])
 
 
 @pytest.mark.parametrize("pp,m", [(2, 8), (4, 4), (4, 16)])
@@ -142,7 +143,8 @@ def test_timeline_of_a_pp2_run(tmp_path):
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     # tiny.yaml at pp=2: m = 16 / 2 = 8 micro-batches, (2-1)/(8+2-1) = 11.1%.
     line = re.search(r"^timeline: zb-h1 bubble measured ([\d.]+)% \(mean of steps 2-3\) vs predicted ([\d.]+)% "
-                     r"from the measured pass times; \(p-1\)/\(m\+p-1\) = 11\.1% with p=2, m=8; chart in (.+)$",
+                     r"from the measured pass times; \(p-1\)/\(m\+p-1\) = 11\.1% with p=2, m=8; busy per step: "
+                     r"stage 0 [\d.]+ s, stage 1 [\d.]+ s \(slowest / fastest [\d.]+\); chart in (.+)$",
                      proc.stdout, re.MULTILINE)
     assert line, proc.stdout[-3000:]
     assert line.group(3) == str(png)

@@ -44,9 +44,10 @@ all-reduces with sequence all-gathers ("sp-gather", payload b*s*h/t) and reduce-
     the purpose "tied-grads" with role tp.
 Not covered: the document mask's segment ids crossing stages (data.document_mask).
 """
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from launch.analysis import formulas
+from launch.analysis.partition import blocks_per_stage, stage_partition
 from launch.runtime.layout import Layout
 from model.config import ModelConfig
 from model.gpt import GPTConfig
@@ -67,13 +68,19 @@ def partition_header_elements(tp: int) -> int:
     return 1 + 3 + 2 + (tp + 1)
 
 
-def stage_vector_params_per_rank(config: ModelConfig, tp: int, pp: int, stage: int) -> int:
+def stage_vector_params_per_rank(config: ModelConfig, tp: int, pp: int, stage: int,
+                                 parts: Optional[Sequence[int]] = None) -> int:
     """The vectors (biases, norms: launch/runtime/engine.py's no-weight-decay group) one rank of `stage`
     holds: per block the column-parallel biases split over t and the replicated rest, the final
     norm on the last stage. GPT-2: 7h/t + 6h per block and 2h; Llama: 2h per block and h."""
     column, replicated = formulas.block_vector_params(config)
-    blocks = formulas.blocks_per_stage(config, pp)[stage]
+    blocks = _blocks(config, pp, parts)[stage]
     return blocks * (column // tp + replicated) + (formulas.norm_params(config) if stage == pp - 1 else 0)
+
+
+def _blocks(config: ModelConfig, pp: int, parts: Optional[Sequence[int]]) -> List[int]:
+    """Blocks per stage of the cut `parts` (None: counting blocks, DeepSpeed's type:Block)."""
+    return blocks_per_stage(config, parts if parts is not None else stage_partition(config, pp, "blocks"))
 
 
 def zero1_gather_elements(group_params: int, dp: int) -> int:
@@ -111,7 +118,8 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
     t, p, d, m = layout.tp, layout.pp, layout.dp, layout.grad_accum_steps
     b, s, h = layout.micro_batch_size, config.seq_len, config.n_embd
     first, last = stage == 0, stage == p - 1
-    blocks = formulas.blocks_per_stage(config, p)[stage]
+    cut = layout.parts or None  # the run's stage boundaries (launch/runtime/layout.py: with_parts)
+    blocks = _blocks(config, p, cut)[stage]
     activation = b * s * h  # one (b, s, h) stage tensor
     out: Dict[Key, Volume] = {}
 
@@ -171,10 +179,10 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
             wte = formulas.embedding_params_per_rank(config.vocab_size, h, t, config.vocab_pad_multiple)
             add("tied-grads", "pp", "all_reduce", 1, wte, wte * element_bytes)
 
-    local = formulas.model_stage_params_per_rank(config, t, p, stage)
+    local = formulas.model_stage_params_per_rank(config, t, p, stage, cut)
     add("dp-grads", "dp" if d > 1 else "self", "all_reduce", 1, local, local * element_bytes)
     if d > 1:
-        vectors = stage_vector_params_per_rank(config, t, p, stage)
-        parts = [zero1_gather_elements(n, d) for n in (local - vectors, vectors) if n]
-        add("dp-params", "dp", "all_gather_into_tensor", len(parts), sum(parts), sum(parts) * element_bytes)
+        vectors = stage_vector_params_per_rank(config, t, p, stage, cut)
+        groups = [zero1_gather_elements(n, d) for n in (local - vectors, vectors) if n]
+        add("dp-params", "dp", "all_gather_into_tensor", len(groups), sum(groups), sum(groups) * element_bytes)
     return out

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from launch.analysis import formulas
+from launch.analysis.partition import DEFAULT, parse_partition
 from launch.analysis.planner import GIB, GPUS, Hardware, Setup, estimate_plan, search, why
 from model.config import ModelConfig
 from launch.runtime.recipe import ConfigError, load_recipe
@@ -49,10 +50,12 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
                                 vocab_size=vocab if vocab is not None else GPT3["vocab"],
                                 vocab_pad_multiple=pick(args.vocab_pad_multiple, rm and rm.vocab_pad_multiple, 1))
     recompute = args.recompute == "full" if args.recompute else bool(rt and rt.recompute_mode == "full")
+    cut = parse_partition(args.partition) if args.partition is not None else rt.partition if rt else DEFAULT
     setup = Setup(gpus=args.gpus, tp=args.tp, pp=args.pp,
                   micro_batch=pick(args.micro_batch, rt and rt.micro_batch_size, 1),
                   global_batch=pick(args.global_batch, rt and rt.global_batch_size, 1536),
-                  zero=pick(args.zero, rt and rt.zero_stage, 1), recompute=recompute)
+                  zero=pick(args.zero, rt and rt.zero_stage, 1), recompute=recompute,
+                  partition=cut if isinstance(cut, str) else tuple(cut))
     gpu = GPUS[args.gpu]
     memory = args.gpu_memory if args.gpu_memory is not None else (gpu.memory_gib if args.search else None)
     for name, value in [("--gpu-memory", memory), ("--peak-tflops", args.peak_tflops),
@@ -115,6 +118,25 @@ def _groups(groups: List[List[int]]) -> str:
     return f"{len(groups)} x {len(groups[0])} ranks: " + ", ".join(shown)
 
 
+def _seconds(x: float) -> str:
+    return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms" if x >= 1e-3 else f"{x * 1e6:.3g} us"
+
+
+def _stage_lines(plan: Dict[str, Any]) -> List[str]:
+    """Each stage's blocks and predicted compute per micro-batch (the first and last 4 when there are more)."""
+    p, flops, seconds = plan["pp"], plan["stage_flops_per_microbatch"], plan["stage_time_s"]
+    shown = list(range(p)) if p <= 8 else [*range(4), None, *range(p - 4, p)]
+    cut = plan["partition"] if isinstance(plan["partition"], str) else ", ".join(map(str, plan["partition"]))
+    lines = [f"stages ({cut} partition), per micro-batch: FLOPs of the stage (all its TP ranks), seconds "
+             f"with its communication"]
+    for k in shown:
+        lines.append("  ..." if k is None else
+                     f"  stage {k}: {plan['blocks_per_stage'][k]} block{'s' * (plan['blocks_per_stage'][k] != 1)}"
+                     + (" + head" if k == p - 1 else "") + f"  {flops[k]:.3e} FLOPs  {_seconds(seconds[k])}"
+                     + f"  ({flops[k] / sum(flops):.0%} of the compute)")
+    return lines
+
+
 def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[str]) -> str:
     t, p, d, m, b = plan["tp"], plan["pp"], plan["dp"], plan["microbatches_per_pipeline"], plan["micro_batch"]
     comm, where = plan["comm_bytes_per_step"], {k: "in node" if v else "across nodes"
@@ -151,7 +173,9 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         + (f" (+ {_edge_layers(model)})" if p > 1 else ""),
         f"micro-batches per pipeline: m = {plan['global_batch']} / (micro {b} * dp {d}) = {m} "
         f"= gradient accumulation steps",
-        f"1F1B bubble: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {plan['bubble_fraction']:.4f} of the step",
+        f"1F1B bubble: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {plan['bubble_fraction_equal_stages']:.4f} of the step "
+        f"with equal stages; simulated with the stages below: {plan['bubble_fraction']:.4f}",
+        *_stage_lines(plan),
         f"parameters per device: {_count(plan['params_per_device'])} "
         f"(stages: {', '.join(_count(x) for x in plan['params_per_stage'][:8])}{', ...' if p > 8 else ''})",
         "",
@@ -192,22 +216,21 @@ def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setu
 
 
 def plot(path: Path, plan: Dict[str, Any]) -> None:
-    """Device grid + the simulated 1F1B schedule; forward : backward = 1 : 2 (1 : 3 recomputing)."""
+    """Device grid + the 1F1B schedule simulated with each stage's forward and backward times."""
     from launch.instruments.pipeline_chart import draw_plan, simulate_1f1b  # matplotlib: only when drawing
-    parts, m, p = plan["step_time_parts_s"], plan["microbatches_per_pipeline"], plan["pp"]
-    slot = (parts["compute"] + parts["tp"] + parts["pp"]) / m
-    fwd = slot / (4 if plan["recompute"] == "full" else 3)
-    events = simulate_1f1b(p, m, fwd, slot - fwd)
+    m, p = plan["microbatches_per_pipeline"], plan["pp"]
+    events = simulate_1f1b(p, m, plan["stage_forward_s"], plan["stage_backward_s"])
     draw_plan(str(path), plan["tp"], p, plan["dp"], events,
-              f"1F1B, p={p}, m={m} (tp {plan['tp']}, dp {plan['dp']}, micro {plan['micro_batch']}): "
-              f"predicted bubble (p-1)/(m+p-1) = {plan['bubble_fraction']:.1%}")
+              f"1F1B, p={p}, m={m} (tp {plan['tp']}, dp {plan['dp']}, micro {plan['micro_batch']}, blocks per stage "
+              f"{plan['blocks_per_stage']}): simulated bubble {plan['bubble_fraction']:.1%} "
+              f"((p-1)/(m+p-1) = {plan['bubble_fraction_equal_stages']:.1%})")
 
 
 def plan_output(args: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
     """(the text or JSON to print, the plan to draw) for launch/plan.py's arguments."""
     model, setup, hw = resolve(args)
     if args.search:
-        valid = search(model, setup.gpus, setup.global_batch, setup.zero, setup.recompute, hw)
+        valid = search(model, setup.gpus, setup.global_batch, setup.zero, setup.recompute, hw, setup.partition)
         plans = [plan for plan in valid if plan["fits"]]
         if not valid:
             raise ConfigError(f"no valid (tp, pp, micro-batch) for {setup.gpus} GPUs, global batch "

@@ -3,19 +3,24 @@ cost model. The formulas live in launch/analysis/formulas.py and memory_formulas
 rules are launch/runtime/layout.py's.
 
 Cost model of one optimizer step (`estimate_step_time`), all per device:
-  slot    = max over stages of [ FLOPs of one micro-batch on the stage / (peak * efficiency)
-                                 + its TP all-reduces: 2(t-1)/t * bytes / TP bandwidth ]
-            + PP p2p of one activation and one gradient: 2 * b*s*h*2 bytes / PP bandwidth
-  step    = (m + p - 1) * slot                      1F1B: m slots of work, p - 1 of bubble
+  slot[k] = FLOPs of one micro-batch on stage k (launch/analysis/partition.py: its blocks, and
+            the head on the last stage) / (t * peak * efficiency)
+            + its TP all-reduces: 2(t-1)/t * bytes / TP bandwidth
+            + PP p2p of one activation and one gradient: 2 * b*s*h*2 bytes / PP bandwidth,
+            split into forward and backward as the stage's FLOPs are
+  step    = the 1F1B schedule of m micro-batches simulated with these per-stage times
+            (launch/instruments/pipeline_chart.py: simulate_1f1b; (m + p - 1) * slot when the
+            stages are equal), its idle share the bubble
             + 2(d-1)/d * gradient bytes / DP bandwidth   (not overlapped with the pipeline)
 A bandwidth is the intra-node one when every group of that dimension sits inside one node
 (global rank // gpus_per_node), else the inter-node one. It ignores latency, overlap and the
 lower efficiency of small micro-batches, so it ranks layouts; it does not promise a time.
 """
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from launch.analysis import formulas, memory_formulas
+from launch.analysis import partition as partition_rules
 from launch.runtime.layout import Layout, derive_layout
 from launch.runtime.recipe import ConfigError, Recipe, TrainSection
 from model.config import ModelConfig
@@ -49,6 +54,8 @@ class Setup:
     global_batch: int
     zero: int = 1
     recompute: bool = False
+    partition: Union[str, Tuple[int, ...]] = partition_rules.DEFAULT
+    """train.partition: balanced, blocks or blocks per stage (launch/analysis/partition.py)."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,9 @@ def check_setup(model: ModelConfig, setup: Setup) -> Layout:
                           f"that divides {setup.gpus}")
     recipe = Recipe(model=model,
                     train=TrainSection(micro_batch_size=setup.micro_batch, global_batch_size=setup.global_batch,
-                                       precision="bf16", zero_stage=setup.zero))
+                                       precision="bf16", zero_stage=setup.zero,
+                                       partition=setup.partition if isinstance(setup.partition, str)
+                                       else list(setup.partition)))
     return derive_layout(recipe, setup.gpus, setup.tp, setup.pp, on_cpu=False)
 
 
@@ -109,25 +118,29 @@ def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int,
     return {k: round(v) for k, v in out.items()}
 
 
-def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: List[int], dp: int,
-                       m: int, params_per_device: int, bandwidth: Dict[str, float]) -> Dict[str, float]:
-    """Seconds per step and its parts by the cost model of the module docstring."""
+def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: List[int],
+                       flops: List[Tuple[int, int]], dp: int, m: int, params_per_device: int,
+                       bandwidth: Dict[str, float]) -> Tuple[Dict[str, float], Dict[str, List[float]]]:
+    """(seconds per step and its parts, per-stage forward and backward seconds of one micro-batch)
+    by the cost model of the module docstring; `flops`: each stage's (forward, backward) FLOPs."""
+    from launch.instruments.pipeline_chart import idle_fraction, simulate_1f1b  # matplotlib: only when planning
     b, s, h, t, p = setup.micro_batch, model.seq_len, model.n_embd, setup.tp, setup.pp
-    layer_flops = formulas.model_layer_flops_per_microbatch(model.resolved(), b, s, setup.recompute)
-    logits_flops = formulas.logits_flops_per_microbatch(b, s, h, model.vocab_size)
     tp_bytes_per_block = formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.recompute) * formulas.ring_allreduce_factor(t)
-    compute, tp_comm = [], []
-    for stage, n in enumerate(blocks):
-        flops = n * layer_flops + (logits_flops if stage == p - 1 else 0)
-        compute.append(flops / t / (hw.peak_flops * hw.efficiency))
-        tp_comm.append(n * tp_bytes_per_block / bandwidth["tp"])
-    slowest = max(range(p), key=lambda k: compute[k] + tp_comm[k])
     pp_comm = 2 * formulas.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0
-    slot = compute[slowest] + tp_comm[slowest] + pp_comm
+    compute = [(forward + backward) / t / (hw.peak_flops * hw.efficiency) for forward, backward in flops]
+    tp_comm = [n * tp_bytes_per_block / bandwidth["tp"] for n in blocks]
+    slot = [compute[k] + tp_comm[k] + pp_comm for k in range(p)]
+    forward = [slot[k] * flops[k][0] / sum(flops[k]) for k in range(p)]
+    stages = {"forward_s": forward, "backward_s": [slot[k] - forward[k] for k in range(p)], "slot_s": slot}
+    events = simulate_1f1b(p, m, stages["forward_s"], stages["backward_s"])
+    span = max(e[4] for e in events)
+    stages["bubble_fraction"] = idle_fraction(events) if p > 1 else 0.0
+    slowest = max(range(p), key=lambda k: slot[k])
     dp_comm = formulas.ring_allreduce_factor(dp) * formulas.dp_allreduce_bytes_per_step(params_per_device) / bandwidth["dp"]
+    # The slowest stage works m slots; the rest of the simulated span it waits: the bubble.
     parts = {"compute": m * compute[slowest], "tp": m * tp_comm[slowest], "pp": m * pp_comm,
-             "bubble": (p - 1) * slot, "dp": dp_comm}
-    return dict(parts, step=sum(parts.values()))
+             "bubble": max(span - m * slot[slowest], 0.0), "dp": dp_comm}
+    return dict(parts, step=sum(parts.values())), stages
 
 
 def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, Any]:
@@ -136,14 +149,16 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     arch = model.resolved()  # every architecture switch set (GQA, SwiGLU, untied head, RoPE change the counts)
     l, h, s, V = model.n_layer, model.n_embd, model.seq_len, model.vocab_size
     t, p, d, m, b = setup.tp, setup.pp, layout.dp, layout.grad_accum_steps, setup.micro_batch
-    blocks = formulas.blocks_per_stage(arch, p)
-    params = [formulas.model_stage_params_per_rank(arch, t, p, k) for k in range(p)]
+    parts = partition_rules.stage_partition(arch, p, setup.partition, s, setup.recompute)
+    blocks = partition_rules.blocks_per_stage(arch, parts)
+    stage_flops = partition_rules.stage_flops(arch, parts, b, s, setup.recompute)
+    params = [formulas.model_stage_params_per_rank(arch, t, p, k, parts) for k in range(p)]
     memory = [_stage_memory(model, setup, d, m, k, blocks[k], params[k]) for k in range(p)]
     fullest = max(range(p), key=lambda k: memory[k]["total"])
     groups = rank_groups(t, p, d)
     intra = {dim: within_node(groups[dim], hw.gpus_per_node) for dim in groups}
     bandwidth = {dim: hw.intra_node_bw if intra[dim] else hw.inter_node_bw for dim in groups}
-    time = estimate_step_time(model, setup, hw, blocks, d, m, max(params), bandwidth)
+    time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, d, m, max(params), bandwidth)
     flops = formulas.model_flops_per_step_of(arch, setup.global_batch, s)
     return {
         "gpus": setup.gpus, "tp": t, "pp": p, "dp": d, "micro_batch": b, "global_batch": setup.global_batch,
@@ -151,9 +166,14 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
         "padded_vocab": formulas.padded_vocab_size(V, t, model.vocab_pad_multiple),
         # The closed form [N21] is GPT-2's: for another architecture it is a reference point only.
         "params_total": formulas.model_params(arch), "params_formula": formulas.params_formula(l, h, V, s),
-        "blocks_per_stage": blocks, "layers_per_stage": max(blocks),
+        "partition": setup.partition if isinstance(setup.partition, str) else list(setup.partition),
+        "stage_parts": parts, "blocks_per_stage": blocks, "layers_per_stage": max(blocks),
+        "stage_flops_per_microbatch": [forward + backward for forward, backward in stage_flops],
+        "stage_forward_s": stages["forward_s"], "stage_backward_s": stages["backward_s"],
+        "stage_time_s": stages["slot_s"],
         "microbatches_per_pipeline": m, "grad_accum_steps": m,
-        "bubble_fraction": formulas.bubble_fraction(p, m),
+        # The idle share of the simulated 1F1B schedule; (p-1)/(m+p-1) only when the stages are equal.
+        "bubble_fraction": stages["bubble_fraction"], "bubble_fraction_equal_stages": formulas.bubble_fraction(p, m),
         "params_per_stage": params, "params_per_device": max(params),
         "memory_per_stage_bytes": memory, "memory_fullest_stage": fullest,
         "memory_per_device_bytes": memory[fullest]["total"],
@@ -175,7 +195,7 @@ def divisors(n: int) -> List[int]:
 
 
 def search(model: ModelConfig, gpus: int, global_batch: int, zero: int, recompute: bool,
-           hw: Hardware) -> List[Dict[str, Any]]:
+           hw: Hardware, partition: Union[str, Tuple[int, ...]] = partition_rules.DEFAULT) -> List[Dict[str, Any]]:
     """Every valid (tp, pp, dp, micro-batch), fastest first; `fits` says whether it fits
     hw.memory_bytes."""
     found = []
@@ -186,8 +206,8 @@ def search(model: ModelConfig, gpus: int, global_batch: int, zero: int, recomput
                 continue
             for b in divisors(global_batch // dp):
                 try:
-                    plan = estimate_plan(model, Setup(gpus, tp, pp, b, global_batch, zero, recompute), hw)
-                except ConfigError:  # heads not divisible by tp, fewer layers than stages, ...
+                    plan = estimate_plan(model, Setup(gpus, tp, pp, b, global_batch, zero, recompute, partition), hw)
+                except ConfigError:  # heads not divisible by tp, fewer layers than stages, a list for another pp, ...
                     continue
                 plan["fits"] = hw.memory_bytes is None or plan["memory_per_device_bytes"] <= hw.memory_bytes
                 found.append(plan)

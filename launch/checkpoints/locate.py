@@ -64,6 +64,7 @@ def read_complete(path: Path) -> Optional[Dict[str, Any]]:
 def find_checkpoint(load: Path) -> CheckpointRef:
     """The checkpoint `--load` names, verified against its manifest of file sizes."""
     ref = _locate(load)
+    fill_saved_parts(ref.meta)
     for name, size in ref.meta["files"].items():
         path = ref.path / name
         actual = path.stat().st_size if path.is_file() else None
@@ -104,8 +105,21 @@ def _locate(load: Path) -> CheckpointRef:
     raise ConfigError(f"--load {str(load)!r} is empty: no checkpoint to resume from")
 
 
-def same_layout(saved: Dict[str, int], layout: Dict[str, int]) -> bool:
-    return all(saved[k] == layout[k] for k in ("tp", "pp", "dp"))
+def same_layout(saved: Dict[str, Any], layout: Dict[str, Any]) -> bool:
+    """Same (tp, pp, dp) and the same stage boundaries: DeepSpeed's own loader restores each rank's
+    flat ZeRO-1 partition, which holds the parameters of that rank's layers, so another cut of the
+    pipeline at the same layout re-shards too."""
+    return (all(saved[k] == layout[k] for k in ("tp", "pp", "dp"))
+            and list(saved.get("parts", ())) == list(layout.get("parts", ())))
+
+
+def fill_saved_parts(meta: Dict[str, Any]) -> None:
+    """Record in `meta` the stage boundaries of a checkpoint written before they were recorded:
+    those runs cut the pipeline by counting blocks (DeepSpeed's type:Block)."""
+    if "parts" not in meta["layout"]:
+        from launch.analysis.partition import stage_partition
+        model = ModelConfig(**meta["recipe"]["model"]).resolved()
+        meta["layout"]["parts"] = stage_partition(model, meta["layout"]["pp"], "blocks")
 
 
 def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Dict[str, int]) -> None:
@@ -135,5 +149,6 @@ def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Di
     if not same_layout(saved, layout) and stages[1] != 1:
         raise ConfigError(f"checkpoint {ref.path} was saved at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "
                           f"with train.zero_stage={stages[0]}, this run is tp={layout['tp']} pp={layout['pp']} "
-                          f"dp={layout['dp']}: a change of layout re-shards ZeRO-1 state only; resume at the "
-                          f"saved layout")
+                          f"dp={layout['dp']}, stage boundaries {list(saved['parts'])} and this run "
+                          f"{list(layout.get('parts', ()))}: a change of layout re-shards ZeRO-1 state only; resume at "
+                          f"the saved layout (and its cut: --set train.partition=[blocks per stage])")

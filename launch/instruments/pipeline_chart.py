@@ -3,7 +3,7 @@
 The schedule is drawn from a list of events (stage, kind, microbatch, start, end), kind "F"
 or "B", so the same chart shows a simulated schedule (`simulate_1f1b`) or measured times.
 """
-from typing import List, Sequence, Tuple
+from typing import List, Sequence, Tuple, Union
 
 import matplotlib
 
@@ -26,10 +26,19 @@ def one_f_one_b_order(pp: int, microbatches: int, stage: int) -> List[Tuple[str,
     return order + [("B", i) for i in range(microbatches - warmup, microbatches)]
 
 
-def simulate_1f1b(pp: int, microbatches: int, t_fwd: float, t_bwd: float) -> List[Event]:
+def per_stage(pp: int, seconds: Union[float, Sequence[float]]) -> List[float]:
+    """One time per stage: a number for every stage, or one number each."""
+    return [float(seconds)] * pp if isinstance(seconds, (int, float)) else [float(x) for x in seconds]
+
+
+def simulate_1f1b(pp: int, microbatches: int, t_fwd: Union[float, Sequence[float]],
+                  t_bwd: Union[float, Sequence[float]]) -> List[Event]:
     """Start each op as soon as its stage is free and its input exists: F(k, i) after F(k-1, i),
-    B(k, i) after B(k+1, i). Communication takes no time here."""
+    B(k, i) after B(k+1, i). t_fwd and t_bwd: one micro-batch's forward and backward, the same on
+    every stage or one per stage (unequal stages: the slowest paces the others). Communication
+    takes no time here."""
     orders = [one_f_one_b_order(pp, microbatches, k) for k in range(pp)]
+    duration = {"F": per_stage(pp, t_fwd), "B": per_stage(pp, t_bwd)}
     done = {}  # (stage, kind, microbatch) -> end time
     position, free = [0] * pp, [0.0] * pp
     events: List[Event] = []
@@ -45,7 +54,7 @@ def simulate_1f1b(pp: int, microbatches: int, t_fwd: float, t_bwd: float) -> Lis
             if needs is not None and needs not in done:
                 continue
             start = max(free[k], done[needs] if needs else 0.0)
-            end = start + (t_fwd if kind == "F" else t_bwd)
+            end = start + duration[kind][k]
             done[(k, kind, i)], free[k] = end, end
             events.append((k, kind, i, start, end))
             position[k] += 1

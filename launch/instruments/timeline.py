@@ -47,6 +47,13 @@ def mean_pass_times(steps: Sequence[Sequence[Event]], stages: int) -> List[List[
     return times
 
 
+def stage_busy_seconds(steps: Sequence[Sequence[Event]]) -> List[float]:
+    """Each stage's forward + backward time in one step, averaged over steps: equal when the
+    stages are balanced (launch/analysis/partition.py)."""
+    pp = 1 + max(e[0] for events in steps for e in events)
+    return [sum(e[4] - e[3] for events in steps for e in events if e[0] == k) / len(steps) for k in range(pp)]
+
+
 class TimelineRecorder:
     """Times the forward and backward passes of `steps` training steps from `first_step` on."""
 
@@ -123,6 +130,9 @@ class TimelineRecorder:
         numbers = (f"{self.schedule} bubble measured {measured:.1%} (mean of steps {self.first_step}-"
                    f"{self.first_step + len(steps) - 1}) vs predicted {predicted:.1%} from the measured "
                    f"pass times; (p-1)/(m+p-1) = {formulas.bubble_fraction(p, m):.1%} with p={p}, m={m}")
+        busy = stage_busy_seconds(steps)
+        busy_text = (", ".join(f"stage {k} {seconds:.3f} s" for k, seconds in enumerate(busy))
+                     + f" (slowest / fastest {max(busy) / min(busy):.2f})")
         fig, axes = plt.subplots(len(steps), 1, squeeze=False, figsize=(12, len(steps) * (1.2 + 0.5 * p)))
         for i, (ax, events) in enumerate(zip(axes[:, 0], steps)):
             draw_schedule(ax, events, f"step {self.first_step + i}: bubble {idle_fraction(events):.1%}")
@@ -131,7 +141,7 @@ class TimelineRecorder:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
         plt.close(fig)
-        print(f"timeline: {numbers}; chart in {path}", flush=True)
+        print(f"timeline: {numbers}; busy per step: {busy_text}; chart in {path}", flush=True)
         return measured
 
 

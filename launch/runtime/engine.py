@@ -14,7 +14,10 @@ if TYPE_CHECKING:  # annotations only: no import cost at run time
 
 
 def print_role_map(layout: Layout, state: ParallelState, stages: List[Tuple[int, str]], seq_len: int,
-                   sequence_parallel: bool = False, recompute: str = "none", schedule: str = "1f1b") -> None:
+                   sequence_parallel: bool = False, recompute: str = "none",
+                   shares: Optional[List[float]] = None, schedule: str = "1f1b") -> None:
+    """The groups, each stage's layers (with `shares`: its part of the predicted compute per
+    micro-batch, launch/analysis/partition.py), the activations' shape and the schedule."""
     def groups(lists):
         return " ".join(str(g) for g in lists)
     print(f"layout: world {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp} "
@@ -23,7 +26,8 @@ def print_role_map(layout: Layout, state: ParallelState, stages: List[Tuple[int,
           f"  pipelines  (split the layers, stage 0 first): {groups(state.pipelines)}\n"
           f"  DP groups  (split the data, all-reduce grads): {groups(state.dp_groups)}")
     for stage, contents in stages:
-        print(f"  stage {stage}: {contents}")
+        share = "" if shares is None else f" | {shares[stage]:.0%} of the predicted compute"
+        print(f"  stage {stage}: {contents}{share}")
     shard = f"(b, T/tp, h) = ({layout.micro_batch_size}, {seq_len // layout.tp}, h): sequence parallel" \
         if sequence_parallel and layout.tp > 1 else f"(b, T, h) = ({layout.micro_batch_size}, {seq_len}, h)"
     print(f"activations: {shard} per rank between TP linears and across stages; recompute {recompute}; "
@@ -56,13 +60,16 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     zero_bubble = t.schedule == "zb-h1" and layout.pp > 1  # at pp = 1 there is no bubble: 1F1B runs
     WEIGHT_GRADS.enabled = zero_bubble  # before the first forward: the linears read it there
     with quiet_stdout(not verbose):  # DeepSpeed's own layer listing: the role map shows it
-        pipe = build_pipeline(config, state, t.full_recompute_interval)
+        pipe = build_pipeline(config, state, t.full_recompute_interval, parts=layout.parts or None)
     if init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them
         from launch.checkpoints.hf_weights import init_from_hf as load_hf_weights
         load_hf_weights(pipe, init_from_hf, config, state)
     if logging_rank:
+        from launch.analysis.partition import stage_flops
+        flops = [sum(f) for f in stage_flops(config, pipe.parts, layout.micro_batch_size, recipe.seq_len,
+                                             t.recompute_mode == "full")]
         print_role_map(layout, state, stage_contents(pipe, config), recipe.seq_len,
-                       recipe.model.sequence_parallel, t.recompute_mode,
+                       recipe.model.sequence_parallel, t.recompute_mode, [f / sum(flops) for f in flops],
                        t.schedule if zero_bubble or t.schedule == "1f1b" else f"1f1b ({t.schedule} needs pp > 1)")
     ds_config = deepspeed_config(recipe, layout)
     own_norm = uses_own_grad_norm(t.zero_stage, t.precision)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List
 
 from launch.runtime.cli import DEFAULT_RECIPE
 from launch.runtime.distributed import ensure_single_process_env, on_cpu
-from launch.runtime.layout import Layout, derive_layout
+from launch.runtime.layout import Layout, derive_layout, with_parts
 from launch.runtime.recipe import ConfigError, Recipe, load_recipe
 from launch.runtime.run_inputs import load_run_data
 from model.config import SHAPE_FIELDS
@@ -101,7 +101,7 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
     start_rank(layout.world_size, recipe.train.dist_timeout_s)
     state = init_parallel_state(layout.tp, layout.pp)
     config = recipe.gpt_config(job.vocab_size, data.tokenizer.eos_token_id)
-    pipe = build_pipeline(config, state)
+    pipe = build_pipeline(config, state, parts=layout.parts or None)
     load_weights(pipe, args, config, state)
     # No optimizer: the pipeline engine needs one for train_batch only. fp32 whatever the
     # recipe trains in, so every layout and the transformers model agree to rounding.
@@ -141,6 +141,7 @@ def prepare_evaluation(args: argparse.Namespace) -> EvaluationJob:
     ensure_single_process_env()
     layout = derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
     data, vocab_size = load_run_data(recipe, layout)
+    layout = with_parts(layout, recipe, vocab_size)  # the training run's cut of the pipeline
     if args.init_from_hf is not None:  # the parts of its config the shape check above does not see
         from launch.checkpoints.hf_weights import check_hf_source
         check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size, data.tokenizer.eos_token_id),

@@ -3,8 +3,11 @@ keys) and checks them against the recipe, with messages that print the numbers a
 
 Runs before torch.distributed or DeepSpeed start, so bad input costs nothing.
 """
+import dataclasses
 from dataclasses import dataclass
+from typing import Tuple
 
+from launch.analysis.partition import check_partition, run_parts
 from launch.runtime.recipe import ConfigError, Recipe
 from model.config import ARCHS, LLAMA3_SCALING_KEYS, MLPS, NORMS, POSITIONS, ModelConfig
 
@@ -25,6 +28,9 @@ class Layout:
     global_batch_size: int
     grad_accum_steps: int
     """Micro-batches per pipeline per optimizer step (m = B / (b * dp))."""
+    parts: Tuple[int, ...] = ()
+    """Stage boundaries over the pipeline layers (stage k holds parts[k]:parts[k+1]) from
+    train.partition; they need the vocabulary, so `with_parts` sets them once it is known."""
 
 
 def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: bool) -> Layout:
@@ -89,6 +95,7 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
                           f"set train.recompute=full or train.activation_checkpoint_interval=0")
     if t.schedule not in SCHEDULES:
         raise ConfigError(f"train.schedule={t.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    check_partition(t.partition, m.n_layer, pp)
     if t.warmup_steps < 0 or t.grad_clip < 0 or t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.lr={t.lr} must be > 0, warmup_steps={t.warmup_steps} and "
                           f"grad_clip={t.grad_clip} >= 0, min_lr_ratio={t.min_lr_ratio} in [0, 1]")
@@ -125,6 +132,11 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
                           f"train.micro_batch_size, train.global_batch_size and dp; set those instead")
     return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, micro_batch_size=b, global_batch_size=B,
                   grad_accum_steps=B // (b * dp))
+
+
+def with_parts(layout: Layout, recipe: Recipe, vocab_size: int) -> Layout:
+    """The layout with the stage boundaries of the recipe's train.partition (launch/analysis/partition.py)."""
+    return dataclasses.replace(layout, parts=tuple(run_parts(recipe, vocab_size, layout.pp)))
 
 
 def check_architecture(model: ModelConfig, tp: int) -> None:

@@ -54,7 +54,8 @@ def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout
         saved = resume_from.meta["layout"]
         print(f"resumed from {resume_from.path} at step {step} ({samples} samples consumed)"
               + ("" if same_layout(saved, vars(layout)) else
-                 f", re-sharded from tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}"), flush=True)
+                 f", re-sharded from tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "
+                 f"(stage boundaries {list(saved['parts'])} -> {list(layout.parts)})"), flush=True)
     return step + 1, samples
 
 

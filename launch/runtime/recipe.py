@@ -9,7 +9,7 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import yaml
 
@@ -73,6 +73,10 @@ class TrainSection:
     """Global batches of validation data per evaluation (the same ones every time)."""
     dist_timeout_s: int = 600
     """Collectives wait at most this long: if a rank dies, the others exit with an error."""
+    partition: Union[str, List[int]] = "balanced"
+    """Where the pipeline stages are cut: balanced (the least compute on the busiest stage, the
+    output head and loss counted), blocks (equal numbers of blocks, DeepSpeed's type:Block) or
+    blocks per stage, e.g. [3, 1] (launch/analysis/partition.py)."""
 
 
     @property
@@ -124,10 +128,17 @@ class Recipe:
 
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
     """Return value converted to the field's type, or raise ConfigError naming both."""
-    if typing.get_origin(annotation) is typing.Union:  # Optional[T]
-        if value is None:
+    if typing.get_origin(annotation) is typing.Union:  # Optional[T], or a choice such as Union[str, List[int]]
+        if value is None and type(None) in typing.get_args(annotation):
             return None
-        annotation = [a for a in typing.get_args(annotation) if a is not type(None)][0]
+        choices = [a for a in typing.get_args(annotation) if a is not type(None)]
+        for choice in choices:
+            try:
+                return _check_type(key, value, choice)
+            except ConfigError:
+                pass
+        names = " or ".join(str(a) if typing.get_origin(a) else a.__name__ for a in choices)
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected {names.replace('typing.', '')}")
     if typing.get_origin(annotation) is dict:
         if isinstance(value, dict):
             return value

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from launch.runtime.cli import training_recipe
 from launch.runtime.distributed import check_precision_supported, ensure_single_process_env, on_cpu
-from launch.runtime.layout import Layout, derive_layout
+from launch.runtime.layout import Layout, derive_layout, with_parts
 from launch.runtime.recipe import ConfigError, Recipe
 from launch.runtime.run_inputs import load_run_data, resolved_recipe_dict
 
@@ -38,6 +38,7 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
         from launch.checkpoints.locate import find_checkpoint
         resume_from = find_checkpoint(args.load)
     data, vocab_size = load_run_data(recipe, layout)
+    layout = with_parts(layout, recipe, vocab_size)  # the stage boundaries need the vocabulary
     if args.init_from_hf is not None:
         from launch.checkpoints.hf_weights import check_hf_source
         check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size, data.tokenizer.eos_token_id),

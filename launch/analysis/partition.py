@@ -1,0 +1,165 @@
+"""Where the pipeline is cut into stages: the one partition function of the training run
+(launch/runtime/engine.py hands its boundaries to model/pipe.py), the planner, the memory and
+communication formulas and the tests, so that predictions and the real PipelineModule agree.
+
+`train.partition` picks the rule:
+  balanced  (default) the cut that minimises the largest stage's compute per micro-batch, each
+            pipeline layer costing its forward + backward FLOPs (`layer_flops`): a block
+            72bsh^2 + 12bs^2h for GPT-2 (96 and 16 with full recompute), the output head 6bshV.
+            The embedding, the position table and the final norm do no matmul and cost 0 here
+            (measured on the demo recipe: the embedding 1 ms against 32 ms for a block and 69 ms
+            for the head with its loss). With the head worth several blocks, the last stage gets
+            fewer blocks.
+  blocks    DeepSpeed's partition_method="type:Block": blocks spread evenly, the first stages
+            taking the extra ones; the head's cost is ignored.
+  [n0, n1, ...] blocks per stage as given: one number per stage, summing to n_layer, each >= 1
+            except the last, which may hold only the final norm and the head.
+Every rule cuts just before a block (or after the last), so the embeddings stay on the first stage and the final
+norm and the head on the last. The result is DeepSpeed's `parts`: stage k holds the pipeline
+layers parts[k]:parts[k+1] of model/pipe.py's layer table.
+"""
+import dataclasses
+import functools
+from typing import List, Optional, Sequence, Tuple, Union
+
+from launch.analysis import formulas
+from launch.runtime.recipe import ConfigError, Recipe
+from model.config import ModelConfig
+
+Partition = Union[str, Sequence[int]]
+RULES = ("balanced", "blocks")
+DEFAULT = "balanced"
+
+
+def check_partition(partition: Partition, n_layer: int, pp: int) -> None:
+    """Raise ConfigError naming the value and the fix unless `partition` is a rule of RULES or
+    pp numbers of blocks summing to n_layer, each >= 1 but the last, which may be 0."""
+    if isinstance(partition, str):
+        if partition not in RULES:
+            raise ConfigError(f"train.partition={partition!r} is not one of {', '.join(RULES)} or a list of blocks "
+                              f"per stage (e.g. [3, 1])")
+        return
+    counts = list(partition)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+        raise ConfigError(f"train.partition={counts!r}: blocks per stage must be whole numbers, e.g. [3, 1]")
+    # The last stage may hold only the final norm and the head (worth it for a large vocabulary);
+    # a first stage of only the embeddings hangs DeepSpeed 0.19.8's pipeline engine at pp=2 (tried).
+    if len(counts) != pp or sum(counts) != n_layer or min(counts[:-1] + [1]) < 1 or min(counts, default=0) < 0:
+        raise ConfigError(f"train.partition={counts!r} with --pp {pp} and model.n_layer={n_layer}: give {pp} numbers "
+                          f"of blocks per stage summing to {n_layer}, each >= 1 (the last may be 0), or balanced, "
+                          f"blocks")
+
+
+def parse_partition(text: str) -> Partition:
+    """launch/plan.py's --partition: 'balanced', 'blocks' or a comma list '3,1'."""
+    if text in RULES:
+        return text
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--partition {text!r} is not one of {', '.join(RULES)} or a comma list of blocks per "
+                          f"stage (e.g. 3,1)") from None
+
+
+def _layer_kinds(model: Union[ModelConfig, int]) -> Tuple[str, ...]:
+    return tuple(formulas.layer_kinds(model))
+
+
+def layer_flops(model: ModelConfig, micro_batch: int = 1, seq_len: Optional[int] = None,
+                recompute: bool = False) -> List[Tuple[int, int]]:
+    """(forward, backward) FLOPs of each pipeline layer for one micro-batch: blocks by
+    formulas.model_layer_flops_per_microbatch (backward twice the forward, plus the forward again
+    with full recompute), the head by formulas.logits_flops_per_microbatch (never recomputed),
+    0 for the embeddings and the final norm. `model` is resolved (vocab_size set)."""
+    s = seq_len or model.seq_len
+    block = formulas.model_layer_flops_per_microbatch(model, micro_batch, s, recompute)
+    block_forward = formulas.model_layer_flops_per_microbatch(model, micro_batch, s) // 3
+    head = formulas.logits_flops_per_microbatch(micro_batch, s, model.n_embd, model.vocab_size)
+    costs = {"block": (block_forward, block - block_forward), "head": (head // 3, head - head // 3)}
+    costs["lm_head"] = costs["head"]
+    return [costs.get(kind, (0, 0)) for kind in _layer_kinds(model)]
+
+
+def stage_partition(model: Union[ModelConfig, int], pp: int, partition: Partition = DEFAULT,
+                    seq_len: Optional[int] = None, recompute: bool = False) -> List[int]:
+    """The stage boundaries `parts` of `partition` (module docstring). `model` is a resolved
+    config, or a bare n_layer (GPT-2's layer table) for the rules that need no costs. The balanced
+    cut does not depend on the micro-batch size (every cost scales with it)."""
+    kinds = _layer_kinds(model)
+    if not isinstance(partition, str):
+        check_partition(partition, kinds.count("block"), pp)
+        return _from_counts(kinds, list(partition))
+    if partition == "blocks":
+        return list(_type_block_parts(kinds, pp))
+    if partition != "balanced":
+        check_partition(partition, kinds.count("block"), pp)
+    if isinstance(model, int):
+        raise ValueError("the balanced partition needs the model's dimensions: pass a resolved ModelConfig")
+    costs = tuple(forward + backward for forward, backward in layer_flops(model, 1, seq_len, recompute))
+    return list(_balanced_parts(kinds, costs, pp))
+
+
+def blocks_per_stage(model: Union[ModelConfig, int], parts: Sequence[int]) -> List[int]:
+    kinds = _layer_kinds(model)
+    return [kinds[parts[k]:parts[k + 1]].count("block") for k in range(len(parts) - 1)]
+
+
+def stage_flops(model: ModelConfig, parts: Sequence[int], micro_batch: int, seq_len: Optional[int] = None,
+                recompute: bool = False) -> List[Tuple[int, int]]:
+    """(forward, backward) FLOPs of each stage for one micro-batch, the whole stage (all TP ranks)."""
+    layers = layer_flops(model, micro_batch, seq_len, recompute)
+    return [(sum(f for f, _ in layers[parts[k]:parts[k + 1]]), sum(b for _, b in layers[parts[k]:parts[k + 1]]))
+            for k in range(len(parts) - 1)]
+
+
+def run_parts(recipe: Recipe, vocab_size: int, pp: int) -> List[int]:
+    """The training run's boundaries: the recipe's rule on its model with the vocabulary resolved."""
+    model = dataclasses.replace(recipe.model, vocab_size=vocab_size).resolved()
+    return stage_partition(model, pp, recipe.train.partition, recipe.seq_len, recipe.train.recompute_mode == "full")
+
+
+def _from_counts(kinds: Tuple[str, ...], counts: List[int]) -> List[int]:
+    """Boundaries from blocks per stage: stage k starts at its first block (stage 0 at layer 0)."""
+    first_block = kinds.index("block")
+    parts = [0] + [first_block + sum(counts[:k]) for k in range(1, len(counts))] + [len(kinds)]
+    return parts
+
+
+@functools.lru_cache(maxsize=None)  # an O(l^2 p) Python loop; the planner's search asks often
+def _type_block_parts(kinds: Tuple[str, ...], pp: int) -> Tuple[int, ...]:
+    from deepspeed.runtime.utils import partition_balanced  # imported late: a slow import
+    weights = [int(name == "block") for name in kinds]
+    return tuple(int(x) for x in partition_balanced(weights, pp))
+
+
+@functools.lru_cache(maxsize=None)
+def _balanced_parts(kinds: Tuple[str, ...], costs: Tuple[int, ...], pp: int) -> Tuple[int, ...]:
+    """Blocks per stage (each >= 1) minimising the largest stage cost, exactly, by dynamic
+    programming over the block counts; integer costs, so no rounding decides. DeepSpeed's
+    partition_balanced minimises the spread (largest minus smallest) instead, which is not the
+    same optimum. Among optimal cuts, later stages take as many blocks as they can: under 1F1B
+    they hold fewer micro-batches in flight, so this keeps the first stage's activations low."""
+    first, n = kinds.index("block"), kinds.count("block")
+    # cost(i, j): blocks i..j-1 plus, on the first and last stage, the layers before and after them.
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(i: int, j: int) -> int:
+        start = 0 if i == 0 else first + i
+        stop = len(kinds) if j == n else first + j
+        return prefix[stop] - prefix[start]
+
+    # best[k][j]: the least possible largest cost of the first j blocks on k stages.
+    infinity = float("inf")
+    best = [[infinity] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0
+    for k in range(1, pp + 1):
+        for j in range(k, n + 1):
+            best[k][j] = min(max(best[k - 1][i], cost(i, j)) for i in range(k - 1, j))
+    target, counts, j = best[pp][n], [], n
+    for k in range(pp, 0, -1):  # from the last stage: the most blocks that keep the optimum
+        i = min(i for i in range(k - 1, j) if best[k - 1][i] <= target and cost(i, j) <= target)
+        counts.append(j - i)
+        j = i
+    return tuple(_from_counts(kinds, counts[::-1]))
