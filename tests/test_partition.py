@@ -3,6 +3,7 @@ split) and never worse than counting blocks, explicit lists are honoured, old ch
 counted by blocks; the 1F1B simulation with per-stage times against hand-derived spans; the
 planner's per-stage report. The cut against DeepSpeed's real PipelineModule: tests/test_plan.py."""
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,8 @@ from model.config import ModelConfig
 
 GPT2 = dict(n_head=4, n_embd=64, seq_len=32)
 LLAMA = dict(arch="llama", n_head=4, n_kv_head=2, n_embd=64, seq_len=32)
+
+DEMO = str(Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml")
 
 
 def _model(n_layer: int, vocab: int, **dims) -> ModelConfig:
@@ -95,7 +98,7 @@ def test_per_stage_simulation_against_hand_derived_spans():
 
 
 def _plan(capsys, *extra):
-    assert main(["--recipe", "recipes/demo.yaml", "--gpus", "2", "--pp", "2", "--json", *extra]) == 0
+    assert main(["--recipe", DEMO, "--gpus", "2", "--pp", "2", "--json", *extra]) == 0
     import json
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
@@ -111,7 +114,7 @@ def test_planner_balanced_beats_blocks_on_the_demo(capsys):
 
 
 def test_planner_text_shows_each_stage(capsys):
-    assert main(["--recipe", "recipes/demo.yaml", "--gpus", "2", "--pp", "2"]) == 0
+    assert main(["--recipe", DEMO, "--gpus", "2", "--pp", "2"]) == 0
     out = capsys.readouterr().out
     for text in ["stages (balanced partition)", "stage 0: 3 blocks", "stage 1: 1 block + head", "(52% of the compute)",
                  "simulated with the stages below: 0.13"]:
@@ -121,6 +124,6 @@ def test_planner_text_shows_each_stage(capsys):
 @pytest.mark.parametrize("value,words", [("2,1", ["train.partition=[2, 1]", "summing to 4"]),
                                          ("even", ["--partition 'even'", "balanced, blocks"])])
 def test_planner_refuses_a_bad_partition(value, words, capsys):
-    assert main(["--recipe", "recipes/demo.yaml", "--gpus", "2", "--pp", "2", "--partition", value]) == 2
+    assert main(["--recipe", DEMO, "--gpus", "2", "--pp", "2", "--partition", value]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and all(w in err for w in words), err
