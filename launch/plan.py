@@ -6,6 +6,7 @@
   python launch/plan.py ... --search          # every valid layout, fastest first
   python launch/plan.py ... --plot plan.png   # device grid + 1F1B schedule
   python launch/plan.py ... --partition blocks  # stages cut by block count (default: balanced)
+  python launch/plan.py ... --schedule zb-h1 --plot zb.png  # the zero-bubble schedule, drawn
 
 Model fields not given come from --recipe, else GPT-3 defaults (Brown et al. 2020, 175B):
 96 layers, hidden 12288, heads = hidden / 128, sequence 2048, vocabulary 51200 (GPT-2's
@@ -43,6 +44,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     lay.add_argument("--zero", type=int, choices=[0, 1], help="ZeRO stage (default: recipe's, else 1)")
     lay.add_argument("--recompute", choices=["none", "full"],
                      help="activation recompute (default: full if the recipe checkpoints, else none)")
+    lay.add_argument("--schedule", choices=["1f1b", "zb-h1"],
+                     help="pipeline schedule (default: the recipe's train.schedule, else 1f1b)")
     lay.add_argument("--partition", metavar="balanced|blocks|N,N,...",
                      help="where stages are cut: balanced compute, equal blocks, or blocks per stage "
                           "(default: the recipe's train.partition, else balanced)")

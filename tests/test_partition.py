@@ -9,7 +9,8 @@ import pytest
 
 from launch.analysis import partition
 from launch.checkpoints.locate import fill_saved_parts
-from launch.instruments.pipeline_chart import idle_fraction, simulate_1f1b
+from launch.instruments.pipeline_chart import idle_fraction
+from launch.instruments.schedule_sim import simulate_schedule
 from launch.plan import main
 from model.config import ModelConfig
 
@@ -89,12 +90,12 @@ def test_per_stage_simulation_against_hand_derived_spans():
     """p=2, m=8: with the last stage the slower it never idles after its first input,
     span = F0 + m (F1 + B1) + B0; with the first stage the slower it never idles at all, span = m (F0 + B0)."""
     m = 8
-    assert max(e[4] for e in simulate_1f1b(2, m, [1.0, 3.0], [2.0, 6.0])) == pytest.approx(1 + m * 9 + 2)
-    assert max(e[4] for e in simulate_1f1b(2, m, [3.0, 1.0], [6.0, 2.0])) == pytest.approx(m * 9)
+    assert max(e[4] for e in simulate_schedule("1f1b", 2, m, [1.0, 3.0], [2.0, 6.0])) == pytest.approx(1 + m * 9 + 2)
+    assert max(e[4] for e in simulate_schedule("1f1b", 2, m, [3.0, 1.0], [6.0, 2.0])) == pytest.approx(m * 9)
     # A list of equal times is the plain call.
-    assert simulate_1f1b(4, m, [1.0] * 4, [2.0] * 4) == simulate_1f1b(4, m, 1.0, 2.0)
+    assert simulate_schedule("1f1b", 4, m, [1.0] * 4, [2.0] * 4) == simulate_schedule("1f1b", 4, m, 1.0, 2.0)
     # Stage 0 busy 8 * 3 of 75: idle share (75 - 24 + 75 - 72) / 150.
-    assert idle_fraction(simulate_1f1b(2, m, [1.0, 3.0], [2.0, 6.0])) == pytest.approx((51 + 3) / 150)
+    assert idle_fraction(simulate_schedule("1f1b", 2, m, [1.0, 3.0], [2.0, 6.0])) == pytest.approx((51 + 3) / 150)
 
 
 def _plan(capsys, *extra):

@@ -15,7 +15,8 @@ from matplotlib import colors
 import chart_pixels
 from distributed import run_distributed, uses_deepspeed
 from launch.analysis import formulas, partition
-from launch.instruments.pipeline_chart import COLOURS, idle_fraction, simulate_1f1b
+from launch.instruments.pipeline_chart import COLOURS, idle_fraction
+from launch.instruments.schedule_sim import simulate_schedule
 from launch.plan import main
 from model.gpt import GPTConfig
 from model.parallel_state import init_parallel_state
@@ -170,7 +171,7 @@ def test_recipe_gives_the_model(capsys):
 
 @pytest.mark.parametrize("pp,m", [(1, 4), (2, 1), (4, 4), (4, 8), (8, 3), (3, 32)])
 def test_simulated_1f1b_bubble_matches_the_formula(pp, m):
-    events = simulate_1f1b(pp, m, 1.0, 2.0)
+    events = simulate_schedule("1f1b", pp, m, 1.0, 2.0)
     assert len(events) == 2 * pp * m
     assert idle_fraction(events) == pytest.approx(formulas.bubble_fraction(pp, m))
     assert max(e[4] for e in events) == pytest.approx((m + pp - 1) * 3.0)

@@ -11,7 +11,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 import chart_pixels
 from distributed import free_port
 from launch.analysis import formulas
-from launch.instruments.pipeline_chart import COLOURS, simulate_1f1b
+from launch.instruments.pipeline_chart import COLOURS
+from launch.instruments.schedule_sim import simulate_schedule
 from launch.instruments.timeline import install_timeline_recorder, measured_bubble, stage_busy_seconds
 from launcher import TINY, launch
 
@@ -30,7 +31,7 @@ def test_measured_bubble_of_hand_made_steps():
 @pytest.mark.parametrize("pp,m", [(2, 8), (4, 4), (4, 16)])
 def test_measured_bubble_of_an_ideal_schedule_is_the_formula(pp, m):
     """Without communication, 1F1B idles (p-1)/(m+p-1) of the step."""
-    events = simulate_1f1b(pp, m, t_fwd=1.0, t_bwd=2.0)
+    events = simulate_schedule("1f1b", pp, m, 1.0, 2.0)
     assert measured_bubble([events]) == pytest.approx(formulas.bubble_fraction(pp, m))
 
 

@@ -3,15 +3,17 @@ DeepSpeed's 1F1B TrainSchedule, its predicted bubble against the formulas of the
 real engines trained with both schedules side by side: the same losses, gradient norms and
 gradients to the bit, at (1,2,1) in bf16, (2,2,2) with sequence parallelism, ZeRO-1 over dp 2 and
 selective recompute, and (1,4,1) for Llama under full recompute."""
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from deepspeed.runtime.pipe import schedule
 
+import chart_pixels
 from distributed import run_distributed, uses_deepspeed
 from launch.analysis import formulas, memory_formulas
-from launch.instruments.pipeline_chart import idle_fraction
+from launch.instruments.pipeline_chart import COLOURS, idle_fraction
 from launch.instruments.schedule_sim import instruction_streams, simulate_schedule
 from launch.runtime.zero_bubble import BackwardInputPass, WeightPass
 from model.gpt import GPT, GPTConfig
@@ -19,6 +21,7 @@ from model.loss import vocab_parallel_cross_entropy
 from model.weight_grad import WEIGHT_GRADS
 
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny.yaml"
+DEMO = TINY.parent / "demo.yaml"
 P2P = (schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad)
 
 
@@ -65,6 +68,32 @@ def test_predicted_bubbles_are_the_papers(pp, m):
         done = {(e[1], e[2]): e for e in zb if e[0] == stage}
         assert sorted(done) == sorted((kind, i) for kind in "FBW" for i in range(m))
         assert all(done[("W", i)][3] >= done[("B", i)][4] for i in range(m))
+
+
+# ---------------------------------------------------------------- the planner
+
+def _plan(capsys, *extra):
+    from launch.plan import main
+    assert main(["--recipe", str(DEMO), "--gpus", "4", "--pp", "4", "--layers", "8", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_planner_knows_both_schedules(capsys, tmp_path):
+    """`launch/plan.py --schedule zb-h1`: a smaller simulated bubble and step than 1F1B's for the same
+    stages, the stash in each stage's memory (the last stage holds the most), and a chart whose
+    every stage row shows W boxes."""
+    one_f_one_b, zb = _plan(capsys), _plan(capsys, "--schedule", "zb-h1", "--plot", str(tmp_path / "zb.png"))
+    assert zb["stage_parts"] == one_f_one_b["stage_parts"]
+    assert zb["bubble_fraction"] < one_f_one_b["bubble_fraction"] and zb["step_time_s"] < one_f_one_b["step_time_s"]
+    assert all(stage["weight_grad_stash"] == 0 for stage in one_f_one_b["memory_per_stage_bytes"])
+    stash = [stage["weight_grad_stash"] for stage in zb["memory_per_stage_bytes"]]
+    assert min(stash) > 0 and stash[-1] == max(stash)
+    rgb = chart_pixels.read_rgb(tmp_path / "zb.png")
+    (top, bottom), (left, right) = chart_pixels.schedule_area(rgb)
+    schedule_pixels = rgb[top:bottom, left:right]
+    boxes = [chart_pixels.colour_mask(schedule_pixels, COLOURS[kind]) for kind in "FBW"]
+    rows = chart_pixels.box_rows(boxes[0] | boxes[1] | boxes[2])
+    assert len(rows) == 4 and all(chart_pixels.boxes_in_row(boxes[2], row) > 0 for row in rows)
 
 
 # ---------------------------------------------------------------- what the deferred work holds

@@ -104,6 +104,19 @@ def blocks_per_stage(model: Union[ModelConfig, int], parts: Sequence[int]) -> Li
     return [kinds[parts[k]:parts[k + 1]].count("block") for k in range(len(parts) - 1)]
 
 
+def stage_weight_grad_flops(model: ModelConfig, parts: Sequence[int], micro_batch: int,
+                            seq_len: Optional[int] = None) -> List[int]:
+    """The part of each stage's backward FLOPs that computes weight gradients, 2 FLOPs per matrix
+    weight per token (ZB-H1's W pass, launch/runtime/zero_bubble.py): a block's matrices, the head
+    (whose FLOPs are 6bshV: a third each for forward, input and weight gradients)."""
+    s = seq_len or model.seq_len
+    costs = {"block": 2 * micro_batch * s * formulas.block_matmul_params(model),
+             "head": formulas.logits_flops_per_microbatch(micro_batch, s, model.n_embd, model.vocab_size) // 3}
+    costs["lm_head"] = costs["head"]
+    kinds = _layer_kinds(model)
+    return [sum(costs.get(kind, 0) for kind in kinds[parts[k]:parts[k + 1]]) for k in range(len(parts) - 1)]
+
+
 def stage_flops(model: ModelConfig, parts: Sequence[int], micro_batch: int, seq_len: Optional[int] = None,
                 recompute: bool = False) -> List[Tuple[int, int]]:
     """(forward, backward) FLOPs of each stage for one micro-batch, the whole stage (all TP ranks)."""

@@ -55,7 +55,8 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
                   micro_batch=pick(args.micro_batch, rt and rt.micro_batch_size, 1),
                   global_batch=pick(args.global_batch, rt and rt.global_batch_size, 1536),
                   zero=pick(args.zero, rt and rt.zero_stage, 1), recompute=recompute,
-                  partition=cut if isinstance(cut, str) else tuple(cut))
+                  partition=cut if isinstance(cut, str) else tuple(cut),
+                  schedule=args.schedule or (rt.schedule if rt else "1f1b"))
     gpu = GPUS[args.gpu]
     memory = args.gpu_memory if args.gpu_memory is not None else (gpu.memory_gib if args.search else None)
     for name, value in [("--gpu-memory", memory), ("--peak-tflops", args.peak_tflops),
@@ -174,7 +175,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"micro-batches per pipeline: m = {plan['global_batch']} / (micro {b} * dp {d}) = {m} "
         f"= gradient accumulation steps",
         f"1F1B bubble: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {plan['bubble_fraction_equal_stages']:.4f} of the step "
-        f"with equal stages; simulated with the stages below: {plan['bubble_fraction']:.4f}",
+        f"with equal stages; {plan['schedule']} simulated with the stages below: {plan['bubble_fraction']:.4f}",
         *_stage_lines(plan),
         f"parameters per device: {_count(plan['params_per_device'])} "
         f"(stages: {', '.join(_count(x) for x in plan['params_per_stage'][:8])}{', ...' if p > 8 else ''})",
@@ -186,6 +187,8 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"{gib(mem['optimizer_zero1'])}",
         f"  {'activations':<32}{gib(mem['activations'])}   with full recompute:   "
         f"{gib(mem['activations_recompute'])}",
+        *([f"  {'ZB-H1 weight-gradient stash':<32}{gib(mem['weight_grad_stash'])}   (up to {min(k + 1, m)} "
+           f"micro-batches' linear inputs and output gradients)"] if plan["schedule"] == "zb-h1" and p > 1 else []),
         f"  {total_label:<32}{gib(plan['memory_per_device_bytes'])}"
         + (f" of {hw.memory_bytes / GIB:g} GiB" if hw.memory_bytes else ""),
         "",
@@ -216,12 +219,15 @@ def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setu
 
 
 def plot(path: Path, plan: Dict[str, Any]) -> None:
-    """Device grid + the 1F1B schedule simulated with each stage's forward and backward times."""
-    from launch.instruments.pipeline_chart import draw_plan, simulate_1f1b  # matplotlib: only when drawing
-    m, p = plan["microbatches_per_pipeline"], plan["pp"]
-    events = simulate_1f1b(p, m, plan["stage_forward_s"], plan["stage_backward_s"])
+    """Device grid + the schedule simulated with each stage's forward, backward and W times."""
+    from launch.instruments.pipeline_chart import draw_plan  # matplotlib: only when drawing
+    from launch.instruments.schedule_sim import simulate_schedule
+    m, p, weight = plan["microbatches_per_pipeline"], plan["pp"], plan["stage_weight_grad_s"]
+    events = simulate_schedule(plan["schedule"], p, m, plan["stage_forward_s"],
+                               [b - w for b, w in zip(plan["stage_backward_s"], weight)], weight)
+    name = {"1f1b": "1F1B", "zb-h1": "ZB-H1"}[plan["schedule"]]
     draw_plan(str(path), plan["tp"], p, plan["dp"], events,
-              f"1F1B, p={p}, m={m} (tp {plan['tp']}, dp {plan['dp']}, micro {plan['micro_batch']}, blocks per stage "
+              f"{name}, p={p}, m={m} (tp {plan['tp']}, dp {plan['dp']}, micro {plan['micro_batch']}, blocks per stage "
               f"{plan['blocks_per_stage']}): simulated bubble {plan['bubble_fraction']:.1%} "
               f"((p-1)/(m+p-1) = {plan['bubble_fraction_equal_stages']:.1%})")
 
@@ -230,7 +236,8 @@ def plan_output(args: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
     """(the text or JSON to print, the plan to draw) for launch/plan.py's arguments."""
     model, setup, hw = resolve(args)
     if args.search:
-        valid = search(model, setup.gpus, setup.global_batch, setup.zero, setup.recompute, hw, setup.partition)
+        valid = search(model, setup.gpus, setup.global_batch, setup.zero, setup.recompute, hw, setup.partition,
+                       setup.schedule)
         plans = [plan for plan in valid if plan["fits"]]
         if not valid:
             raise ConfigError(f"no valid (tp, pp, micro-batch) for {setup.gpus} GPUs, global batch "

@@ -8,9 +8,10 @@ Cost model of one optimizer step (`estimate_step_time`), all per device:
             + its TP all-reduces: 2(t-1)/t * bytes / TP bandwidth
             + PP p2p of one activation and one gradient: 2 * b*s*h*2 bytes / PP bandwidth,
             split into forward and backward as the stage's FLOPs are
-  step    = the 1F1B schedule of m micro-batches simulated with these per-stage times
-            (launch/instruments/pipeline_chart.py: simulate_1f1b; (m + p - 1) * slot when the
-            stages are equal), its idle share the bubble
+  step    = the schedule of m micro-batches (1F1B, or ZB-H1 with each backward's weight-gradient
+            FLOPs as its W pass) simulated with these per-stage times over the engine's own
+            instruction streams (launch/instruments/schedule_sim.py; for 1F1B (m + p - 1) * slot
+            when the stages are equal), its idle share the bubble
             + 2(d-1)/d * gradient bytes / DP bandwidth   (not overlapped with the pipeline)
 A bandwidth is the intra-node one when every group of that dimension sits inside one node
 (global rank // gpus_per_node), else the inter-node one. It ignores latency, overlap and the
@@ -56,6 +57,8 @@ class Setup:
     recompute: bool = False
     partition: Union[str, Tuple[int, ...]] = partition_rules.DEFAULT
     """train.partition: balanced, blocks or blocks per stage (launch/analysis/partition.py)."""
+    schedule: str = "1f1b"
+    """train.schedule: 1f1b or zb-h1 (launch/runtime/zero_bubble.py)."""
 
 
 @dataclass(frozen=True)
@@ -107,23 +110,35 @@ def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int,
                   params: int) -> Dict[str, int]:
     plain, zero1 = memory_formulas.model_state_bytes(params, dp, 0), memory_formulas.model_state_bytes(params, dp, 1)
     inflight = memory_formulas.inflight_microbatches(setup.pp, m, stage)  # micro-batches alive at the peak
+    arch, b, s, t = model.resolved(), setup.micro_batch, model.seq_len, setup.tp
     per_layer = lambda recompute: memory_formulas.model_activation_bytes_per_layer(  # noqa: E731
-        model.resolved(), model.seq_len, setup.micro_batch, setup.tp, recompute)
+        arch, s, b, t, recompute)
+    # ZB-H1: stage k keeps up to k + 1 micro-batches' weight-gradient inputs between their B and W
+    # passes (launch/runtime/zero_bubble.py), the last stage the output layer's too.
+    stash = 0.0
+    if setup.schedule == "zb-h1" and setup.pp > 1:
+        stash = blocks * memory_formulas.weight_grad_stash_bytes_per_layer(arch, s, b, t)
+        stash += memory_formulas.head_weight_grad_stash_bytes(arch, s, b, t) if stage == setup.pp - 1 else 0
+        stash *= min(stage + 1, m)
     out = {"weights": plain["weights"], "gradients": plain["gradients"],
            "optimizer": plain["optimizer"], "optimizer_zero1": zero1["optimizer"],
            "activations": per_layer(False) * blocks * inflight,
-           "activations_recompute": per_layer(True) * blocks * inflight}
+           "activations_recompute": per_layer(True) * blocks * inflight,
+           "weight_grad_stash": stash}
     out["total"] = (sum(memory_formulas.model_state_bytes(params, dp, setup.zero).values())
-                    + out["activations_recompute" if setup.recompute else "activations"])
+                    + out["activations_recompute" if setup.recompute else "activations"] + stash)
     return {k: round(v) for k, v in out.items()}
 
 
 def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: List[int],
-                       flops: List[Tuple[int, int]], dp: int, m: int, params_per_device: int,
+                       flops: List[Tuple[int, int]], weight_flops: List[int], dp: int, m: int,
+                       params_per_device: int,
                        bandwidth: Dict[str, float]) -> Tuple[Dict[str, float], Dict[str, List[float]]]:
-    """(seconds per step and its parts, per-stage forward and backward seconds of one micro-batch)
-    by the cost model of the module docstring; `flops`: each stage's (forward, backward) FLOPs."""
-    from launch.instruments.pipeline_chart import idle_fraction, simulate_1f1b  # matplotlib: only when planning
+    """(seconds per step and its parts, per-stage forward, backward and weight-gradient seconds of
+    one micro-batch) by the cost model of the module docstring; `flops`: each stage's (forward,
+    backward) FLOPs, `weight_flops` the weight-gradient part of the backward."""
+    from launch.instruments.pipeline_chart import idle_fraction  # matplotlib: only when planning
+    from launch.instruments.schedule_sim import simulate_schedule
     b, s, h, t, p = setup.micro_batch, model.seq_len, model.n_embd, setup.tp, setup.pp
     tp_bytes_per_block = formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.recompute) * formulas.ring_allreduce_factor(t)
     pp_comm = 2 * formulas.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0
@@ -131,8 +146,11 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     tp_comm = [n * tp_bytes_per_block / bandwidth["tp"] for n in blocks]
     slot = [compute[k] + tp_comm[k] + pp_comm for k in range(p)]
     forward = [slot[k] * flops[k][0] / sum(flops[k]) for k in range(p)]
-    stages = {"forward_s": forward, "backward_s": [slot[k] - forward[k] for k in range(p)], "slot_s": slot}
-    events = simulate_1f1b(p, m, stages["forward_s"], stages["backward_s"])
+    weight = [slot[k] * weight_flops[k] / sum(flops[k]) for k in range(p)]
+    stages = {"forward_s": forward, "backward_s": [slot[k] - forward[k] for k in range(p)], "weight_s": weight,
+              "slot_s": slot}
+    events = simulate_schedule(setup.schedule, p, m, forward, [stages["backward_s"][k] - weight[k] for k in range(p)],
+                               weight)
     span = max(e[4] for e in events)
     stages["bubble_fraction"] = idle_fraction(events) if p > 1 else 0.0
     slowest = max(range(p), key=lambda k: slot[k])
@@ -158,7 +176,8 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     groups = rank_groups(t, p, d)
     intra = {dim: within_node(groups[dim], hw.gpus_per_node) for dim in groups}
     bandwidth = {dim: hw.intra_node_bw if intra[dim] else hw.inter_node_bw for dim in groups}
-    time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, d, m, max(params), bandwidth)
+    weight_flops = partition_rules.stage_weight_grad_flops(arch, parts, b, s)
+    time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, weight_flops, d, m, max(params), bandwidth)
     flops = formulas.model_flops_per_step_of(arch, setup.global_batch, s)
     return {
         "gpus": setup.gpus, "tp": t, "pp": p, "dp": d, "micro_batch": b, "global_batch": setup.global_batch,
@@ -169,10 +188,12 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
         "partition": setup.partition if isinstance(setup.partition, str) else list(setup.partition),
         "stage_parts": parts, "blocks_per_stage": blocks, "layers_per_stage": max(blocks),
         "stage_flops_per_microbatch": [forward + backward for forward, backward in stage_flops],
+        "schedule": setup.schedule,
         "stage_forward_s": stages["forward_s"], "stage_backward_s": stages["backward_s"],
+        "stage_weight_grad_s": stages["weight_s"],
         "stage_time_s": stages["slot_s"],
         "microbatches_per_pipeline": m, "grad_accum_steps": m,
-        # The idle share of the simulated 1F1B schedule; (p-1)/(m+p-1) only when the stages are equal.
+        # The idle share of the simulated schedule; for 1F1B (p-1)/(m+p-1) only when the stages are equal.
         "bubble_fraction": stages["bubble_fraction"], "bubble_fraction_equal_stages": formulas.bubble_fraction(p, m),
         "params_per_stage": params, "params_per_device": max(params),
         "memory_per_stage_bytes": memory, "memory_fullest_stage": fullest,
@@ -195,7 +216,8 @@ def divisors(n: int) -> List[int]:
 
 
 def search(model: ModelConfig, gpus: int, global_batch: int, zero: int, recompute: bool,
-           hw: Hardware, partition: Union[str, Tuple[int, ...]] = partition_rules.DEFAULT) -> List[Dict[str, Any]]:
+           hw: Hardware, partition: Union[str, Tuple[int, ...]] = partition_rules.DEFAULT,
+           schedule: str = "1f1b") -> List[Dict[str, Any]]:
     """Every valid (tp, pp, dp, micro-batch), fastest first; `fits` says whether it fits
     hw.memory_bytes."""
     found = []
@@ -206,7 +228,7 @@ def search(model: ModelConfig, gpus: int, global_batch: int, zero: int, recomput
                 continue
             for b in divisors(global_batch // dp):
                 try:
-                    plan = estimate_plan(model, Setup(gpus, tp, pp, b, global_batch, zero, recompute, partition), hw)
+                    plan = estimate_plan(model, Setup(gpus, tp, pp, b, global_batch, zero, recompute, partition, schedule), hw)
                 except ConfigError:  # heads not divisible by tp, fewer layers than stages, a list for another pp, ...
                     continue
                 plan["fits"] = hw.memory_bytes is None or plan["memory_per_device_bytes"] <= hw.memory_bytes

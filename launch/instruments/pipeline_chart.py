@@ -1,9 +1,10 @@
-"""Pictures of a 3D layout: the devices as a dp x pp x tp grid, and a 1F1B pipeline schedule.
+"""Pictures of a 3D layout: the devices as a dp x pp x tp grid, and a pipeline schedule.
 
-The schedule is drawn from a list of events (stage, kind, microbatch, start, end), kind "F"
-or "B", so the same chart shows a simulated schedule (`simulate_1f1b`) or measured times.
+The schedule is drawn from a list of events (stage, kind, microbatch, start, end), kind "F", "B"
+or "W" (ZB-H1's weight-gradient pass), so the same chart shows a simulated schedule
+(launch/instruments/schedule_sim.py) or measured times (launch/instruments/timeline.py).
 """
-from typing import List, Sequence, Tuple, Union
+from typing import Sequence, Tuple
 
 import matplotlib
 
@@ -14,52 +15,6 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 Event = Tuple[int, str, int, float, float]  # (stage, "F" | "B" | "W", microbatch, start, end)
 COLOURS = {"F": "#8ecae6", "B": "#f4a261", "W": "#90be6d"}
-
-
-def one_f_one_b_order(pp: int, microbatches: int, stage: int) -> List[Tuple[str, int]]:
-    """The op order of one stage in 1F1B (PipeDream-Flush, [N21] fig. 4): p - stage - 1
-    warm-up forwards, then one forward and one backward alternately, then the remaining backwards."""
-    warmup = min(pp - stage - 1, microbatches)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(microbatches - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    return order + [("B", i) for i in range(microbatches - warmup, microbatches)]
-
-
-def per_stage(pp: int, seconds: Union[float, Sequence[float]]) -> List[float]:
-    """One time per stage: a number for every stage, or one number each."""
-    return [float(seconds)] * pp if isinstance(seconds, (int, float)) else [float(x) for x in seconds]
-
-
-def simulate_1f1b(pp: int, microbatches: int, t_fwd: Union[float, Sequence[float]],
-                  t_bwd: Union[float, Sequence[float]]) -> List[Event]:
-    """Start each op as soon as its stage is free and its input exists: F(k, i) after F(k-1, i),
-    B(k, i) after B(k+1, i). t_fwd and t_bwd: one micro-batch's forward and backward, the same on
-    every stage or one per stage (unequal stages: the slowest paces the others). Communication
-    takes no time here."""
-    orders = [one_f_one_b_order(pp, microbatches, k) for k in range(pp)]
-    duration = {"F": per_stage(pp, t_fwd), "B": per_stage(pp, t_bwd)}
-    done = {}  # (stage, kind, microbatch) -> end time
-    position, free = [0] * pp, [0.0] * pp
-    events: List[Event] = []
-    while len(events) < 2 * pp * microbatches:
-        before = len(events)
-        for k in range(pp):
-            if position[k] == len(orders[k]):
-                continue
-            kind, i = orders[k][position[k]]
-            needs = (k - 1, "F", i) if kind == "F" else (k + 1, "B", i)
-            if kind == "F" and k == 0 or kind == "B" and k == pp - 1:
-                needs = None  # the first forward reads data; the last backward follows its own F
-            if needs is not None and needs not in done:
-                continue
-            start = max(free[k], done[needs] if needs else 0.0)
-            end = start + duration[kind][k]
-            done[(k, kind, i)], free[k] = end, end
-            events.append((k, kind, i, start, end))
-            position[k] += 1
-        assert len(events) > before, "1F1B cannot deadlock; the op orders are wrong"
-    return sorted(events, key=lambda e: (e[0], e[3]))
 
 
 def idle_fraction(events: Sequence[Event]) -> float:

@@ -12,9 +12,11 @@ With equal stages this gives 1F1B's bubble (p-1)/(m+p-1) (Narayanan et al. 2021)
 T_F = T_B = T_W, ZB-H1's (p-1)(T_F+T_B-T_W) (Qi et al. 2023, sec. 3.1): tests/test_zero_bubble.py.
 """
 import os
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Union
 
-Event = Tuple[int, str, int, float, float]  # (stage, "F" | "B" | "W", micro-batch, start, end)
+from launch.instruments.pipeline_chart import Event
+
+Times = Union[float, Sequence[float]]
 
 
 def instruction_streams(schedule: str, pp: int, microbatches: int) -> List[list]:
@@ -49,11 +51,14 @@ def _program(commands: list, stage: int, times: Dict[str, float]) -> List[tuple]
     return program
 
 
-def simulate_schedule(schedule: str, pp: int, microbatches: int, t_forward: Sequence[float],
-                      t_backward_input: Sequence[float], t_weight: Sequence[float]) -> List[Event]:
-    """Play the step's instruction streams with per-stage pass times (seconds, one per stage):
-    forward, input-gradient backward (B) and weight-gradient backward (W). 1F1B's backward
-    takes B + W in one pass."""
+def simulate_schedule(schedule: str, pp: int, microbatches: int, t_forward: Times, t_backward_input: Times,
+                      t_weight: Times = 0.0) -> List[Event]:
+    """Play the step's instruction streams with pass times in seconds, one per stage or one for all:
+    forward, input-gradient backward (B) and weight-gradient backward (W). 1F1B's backward takes
+    B + W in one pass."""
+    def per_stage(times: Times) -> List[float]:
+        return [float(times)] * pp if isinstance(times, (int, float)) else list(times)
+    t_forward, t_backward_input, t_weight = per_stage(t_forward), per_stage(t_backward_input), per_stage(t_weight)
     programs = [_program(commands, k, {"F": t_forward[k], "B": t_backward_input[k], "W": t_weight[k]})
                 for k, commands in enumerate(instruction_streams(schedule, pp, microbatches))]
     position, clock = [0] * pp, [0.0] * pp
