@@ -188,7 +188,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"  {'activations':<32}{gib(mem['activations'])}   with full recompute:   "
         f"{gib(mem['activations_recompute'])}",
         *([f"  {'ZB-H1 weight-gradient stash':<32}{gib(mem['weight_grad_stash'])}   (up to {min(k + 1, m)} "
-           f"micro-batches' linear inputs and output gradients)"] if plan["schedule"] == "zb-h1" and p > 1 else []),
+           f"micro-batch{'es' * (min(k + 1, m) > 1)} of linear inputs and output gradients)"] if plan["schedule"] == "zb-h1" and p > 1 else []),
         f"  {total_label:<32}{gib(plan['memory_per_device_bytes'])}"
         + (f" of {hw.memory_bytes / GIB:g} GiB" if hw.memory_bytes else ""),
         "",
