@@ -70,6 +70,9 @@ class TrainSection:
     """Global batches of validation data per evaluation (the same ones every time)."""
     dist_timeout_s: int = 600
     """Collectives wait at most this long: if a rank dies, the others exit with an error."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (torchtitan's per-block compile); where
+    the compiler cannot run here, one line says so and the run trains eagerly."""
 
 
     @property
