@@ -8,9 +8,12 @@ Peer: `GPT2LMHeadModel` (or `LlamaForCausalLM`) of the same dimensions in a plai
 same hyper-parameters and weight-decay groups, the same clipping, batch and sequence length;
 bf16 runs it under autocast with fp32 weights (DeepSpeed keeps fp32 master weights too).
 Same random token batches, alternating repetitions, median. Runs on the GPU when one is present.
+Ours runs twice, eager and with each block compiled (`train.compile`, model/compiled.py), in two
+engines of the same seed; `--no-compile` leaves the compiled one out, and so does a machine where
+the compiler cannot run (launch/runtime/compiler.py says why in one line).
 
     python bench/throughput.py [--layers 4 --hidden 256 --heads 4 --seq-len 256 --batch 8]
-                               [--archs gpt2,llama --kv-heads 2 --ffn 688]
+                               [--archs gpt2,llama --kv-heads 2 --ffn 688] [--no-compile]
                                [--steps 5 --repeats 3] [--precisions fp32,bf16] [--json]
 """
 import argparse
@@ -20,6 +23,7 @@ import time
 
 import torch
 
+from launch.runtime.compiler import blocks_to_compile
 from launch.runtime.distributed import ensure_single_process_env
 from launch.runtime.engine import param_groups
 
@@ -46,17 +50,20 @@ def batches(args, device: str):
         yield tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def our_stepper(args, precision: str, arch: str):
+def our_stepper(args, precision: str, arch: str, compiled: bool = False):
     import deepspeed
     from launch.runtime.ds_config import deepspeed_config
     from launch.runtime.layout import derive_layout
     from launch.runtime.lr_schedule import warmup_cosine
+    from model.compiled import compile_blocks
     from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline
 
     recipe = recipe_for(args, precision, arch)
     layout = derive_layout(recipe, 1, 1, 1, on_cpu=True)
     pipe = build_pipeline(recipe.gpt_config(VOCAB), init_parallel_state(1, 1))
+    if compiled:
+        compile_blocks(pipe)
     t = recipe.train
     engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=param_groups(pipe),
                                            config=deepspeed_config(recipe, layout),
@@ -120,6 +127,8 @@ def main() -> None:
     p.add_argument("--archs", default="gpt2,llama", help="gpt2 against GPT2LMHeadModel, llama against LlamaForCausalLM")
     p.add_argument("--kv-heads", type=int, default=2, help="llama: key/value heads (default %(default)s)")
     p.add_argument("--ffn", type=int, default=688, help="llama: SwiGLU width (default %(default)s, ~8/3 * 256)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also ours with each block compiled (default on; --no-compile skips it)")
     p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
     args = p.parse_args()
 
@@ -129,22 +138,35 @@ def main() -> None:
     from launch.runtime.distributed import init_distributed
     init_distributed(600, verbose=False)
     device = get_accelerator().device_name(0)
-    results = {"device": device, "dims": vars(args), "ratio": {}}
+    compiled = blocks_to_compile(args.compile, get_accelerator().device_name(), logging_rank=True)
+    results = {"device": device, "dims": vars(args), "ratio": {}, "compiled_ratio": {}}
     for arch, precision in ((a, p) for a in args.archs.split(",") for p in args.precisions.split(",")):
-        ours, peer = our_stepper(args, precision, arch), peer_stepper(args, precision, device, arch)
-        ours(), peer()  # warm-up: first-step allocations and lazy initialisation
-        measured = {"ours": [], "transformers": []}
-        for _ in range(args.repeats):  # alternate, so drift of a noisy machine hits both
-            measured["ours"].append(tokens_per_s(ours, args))
-            measured["transformers"].append(tokens_per_s(peer, args))
+        steppers = {"ours": our_stepper(args, precision, arch),
+                    "transformers": peer_stepper(args, precision, device, arch)}
+        if compiled:
+            steppers["ours_compiled"] = our_stepper(args, precision, arch, compiled=True)
+        compile_s = {}
+        for name, step in steppers.items():  # warm-up: first-step allocations, lazy initialisation, compilation
+            start = time.perf_counter()
+            step()
+            compile_s[name] = time.perf_counter() - start
+        measured = {name: [] for name in steppers}
+        for _ in range(args.repeats):  # alternate, so drift of a noisy machine hits each alike
+            for name, step in steppers.items():
+                measured[name].append(tokens_per_s(step, args))
         median = {k: statistics.median(v) for k, v in measured.items()}
         ratio = median["ours"] / median["transformers"]
         key = precision if arch == "gpt2" else f"{arch}-{precision}"  # GPT-2's keys as before
-        results[key] = {"tokens_per_s": median, "runs": measured}
+        results[key] = {"tokens_per_s": median, "runs": measured, "first_step_s": compile_s}
         results["ratio"][key] = ratio
         peer_name = "GPT-2" if arch == "gpt2" else "Llama"
         print(f"{arch} {precision} on {device}: ours {median['ours']:,.0f} tok/s, transformers {peer_name} "
               f"{median['transformers']:,.0f} tok/s, ratio {ratio:.2f} (target >= 1.0)", flush=True)
+        if compiled:
+            results["compiled_ratio"][key] = median["ours_compiled"] / median["ours"]
+            print(f"{arch} {precision} on {device}: ours compiled {median['ours_compiled']:,.0f} tok/s against "
+                  f"eager {median['ours']:,.0f} tok/s, ratio {results['compiled_ratio'][key]:.2f}; first step "
+                  f"{compile_s['ours_compiled']:.1f} s compiled, {compile_s['ours']:.1f} s eager", flush=True)
     if args.json:
         print(json.dumps(results))
 
