@@ -8,18 +8,23 @@ Peer: `GPT2LMHeadModel` (or `LlamaForCausalLM`) of the same dimensions in a plai
 same hyper-parameters and weight-decay groups, the same clipping, batch and sequence length;
 bf16 runs it under autocast with fp32 weights (DeepSpeed keeps fp32 master weights too).
 Same random token batches, alternating repetitions, median. Runs on the GPU when one is present.
+Ours runs twice, eager and with each block compiled (`train.compile`, model/compiled.py), in two
+engines of the same seed; `--no-compile` leaves the compiled one out, and so does a machine where
+the compiler cannot run (launch/runtime/compiler.py says why in one line).
 
     python bench/throughput.py [--layers 4 --hidden 256 --heads 4 --seq-len 256 --batch 8]
-                               [--archs gpt2,llama --kv-heads 2 --ffn 688]
+                               [--archs gpt2,llama --kv-heads 2 --ffn 688] [--no-compile]
                                [--steps 5 --repeats 3] [--precisions fp32,bf16] [--json]
 """
 import argparse
 import json
 import statistics
 import time
+from typing import Tuple
 
 import torch
 
+from launch.runtime.compiler import blocks_to_compile
 from launch.runtime.distributed import ensure_single_process_env
 from launch.runtime.engine import param_groups
 
@@ -46,17 +51,20 @@ def batches(args, device: str):
         yield tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def our_stepper(args, precision: str, arch: str):
+def our_stepper(args, precision: str, arch: str, compiled: bool = False):
     import deepspeed
     from launch.runtime.ds_config import deepspeed_config
     from launch.runtime.layout import derive_layout
     from launch.runtime.lr_schedule import warmup_cosine
+    from model.compiled import compile_blocks
     from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline
 
     recipe = recipe_for(args, precision, arch)
     layout = derive_layout(recipe, 1, 1, 1, on_cpu=True)
     pipe = build_pipeline(recipe.gpt_config(VOCAB), init_parallel_state(1, 1))
+    if compiled:
+        compile_blocks(pipe)
     t = recipe.train
     engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=param_groups(pipe),
                                            config=deepspeed_config(recipe, layout),
@@ -98,13 +106,17 @@ def peer_stepper(args, precision: str, device: str, arch: str):
     return step
 
 
-def tokens_per_s(step, args) -> float:
+def tokens_per_s(step, args) -> Tuple[float, float]:
+    """(tokens per second of wall time, tokens per CPU second of this process). On a shared CPU
+    the wall rate swings with the other jobs' load; the CPU rate counts only this process's own
+    work (all its threads), so it compares eager and compiled code more steadily there."""
     from deepspeed.accelerator import get_accelerator
     get_accelerator().synchronize()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         step()  # .item() inside: each step has finished on the device
-    return args.steps * args.batch * args.seq_len / (time.perf_counter() - start)
+    tokens = args.steps * args.batch * args.seq_len
+    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - start_cpu)
 
 
 def main() -> None:
@@ -120,6 +132,8 @@ def main() -> None:
     p.add_argument("--archs", default="gpt2,llama", help="gpt2 against GPT2LMHeadModel, llama against LlamaForCausalLM")
     p.add_argument("--kv-heads", type=int, default=2, help="llama: key/value heads (default %(default)s)")
     p.add_argument("--ffn", type=int, default=688, help="llama: SwiGLU width (default %(default)s, ~8/3 * 256)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also ours with each block compiled (default on; --no-compile skips it)")
     p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
     args = p.parse_args()
 
@@ -129,22 +143,42 @@ def main() -> None:
     from launch.runtime.distributed import init_distributed
     init_distributed(600, verbose=False)
     device = get_accelerator().device_name(0)
-    results = {"device": device, "dims": vars(args), "ratio": {}}
+    compiled = blocks_to_compile(args.compile, get_accelerator().device_name(), logging_rank=True)
+    results = {"device": device, "dims": vars(args), "ratio": {}, "compiled_ratio": {}, "compiled_cpu_ratio": {}}
     for arch, precision in ((a, p) for a in args.archs.split(",") for p in args.precisions.split(",")):
-        ours, peer = our_stepper(args, precision, arch), peer_stepper(args, precision, device, arch)
-        ours(), peer()  # warm-up: first-step allocations and lazy initialisation
-        measured = {"ours": [], "transformers": []}
-        for _ in range(args.repeats):  # alternate, so drift of a noisy machine hits both
-            measured["ours"].append(tokens_per_s(ours, args))
-            measured["transformers"].append(tokens_per_s(peer, args))
+        steppers = {"ours": our_stepper(args, precision, arch),
+                    "transformers": peer_stepper(args, precision, device, arch)}
+        if compiled:
+            steppers["ours_compiled"] = our_stepper(args, precision, arch, compiled=True)
+        first_step_s = {}
+        for name, step in steppers.items():  # warm-up: first-step allocations, lazy initialisation, compilation
+            start = time.perf_counter()
+            step()
+            first_step_s[name] = time.perf_counter() - start
+        measured = {name: [] for name in steppers}
+        measured_cpu = {name: [] for name in steppers}
+        for _ in range(args.repeats):  # alternate, so drift of a noisy machine hits each alike
+            for name, step in steppers.items():
+                wall_rate, cpu_rate = tokens_per_s(step, args)
+                measured[name].append(wall_rate)
+                measured_cpu[name].append(cpu_rate)
         median = {k: statistics.median(v) for k, v in measured.items()}
+        median_cpu = {k: statistics.median(v) for k, v in measured_cpu.items()}
         ratio = median["ours"] / median["transformers"]
         key = precision if arch == "gpt2" else f"{arch}-{precision}"  # GPT-2's keys as before
-        results[key] = {"tokens_per_s": median, "runs": measured}
+        results[key] = {"tokens_per_s": median, "runs": measured, "tokens_per_cpu_s": median_cpu,
+                        "cpu_runs": measured_cpu, "first_step_s": first_step_s}
         results["ratio"][key] = ratio
         peer_name = "GPT-2" if arch == "gpt2" else "Llama"
         print(f"{arch} {precision} on {device}: ours {median['ours']:,.0f} tok/s, transformers {peer_name} "
               f"{median['transformers']:,.0f} tok/s, ratio {ratio:.2f} (target >= 1.0)", flush=True)
+        if compiled:
+            results["compiled_ratio"][key] = median["ours_compiled"] / median["ours"]
+            results["compiled_cpu_ratio"][key] = median_cpu["ours_compiled"] / median_cpu["ours"]
+            print(f"{arch} {precision} on {device}: ours compiled {median['ours_compiled']:,.0f} tok/s against "
+                  f"eager {median['ours']:,.0f} tok/s, ratio {results['compiled_ratio'][key]:.2f} (per CPU second "
+                  f"{results['compiled_cpu_ratio'][key]:.2f}); first step {first_step_s['ours_compiled']:.1f} s "
+                  f"compiled, {first_step_s['ours']:.1f} s eager", flush=True)
     if args.json:
         print(json.dumps(results))
 

@@ -19,6 +19,7 @@ With sequence parallelism they are (B, T/t, h): TP rank r of a stage sends its o
 chunk to TP rank r of the next stage (DeepSpeed's p2p groups pair the same model-parallel
 coordinate; see `pipeline_config` for what must be switched off).
 """
+import contextlib
 import hashlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -106,14 +107,17 @@ def tp_dropout_rng():
 def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: ParallelState,
                document_masks: Optional[DocumentMasks] = None) -> LayerSpec:
     tp = state.tp_group
+    # Without dropout nothing draws from the stream: no fork, which saves swapping the RNG state
+    # around every attention core and, under train.compile, the graph breaks that swap causes.
+    tp_dropout_rng_or_none = tp_dropout_rng if config.dropout > 0 else contextlib.nullcontext
     if kind == "embed" and config.tie_embeddings:
         return TiedLayerSpec("embed", TokenEmbedding, config, tp, tied_weight_attr=["wte.weight"])
     if kind == "embed":
         return LayerSpec(TokenEmbedding, config, tp)
     if kind == "wpe":
-        return LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng)
+        return LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng_or_none)
     if kind == "block":
-        return LayerSpec(Block, config, block, tp, tp_dropout_rng, document_masks)
+        return LayerSpec(Block, config, block, tp, tp_dropout_rng_or_none, document_masks)
     if kind == "ln_f":
         return LayerSpec(norm_class(config), config.n_embd, config.sequence_parallel_group(tp), eps=config.norm_eps)
     if kind == "lm_head":

@@ -52,7 +52,7 @@ class ParityRuns:
     dir/ck), stdout, stderr}. (1,1,2) also writes a wandb offline run. Tags after (tp, pp, dp): "sp"
     (sequence parallelism), a precision of PRECISIONS (fp32 without one), "llama" (recipes/llama-tiny.yaml
     instead of recipes/tiny.yaml), "docmask" (data.document_mask), a mode of RECOMPUTE_MODES (train.recompute: the
-    same losses, other code paths)."""
+    same losses, other code paths), "compile" (train.compile: each block compiled)."""
 
     def __init__(self, tmp_path_factory):
         self.tmp_path_factory, self.done = tmp_path_factory, {}
@@ -63,6 +63,7 @@ class ParityRuns:
             tmp = self.tmp_path_factory.mktemp(layout_id(layout))
             sp = ["--set", "model.sequence_parallel=true"] if "sp" in layout else []
             docmask = ["--set", "data.document_mask=true"] if "docmask" in layout else []
+            compiled = ["--set", "train.compile=true"] if "compile" in layout else []
             recompute = [arg for tag in layout[3:] if tag in RECOMPUTE_MODES
                          for arg in ("--set", f"train.recompute={tag}")]
             precision = run_precision(layout)
@@ -71,7 +72,7 @@ class ParityRuns:
             proc = launch_forked(tp * pp * dp, ["--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
                                          "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
                                          "--save", str(tmp / "ck"), "--save-every", str(SAVE_AT)]
-                          + sp + docmask + recompute + precision_args(precision) + wandb,
+                          + sp + docmask + compiled + recompute + precision_args(precision) + wandb,
                                  env=dict(precision_env(precision), WANDB_DIR=str(tmp)))
             assert proc.returncode == 0, f"layout {layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             self.done[layout] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout,

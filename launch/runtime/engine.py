@@ -47,20 +47,25 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     inside a DeepSpeed engine with AdamW, ZeRO, clipping and the LR schedule; and, for fp32
     ZeRO-0, our own gradient norm and clipping (launch/runtime/grad_norm.py), else None."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
+    from launch.runtime.compiler import blocks_to_compile
     from launch.runtime.console import quiet_stdout
     from launch.runtime.ds_config import deepspeed_config
     from launch.runtime.grad_norm import Zero0GradNorm, uses_own_grad_norm
     from launch.runtime.lr_schedule import warmup_cosine
+    from model.compiled import compile_blocks
     from model.pipe import build_pipeline, stage_contents
-
     from model.weight_grad import WEIGHT_GRADS
 
     t = recipe.train
     zero_bubble = t.schedule == "zb-h1" and layout.pp > 1  # at pp = 1 there is no bubble: 1F1B runs
     WEIGHT_GRADS.enabled = zero_bubble  # before the first forward: the linears read it there
+    compiled = blocks_to_compile(t.compile, get_accelerator().device_name(), logging_rank)
     with quiet_stdout(not verbose):  # DeepSpeed's own layer listing: the role map shows it
         pipe = build_pipeline(config, state, t.full_recompute_interval, parts=layout.parts or None)
+    if compiled:  # in place, before DeepSpeed wraps the module: each block compiles on its first call
+        compile_blocks(pipe)
     if init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them
         from launch.checkpoints.hf_weights import init_from_hf as load_hf_weights
         load_hf_weights(pipe, init_from_hf, config, state)

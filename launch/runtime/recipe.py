@@ -77,6 +77,9 @@ class TrainSection:
     """Where the pipeline stages are cut: balanced (the least compute on the busiest stage, the
     output head and loss counted), blocks (equal numbers of blocks, DeepSpeed's type:Block) or
     blocks per stage, e.g. [3, 1] (launch/analysis/partition.py)."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (torchtitan's per-block compile); where
+    the compiler cannot run here, one line says so and the run trains eagerly."""
 
 
     @property
