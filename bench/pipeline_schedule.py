@@ -6,6 +6,8 @@ once per schedule, alternating, with `--timeline`: the run prints the bubble it 
 of the stages between the first forward and the last backward of a step, mean of the recorded
 steps) and the one predicted by playing the same schedule with the measured mean pass times
 (launch/instruments/schedule_sim.py). m is set through the global batch (m = B / (b * dp), dp 1).
+Beside them, (F+B-W)/(F+B+W) from ZB-H1's mean pass times: the share of 1F1B's bubble the paper's
+analysis leaves when a stage's W pass fills its wait (a third when F = B = W).
 
     python bench/pipeline_schedule.py [--pp 2 4] [--microbatches 4 8] [--steps 4] [--repeats 1] [--json]
 
@@ -28,7 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "recipes" / "demo.yaml"
 DEFAULT_SET = ["model.n_layer=8"]  # enough blocks to balance 4 stages around the head
 LINE = re.compile(r"^timeline: (\S+) bubble measured ([\d.]+)% \(mean of steps \d+-\d+\) vs predicted ([\d.]+)% "
-                  r"from the measured pass times; \(p-1\)/\(m\+p-1\) = ([\d.]+)%", re.MULTILINE)
+                  r"from the measured pass times; \(p-1\)/\(m\+p-1\) = ([\d.]+)%.*mean pass ms F/B/W per stage: "
+                  r"([\d./, ]+);", re.MULTILINE)
 
 
 def free_port() -> int:
@@ -54,8 +57,9 @@ def measure(recipe: Path, overrides: List[str], pp: int, microbatches: int, sche
     if proc.returncode != 0 or not found:
         raise RuntimeError(f"{schedule} at pp={pp}, m={microbatches} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     assert found.group(1) == schedule, found.group(0)
+    passes = [[float(ms) for ms in stage.split("/")] for stage in found.group(5).split(", ")]
     return {"measured": float(found.group(2)) / 100, "predicted": float(found.group(3)) / 100,
-            "formula_1f1b": float(found.group(4)) / 100}
+            "formula_1f1b": float(found.group(4)) / 100, "pass_ms": passes}
 
 
 def main(argv=None) -> int:
@@ -73,7 +77,7 @@ def main(argv=None) -> int:
     overrides = DEFAULT_SET if args.set is None else args.set
     rows = []
     print(f"{'pp':>3} {'m':>3}  {'1f1b measured':>13} {'predicted':>9}  {'zb-h1 measured':>14} {'predicted':>9}  "
-          f"{'zb/1f1b':>7}  (p-1)/(m+p-1)", flush=True)
+          f"{'zb/1f1b':>7}  {'(F+B-W)/(F+B+W)':>15}  {'(p-1)/(m+p-1)':>13}  zb-h1 pass ms F/B/W per stage", flush=True)
     for pp in args.pp:
         for m in args.microbatches:
             runs: Dict[str, List[Dict[str, float]]] = {"1f1b": [], "zb-h1": []}
@@ -86,10 +90,16 @@ def main(argv=None) -> int:
                     row[f"{schedule}_{key}"] = median(r[key] for r in results)
             row["formula_1f1b"] = runs["1f1b"][0]["formula_1f1b"]
             row["ratio"] = row["zb-h1_measured"] / row["1f1b_measured"]
+            # ZB-H1 shortens each stage's share of the bubble from F + B + W to F + B - W (Qi et al.
+            # 2023, sec. 3.1): the ratio it can reach, from the mean pass times of its own runs.
+            passes = [[median(r["pass_ms"][k][i] for r in runs["zb-h1"]) for i in range(3)] for k in range(pp)]
+            row["zb_pass_ms"] = passes
+            row["paper_ratio"] = (sum(f + b - w for f, b, w in passes) / sum(f + b + w for f, b, w in passes))
             rows.append(row)
             print(f"{pp:>3} {m:>3}  {row['1f1b_measured']:>13.1%} {row['1f1b_predicted']:>9.1%}  "
                   f"{row['zb-h1_measured']:>14.1%} {row['zb-h1_predicted']:>9.1%}  {row['ratio']:>7.2f}  "
-                  f"{row['formula_1f1b']:.1%}", flush=True)
+                  f"{row['paper_ratio']:>15.2f}  {row['formula_1f1b']:>13.1%}  "
+                  + ", ".join("/".join(f"{t:.0f}" for t in stage) for stage in passes), flush=True)
     if args.json:
         print(json.dumps({"recipe": str(args.recipe), "set": overrides, "steps": args.steps, "rows": rows}))
     return 0

@@ -145,7 +145,8 @@ def test_timeline_of_a_pp2_run(tmp_path):
     # tiny.yaml at pp=2: m = 16 / 2 = 8 micro-batches, (2-1)/(8+2-1) = 11.1%.
     line = re.search(r"^timeline: zb-h1 bubble measured ([\d.]+)% \(mean of steps 2-3\) vs predicted ([\d.]+)% "
                      r"from the measured pass times; \(p-1\)/\(m\+p-1\) = 11\.1% with p=2, m=8; busy per step: "
-                     r"stage 0 [\d.]+ s, stage 1 [\d.]+ s \(slowest / fastest [\d.]+\); chart in (.+)$",
+                     r"stage 0 [\d.]+ s, stage 1 [\d.]+ s \(slowest / fastest [\d.]+\); mean pass ms F/B/W per "
+                     r"stage: [\d.]+/[\d.]+/[\d.]+, [\d.]+/[\d.]+/[\d.]+; chart in (.+)$",
                      proc.stdout, re.MULTILINE)
     assert line, proc.stdout[-3000:]
     assert line.group(3) == str(png)

@@ -126,7 +126,8 @@ class TimelineRecorder:
                  for i in range(len(self.steps))]
         p, m = self.engine.num_stages, self.engine.micro_batches
         measured = measured_bubble(steps)
-        predicted = idle_fraction(simulate_schedule(self.schedule, p, m, *mean_pass_times(steps, p)))
+        passes = mean_pass_times(steps, p)
+        predicted = idle_fraction(simulate_schedule(self.schedule, p, m, *passes))
         numbers = (f"{self.schedule} bubble measured {measured:.1%} (mean of steps {self.first_step}-"
                    f"{self.first_step + len(steps) - 1}) vs predicted {predicted:.1%} from the measured "
                    f"pass times; (p-1)/(m+p-1) = {formulas.bubble_fraction(p, m):.1%} with p={p}, m={m}")
@@ -141,7 +142,9 @@ class TimelineRecorder:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
         plt.close(fig)
-        print(f"timeline: {numbers}; busy per step: {busy_text}; chart in {path}", flush=True)
+        pass_text = ", ".join("/".join(f"{kind[k] * 1e3:.1f}" for kind in passes) for k in range(p))
+        print(f"timeline: {numbers}; busy per step: {busy_text}; mean pass ms F/B/W per stage: {pass_text}; "
+              f"chart in {path}", flush=True)
         return measured
 
 
