@@ -15,10 +15,11 @@ BackwardPass replaced by a B pass and W passes added:
     most k + 1 micro-batches' weight gradients pending, which bounds the memory they hold (their
     linears' inputs and output gradients) while the later stages, whose gradients the earlier
     ones wait for, defer the most. A simulation of every placement we tried (launch/instruments/
-    pipeline_chart.py runs these same instruction streams) found this one reaching ZB-H1's
+    schedule_sim.py plays these same instruction streams) found this one reaching ZB-H1's
     bubble (p-1)(T_F+T_B-T_W) whenever T_W <= T_B;
   - the rest before the gradient reductions of the step's end.
 W passes run in micro-batch order, so each gradient is summed in 1F1B's order: the same bits.
+Gradients received from the next stage go into a new buffer each (`_exec_recv_grads`).
 At pp = 1 there is no bubble to fill and 1F1B runs (the tied embedding would otherwise receive its
 two gradients in another order).
 """
