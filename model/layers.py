@@ -15,11 +15,8 @@ biases, row-parallel biases, learned positions) then get only the gradient of th
 they carry `sequence_parallel = True` (Megatron's attribute), and their gradients are summed
 over TP once per step, after the last micro-batch's backward (`sequence_parallel_params`; the
 pipeline has DeepSpeed do it, model/pipe.py; Megatron's finalize_model_grads does the same), not
-by an all-reduce per parameter per micro-batch.
-
-Under the ZB-H1 pipeline schedule (`train.schedule: zb-h1`) every linear here may defer its weight
-gradient to a later W pass (model/weight_grad.py): the plain ones go through `linear`, the
-sequence-parallel and padded-vocabulary Functions ask `weight_grad_now_or_later`.
+by an all-reduce per parameter per micro-batch. Under ZB-H1 every linear here may defer its weight
+gradient to a later W pass (model/weight_grad.py: `linear`, `weight_grad_now_or_later`).
 """
 from typing import List
 
