@@ -22,6 +22,7 @@ from typing import List, Optional
 from launch.analysis.plan_report import plan_output, plot
 from launch.analysis.planner import GPUS
 from launch.runtime.cli import OneLineErrorParser
+from launch.runtime.layout import SCHEDULES
 from launch.runtime.recipe import ConfigError, report_bad_input
 
 
@@ -44,7 +45,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     lay.add_argument("--zero", type=int, choices=[0, 1], help="ZeRO stage (default: recipe's, else 1)")
     lay.add_argument("--recompute", choices=["none", "full"],
                      help="activation recompute (default: full if the recipe checkpoints, else none)")
-    lay.add_argument("--schedule", choices=["1f1b", "zb-h1"],
+    lay.add_argument("--schedule", choices=SCHEDULES,
                      help="pipeline schedule (default: the recipe's train.schedule, else 1f1b)")
     lay.add_argument("--partition", metavar="balanced|blocks|N,N,...",
                      help="where stages are cut: balanced compute, equal blocks, or blocks per stage "

@@ -145,6 +145,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
     blocks = plan["blocks_per_stage"]
     k = plan["memory_fullest_stage"]
     mem = plan["memory_per_stage_bytes"][k]
+    deferred = mem["weight_grad_stash_microbatches"]  # ZB-H1's, 0 under 1F1B
     time = plan["step_time_parts_s"]
     gib = lambda x: f"{x / GIB:7.1f} GiB"  # noqa: E731
     total_label = f"total (zero {plan['zero']}, recompute {plan['recompute']})"
@@ -187,8 +188,8 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"{gib(mem['optimizer_zero1'])}",
         f"  {'activations':<32}{gib(mem['activations'])}   with full recompute:   "
         f"{gib(mem['activations_recompute'])}",
-        *([f"  {'ZB-H1 weight-gradient stash':<32}{gib(mem['weight_grad_stash'])}   (up to {min(k + 1, m)} "
-           f"micro-batch{'es' * (min(k + 1, m) > 1)} of linear inputs and output gradients)"] if plan["schedule"] == "zb-h1" and p > 1 else []),
+        *([f"  {'ZB-H1 weight-gradient stash':<32}{gib(mem['weight_grad_stash'])}   (up to {deferred} "
+           f"micro-batch{'es' * (deferred > 1)} of linear inputs and output gradients)"] if deferred else []),
         f"  {total_label:<32}{gib(plan['memory_per_device_bytes'])}"
         + (f" of {hw.memory_bytes / GIB:g} GiB" if hw.memory_bytes else ""),
         "",

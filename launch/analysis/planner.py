@@ -113,18 +113,20 @@ def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int,
     arch, b, s, t = model.resolved(), setup.micro_batch, model.seq_len, setup.tp
     per_layer = lambda recompute: memory_formulas.model_activation_bytes_per_layer(  # noqa: E731
         arch, s, b, t, recompute)
-    # ZB-H1: stage k keeps up to k + 1 micro-batches' weight-gradient inputs between their B and W
+    # ZB-H1: each stage keeps some micro-batches' weight-gradient inputs between their B and W
     # passes (launch/runtime/zero_bubble.py), the last stage the output layer's too.
-    stash = 0.0
-    if setup.schedule == "zb-h1" and setup.pp > 1:
+    from launch.runtime.zero_bubble import deferred_microbatches, runs_zero_bubble  # imports DeepSpeed
+    stash, deferred = 0.0, 0
+    if runs_zero_bubble(setup.schedule, setup.pp):
+        deferred = deferred_microbatches(stage, m)
         stash = blocks * memory_formulas.weight_grad_stash_bytes_per_layer(arch, s, b, t)
         stash += memory_formulas.head_weight_grad_stash_bytes(arch, s, b, t) if stage == setup.pp - 1 else 0
-        stash *= min(stage + 1, m)
+        stash *= deferred
     out = {"weights": plain["weights"], "gradients": plain["gradients"],
            "optimizer": plain["optimizer"], "optimizer_zero1": zero1["optimizer"],
            "activations": per_layer(False) * blocks * inflight,
            "activations_recompute": per_layer(True) * blocks * inflight,
-           "weight_grad_stash": stash}
+           "weight_grad_stash": stash, "weight_grad_stash_microbatches": deferred}
     out["total"] = (sum(memory_formulas.model_state_bytes(params, dp, setup.zero).values())
                     + out["activations_recompute" if setup.recompute else "activations"] + stash)
     return {k: round(v) for k, v in out.items()}

@@ -54,12 +54,13 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     from launch.runtime.ds_config import deepspeed_config
     from launch.runtime.grad_norm import Zero0GradNorm, uses_own_grad_norm
     from launch.runtime.lr_schedule import warmup_cosine
+    from launch.runtime.zero_bubble import runs_zero_bubble, use_zero_bubble_schedule
     from model.compiled import compile_blocks
     from model.pipe import build_pipeline, stage_contents
     from model.weight_grad import WEIGHT_GRADS
 
     t = recipe.train
-    zero_bubble = t.schedule == "zb-h1" and layout.pp > 1  # at pp = 1 there is no bubble: 1F1B runs
+    zero_bubble = runs_zero_bubble(t.schedule, layout.pp)  # at pp = 1 there is no bubble: 1F1B runs
     WEIGHT_GRADS.enabled = zero_bubble  # before the first forward: the linears read it there
     compiled = blocks_to_compile(t.compile, get_accelerator().device_name(), logging_rank)
     with quiet_stdout(not verbose):  # DeepSpeed's own layer listing: the role map shows it
@@ -84,7 +85,6 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
         model=pipe, model_parameters=param_groups(pipe), config=ds_config,
         lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
     if zero_bubble:
-        from launch.runtime.zero_bubble import use_zero_bubble_schedule
         use_zero_bubble_schedule(engine)
     grad_norm = Zero0GradNorm(engine, state.tp_rank, t.grad_clip) if own_norm else None
     return engine, grad_norm

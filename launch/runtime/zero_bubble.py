@@ -36,6 +36,17 @@ if TYPE_CHECKING:
     from deepspeed.runtime.pipe.schedule import PipeInstruction
 
 
+def runs_zero_bubble(schedule_name: str, pp: int) -> bool:
+    """Whether a run of `train.schedule` at `pp` stages executes ZB-H1 (at pp = 1, 1F1B runs)."""
+    return schedule_name == "zb-h1" and pp > 1
+
+
+def deferred_microbatches(stage: int, microbatches: int) -> int:
+    """The most micro-batches whose weight gradients stage `stage` keeps pending after a step of
+    the schedule: stage + 1 (module docstring), never more than the step has."""
+    return min(stage + 1, microbatches)
+
+
 class BackwardInputPass(schedule.BufferOpInstruction):
     """The backward pass of one micro-batch, with the linears' weight gradients deferred (B)."""
 
@@ -49,7 +60,7 @@ class ZeroBubbleH1Schedule(schedule.TrainSchedule):
 
     def steps(self) -> Iterator[List[PipeInstruction]]:
         pending = 0
-        keep = self.stage_id + 1  # W passes this stage may leave pending after a B step
+        keep = deferred_microbatches(self.stage_id, self.micro_batches)  # pending W allowed after a B step
         for cmds in super().steps():
             out: List[PipeInstruction] = []
             computes = any(isinstance(c, (schedule.ForwardPass, schedule.BackwardPass)) for c in cmds)
