@@ -35,7 +35,9 @@ def _program(commands: list, stage: int, times: Dict[str, float]) -> List[tuple]
     from deepspeed.runtime.pipe import schedule
 
     from launch.runtime.zero_bubble import BackwardInputPass, WeightPass
-    passes = {schedule.ForwardPass: "F", schedule.BackwardPass: "F+B+W", BackwardInputPass: "B", WeightPass: "W"}
+    passes = {schedule.ForwardPass: ("F", times["F"]),
+              schedule.BackwardPass: ("B", times["B"] + times["W"]),  # 1F1B's whole backward
+              BackwardInputPass: ("B", times["B"]), WeightPass: ("W", times["W"])}
     p2p = {schedule.SendActivation: ("send", stage + 1, "activation"),
            schedule.RecvActivation: ("recv", stage - 1, "activation"),
            schedule.SendGrad: ("send", stage - 1, "gradient"),
@@ -43,9 +45,7 @@ def _program(commands: list, stage: int, times: Dict[str, float]) -> List[tuple]
     program = []
     for cmd in commands:
         if type(cmd) in passes:
-            kind = passes[type(cmd)]
-            seconds = times["B"] + times["W"] if kind == "F+B+W" else times[kind]
-            program.append(("pass", "B" if kind == "F+B+W" else kind, seconds))
+            program.append(("pass", *passes[type(cmd)]))
         elif type(cmd) in p2p:
             program.append(p2p[type(cmd)])
     return program
