@@ -25,19 +25,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 from launch.instruments.comm_counter import BOOKKEEPING
 from launch.analysis.comm_formulas import comm_per_rank_per_step
+from bench.ports import free_port
 
 TINY = REPO / "recipes" / "tiny.yaml"
 STEPS = 2
 OVERRIDES = ["train.eval_every=0", f"train.steps={STEPS}"]  # no evaluation traffic inside the steps
 DEFAULT_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1)]
 Row = Dict[str, object]  # rank, stage, step, purpose, role, op, measured and formula (calls, elements, bytes)
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(tp: int, pp: int, dp: int, out_dir: Path, recipe: Path = TINY, overrides: Sequence[str] = (),

@@ -33,16 +33,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 from launch.checkpoints.safe_io import load_safely
+from bench.ports import free_port
 
 TINY = REPO / "recipes" / "tiny.yaml"
 WORLD = 2  # tp=1 pp=2
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(run_dir: Path, steps: int, resume: bool) -> subprocess.Popen:

@@ -16,23 +16,18 @@ It ends with one summary table. Paste it into docs with the date and the device.
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.ports import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
 STEPS = 5
 MFU_RECIPE = "gpt2-124m"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_tiny(tp: int, pp: int, workdir: Path, on_cpu: bool) -> list:

@@ -26,19 +26,14 @@ from pathlib import Path
 from statistics import median
 from typing import Dict, List
 
+from bench.ports import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "recipes" / "demo.yaml"
 DEFAULT_SET = ["model.n_layer=8"]  # enough blocks to balance 4 stages around the head
 LINE = re.compile(r"^timeline: (\S+) bubble measured ([\d.]+)% \(mean of steps \d+-\d+\) vs predicted ([\d.]+)% "
                   r"from the measured pass times; \(p-1\)/\(m\+p-1\) = ([\d.]+)%.*mean pass ms F/B/W per stage: "
                   r"([\d./, ]+);", re.MULTILINE)
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(recipe: Path, overrides: List[str], pp: int, microbatches: int, schedule: str, steps: int,

@@ -14,13 +14,14 @@ weight and two Adam moments, and the whole model's.
 """
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from bench.ports import free_port
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,12 +62,6 @@ def save_checkpoint(args, root: Path) -> Path:
     if proc.returncode != 0:
         raise SystemExit(f"saving failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return root / "step00000001"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(ckpt: Path) -> dict:
