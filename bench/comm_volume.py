@@ -23,8 +23,8 @@ from typing import Dict, List, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 
-from launch.instruments.comm_counter import BOOKKEEPING
 from launch.analysis.comm_formulas import comm_per_rank_per_step
+from launch.instruments.comm_counter import BOOKKEEPING
 from bench.ports import free_port
 
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -50,8 +50,9 @@ def measure(tp: int, pp: int, dp: int, out_dir: Path, recipe: Path = TINY, overr
 
 def run_model(tp: int, pp: int, dp: int, recipe_path: Path = TINY, overrides: Sequence[str] = ()):
     """The GPTConfig and Layout train.py derives for the recipe at this layout."""
-    from launch.runtime.recipe import load_recipe
-    from launch.runtime.layout import derive_layout, with_parts
+    from launch.analysis.partition import with_parts
+    from launch.config.layout import derive_layout
+    from launch.config.recipe import load_recipe
     from launch.runtime.run_inputs import load_checked_tokenizer
     recipe = load_recipe(recipe_path, OVERRIDES + list(overrides))
     _, vocab_size = load_checked_tokenizer(recipe)

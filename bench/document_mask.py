@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def load(args, document_mask: bool):
-    from launch.runtime.layout import derive_layout
-    from launch.runtime.recipe import load_recipe
+    from launch.config.layout import derive_layout
+    from launch.config.recipe import load_recipe
     recipe = load_recipe(args.recipe, [f"model.seq_len={args.seq_len}", f"train.micro_batch_size={args.batch}",
                                        f"train.global_batch_size={args.batch}", "train.eval_every=0",
                                        f"data.document_mask={str(document_mask).lower()}"] + args.overrides)

@@ -72,7 +72,7 @@ def recipe_overrides(name: str, args: argparse.Namespace, micro_batch: int) -> l
 def run_recipe(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     """Train one recipe in a fresh process; its metrics records, summary and wall time."""
     from launch.analysis import formulas
-    from launch.runtime.recipe import load_recipe
+    from launch.config.recipe import load_recipe
     path = REPO / "recipes" / f"{name}.yaml"
     sets = recipe_overrides(name, args, load_recipe(path, []).train.micro_batch_size)
     recipe = load_recipe(path, sets)  # what train.py will see (fails here on a bad --set)

@@ -5,7 +5,7 @@ For each pipeline depth p and micro-batch count m, trains the recipe (the demo w
 once per schedule, alternating, with `--timeline`: the run prints the bubble it measured (idle share
 of the stages between the first forward and the last backward of a step, mean of the recorded
 steps) and the one predicted by playing the same schedule with the measured mean pass times
-(launch/instruments/schedule_sim.py). m is set through the global batch (m = B / (b * dp), dp 1).
+(launch/analysis/schedule_sim.py). m is set through the global batch (m = B / (b * dp), dp 1).
 Beside them, (F+B-W)/(F+B+W) from ZB-H1's mean pass times: the share of 1F1B's bubble the paper's
 analysis leaves when a stage's W pass fills its wait (a third when F = B = W).
 

@@ -70,11 +70,11 @@ def measure(ckpt: Path) -> dict:
     import deepspeed
     import torch
 
-    from launch.runtime.recipe import load_recipe
+    from launch.checkpoints.reshard import load_resharded
+    from launch.config.layout import derive_layout
+    from launch.config.recipe import load_recipe
     from launch.runtime.distributed import init_distributed
     from launch.runtime.ds_config import deepspeed_config
-    from launch.runtime.layout import derive_layout
-    from launch.checkpoints.reshard import load_resharded
     from launch.runtime.lr_schedule import warmup_cosine
     from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline

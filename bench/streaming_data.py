@@ -29,7 +29,7 @@ from data.builtin import builtin_corpus, load_tokenizer
 from data.pipeline import prepare_run_data
 from data.spec import DataSpec
 from data.streaming import merge_states
-from launch.runtime.recipe import load_recipe
+from launch.config.recipe import load_recipe
 from model.gpt import GPT
 from model.loss import vocab_parallel_cross_entropy
 

@@ -32,7 +32,7 @@ VOCAB = 4096
 
 
 def recipe_for(args, precision: str, arch: str = "gpt2"):
-    from launch.runtime.recipe import Recipe
+    from launch.config.recipe import Recipe
     recipe = Recipe()
     m, t = recipe.model, recipe.train
     m.n_layer, m.n_head, m.n_embd, m.seq_len, m.vocab_size = args.layers, args.heads, args.hidden, args.seq_len, VOCAB
@@ -53,8 +53,8 @@ def batches(args, device: str):
 
 def our_stepper(args, precision: str, arch: str, compiled: bool = False):
     import deepspeed
+    from launch.config.layout import derive_layout
     from launch.runtime.ds_config import deepspeed_config
-    from launch.runtime.layout import derive_layout
     from launch.runtime.lr_schedule import warmup_cosine
     from model.compiled import compile_blocks
     from model.parallel_state import init_parallel_state

@@ -59,3 +59,10 @@ class DataSpec:
     """Attention within documents only: in a packed window each token attends to the earlier tokens
     of its own document, and positions (learned or RoPE) restart at 0 at each document start. Each
     EOS starts the next document, as a BOS would, so no loss is masked (docs/data.md)."""
+
+    def validate(self) -> None:
+        """Raise DataError on a value no run can read (the sources of data.mix: data/mixture_spec.py)."""
+        if not 0 <= self.val_fraction < 1:
+            raise DataError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
+        if self.num_proc < 1 or self.shuffle_buffer < 1:
+            raise DataError(f"data.num_proc={self.num_proc} and data.shuffle_buffer={self.shuffle_buffer} must be >= 1")

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from data.spec import DataError
+from launch.errors import ConfigError, report_bad_input
 from launch.runtime.cli import OneLineErrorParser
-from launch.runtime.recipe import ConfigError, report_bad_input
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from launch.checkpoints.hf_export import export
+from launch.errors import ConfigError, report_bad_input
 from launch.runtime.cli import OneLineErrorParser
-from launch.runtime.recipe import ConfigError, report_bad_input
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:

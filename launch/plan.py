@@ -21,9 +21,9 @@ from typing import List, Optional
 
 from launch.analysis.plan_report import plan_output, plot
 from launch.analysis.planner import GPUS
+from launch.config.recipe import SCHEDULES
+from launch.errors import ConfigError, report_bad_input
 from launch.runtime.cli import OneLineErrorParser
-from launch.runtime.layout import SCHEDULES
-from launch.runtime.recipe import ConfigError, report_bad_input
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:

@@ -2,15 +2,16 @@
 
 Tokenizes with progress bars, writes the cached token streams and prints what a run will
 see. A second call (or a training run) reuses the cache at once. An entry point, so it reads
-the recipe through launch/runtime/recipe.py like launch/train.py does.
+the recipe through launch/config/recipe.py like launch/train.py does.
 """
 import sys
 import time
 from pathlib import Path
 
 from data.spec import DataError
+from launch.config.recipe import load_recipe
+from launch.errors import ConfigError, report_bad_input
 from launch.runtime.cli import OneLineErrorParser
-from launch.runtime.recipe import ConfigError, load_recipe, report_bad_input
 
 
 def main(argv=None) -> int:

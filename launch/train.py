@@ -10,8 +10,8 @@ import sys
 from typing import List, Optional
 
 from data.spec import DataError
+from launch.errors import ConfigError, report_bad_input
 from launch.runtime.cli import parse_training_args
-from launch.runtime.recipe import ConfigError, report_bad_input
 
 
 def main(argv: Optional[List[str]] = None) -> int:

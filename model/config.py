@@ -114,6 +114,61 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    def validate(self) -> None:
+        """Raise ValueError naming the field, its value and the fix (launch/ reports it as bad input,
+        exit 2; this module does not import launch/). How the heads and widths split over tp and
+        the blocks over pp are the layout's rules (launch/config/layout.py)."""
+        for key in ("n_layer", "n_head", "n_embd", "seq_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"model.arch={self.arch!r} is not one of {', '.join(ARCHS)}")
+        full = self.resolved()  # the arch preset's switches filled in
+        for key, allowed in (("position", POSITIONS), ("norm", NORMS), ("mlp", MLPS)):
+            if getattr(full, key) not in allowed:
+                raise ValueError(f"model.{key}={getattr(full, key)!r} is not one of {', '.join(allowed)}")
+        if full.arch == "gpt2" and (full.mlp != "gelu" or full.n_kv_head != full.n_head):
+            key, value = ("mlp", full.mlp) if full.mlp != "gelu" else ("n_kv_head", full.n_kv_head)
+            raise ValueError(f"model.{key}={value!r} with model.arch=gpt2: GPT-2's fused c_attn and c_fc have "
+                             f"n_kv_head = n_head and a GELU MLP; set model.arch=llama, which takes every switch")
+        if full.norm_eps <= 0 or full.rope_theta <= 0:
+            raise ValueError(f"model.norm_eps={full.norm_eps} and model.rope_theta={full.rope_theta} must be > 0")
+        full._validate_rope_scaling()
+        if full.position == "rope" and full.head_dim % 2:
+            raise ValueError(f"model.position=rope needs an even head size, n_embd/n_head = "
+                             f"{full.n_embd}/{full.n_head} = {full.head_dim}; choose n_embd and n_head with an even "
+                             f"quotient")
+        kv = full.n_kv_head
+        if kv < 1 or full.n_head % kv:
+            raise ValueError(f"model.n_kv_head={kv} must divide model.n_head={full.n_head} (each key/value head serves "
+                             f"n_head/n_kv_head query heads; 1 is multi-query, null is n_head)")
+        if self.vocab_pad_multiple < 1:
+            raise ValueError(f"model.vocab_pad_multiple={self.vocab_pad_multiple} must be >= 1")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"model.vocab_size={self.vocab_size} must be >= 1 (or null for the tokenizer's)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+    def _validate_rope_scaling(self) -> None:
+        """rope_scaling: null, or Llama 3's four numbers with 0 < low_freq_factor < high_freq_factor."""
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        keys = ", ".join(LLAMA3_SCALING_KEYS)
+        if self.position != "rope":
+            raise ValueError(f"model.rope_scaling is set with model.position={self.position!r}: it scales RoPE's "
+                             f"frequencies; set model.position=rope or drop model.rope_scaling")
+        if sorted(scaling) != sorted(LLAMA3_SCALING_KEYS):
+            raise ValueError(f"model.rope_scaling has keys {', '.join(sorted(scaling)) or 'none'}; Llama 3's scaling "
+                             f"takes exactly {keys} (e.g. 32, 1, 4, 8192 for Llama 3.2)")
+        bad = [k for k in LLAMA3_SCALING_KEYS if isinstance(scaling[k], bool)
+               or not isinstance(scaling[k], (int, float)) or scaling[k] <= 0]
+        if bad or scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
+            raise ValueError(f"model.rope_scaling={scaling!r}: {keys} must be numbers > 0 with low_freq_factor < "
+                             f"high_freq_factor")
+
 
 @dataclass(kw_only=True)
 class GPTConfig(ModelConfig):

@@ -1,5 +1,6 @@
 """Deferred weight gradients, for the zero-bubble pipeline schedule ZB-H1 (Qi et al. 2023,
-"Zero Bubble Pipeline Parallelism"; launch/runtime/zero_bubble.py runs the schedule).
+"Zero Bubble Pipeline Parallelism"; launch/analysis/zero_bubble_schedule.py is the schedule,
+launch/runtime/zero_bubble.py runs it).
 
 The backward of a linear layer Y = X W^T computes two things:
   B: dL/dX = G W      which the layer before it, and the stage before this one, wait for;

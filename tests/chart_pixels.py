@@ -1,6 +1,6 @@
 """A saved chart read back as pixels: what a reader of the PNG sees, found without the code that drew it.
 
-The charts of launch/instruments/pipeline_chart.py fill boxes with flat colours, so a box is a run
+The charts of launch/analysis/pipeline_chart.py fill boxes with flat colours, so a box is a run
 of pixels of its colour along a line across it, and a row of boxes is a band of image rows
 holding that colour. Antialiased edges and text blend colours and match none.
 """

@@ -51,7 +51,8 @@ def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
     """SP leaves every weight's shape and shard alone: a checkpoint saved without it (or before
     the key existed) resumes with it; a different n_embd is still refused."""
     from launch.checkpoints.locate import CheckpointRef, check_compatible
-    from launch.runtime.recipe import ConfigError, Recipe
+    from launch.config.recipe import Recipe
+    from launch.errors import ConfigError
     layout = {"tp": 2, "pp": 2, "dp": 1}
     saved = Recipe().to_dict()
     del saved["model"]["sequence_parallel"]  # a checkpoint from before the switch
@@ -196,8 +197,8 @@ def _durable_and_safe_body(root: Path):
     from launch.checkpoints import store as checkpoint
     from launch.checkpoints.locate import CheckpointRef, find_checkpoint
     from launch.checkpoints.safe_io import UnsafeCheckpoint
-    from launch.runtime.recipe import load_recipe
-    from launch.runtime.layout import derive_layout
+    from launch.config.layout import derive_layout
+    from launch.config.recipe import load_recipe
     from launch.runtime.engine import build_engine
     from launch.runtime.run_inputs import resolved_recipe_dict
     from model.parallel_state import init_parallel_state

@@ -17,7 +17,7 @@ import pytest
 from bench.comm_volume import OVERRIDES, STEPS, compare, run_model
 from launch.analysis import formulas, partition
 from launch.analysis.comm_formulas import comm_per_rank_per_step, stage_vector_params_per_rank
-from launch.runtime.layout import Layout
+from launch.config.layout import Layout
 from launcher import LLAMA_TINY, TINY, launch_forked
 from model.gpt import GPT, GPTConfig
 

@@ -20,9 +20,9 @@ import model.gpt
 import model.layers
 from launch import evaluate, export_hf, train
 from launch.checkpoints import hf_export
+from launch.config.layout import derive_layout
+from launch.config.recipe import load_recipe
 from launch.runtime.run_inputs import load_run_data
-from launch.runtime.recipe import load_recipe
-from launch.runtime.layout import derive_layout
 from launcher import REPO, TINY, launch_forked, read_metrics
 from model.convert import (from_gpt2_state_dict, load_dense_into, merge, rule_for, split)
 from model.gpt import GPT, GPTConfig

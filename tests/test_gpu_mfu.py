@@ -20,8 +20,9 @@ from data.builtin import BUILTIN_VOCAB_SIZE
 from flop_count import counted_flops
 from launch import plan
 from launch.analysis import formulas
-from launch.runtime.recipe import load_recipe
-from launch.runtime.layout import check_vocab, derive_layout
+from launch.config.layout import derive_layout
+from launch.config.recipe import load_recipe
+from launch.runtime.run_inputs import check_vocab
 from model.config import GPTConfig, padded_vocab_size
 from model.gpt import GPT
 

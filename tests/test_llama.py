@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.nn import functional
 
 from distributed import run_distributed, uses_deepspeed
-from launch.runtime.recipe import ConfigError, load_recipe
+from launch.config.recipe import load_recipe
+from launch.errors import ConfigError
 from launch.runtime.run_inputs import resolved_recipe_dict
 from model.config import GPTConfig, ModelConfig, llama_ffn_hidden_size
 from model.convert import dense_name, rule_for
@@ -202,7 +203,7 @@ def test_presets_fill_only_unset_switches():
 
 
 def _derive(overrides, tp=1):
-    from launch.runtime.layout import derive_layout
+    from launch.config.layout import derive_layout
     recipe = load_recipe(REPO_RECIPE, overrides)
     return derive_layout(recipe, tp, tp, 1, on_cpu=True)
 

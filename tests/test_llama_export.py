@@ -24,7 +24,7 @@ import model.llama
 from launch import export_hf
 from launch.checkpoints import hf_export
 from launch.checkpoints.hf_weights import check_hf_source, hf_dense_state_dict
-from launch.runtime.recipe import ConfigError
+from launch.errors import ConfigError
 from launcher import LLAMA_TINY, REPO, launch_forked, read_metrics
 from model.config import GPTConfig
 from model.convert import load_dense_into, merge, rule_for, split

@@ -12,8 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from launch.analysis import formulas, memory_formulas
 from launch.analysis.planner import GPUS, Hardware, Setup, estimate_plan
-from launch.runtime.layout import derive_layout
-from launch.runtime.recipe import load_recipe
+from launch.config.layout import derive_layout
+from launch.config.recipe import load_recipe
 from model.config import GPTConfig, ModelConfig
 from model.gpt import GPT
 
@@ -126,7 +126,7 @@ OFFLINE = ["data.name=builtin", "data.config=null", "data.tokenizer=builtin", "d
 @pytest.mark.parametrize("name,tp", [("tinyllama-1.1b", 4), ("llama3.2-1b", 8), ("llama2-7b", 8)])
 def test_gpu_recipes_name_their_tokenizer_and_run_offline(name, tp):
     from data.builtin import BUILTIN_VOCAB_SIZE
-    from launch.runtime.layout import check_vocab
+    from launch.runtime.run_inputs import check_vocab
     path = REPO / "recipes" / f"{name}.yaml"
     recipe = load_recipe(path, [])
     assert recipe.data.tokenizer != "builtin" and recipe.model.arch == "llama"

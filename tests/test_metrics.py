@@ -11,9 +11,9 @@ import torch
 
 from data.builtin import BUILTIN_VOCAB_SIZE
 from flop_count import counted_flops
+from launch.config.layout import Layout
+from launch.errors import ConfigError
 from launch.instruments import metrics
-from launch.runtime.recipe import ConfigError
-from launch.runtime.layout import Layout
 from launcher import TINY, launch, read_metrics
 from model.gpt import GPT, GPTConfig
 

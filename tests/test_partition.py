@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from launch.analysis import partition
+from launch.analysis.pipeline_chart import idle_fraction
+from launch.analysis.schedule_sim import simulate_schedule
 from launch.checkpoints.locate import fill_saved_parts
-from launch.instruments.pipeline_chart import idle_fraction
-from launch.instruments.schedule_sim import simulate_schedule
 from launch.plan import main
 from model.config import ModelConfig
 

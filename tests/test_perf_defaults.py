@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.nn import functional
 
-from launch.runtime.recipe import Recipe
+from launch.config.layout import derive_layout
+from launch.config.recipe import Recipe
 from launch.runtime.ds_config import deepspeed_config
-from launch.runtime.layout import derive_layout
 from model.gpt import GPT, GPTConfig
 from model.loss import vocab_parallel_cross_entropy
 

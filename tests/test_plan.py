@@ -15,8 +15,8 @@ from matplotlib import colors
 import chart_pixels
 from distributed import run_distributed, uses_deepspeed
 from launch.analysis import formulas, partition
-from launch.instruments.pipeline_chart import COLOURS, idle_fraction
-from launch.instruments.schedule_sim import simulate_schedule
+from launch.analysis.pipeline_chart import COLOURS, idle_fraction
+from launch.analysis.schedule_sim import simulate_schedule
 from launch.plan import main
 from model.gpt import GPTConfig
 from model.parallel_state import init_parallel_state

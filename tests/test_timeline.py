@@ -11,8 +11,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 import chart_pixels
 from distributed import free_port
 from launch.analysis import formulas
-from launch.instruments.pipeline_chart import COLOURS
-from launch.instruments.schedule_sim import simulate_schedule
+from launch.analysis.pipeline_chart import COLOURS
+from launch.analysis.schedule_sim import simulate_schedule
 from launch.instruments.timeline import install_timeline_recorder, measured_bubble, stage_busy_seconds
 from launcher import TINY, launch
 

@@ -1,4 +1,4 @@
-"""ZB-H1 (`train.schedule: zb-h1`, launch/runtime/zero_bubble.py): its instruction streams against
+"""ZB-H1 (`train.schedule: zb-h1`, launch/analysis/zero_bubble_schedule.py): its instruction streams against
 DeepSpeed's 1F1B TrainSchedule, its predicted bubble against the formulas of the two papers, and
 real engines trained with both schedules side by side: the same losses, gradient norms and
 gradients to the bit, at (1,2,1) in bf16, (2,2,2) with sequence parallelism, ZeRO-1 over dp 2 and
@@ -13,9 +13,9 @@ from deepspeed.runtime.pipe import schedule
 import chart_pixels
 from distributed import run_distributed, uses_deepspeed
 from launch.analysis import formulas, memory_formulas
-from launch.instruments.pipeline_chart import COLOURS, idle_fraction
-from launch.instruments.schedule_sim import instruction_streams, simulate_schedule
-from launch.runtime.zero_bubble import BackwardInputPass, WeightPass
+from launch.analysis.pipeline_chart import COLOURS, idle_fraction
+from launch.analysis.schedule_sim import instruction_streams, simulate_schedule
+from launch.analysis.zero_bubble_schedule import BackwardInputPass, WeightPass
 from model.gpt import GPT, GPTConfig
 from model.loss import vocab_parallel_cross_entropy
 from model.weight_grad import WEIGHT_GRADS
@@ -154,9 +154,9 @@ def _train(schedule_name: str, tp: int, pp: int, overrides: list, steps: int):
     on this rank's engine."""
     import torch.distributed as dist
 
+    from launch.config.layout import derive_layout
+    from launch.config.recipe import load_recipe
     from launch.runtime.engine import build_engine
-    from launch.runtime.layout import derive_layout
-    from launch.runtime.recipe import load_recipe
     from model.parallel_state import init_parallel_state
 
     recipe = load_recipe(TINY, [f"train.schedule={schedule_name}"] + overrides)

@@ -48,7 +48,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from launch.analysis import formulas
 from launch.analysis.partition import blocks_per_stage, stage_partition
-from launch.runtime.layout import Layout
+from launch.config.layout import Layout
 from model.config import ModelConfig
 from model.gpt import GPTConfig
 from model.llama import kv_replicas
@@ -118,7 +118,7 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
     t, p, d, m = layout.tp, layout.pp, layout.dp, layout.grad_accum_steps
     b, s, h = layout.micro_batch_size, config.seq_len, config.n_embd
     first, last = stage == 0, stage == p - 1
-    cut = layout.parts or None  # the run's stage boundaries (launch/runtime/layout.py: with_parts)
+    cut = layout.parts or None  # the run's stage boundaries (launch/analysis/partition.py: with_parts)
     blocks = _blocks(config, p, cut)[stage]
     activation = b * s * h  # one (b, s, h) stage tensor
     out: Dict[Key, Volume] = {}

@@ -23,41 +23,23 @@ import functools
 from typing import List, Optional, Sequence, Tuple, Union
 
 from launch.analysis import formulas
-from launch.runtime.recipe import ConfigError, Recipe
+from launch.config.layout import Layout, check_partition
+from launch.config.recipe import PARTITION_RULES, Recipe
+from launch.errors import ConfigError
 from model.config import ModelConfig
 
 Partition = Union[str, Sequence[int]]
-RULES = ("balanced", "blocks")
 DEFAULT = "balanced"
-
-
-def check_partition(partition: Partition, n_layer: int, pp: int) -> None:
-    """Raise ConfigError naming the value and the fix unless `partition` is a rule of RULES or
-    pp numbers of blocks summing to n_layer, each >= 1 but the last, which may be 0."""
-    if isinstance(partition, str):
-        if partition not in RULES:
-            raise ConfigError(f"train.partition={partition!r} is not one of {', '.join(RULES)} or a list of blocks "
-                              f"per stage (e.g. [3, 1])")
-        return
-    counts = list(partition)
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
-        raise ConfigError(f"train.partition={counts!r}: blocks per stage must be whole numbers, e.g. [3, 1]")
-    # The last stage may hold only the final norm and the head (worth it for a large vocabulary);
-    # a first stage of only the embeddings hangs DeepSpeed 0.19.8's pipeline engine at pp=2 (tried).
-    if len(counts) != pp or sum(counts) != n_layer or min(counts[:-1] + [1]) < 1 or min(counts, default=0) < 0:
-        raise ConfigError(f"train.partition={counts!r} with --pp {pp} and model.n_layer={n_layer}: give {pp} numbers "
-                          f"of blocks per stage summing to {n_layer}, each >= 1 (the last may be 0), or balanced, "
-                          f"blocks")
 
 
 def parse_partition(text: str) -> Partition:
     """launch/plan.py's --partition: 'balanced', 'blocks' or a comma list '3,1'."""
-    if text in RULES:
+    if text in PARTITION_RULES:
         return text
     try:
         return tuple(int(n) for n in text.split(","))
     except ValueError:
-        raise ConfigError(f"--partition {text!r} is not one of {', '.join(RULES)} or a comma list of blocks per "
+        raise ConfigError(f"--partition {text!r} is not one of {', '.join(PARTITION_RULES)} or a comma list of blocks per "
                           f"stage (e.g. 3,1)") from None
 
 
@@ -107,7 +89,7 @@ def blocks_per_stage(model: Union[ModelConfig, int], parts: Sequence[int]) -> Li
 def stage_weight_grad_flops(model: ModelConfig, parts: Sequence[int], micro_batch: int,
                             seq_len: Optional[int] = None) -> List[int]:
     """The part of each stage's backward FLOPs that computes weight gradients, 2 FLOPs per matrix
-    weight per token (ZB-H1's W pass, launch/runtime/zero_bubble.py): a block's matrices, the head
+    weight per token (ZB-H1's W pass, launch/analysis/zero_bubble_schedule.py): a block's matrices, the head
     (whose FLOPs are 6bshV: a third each for forward, input and weight gradients)."""
     s = seq_len or model.seq_len
     costs = {"block": 2 * micro_batch * s * formulas.block_matmul_params(model),
@@ -125,10 +107,13 @@ def stage_flops(model: ModelConfig, parts: Sequence[int], micro_batch: int, seq_
             for k in range(len(parts) - 1)]
 
 
-def run_parts(recipe: Recipe, vocab_size: int, pp: int) -> List[int]:
-    """The training run's boundaries: the recipe's rule on its model with the vocabulary resolved."""
+def with_parts(layout: Layout, recipe: Recipe, vocab_size: int) -> Layout:
+    """The layout with the training run's stage boundaries: the recipe's train.partition on its model
+    with the vocabulary resolved."""
     model = dataclasses.replace(recipe.model, vocab_size=vocab_size).resolved()
-    return stage_partition(model, pp, recipe.train.partition, recipe.seq_len, recipe.train.recompute_mode == "full")
+    parts = stage_partition(model, layout.pp, recipe.train.partition, recipe.seq_len,
+                            recipe.train.recompute_mode == "full")
+    return dataclasses.replace(layout, parts=tuple(parts))
 
 
 def _from_counts(kinds: Tuple[str, ...], counts: List[int]) -> List[int]:

@@ -10,7 +10,8 @@ from launch.analysis import formulas
 from launch.analysis.partition import DEFAULT, parse_partition
 from launch.analysis.planner import GIB, GPUS, Hardware, Setup, estimate_plan, search, why
 from model.config import ModelConfig
-from launch.runtime.recipe import ConfigError, load_recipe
+from launch.config.recipe import load_recipe
+from launch.errors import ConfigError
 
 GPT3 = {"layers": 96, "hidden": 12288, "seq_len": 2048, "vocab": 51200}
 GPT3_HEAD_DIM = 128
@@ -221,8 +222,8 @@ def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setu
 
 def plot(path: Path, plan: Dict[str, Any]) -> None:
     """Device grid + the schedule simulated with each stage's forward, backward and W times."""
-    from launch.instruments.pipeline_chart import draw_plan  # matplotlib: only when drawing
-    from launch.instruments.schedule_sim import simulate_schedule
+    from launch.analysis.pipeline_chart import draw_plan  # matplotlib: only when drawing
+    from launch.analysis.schedule_sim import simulate_schedule
     m, p, weight = plan["microbatches_per_pipeline"], plan["pp"], plan["stage_weight_grad_s"]
     events = simulate_schedule(plan["schedule"], p, m, plan["stage_forward_s"],
                                [b - w for b, w in zip(plan["stage_backward_s"], weight)], weight)

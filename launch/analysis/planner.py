@@ -1,6 +1,6 @@
 """Evaluate one 3D layout (every number launch/plan.py prints) and rank layouts by a stated
 cost model. The formulas live in launch/analysis/formulas.py and memory_formulas.py; the layout
-rules are launch/runtime/layout.py's.
+rules are launch/config/layout.py's.
 
 Cost model of one optimizer step (`estimate_step_time`), all per device:
   slot[k] = FLOPs of one micro-batch on stage k (launch/analysis/partition.py: its blocks, and
@@ -10,7 +10,7 @@ Cost model of one optimizer step (`estimate_step_time`), all per device:
             split into forward and backward as the stage's FLOPs are
   step    = the schedule of m micro-batches (1F1B, or ZB-H1 with each backward's weight-gradient
             FLOPs as its W pass) simulated with these per-stage times over the engine's own
-            instruction streams (launch/instruments/schedule_sim.py; for 1F1B (m + p - 1) * slot
+            instruction streams (launch/analysis/schedule_sim.py; for 1F1B (m + p - 1) * slot
             when the stages are equal), its idle share the bubble
             + 2(d-1)/d * gradient bytes / DP bandwidth   (not overlapped with the pipeline)
 A bandwidth is the intra-node one when every group of that dimension sits inside one node
@@ -22,8 +22,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from launch.analysis import formulas, memory_formulas
 from launch.analysis import partition as partition_rules
-from launch.runtime.layout import Layout, derive_layout
-from launch.runtime.recipe import ConfigError, Recipe, TrainSection
+from launch.config.layout import Layout, derive_layout
+from launch.config.recipe import Recipe, TrainSection
+from launch.errors import ConfigError
 from model.config import ModelConfig
 
 GIB = 2 ** 30
@@ -58,7 +59,7 @@ class Setup:
     partition: Union[str, Tuple[int, ...]] = partition_rules.DEFAULT
     """train.partition: balanced, blocks or blocks per stage (launch/analysis/partition.py)."""
     schedule: str = "1f1b"
-    """train.schedule: 1f1b or zb-h1 (launch/runtime/zero_bubble.py)."""
+    """train.schedule: 1f1b or zb-h1 (launch/analysis/zero_bubble_schedule.py)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Hardware:
 
 def check_setup(model: ModelConfig, setup: Setup) -> Layout:
     """The training script's own layout rules (derive_layout), on a bf16 recipe of these dims."""
-    # Checked before derive_layout, which divides by n_head before checking it is >= 1.
+    # Checked first, so that the message names the planner's flag rather than the recipe key.
     for flag, value in [("--gpus", setup.gpus), ("--layers", model.n_layer), ("--hidden", model.n_embd),
                         ("--heads", model.n_head), ("--seq-len", model.seq_len), ("--vocab", model.vocab_size),
                         ("--vocab-pad-multiple", model.vocab_pad_multiple),
@@ -114,8 +115,8 @@ def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int,
     per_layer = lambda recompute: memory_formulas.model_activation_bytes_per_layer(  # noqa: E731
         arch, s, b, t, recompute)
     # ZB-H1: each stage keeps some micro-batches' weight-gradient inputs between their B and W
-    # passes (launch/runtime/zero_bubble.py), the last stage the output layer's too.
-    from launch.runtime.zero_bubble import deferred_microbatches, runs_zero_bubble  # imports DeepSpeed
+    # passes (launch/analysis/zero_bubble_schedule.py), the last stage the output layer's too.
+    from launch.analysis.zero_bubble_schedule import deferred_microbatches, runs_zero_bubble  # imports DeepSpeed
     stash, deferred = 0.0, 0
     if runs_zero_bubble(setup.schedule, setup.pp):
         deferred = deferred_microbatches(stage, m)
@@ -139,8 +140,8 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     """(seconds per step and its parts, per-stage forward, backward and weight-gradient seconds of
     one micro-batch) by the cost model of the module docstring; `flops`: each stage's (forward,
     backward) FLOPs, `weight_flops` the weight-gradient part of the backward."""
-    from launch.instruments.pipeline_chart import idle_fraction  # matplotlib: only when planning
-    from launch.instruments.schedule_sim import simulate_schedule
+    from launch.analysis.pipeline_chart import idle_fraction  # matplotlib: only when planning
+    from launch.analysis.schedule_sim import simulate_schedule
     b, s, h, t, p = setup.micro_batch, model.seq_len, model.n_embd, setup.tp, setup.pp
     tp_bytes_per_block = formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.recompute) * formulas.ring_allreduce_factor(t)
     pp_comm = 2 * formulas.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-from launch.runtime.recipe import ConfigError
+from launch.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from model.config import GPTConfig

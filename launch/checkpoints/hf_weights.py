@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from launch.runtime.recipe import ConfigError
+from launch.errors import ConfigError
 from model.config import LLAMA3_SCALING_KEYS
 from model.gpt import GPTConfig
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from launch.runtime.recipe import ConfigError
+from launch.errors import ConfigError
 from model.config import ARCH_SWITCHES, ModelConfig
 
 COMPLETE = "complete.json"

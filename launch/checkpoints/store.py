@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from launch.checkpoints.locate import COMPLETE, LATEST, CheckpointRef, same_layout, step_of, tag_for
 from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
-from launch.runtime.recipe import ConfigError
+from launch.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from launch.analysis import formulas
-from launch.runtime.recipe import ConfigError
-from launch.runtime.layout import Layout
+from launch.config.layout import Layout
+from launch.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine

@@ -1,7 +1,7 @@
 """The measured pipeline: per-stage forward, backward (and ZB-H1's W) times of a few training steps,
-drawn as launch/instruments/pipeline_chart.py's schedule chart, with the measured bubble next to
+drawn as launch/analysis/pipeline_chart.py's schedule chart, with the measured bubble next to
 the one predicted by playing the same schedule with the measured mean pass times
-(launch/instruments/schedule_sim.py) and to 1F1B's formula for equal stages.
+(launch/analysis/schedule_sim.py) and to 1F1B's formula for equal stages.
 
 `install_timeline_recorder(engine, ...)` wraps the DeepSpeed PipelineEngine's ForwardPass and
 BackwardPass handlers, or ZB-H1's B and W passes (its `_INSTRUCTION_MAP`, which `_exec_schedule` looks up on the engine)
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 from launch.analysis import formulas
-from launch.instruments.pipeline_chart import Event, draw_schedule, idle_fraction
-from launch.instruments.schedule_sim import simulate_schedule
+from launch.analysis.pipeline_chart import Event, draw_schedule, idle_fraction
+from launch.analysis.schedule_sim import simulate_schedule
 
 import matplotlib.pyplot as plt  # after pipeline_chart chose the file backend
 
@@ -154,7 +154,7 @@ def install_timeline_recorder(engine: PipelineEngine, steps: int, total_steps: i
     stage (the first TP and DP coordinate); every rank times, so all see the same barriers."""
     from deepspeed.runtime.pipe import schedule
 
-    from launch.runtime.zero_bubble import BackwardInputPass, WeightPass
+    from launch.analysis.zero_bubble_schedule import BackwardInputPass, WeightPass
     first_step = 2 if total_steps > 1 else 1
     recorder = TimelineRecorder(engine, first_step, steps, one_per_stage)
     handlers = dict(engine._INSTRUCTION_MAP)  # the engine's own: ZB-H1's passes included when installed

@@ -4,7 +4,8 @@ import argparse
 from pathlib import Path
 from typing import List, Optional
 
-from launch.runtime.recipe import ConfigError, Recipe, load_recipe
+from launch.config.recipe import WANDB_MODES, Recipe, load_recipe
+from launch.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_RECIPE = REPO / "recipes" / "demo.yaml"
@@ -25,7 +26,7 @@ def parse_training_args(argv: Optional[List[str]], description: str = "") -> arg
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set train.lr=3e-4 (repeatable)")
     p.add_argument("--metrics-out", type=Path, help="JSON lines, one per optimizer step")
-    p.add_argument("--wandb", choices=["online", "offline", "disabled"], help="overrides wandb.mode")
+    p.add_argument("--wandb", choices=WANDB_MODES, help="overrides wandb.mode")
     p.add_argument("--save", type=Path, help="save checkpoints under this directory")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="save every N steps (and always at the end, or when signalled)")

@@ -15,6 +15,8 @@ from typing import Mapping
 
 import deepspeed
 
+from launch.errors import ConfigError
+
 
 def init_distributed(timeout_s: int, **kwargs) -> None:
     # Not `import deepspeed.comm.torch`: the package re-exports the real `torch` under that name.
@@ -59,8 +61,6 @@ def check_precision_supported(precision: str) -> None:
     """deepspeed.initialize refuses fp16 where the accelerator declares none (DeepSpeed's CPU
     accelerator on CPUs without oneDNN fp16 kernels): say so before the start."""
     from deepspeed.accelerator import get_accelerator
-
-    from launch.runtime.recipe import ConfigError
     if precision == "fp16" and not get_accelerator().is_fp16_supported():
         raise ConfigError(f"train.precision=fp16: the {get_accelerator().device_name()} accelerator does not "
                           f"support fp16 here; use fp32 or bf16")

@@ -4,8 +4,8 @@ The learning-rate schedule is passed to `deepspeed.initialize` as an object (lau
 """
 from typing import Any, Dict
 
-from launch.runtime.recipe import Recipe, deep_merge
-from launch.runtime.layout import Layout
+from launch.config.layout import Layout
+from launch.config.recipe import Recipe, deep_merge
 from model.pipe import pipeline_config
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
-from launch.runtime.layout import Layout
-from launch.runtime.recipe import Recipe
+from launch.config.layout import Layout
+from launch.config.recipe import Recipe
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     import torch
@@ -49,12 +49,13 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from launch.analysis.zero_bubble_schedule import runs_zero_bubble
     from launch.runtime.compiler import blocks_to_compile
     from launch.runtime.console import quiet_stdout
     from launch.runtime.ds_config import deepspeed_config
     from launch.runtime.grad_norm import Zero0GradNorm, uses_own_grad_norm
     from launch.runtime.lr_schedule import warmup_cosine
-    from launch.runtime.zero_bubble import runs_zero_bubble, use_zero_bubble_schedule
+    from launch.runtime.zero_bubble import use_zero_bubble_schedule
     from model.compiled import compile_blocks
     from model.pipe import build_pipeline, stage_contents
     from model.weight_grad import WEIGHT_GRADS

@@ -15,10 +15,12 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List
 
+from launch.analysis.partition import with_parts
+from launch.config.layout import Layout, derive_layout
+from launch.config.recipe import Recipe, load_recipe
+from launch.errors import ConfigError
 from launch.runtime.cli import DEFAULT_RECIPE
 from launch.runtime.distributed import ensure_single_process_env, on_cpu
-from launch.runtime.layout import Layout, derive_layout, with_parts
-from launch.runtime.recipe import ConfigError, Recipe, load_recipe
 from launch.runtime.run_inputs import load_run_data
 from model.config import SHAPE_FIELDS
 
@@ -92,9 +94,9 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
     args, recipe, layout, data, n_batches = job.args, job.recipe, job.layout, job.data, job.n_batches
     import deepspeed
 
+    from launch.instruments.metrics import is_logging_rank
     from launch.runtime.distributed import shut_down_distributed, start_rank
     from launch.runtime.ds_config import evaluation_config
-    from launch.instruments.metrics import is_logging_rank
     from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline
 

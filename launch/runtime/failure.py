@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Tuple
 
-from launch.runtime.recipe import ConfigError
+from launch.errors import ConfigError
 
 FAULT_ENV = "GPT3D_FAULT_INJECT"
 TRACEBACK_ENV = "GPT3D_TRACEBACK"

@@ -7,7 +7,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Optional, Tuple
 
-from launch.runtime.layout import Layout
+from launch.config.layout import Layout
 from launch.runtime.run_inputs import resolved_recipe_dict
 from launch.runtime.startup import TrainingJob
 

@@ -3,8 +3,9 @@ and the run's data (the cache built once, by one process)."""
 import dataclasses
 from typing import Any, Dict, Tuple
 
-from launch.runtime.layout import Layout, check_vocab
-from launch.runtime.recipe import ConfigError, Recipe
+from launch.config.layout import Layout
+from launch.config.recipe import Recipe
+from launch.errors import ConfigError
 
 
 def resolved_recipe_dict(recipe: Recipe, vocab_size: int) -> Dict[str, Any]:
@@ -14,6 +15,16 @@ def resolved_recipe_dict(recipe: Recipe, vocab_size: int) -> Dict[str, Any]:
     resolved["model"] = dataclasses.asdict(recipe.model.resolved())
     resolved["model"]["vocab_size"] = vocab_size
     return resolved
+
+
+def check_vocab(recipe: Recipe, tokenizer_vocab: int) -> int:
+    """The model's real vocabulary: the recipe's, or the tokenizer's when the recipe says null."""
+    vocab = recipe.model.vocab_size or tokenizer_vocab
+    if vocab < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
+                          f"{tokenizer_vocab} ({recipe.data.tokenizer!r}); set model.vocab_size >= "
+                          f"{tokenizer_vocab} or null")
+    return vocab
 
 
 def load_checked_tokenizer(recipe: Recipe) -> Tuple[Any, int]:

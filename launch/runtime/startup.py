@@ -5,10 +5,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from launch.analysis.partition import with_parts
+from launch.config.layout import Layout, derive_layout
+from launch.config.recipe import Recipe
+from launch.errors import ConfigError
 from launch.runtime.cli import training_recipe
 from launch.runtime.distributed import check_precision_supported, ensure_single_process_env, on_cpu
-from launch.runtime.layout import Layout, derive_layout, with_parts
-from launch.runtime.recipe import ConfigError, Recipe
 from launch.runtime.run_inputs import load_run_data, resolved_recipe_dict
 
 

@@ -2,7 +2,7 @@
 
 The schedule is drawn from a list of events (stage, kind, microbatch, start, end), kind "F", "B"
 or "W" (ZB-H1's weight-gradient pass), so the same chart shows a simulated schedule
-(launch/instruments/schedule_sim.py) or measured times (launch/instruments/timeline.py).
+(launch/analysis/schedule_sim.py) or measured times (launch/instruments/timeline.py).
 """
 from typing import Sequence, Tuple
 

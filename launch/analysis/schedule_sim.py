@@ -1,12 +1,12 @@
 """The predicted pipeline schedule: the instruction streams DeepSpeed's engine executes (1F1B's
-TrainSchedule, or ZB-H1's, launch/runtime/zero_bubble.py), played with given pass times.
+TrainSchedule, or ZB-H1's, launch/analysis/zero_bubble_schedule.py), played with given pass times.
 
 Each stage runs its own stream in order. A forward, backward, B or W pass takes its stage's time
 for it; a send and the matching receive on the neighbouring stage complete together, when the
 later of the two is posted (blocking point-to-point, as DeepSpeed's sends and receives pair up),
 and take no time. The result is a list of events (stage, kind, micro-batch, start, end), kind
 "F", "B" (1F1B's whole backward, or ZB-H1's input-gradient pass) or "W", for
-launch/instruments/pipeline_chart.py to draw and `idle_fraction` to measure.
+launch/analysis/pipeline_chart.py to draw and `idle_fraction` to measure.
 
 With equal stages this gives 1F1B's bubble (p-1)/(m+p-1) (Narayanan et al. 2021) and, when
 T_F = T_B = T_W, ZB-H1's (p-1)(T_F+T_B-T_W) (Qi et al. 2023, sec. 3.1): tests/test_zero_bubble.py.
@@ -14,7 +14,7 @@ T_F = T_B = T_W, ZB-H1's (p-1)(T_F+T_B-T_W) (Qi et al. 2023, sec. 3.1): tests/te
 import os
 from typing import Dict, List, Sequence, Union
 
-from launch.instruments.pipeline_chart import Event
+from launch.analysis.pipeline_chart import Event
 
 Times = Union[float, Sequence[float]]
 
@@ -24,7 +24,7 @@ def instruction_streams(schedule: str, pp: int, microbatches: int) -> List[list]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's schedule classes need no device
     from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-    from launch.runtime.zero_bubble import ZeroBubbleH1Schedule, runs_zero_bubble
+    from launch.analysis.zero_bubble_schedule import ZeroBubbleH1Schedule, runs_zero_bubble
     cls = ZeroBubbleH1Schedule if runs_zero_bubble(schedule, pp) else TrainSchedule
     return [[cmd for step in cls(micro_batches=microbatches, stages=pp, stage_id=k) for cmd in step]
             for k in range(pp)]
@@ -34,7 +34,7 @@ def _program(commands: list, stage: int, times: Dict[str, float]) -> List[tuple]
     """A stage's stream as ("pass", kind, seconds) and ("send" | "recv", peer, what)."""
     from deepspeed.runtime.pipe import schedule
 
-    from launch.runtime.zero_bubble import BackwardInputPass, WeightPass
+    from launch.analysis.zero_bubble_schedule import BackwardInputPass, WeightPass
     passes = {schedule.ForwardPass: ("F", times["F"]),
               schedule.BackwardPass: ("B", times["B"] + times["W"]),  # 1F1B's whole backward
               BackwardInputPass: ("B", times["B"]), WeightPass: ("W", times["W"])}

@@ -1,11 +1,12 @@
 """Recipes: typed sections loaded from YAML, overridden by `--set key.sub=value`.
 
 Every field has a type and a docstring; unknown keys and wrong types are errors that name
-the key, the value and what was expected. Validation of the layout lives in launch/runtime/layout.py.
+the key, the value and what was expected. Each section checks its own values (`validate`, next
+to its dataclass: ModelConfig in model/config.py, DataSpec in data/spec.py, the others here) and
+`Recipe.validate` what the sections say together; the rules of the layout (tp, pp, dp) are
+launch/config/layout.py's.
 """
 import dataclasses
-import os
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,21 +15,15 @@ from typing import Any, Dict, List, Optional, Union
 import yaml
 
 from data.spec import DataSpec
+from launch.errors import ConfigError
 from model.config import GPTConfig, ModelConfig
 
-
-class ConfigError(Exception):
-    """Bad user input: printed as one line, exit code 2, before any heavy work."""
-
-
-BAD_INPUT_EXIT = 2
-
-
-def report_bad_input(error: Exception) -> int:
-    """Print `error: ...` once for the whole job (global rank 0 only); return exit code 2."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {error}", file=sys.stderr)
-    return BAD_INPUT_EXIT
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE_MODES = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "zb-h1")  # launch/analysis/zero_bubble_schedule.py
+PARTITION_RULES = ("balanced", "blocks")  # launch/analysis/partition.py
+WANDB_MODES = ("online", "offline", "disabled")
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 @dataclass
@@ -66,7 +61,7 @@ class TrainSection:
     older spelling of recompute=full, kept for existing recipes."""
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b (DeepSpeed's) or zb-h1 (zero-bubble H1, Qi et al. 2023: weight
-    gradients deferred into 1F1B's idle slots; launch/runtime/zero_bubble.py). The same losses."""
+    gradients deferred into 1F1B's idle slots; launch/analysis/zero_bubble_schedule.py). The same losses."""
     eval_every: int = 0
     """Validation loss every this many steps and at the last step; 0 disables."""
     eval_batches: int = 10
@@ -81,6 +76,41 @@ class TrainSection:
     """Compile each transformer block with torch.compile (torchtitan's per-block compile); where
     the compiler cannot run here, one line says so and the run trains eagerly."""
 
+    def validate(self) -> None:
+        """Raise ConfigError on a value of this section that no layout can train (train.zero_stage
+        and train.partition against --pp: launch/config/layout.py)."""
+        b, B = self.micro_batch_size, self.global_batch_size
+        if b < 1 or B < 1:
+            raise ConfigError(f"train.micro_batch_size={b} and train.global_batch_size={B} must be >= 1")
+        if self.steps < 1:
+            raise ConfigError(f"train.steps={self.steps} (or --steps) must be >= 1")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"train.precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.zero_stage == 0 and self.precision == "bf16":
+            # deepspeed.initialize raises NotImplementedError for bf16 weights with the fp32 gradient
+            # accumulation that pipeline runs need (docs/design.md contract 8); ZeRO-1 supports it.
+            raise ConfigError("train.zero_stage=0 with train.precision=bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 "
+                              "path with fp32 gradient accumulation; set train.zero_stage=1")
+        if self.activation_checkpoint_interval < 0:
+            raise ConfigError(f"train.activation_checkpoint_interval={self.activation_checkpoint_interval} "
+                              f"must be >= 0")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"train.recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+        if self.recompute == "selective" and self.activation_checkpoint_interval > 0:
+            raise ConfigError(f"train.recompute=selective with train.activation_checkpoint_interval="
+                              f"{self.activation_checkpoint_interval}: the interval is for full recompute; "
+                              f"set train.recompute=full or train.activation_checkpoint_interval=0")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"train.schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.warmup_steps < 0 or self.grad_clip < 0 or self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} and "
+                              f"grad_clip={self.grad_clip} >= 0, min_lr_ratio={self.min_lr_ratio} in [0, 1]")
+        if self.dist_timeout_s < 1:
+            raise ConfigError(f"train.dist_timeout_s={self.dist_timeout_s} must be >= 1 (seconds a collective "
+                              f"waits before a rank gives up; default 600)")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ConfigError(f"train.eval_every={self.eval_every} must be >= 0 and "
+                              f"train.eval_batches={self.eval_batches} >= 1")
 
     @property
     def recompute_mode(self) -> str:
@@ -102,6 +132,11 @@ class WandbSection:
     """Run name; null lets wandb choose."""
     mode: str = "disabled"
     """online, offline or disabled; `--wandb` overrides."""
+
+    def validate(self) -> None:
+        """Raise ConfigError on an unknown mode (an online run's API key: launch/runtime/preflight.py)."""
+        if self.mode not in WANDB_MODES:
+            raise ConfigError(f"wandb.mode={self.mode!r} is not one of {', '.join(WANDB_MODES)} (--wandb overrides it)")
 
 
 @dataclass
@@ -127,6 +162,23 @@ class Recipe:
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Every section's own checks, then what they say together; raise ConfigError on the first."""
+        try:
+            self.model.validate()
+            self.data.validate()
+        except ValueError as e:  # model/ and data/ do not import launch/, so they raise ValueError
+            raise ConfigError(str(e)) from None
+        self.train.validate()
+        self.wandb.validate()
+        if self.data.seq_len is not None and not 1 <= self.data.seq_len <= self.model.seq_len:
+            raise ConfigError(f"data.seq_len={self.data.seq_len} must be in [1, model.seq_len={self.model.seq_len}] "
+                              f"(the model's positions); lower data.seq_len or raise model.seq_len")
+        clashing = sorted(set(BATCH_KEYS) & set(self.deepspeed))
+        if clashing:
+            raise ConfigError(f"deepspeed.{clashing[0]} may not be set: batch keys are derived from "
+                              f"train.micro_batch_size, train.global_batch_size and dp; set those instead")
 
 
 def _check_type(key: str, value: Any, annotation: Any) -> Any:

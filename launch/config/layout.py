@@ -1,0 +1,114 @@
+"""The run's layout at (world size, tp, pp): derives dp, micro-batches per step and DeepSpeed's
+batch keys from a recipe, after checking the recipe (`Recipe.validate`) and the rules that
+depend on tp and pp, with messages that print the numbers and the fix.
+
+Runs before torch.distributed or DeepSpeed start, so bad input costs nothing.
+"""
+from dataclasses import dataclass
+from typing import Sequence, Tuple, Union
+
+from launch.config.recipe import PARTITION_RULES, Recipe
+from launch.errors import ConfigError
+from model.config import ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """The run's derived numbers; checkpoints record them (vars(layout))."""
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    global_batch_size: int
+    grad_accum_steps: int
+    """Micro-batches per pipeline per optimizer step (m = B / (b * dp))."""
+    parts: Tuple[int, ...] = ()
+    """Stage boundaries over the pipeline layers (stage k holds parts[k]:parts[k+1]) from
+    train.partition; they need the vocabulary, so launch/analysis/partition.py's `with_parts`
+    sets them once it is known."""
+
+
+def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: bool) -> Layout:
+    """Check the recipe and every rule that depends on the layout; raise ConfigError naming the values."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"--tp {tp} --pp {pp}: both must be >= 1")
+    if world_size % (tp * pp) != 0:
+        if on_cpu:
+            hint = (f"on CPU the launcher starts one process per NUMA node unless told: run "
+                    f"`deepspeed --num_gpus {tp * pp} launch/train.py --tp {tp} --pp {pp} ...`")
+        else:
+            hint = f"start a multiple of {tp * pp} processes or choose --tp and --pp whose product divides {world_size}"
+        raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; {hint}")
+    dp = world_size // (tp * pp)
+    recipe.validate()
+
+    m, t = recipe.model, recipe.train
+    if m.n_head % tp != 0:
+        raise ConfigError(f"model.n_head={m.n_head} is not divisible by --tp {tp}; "
+                          f"choose tp among the divisors of n_head")
+    check_tensor_split(m, tp)
+    if m.n_layer < pp:
+        raise ConfigError(f"model.n_layer={m.n_layer} is fewer than the {pp} pipeline stages of --pp {pp}; "
+                          f"use --pp <= {m.n_layer}")
+    b, B = t.micro_batch_size, t.global_batch_size
+    if B % (b * dp) != 0:
+        raise ConfigError(f"train.global_batch_size={B} is not divisible by micro_batch_size*dp = "
+                          f"{b}*{dp} = {b * dp}; pick a global batch that is a multiple of {b * dp}")
+    if t.zero_stage not in (0, 1):
+        # Every run, pp=1 included, trains through DeepSpeed's pipeline engine, which refuses 2 and 3.
+        raise ConfigError(f"train.zero_stage={t.zero_stage} with --pp {pp}: DeepSpeed's pipeline engine "
+                          f"supports ZeRO stage 0 or 1 only; set train.zero_stage=1")
+    check_partition(t.partition, m.n_layer, pp)
+    if m.sequence_parallel and recipe.seq_len % tp != 0:
+        # Each TP rank holds T/t positions of every sequence-parallel activation.
+        raise ConfigError(f"model.sequence_parallel with --tp {tp} needs the sequence length {recipe.seq_len} "
+                          f"(data.seq_len, else model.seq_len) divisible by {tp}; choose a multiple of {tp} "
+                          f"or set model.sequence_parallel=false")
+    pipeline = recipe.deepspeed.get("pipeline")
+    partitioned = [k for k in ("pipe_partitioned", "grad_partitioned")
+                   if isinstance(pipeline, dict) and pipeline.get(k)]
+    if m.sequence_parallel and tp > 1 and pp > 1 and partitioned:
+        # DeepSpeed would send 1/tp of each stage output and all-gather it, assuming the TP ranks
+        # hold the same tensor; under SP they hold different chunks: silently wrong losses.
+        raise ConfigError(f"deepspeed.pipeline.{partitioned[0]}=true with model.sequence_parallel, --tp {tp} "
+                          f"--pp {pp}: stage outputs differ per TP rank under SP and cannot be partitioned; "
+                          f"remove the key (SP already sends 1/tp of the sequence)")
+    return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, micro_batch_size=b, global_batch_size=B,
+                  grad_accum_steps=B // (b * dp))
+
+
+def check_tensor_split(model: ModelConfig, tp: int) -> None:
+    """The MLP width and the key/value heads of a valid model (ModelConfig.validate) against --tp."""
+    full = model.resolved()  # the arch preset's switches filled in
+    if full.ffn_hidden_size < 1 or full.ffn_hidden_size % tp:
+        raise ConfigError(f"model.ffn_hidden_size={full.ffn_hidden_size} must be >= 1 and divisible by --tp {tp} "
+                          f"(each rank holds ffn_hidden_size/tp of the MLP); choose a multiple of {tp}")
+    kv = full.n_kv_head
+    if kv % tp and tp % kv:
+        raise ConfigError(f"model.n_kv_head={kv} with --tp {tp}: tp must divide n_kv_head (each rank holds its "
+                          f"own key/value heads) or n_kv_head must divide tp (tp/n_kv_head ranks share one); "
+                          f"choose --tp among the divisors or multiples of {kv}")
+    if tp > kv and full.head_dim % (tp // kv):
+        raise ConfigError(f"model.n_kv_head={kv} with --tp {tp}: the {tp // kv} ranks sharing a key/value head "
+                          f"each hold 1/{tp // kv} of its {full.head_dim} rows, which does not divide; choose a "
+                          f"smaller --tp")
+
+
+def check_partition(partition: Union[str, Sequence[int]], n_layer: int, pp: int) -> None:
+    """Raise ConfigError naming the value and the fix unless `partition` is a rule of PARTITION_RULES
+    or pp numbers of blocks summing to n_layer, each >= 1 but the last, which may be 0."""
+    if isinstance(partition, str):
+        if partition not in PARTITION_RULES:
+            raise ConfigError(f"train.partition={partition!r} is not one of {', '.join(PARTITION_RULES)} or a list "
+                              f"of blocks per stage (e.g. [3, 1])")
+        return
+    counts = list(partition)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+        raise ConfigError(f"train.partition={counts!r}: blocks per stage must be whole numbers, e.g. [3, 1]")
+    # The last stage may hold only the final norm and the head (worth it for a large vocabulary);
+    # a first stage of only the embeddings hangs DeepSpeed 0.19.8's pipeline engine at pp=2 (tried).
+    if len(counts) != pp or sum(counts) != n_layer or min(counts[:-1] + [1]) < 1 or min(counts, default=0) < 0:
+        raise ConfigError(f"train.partition={counts!r} with --pp {pp} and model.n_layer={n_layer}: give {pp} numbers "
+                          f"of blocks per stage summing to {n_layer}, each >= 1 (the last may be 0), or balanced, "
+                          f"blocks")

@@ -1,0 +1,18 @@
+"""Bad user input: the one error class every layer of launch/ raises, and how entry points
+report it (one line, exit code 2). The lowest layer of launch/ (docs/design.md, Layers of launch/)."""
+import os
+import sys
+
+
+class ConfigError(Exception):
+    """Bad user input: printed as one line, exit code 2, before any heavy work."""
+
+
+BAD_INPUT_EXIT = 2
+
+
+def report_bad_input(error: Exception) -> int:
+    """Print `error: ...` once for the whole job (global rank 0 only); return exit code 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {error}", file=sys.stderr)
+    return BAD_INPUT_EXIT
