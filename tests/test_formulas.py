@@ -68,7 +68,8 @@ def test_parameter_counts_are_the_built_models(pad_multiple):
     l, h, V, s = config.n_layer, config.n_embd, config.vocab_size, config.seq_len
     padding = (config.padded_vocab_size(1) - V) * h
     assert formulas.params_exact(l, h, V, s) == built - padding
-    assert formulas.stage_params_per_rank(l, h, V, s, tp=1, pp=1, stage=0, pad_multiple=pad_multiple) == built
+    assert formulas.stage_params_per_rank(l, h, V, s, tp=1, pp=1, stage=0, pad_multiple=pad_multiple,
+                                           parts=partition.stage_partition(l, 1, "blocks")) == built
 
 
 def test_flops_are_what_torch_counts_in_the_built_model():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from launch.analysis import formulas, memory_formulas
+from launch.analysis import formulas, memory_formulas, partition
 from launch.analysis.planner import GPUS, Hardware, Setup, estimate_plan
 from launch.config.layout import derive_layout
 from launch.config.recipe import load_recipe
@@ -61,7 +61,8 @@ def test_parameters_and_flops_of_the_built_model(changes):
     config = GPTConfig(n_layer=2, n_head=4, n_embd=64, seq_len=32, **dict(llama, **changes),
                        vocab_size=304, vocab_pad_multiple=8)  # no padding: torch counts the padded logits too
     assert formulas.model_params(config) == _built_params(config)
-    assert formulas.model_stage_params_per_rank(config, 1, 1, 0) == formulas.model_params(config) + (
+    one_stage = partition.stage_partition(config, 1, "blocks")
+    assert formulas.model_stage_params_per_rank(config, 1, 1, 0, one_stage) == formulas.model_params(config) + (
         (config.padded_vocab_size(1) - config.vocab_size) * config.n_embd * (1 if config.tie_embeddings else 2))
     b, s = 2, config.seq_len
     with FlopCounterMode(display=False) as counter:
@@ -79,8 +80,9 @@ def test_general_formulas_are_gpt2_closed_forms_for_gpt2(l, h, a, V, s):
     for recompute in (False, True):
         assert formulas.model_flops_per_step_of(m, 64, s, recompute) == formulas.model_flops_per_step(64, s, l, h, V, recompute)
     for tp, pp in ((1, 1), (2, 2), (4, 3)):
-        assert [formulas.model_stage_params_per_rank(m, tp, pp, k) for k in range(pp)] == \
-            [formulas.stage_params_per_rank(l, h, V, s, tp, pp, k) for k in range(pp)]
+        parts = partition.stage_partition(l, pp, "blocks")
+        assert [formulas.model_stage_params_per_rank(m, tp, pp, k, parts) for k in range(pp)] == \
+            [formulas.stage_params_per_rank(l, h, V, s, tp, pp, k, parts=parts) for k in range(pp)]
 
 
 # ------------------------------------------------------------------ activation memory

@@ -44,7 +44,8 @@ def test_128_gpu_example_json(capsys):
     assert plan["bubble_fraction_equal_stages"] == pytest.approx(3 / 7)
     # 18 blocks per stage either way; the last stage's head makes it the slowest: a larger simulated bubble.
     assert plan["blocks_per_stage"] == [18, 18, 18, 18] and plan["bubble_fraction"] > 3 / 7
-    assert plan["params_per_device"] == formulas.stage_params_per_rank(72, 10240, 51200, 2048, 4, 4, 0)
+    assert plan["params_per_device"] == formulas.stage_params_per_rank(
+        72, 10240, 51200, 2048, 4, 4, 0, parts=partition.stage_partition(72, 4, "blocks"))
     assert plan["memory_per_device_bytes"] > 80 * 2 ** 30  # no recompute: over budget, and it says so
     assert any("micro-batches per pipeline" in w for w in plan["warnings"])
     assert any("exceeds --gpu-memory 80" in w and "--recompute full" in w for w in plan["warnings"])
@@ -197,7 +198,7 @@ def _real_stage_matches_the_plan(config: GPTConfig, tp: int, pp: int) -> None:
         assert pipe.parts == parts, (rule, pipe.parts, parts)
         held = sum(p.numel() for p in pipe.parameters())  # a tied module is one module on its stage
         predicted = formulas.stage_params_per_rank(config.n_layer, config.n_embd, config.vocab_size, config.seq_len,
-                                                   tp, pp, state.pp_rank, config.vocab_pad_multiple, parts)
+                                                   tp, pp, state.pp_rank, config.vocab_pad_multiple, parts=parts)
         assert held == predicted, \
             f"{rule}, tp {tp} pp {pp}, rank {state.global_rank}: holds {held}, planned {predicted}"
 

@@ -12,7 +12,7 @@ Pure functions of the model dimensions and the layout, shared by the planner
 Symbols: l layers, h hidden, a heads, s sequence, V vocabulary, b micro-batch, B global batch,
 t tp, p pp, d dp, m micro-batches per pipeline per step. Bytes assume bf16/fp16 mixed precision.
 """
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Sequence, Tuple, Union
 
 from model.config import ModelConfig, padded_vocab_size
 
@@ -65,23 +65,15 @@ def layer_kinds(model: Union[ModelConfig, int]) -> List[str]:
     return [kind for kind, _ in pipeline_layers(model)]
 
 
-def _parts(model: Union[ModelConfig, int], pp: int, parts: Optional[Sequence[int]]) -> List[int]:
-    """The stage boundaries given, else DeepSpeed's type:Block rule (launch/analysis/partition.py,
-    which imports this module: imported late)."""
-    if parts is not None:
-        return list(parts)
-    from launch.analysis.partition import stage_partition
-    return stage_partition(model, pp, "blocks")
-
-
 def stage_params_per_rank(n_layer: int, hidden: int, vocab: int, seq_len: int, tp: int, pp: int,
-                          stage: int, pad_multiple: int = 1, parts: Optional[Sequence[int]] = None) -> int:
+                          stage: int, pad_multiple: int = 1, *, parts: Sequence[int]) -> int:
     """Parameters one rank of pipeline stage `stage` holds in a (tp, pp) layout cut at `parts`
-    (launch/analysis/partition.py; None: counting blocks, DeepSpeed's type:Block).
+    (launch/analysis/partition.py's `stage_partition`, which uses this module's FLOPs).
 
     The first stage holds wte, the last stage a tied copy of it (DeepSpeed TiedLayerSpec);
     at pp=1 both are one module. wpe and ln_f are replicated over TP."""
-    parts, names = _parts(n_layer, pp, parts), layer_kinds(n_layer)
+    assert len(parts) == pp + 1, f"{pp} stages need {pp + 1} boundaries, got {parts}"
+    names = layer_kinds(n_layer)
     held = names[parts[stage]:parts[stage + 1]]
     embed = embedding_params_per_rank(vocab, hidden, tp, pad_multiple)
     count = held.count("block") * block_params_per_rank(hidden, tp)
@@ -134,10 +126,10 @@ def model_block_params_per_rank(m: ModelConfig, tp: int) -> int:
     return (block_matmul_params(m) + column) // tp + replicated
 
 
-def model_stage_params_per_rank(m: ModelConfig, tp: int, pp: int, stage: int,
-                                parts: Optional[Sequence[int]] = None) -> int:
+def model_stage_params_per_rank(m: ModelConfig, tp: int, pp: int, stage: int, parts: Sequence[int]) -> int:
     """`stage_params_per_rank` for any architecture: the stage's layers from the model's table."""
-    parts, names = _parts(m, pp, parts), layer_kinds(m)
+    assert len(parts) == pp + 1, f"{pp} stages need {pp + 1} boundaries, got {parts}"
+    names = layer_kinds(m)
     held = names[parts[stage]:parts[stage + 1]]
     vocab = embedding_params_per_rank(m.vocab_size, m.n_embd, tp, m.vocab_pad_multiple)
     count = held.count("block") * model_block_params_per_rank(m, tp)
