@@ -50,13 +50,14 @@ def measure(tp: int, pp: int, dp: int, out_dir: Path, recipe: Path = TINY, overr
 
 def run_model(tp: int, pp: int, dp: int, recipe_path: Path = TINY, overrides: Sequence[str] = ()):
     """The GPTConfig and Layout train.py derives for the recipe at this layout."""
-    from launch.analysis.partition import with_parts
-    from launch.config.layout import derive_layout
+    from launch.analysis.partition import with_stage_boundaries
+    from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.run_inputs import load_checked_tokenizer
     recipe = load_recipe(recipe_path, OVERRIDES + list(overrides))
     _, vocab_size = load_checked_tokenizer(recipe)
-    layout = with_parts(derive_layout(recipe, tp * pp * dp, tp, pp, on_cpu=True), recipe, vocab_size)
+    layout = check_and_derive_layout(recipe, tp * pp * dp, tp, pp, on_cpu=True)
+    layout = with_stage_boundaries(layout, recipe, vocab_size)
     return recipe.gpt_config(vocab_size), layout
 
 

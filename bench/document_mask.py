@@ -28,12 +28,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def load(args, document_mask: bool):
-    from launch.config.layout import derive_layout
+    from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     recipe = load_recipe(args.recipe, [f"model.seq_len={args.seq_len}", f"train.micro_batch_size={args.batch}",
                                        f"train.global_batch_size={args.batch}", "train.eval_every=0",
                                        f"data.document_mask={str(document_mask).lower()}"] + args.overrides)
-    return recipe, derive_layout(recipe, 1, 1, 1, on_cpu=True)
+    return recipe, check_and_derive_layout(recipe, 1, 1, 1, on_cpu=True)
 
 
 def stepper(args, document_mask: bool, windows: torch.Tensor, eos: int, vocab: int):

@@ -71,7 +71,7 @@ def measure(ckpt: Path) -> dict:
     import torch
 
     from launch.checkpoints.reshard import load_resharded
-    from launch.config.layout import derive_layout
+    from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.distributed import init_distributed
     from launch.runtime.ds_config import deepspeed_config
@@ -86,7 +86,7 @@ def measure(ckpt: Path) -> dict:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     init_distributed(600, dist_backend="gloo", verbose=False)
-    layout = derive_layout(recipe, 1, 1, 1, on_cpu=True)
+    layout = check_and_derive_layout(recipe, 1, 1, 1, on_cpu=True)
     state = init_parallel_state(1, 1)
     config = recipe.gpt_config(model["vocab_size"])
     pipe = build_pipeline(config, state)

@@ -53,7 +53,7 @@ def batches(args, device: str):
 
 def our_stepper(args, precision: str, arch: str, compiled: bool = False):
     import deepspeed
-    from launch.config.layout import derive_layout
+    from launch.config.layout import check_and_derive_layout
     from launch.runtime.ds_config import deepspeed_config
     from launch.runtime.lr_schedule import warmup_cosine
     from model.compiled import compile_blocks
@@ -61,7 +61,7 @@ def our_stepper(args, precision: str, arch: str, compiled: bool = False):
     from model.pipe import build_pipeline
 
     recipe = recipe_for(args, precision, arch)
-    layout = derive_layout(recipe, 1, 1, 1, on_cpu=True)
+    layout = check_and_derive_layout(recipe, 1, 1, 1, on_cpu=True)
     pipe = build_pipeline(recipe.gpt_config(VOCAB), init_parallel_state(1, 1))
     if compiled:
         compile_blocks(pipe)

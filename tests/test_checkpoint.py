@@ -197,14 +197,14 @@ def _durable_and_safe_body(root: Path):
     from launch.checkpoints import store as checkpoint
     from launch.checkpoints.locate import CheckpointRef, find_checkpoint
     from launch.checkpoints.safe_io import UnsafeCheckpoint
-    from launch.config.layout import derive_layout
+    from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.engine import build_engine
     from launch.runtime.run_inputs import resolved_recipe_dict
     from model.parallel_state import init_parallel_state
 
     recipe = load_recipe(TINY, [])
-    layout = derive_layout(recipe, 2, 1, 2, True)
+    layout = check_and_derive_layout(recipe, 2, 1, 2, True)
     state = init_parallel_state(1, 2)
     config = recipe.gpt_config(4096)
     engine, _ = build_engine(recipe, layout, state, config, logging_rank=False)

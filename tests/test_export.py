@@ -20,7 +20,7 @@ import model.gpt
 import model.layers
 from launch import evaluate, export_hf, train
 from launch.checkpoints import hf_export
-from launch.config.layout import derive_layout
+from launch.config.layout import check_and_derive_layout
 from launch.config.recipe import load_recipe
 from launch.runtime.run_inputs import load_run_data
 from launcher import REPO, TINY, launch_forked, read_metrics
@@ -105,7 +105,7 @@ def run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def data():
     recipe = load_recipe(TINY, VOCAB[1::2])
-    run_data, vocab_size = load_run_data(recipe, derive_layout(recipe, 1, 1, 1, on_cpu=True))
+    run_data, vocab_size = load_run_data(recipe, check_and_derive_layout(recipe, 1, 1, 1, on_cpu=True))
     assert vocab_size == 4100
     return run_data
 
@@ -170,7 +170,7 @@ def test_evaluate_hf_weights_on_training_data(run, tmp_path):
     """--init-from-hf at pp=2, with no validation data configured: the first training batches."""
     no_val = ["--set", "data.val_fraction=0", "--set", "train.eval_every=0"]
     recipe = load_recipe(TINY, no_val[1::2] + VOCAB[1::2])
-    run_data, _ = load_run_data(recipe, derive_layout(recipe, 1, 1, 1, on_cpu=True))
+    run_data, _ = load_run_data(recipe, check_and_derive_layout(recipe, 1, 1, 1, on_cpu=True))
     x, y = _windows(run_data.train_batches(0, 1), 16)  # two global batches
     out = tmp_path / "eval.json"
     _evaluate(2, ["--init-from-hf", str(run / "hf"), "--recipe", str(TINY), "--pp", "2", "--batches", "2",

@@ -20,7 +20,7 @@ from data.builtin import BUILTIN_VOCAB_SIZE
 from flop_count import counted_flops
 from launch import plan
 from launch.analysis import formulas
-from launch.config.layout import derive_layout
+from launch.config.layout import check_and_derive_layout
 from launch.config.recipe import load_recipe
 from launch.runtime.run_inputs import check_vocab
 from model.config import GPTConfig, padded_vocab_size
@@ -40,11 +40,11 @@ GIB = 2 ** 30
 @pytest.mark.parametrize("name,layers,hidden,heads,published", PUBLISHED, ids=[p[0] for p in PUBLISHED])
 def test_recipe_parses_with_the_published_size(name, layers, hidden, heads, published):
     recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", [])
-    m, t = recipe.model, recipe.train
-    assert (m.n_layer, m.n_embd, m.n_head, m.seq_len) == (layers, hidden, heads, 1024)
-    assert (m.vocab_size, m.vocab_pad_multiple) == (50257, 128)
-    assert (t.precision, t.zero_stage) == ("bf16", 1)
-    params = formulas.params_exact(m.n_layer, m.n_embd, m.vocab_size, m.seq_len)
+    model_cfg, train_cfg = recipe.model, recipe.train
+    assert (model_cfg.n_layer, model_cfg.n_embd, model_cfg.n_head, model_cfg.seq_len) == (layers, hidden, heads, 1024)
+    assert (model_cfg.vocab_size, model_cfg.vocab_pad_multiple) == (50257, 128)
+    assert (train_cfg.precision, train_cfg.zero_stage) == ("bf16", 1)
+    params = formulas.params_exact(model_cfg.n_layer, model_cfg.n_embd, model_cfg.vocab_size, model_cfg.seq_len)
     if isinstance(published, int):
         assert params == published
     else:  # published rounded to two digits
@@ -56,13 +56,13 @@ def test_recipe_is_valid_on_a_cluster_and_offline(name):
     path = REPO / "recipes" / f"{name}.yaml"
     recipe = load_recipe(path, [])
     # 64 GPUs as tp 2 x pp 2 x dp 16: the batch divides, the heads divide.
-    layout = derive_layout(recipe, 64, 2, 2, on_cpu=False)
+    layout = check_and_derive_layout(recipe, 64, 2, 2, on_cpu=False)
     assert layout.dp == 16 and layout.grad_accum_steps * 16 * recipe.train.micro_batch_size == recipe.train.global_batch_size
     # The benchmark's offline run: the embedded tokenizer fits the GPT-2 vocabulary.
     bench = load_recipe(path, gpu_mfu.recipe_overrides(name, gpu_mfu.parse_args([]), recipe.train.micro_batch_size))
     assert bench.data.name == "builtin" and bench.data.tokenizer == "builtin" and not bench.data.streaming
     assert check_vocab(bench, BUILTIN_VOCAB_SIZE) == 50257
-    assert derive_layout(bench, 1, 1, 1, on_cpu=False).grad_accum_steps == gpu_mfu.ACCUM[name]
+    assert check_and_derive_layout(bench, 1, 1, 1, on_cpu=False).grad_accum_steps == gpu_mfu.ACCUM[name]
 
 
 @pytest.mark.parametrize("name", gpu_mfu.RECIPES)

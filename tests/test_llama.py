@@ -203,9 +203,9 @@ def test_presets_fill_only_unset_switches():
 
 
 def _derive(overrides, tp=1):
-    from launch.config.layout import derive_layout
+    from launch.config.layout import check_and_derive_layout
     recipe = load_recipe(REPO_RECIPE, overrides)
-    return derive_layout(recipe, tp, tp, 1, on_cpu=True)
+    return check_and_derive_layout(recipe, tp, tp, 1, on_cpu=True)
 
 
 REPO_RECIPE = __import__("pathlib").Path(__file__).resolve().parent.parent / "recipes" / "llama-tiny.yaml"

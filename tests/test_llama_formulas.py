@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from launch.analysis import formulas, memory_formulas, partition
 from launch.analysis.planner import GPUS, Hardware, Setup, estimate_plan
-from launch.config.layout import derive_layout
+from launch.config.layout import check_and_derive_layout
 from launch.config.recipe import load_recipe
 from model.config import GPTConfig, ModelConfig
 from model.gpt import GPT
@@ -38,7 +38,7 @@ def test_planner_parameters_equal_transformers_on_meta(name, published):
     # Valid at a cluster layout, and the per-rank counts at tp=2, pp=2 add up to the whole plus what
     # the layout adds: padded vocabulary rows, the last stage's copy of a tied head, a second copy
     # of the replicated RMSNorm weights (2 per block and the final one; no biases).
-    derive_layout(recipe, 64, 2, 2, on_cpu=False)
+    check_and_derive_layout(recipe, 64, 2, 2, on_cpu=False)
     h, padded_vocab = config.n_embd, config.padded_vocab_size(2)
     vocab_matrices = 1 if config.tie_embeddings else 2
     added = ((padded_vocab - config.vocab_size) * h * vocab_matrices + (padded_vocab * h if config.tie_embeddings else 0)
@@ -132,9 +132,9 @@ def test_gpu_recipes_name_their_tokenizer_and_run_offline(name, tp):
     path = REPO / "recipes" / f"{name}.yaml"
     recipe = load_recipe(path, [])
     assert recipe.data.tokenizer != "builtin" and recipe.model.arch == "llama"
-    derive_layout(recipe, 8 * tp, tp, 1, on_cpu=False)  # the largest tp the header names
+    check_and_derive_layout(recipe, 8 * tp, tp, 1, on_cpu=False)  # the largest tp the header names
     offline = load_recipe(path, OFFLINE)
-    derive_layout(offline, 1, 1, 1, on_cpu=True)
+    check_and_derive_layout(offline, 1, 1, 1, on_cpu=True)
     assert check_vocab(offline, BUILTIN_VOCAB_SIZE) == recipe.model.vocab_size  # the published vocabulary kept
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn import functional
 
-from launch.config.layout import derive_layout
+from launch.config.layout import check_and_derive_layout
 from launch.config.recipe import Recipe
 from launch.runtime.ds_config import deepspeed_config
 from model.gpt import GPT, GPTConfig
@@ -25,7 +25,7 @@ def test_defaults_are_zero1_and_bf16_accumulates_in_fp32():
     recipe = Recipe()
     assert recipe.train.zero_stage == 1
     recipe.train.precision = "bf16"
-    config = deepspeed_config(recipe, derive_layout(recipe, 1, 1, 1, on_cpu=True))
+    config = deepspeed_config(recipe, check_and_derive_layout(recipe, 1, 1, 1, on_cpu=True))
     assert config["bf16"] == {"enabled": True}
     assert config["data_types"] == {"grad_accum_dtype": "fp32"}
     assert config["zero_optimization"]["stage"] == 1

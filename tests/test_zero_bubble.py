@@ -154,13 +154,13 @@ def _train(schedule_name: str, tp: int, pp: int, overrides: list, steps: int):
     on this rank's engine."""
     import torch.distributed as dist
 
-    from launch.config.layout import derive_layout
+    from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.engine import build_engine
     from model.parallel_state import init_parallel_state
 
     recipe = load_recipe(TINY, [f"train.schedule={schedule_name}"] + overrides)
-    layout = derive_layout(recipe, dist.get_world_size(), tp, pp, True)
+    layout = check_and_derive_layout(recipe, dist.get_world_size(), tp, pp, True)
     state = init_parallel_state(tp, pp)
     config = recipe.gpt_config(4096)
     engine, _ = build_engine(recipe, layout, state, config, logging_rank=False)

@@ -118,7 +118,7 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
     t, p, d, m = layout.tp, layout.pp, layout.dp, layout.grad_accum_steps
     b, s, h = layout.micro_batch_size, config.seq_len, config.n_embd
     first, last = stage == 0, stage == p - 1
-    # The run's stage boundaries (launch/analysis/partition.py: with_parts), else DeepSpeed's type:Block.
+    # The run's stage boundaries (launch/analysis/partition.py: with_stage_boundaries), else DeepSpeed's type:Block.
     cut = list(layout.parts) or stage_partition(config, p, "blocks")
     blocks = _blocks(config, p, cut)[stage]
     activation = b * s * h  # one (b, s, h) stage tensor

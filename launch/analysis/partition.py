@@ -107,7 +107,7 @@ def stage_flops(model: ModelConfig, parts: Sequence[int], micro_batch: int, seq_
             for k in range(len(parts) - 1)]
 
 
-def with_parts(layout: Layout, recipe: Recipe, vocab_size: int) -> Layout:
+def with_stage_boundaries(layout: Layout, recipe: Recipe, vocab_size: int) -> Layout:
     """The layout with the training run's stage boundaries: the recipe's train.partition on its model
     with the vocabulary resolved."""
     model = dataclasses.replace(recipe.model, vocab_size=vocab_size).resolved()

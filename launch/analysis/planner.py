@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from launch.analysis import formulas, memory_formulas
 from launch.analysis import partition as partition_rules
-from launch.config.layout import Layout, derive_layout
+from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe, TrainSection
 from launch.errors import ConfigError
 from model.config import ModelConfig
@@ -75,7 +75,7 @@ class Hardware:
 
 
 def check_setup(model: ModelConfig, setup: Setup) -> Layout:
-    """The training script's own layout rules (derive_layout), on a bf16 recipe of these dims."""
+    """The training script's own layout rules (check_and_derive_layout), on a bf16 recipe of these dims."""
     # Checked first, so that the message names the planner's flag rather than the recipe key.
     for flag, value in [("--gpus", setup.gpus), ("--layers", model.n_layer), ("--hidden", model.n_embd),
                         ("--heads", model.n_head), ("--seq-len", model.seq_len), ("--vocab", model.vocab_size),
@@ -92,7 +92,7 @@ def check_setup(model: ModelConfig, setup: Setup) -> Layout:
                                        precision="bf16", zero_stage=setup.zero,
                                        partition=setup.partition if isinstance(setup.partition, str)
                                        else list(setup.partition)))
-    return derive_layout(recipe, setup.gpus, setup.tp, setup.pp, on_cpu=False)
+    return check_and_derive_layout(recipe, setup.gpus, setup.tp, setup.pp, on_cpu=False)
 
 
 def rank_groups(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:

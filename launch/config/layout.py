@@ -25,11 +25,11 @@ class Layout:
     """Micro-batches per pipeline per optimizer step (m = B / (b * dp))."""
     parts: Tuple[int, ...] = ()
     """Stage boundaries over the pipeline layers (stage k holds parts[k]:parts[k+1]) from
-    train.partition; they need the vocabulary, so launch/analysis/partition.py's `with_parts`
+    train.partition; they need the vocabulary, so launch/analysis/partition.py's `with_stage_boundaries`
     sets them once it is known."""
 
 
-def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: bool) -> Layout:
+def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: bool) -> Layout:
     """Check the recipe and every rule that depends on the layout; raise ConfigError naming the values."""
     if tp < 1 or pp < 1:
         raise ConfigError(f"--tp {tp} --pp {pp}: both must be >= 1")
@@ -43,24 +43,24 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
     dp = world_size // (tp * pp)
     recipe.validate()
 
-    m, t = recipe.model, recipe.train
-    if m.n_head % tp != 0:
-        raise ConfigError(f"model.n_head={m.n_head} is not divisible by --tp {tp}; "
+    model_cfg, train_cfg = recipe.model, recipe.train
+    if model_cfg.n_head % tp != 0:
+        raise ConfigError(f"model.n_head={model_cfg.n_head} is not divisible by --tp {tp}; "
                           f"choose tp among the divisors of n_head")
-    check_tensor_split(m, tp)
-    if m.n_layer < pp:
-        raise ConfigError(f"model.n_layer={m.n_layer} is fewer than the {pp} pipeline stages of --pp {pp}; "
-                          f"use --pp <= {m.n_layer}")
-    b, B = t.micro_batch_size, t.global_batch_size
+    check_tensor_split(model_cfg, tp)
+    if model_cfg.n_layer < pp:
+        raise ConfigError(f"model.n_layer={model_cfg.n_layer} is fewer than the {pp} pipeline stages of --pp {pp}; "
+                          f"use --pp <= {model_cfg.n_layer}")
+    b, B = train_cfg.micro_batch_size, train_cfg.global_batch_size
     if B % (b * dp) != 0:
         raise ConfigError(f"train.global_batch_size={B} is not divisible by micro_batch_size*dp = "
                           f"{b}*{dp} = {b * dp}; pick a global batch that is a multiple of {b * dp}")
-    if t.zero_stage not in (0, 1):
+    if train_cfg.zero_stage not in (0, 1):
         # Every run, pp=1 included, trains through DeepSpeed's pipeline engine, which refuses 2 and 3.
-        raise ConfigError(f"train.zero_stage={t.zero_stage} with --pp {pp}: DeepSpeed's pipeline engine "
+        raise ConfigError(f"train.zero_stage={train_cfg.zero_stage} with --pp {pp}: DeepSpeed's pipeline engine "
                           f"supports ZeRO stage 0 or 1 only; set train.zero_stage=1")
-    check_partition(t.partition, m.n_layer, pp)
-    if m.sequence_parallel and recipe.seq_len % tp != 0:
+    check_partition(train_cfg.partition, model_cfg.n_layer, pp)
+    if model_cfg.sequence_parallel and recipe.seq_len % tp != 0:
         # Each TP rank holds T/t positions of every sequence-parallel activation.
         raise ConfigError(f"model.sequence_parallel with --tp {tp} needs the sequence length {recipe.seq_len} "
                           f"(data.seq_len, else model.seq_len) divisible by {tp}; choose a multiple of {tp} "
@@ -68,7 +68,7 @@ def derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: boo
     pipeline = recipe.deepspeed.get("pipeline")
     partitioned = [k for k in ("pipe_partitioned", "grad_partitioned")
                    if isinstance(pipeline, dict) and pipeline.get(k)]
-    if m.sequence_parallel and tp > 1 and pp > 1 and partitioned:
+    if model_cfg.sequence_parallel and tp > 1 and pp > 1 and partitioned:
         # DeepSpeed would send 1/tp of each stage output and all-gather it, assuming the TP ranks
         # hold the same tensor; under SP they hold different chunks: silently wrong losses.
         raise ConfigError(f"deepspeed.pipeline.{partitioned[0]}=true with model.sequence_parallel, --tp {tp} "

@@ -17,25 +17,25 @@ def batch_config(layout: Layout) -> Dict[str, int]:
 
 
 def deepspeed_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
-    t = recipe.train
+    train_cfg = recipe.train
     config: Dict[str, Any] = {
         **batch_config(layout),
         "optimizer": {
             "type": "AdamW",
             # torch's AdamW: same maths on CPU and GPU, and no CUDA extension to JIT-build.
-            "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps,
-                       "weight_decay": t.weight_decay, "torch_adam": True},
+            "params": {"lr": train_cfg.lr, "betas": [train_cfg.beta1, train_cfg.beta2], "eps": train_cfg.eps,
+                       "weight_decay": train_cfg.weight_decay, "torch_adam": True},
         },
-        "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": t.zero_stage},
+        "gradient_clipping": train_cfg.grad_clip,
+        "zero_optimization": {"stage": train_cfg.zero_stage},
         "steps_per_print": 10 ** 9,  # we print our own metrics line
         "wall_clock_breakdown": False,
     }
-    if t.precision == "bf16":
+    if train_cfg.precision == "bf16":
         config["bf16"] = {"enabled": True}
         # Accumulating micro-batch gradients in bf16 loses bits; fp32 is docs/design.md contract 8.
         config["data_types"] = {"grad_accum_dtype": "fp32"}
-    elif t.precision == "fp16":
+    elif train_cfg.precision == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 1000}
     deep_merge(config, pipeline_config(recipe.model.sequence_parallel))
     deep_merge(config, recipe.deepspeed)

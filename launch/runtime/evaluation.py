@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List
 
-from launch.analysis.partition import with_parts
-from launch.config.layout import Layout, derive_layout
+from launch.analysis.partition import with_stage_boundaries
+from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe, load_recipe
 from launch.errors import ConfigError
 from launch.runtime.cli import DEFAULT_RECIPE
@@ -141,9 +141,9 @@ def prepare_evaluation(args: argparse.Namespace) -> EvaluationJob:
     """Raise ConfigError or DataError (one line) on the first bad input, before any process group."""
     recipe = evaluation_recipe(args)
     ensure_single_process_env()
-    layout = derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
+    layout = check_and_derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
     data, vocab_size = load_run_data(recipe, layout)
-    layout = with_parts(layout, recipe, vocab_size)  # the training run's cut of the pipeline
+    layout = with_stage_boundaries(layout, recipe, vocab_size)  # the training run's cut of the pipeline
     if args.init_from_hf is not None:  # the parts of its config the shape check above does not see
         from launch.checkpoints.hf_weights import check_hf_source
         check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size, data.tokenizer.eos_token_id),

@@ -1,17 +1,24 @@
 """Everything a training job checks before its first collective (exit 2 on bad input, nothing
 written yet): recipe, layout, precision, paths, checkpoint to resume, tokenizer and data."""
+from __future__ import annotations
+
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
-from launch.analysis.partition import with_parts
-from launch.config.layout import Layout, derive_layout
+from launch.analysis.partition import with_stage_boundaries
+from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe
 from launch.errors import ConfigError
 from launch.runtime.cli import training_recipe
 from launch.runtime.distributed import check_precision_supported, ensure_single_process_env, on_cpu
 from launch.runtime.run_inputs import load_run_data, resolved_recipe_dict
+
+if TYPE_CHECKING:  # annotations only: data/pipeline.py imports torch
+    from data.mixture_run import MixtureData
+    from data.pipeline import RunData
+    from launch.checkpoints.locate import CheckpointRef
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,18 +27,18 @@ class TrainingJob:
     args: argparse.Namespace
     recipe: Recipe
     layout: Layout
-    data: Any
-    """data/pipeline.py's RunData."""
+    data: Union[RunData, MixtureData]
+    """What data/pipeline.py's prepare_run_data returns: one source, or a mixture (data.mix)."""
     vocab_size: int
-    resume_from: Optional[Any] = None
-    """launch/checkpoints/locate.py's CheckpointRef to resume from, or None."""
+    resume_from: Optional[CheckpointRef] = None
+    """The checkpoint to resume from, or None."""
 
 
 def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     """Raise ConfigError or DataError (one line) on the first bad input; move files only last."""
     recipe = training_recipe(args)
     ensure_single_process_env()
-    layout = derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
+    layout = check_and_derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
     check_precision_supported(recipe.train.precision)
     from launch.runtime.preflight import check_before_start
     check_before_start(recipe, args.metrics_out, args.save, args.timeline, args.comm_counts)
@@ -40,7 +47,7 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
         from launch.checkpoints.locate import find_checkpoint
         resume_from = find_checkpoint(args.load)
     data, vocab_size = load_run_data(recipe, layout)
-    layout = with_parts(layout, recipe, vocab_size)  # the stage boundaries need the vocabulary
+    layout = with_stage_boundaries(layout, recipe, vocab_size)  # the stage boundaries need the vocabulary
     if args.init_from_hf is not None:
         from launch.checkpoints.hf_weights import check_hf_source
         check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size, data.tokenizer.eos_token_id),
