@@ -5,17 +5,11 @@ already (tests/forked.py); fn must be a module-level function (it travels pickle
 import base64
 import os
 import pickle
-import socket
 import sys
 import traceback
 
 from forked import run_forked
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launch.runtime.distributed import free_port
 
 
 def run_body(rank: int, world_size: int, port: int, fn, args) -> None:
