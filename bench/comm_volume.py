@@ -39,7 +39,8 @@ def measure(tp: int, pp: int, dp: int, out_dir: Path, recipe: Path = TINY, overr
     """Train STEPS steps of `recipe` (with --set `overrides`) at (tp, pp, dp) with the counter on;
     every rank's counts, rank order."""
     cmd = launcher_command(tp * pp * dp, REPO / "launch" / "train.py") + [
-        "--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp), "--comm-counts", str(out_dir)] + [a for o in OVERRIDES + list(overrides) for a in ("--set", o)]
+        "--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp), "--comm-counts", str(out_dir)]
+    cmd += [a for o in OVERRIDES + list(overrides) for a in ("--set", o)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     if proc.returncode != 0:
         raise RuntimeError(f"layout {(tp, pp, dp)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -66,32 +66,26 @@ def save_checkpoint(args, root: Path) -> Path:
 def measure(ckpt: Path) -> dict:
     import json
 
-    import deepspeed
     import torch
 
     from launch.runtime.recipe import load_recipe
     from launch.runtime.distributed import init_distributed
-    from launch.runtime.ds_config import deepspeed_config
+    from launch.runtime.engine import build_engine
     from launch.runtime.layout import derive_layout
     from launch.checkpoints.reshard import load_resharded
-    from launch.runtime.lr_schedule import warmup_cosine
     from model.parallel_state import init_parallel_state
-    from model.pipe import build_pipeline
 
     meta = json.loads((ckpt / "complete.json").read_text())
-    model, train = meta["recipe"]["model"], meta["recipe"]["train"]
+    model = meta["recipe"]["model"]
     overrides = [f"model.{k}={v}" for k, v in model.items() if k in ("n_layer", "n_embd", "n_head")]
-    recipe = load_recipe(TINY, overrides + ["train.eval_every=0"])
+    recipe = load_recipe(TINY, overrides + [f"train.steps={meta['recipe']['train']['steps']}", "train.eval_every=0"])
     ensure_single_process_env()
     init_distributed(600, dist_backend="gloo", verbose=False)
     layout = derive_layout(recipe, 1, 1, 1, on_cpu=True)
     state = init_parallel_state(1, 1)
     config = recipe.gpt_config(model["vocab_size"])
-    pipe = build_pipeline(config, state)
-    engine, _, _, _ = deepspeed.initialize(
-        model=pipe, model_parameters=[p for p in pipe.parameters()], config=deepspeed_config(recipe, layout),
-        lr_scheduler=warmup_cosine(train["warmup_steps"], train["steps"], train["min_lr_ratio"]))
-    params = {n: p.numel() for n, p in pipe.named_parameters()}
+    engine, _ = build_engine(recipe, layout, state, config)
+    params = {n: p.numel() for n, p in engine.module.named_parameters()}
     before = rss_kib()
     sampler = PeakSampler()
     sampler.start()

@@ -12,13 +12,12 @@ independent references:
 """
 import dataclasses
 
-import deepspeed
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn import functional
 
-from distributed import run_distributed, uses_deepspeed
+from distributed import run_distributed, sgd_engine, uses_deepspeed
 from launch.runtime.recipe import ConfigError, load_recipe
 from launch.runtime.run_inputs import resolved_recipe_dict
 from model.config import GPTConfig, ModelConfig, llama_ffn_hidden_size
@@ -28,7 +27,7 @@ from model.hf_llama import llama_config_kwargs, to_llama_state_dict
 from model.layers import allreduce_sequence_parallel_grads, shard_rows
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import init_parallel_state
-from model.pipe import build_pipeline, pipeline_config, pipeline_layers
+from model.pipe import pipeline_layers
 
 LLAMA = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=16,
                   vocab_size=97, vocab_pad_multiple=8, seed=3)
@@ -153,13 +152,9 @@ MICRO, N_MICRO = 2, 3
 @uses_deepspeed
 def _pipeline_body(tp, pp):
     state = init_parallel_state(tp, pp)
-    pipe = build_pipeline(PIPE_CONFIG, state)
+    engine = sgd_engine(PIPE_CONFIG, state, MICRO, N_MICRO)
+    pipe = engine.module
     before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
-    engine, _, _, _ = deepspeed.initialize(
-        model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1.0),
-        config={"train_batch_size": MICRO * N_MICRO, "train_micro_batch_size_per_gpu": MICRO,
-                "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
-                "steps_per_print": 10 ** 9, **pipeline_config(True)})
     dense = GPT(dataclasses.replace(PIPE_CONFIG, sequence_parallel=False))
     dense_params = dict(dense.named_parameters())
     batches = [(t[:, :-1], t[:, 1:]) for t in _ids(PIPE_CONFIG, MICRO * N_MICRO).chunk(N_MICRO)]
