@@ -90,7 +90,7 @@ def measure(ckpt: Path) -> dict:
     sampler = PeakSampler()
     sampler.start()
     start = time.perf_counter()
-    load_resharded(engine, ckpt, meta["layout"], state, config.n_layer, config.vocab_size,
+    load_resharded(engine, ckpt, meta["layout"], state, config, config.vocab_size,
                    config.padded_vocab_size(1))
     seconds = time.perf_counter() - start
     sampler.stop.set()

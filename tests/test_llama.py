@@ -24,10 +24,10 @@ from model.config import GPTConfig, ModelConfig, llama_ffn_hidden_size
 from model.convert import dense_name, rule_for
 from model.gpt import GPT
 from model.hf_llama import llama_config_kwargs, to_llama_state_dict
+from model.layer_table import pipeline_layers
 from model.layers import allreduce_sequence_parallel_grads, shard_rows
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import init_parallel_state
-from model.pipe import pipeline_layers
 
 LLAMA = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=16,
                   vocab_size=97, vocab_pad_multiple=8, seed=3)
@@ -180,7 +180,8 @@ def test_llama_pipeline_table():
     assert pipeline_layers(config) == [("embed", None), ("block", 0), ("block", 1), ("block", 2), ("ln_f", None),
                                        ("lm_head", None)]
     tied_learned = dataclasses.replace(config, position="learned", tie_embeddings=True)
-    assert pipeline_layers(tied_learned) == pipeline_layers(3)  # GPT-2's table
+    assert pipeline_layers(tied_learned) == [("embed", None), ("wpe", None), ("block", 0), ("block", 1), ("block", 2),
+                                             ("ln_f", None), ("head", None)]  # GPT-2's table
     assert dense_name("5.weight", config) == "lm_head.weight" and rule_for("lm_head.weight").vocab
 
 

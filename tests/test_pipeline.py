@@ -48,7 +48,7 @@ def _pipeline_body(tp, pp, sequence_parallel):
     dense_params = dict(dense.named_parameters())
     for name, value in before.items():  # step-0 weights are the dense model's, shard by shard
         local = dict(pipe.named_parameters())[name]
-        full = dense_params[dense_name(name, CONFIG.n_layer)].detach()
+        full = dense_params[dense_name(name, CONFIG)].detach()
         torch.testing.assert_close(value, _local_shard(full, local, state.tp_group))
 
     eval_loss = engine.eval_batch(iter(_batches())).item()
@@ -63,7 +63,7 @@ def _pipeline_body(tp, pp, sequence_parallel):
     dense_loss.backward()
     for name, param in pipe.named_parameters():  # SGD lr 1: the engine's gradient = before - after
         pipe_grad = before[name] - param.detach()
-        dense_grad = _local_shard(dense_params[dense_name(name, CONFIG.n_layer)].grad, param, state.tp_group)
+        dense_grad = _local_shard(dense_params[dense_name(name, CONFIG)].grad, param, state.tp_group)
         torch.testing.assert_close(pipe_grad, dense_grad, atol=2e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
