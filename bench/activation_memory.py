@@ -26,7 +26,6 @@ dropout masks are kept, so the K22 core term over-counts there: the bench says s
 """
 import argparse
 import os
-import socket
 import sys
 from typing import Callable, Dict, Iterable, Tuple
 
@@ -76,12 +75,6 @@ def block_saved_bytes(seq_len: int, batch: int, hidden: int, heads: int, dropout
     return saved_activation_bytes(forward, block.parameters())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, args, results) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -100,9 +93,11 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
 
 def measure(args, tp: int) -> Dict[Tuple[int, bool, str], int]:
     import torch.multiprocessing as mp
+
+    from launch.runtime.distributed import free_port
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(tp, _free_port(), args, results), nprocs=tp, start_method="spawn")
+    mp.start_processes(_rank_main, args=(tp, free_port(), args, results), nprocs=tp, start_method="spawn")
     out = {}
     while not results.empty():
         world, sp, mode, n = results.get()

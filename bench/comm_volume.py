@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 from launch.analysis.comm_formulas import comm_per_rank_per_step
 from launch.instruments.comm_counter import BOOKKEEPING
-from bench.ports import free_port
+from launch.runtime.distributed import launcher_command
 
 TINY = REPO / "recipes" / "tiny.yaml"
 STEPS = 2
@@ -38,10 +38,9 @@ def measure(tp: int, pp: int, dp: int, out_dir: Path, recipe: Path = TINY, overr
             timeout: int = 600) -> List[dict]:
     """Train STEPS steps of `recipe` (with --set `overrides`) at (tp, pp, dp) with the counter on;
     every rank's counts, rank order."""
-    deepspeed = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [deepspeed, "--num_gpus", str(tp * pp * dp), "--master_port", str(free_port()),
-           str(REPO / "launch" / "train.py"), "--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
-           "--comm-counts", str(out_dir)] + [a for o in OVERRIDES + list(overrides) for a in ("--set", o)]
+    cmd = launcher_command(tp * pp * dp, REPO / "launch" / "train.py") + [
+        "--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp), "--comm-counts", str(out_dir)]
+    cmd += [a for o in OVERRIDES + list(overrides) for a in ("--set", o)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     if proc.returncode != 0:
         raise RuntimeError(f"layout {(tp, pp, dp)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from launch.runtime.distributed import ensure_single_process_env
-from launch.runtime.engine import param_groups
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,20 +36,11 @@ def load(args, document_mask: bool):
 
 
 def stepper(args, document_mask: bool, windows: torch.Tensor, eos: int, vocab: int):
-    import deepspeed
-    from launch.runtime.console import quiet_stdout
-    from launch.runtime.ds_config import deepspeed_config
-    from launch.runtime.lr_schedule import warmup_cosine
+    from launch.runtime.engine import build_engine
     from model.parallel_state import init_parallel_state
-    from model.pipe import build_pipeline
 
     recipe, layout = load(args, document_mask)
-    t = recipe.train
-    with quiet_stdout(True):  # DeepSpeed's layer listing
-        pipe = build_pipeline(recipe.gpt_config(vocab, eos), init_parallel_state(1, 1))
-    engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=param_groups(pipe),
-                                           config=deepspeed_config(recipe, layout),
-                                           lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
+    engine, _ = build_engine(recipe, layout, init_parallel_state(1, 1), recipe.gpt_config(vocab, eos))
 
     def data():
         while True:

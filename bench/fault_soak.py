@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 from launch.checkpoints.safe_io import load_safely
-from bench.ports import free_port
+from launch.runtime.distributed import launcher_command
 
 TINY = REPO / "recipes" / "tiny.yaml"
 WORLD = 2  # tp=1 pp=2
@@ -42,9 +42,9 @@ WORLD = 2  # tp=1 pp=2
 def start(run_dir: Path, steps: int, resume: bool) -> subprocess.Popen:
     """`deepspeed --num_gpus 2 launch/train.py --pp 2 ...` saving every step into run_dir/ck."""
     ck = run_dir / "ck"
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(WORLD), "--master_port", str(free_port()),
-           str(REPO / "launch" / "train.py"), "--recipe", str(TINY), "--pp", "2", "--steps", str(steps),
-           "--save", str(ck), "--save-every", "1", "--metrics-out", str(run_dir / "metrics.jsonl")]
+    cmd = launcher_command(WORLD, REPO / "launch" / "train.py") + [
+        "--recipe", str(TINY), "--pp", "2", "--steps", str(steps),
+        "--save", str(ck), "--save-every", "1", "--metrics-out", str(run_dir / "metrics.jsonl")]
     if resume and (ck / "latest").exists():  # after a kill before the first save: start again
         cmd += ["--load", str(ck)]
     log = open(run_dir / "log.txt", "a")

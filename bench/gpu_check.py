@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.ports import free_port
+from launch.runtime.distributed import launcher_command
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -36,9 +36,8 @@ def train_tiny(tp: int, pp: int, workdir: Path, on_cpu: bool) -> list:
     env = dict(os.environ)
     if on_cpu:
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(tp * pp), "--master_port",
-           str(free_port()), str(REPO / "launch" / "train.py"), "--recipe", str(TINY), "--tp", str(tp),
-           "--pp", str(pp), "--steps", str(STEPS), "--metrics-out", str(out)]
+    cmd = launcher_command(tp * pp, REPO / "launch" / "train.py") + [
+        "--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp), "--steps", str(STEPS), "--metrics-out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"tiny at tp={tp} pp={pp} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")

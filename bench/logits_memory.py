@@ -18,8 +18,6 @@ step leaves allocated.
     python bench/logits_memory.py [--hidden 256 --seq-len 256 --micro 2 --micro-batches 4 --vocab 50257]
 """
 import argparse
-import os
-import socket
 import sys
 
 import torch
@@ -85,12 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--vocab", type=int, default=50257, help="GPT-2's, padded to a multiple of 128")
     args = p.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from launch.runtime.distributed import init_distributed
+    from launch.runtime.distributed import ensure_single_process_env, init_distributed
+    ensure_single_process_env()
     init_distributed(600, dist_backend="gloo", verbose=False)
     torch.set_num_threads(1)
     results = {name: step_memory(args, before=name == "before") for name in ("before", "after")}

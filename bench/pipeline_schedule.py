@@ -26,7 +26,7 @@ from pathlib import Path
 from statistics import median
 from typing import Dict, List
 
-from bench.ports import free_port
+from launch.runtime.distributed import launcher_command
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "recipes" / "demo.yaml"
@@ -39,13 +39,12 @@ LINE = re.compile(r"^timeline: (\S+) bubble measured ([\d.]+)% \(mean of steps \
 def measure(recipe: Path, overrides: List[str], pp: int, microbatches: int, schedule: str, steps: int,
             micro_batch: int) -> Dict[str, float]:
     """One run: {measured, predicted, formula} bubble fractions, from the timeline line it prints."""
-    deepspeed = str(Path(sys.executable).parent / "deepspeed")
     with tempfile.TemporaryDirectory() as tmp:
         sets = overrides + [f"train.schedule={schedule}", f"train.global_batch_size={microbatches * micro_batch}",
                             f"train.micro_batch_size={micro_batch}", "train.eval_every=0"]
-        cmd = [deepspeed, "--num_gpus", str(pp), "--master_port", str(free_port()), str(REPO / "launch" / "train.py"),
-               "--recipe", str(recipe), "--pp", str(pp), "--steps", str(steps), "--timeline",
-               str(Path(tmp) / "timeline.png"), "--timeline-steps", str(steps - 1)]
+        cmd = launcher_command(pp, REPO / "launch" / "train.py") + [
+            "--recipe", str(recipe), "--pp", str(pp), "--steps", str(steps), "--timeline",
+            str(Path(tmp) / "timeline.png"), "--timeline-steps", str(steps - 1)]
         cmd += [arg for override in sets for arg in ("--set", override)]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ), timeout=1800)
     found = LINE.search(proc.stdout)

@@ -287,12 +287,8 @@ def run_rank(args) -> int:
 
 def launch_all(args, argv) -> int:
     """Outside a launcher: start tp*pp*dp processes of this script through DeepSpeed's launcher."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.tp * args.pp * args.dp),
-           "--master_port", str(port), str(Path(__file__).resolve())] + argv
+    from launch.runtime.distributed import launcher_command
+    cmd = launcher_command(args.tp * args.pp * args.dp, Path(__file__).resolve()) + argv
     return subprocess.run(cmd, cwd=REPO).returncode
 
 

@@ -13,7 +13,6 @@ weight and two Adam moments, and the whole model's.
     python bench/reshard_memory.py [--layers 8 --hidden 768]
 """
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.ports import free_port
+from launch.runtime.distributed import ensure_single_process_env, launcher_command
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,10 +53,10 @@ class PeakSampler(threading.Thread):
 
 
 def save_checkpoint(args, root: Path) -> Path:
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "launch" / "train.py"), "--recipe", str(TINY), "--pp", "2", "--steps", "1",
-           "--set", f"model.n_layer={args.layers}", "--set", f"model.n_embd={args.hidden}",
-           "--set", "model.n_head=8", "--set", "train.eval_every=0", "--save", str(root)]
+    cmd = launcher_command(2, REPO / "launch" / "train.py") + [
+        "--recipe", str(TINY), "--pp", "2", "--steps", "1",
+        "--set", f"model.n_layer={args.layers}", "--set", f"model.n_embd={args.hidden}",
+        "--set", "model.n_head=8", "--set", "train.eval_every=0", "--save", str(root)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"saving failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -67,38 +66,31 @@ def save_checkpoint(args, root: Path) -> Path:
 def measure(ckpt: Path) -> dict:
     import json
 
-    import deepspeed
     import torch
 
     from launch.checkpoints.reshard import load_resharded
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.distributed import init_distributed
-    from launch.runtime.ds_config import deepspeed_config
-    from launch.runtime.lr_schedule import warmup_cosine
+    from launch.runtime.engine import build_engine
     from model.parallel_state import init_parallel_state
-    from model.pipe import build_pipeline
 
     meta = json.loads((ckpt / "complete.json").read_text())
-    model, train = meta["recipe"]["model"], meta["recipe"]["train"]
+    model = meta["recipe"]["model"]
     overrides = [f"model.{k}={v}" for k, v in model.items() if k in ("n_layer", "n_embd", "n_head")]
-    recipe = load_recipe(TINY, overrides + ["train.eval_every=0"])
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    recipe = load_recipe(TINY, overrides + [f"train.steps={meta['recipe']['train']['steps']}", "train.eval_every=0"])
+    ensure_single_process_env()
     init_distributed(600, dist_backend="gloo", verbose=False)
     layout = check_and_derive_layout(recipe, 1, 1, 1, on_cpu=True)
     state = init_parallel_state(1, 1)
     config = recipe.gpt_config(model["vocab_size"])
-    pipe = build_pipeline(config, state)
-    engine, _, _, _ = deepspeed.initialize(
-        model=pipe, model_parameters=[p for p in pipe.parameters()], config=deepspeed_config(recipe, layout),
-        lr_scheduler=warmup_cosine(train["warmup_steps"], train["steps"], train["min_lr_ratio"]))
-    params = {n: p.numel() for n, p in pipe.named_parameters()}
+    engine, _ = build_engine(recipe, layout, state, config)
+    params = {n: p.numel() for n, p in engine.module.named_parameters()}
     before = rss_kib()
     sampler = PeakSampler()
     sampler.start()
     start = time.perf_counter()
-    load_resharded(engine, ckpt, meta["layout"], state, config.n_layer, config.vocab_size,
+    load_resharded(engine, ckpt, meta["layout"], state, config, config.vocab_size,
                    config.padded_vocab_size(1))
     seconds = time.perf_counter() - start
     sampler.stop.set()

@@ -52,23 +52,13 @@ def batches(args, device: str):
 
 
 def our_stepper(args, precision: str, arch: str, compiled: bool = False):
-    import deepspeed
     from launch.config.layout import check_and_derive_layout
-    from launch.runtime.ds_config import deepspeed_config
-    from launch.runtime.lr_schedule import warmup_cosine
-    from model.compiled import compile_blocks
+    from launch.runtime.engine import build_engine
     from model.parallel_state import init_parallel_state
-    from model.pipe import build_pipeline
 
     recipe = recipe_for(args, precision, arch)
     layout = check_and_derive_layout(recipe, 1, 1, 1, on_cpu=True)
-    pipe = build_pipeline(recipe.gpt_config(VOCAB), init_parallel_state(1, 1))
-    if compiled:
-        compile_blocks(pipe)
-    t = recipe.train
-    engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=param_groups(pipe),
-                                           config=deepspeed_config(recipe, layout),
-                                           lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
+    engine, _ = build_engine(recipe, layout, init_parallel_state(1, 1), recipe.gpt_config(VOCAB), compiled)
     data = batches(args, "cpu")  # the engine moves each micro-batch to its device
     return lambda: engine.train_batch(data_iter=data).item()
 

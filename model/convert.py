@@ -9,15 +9,15 @@ A dense state dict here is keyed by our dense GPT's names (`embed.wte.weight`, `
 depend on tp and `vocab_pad_multiple`, so they are stripped on merge and re-added on split.
 """
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Union
+from typing import Dict, List, Mapping, Optional
 
 import torch
 import torch.nn as nn
 
 from model.config import ModelConfig
 from model.hf_gpt2 import GPT2_LINEARS
+from model.layer_table import dense_prefix, pipeline_layers
 from model.layers import split_rows
-from model.pipe import dense_prefix, pipeline_layers
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -99,21 +99,17 @@ def split(name: str, full: torch.Tensor, tp_rank: int, tp_size: int, padded_voca
 
 # ------------------------------------------------------------------ pipeline <-> dense names
 
-Layers = Union[ModelConfig, int]
-"""What `model.pipe.pipeline_layers` reads the layer table from: a resolved config, or GPT-2's n_layer."""
-
-
-def dense_name(pipe_name: str, layers: Layers) -> str:
+def dense_name(pipe_name: str, layers: ModelConfig) -> str:
     """A PipelineModule parameter name ("tied_modules.embed.wte.weight", "1.wpe",
     "5.attn.c_attn.weight") or a layer-file key prefixed by its layer index ("0.wte.weight")
-    -> the dense GPT name, through the layer table `model.pipe.pipeline_layers`."""
+    -> the dense GPT name, through the layer table (model/layer_table.py) of the resolved config `layers`."""
     if pipe_name.startswith("tied_modules.embed."):
         return "embed." + pipe_name[len("tied_modules.embed."):]
     index_text, rest = pipe_name.split(".", 1)
     return f"{dense_prefix(*pipeline_layers(layers)[int(index_text)])}.{rest}"
 
 
-def merge_layer_states(layer_states: Mapping[int, List[StateDict]], layers: Layers, vocab_size: int) -> StateDict:
+def merge_layer_states(layer_states: Mapping[int, List[StateDict]], layers: ModelConfig, vocab_size: int) -> StateDict:
     """{pipeline layer index: [its state dict on TP rank 0, 1, ...]} -> the dense state dict."""
     dense: StateDict = {}
     for index, per_rank in sorted(layer_states.items()):
@@ -124,7 +120,7 @@ def merge_layer_states(layer_states: Mapping[int, List[StateDict]], layers: Laye
 
 
 @torch.no_grad()
-def load_dense_into(module: nn.Module, dense: StateDict, layers: Optional[Layers], tp_rank: int, tp_size: int,
+def load_dense_into(module: nn.Module, dense: StateDict, layers: Optional[ModelConfig], tp_rank: int, tp_size: int,
                     padded_vocab_size: int) -> None:
     """Copy this rank's shard of every parameter of `module` (a PipelineModule stage when
     `layers` is given, else a dense GPT) from the dense state dict, in place."""

@@ -27,6 +27,7 @@ from torch.nn import functional
 from model.attention import AttentionCore
 from model.config import GPTConfig
 from model.documents import DocumentLayout, DocumentMasks, document_ids, document_positions
+from model.layer_table import dense_prefix, pipeline_layers
 from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                           group_rank, group_size, mark_sequence_parallel)
 from model.llama import GroupedQueryAttention, LlamaMLP
@@ -227,28 +228,33 @@ class PositionEmbedding(nn.Module):
 class GPT(nn.Module):
     """The whole model on one pipeline stage: the dense reference for tests and evaluation.
 
-    Training uses the same modules split into stages by `model/pipe.py`.
+    Its modules are built and run in the order of the layer table (model/layer_table.py), the
+    order in which `model/pipe.py` splits the same modules into stages.
     """
 
     def __init__(self, config: GPTConfig, tp_group: Optional[Group] = None):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
-        self.embed = TokenEmbedding(config, tp_group)
-        if config.position == "learned":
-            self.pos = PositionEmbedding(config, tp_group)
+        self.layer_table = pipeline_layers(config)
         masks = DocumentMasks(config.dropout) if config.document_mask else None
-        self.blocks = nn.ModuleList(Block(config, i, tp_group, document_masks=masks) for i in range(config.n_layer))
-        self.ln_f = make_norm(config, tp_group)
-        if not config.tie_embeddings:
-            self.lm_head = LMHead(config, tp_group)
+        for kind, i in self.layer_table:  # each module at its dense name (LAYER_KINDS), in the table's order
+            if kind == "embed":
+                self.embed = TokenEmbedding(config, tp_group)
+            elif kind == "wpe":
+                self.pos = PositionEmbedding(config, tp_group)
+            elif kind == "block":
+                if i == 0:
+                    self.blocks = nn.ModuleList()
+                self.blocks.append(Block(config, i, tp_group, document_masks=masks))
+            elif kind == "ln_f":
+                self.ln_f = make_norm(config, tp_group)
+            elif kind == "lm_head":
+                self.lm_head = LMHead(config, tp_group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """(B, T) ids -> (B, T, V_pad/p) vocab-sharded logits."""
-        x = self.embed(ids)
-        if self.config.position == "learned":
-            x = self.pos(x)
-        for block in self.blocks:
-            x = block(x)
-        x = self.ln_f(x)
-        return self.embed.logits(x) if self.config.tie_embeddings else self.lm_head(x)
+        """(B, T) ids -> (B, T, V_pad/p) vocab-sharded logits: each layer of the table in turn."""
+        x = ids
+        for kind, i in self.layer_table:
+            x = self.embed.logits(x) if kind == "head" else self.get_submodule(dense_prefix(kind, i))(x)
+        return x

@@ -1,18 +1,10 @@
 """The GPT of `model/gpt.py` as a DeepSpeed `PipelineModule` (Huang et al. 2019; Narayanan 2021).
 
-The layers, one entry per pipeline layer (`pipeline_layers`, the one table every reader of
-layer indices uses: the specs below, stage names, checkpoint conversion, export, the planner).
-GPT-2's table:
-    0      embed   TiedLayerSpec('embed')   token ids (B, T) -> (B, T, h)
-    1      wpe     PositionEmbedding        adds wpe, dropout
-    2..L+1 block   Block i                  cut into stages just before a block
-    L+2    ln_f    LayerNorm
-    L+3    head    TiedLayerSpec('embed')   forward_fn = logits: (B, T, h) -> (B, T, V_pad/tp)
-With RoPE there is no wpe layer (the blocks rotate q and k); with untied embeddings `embed` is a
-plain LayerSpec and the last layer is `lm_head`, an LMHead with its own weight (Llama's table:
-embed, block 0..L-1, ln_f, lm_head). DeepSpeed builds only the local stage's layers; when tied,
-it ties shard k of the embedding on the first stage to shard k on the last stage and
-all-reduces their gradients (docs/design.md contract 6).
+One LayerSpec per entry of the layer table (model/layer_table.py): the embedding is a
+TiedLayerSpec('embed') when the head is tied, and the tied head the same TiedLayerSpec with
+forward_fn = logits; an untied head is a LayerSpec(LMHead). DeepSpeed builds only the local
+stage's layers; when tied, it ties shard k of the embedding on the first stage to shard k on the
+last stage and all-reduces their gradients (docs/design.md contract 6).
 Only the hidden states cross stage boundaries (with the document mask, a tuple of them and the
 (B, T) segment ids: model/documents.py); positions and the mask are derived inside (contract 7).
 With sequence parallelism they are (B, T/t, h): TP rank r of a stage sends its own sequence
@@ -21,47 +13,20 @@ coordinate; see `pipeline_config` for what must be switched off).
 """
 import contextlib
 import hashlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
-from model.config import ModelConfig
 from model.documents import DocumentMasks
 from model.gpt import Block, GPTConfig, LMHead, PositionEmbedding, TokenEmbedding, norm_class
+from model.layer_table import layer_name, pipeline_layers
 from model.layers import sequence_parallel_params
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import ParallelState
 
 TP_DROPOUT_RNG = "tp-sharded-dropout"
-
-# kind -> (readable name, prefix of its parameters in the dense GPT of model/gpt.py). The tied
-# head is the embedding's module again: the same parameters, saved once by DeepSpeed (layer 0).
-LAYER_KINDS = {"embed": ("embed (tied)", "embed"), "wpe": ("wpe", "pos"), "block": ("block {i}", "blocks.{i}"),
-               "ln_f": ("ln_f", "ln_f"), "head": ("lm_head (tied embed)", "embed"), "lm_head": ("lm_head", "lm_head")}
-
-
-def pipeline_layers(model: Union[ModelConfig, int]) -> List[Tuple[str, Optional[int]]]:
-    """The pipeline's layers in order: (kind of LAYER_KINDS, block index for a block else None).
-
-    `model` is a resolved config (a GPTConfig, or `ModelConfig.resolved()`); a bare number of
-    blocks means GPT-2's table (learned positions, tied head)."""
-    if isinstance(model, int):
-        n_layer, learned, tied = model, True, True
-    else:
-        n_layer, learned, tied = model.n_layer, model.position == "learned", model.tie_embeddings
-    return ([("embed", None)] + [("wpe", None)] * learned + [("block", i) for i in range(n_layer)]
-            + [("ln_f", None), ("head" if tied else "lm_head", None)])
-
-
-def layer_name(kind: str, block: Optional[int], tied: bool = True) -> str:
-    name = LAYER_KINDS[kind][0].format(i=block)
-    return name if tied else name.replace(" (tied)", "")
-
-
-def dense_prefix(kind: str, block: Optional[int]) -> str:
-    return LAYER_KINDS[kind][1].format(i=block)
 
 
 def _logits(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:

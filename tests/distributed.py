@@ -1,21 +1,17 @@
-"""Run a test body on N CPU processes joined by a gloo process group (no DeepSpeed launcher).
+"""Run a test body on N CPU processes joined by a gloo process group (no DeepSpeed launcher),
+and build the training run's engine there for a test's model (`sgd_engine`).
 
 The processes are forked from tests/rank_server.py, which has torch and DeepSpeed imported
 already (tests/forked.py); fn must be a module-level function (it travels pickled, by name)."""
 import base64
+import dataclasses
 import os
 import pickle
-import socket
 import sys
 import traceback
 
 from forked import run_forked
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launch.runtime.distributed import free_port
 
 
 def run_body(rank: int, world_size: int, port: int, fn, args) -> None:
@@ -54,3 +50,25 @@ def uses_deepspeed(fn):
     """Mark a test body that needs DeepSpeed's communication backend initialised."""
     fn.uses_deepspeed = True
     return fn
+
+
+def sgd_engine(config, state, micro_batch_size: int, micro_batches: int, full_recompute: bool = False):
+    """The training run's engine (launch/runtime/engine.py) for `config` (a GPTConfig) on this
+    process group, in fp32 with ZeRO-0, no clipping and plain SGD of lr 1 instead of AdamW: one
+    step's update is minus the gradient averaged over `micro_batches` micro-batches and dp."""
+    import torch
+    import torch.distributed as dist
+
+    from launch.runtime.engine import build_engine
+    from launch.config.layout import check_and_derive_layout
+    from launch.config.recipe import Recipe
+    from model.config import ModelConfig
+
+    recipe = Recipe(model=ModelConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(ModelConfig)}))
+    t = recipe.train
+    t.micro_batch_size, t.global_batch_size = micro_batch_size, micro_batch_size * micro_batches * state.dp_size
+    t.precision, t.zero_stage, t.grad_clip, t.warmup_steps, t.min_lr_ratio = "fp32", 0, 0.0, 0, 1.0  # lr 1 throughout
+    t.recompute = "full" if full_recompute else "selective" if config.recompute_attention else "none"
+    layout = check_and_derive_layout(recipe, dist.get_world_size(), state.tp_size, state.pp_size, on_cpu=True)
+    engine, _ = build_engine(recipe, layout, state, config, optimizer=lambda groups: torch.optim.SGD(groups, lr=1.0))
+    return engine

@@ -207,7 +207,7 @@ def _durable_and_safe_body(root: Path):
     layout = check_and_derive_layout(recipe, 2, 1, 2, True)
     state = init_parallel_state(1, 2)
     config = recipe.gpt_config(4096)
-    engine, _ = build_engine(recipe, layout, state, config, logging_rank=False)
+    engine, _ = build_engine(recipe, layout, state, config)
     tokens = torch.randint(0, 4096, (64, 2, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
 
     def batches(step):

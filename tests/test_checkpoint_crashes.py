@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distributed import free_port
-from launcher import REPO, TINY, deepspeed_cli, launch_forked, read_metrics
+from launch.runtime.distributed import free_port, launcher_command
+from launcher import REPO, TINY, launch_forked, read_metrics
 
 
 def _train(n, tmp_path, name, extra, check=True):
@@ -36,8 +36,7 @@ def _training_pids(launcher: subprocess.Popen):
 
 
 def _start(n, args):
-    cmd = [deepspeed_cli(), "--num_gpus", str(n), "--master_port", str(free_port()),
-           str(REPO / "launch" / "train.py"), "--recipe", str(TINY)] + args
+    cmd = launcher_command(n, REPO / "launch" / "train.py") + ["--recipe", str(TINY)] + args
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

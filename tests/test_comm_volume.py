@@ -84,7 +84,7 @@ def test_exact_formulas_contain_the_design_leading_terms():
     pipeline = dict(pp=4, dp=2, micro_batch_size=b, global_batch_size=b * m * 2, grad_accum_steps=m)
     plain = comm_per_rank_per_step(config, Layout(world_size=8, tp=1, **pipeline), stage=1)
     split = comm_per_rank_per_step(config, Layout(world_size=16, tp=2, **pipeline), stage=1)
-    blocks = partition.blocks_per_stage(config.n_layer, partition.stage_partition(config.n_layer, 4, "blocks"))[1]
+    blocks = partition.blocks_per_stage(config, partition.stage_partition(config, 4, "blocks"))[1]
     tp_elements = split[("tp-forward", "tp", "all_reduce")][1] + split[("tp-backward", "tp", "all_reduce")][1]
     assert tp_elements == formulas.tp_allreduce_bytes_per_step(b, s, h, blocks, m) // formulas.ACTIVATION_BYTES
     boundary = formulas.pp_p2p_bytes_per_step(b, s, h, m) // formulas.ACTIVATION_BYTES

@@ -19,18 +19,16 @@ the mask keeps within a document); learned positions' restart is not, and is che
 """
 import dataclasses
 
-import deepspeed
 import pytest
 import torch
 
-from distributed import run_distributed, uses_deepspeed
+from distributed import run_distributed, sgd_engine, uses_deepspeed
 from model.config import GPTConfig
 from model.convert import dense_name, split
 from model.documents import block_document_mask, dense_document_mask, document_ids, document_positions
 from model.gpt import GPT
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import init_parallel_state
-from model.pipe import build_pipeline, pipeline_config
 
 RTOL = 1e-5
 EOS = 0
@@ -144,9 +142,10 @@ def _pipeline_body():
     GPT-2 (learned positions per rank's sequence chunk, tied head) under full recompute
     (DeepSpeed's checkpointing of blocks), Llama (RoPE, GQA) under selective recompute."""
     state = init_parallel_state(2, 2)
-    for config, interval in ((_masked(GPT2, sequence_parallel=True), 1),
-                             (_masked(LLAMA, sequence_parallel=True, recompute_attention=True), 0)):
-        pipe = build_pipeline(config, state, activation_checkpoint_interval=interval)
+    for config, full_recompute in ((_masked(GPT2, sequence_parallel=True), True),
+                                   (_masked(LLAMA, sequence_parallel=True, recompute_attention=True), False)):
+        engine = sgd_engine(config, state, MICRO, N_MICRO, full_recompute=full_recompute)
+        pipe = engine.module
         before = {name: param.detach().clone() for name, param in pipe.named_parameters()}
         recorded = []
 
@@ -154,12 +153,7 @@ def _pipeline_body():
             losses = vocab_parallel_cross_entropy(logits, labels, state.tp_group)
             recorded.append(losses.detach().clone())
             return losses.mean()
-        pipe.loss_fn = loss_fn
-        engine, _, _, _ = deepspeed.initialize(
-            model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1.0),
-            config={"train_batch_size": MICRO * N_MICRO * state.dp_size, "train_micro_batch_size_per_gpu": MICRO,
-                    "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
-                    **pipeline_config(True)})
+        pipe.loss_fn = loss_fn  # read by the engine at each last-stage forward
         # DP rank r's micro-batches (the same on its first and last stage); every rank knows all.
         windows = {(r, m): _windows(config, seed=10 * r + m) for r in range(state.dp_size) for m in range(N_MICRO)}
         mine = [windows[(state.dp_rank, m)] for m in range(N_MICRO)]

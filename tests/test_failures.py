@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from distributed import free_port
-from launcher import REPO, TINY, deepspeed_cli
+from launch.runtime.distributed import launcher_command
+from launcher import REPO, TINY
 
 LIMIT_S = 60  # after the failure, every rank is gone within this
 START_LIMIT_S = 60  # the issue's bound for a refusal before the start, the launcher's own start
@@ -17,8 +17,7 @@ START_LIMIT_S = 60  # the issue's bound for a refusal before the start, the laun
 
 
 def _start(args, env):
-    cmd = [deepspeed_cli(), "--num_gpus", "4", "--master_port", str(free_port()),
-           str(REPO / "launch" / "train.py"), "--recipe", str(TINY), "--tp", "2", "--pp", "2"] + args
+    cmd = launcher_command(4, REPO / "launch" / "train.py") + ["--recipe", str(TINY), "--tp", "2", "--pp", "2"] + args
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -74,8 +73,7 @@ def test_threads_per_rank_from_deepspeed_launcher_environment(tmp_path):
     """DeepSpeed's launcher exports LOCAL_SIZE, not LOCAL_WORLD_SIZE: the ranks of a node share
     its cores by that count, not by the world size (which spans every node)."""
     from launch.runtime.distributed import threads_per_rank
-    cmd = [deepspeed_cli(), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "tests" / "dump_env.py"),
-           str(tmp_path)]
+    cmd = launcher_command(2, REPO / "tests" / "dump_env.py") + [str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     env = json.loads((tmp_path / "env1.json").read_text())

@@ -5,6 +5,7 @@ import torch
 
 from flop_count import counted_flops
 from launch.analysis import formulas, memory_formulas, partition
+from model.config import ModelConfig
 from model.gpt import GPT, Block, GPTConfig
 
 # Narayanan et al. 2021, table 1: (published billions, layers, hidden, heads); V=51200, s=2048.
@@ -46,7 +47,8 @@ def test_128_gpu_example():
     dp = gpus // (tp * pp)
     m = global_batch // (micro * dp)
     assert (dp, m) == (8, 4)
-    assert partition.blocks_per_stage(72, partition.stage_partition(72, pp, "blocks")) == [18, 18, 18, 18]
+    gpt2 = ModelConfig(n_layer=72).resolved()
+    assert partition.blocks_per_stage(gpt2, partition.stage_partition(gpt2, pp, "blocks")) == [18, 18, 18, 18]
     assert formulas.bubble_fraction(pp, m) == pytest.approx(3 / 7)
     assert round(formulas.bubble_fraction(pp, m), 4) == 0.4286
     assert memory_formulas.inflight_microbatches(pp, m) == 4
@@ -54,9 +56,10 @@ def test_128_gpu_example():
 
 def test_partition_follows_deepspeed_type_block():
     """Embeddings stay on the first stage, ln_f and the head on the last; extra blocks go first."""
-    assert partition.stage_partition(5, 2, "blocks") == [0, 5, 9]  # [embed, wpe, b0, b1, b2] [b3, b4, ln_f, head]
-    assert partition.blocks_per_stage(5, partition.stage_partition(5, 3, "blocks")) == [2, 2, 1]
-    assert partition.blocks_per_stage(4, partition.stage_partition(4, 3, "blocks")) == [2, 1, 1]
+    five, four = ModelConfig(n_layer=5).resolved(), ModelConfig(n_layer=4).resolved()
+    assert partition.stage_partition(five, 2, "blocks") == [0, 5, 9]  # [embed, wpe, b0, b1, b2] [b3, b4, ln_f, head]
+    assert partition.blocks_per_stage(five, partition.stage_partition(five, 3, "blocks")) == [2, 2, 1]
+    assert partition.blocks_per_stage(four, partition.stage_partition(four, 3, "blocks")) == [2, 1, 1]
 
 
 @pytest.mark.parametrize("pad_multiple", [1, 4])

@@ -12,13 +12,12 @@ independent references:
 """
 import dataclasses
 
-import deepspeed
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn import functional
 
-from distributed import run_distributed, uses_deepspeed
+from distributed import run_distributed, sgd_engine, uses_deepspeed
 from launch.config.recipe import load_recipe
 from launch.errors import ConfigError
 from launch.runtime.run_inputs import resolved_recipe_dict
@@ -26,10 +25,10 @@ from model.config import GPTConfig, ModelConfig, llama_ffn_hidden_size
 from model.convert import dense_name, rule_for
 from model.gpt import GPT
 from model.hf_llama import llama_config_kwargs, to_llama_state_dict
+from model.layer_table import pipeline_layers
 from model.layers import allreduce_sequence_parallel_grads, shard_rows
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import init_parallel_state
-from model.pipe import build_pipeline, pipeline_config, pipeline_layers
 
 LLAMA = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=16,
                   vocab_size=97, vocab_pad_multiple=8, seed=3)
@@ -154,13 +153,9 @@ MICRO, N_MICRO = 2, 3
 @uses_deepspeed
 def _pipeline_body(tp, pp):
     state = init_parallel_state(tp, pp)
-    pipe = build_pipeline(PIPE_CONFIG, state)
+    engine = sgd_engine(PIPE_CONFIG, state, MICRO, N_MICRO)
+    pipe = engine.module
     before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
-    engine, _, _, _ = deepspeed.initialize(
-        model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1.0),
-        config={"train_batch_size": MICRO * N_MICRO, "train_micro_batch_size_per_gpu": MICRO,
-                "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
-                "steps_per_print": 10 ** 9, **pipeline_config(True)})
     dense = GPT(dataclasses.replace(PIPE_CONFIG, sequence_parallel=False))
     dense_params = dict(dense.named_parameters())
     batches = [(t[:, :-1], t[:, 1:]) for t in _ids(PIPE_CONFIG, MICRO * N_MICRO).chunk(N_MICRO)]
@@ -186,7 +181,8 @@ def test_llama_pipeline_table():
     assert pipeline_layers(config) == [("embed", None), ("block", 0), ("block", 1), ("block", 2), ("ln_f", None),
                                        ("lm_head", None)]
     tied_learned = dataclasses.replace(config, position="learned", tie_embeddings=True)
-    assert pipeline_layers(tied_learned) == pipeline_layers(3)  # GPT-2's table
+    assert pipeline_layers(tied_learned) == [("embed", None), ("wpe", None), ("block", 0), ("block", 1), ("block", 2),
+                                             ("ln_f", None), ("head", None)]  # GPT-2's table
     assert dense_name("5.weight", config) == "lm_head.weight" and rule_for("lm_head.weight").vocab
 
 

@@ -5,18 +5,16 @@ DeepSpeed sums over the first and last stage. With sequence parallelism too: sta
 tensors are per-TP-rank sequence chunks, LayerNorm gradients are summed over TP."""
 import dataclasses
 
-import deepspeed
 import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_distributed, uses_deepspeed
+from distributed import run_distributed, sgd_engine, uses_deepspeed
 from model.convert import dense_name
 from model.gpt import GPT, GPTConfig
 from model.layers import shard_rows
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import init_parallel_state
-from model.pipe import build_pipeline, pipeline_config
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=4, seed=5)
 MICRO, N_MICRO = 2, 3
@@ -42,19 +40,15 @@ def _local_shard(full: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor
 @uses_deepspeed
 def _pipeline_body(tp, pp, sequence_parallel):
     state = init_parallel_state(tp, pp)
-    pipe = build_pipeline(dataclasses.replace(CONFIG, sequence_parallel=sequence_parallel), state)
+    engine = sgd_engine(dataclasses.replace(CONFIG, sequence_parallel=sequence_parallel), state, MICRO, N_MICRO)
+    pipe = engine.module
     before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
-    engine, _, _, _ = deepspeed.initialize(
-        model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=1.0),
-        config={"train_batch_size": MICRO * N_MICRO, "train_micro_batch_size_per_gpu": MICRO,
-                "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
-                "steps_per_print": 10 ** 9, **pipeline_config(sequence_parallel)})
 
     dense = GPT(CONFIG)
     dense_params = dict(dense.named_parameters())
     for name, value in before.items():  # step-0 weights are the dense model's, shard by shard
         local = dict(pipe.named_parameters())[name]
-        full = dense_params[dense_name(name, CONFIG.n_layer)].detach()
+        full = dense_params[dense_name(name, CONFIG)].detach()
         torch.testing.assert_close(value, _local_shard(full, local, state.tp_group))
 
     eval_loss = engine.eval_batch(iter(_batches())).item()
@@ -69,7 +63,7 @@ def _pipeline_body(tp, pp, sequence_parallel):
     dense_loss.backward()
     for name, param in pipe.named_parameters():  # SGD lr 1: the engine's gradient = before - after
         pipe_grad = before[name] - param.detach()
-        dense_grad = _local_shard(dense_params[dense_name(name, CONFIG.n_layer)].grad, param, state.tp_group)
+        dense_grad = _local_shard(dense_params[dense_name(name, CONFIG)].grad, param, state.tp_group)
         torch.testing.assert_close(pipe_grad, dense_grad, atol=2e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 

@@ -9,11 +9,11 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 import chart_pixels
-from distributed import free_port
 from launch.analysis import formulas
 from launch.analysis.pipeline_chart import COLOURS
 from launch.analysis.schedule_sim import simulate_schedule
 from launch.instruments.timeline import install_timeline_recorder, measured_bubble, stage_busy_seconds
+from launch.runtime.distributed import free_port
 from launcher import TINY, launch
 
 

@@ -163,7 +163,7 @@ def _train(schedule_name: str, tp: int, pp: int, overrides: list, steps: int):
     layout = check_and_derive_layout(recipe, dist.get_world_size(), tp, pp, True)
     state = init_parallel_state(tp, pp)
     config = recipe.gpt_config(4096)
-    engine, _ = build_engine(recipe, layout, state, config, logging_rank=False)
+    engine, _ = build_engine(recipe, layout, state, config)
     tokens = torch.randint(0, 4096, (steps * layout.grad_accum_steps, layout.micro_batch_size, config.seq_len + 1),
                            generator=torch.Generator().manual_seed(dist.get_rank() // tp))
     first_grads, weight_pass_updates = {}, []

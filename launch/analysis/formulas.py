@@ -12,9 +12,10 @@ Pure functions of the model dimensions and the layout, shared by the planner
 Symbols: l layers, h hidden, a heads, s sequence, V vocabulary, b micro-batch, B global batch,
 t tp, p pp, d dp, m micro-batches per pipeline per step. Bytes assume bf16/fp16 mixed precision.
 """
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List, Sequence, Tuple
 
 from model.config import ModelConfig, padded_vocab_size
+from model.layer_table import pipeline_layers
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, without sparsity).
 PEAK_FLOPS_BF16: Dict[str, float] = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -58,11 +59,15 @@ def embedding_params_per_rank(vocab: int, hidden: int, tp: int, pad_multiple: in
     return padded_vocab_size(vocab, tp, pad_multiple) // tp * hidden
 
 
-def layer_kinds(model: Union[ModelConfig, int]) -> List[str]:
-    """The kind of each pipeline layer, from model/pipe.py's table: [embed, wpe, block..., ln_f, head]
-    for GPT-2 (a bare n_layer), [embed, block..., ln_f, lm_head] for Llama (a resolved config)."""
-    from model.pipe import pipeline_layers  # imports torch and DeepSpeed: only when asked
+def layer_kinds(model: ModelConfig) -> List[str]:
+    """The kind of each layer of a resolved config, from the layer table (model/layer_table.py):
+    [embed, wpe, block..., ln_f, head] for GPT-2, [embed, block..., ln_f, lm_head] for Llama."""
     return [kind for kind, _ in pipeline_layers(model)]
+
+
+def _gpt2_layers(n_layer: int) -> ModelConfig:
+    """GPT-2 of n_layer blocks (learned positions, tied head): the layers the closed forms count."""
+    return ModelConfig(n_layer=n_layer).resolved()
 
 
 def stage_params_per_rank(n_layer: int, hidden: int, vocab: int, seq_len: int, tp: int, pp: int,
@@ -73,7 +78,7 @@ def stage_params_per_rank(n_layer: int, hidden: int, vocab: int, seq_len: int, t
     The first stage holds wte, the last stage a tied copy of it (DeepSpeed TiedLayerSpec);
     at pp=1 both are one module. wpe and ln_f are replicated over TP."""
     assert len(parts) == pp + 1, f"{pp} stages need {pp + 1} boundaries, got {parts}"
-    names = layer_kinds(n_layer)
+    names = layer_kinds(_gpt2_layers(n_layer))
     held = names[parts[stage]:parts[stage + 1]]
     embed = embedding_params_per_rank(vocab, hidden, tp, pad_multiple)
     count = held.count("block") * block_params_per_rank(hidden, tp)

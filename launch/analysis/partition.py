@@ -43,7 +43,7 @@ def parse_partition(text: str) -> Partition:
                           f"stage (e.g. 3,1)") from None
 
 
-def _layer_kinds(model: Union[ModelConfig, int]) -> Tuple[str, ...]:
+def _layer_kinds(model: ModelConfig) -> Tuple[str, ...]:
     return tuple(formulas.layer_kinds(model))
 
 
@@ -62,11 +62,10 @@ def layer_flops(model: ModelConfig, micro_batch: int = 1, seq_len: Optional[int]
     return [costs.get(kind, (0, 0)) for kind in _layer_kinds(model)]
 
 
-def stage_partition(model: Union[ModelConfig, int], pp: int, partition: Partition = DEFAULT,
+def stage_partition(model: ModelConfig, pp: int, partition: Partition = DEFAULT,
                     seq_len: Optional[int] = None, recompute: bool = False) -> List[int]:
-    """The stage boundaries `parts` of `partition` (module docstring). `model` is a resolved
-    config, or a bare n_layer (GPT-2's layer table) for the rules that need no costs. The balanced
-    cut does not depend on the micro-batch size (every cost scales with it)."""
+    """The stage boundaries `parts` of `partition` (module docstring) for a resolved config. The
+    balanced cut does not depend on the micro-batch size (every cost scales with it)."""
     kinds = _layer_kinds(model)
     if not isinstance(partition, str):
         check_partition(partition, kinds.count("block"), pp)
@@ -75,13 +74,11 @@ def stage_partition(model: Union[ModelConfig, int], pp: int, partition: Partitio
         return list(_type_block_parts(kinds, pp))
     if partition != "balanced":
         check_partition(partition, kinds.count("block"), pp)
-    if isinstance(model, int):
-        raise ValueError("the balanced partition needs the model's dimensions: pass a resolved ModelConfig")
     costs = tuple(forward + backward for forward, backward in layer_flops(model, 1, seq_len, recompute))
     return list(_balanced_parts(kinds, costs, pp))
 
 
-def blocks_per_stage(model: Union[ModelConfig, int], parts: Sequence[int]) -> List[int]:
+def blocks_per_stage(model: ModelConfig, parts: Sequence[int]) -> List[int]:
     kinds = _layer_kinds(model)
     return [kinds[parts[k]:parts[k + 1]].count("block") for k in range(len(parts) - 1)]
 

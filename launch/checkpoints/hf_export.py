@@ -30,7 +30,7 @@ def read_checkpoint_weights(load: Path):
 
     from launch.checkpoints.locate import find_checkpoint
     from model.convert import merge_layer_states
-    from model.pipe import pipeline_layers
+    from model.layer_table import pipeline_layers
 
     ref = find_checkpoint(load)  # a complete checkpoint whose files have their recorded sizes
     config = checkpoint_gpt_config(ref.meta["recipe"])

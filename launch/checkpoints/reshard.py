@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Set, Tuple
 import torch
 import torch.nn as nn
 
-from model.convert import Layers, dense_name, merge, split
+from model.config import ModelConfig
+from model.convert import dense_name, merge, split
 from model.parallel_state import ParallelState, build_topology
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
@@ -111,7 +112,7 @@ class _SavedSlice:
         return {key: torch.cat(parts).view(shape) for key, parts in pieces.items()}
 
 
-def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: Layers, vocab_size: int,
+def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: ModelConfig, vocab_size: int,
                         wanted: Iterable[str]) -> Iterator[Tuple[str, Dict[str, torch.Tensor]]]:
     """(dense name, {fp32, exp_avg, exp_avg_sq}) for each dense parameter name in `wanted`: the
     full (TP-merged, real-vocabulary) fp32 weight and Adam moments, one parameter at a time.
@@ -160,8 +161,8 @@ def _init_adam_state(optimizer, step: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, int], state: ParallelState, layers: Layers,
-                   vocab_size: int, padded_vocab_size: int) -> None:
+def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, int], state: ParallelState,
+                   layers: ModelConfig, vocab_size: int, padded_vocab_size: int) -> None:
     """Fill `engine` (a fresh DeepSpeed pipeline engine with a ZeRO-1 or bf16 optimizer) with
     the weights, optimizer state, LR schedule and counters of checkpoint `ckpt`, saved at
     `saved_layout` (tp, pp, dp), for this rank's stage and TP rank."""

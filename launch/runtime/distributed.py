@@ -6,19 +6,22 @@ op on CPU for `inference_all_reduce`, which training never calls. Each rank's 69
 RAM-backed /dev/shm until the machine runs out of memory (seen here: 19 GB after a few
 dozen test runs, then the OOM killer). Without the op, DeepSpeed uses plain
 torch.distributed collectives (gloo on CPU, NCCL on GPU), which is all we need.
+
+Also the command line of DeepSpeed's launcher on a free port, for the tests and benches that start runs.
 """
 import importlib
 import os
 import socket
+import sys
 from datetime import timedelta
-from typing import Mapping
-
-import deepspeed
+from pathlib import Path
+from typing import List, Mapping, Optional
 
 from launch.errors import ConfigError
 
 
 def init_distributed(timeout_s: int, **kwargs) -> None:
+    import deepspeed  # here, not at the top: the launchers below need no torch
     # Not `import deepspeed.comm.torch`: the package re-exports the real `torch` under that name.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s), **kwargs)
@@ -70,8 +73,20 @@ def ensure_single_process_env() -> None:
     """`python launch/train.py` without a launcher: a world of one, on a free local port."""
     if "RANK" in os.environ:
         return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def free_port() -> int:
+    """A TCP port unused on this host now: several launches in a row, and other jobs beside them,
+    each get their own instead of everyone's 29500."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return s.getsockname()[1]
+
+
+def launcher_command(num_procs: Optional[int], script: Path) -> List[str]:
+    """`deepspeed [--num_gpus N] --master_port PORT SCRIPT`: the launcher of the Python running this
+    (a venv's bin/), on a free port; None leaves the launcher's default number of processes."""
+    procs = [] if num_procs is None else ["--num_gpus", str(num_procs)]
+    return [str(Path(sys.executable).parent / "deepspeed")] + procs + ["--master_port", str(free_port()), str(script)]

@@ -1,8 +1,9 @@
 """The run's model inside its DeepSpeed engine: the PipelineModule (seeded, or from transformers
-weights), AdamW with its parameter groups, the LR schedule, and the role map printed at start."""
+weights), AdamW with its parameter groups and the LR schedule; the one builder of the training
+run, the benches and the tests. Building prints nothing; the run prints the role map after it."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from launch.config.layout import Layout
 from launch.config.recipe import Recipe
@@ -13,24 +14,32 @@ if TYPE_CHECKING:  # annotations only: no import cost at run time
     from model.parallel_state import ParallelState
 
 
-def print_role_map(layout: Layout, state: ParallelState, stages: List[Tuple[int, str]], seq_len: int,
-                   sequence_parallel: bool = False, recompute: str = "none",
-                   shares: Optional[List[float]] = None, schedule: str = "1f1b") -> None:
-    """The groups, each stage's layers (with `shares`: its part of the predicted compute per
-    micro-batch, launch/analysis/partition.py), the activations' shape and the schedule."""
+def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config: GPTConfig,
+                   pipe: torch.nn.Module) -> None:
+    """The groups, each stage's layers with its part of the predicted compute per micro-batch
+    (launch/analysis/partition.py), the activations' shape and the schedule."""
+    from launch.analysis.partition import stage_flops
+    from launch.analysis.zero_bubble_schedule import runs_zero_bubble
+    from model.pipe import stage_contents
+
     def groups(lists):
         return " ".join(str(g) for g in lists)
+    t = recipe.train
+    flops = [sum(f) for f in stage_flops(config, pipe.parts, layout.micro_batch_size, recipe.seq_len,
+                                         t.recompute_mode == "full")]
     print(f"layout: world {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp} "
           f"(axis order pipe, data, model: TP ranks adjacent)\n"
           f"  TP groups  (split each weight matrix):  {groups(state.tp_groups)}\n"
           f"  pipelines  (split the layers, stage 0 first): {groups(state.pipelines)}\n"
           f"  DP groups  (split the data, all-reduce grads): {groups(state.dp_groups)}")
-    for stage, contents in stages:
-        share = "" if shares is None else f" | {shares[stage]:.0%} of the predicted compute"
-        print(f"  stage {stage}: {contents}{share}")
-    shard = f"(b, T/tp, h) = ({layout.micro_batch_size}, {seq_len // layout.tp}, h): sequence parallel" \
-        if sequence_parallel and layout.tp > 1 else f"(b, T, h) = ({layout.micro_batch_size}, {seq_len}, h)"
-    print(f"activations: {shard} per rank between TP linears and across stages; recompute {recompute}; "
+    for stage, contents in stage_contents(pipe, config):
+        print(f"  stage {stage}: {contents} | {flops[stage] / sum(flops):.0%} of the predicted compute")
+    b, seq_len = layout.micro_batch_size, recipe.seq_len
+    shard = f"(b, T/tp, h) = ({b}, {seq_len // layout.tp}, h): sequence parallel" \
+        if recipe.model.sequence_parallel and layout.tp > 1 else f"(b, T, h) = ({b}, {seq_len}, h)"
+    schedule = t.schedule if runs_zero_bubble(t.schedule, layout.pp) or t.schedule == "1f1b" \
+        else f"1f1b ({t.schedule} needs pp > 1)"
+    print(f"activations: {shard} per rank between TP linears and across stages; recompute {t.recompute_mode}; "
           f"schedule {schedule}", flush=True)
 
 
@@ -41,29 +50,29 @@ def param_groups(module: torch.nn.Module) -> List[dict]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: GPTConfig, logging_rank: bool,
-                 init_from_hf: Optional[str] = None, verbose: bool = False) -> Tuple[Any, Any]:
-    """(engine, own grad norm): the run's PipelineModule (seeded init, or `init_from_hf` weights)
-    inside a DeepSpeed engine with AdamW, ZeRO, clipping and the LR schedule; and, for fp32
-    ZeRO-0, our own gradient norm and clipping (launch/runtime/grad_norm.py), else None."""
+def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: GPTConfig, compiled: bool = False,
+                 init_from_hf: Optional[str] = None, verbose: bool = False,
+                 optimizer: Optional[Callable[[List[dict]], torch.optim.Optimizer]] = None) -> Tuple[Any, Any]:
+    """(engine, own grad norm): the run's PipelineModule (seeded init, or `init_from_hf` weights;
+    each block compiled if `compiled`, launch/runtime/compiler.py decides) inside a DeepSpeed
+    engine with AdamW (or `optimizer`, built from the parameter groups: the tests' SGD), ZeRO,
+    clipping and the LR schedule; and, for fp32 ZeRO-0, our own gradient norm and clipping
+    (launch/runtime/grad_norm.py), else None."""
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
 
     from launch.analysis.zero_bubble_schedule import runs_zero_bubble
-    from launch.runtime.compiler import blocks_to_compile
     from launch.runtime.console import quiet_stdout
     from launch.runtime.ds_config import deepspeed_config
     from launch.runtime.grad_norm import Zero0GradNorm, uses_own_grad_norm
     from launch.runtime.lr_schedule import warmup_cosine
     from launch.runtime.zero_bubble import use_zero_bubble_schedule
     from model.compiled import compile_blocks
-    from model.pipe import build_pipeline, stage_contents
+    from model.pipe import build_pipeline
     from model.weight_grad import WEIGHT_GRADS
 
     t = recipe.train
     zero_bubble = runs_zero_bubble(t.schedule, layout.pp)  # at pp = 1 there is no bubble: 1F1B runs
     WEIGHT_GRADS.enabled = zero_bubble  # before the first forward: the linears read it there
-    compiled = blocks_to_compile(t.compile, get_accelerator().device_name(), logging_rank)
     with quiet_stdout(not verbose):  # DeepSpeed's own layer listing: the role map shows it
         pipe = build_pipeline(config, state, t.full_recompute_interval, parts=layout.parts or None)
     if compiled:  # in place, before DeepSpeed wraps the module: each block compiles on its first call
@@ -71,19 +80,12 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     if init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them
         from launch.checkpoints.hf_weights import init_from_hf as load_hf_weights
         load_hf_weights(pipe, init_from_hf, config, state)
-    if logging_rank:
-        from launch.analysis.partition import stage_flops
-        flops = [sum(f) for f in stage_flops(config, pipe.parts, layout.micro_batch_size, recipe.seq_len,
-                                             t.recompute_mode == "full")]
-        print_role_map(layout, state, stage_contents(pipe, config), recipe.seq_len,
-                       recipe.model.sequence_parallel, t.recompute_mode, [f / sum(flops) for f in flops],
-                       t.schedule if zero_bubble or t.schedule == "1f1b" else f"1f1b ({t.schedule} needs pp > 1)")
     ds_config = deepspeed_config(recipe, layout)
     own_norm = uses_own_grad_norm(t.zero_stage, t.precision)
     if own_norm:  # DeepSpeed's fp32 ZeRO-0 clipping miscounts across stages: ours clips instead
         ds_config["gradient_clipping"] = 0.0
     engine, _, _, _ = deepspeed.initialize(
-        model=pipe, model_parameters=param_groups(pipe), config=ds_config,
+        model=pipe, model_parameters=param_groups(pipe), config=ds_config, optimizer=optimizer,
         lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
     if zero_bubble:
         use_zero_bubble_schedule(engine)

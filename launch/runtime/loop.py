@@ -70,7 +70,8 @@ def run_training(job: TrainingJob) -> None:
     from launch.instruments.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak,
                                             run_arithmetic, step_memory_peak, synchronize_device)
     from launch.runtime.distributed import shut_down_distributed, start_rank
-    from launch.runtime.engine import build_engine
+    from launch.runtime.compiler import blocks_to_compile
+    from launch.runtime.engine import build_engine, print_role_map
     from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
     from launch.runtime.signals import StopRequest
     from model.parallel_state import init_parallel_state
@@ -83,8 +84,11 @@ def run_training(job: TrainingJob) -> None:
     state = init_parallel_state(layout.tp, layout.pp)
     logging_rank = is_logging_rank(state.global_rank)
     config = recipe.gpt_config(job.vocab_size, data.tokenizer.eos_token_id)
-    engine, own_grad_norm = build_engine(recipe, layout, state, config, logging_rank,
+    compiled = blocks_to_compile(t.compile, get_accelerator().device_name(), logging_rank)
+    engine, own_grad_norm = build_engine(recipe, layout, state, config, compiled,
                                          init_from_hf=args.init_from_hf, verbose=args.verbose)
+    if logging_rank:
+        print_role_map(recipe, layout, state, config, engine.module)
     install_comm_counter(engine, state, args.comm_counts)  # does nothing without --comm-counts
     timeline = None
     if args.timeline is not None:
