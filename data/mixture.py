@@ -31,17 +31,14 @@ from fractions import Fraction
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
-import torch
 
 from data.sampler import epoch_order
 from data.spec import DataError
-from data.streaming import START, StreamState
+from data.streaming import Batch, StepBatches, StreamState, decoded_states, encoded_states, latest_states
 
 MAX_CYCLE = 1_000_000
 """Longest interleave cycle (T samples): computed once per process at start-up (1 s for 1,000,000
 samples of 3 or 34 sources on a loaded 2-core machine; 0.3 of 1 and 0.7 is a cycle of 10)."""
-
-Batch = Tuple[torch.Tensor, torch.Tensor]
 
 
 class Interleave:
@@ -146,9 +143,9 @@ class SourceReader:
     n_streams: int = 1
 
 
-class MixtureBatches:
-    """Endless (input_ids, labels), each (b, seq_len) int64, of one dp rank, in step order from
-    step `step` on, and the position of every stream it reads (`state()`, for checkpoints).
+class MixtureBatches(StepBatches):
+    """data/streaming.py's StepBatches over a mixture, and the position of every stream it reads
+    (`state()`, for checkpoints).
 
     Slot j of step k's global batch (position k*B + j) holds the interleave's source for that
     position. A cached source gives it the window at that source's own position (SourceOrder).
@@ -160,30 +157,18 @@ class MixtureBatches:
     def __init__(self, readers: List[SourceReader], interleave: Interleave, global_batch_size: int,
                  micro_batch_size: int, dp_rank: int, dp_size: int, step: int = 0,
                  states: Optional[Dict[int, Dict[int, StreamState]]] = None):
-        self.readers, self.interleave, self.step = readers, interleave, step
-        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.lo, self.hi = dp_rank * global_batch_size // dp_size, (dp_rank + 1) * global_batch_size // dp_size
+        super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size, step)
+        self.readers, self.interleave = readers, interleave
         self.orders = {s: SourceOrder(len(r.windows), r.seed, r.shuffle)
                        for s, r in enumerate(readers) if r.windows is not None}
         self.states: Dict[int, Dict[int, StreamState]] = {}
         self.streams: Dict[int, Dict[int, Iterator]] = {}
         for s, r in enumerate(readers):
             if r.open_stream is not None:
-                per = global_batch_size // r.n_streams
-                mine = range(self.lo // per, (self.hi - 1) // per + 1)
                 saved = (states or {}).get(s, {})
-                self.states[s] = {t: saved.get(t, (START, 0)) for t in mine}
-                self.streams[s] = {t: r.open_stream(t, self.states[s][t]) for t in mine}
-        self._batches = self._generate()
+                self.states[s], self.streams[s] = self.open_streams(r.open_stream, r.n_streams, saved)
 
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> Batch:
-        return next(self._batches)
-
-    def _step_windows(self) -> Tuple[List[np.ndarray], Dict[int, Dict[int, StreamState]]]:
-        """This rank's windows of the current step, in slot order, and the stream states after it."""
+    def step_windows(self) -> Tuple[List[np.ndarray], Dict[int, Dict[int, StreamState]]]:
         B, lo, hi = self.global_batch_size, self.lo, self.hi
         sources, local = self.interleave.slots(self.step * B, (self.step + 1) * B)
         rows: List[Optional[np.ndarray]] = [None] * (hi - lo)
@@ -204,43 +189,29 @@ class MixtureBatches:
                             rows[j - lo] = w
         return rows, after
 
-    def _generate(self) -> Iterator[Batch]:
-        b = self.micro_batch_size
-        while True:
-            rows, after = self._step_windows()
-            for i in range(0, len(rows), b):
-                if i + b >= len(rows):  # the step's last micro-batch: the step is consumed
-                    for s, states in after.items():
-                        self.states[s].update(states)
-                    self.step += 1
-                batch = torch.from_numpy(np.stack(rows[i:i + b]).astype(np.int64))  # (b, seq_len + 1)
-                yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    def consumed(self, after: Dict[int, Dict[int, StreamState]]) -> None:
+        for s, states in after.items():
+            self.states[s].update(states)
 
     def state(self) -> dict:
         """JSON-able: the steps consumed and the state of each stream this rank reads, per source."""
-        return {"step": self.step,
-                "sources": {str(s): {str(t): {"block": list(first), "taken": taken}
-                                     for t, (first, taken) in states.items()}
-                            for s, states in self.states.items()}}
+        return {"step": self.step, "sources": {str(s): encoded_states(states) for s, states in self.states.items()}}
 
 
 def merge_mixture_states(local_states: List[dict]) -> dict:
-    """One position of every stream of every source from the ranks' `state()`s; ranks that never
-    read (middle pipeline stages) hold an older step and are ignored."""
-    step = max(s["step"] for s in local_states)
+    """One position of every stream of every source from the ranks' `state()`s."""
+    step, latest = latest_states(local_states)
     sources: Dict[str, dict] = {}
-    for local in local_states:
-        if local["step"] == step:
-            for s, streams in local["sources"].items():
-                sources.setdefault(s, {}).update(streams)
+    for local in latest:
+        for s, streams in local["sources"].items():
+            sources.setdefault(s, {}).update(streams)
     return {"step": step, "sources": sources}
 
 
 def mixture_states_from(data_state: Optional[dict]) -> Dict[int, Dict[int, StreamState]]:
     if data_state is None:
         return {}
-    return {int(s): {int(t): (tuple(v["block"]), v["taken"]) for t, v in streams.items()}
-            for s, streams in data_state["sources"].items()}
+    return {int(s): decoded_states(streams) for s, streams in data_state["sources"].items()}
 
 
 def mixture_micro_batches(windows: List[np.ndarray], seeds: List[int], shuffles: List[bool], interleave: Interleave,

@@ -14,7 +14,7 @@ import torch
 from data.builtin import builtin_corpus, load_tokenizer
 from data.mixture import Interleave, merge_mixture_states, mixture_micro_batches
 from data.mixture_spec import parse_mixture
-from data.pipeline import prepare_run_data
+from data.run import prepare_run_data
 from data.spec import DataError, DataSpec
 from launcher import REPO, TINY, launch_forked, read_metrics
 from stream_steps import windows_per_step
