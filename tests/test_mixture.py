@@ -1,8 +1,9 @@
 """Data mixtures (data.mix): the interleave keeps every source within one sample of its share
-after every step; the sample order is the same at every dp and after a resume (against a
-brute-force recomputation); bad mixtures are one line and exit 2; a real run of
-recipes/mix-demo.yaml logs samples and validation loss per source, the same at dp=2 as on one
-process."""
+after every sample (random mixes of 2 to 32 sources); each slot holds the source the rule gives
+it (a brute-force recomputation) and each source's windows once per epoch, the same at every dp
+and after a resume; validation losses are per source; bad mixtures are one line and exit 2; a
+real run of recipes/mix-demo.yaml logs samples and validation loss per source, the same at dp=2
+as on one process."""
 import re
 from fractions import Fraction
 
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 from data.builtin import builtin_corpus, load_tokenizer
-from data.mixture import Interleave, merge_mixture_states, mixture_micro_batches
+from data.mixture import Interleave, merge_mixture_states, mixture_micro_batches, source_seed
+from data.mixture_run import MixtureData
 from data.mixture_spec import parse_mixture
+from data.pipeline import SourceData
 from data.run import prepare_run_data
 from data.spec import DataError, DataSpec
 from launcher import REPO, TINY, launch_forked, read_metrics
@@ -106,8 +109,8 @@ def _global_batches(windows, interleave, seed, dp, steps, start_step=0, B=8, b=2
     """[[window ids of step k, in global-batch order]]: dp rank r's micro-batches are the r-th 1/dp."""
     per_step = [[] for _ in range(steps)]
     for rank in range(dp):
-        it = mixture_micro_batches(windows, [seed + s for s in range(len(windows))], [True] * len(windows),
-                                   interleave, B, b, rank, dp, start_step * B)
+        seeds = [source_seed(seed, s) for s in range(len(windows))]
+        it = mixture_micro_batches(windows, seeds, [True] * len(windows), interleave, B, b, rank, dp, start_step * B)
         for k in range(steps):
             for _ in range(B // dp // b):
                 x, y = next(it)
@@ -117,26 +120,47 @@ def _global_batches(windows, interleave, seed, dp, steps, start_step=0, B=8, b=2
 
 
 def test_order_is_the_same_at_every_dp_and_after_resume():
-    sizes, seed, B = [7, 13, 40], 5, 8  # small sources: several epochs in the run
+    sizes, seed, B = [7, 13, 13], 5, 8  # small sources: several epochs in the run
     weights = [Fraction("0.5"), Fraction("0.3"), Fraction("0.2")]
     sources = parse_mixture(DataSpec(mix=[{"label": f"s{i}", "weight": float(w)} for i, w in enumerate(weights)]))
     interleave = Interleave([s.weight for s in sources])
     windows = _windows(sizes)
     steps = 30
-    # Brute force: source and own position from the rule, then the sampler's per-epoch permutation
-    # of that source (seed + source index), written out independently here.
-    expected = []
-    for s, position in brute_force(weights, steps * B):
-        epoch, i = divmod(position, sizes[s])
-        order = torch.randperm(sizes[s], generator=torch.Generator().manual_seed((seed + s) * 7919 + epoch))
-        expected.append(1000 * s + int(order[i]))
-    expected = [expected[k * B:(k + 1) * B] for k in range(steps)]
-    for dp in (1, 2, 4):
+    expected = _global_batches(windows, interleave, seed, 1, steps)
+    # Each slot holds the window of the source the rule gives its position (brute force), each
+    # source's windows once per epoch, in an order that differs between epochs and between two
+    # sources of one size; the same seed gives the same order, another seed another.
+    rule = brute_force(weights, steps * B)
+    drawn = [i for step in expected for i in step]
+    assert [i // 1000 for i in drawn] == [s for s, _ in rule]
+    epochs = {}  # (source, epoch) -> its window indices in order
+    for (s, position), i in zip(rule, drawn):
+        epochs.setdefault((s, position // sizes[s]), []).append(i % 1000)
+    for (s, epoch), order in epochs.items():
+        assert len(set(order)) == len(order) and (len(order) < sizes[s] or sorted(order) == list(range(sizes[s])))
+    for s in range(3):
+        complete = {tuple(order) for (t, _), order in epochs.items() if t == s and len(order) == sizes[s]}
+        assert len(complete) > 1, s
+    assert epochs[1, 0] != epochs[2, 0]
+    assert _global_batches(windows, interleave, seed, 1, steps) == expected
+    assert _global_batches(windows, interleave, seed + 1, 1, steps) != expected
+    for dp in (2, 4):
         assert _global_batches(windows, interleave, seed, dp, steps) == expected, dp
     for start, dp in ((3, 1), (11, 2), (17, 4)):  # a resume needs only the sample count
         assert _global_batches(windows, interleave, seed, dp, steps - start, start) == expected[start:], (start, dp)
-    drawn = [i for step in expected for i in step]
-    assert {i % 1000 for i in drawn if i // 1000 == 0} == set(range(7))  # the small source repeated whole
+
+
+def test_validation_loss_is_each_sources_own_weighted_by_the_mixture():
+    """Each source's validation loss comes from its own validation windows; the mixture's is their
+    mean weighted by the mixture's weights (3 and 1: 3/4 and 1/4)."""
+    sources = parse_mixture(DataSpec(mix=[{"label": "a", "weight": 3}, {"label": "b", "weight": 1}]))
+    parts = [SourceData(spec=s.spec, tokenizer=None, seq_len=4, seed=0, global_batch_size=2, micro_batch_size=1,
+                        train_windows=w, val_windows=w + 1) for s, w in zip(sources, _windows([2, 2]))]
+    mixture = MixtureData(sources=sources, parts=parts, windows_per_epoch=[2, 2], interleave=Interleave([3, 1]),
+                          tokenizer=None, seq_len=4, seed=0, global_batch_size=2, micro_batch_size=1)
+    loss, by_source = mixture.validation_losses(lambda part: float(part.val_windows[0, 0]))
+    assert by_source == {"a": 1.0, "b": 1001.0}
+    assert loss == 0.75 * 1.0 + 0.25 * 1001.0
 
 
 def test_a_one_source_mixture_is_the_plain_source():
@@ -264,7 +288,6 @@ def test_mix_demo_trains_with_metrics_per_source_and_the_same_losses_at_dp2(tmp_
         by_source = one[step - 1]["val_loss_by_source"]
         assert sorted(by_source) == ["docs", "python"]
         assert abs(one[step - 1]["val_loss"] - (0.8 * by_source["python"] + 0.2 * by_source["docs"])) < 1e-9
-    assert by_source["docs"] != by_source["python"]
     for a, b in zip(one, two):
         assert a["samples_by_source"] == b["samples_by_source"]
         for key in ("loss", "grad_norm", "val_loss"):
