@@ -86,10 +86,13 @@ def test_every_source_stays_within_one_sample_of_its_share_for_any_number_of_sou
     mixes = [[1, 3, 41, 53, 1]] if seed == 0 else []  # 0.01/0.03/0.41/0.53/0.01
     for i in range(80):
         k = int(rng.integers(2, 33))
-        draw = [lambda: rng.integers(0, int(rng.choice([3, 10, 100])), k),
-                lambda: np.round(rng.dirichlet(np.full(k, 0.5)) * 1000),
-                lambda: 10 ** rng.uniform(0, 3, k)][i % 3]
-        mixes.append([int(w) for w in draw()])
+        if i % 3 == 0:
+            weights = rng.integers(0, int(rng.choice([3, 10, 100])), k)
+        elif i % 3 == 1:
+            weights = np.round(rng.dirichlet(np.full(k, 0.5)) * 1000)
+        else:
+            weights = 10 ** rng.uniform(0, 3, k)
+        mixes.append([int(w) for w in weights])
     for weights in mixes:
         if not any(weights):
             weights[0] = 1
