@@ -26,7 +26,7 @@ import datasets
 import torch
 
 from data.builtin import builtin_corpus, load_tokenizer
-from data.pipeline import prepare_run_data
+from data.run import prepare_run_data
 from data.spec import DataSpec
 from data.streaming import merge_states
 from launch.config.recipe import load_recipe

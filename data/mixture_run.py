@@ -9,19 +9,16 @@ windows. A source's own errors (an unknown file, a missing text column...) name 
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from data.mixture import Interleave, MixtureBatches, SourceReader, merge_mixture_states, mixture_states_from, source_seed
 from data.mixture_spec import MixSource, parse_mixture
-from data.pipeline import (Batch, RunData, check_streams, first_windows, on_device, shared_over_tp, stream_sources,
-                           train_source)
+from data.pipeline import Batch, RunData, SourceData, check_streams, first_windows, stream_sources
 from data.spec import DataError, DataSpec
-from data.streaming import stream_windows
+from data.streaming import gathered_states
 from data.windows import CachedStreams, cached_validation_windows, prepare_streams, windows
 
 
@@ -45,23 +42,18 @@ def build_source_caches(sources: List[MixSource], tokenizer: PreTrainedTokenizer
     return built
 
 
-@dataclass
-class MixtureData:
-    """data/pipeline.py's RunData for a mixture: the same methods the training loop calls, plus
-    the counts per source and validation per source."""
+@dataclass(kw_only=True)
+class MixtureData(RunData):
+    """A run's data over a mixture: RunData's methods, plus the counts per source and
+    validation per source."""
     sources: List[MixSource]
-    parts: List[RunData]
+    parts: List[SourceData]
     """One per source: its windows (train_windows None when streamed), its seed
     (data/mixture.py: source_seed) and its spec."""
     windows_per_epoch: List[Optional[int]]
     """Training windows per epoch of each source; None for a streamed source too large to count
     at start-up."""
     interleave: Interleave
-    tokenizer: PreTrainedTokenizerBase
-    seq_len: int
-    seed: int
-    global_batch_size: int
-    micro_batch_size: int
 
     @property
     def labels(self) -> List[str]:
@@ -72,72 +64,45 @@ class MixtureData:
         return all(part.has_validation for part in self.parts)
 
     @property
-    def streamed(self) -> List[int]:
-        return [i for i, part in enumerate(self.parts) if part.train_windows is None]
+    def streamed(self) -> bool:
+        return any(part.streamed for part in self.parts)
 
     def readers(self) -> List[SourceReader]:
-        readers = []
-        for part in self.parts:
-            spec = part.spec
-            if part.train_windows is not None:
-                readers.append(SourceReader(part.train_windows, part.seed, spec.shuffle))
-                continue
-            open_stream = partial(stream_windows, train_source(spec), self.tokenizer, self.seq_len, part.seed,
-                                  spec.shuffle, spec.shuffle_buffer, n_streams=spec.streams)
-            readers.append(SourceReader(seed=part.seed, shuffle=spec.shuffle, n_streams=spec.streams,
-                                        open_stream=lambda t, state, open_stream=open_stream:
-                                        open_stream(stream=t, state=state)))
-        return readers
+        return [SourceReader(seed=part.seed, shuffle=part.spec.shuffle, n_streams=part.spec.streams,
+                             open_stream=part.stream_opener()) if part.streamed
+                else SourceReader(part.train_windows, part.seed, part.spec.shuffle) for part in self.parts]
 
     def train_batches(self, dp_rank: int, dp_size: int, start_sample: int = 0,
                       data_state: Optional[dict] = None) -> Iterator[Batch]:
-        """This dp rank's micro-batches from global sample position `start_sample` on. Cached
-        sources need nothing but the position; streamed ones resume from `data_state` (the
-        checkpoint's stream positions), or without it re-read up to the position."""
-        step = start_sample // self.global_batch_size
+        """Cached sources need nothing but the position; streamed ones resume from `data_state`,
+        or without it re-read up to the position."""
         resume_here = data_state is not None or not self.streamed
         batches = MixtureBatches(self.readers(), self.interleave, self.global_batch_size, self.micro_batch_size,
-                                 dp_rank, dp_size, step if resume_here else 0, mixture_states_from(data_state))
-        if not resume_here:
-            for _ in range(step * self.global_batch_size // dp_size // self.micro_batch_size):
-                next(batches)
-        return batches
-
-    def feed(self, batches: Iterator[Batch], tp_group, device: torch.device) -> Iterator[Batch]:
-        """As RunData.feed: with a streamed source at tp > 1, only TP rank 0 of a stage reads."""
-        if not self.streamed or tp_group is None:
-            return on_device(batches, device)
-        import torch.distributed as dist
-        reader = dist.get_rank(tp_group) == 0
-        return shared_over_tp(on_device(batches, device) if reader else None, tp_group,
-                              (self.micro_batch_size, self.seq_len), device)
+                                 dp_rank, dp_size, start_sample // self.global_batch_size if resume_here else 0,
+                                 mixture_states_from(data_state))
+        return batches if resume_here else self.reread_to(batches, start_sample, dp_size)
 
     def gather_data_state(self, batches: MixtureBatches) -> Optional[dict]:
-        """Collective when a source is streamed (every rank calls it): the position of every stream
-        of every streamed source. None when all are cached: the sample count is the whole position."""
+        """The position of every stream of every streamed source."""
         if not self.streamed:
             return None
-        import torch.distributed as dist
-        everyone: List[Optional[dict]] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, batches.state())
-        return merge_mixture_states(everyone)
+        return merge_mixture_states(gathered_states(batches.state()))
 
     def check_data_state(self, data_state: Optional[dict], samples: int) -> None:
-        """A checkpoint's stream positions fit this mixture (before training starts)."""
         if data_state is None:
             return
         if "sources" not in data_state:
             raise DataError("the checkpoint holds the position of one streamed source, this run reads a mixture "
                             "(data.mix): resume with the data section it was saved with")
         saved = {int(s): len(streams) for s, streams in data_state["sources"].items()}
-        wanted = {i: self.parts[i].spec.streams for i in self.streamed}
+        wanted = {i: part.spec.streams for i, part in enumerate(self.parts) if part.streamed}
         if saved != wanted:
             raise DataError(f"the checkpoint's data position has streams {saved} per streamed source (by index "
                             f"in data.mix), this run {wanted}: resume with the data.mix it was saved with")
-        if data_state["step"] * self.global_batch_size != samples:
-            raise DataError(f"the checkpoint's data position is after {data_state['step']} steps of "
-                            f"{self.global_batch_size} samples, not after its {samples} samples: "
-                            f"resume with the train.global_batch_size it was saved with")
+        self.check_saved_step(data_state, samples)
+
+    def step_record(self, samples: int) -> Dict[str, Any]:
+        return {"samples_by_source": self.samples_by_source(samples)}
 
     def samples_by_source(self, samples: int) -> Dict[str, int]:
         """label -> samples drawn from that source in global positions [0, samples)."""
@@ -147,7 +112,7 @@ class MixtureData:
         """Validation global batches every source holds, up to `wanted`."""
         return min(part.eval_global_batches(wanted) for part in self.parts)
 
-    def validation_losses(self, loss_of: Callable[[RunData], float]) -> Tuple[float, Dict[str, float]]:
+    def validation_losses(self, loss_of: Callable[[SourceData], float]) -> Tuple[float, Dict[str, float]]:
         """(validation loss, label -> each source's own `loss_of`): the mixture's loss is the
         per-source losses weighted by the mixture's weights, i.e. the expected loss of a
         validation sample drawn the way training samples are."""
@@ -185,8 +150,8 @@ def prepare_mixture(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len:
     window, need_val = seq_len + 1, eval_batches * global_batch_size
     parts, per_epoch = [], []
     for source, streams in zip(sources, build_source_caches(sources, tokenizer)):
-        part = RunData(source.spec, tokenizer, seq_len, source_seed(seed, source.index), global_batch_size,
-                       micro_batch_size)
+        part = SourceData(spec=source.spec, tokenizer=tokenizer, seq_len=seq_len, seed=source_seed(seed, source.index),
+                          global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
         if streams is None:  # streamed: every stream holds a window; validation read once and cached
             with naming(source):
                 train, val = stream_sources(source.spec)
@@ -210,5 +175,6 @@ def prepare_mixture(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len:
                             f"{eval_batches} x {global_batch_size} = {need_val}; raise its val_fraction, lower "
                             f"train.eval_batches, or set train.eval_every=0")
         parts.append(part)
-    return MixtureData(sources, parts, per_epoch, interleave, tokenizer, seq_len, seed, global_batch_size,
-                       micro_batch_size)
+    return MixtureData(sources=sources, parts=parts, windows_per_epoch=per_epoch, interleave=interleave,
+                       tokenizer=tokenizer, seq_len=seq_len, seed=seed, global_batch_size=global_batch_size,
+                       micro_batch_size=micro_batch_size)

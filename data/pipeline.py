@@ -1,15 +1,18 @@
-"""The data of a run: train micro-batches from any position and validation batches,
-map-style (cached, memory-mapped windows) or streaming. The one entry point launch/ uses.
+"""One source's data (SourceData), map-style (cached, memory-mapped windows) or streaming, and
+what the training loop sees of a run's data (RunData, which a mixture implements too:
+data/mixture_run.py): train micro-batches from any position, validation batches, the copy to
+the device and TP sharing.
 
-`prepare_run_data` runs before any process group starts and checks, in both modes, that the
+`prepare_source_data` runs before any process group starts and checks, in both modes, that the
 training data holds at least one global batch and the validation data `eval_batches` of them,
 so that a run never stops at its first step or its first evaluation. Validation is windows in
 memory (map-style: the cached stream; streaming: the first eval_batches * B windows of the
 held-out documents, read once and cached), evaluated the same way in both modes.
 """
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -18,11 +21,9 @@ from transformers import PreTrainedTokenizerBase
 from data.sampler import micro_batches
 from data.sources import held_out, load_stream_sources
 from data.spec import DataError, DataSpec
-from data.streaming import (START, StreamingBatches, StreamSource, gather_data_state, packed_windows, read_rows,
-                            states_from, stream_documents, stream_windows)
+from data.streaming import (START, Batch, StreamingBatches, StreamSource, StreamState, gather_data_state,
+                            packed_windows, read_rows, states_from, stream_documents, stream_windows)
 from data.windows import cached_validation_windows, prepare_streams, windows
-
-Batch = Tuple[torch.Tensor, torch.Tensor]
 
 
 def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]:
@@ -57,65 +58,128 @@ def shared_over_tp(batches: Optional[Iterator[Batch]], tp_group, shape: Tuple[in
         yield x, y
 
 
-@dataclass
-class RunData:
-    spec: DataSpec
+@dataclass(kw_only=True)
+class RunData(ABC):
+    """What the training loop sees of a run's data: one source (SourceData) or a mixture
+    (data/mixture_run.py's MixtureData), built by data/run.py's prepare_run_data."""
     tokenizer: PreTrainedTokenizerBase
     seq_len: int
     seed: int
     global_batch_size: int
     micro_batch_size: int
-    train_windows: Optional[np.ndarray] = None
-    """(N, seq_len + 1) in map-style mode; None when streaming."""
-    val_windows: Optional[np.ndarray] = None
 
     @property
-    def has_validation(self) -> bool:
-        return self.spec.val_split is not None or self.spec.val_fraction > 0
+    @abstractmethod
+    def streamed(self) -> bool:
+        """Whether any training data is read on the fly (its positions go into checkpoints)."""
 
+    @property
+    @abstractmethod
+    def has_validation(self) -> bool:
+        """Whether validation data is held out (in every source)."""
+
+    @abstractmethod
     def train_batches(self, dp_rank: int, dp_size: int, start_sample: int = 0,
                       data_state: Optional[dict] = None) -> Iterator[Batch]:
-        """This dp rank's micro-batches from global sample position `start_sample` on. Streaming
-        resumes from `data_state` (the checkpoint's stream positions) without re-reading; a
+        """This dp rank's micro-batches from global sample position `start_sample` on. Streamed
+        data resumes from `data_state` (the checkpoint's stream positions) without re-reading; a
         checkpoint without one (saved before streams had positions) is re-read up to its step."""
-        if self.train_windows is not None:
-            return micro_batches(self.train_windows, self.seed, self.global_batch_size, self.micro_batch_size,
-                                 dp_rank, dp_size, start_sample, self.spec.shuffle)
-        spec = self.spec
-        train = train_source(spec)
-        open_stream = partial(stream_windows, train, self.tokenizer, self.seq_len, self.seed, spec.shuffle,
-                              spec.shuffle_buffer, n_streams=spec.streams)
-        step = start_sample // self.global_batch_size
-        batches = StreamingBatches(lambda s, state: open_stream(stream=s, state=state), spec.streams,
-                                   self.global_batch_size, self.micro_batch_size, dp_rank, dp_size,
-                                   step if data_state is not None else 0, states_from(data_state))
-        if data_state is None:
-            for _ in range(step * self.global_batch_size // dp_size // self.micro_batch_size):
-                next(batches)
-        return batches
+
+    @abstractmethod
+    def gather_data_state(self, batches: Iterator[Batch]) -> Optional[dict]:
+        """Collective when streamed (every rank calls it): the position of every stream, gathered
+        from the ranks that read them, for the checkpoint; None when nothing is streamed, where
+        the sample count is the whole position."""
+
+    @abstractmethod
+    def check_data_state(self, data_state: Optional[dict], samples: int) -> None:
+        """A checkpoint's stream positions fit this run (before training starts); DataError if not."""
+
+    @abstractmethod
+    def eval_global_batches(self, wanted: int) -> int:
+        """How many validation global batches exist (in every source), up to `wanted`."""
+
+    @abstractmethod
+    def validation_losses(self, loss_of: Callable[["SourceData"], float]
+                          ) -> Tuple[float, Optional[Dict[str, float]]]:
+        """(validation loss, label -> each source's loss, or None for one source), `loss_of`
+        giving one source's loss."""
+
+    def step_record(self, samples: int) -> Dict[str, Any]:
+        """What a step's metrics record adds after `samples` samples: nothing for one source."""
+        return {}
+
+    def repeat_report(self, steps: int) -> Optional[str]:
+        """What the run will draw from each source, printed once at the start; None for one source."""
+        return None
 
     def feed(self, batches: Iterator[Batch], tp_group, device: torch.device) -> Iterator[Batch]:
-        """What DeepSpeed's engine draws from: `batches` on the device (`on_device`); when
-        streaming at tp > 1, only TP rank 0 of a stage reads and tokenizes them (`shared_over_tp`).
-        `batches` stays the source of the position a checkpoint records."""
-        if self.train_windows is not None or tp_group is None:  # map-style: a memory-mapped slice
+        """What DeepSpeed's engine draws from: `batches` on the device (`on_device`); when data
+        is streamed at tp > 1, only TP rank 0 of a stage reads and tokenizes them
+        (`shared_over_tp`). `batches` stays the source of the position a checkpoint records."""
+        if not self.streamed or tp_group is None:  # cached: a memory-mapped slice, cheap on every rank
             return on_device(batches, device)
         import torch.distributed as dist
         reader = dist.get_rank(tp_group) == 0
         return shared_over_tp(on_device(batches, device) if reader else None, tp_group,
                               (self.micro_batch_size, self.seq_len), device)
 
+    def reread_to(self, batches: Iterator[Batch], start_sample: int, dp_size: int) -> Iterator[Batch]:
+        """`batches`, opened at sample 0, advanced to `start_sample` by reading (a streamed resume
+        from a checkpoint without stream positions)."""
+        for _ in range(start_sample // dp_size // self.micro_batch_size):
+            next(batches)
+        return batches
+
+    def check_saved_step(self, data_state: dict, samples: int) -> None:
+        """The stream positions were saved after the checkpoint's samples (the same global batch)."""
+        if data_state["step"] * self.global_batch_size != samples:
+            raise DataError(f"the checkpoint's data position is after {data_state['step']} steps of "
+                            f"{self.global_batch_size} samples, not after its {samples} samples: "
+                            f"resume with the train.global_batch_size it was saved with")
+
+
+@dataclass(kw_only=True)
+class SourceData(RunData):
+    """One source's data: cached windows (map-style) or streamed (`spec.streaming`)."""
+    spec: DataSpec
+    train_windows: Optional[np.ndarray] = None
+    """(N, seq_len + 1) in map-style mode; None when streaming."""
+    val_windows: Optional[np.ndarray] = None
+
+    @property
+    def streamed(self) -> bool:
+        return self.train_windows is None
+
+    @property
+    def has_validation(self) -> bool:
+        return self.spec.val_split is not None or self.spec.val_fraction > 0
+
+    def stream_opener(self) -> Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]]:
+        """(stream, state) -> that stream's windows from `state` on (data/streaming.py's stream_windows)."""
+        spec = self.spec
+        open_stream = partial(stream_windows, train_source(spec), self.tokenizer, self.seq_len, self.seed,
+                              spec.shuffle, spec.shuffle_buffer, n_streams=spec.streams)
+        return lambda stream, state: open_stream(stream=stream, state=state)
+
+    def train_batches(self, dp_rank: int, dp_size: int, start_sample: int = 0,
+                      data_state: Optional[dict] = None) -> Iterator[Batch]:
+        if not self.streamed:
+            return micro_batches(self.train_windows, self.seed, self.global_batch_size, self.micro_batch_size,
+                                 dp_rank, dp_size, start_sample, self.spec.shuffle)
+        resume_here = data_state is not None
+        step = start_sample // self.global_batch_size if resume_here else 0
+        batches = StreamingBatches(self.stream_opener(), self.spec.streams, self.global_batch_size,
+                                   self.micro_batch_size, dp_rank, dp_size, step, states_from(data_state))
+        return batches if resume_here else self.reread_to(batches, start_sample, dp_size)
+
     def gather_data_state(self, batches: Iterator[Batch]) -> Optional[dict]:
-        """Collective (every rank calls it): the position of every stream, gathered from the
-        ranks that read them, for the checkpoint; None in map-style mode, where the sample
-        count is the whole position."""
-        if self.train_windows is not None:
+        if not self.streamed:
             return None
         return gather_data_state(batches.state(), self.spec.streams)
 
     def check_data_state(self, data_state: Optional[dict], samples: int) -> None:
-        """A checkpoint's stream positions fit this run (before training starts)."""
-        if data_state is None or self.train_windows is not None:
+        if data_state is None or not self.streamed:
             return
         if "sources" in data_state:  # saved by a mixture's streamed sources (data/mixture.py)
             raise DataError("the checkpoint holds the stream positions of a mixture (data.mix), this run reads one "
@@ -124,10 +188,7 @@ class RunData:
             raise DataError(f"the checkpoint's data position is for data.streams={data_state['streams_total']}, "
                             f"this run has data.streams={self.spec.streams}; resume with "
                             f"--set data.streams={data_state['streams_total']}")
-        if data_state["step"] * self.global_batch_size != samples:
-            raise DataError(f"the checkpoint's data position is after {data_state['step']} steps of "
-                            f"{self.global_batch_size} samples, not after its {samples} samples: "
-                            f"resume with the train.global_batch_size it was saved with")
+        self.check_saved_step(data_state, samples)
 
     def val_batches(self, dp_rank: int, dp_size: int, n_global_batches: int) -> Iterator[Batch]:
         """The first `n_global_batches` global batches of the validation windows, unshuffled:
@@ -136,14 +197,11 @@ class RunData:
                              dp_rank, dp_size, 0, shuffle=False)
 
     def eval_global_batches(self, wanted: int) -> int:
-        """How many validation global batches exist, up to `wanted`."""
         if self.val_windows is None:
             return 0
         return min(wanted, len(self.val_windows) // self.global_batch_size)
 
-    def validation_losses(self, loss_of: Callable[["RunData"], float]) -> Tuple[float, Optional[Dict[str, float]]]:
-        """(validation loss, per source): `loss_of(self)`, and None (one source; a mixture's
-        MixtureData gives each source's loss too)."""
+    def validation_losses(self, loss_of: Callable[["SourceData"], float]) -> Tuple[float, None]:
         return loss_of(self), None
 
 
@@ -217,19 +275,15 @@ def check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreTrainedTok
     return sum(t // window for t in tokens)  # each stream packs its own documents
 
 
-def prepare_run_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
-                     global_batch_size: int, micro_batch_size: int, evaluate: bool,
-                     eval_batches: int = 1) -> RunData:
-    """Check the data against the run and build (or reuse) its cache; raises DataError. A mixture
-    (`data.mix`) gives data/mixture_run.py's MixtureData, which has the same methods."""
-    if spec.mix:
-        from data.mixture_run import prepare_mixture
-        return prepare_mixture(spec, tokenizer, seq_len, seed, global_batch_size, micro_batch_size, evaluate,
-                               eval_batches)
+def prepare_source_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
+                        global_batch_size: int, micro_batch_size: int, evaluate: bool,
+                        eval_batches: int = 1) -> SourceData:
+    """Check one source's data against the run and build (or reuse) its cache; raises DataError."""
     if evaluate and spec.val_split is None and spec.val_fraction <= 0:
         raise DataError("train.eval_every > 0 needs validation data: set data.val_split or data.val_fraction "
                         "(or train.eval_every=0)")
-    data = RunData(spec, tokenizer, seq_len, seed, global_batch_size, micro_batch_size)
+    data = SourceData(spec=spec, tokenizer=tokenizer, seq_len=seq_len, seed=seed,
+                      global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
     window, need_val = seq_len + 1, eval_batches * global_batch_size
     if spec.streaming:
         train, val = stream_sources(spec)  # one load of the data for both checks

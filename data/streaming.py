@@ -22,7 +22,7 @@ taken: bounded by one shard and one block, whatever the samples consumed. (`data
 IterableDataset.state_dict() would not do: it does not save a shuffle buffer's contents.)
 """
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import datasets
 import numpy as np
@@ -176,19 +176,16 @@ def stream_windows(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq
             yield item
 
 
-class StreamingBatches:
-    """Endless (input_ids, labels), each (b, seq_len) int64, of one dp rank, and the position
-    of every stream it reads as of its last complete step (`state()`, for checkpoints)."""
+class StepBatches:
+    """Endless (input_ids, labels), each (b, seq_len) int64, of one dp rank, step after step from
+    step `step`: the rank holds slots [lo, hi) of every global batch (its r-th contiguous 1/dp),
+    drawn in micro-batches of b. A subclass gives each step's windows of those slots and the
+    stream states after the step (`step_windows`); they become its position (`consumed`) when the
+    step's last micro-batch is drawn, so a checkpoint records exactly what was trained."""
 
-    def __init__(self, open_stream: Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]],
-                 n_streams: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 step: int, states: Dict[int, StreamState]):
-        self.per_stream = global_batch_size // n_streams
+    def __init__(self, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, step: int):
+        self.global_batch_size, self.micro_batch_size, self.step = global_batch_size, micro_batch_size, step
         self.lo, self.hi = dp_rank * global_batch_size // dp_size, (dp_rank + 1) * global_batch_size // dp_size
-        self.mine = range(self.lo // self.per_stream, (self.hi - 1) // self.per_stream + 1)
-        self.micro_batch_size, self.step = micro_batch_size, step
-        self.states = {s: states.get(s, (START, 0)) for s in self.mine}
-        self.streams = {s: open_stream(s, self.states[s]) for s in self.mine}
         self._batches = self._generate()
 
     def __iter__(self):
@@ -197,50 +194,100 @@ class StreamingBatches:
     def __next__(self) -> Batch:
         return next(self._batches)
 
+    def open_streams(self, open_stream: Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]],
+                     n_streams: int, saved: Dict[int, StreamState]
+                     ) -> Tuple[Dict[int, StreamState], Dict[int, Iterator[Tuple[np.ndarray, StreamState]]]]:
+        """(state, opened stream) of each stream this rank reads: stream t owns the contiguous slots
+        [t*B/S, (t+1)*B/S) of every global batch; each opens at its saved state (START when none)."""
+        per = self.global_batch_size // n_streams
+        states = {t: saved.get(t, (START, 0)) for t in range(self.lo // per, (self.hi - 1) // per + 1)}
+        return states, {t: open_stream(t, state) for t, state in states.items()}
+
+    def step_windows(self) -> Tuple[List[np.ndarray], Any]:
+        """This rank's windows of the current step, in slot order, and the stream states after it."""
+        raise NotImplementedError
+
+    def consumed(self, after: Any) -> None:
+        """The stream states after the step (from `step_windows`) are now the position."""
+        raise NotImplementedError
+
     def _generate(self) -> Iterator[Batch]:
         b = self.micro_batch_size
         while True:
-            windows, after = [], {}
-            for s in self.mine:
-                for j in range(self.per_stream):
-                    w, after[s] = next(self.streams[s])
-                    if self.lo <= s * self.per_stream + j < self.hi:
-                        windows.append(w)
-            for i in range(0, len(windows), b):
-                if i + b >= len(windows):  # the step's last micro-batch: the step is consumed
-                    self.states.update(after)
+            rows, after = self.step_windows()
+            for i in range(0, len(rows), b):
+                if i + b >= len(rows):  # the step's last micro-batch: the step is consumed
+                    self.consumed(after)
                     self.step += 1
-                batch = torch.from_numpy(np.stack(windows[i:i + b]))  # (b, seq_len + 1)
+                batch = torch.from_numpy(np.stack(rows[i:i + b]).astype(np.int64, copy=False))  # (b, seq_len + 1)
                 yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+class StreamingBatches(StepBatches):
+    """StepBatches of one streamed source: each stream gives its B/S windows to every step, in
+    stream order; `state()` is the position of every stream the rank reads, for checkpoints."""
+
+    def __init__(self, open_stream: Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]],
+                 n_streams: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 step: int, states: Dict[int, StreamState]):
+        super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size, step)
+        self.per_stream = global_batch_size // n_streams
+        self.states, self.streams = self.open_streams(open_stream, n_streams, states)
+
+    def step_windows(self) -> Tuple[List[np.ndarray], Dict[int, StreamState]]:
+        windows, after = [], {}
+        for s, stream in self.streams.items():
+            for j in range(self.per_stream):
+                w, after[s] = next(stream)
+                if self.lo <= s * self.per_stream + j < self.hi:
+                    windows.append(w)
+        return windows, after
+
+    def consumed(self, after: Dict[int, StreamState]) -> None:
+        self.states.update(after)
 
     def state(self) -> dict:
         """JSON-able: the steps consumed and the state of each stream this rank reads."""
-        return {"step": self.step,
-                "streams": {str(s): {"block": list(first), "taken": taken}
-                            for s, (first, taken) in self.states.items()}}
+        return {"step": self.step, "streams": encoded_states(self.states)}
+
+
+def encoded_states(states: Dict[int, StreamState]) -> dict:
+    return {str(s): {"block": list(first), "taken": taken} for s, (first, taken) in states.items()}
+
+
+def decoded_states(encoded: dict) -> Dict[int, StreamState]:
+    return {int(s): (tuple(v["block"]), v["taken"]) for s, v in encoded.items()}
+
+
+def latest_states(local_states: List[dict]) -> Tuple[int, List[dict]]:
+    """(the last step, the ranks' `state()`s at it): ranks that never read (middle pipeline
+    stages) still hold an older step and are left out."""
+    step = max(s["step"] for s in local_states)
+    return step, [s for s in local_states if s["step"] == step]
 
 
 def merge_states(local_states: List[dict], n_streams: int) -> dict:
-    """One position of every stream from the ranks' `state()`s: ranks that never read (middle
-    pipeline stages) still hold an older step and are ignored."""
-    step = max(s["step"] for s in local_states)
+    """One position of every stream from the ranks' `state()`s."""
+    step, latest = latest_states(local_states)
     streams: Dict[str, dict] = {}
-    for s in local_states:
-        if s["step"] == step:
-            streams.update(s["streams"])
+    for s in latest:
+        streams.update(s["streams"])
     assert len(streams) == n_streams, (sorted(streams), n_streams)
     return {"streams_total": n_streams, "step": step, "streams": streams}
 
 
-def gather_data_state(local: dict, n_streams: int) -> dict:
-    """Collective over the world: every rank calls it and gets the whole position."""
+def gathered_states(local: dict) -> List[dict]:
+    """Collective over the world: every rank calls it with its `state()` and gets everyone's."""
     import torch.distributed as dist
     everyone: List[Optional[dict]] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)
-    return merge_states(everyone, n_streams)
+    return everyone
+
+
+def gather_data_state(local: dict, n_streams: int) -> dict:
+    """Collective over the world: every rank calls it and gets the whole position."""
+    return merge_states(gathered_states(local), n_streams)
 
 
 def states_from(data_state: Optional[dict]) -> Dict[int, StreamState]:
-    if data_state is None:
-        return {}
-    return {int(s): (tuple(v["block"]), v["taken"]) for s, v in data_state["streams"].items()}
+    return {} if data_state is None else decoded_states(data_state["streams"])

@@ -47,7 +47,7 @@ import torch  # noqa: F401,E402
 import torch._dynamo  # noqa: F401,E402  (torch.optim imports it when the optimizer is built)
 import transformers  # noqa: F401,E402
 
-import data.pipeline  # noqa: F401,E402
+import data.run  # noqa: F401,E402
 import launch.runtime.engine  # noqa: F401,E402
 import launch.runtime.evaluation  # noqa: F401,E402
 import launch.runtime.loop  # noqa: F401,E402

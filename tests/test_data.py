@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from data.builtin import builtin_corpus, load_tokenizer
-from data.pipeline import prepare_run_data
+from data.run import prepare_run_data
 from data.sampler import micro_batches
 from data.spec import DataError, DataSpec
 from data.windows import prepare_streams, windows

@@ -12,7 +12,7 @@ import pytest
 
 from data.builtin import builtin_corpus, load_tokenizer
 from data.cache import default_cache_dir
-from data.pipeline import prepare_run_data
+from data.run import prepare_run_data
 from data.spec import DataError, DataSpec
 from data.streaming import merge_states
 from launcher import TINY, launch_forked, read_metrics

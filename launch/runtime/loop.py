@@ -13,15 +13,15 @@ from launch.runtime.startup import TrainingJob
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     import torch
-    from data.pipeline import RunData
+    from data.pipeline import RunData, SourceData
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from launch.checkpoints.locate import CheckpointRef
     from model.config import GPTConfig
     from model.parallel_state import ParallelState
 
 
-def validation_loss(engine: PipelineEngine, data: RunData, state: ParallelState, layout: Layout, eval_batches: int,
-                    device: torch.device) -> float:
+def validation_loss(engine: PipelineEngine, data: SourceData, state: ParallelState, layout: Layout,
+                    eval_batches: int, device: torch.device) -> float:
     """Mean validation loss over the same global batches at every call, via `eval_batch`."""
     from data.pipeline import on_device
     n = data.eval_global_batches(eval_batches)
@@ -64,7 +64,6 @@ def run_training(job: TrainingJob) -> None:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from data.mixture_run import MixtureData
     from launch.checkpoints import store
     from launch.instruments.comm_counter import install_comm_counter
     from launch.instruments.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak,
@@ -112,9 +111,9 @@ def run_training(job: TrainingJob) -> None:
                                 arithmetic,
                                 resume_after_step=first_step - 1 if resume_from is not None else None,
                                 wandb_run_id=resume_from.meta.get("wandb_run_id") if resume_from is not None else None)
-    mixture = isinstance(data, MixtureData)
-    if mixture and logging_rank:  # says once which sources repeat, and how often
-        print(data.repeat_report(t.steps), flush=True)
+    report = data.repeat_report(t.steps)  # a mixture says once which sources repeat, and how often
+    if report is not None and logging_rank:
+        print(report, flush=True)
     for step in range(first_step, t.steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
         maybe_inject_fault(fault, state.global_rank, step)
@@ -130,8 +129,7 @@ def run_training(job: TrainingJob) -> None:
                   "lr": lr, "loss_scale": loss_scale(engine), "tokens": step * tokens_per_step,
                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved}
-        if mixture:
-            record["samples_by_source"] = data.samples_by_source(samples)
+        record.update(data.step_record(samples))
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             record.update(validation_record(engine, data, state, layout, t.eval_batches, device))
         if metrics is not None:
