@@ -44,7 +44,7 @@ def load_checked_tokenizer(recipe: Recipe) -> Tuple[Any, int]:
 
 
 def load_run_data(recipe: Recipe, layout: Layout) -> Tuple[Any, int]:
-    """(the run's data, vocabulary size): data/pipeline.py's RunData for this recipe and batch."""
+    """(the run's data, vocabulary size): data/run.py's RunData for this recipe and batch."""
     from data.run import prepare_run_data
     tokenizer, vocab_size = load_checked_tokenizer(recipe)
     data = prepare_run_data(recipe.data, tokenizer, recipe.seq_len, recipe.train.seed,

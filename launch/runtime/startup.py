@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional
 
 from launch.analysis.partition import with_stage_boundaries
 from launch.config.layout import Layout, check_and_derive_layout
@@ -16,7 +16,6 @@ from launch.runtime.distributed import check_precision_supported, ensure_single_
 from launch.runtime.run_inputs import load_run_data, resolved_recipe_dict
 
 if TYPE_CHECKING:  # annotations only: data/pipeline.py imports torch
-    from data.mixture_run import MixtureData
     from data.pipeline import RunData
     from launch.checkpoints.locate import CheckpointRef
 
@@ -27,8 +26,8 @@ class TrainingJob:
     args: argparse.Namespace
     recipe: Recipe
     layout: Layout
-    data: Union[RunData, MixtureData]
-    """What data/pipeline.py's prepare_run_data returns: one source, or a mixture (data.mix)."""
+    data: RunData
+    """What data/run.py's prepare_run_data returns: one source (SourceData) or a mixture (MixtureData)."""
     vocab_size: int
     resume_from: Optional[CheckpointRef] = None
     """The checkpoint to resume from, or None."""
