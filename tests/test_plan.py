@@ -9,6 +9,7 @@ from pathlib import Path
 
 import matplotlib
 import pytest
+import torch
 import yaml
 from matplotlib import colors
 
@@ -177,12 +178,36 @@ def test_simulated_1f1b_bubble_matches_the_formula(pp, m):
     assert max(e[4] for e in events) == pytest.approx((m + pp - 1) * 3.0)
 
 
-def test_built_layer_specs_follow_the_layer_table():
+LLAMA = GPTConfig(arch="llama", n_layer=3, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=16,
+                  vocab_size=97)
+
+
+@pytest.mark.parametrize("config,kinds,specs", [
+    (CONFIG, ["embed", "wpe"] + ["block"] * 5 + ["ln_f", "head"],
+     [("TokenEmbedding", "embed", None), ("PositionEmbedding", None, None)] + [("Block", None, i) for i in range(5)]
+     + [("LayerNorm", None, None), ("TokenEmbedding", "embed", "logits")]),
+    (LLAMA, ["embed"] + ["block"] * 3 + ["ln_f", "lm_head"],
+     [("TokenEmbedding", None, None)] + [("Block", None, i) for i in range(3)]
+     + [("RMSNorm", None, None), ("LMHead", None, None)]),
+], ids=["gpt2-tied", "llama-untied"])
+def test_built_layer_specs_follow_the_layer_table(config, kinds, specs):
+    """The planner's layer kinds and the specs DeepSpeed builds, layer by layer, against the table
+    written out here: (module, tie key, block index); the tied head is the embedding under the
+    same key with a forward that returns (B, T, V_pad) logits."""
     from model.parallel_state import single_process_state
     from model.pipe import layer_specs
-    kinds = {"TokenEmbedding": "embed", "PositionEmbedding": "wpe", "Block": "block", "LayerNorm": "ln_f"}
-    names = [kinds[spec.typename.__name__] for spec in layer_specs(CONFIG, single_process_state())]
-    assert names[:-1] + ["head"] == formulas.layer_kinds(CONFIG.n_layer)
+    assert formulas.layer_kinds(config) == kinds
+    built = layer_specs(config, single_process_state())
+
+    def described(spec):
+        tied_key = getattr(spec, "key", None)
+        if spec.typename.__name__ == "Block":
+            return "Block", tied_key, spec.module_args[1]
+        return spec.typename.__name__, tied_key, None if getattr(spec, "forward_fn", None) is None else "logits"
+    assert [described(spec) for spec in built] == specs
+    hidden = torch.zeros(1, 3, config.n_embd)
+    logits = built[-1].forward_fn(built[-1].build(), hidden) if config.tie_embeddings else built[-1].build()(hidden)
+    assert logits.shape == (1, 3, config.padded_vocab_size(1))
 
 
 @uses_deepspeed
