@@ -163,14 +163,17 @@ def test_data_cache_lock_gives_up_naming_the_holder(tmp_path, monkeypatch, capsy
         holder.wait()
 
 
-def test_fp16_where_the_accelerator_has_none_is_refused_before_start(monkeypatch, capsys):
-    """The accelerator's own capability answer decides (tests/fp16_on_cpu lifts it for fp16 runs)."""
+@pytest.mark.parametrize("supported", [False, True], ids=["unsupported", "supported"])
+def test_fp16_where_the_accelerator_has_none_is_refused_before_start(supported, monkeypatch, capsys):
+    """The accelerator's own capability answer decides, whatever this machine's is (tests/fp16_on_cpu
+    lifts it for fp16 runs): refused where it says no, accepted where it says yes."""
     from deepspeed.accelerator import get_accelerator
 
     from launch.runtime.distributed import check_precision_supported
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    if get_accelerator().is_fp16_supported():
-        check_precision_supported("fp16")  # no error where fp16 is supported
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: supported)
+    if supported:
+        check_precision_supported("fp16")
     else:
         _one_line_exit_2(["--set", "train.precision=fp16"], capsys, "train.precision=fp16", "fp32 or bf16")

@@ -42,15 +42,12 @@ def test_zero_1_is_4_plus_12_over_d_bytes_per_param():
 
 
 def test_128_gpu_example():
-    """72 layers, hidden 10240, tp=4, pp=4, micro 8, global 256 on 128 GPUs (issue 5)."""
-    gpus, tp, pp, micro, global_batch = 128, 4, 4, 8, 256
-    dp = gpus // (tp * pp)
-    m = global_batch // (micro * dp)
-    assert (dp, m) == (8, 4)
+    """72 layers, hidden 10240, tp=4, pp=4, micro 8, global 256 on 128 GPUs (issue 5): dp = 8 and
+    m = 4 micro-batches per pipeline (the planner derives them: tests/test_plan.py, 128_gpu_example)."""
+    pp, m = 4, 4
     gpt2 = ModelConfig(n_layer=72).resolved()
     assert partition.blocks_per_stage(gpt2, partition.stage_partition(gpt2, pp, "blocks")) == [18, 18, 18, 18]
     assert formulas.bubble_fraction(pp, m) == pytest.approx(3 / 7)
-    assert round(formulas.bubble_fraction(pp, m), 4) == 0.4286
     assert memory_formulas.inflight_microbatches(pp, m) == 4
 
 
@@ -72,7 +69,7 @@ def test_parameter_counts_are_the_built_models(pad_multiple):
     padding = (config.padded_vocab_size(1) - V) * h
     assert formulas.params_exact(l, h, V, s) == built - padding
     assert formulas.stage_params_per_rank(l, h, V, s, tp=1, pp=1, stage=0, pad_multiple=pad_multiple,
-                                           parts=partition.stage_partition(l, 1, "blocks")) == built
+                                           parts=partition.stage_partition(config, 1, "blocks")) == built
 
 
 def test_flops_are_what_torch_counts_in_the_built_model():
@@ -107,7 +104,6 @@ def test_activation_memory_sequence_parallel_and_selective():
     5as/h terms; at tp=1 SP changes nothing; full recompute with SP keeps a 1/t input chunk."""
     s, b, h, a, t = 2048, 1, 12288, 96, 8  # GPT-3 175B: 5as/h = 80, K22 sec. 5
     sbh = s * b * h
-    assert 5 * a * s / h == 80
     act = memory_formulas.activation_bytes_per_layer
     assert act(s, b, h, a, t, sequence_parallel=True) == pytest.approx(sbh * (34 / t + 80 / t))
     assert act(s, b, h, a, t, selective=True) == pytest.approx(sbh * (10 + 24 / t))

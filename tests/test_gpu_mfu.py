@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import step_clock
 from bench import gpu_mfu
 from data.builtin import BUILTIN_VOCAB_SIZE
 from flop_count import counted_flops
@@ -84,16 +85,19 @@ def test_benchmark_step_fits_one_80gb_gpu_by_the_formulas(name, capsys):
 
 
 @pytest.mark.slow  # one training run through launch/train.py
-def test_gpu_mfu_tiny_on_cpu_reports_the_built_models_flops():
+def test_gpu_mfu_tiny_on_cpu_reports_the_built_models_flops(tmp_path):
     """One recipe (at --tiny every recipe is the same toy model; the tests above check each is
     valid), 2 steps, the first left out as warm-up: the reported numbers are the second step's,
     with the FLOPs torch counts in a forward and backward of the toy model on the GPT-2 vocabulary
-    (unpadded: the 47 padding rows are no model FLOPs) and the peak given on the command line."""
+    (unpadded: the 47 padding rows are no model FLOPs) and the peak given on the command line;
+    tokens/s against the tokens the run drew and its train_batch time on the tests' own clock
+    (tests/step_clock.py)."""
     steps, warmup = 2, 1
     peak_tflops = 1e-3  # an explicit peak makes MFU a number on CPU too
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_mfu.py"), "--tiny", "--recipes", "gpt2-124m",
                            "--steps", str(steps), "--warmup", str(warmup), "--json"], cwd=REPO, capture_output=True,
-                          text=True, timeout=900, env=dict(os.environ, GPT3D_PEAK_TFLOPS=str(peak_tflops)))
+                          text=True, timeout=900,
+                          env=dict(os.environ, GPT3D_PEAK_TFLOPS=str(peak_tflops), **step_clock.env(tmp_path)))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     lines = proc.stdout.strip().splitlines()
     (r,) = json.loads(lines[-1])["results"]
@@ -108,7 +112,9 @@ def test_gpu_mfu_tiny_on_cpu_reports_the_built_models_flops():
     flops = B * counted_flops(model, torch.zeros(1, s, dtype=torch.long))  # per sample, times the batch
     assert len(r["step_times_s"]) == steps
     assert r["step"] == 2 and r["step_time_s"] == r["step_times_s"][1]  # the one step after warm-up
-    assert r["tokens_per_s"] == pytest.approx(B * s / r["step_time_s"], rel=1e-9)
+    (clock,) = step_clock.read(tmp_path, 1)
+    assert len(clock) == steps and clock[1]["tokens"] == B * s
+    assert step_clock.implied_step_time_fits(r["tokens_per_s"], B * s, clock[1]["seconds"]), (r, clock)
     assert r["tflops_per_device"] == pytest.approx(flops / r["step_time_s"] / 1e12, rel=1e-6)
     assert r["mfu"] == pytest.approx(flops / r["step_time_s"] / (peak_tflops * 1e12), rel=1e-6)
     assert math.isfinite(r["loss_last"])

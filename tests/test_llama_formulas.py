@@ -80,7 +80,7 @@ def test_general_formulas_are_gpt2_closed_forms_for_gpt2(l, h, a, V, s):
     for recompute in (False, True):
         assert formulas.model_flops_per_step_of(m, 64, s, recompute) == formulas.model_flops_per_step(64, s, l, h, V, recompute)
     for tp, pp in ((1, 1), (2, 2), (4, 3)):
-        parts = partition.stage_partition(l, pp, "blocks")
+        parts = partition.stage_partition(m, pp, "blocks")
         assert [formulas.model_stage_params_per_rank(m, tp, pp, k, parts) for k in range(pp)] == \
             [formulas.stage_params_per_rank(l, h, V, s, tp, pp, k, parts=parts) for k in range(pp)]
 

@@ -6,12 +6,13 @@ sequence parallelism (docs/design.md, the acceptance test); and the checkpoint t
 sequence-parallel run saves after step 3 resumes bit for bit there and re-shards to (2,2,2). The
 runs are the session's parity runs (conftest.py: parity_runs, tag "llama").
 
-Every one of these runs trains with the document mask (`data.document_mask`, tag "docmask"), so
-they also show layout parity with the mask on: the segment ids crossing stages with the hidden
+The default path, without the document mask, runs at (2,2,2) and (4,1,1) (tp=4 > 2 key/value
+heads) against its own (1,1,1). Every other run trains with the document mask (`data.document_mask`,
+tag "docmask"), so they also show layout parity with the mask on: the segment ids crossing stages with the hidden
 states, with DeepSpeed's partitioned sends (tp=2 pp=2 without SP) and without them (SP), under
 full recompute (DeepSpeed's checkpointing of blocks) at (2,2,2) and selective recompute at
 (2,2,2) with SP. Recomputation changes memory, not losses (tests/test_recompute.py). The
-unmasked Llama model is checked against transformers and the dense model in tests/test_llama.py;
+unmasked Llama model is also checked against transformers and the dense model in tests/test_llama.py;
 the per-token losses of the masked (2,2,2) SP run in tests/test_document_mask.py."""
 import pytest
 
@@ -21,8 +22,12 @@ from launcher import LLAMA_TINY, launch_forked, read_metrics
 RTOL = 1e-5
 REFERENCE = (1, 1, 1, "llama", "docmask")
 RECOMPUTE = {(2, 2, 2): "full", (2, 2, 2, "sp"): "selective"}
+# (1,1,2) runs unmasked only in GPT-2's test: data parallelism touches neither the architecture nor the mask.
 LAYOUTS = [layout[:3] + ("llama",) + layout[3:] + ("docmask",) + ((RECOMPUTE[layout],) if layout in RECOMPUTE else ())
-           for layout in GPT2_LAYOUTS + GPT2_SP_LAYOUTS]
+           for layout in GPT2_LAYOUTS + GPT2_SP_LAYOUTS if layout != (1, 1, 2)]
+# The default path, no document mask: TP with pipeline stages and data parallelism, and tp=4 > 2 key/value heads.
+NO_MASK_REFERENCE = (1, 1, 1, "llama")
+NO_MASK_LAYOUTS = [(2, 2, 2, "llama"), (4, 1, 1, "llama")]
 
 
 def _close(got: float, want: float) -> bool:
@@ -36,14 +41,25 @@ def test_llama_tiny_reference_learns_with_clipping(parity_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "-".join(map(str, layout)))
-def test_llama_tiny_layout_matches_single_process(parity_runs, layout):
-    ref, got = parity_runs[REFERENCE]["metrics"], parity_runs[layout]["metrics"]
+@pytest.mark.parametrize("reference,layout", [(REFERENCE, layout) for layout in LAYOUTS]
+                         + [(NO_MASK_REFERENCE, layout) for layout in NO_MASK_LAYOUTS],
+                         ids=["-".join(map(str, layout)) for layout in LAYOUTS + NO_MASK_LAYOUTS])
+def test_llama_tiny_layout_matches_single_process(parity_runs, reference, layout):
+    ref, got = parity_runs[reference]["metrics"], parity_runs[layout]["metrics"]
     assert len(got) == len(ref)
     for r, g in zip(ref, got):
         for key in ("loss", "grad_norm", "val_loss"):
             if key in r:
                 assert _close(g[key], r[key]), (layout, r["step"], key, g[key], r[key])
+
+
+@pytest.mark.slow
+def test_llama_tiny_without_the_mask_trains_another_model(parity_runs):
+    """The unmasked reference is its own run: the mask changes the losses (here from step 4 and
+    every validation, the first batches holding no document boundary inside a sequence)."""
+    masked, unmasked = parity_runs[REFERENCE]["metrics"], parity_runs[NO_MASK_REFERENCE]["metrics"]
+    assert [(m["loss"], m.get("val_loss")) for m in masked] != [(m["loss"], m.get("val_loss")) for m in unmasked]
+    assert unmasked[-1]["loss"] < unmasked[0]["loss"] - 0.1
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import step_clock
 from data.builtin import BUILTIN_VOCAB_SIZE
 from flop_count import counted_flops
 from launch.config.layout import Layout
@@ -137,12 +138,14 @@ def test_resumed_metrics_file_keeps_the_steps_before_the_checkpoint(tmp_path):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """tiny.yaml at dp=2 for 3 steps without evaluation: its metrics file and console."""
-    out = tmp_path_factory.mktemp("metrics") / "metrics.jsonl"
+    """tiny.yaml at dp=2 for 3 steps without evaluation: its metrics file and console, and each
+    rank's train_batch times and tokens on the tests' own clock (tests/step_clock.py)."""
+    directory = tmp_path_factory.mktemp("metrics")
+    out = directory / "metrics.jsonl"
     proc = launch(2, ["--recipe", str(TINY), "--steps", str(STEPS), "--set", "train.eval_every=0",
-                      "--metrics-out", str(out)])
+                      "--metrics-out", str(out)], env=step_clock.env(directory))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return read_metrics(out), proc.stdout
+    return read_metrics(out), proc.stdout, step_clock.read(directory, 2)
 
 
 @pytest.mark.slow  # a 2-process training run
@@ -150,7 +153,7 @@ def test_metrics_file_holds_the_built_models_flops_over_the_measured_step(run):
     """Each record: the batch arithmetic of the recipe, the FLOPs torch counts in the built model
     over the step's time on 2 devices, and a step time that fits between the logger's clock
     readings (elapsed_s, rounded to 0.1 ms) and fills most of them."""
-    records, _ = run
+    records, _, clock = run
     _, flops = built_tiny_model()
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     previous_elapsed = 0.0
@@ -160,7 +163,11 @@ def test_metrics_file_holds_the_built_models_flops_over_the_measured_step(run):
         assert r["mfu"] is None  # CPU: no peak, no made-up MFU
         assert r["loss_scale"] == 1.0  # fp32
         assert r["peak_reserved_bytes"] is None  # CPU
-        assert r["tokens_per_s"] == pytest.approx(16 * 32 / r["step_time_s"], rel=1e-9)
+        # Against the tests' clock: the tokens both ranks drew in this step over rank 0's train_batch time.
+        tokens = sum(rank[r["step"] - 1]["tokens"] for rank in clock)
+        assert tokens == 16 * 32
+        assert step_clock.implied_step_time_fits(r["tokens_per_s"], tokens, clock[0][r["step"] - 1]["seconds"]), \
+            (r, clock[0])
         assert r["tflops_per_device"] == pytest.approx(flops / (r["step_time_s"] * 2) / 1e12, rel=1e-6)
         between_records = r["elapsed_s"] - previous_elapsed
         assert 0.5 * between_records < r["step_time_s"] <= between_records + 1e-4, (r, previous_elapsed)
@@ -171,7 +178,7 @@ def test_metrics_file_holds_the_built_models_flops_over_the_measured_step(run):
 
 @pytest.mark.slow  # the same run
 def test_console_shows_the_summary_once_and_an_eta_per_step(run):
-    _, stdout = run
+    _, stdout, _ = run
     params, _ = built_tiny_model()
     assert stdout.count(f"summary: {params:,} parameters; world 2 = tp 1 x pp 1 x dp 2") == 1
     assert f"per step: 4 micro-batches of 2 per pipeline x dp 2 = 16 samples = 512 tokens; {STEPS} steps" in stdout

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import matplotlib
 import pytest
+import torch
 import yaml
 from matplotlib import colors
 
@@ -18,6 +19,7 @@ from launch.analysis import formulas, partition
 from launch.analysis.pipeline_chart import COLOURS, idle_fraction
 from launch.analysis.schedule_sim import simulate_schedule
 from launch.plan import main
+from model.config import ModelConfig
 from model.gpt import GPTConfig
 from model.parallel_state import init_parallel_state
 from model.pipe import build_pipeline
@@ -45,7 +47,7 @@ def test_128_gpu_example_json(capsys):
     # 18 blocks per stage either way; the last stage's head makes it the slowest: a larger simulated bubble.
     assert plan["blocks_per_stage"] == [18, 18, 18, 18] and plan["bubble_fraction"] > 3 / 7
     assert plan["params_per_device"] == formulas.stage_params_per_rank(
-        72, 10240, 51200, 2048, 4, 4, 0, parts=partition.stage_partition(72, 4, "blocks"))
+        72, 10240, 51200, 2048, 4, 4, 0, parts=partition.stage_partition(ModelConfig(n_layer=72).resolved(), 4, "blocks"))
     assert plan["memory_per_device_bytes"] > 80 * 2 ** 30  # no recompute: over budget, and it says so
     assert any("micro-batches per pipeline" in w for w in plan["warnings"])
     assert any("exceeds --gpu-memory 80" in w and "--recompute full" in w for w in plan["warnings"])
@@ -178,12 +180,36 @@ def test_simulated_1f1b_bubble_matches_the_formula(pp, m):
     assert max(e[4] for e in events) == pytest.approx((m + pp - 1) * 3.0)
 
 
-def test_built_layer_specs_follow_the_layer_table():
+LLAMA = GPTConfig(arch="llama", n_layer=3, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=16,
+                  vocab_size=97)
+
+
+@pytest.mark.parametrize("config,kinds,specs", [
+    (CONFIG, ["embed", "wpe"] + ["block"] * 5 + ["ln_f", "head"],
+     [("TokenEmbedding", "embed", None), ("PositionEmbedding", None, None)] + [("Block", None, i) for i in range(5)]
+     + [("LayerNorm", None, None), ("TokenEmbedding", "embed", "logits")]),
+    (LLAMA, ["embed"] + ["block"] * 3 + ["ln_f", "lm_head"],
+     [("TokenEmbedding", None, None)] + [("Block", None, i) for i in range(3)]
+     + [("RMSNorm", None, None), ("LMHead", None, None)]),
+], ids=["gpt2-tied", "llama-untied"])
+def test_built_layer_specs_follow_the_layer_table(config, kinds, specs):
+    """The planner's layer kinds and the specs DeepSpeed builds, layer by layer, against the table
+    written out here: (module, tie key, block index); the tied head is the embedding under the
+    same key with a forward that returns (B, T, V_pad) logits."""
     from model.parallel_state import single_process_state
     from model.pipe import layer_specs
-    kinds = {"TokenEmbedding": "embed", "PositionEmbedding": "wpe", "Block": "block", "LayerNorm": "ln_f"}
-    names = [kinds[spec.typename.__name__] for spec in layer_specs(CONFIG, single_process_state())]
-    assert names[:-1] + ["head"] == formulas.layer_kinds(CONFIG)
+    assert formulas.layer_kinds(config) == kinds
+    built = layer_specs(config, single_process_state())
+
+    def described(spec):
+        tied_key = getattr(spec, "key", None)
+        if spec.typename.__name__ == "Block":
+            return "Block", tied_key, spec.module_args[1]
+        return spec.typename.__name__, tied_key, None if getattr(spec, "forward_fn", None) is None else "logits"
+    assert [described(spec) for spec in built] == specs
+    hidden = torch.zeros(1, 3, config.n_embd)
+    logits = built[-1].forward_fn(built[-1].build(), hidden) if config.tie_embeddings else built[-1].build()(hidden)
+    assert logits.shape == (1, 3, config.padded_vocab_size(1))
 
 
 @uses_deepspeed

@@ -6,6 +6,8 @@ of the parity test, and the metrics file continues from step 4. At another layou
 uninterrupted run within fp32 rounding, like the layouts themselves do; a checkpoint of a
 sequence-parallel run re-shards the same way.
 """
+import json
+
 import pytest
 
 from conftest import LAYOUTS, REFERENCE, SAVE_AT, STEPS, layout_id
@@ -26,8 +28,11 @@ def _resume(checkpoint, layout, metrics, extra=(), env=None):
 @pytest.mark.parametrize("layout", [REFERENCE] + LAYOUTS, ids=layout_id)
 def test_resume_continues_bitwise(parity_runs, tmp_path, layout):
     run = parity_runs[layout]
+    # The interrupted run's file, with steps 4-5 it trained after the checkpoint marked stale (loss
+    # and norm -1): the resumed run keeps steps 1-3 and must write 4-5 again.
     resumed = tmp_path / "resumed.jsonl"
-    resumed.write_text((run["dir"] / "metrics.jsonl").read_text())  # the interrupted run's file, steps 4-5 included
+    resumed.write_text("".join(json.dumps(r if r["step"] <= SAVE_AT else dict(r, loss=-1.0, grad_norm=-1.0)) + "\n"
+                               for r in run["metrics"]))
     # (1,1,2)'s parity run logged to wandb offline: the resumed run continues that wandb run.
     wandb = layout == (1, 1, 2)
     out = _resume(run["dir"] / "ck" / f"step{SAVE_AT:08d}", layout, resumed, ["--wandb", "offline"] if wandb else [],
