@@ -19,7 +19,7 @@ import math
 
 import pytest
 
-from conftest import LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
+from conftest import ACCEPTANCE_RUNS, LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
 from launcher import TINY, launch_forked, read_metrics
 
 RTOL = 1e-5
@@ -51,11 +51,7 @@ def test_reference_run_learns_with_clipping_active(parity_runs):
     assert ref[-1]["tokens"] == STEPS * 16 * 32  # global batch 16 x seq_len 32
 
 
-# The fast tier (-m "not slow") compares (2,2,2), which has every kind of parallelism, with (1,1,1).
-FAST_LAYOUT = (2, 2, 2)
-
-
-@pytest.mark.parametrize("layout", [pytest.param(layout, marks=[] if layout == FAST_LAYOUT else pytest.mark.slow)
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=[] if layout in ACCEPTANCE_RUNS else pytest.mark.slow)
                                     for layout in LAYOUTS + SP_LAYOUTS], ids=layout_id)
 def test_layout_matches_single_process(parity_runs, layout):
     ref, got = parity_runs[REFERENCE]["metrics"], parity_runs[layout]["metrics"]
