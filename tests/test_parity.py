@@ -1,19 +1,12 @@
-"""The acceptance test: every layout trains the same model.
+"""The acceptance test (docs/design.md, The acceptance test): every layout trains the same model.
 
 The first 5 optimizer steps of recipes/tiny.yaml (fp32, ZeRO-1, gradient clipping active, a
 learning rate that moves the loss) give the same loss and gradient norm, relative difference
 <= 1e-5, at (tp, pp, dp) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,2) and (4,4,1), and with
-sequence parallelism (`model.sequence_parallel`) at (2,2,2) and (4,1,1).
-Each layout runs through DeepSpeed's launcher exactly as a user starts it, once per session,
-when a test first asks for it (conftest.py: parity_runs; tests/test_resume.py resumes the
-checkpoints these runs save).
-
-In bf16 (fp32 master weights and gradient accumulation, bf16 matmuls) the layouts sum the same
-products in other orders and groupings (TP splits the reductions of the row-parallel linears,
-pp=2 runs DeepSpeed's bf16 optimizer instead of ZeRO's), each rounded to bf16's 8-bit significand
-(unit roundoff 2**-8 = 3.9e-3): (2,2,2) with sequence parallelism and (1,2,1) match a bf16 (1,1,1)
-within BF16_RTOL.
-"""
+sequence parallelism (`model.sequence_parallel`) at (2,2,2) and (4,1,1); in bf16, (2,2,2) with
+sequence parallelism and (1,2,1) within BF16_RTOL of a bf16 (1,1,1). Each layout is launched
+once per session, when a test first asks for it (conftest.py: parity_runs, its ranks forked as
+DeepSpeed's launcher starts them; tests/test_resume.py resumes the checkpoints these runs save)."""
 import json
 import math
 

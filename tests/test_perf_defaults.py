@@ -1,4 +1,4 @@
-"""Efficient defaults (issue 6, item 5), checked on one CPU process without DeepSpeed's engine.
+"""Efficient defaults, checked on one CPU process without DeepSpeed's engine.
 
 Fused causal attention, bf16 with fp32 gradient accumulation, ZeRO-1, and no copy of the
 largest tensor (the (B, T, V) logits) in the loss's backward.

@@ -1,28 +1,12 @@
 """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1) on DeepSpeed's own
 pipeline engine: a schedule class and two instructions, installed on one engine.
 
-1F1B's backward of a micro-batch is one pass, B+W: the input gradients the previous stage waits
-for and the weight gradients nothing waits for. ZB-H1 splits it: `BackwardInputPass` (B) runs the
-engine's own backward while our linears defer their weight gradients (model/weight_grad.py), and
-`WeightPass` (W) computes the oldest deferred micro-batch's weight gradients later, where 1F1B
-would wait for a gradient from the next stage.
-
-The schedule is DeepSpeed's TrainSchedule step for step: the same sends and receives in the same
-order, so it pairs across stages exactly as 1F1B does (no new deadlock to reason about), with each
-BackwardPass replaced by a B pass and W passes added:
-  - in each step where 1F1B idles (no forward or backward for this stage), one W if any is queued;
-  - at the end of a B step when more than `stage + 1` W passes are queued, one W: stage k keeps at
-    most k + 1 micro-batches' weight gradients pending, which bounds the memory they hold (their
-    linears' inputs and output gradients) while the later stages, whose gradients the earlier
-    ones wait for, defer the most. A simulation of every placement we tried (launch/instruments/
-    schedule_sim.py plays these same instruction streams) found this one reaching ZB-H1's
-    bubble (p-1)(T_F+T_B-T_W) whenever T_W <= T_B;
-  - the rest before the gradient reductions of the step's end.
-W passes run in micro-batch order, so each gradient is summed in 1F1B's order: the same bits.
-Gradients received from the next stage go into a new buffer each (`_exec_recv_grads`).
-At pp = 1 there is no bubble to fill and 1F1B runs (the tied embedding would otherwise receive its
-two gradients in another order).
-"""
+The schedule is DeepSpeed's TrainSchedule step for step (the same sends and receives in the same
+order), with each backward split into B (`BackwardInputPass`: input gradients, while our linears
+defer their weight gradients, model/weight_grad.py) and W (`WeightPass`: the oldest deferred
+micro-batch's weight gradients), W run where 1F1B idles, when stage k holds more than k + 1
+pending, and before the step's reductions. W passes run in micro-batch order: the same bits as
+1F1B. At pp = 1, 1F1B runs. Why and what it costs: docs/pipeline-schedules.md."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator, List
