@@ -93,21 +93,24 @@ def parity_runs(tmp_path_factory):
 
 
 class FastTierPopen(subprocess.Popen):
-    """subprocess.Popen while a fast test runs: refuses the benchmarks, which train (most through
-    DeepSpeed's launcher). A Python entry point that stops at a bad input (exit 2) is allowed."""
+    """subprocess.Popen while a fast test runs: refuses DeepSpeed's launcher and the benchmarks
+    (which train, most through the launcher). A Python entry point that stops at a bad input
+    (exit 2) is allowed."""
 
     def __init__(self, args, *rest, **kwargs):
-        words = [args] if isinstance(args, (str, bytes, os.PathLike)) else args
-        bench = [str(w) for w in words if str(w).endswith(".py") and Path(str(w)).parent.name == "bench"]
-        if bench:
-            refuse_in_fast_tier(bench[0])
+        words = [str(w) for w in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
+        refused = [w for w in words if Path(w).name == "deepspeed"
+                   or (w.endswith(".py") and Path(w).parent.name == "bench")]
+        if refused:
+            refuse_in_fast_tier(refused[0])
         super().__init__(args, *rest, **kwargs)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """The fast tier's rule, enforced: during a fast test (setup, call and teardown, so a fixture
-    that launches counts too), tests/launcher.py refuses every launch but the acceptance runs."""
+    that launches counts too), every launch but the acceptance runs fails it (launch_forked,
+    ParityRuns, FastTierPopen)."""
     fast = item.get_closest_marker("slow") is None
     launcher.fast_test = item.nodeid if fast else None
     popen = subprocess.Popen
