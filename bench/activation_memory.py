@@ -1,29 +1,11 @@
 """Activation bytes one transformer block saves for backward, per TP rank, against Korthikanti
 et al. 2022 ("K22"): tp = 1, 2, 4 (gloo processes), with and without sequence parallelism,
-with no, selective and full recompute.
-
-Measured exactly, not sampled: every tensor autograd saves during the block's forward passes
-through `torch.autograd.graph.saved_tensors_hooks`; we sum the bytes of the distinct storages
-they live in (q, k and v are views of one c_attn output: counted once), leaving out the
-parameters. That is what the block keeps alive until its backward; no allocator noise.
-DeepSpeed's checkpoint (full recompute) keeps its inputs as an attribute of its autograd node
-rather than through save_for_backward, so those are added from the node.
-
-K22's formulas (launch/analysis/memory_formulas.py) count fp16 bytes (2 per element, 1 per dropout-mask
-element) and an attention that stores its s x s scores. Here activations are fp32 (4 bytes),
-CPU dropout keeps a float mask (4 bytes, not 1), and LayerNorm also keeps its mean and 1/std
-(2 floats per token), which K22 leaves out. The column "K22 count, fp32" is K22's own
-tensor-by-tensor count with those three substitutions (`activation_bytes_per_layer(...,
-element_bytes=4, mask_bytes=4, layernorm_stat_bytes=4)`): it must equal the measurement to
-the byte (tests/test_activation_memory.py asserts it at small sizes). The fp16 column is the
-paper's formula; its ratios differ from the measured ones only through the mask and
-LayerNorm-statistics bytes. With --dropout 0 (our recipes' default) SDPA takes its fused
-kernel and stores no s x s matrix at all (q, k, v, the output and a logsumexp per row), and no
-dropout masks are kept, so the K22 core term over-counts there: the bench says so.
+with no, selective and full recompute. Measured exactly: the distinct storages autograd saves
+(`saved_tensors_hooks`), parameters excluded; K22's count with fp32 bytes must equal it to the
+byte (method and results: docs/performance.md, "Activation memory").
 
     python bench/activation_memory.py [--seq-len 128 --batch 2 --hidden 64 --heads 8 --dropout 0.1]
-                                      [--tp 1,2,4]
-"""
+                                      [--tp 1,2,4]"""
 import argparse
 import os
 import sys

@@ -1,21 +1,11 @@
 """Fault soak: SIGKILL a random rank at random moments, resume each time, and compare the
-result with an uninterrupted run bit for bit.
+result with an uninterrupted run bit for bit: every step's loss and gradient norm, the final
+weights and the optimizer state (the method and results: docs/performance.md, "Fault soak").
 
     python bench/fault_soak.py [--steps 8] [--kills 3] [--seed 3] [--keep DIR]
 
-recipes/tiny.yaml at tp=1 pp=2 (2 CPU processes through DeepSpeed's launcher, as a user starts
-it) trains `--steps` steps with a checkpoint after every step. K times: start the run (or resume
-it with `--load` from its save directory), wait until its metrics file reaches a random step,
-wait a random fraction of a step more (so some kills land mid-step, some mid-save), SIGKILL
-one random rank (a process under the launcher whose command line has --local_rank=R), and wait
-for the launcher to end the job. Then the run is resumed once more and finishes. The seed fixes
-every random choice (which rank, after which step, how long after it); where the kill lands in
-the step depends on the machine's timing.
-Compared with an uninterrupted run of the same command: every step's loss and gradient norm
-(the metrics file, which a resumed run continues after its checkpoint's step; the last record
-of each step counts), and every tensor of the final checkpoint's layer files (the fp32 weights)
-and ZeRO optimizer files (fp32 master weights and Adam moments).
-"""
+The seed fixes every random choice (which rank, after which step, how long after it); where the
+kill lands in the step depends on the machine's timing."""
 import argparse
 import json
 import random

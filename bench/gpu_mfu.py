@@ -4,22 +4,11 @@
     python bench/gpu_mfu.py --json           # last line: one JSON object with every number
     python bench/gpu_mfu.py --tiny           # the same path at toy sizes (CPU: the test)
 
-Each recipe trains through the real path: `launch/train.py` in its own process (tp=pp=dp=1,
-DeepSpeed engine, ZeRO-1, bf16 with fp32 gradient accumulation, the recipe's model), for
-`--steps` steps of `--accum` micro-batches of the recipe's micro-batch size. Its metrics file
-(launch/instruments/metrics.py) gives each step's time, tokens/s, model TFLOP/s (launch/analysis/formulas.py:
-72*B*s*l*h^2*(1 + s/6h + V/12lh), no recompute counted) and MFU against the device's dense
-bf16 peak (H100/H200 989, A100 312 TFLOP/s; GPT3D_PEAK_TFLOPS for others). The first
-`--warmup` steps (CUDA context, cuBLAS heuristics, allocator growth) are left out; the table
-shows the step with the median time of the rest, so its numbers are one step's own metrics.
-
-Offline by construction: the recipes' corpus and GPT-2 tokenizer are replaced by the
-embedded corpus and its tokenizer (data: builtin), while the model keeps the GPT-2 vocabulary
-of 50257 (padded to 50304); the embedded tokenizer's 4096 ids are a subset of it, so the
-model's FLOPs are those of real GPT-2 training. Nothing is downloaded.
-Sizes for one H100/H200 (80 GB suffices): 124M 16x4, 350M 8x8, 1.3B 8x4 samples of 1024
-tokens per step, 30 steps each: about 20-60 s per recipe including start-up.
-"""
+Each recipe trains through the real path (`launch/train.py` in its own process, tp=pp=dp=1,
+ZeRO-1, bf16) on the embedded corpus and tokenizer with the GPT-2 vocabulary kept, so nothing is
+downloaded and the FLOPs are real GPT-2 training's. After `--warmup` steps the table shows the
+median step's own metrics (model TFLOP/s by launch/analysis/formulas.py, MFU against the dense
+bf16 peak; GPT3D_PEAK_TFLOPS for unknown devices). Details: docs/performance.md, "GPU MFU benchmark"."""
 import argparse
 import json
 import os

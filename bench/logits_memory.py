@@ -1,22 +1,10 @@
-"""Memory of the padded-vocabulary logits on DeepSpeed's last pipeline stage, before and after
-issue 15 item 3, measured in the same run.
+"""Memory of the padded-vocabulary logits on DeepSpeed's last pipeline stage: the in-place -inf fill
+and the loss that releases consumed logits, against the earlier code (swapped back in as the peer
+for one measurement), in the same run: one process, the real engine (pp=1 is the last stage), one
+optimizer step under torch's memory profiler; the peak of live bytes above the step's start and
+what the step leaves allocated (docs/performance.md, "Padded-vocabulary logits").
 
-The (B, T, V_pad/tp) logits are the model's largest tensor. Before: the padded columns were
-set to -inf with `masked_fill` (a full copy in forward, and autograd's mask of the gradient
-another in backward), and DeepSpeed's last stage kept each finished micro-batch's logits in
-`pipe_buffers['outputs']` until that buffer's next forward. After: the -inf fill is in place
-(`model/layers.py: _PaddedVocabLogits`) and the loss releases the logits it has consumed
-(`model/pipe.py: make_loss_fn`). The "before" path is re-created here as the peer by swapping
-those two functions back in for one measurement.
-
-One process, the real engine (pp=1 is the last stage), one optimizer step of m micro-batches
-under torch's profiler with memory profiling: each op's own allocations net of its own frees,
-and the frees outside any op, in time order; their running sum is the live bytes (at op
-granularity). We print its peak above the live bytes at the start of the step, and what the
-step leaves allocated.
-
-    python bench/logits_memory.py [--hidden 256 --seq-len 256 --micro 2 --micro-batches 4 --vocab 50257]
-"""
+    python bench/logits_memory.py [--hidden 256 --seq-len 256 --micro 2 --micro-batches 4 --vocab 50257]"""
 import argparse
 import sys
 

@@ -1,32 +1,14 @@
-"""Where the time of one training step goes: model compute, communication, everything else.
+"""Where the time of one training step goes: model compute, copies, communication, optimizer,
+other ops and Python/engine, per pipeline stage and per collective call site.
 
     python bench/profile_step.py [--recipe recipes/demo.yaml] [--tp 2 --pp 2 --dp 2]
                                  [--warmup 3] [--profile-steps 2] [--set key=value ...] [--json]
 
-Runs `launch/train.py`'s own `main()` (recipe, data, PipelineModule, DeepSpeed engine, the
-per-step metrics) in tp*pp*dp processes started through DeepSpeed's launcher, and profiles the
-steps after `--warmup` ones: from the start of one `train_batch` to the start of the next, so
-the per-step work of the training loop (loss `.item()`, the metrics' all-reduces) is inside.
-Nothing of the training path is replaced; three things are wrapped, in these processes only:
-  - torch.profiler records every op (CPU; self time of each op);
-  - each torch.distributed collective and p2p call is timed by wall clock (the wait for the
-    peer included) and named by its group (TP / PP / DP / world) and the code that called it;
-  - each instruction of DeepSpeed's pipeline schedule (forward, backward, send, recv, reduce
-    grads, optimizer step, ...) is a named profiler range.
-Each rank's step time is then split into
-  model compute    ops of the forward and backward passes (matmul, attention, layernorm, GELU,
-                   loss, elementwise), without copies
-  copies           copy_/clone/contiguous/dtype casts/cat/zeroing inside forward and backward
-  communication    the wrapped collectives, by kind (their wall time includes waiting for the
-                   slowest peer: the pipeline bubble and load imbalance show up here)
-  optimizer        ops of the optimizer-step instruction that are not communication
-                   (gradient norm, clipping, AdamW, ZeRO-1 copies)
-  other ops        ops outside those instructions (data loading, metrics)
-  python/engine    the rest of the wall time: Python of DeepSpeed's engine and of our model,
-                   the schedule, profiler bookkeeping
-and rank 0 prints the mean per pipeline stage and the collectives by call site.
-Times come from CPU processes sharing the machine's cores: compare runs made side by side.
-"""
+Runs `launch/train.py`'s own `main()` in tp*pp*dp processes through DeepSpeed's launcher and
+profiles the steps after `--warmup`, from one `train_batch` to the next; it only wraps what it
+measures (torch.profiler, the torch.distributed calls, DeepSpeed's pipeline instructions). What
+each category holds and measured results: docs/performance.md, "Profiling a step". Times come
+from CPU processes sharing the machine's cores: compare runs made side by side."""
 import argparse
 import collections
 import json

@@ -1,21 +1,8 @@
-"""Streaming data: resume cost against samples consumed, and tokens/s per rank against dp.
+"""Streaming data: resume cost against samples consumed, and tokens/s per rank against dp, on the
+embedded corpus written into 16 local parquet shards and read through `datasets` streaming like a
+hub dataset (the method and results: docs/performance.md, "Data pipeline").
 
-Data: the embedded corpus written `--copies` times (each copy's documents tagged, so no two
-are equal) into 16 local parquet shards, read through `datasets` streaming like a hub dataset.
-Tokenizer: the builtin BPE (offline; the GPT-2 tokenizer is of the same kind, byte-level BPE).
-
-1. Resume: for N = 1k and 100k consumed samples, the time from `train_batches(data_state=...)`
-   to the first batch (the position: re-read at most one shard up to the row, re-tokenize at
-   most one block per stream), against the time to read those N samples from the start (what
-   a resume cost before streams had positions). Target: cost(100k) / cost(1k) near 1.
-2. Scaling: data.streams = 4; at dp = 1, 2, 4, the tokens per second rank 0 delivers
-   (it reads 4/dp streams), after its first step, and as a share of the raw tokenizer's rate
-   on the same documents. Each rank then delivers its 1/dp share of a step at this rate, so
-   the job's data rate grows with dp. Printed against what a model consumes per rank: GPT-2
-   124M on one H100 takes about 460k tokens/s (llm.c's measured rate), and the CPU demo model
-   (recipes/demo.yaml, forward + backward) measured here.
-`python bench/streaming_data.py [--copies 4] [--repeats 3]`.
-"""
+    python bench/streaming_data.py [--copies 4] [--repeats 3]"""
 import argparse
 import statistics
 import tempfile

@@ -1,26 +1,13 @@
 """Streaming mode: documents from an `IterableDataset`, tokenized and packed on the fly, in a
-fixed number of logical streams, with a position that resumes without re-reading.
+fixed number of logical streams, with a position that resumes without re-reading (docs/design.md
+contract 14).
 
-Streams. Row i of every shard belongs to stream i % S (S = `data.streams`, fixed by the
-recipe). Each stream packs its own training documents into windows of seq_len + 1 tokens and
-gives B/S windows to every global batch of B: the global batch of step k is stream 0's
-windows [k*B/S, (k+1)*B/S), then stream 1's, and so on, the same at every layout. dp rank r
-takes the r-th contiguous 1/dp of it, like the map-style sampler, so it reads and tokenizes
-only the streams its slice covers: S/dp of them when dp divides S (dp/S ranks share a
-stream when S < dp). Which rank holds a sample changes with dp, the set of a step does not.
-
-Order. Epoch e of every stream visits the shards in an order drawn from (seed, e) (the
-dataset's order without shuffle) and shuffles its windows within blocks of `shuffle_buffer`
-windows, by a permutation drawn from (seed, stream, the block's first position). At the end
-of its epoch a stream drops its partial window and starts the next epoch on its own.
-
-Position. A stream's state is its current block's first position and the windows of that
-block already taken; a position is (epoch, place in the epoch's shard order, row in that
-shard, token offset in that row's document). A resume opens the shard at the row (the Arrow
-record batches before it are read, not tokenized), rebuilds the one block and skips what was
-taken: bounded by one shard and one block, whatever the samples consumed. (`datasets`'
-IterableDataset.state_dict() would not do: it does not save a shuffle buffer's contents.)
-"""
+Row i of every shard belongs to stream i % S (S = `data.streams`); the global batch of step k
+is stream 0's windows [k*B/S, (k+1)*B/S), then stream 1's, and so on, at every layout; dp rank r
+takes the r-th contiguous 1/dp of it and reads only the streams that slice covers. A stream's
+position (its shuffle block's first position and the windows of the block taken) resumes by
+reading at most one shard and one block. The shuffle order and the position's fields:
+docs/data.md, "Streaming"."""
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 

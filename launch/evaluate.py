@@ -1,4 +1,4 @@
-"""Loss and perplexity of a checkpoint or of GPT-2-format weights, at any layout:
+"""Loss and perplexity of a checkpoint or of GPT-2- or Llama-format weights, at any layout:
 `deepspeed --num_gpus 4 launch/evaluate.py --tp 2 --pp 2 --load CKPT [--recipe R] [--set ...]`
 (or `python launch/evaluate.py --init-from-hf DIR` in one process).
 
@@ -20,7 +20,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", type=Path, help="a save directory (its latest complete checkpoint) or one checkpoint")
-    source.add_argument("--init-from-hf", metavar="DIR_OR_NAME", help="a transformers GPT-2 model directory")
+    source.add_argument("--init-from-hf", metavar="DIR_OR_NAME", help="a transformers GPT-2 or Llama model directory or hub id")
     p.add_argument("--recipe", type=Path, help="data and batch sizes (default: the checkpoint's recipe, "
                    "or recipes/demo.yaml with --init-from-hf)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")

@@ -1,29 +1,10 @@
-"""The document mask (the recipe's `data.document_mask`; docs/data.md, "Documents in a window"):
-inside a packed window each token attends only to earlier tokens of its own document, and
-positions restart at 0 at each document start.
-
-Where documents start: the token stream puts EOS after every document (data/tokens.py), and
-each EOS is read as the start of the next document, as a BOS would be. A document is
-[EOS, t1 .. tn]; the segment id of token i is the number of EOS tokens in ids[0..i] inclusive.
-Every loss of a window is then one the document has when trained alone from position 0:
-t_n predicts EOS ("the document ends") and EOS predicts the next document's first token (as a
-BOS does), so no loss is masked and the mean loss is the plain mean at every layout. The tokens
-before a window's first EOS are the tail of a document the window cut; they form a segment
-from position 0, as in plain causal attention.
-
-What crosses pipeline stages: only tensors (docs/design.md contract 7). The (B, T) segment ids
-travel with the hidden states as a tuple, full length on every TP rank (attention sees the whole
-sequence, also under sequence parallelism); each stage derives positions and its mask from them
-once per micro-batch (`DocumentMasks`), shared by all its blocks and heads.
-
-Kernels (`document_attention`):
-- CUDA with dropout 0: `flex_attention`, compiled, with a BlockMask: blocks of the (T, T) score
-  matrix outside every document are skipped, so the cost follows the sum of the squared
-  document lengths, not T^2.
-- Otherwise (CPU: torch 2.13's flex_attention has no backward on CPU; dropout > 0: it has no
-  dropout): scaled-dot-product attention with one boolean (B, 1, T, T) mask per micro-batch,
-  broadcast over the heads (B*T^2 bytes, not per head or per layer).
-"""
+"""The document mask (`data.document_mask`): inside a packed window each token attends only to
+earlier tokens of its own document, and positions restart at 0 at each document start. Each EOS
+starts the next document, as a BOS would; no loss is masked. The (B, T) segment ids travel with
+the hidden states (only tensors cross stages, docs/design.md contract 7); each stage derives the
+positions and one mask per micro-batch from them (`DocumentMasks`). Kernels: flex_attention with a
+BlockMask on CUDA with dropout 0, else SDPA with a boolean (B, 1, T, T) mask (`document_attention`).
+Why each choice: docs/data.md, "Documents in a window"."""
 from dataclasses import dataclass
 from typing import Any, Optional
 

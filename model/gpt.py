@@ -2,20 +2,13 @@
 switches (model/config.py, model/llama.py); no DeepSpeed here.
 
 Learned positions, pre-LayerNorm blocks, GELU MLP of 4*n_embd, causal scaled-dot-product
-attention with the heads split across TP, input embedding tied to the output head. Names
-follow GPT-2 / nanoGPT (`wte`, `wpe`, `ln_f`, `c_attn`, `c_proj`, `c_fc`) so export is a
-rename. With `arch: llama` the blocks hold model/llama.py's attention and MLP instead, and
-the switches choose RoPE (model/rotary.py) or learned positions, RMSNorm or LayerNorm and a
-tied or separate output head (`LMHead`). Each module seeds its own full-size initialisation
-from (seed, module index), so the weights do not depend on which stage or TP rank builds them.
-
-Two switches change memory, never the maths (Korthikanti et al. 2022, "K22"):
-- `sequence_parallel`: between the TP linears (LayerNorms, dropouts, residual adds) each TP
-  rank holds a (B, T/t, h) chunk of the sequence instead of the whole (B, T, h) (K22 sec. 4.2).
-- `recompute_attention` (selective recompute): keep q, k, v and recompute the attention core
-  (QK^T, softmax, dropout, @V) in backward, dropping the activations that grow with
-  s^2 (K22 sec. 5).
-"""
+attention with the heads split across TP, input embedding tied to the output head; names follow
+GPT-2 / nanoGPT (`wte`, `wpe`, `ln_f`, `c_attn`, `c_proj`, `c_fc`), so export is a rename. With
+`arch: llama` the blocks hold model/llama.py's attention and MLP, and the switches choose the
+positions, the norm and a tied or separate head (`LMHead`). Each module seeds its own full-size
+init from (seed, module index): the weights do not depend on which stage or TP rank builds them.
+`sequence_parallel` and `recompute_attention` change memory, never the maths (Korthikanti et al.
+2022; docs/design.md, "Activation memory")."""
 import contextlib
 import math
 from typing import Callable, ContextManager, Optional, Tuple, Union

@@ -1,23 +1,14 @@
 """Tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019), built on `model/mappings.py`.
 
-Layout-invariant initialisation (docs/design.md contract 2): each layer draws its *full* weight from
-the generator it is given and keeps only its shard, so step-0 weights are identical at every
-tp size. Sharded parameters carry `tensor_model_parallel = True` (plus Megatron's
-`partition_dim` / `partition_stride`): DeepSpeed's gradient-norm code counts a parameter on
-every TP rank only when it carries that flag, and replicated ones (biases after a reduce,
-LayerNorm) on TP rank 0 only.
-
-Sequence parallelism (Korthikanti et al. 2022, "K22"), when a layer is built with
-`sequence_parallel=True` and tp > 1: activations outside the linears are (B, T/t, h) sequence
-chunks; a column-parallel linear all-gathers the sequence first, a row-parallel linear and the
-embedding reduce-scatter it after. Replicated parameters used on a chunk (norm weights and
-biases, row-parallel biases, learned positions) then get only the gradient of their rank's chunk:
-they carry `sequence_parallel = True` (Megatron's attribute), and their gradients are summed
-over TP once per step, after the last micro-batch's backward (`sequence_parallel_params`; the
-pipeline has DeepSpeed do it, model/pipe.py; Megatron's finalize_model_grads does the same), not
-by an all-reduce per parameter per micro-batch. Under ZB-H1 every linear here may defer its weight
-gradient to a later W pass (model/weight_grad.py: `linear`, `weight_grad_now_or_later`).
-"""
+- Layout-invariant init (docs/design.md contract 2): each layer draws its full weight from the
+  generator it is given and keeps only its shard, so step-0 weights are the same at every tp.
+- Sharded parameters carry `tensor_model_parallel = True` (and Megatron's `partition_dim` /
+  `partition_stride`), which DeepSpeed's gradient norm needs to count them on every TP rank
+  (contract 5).
+- Sequence parallelism (Korthikanti et al. 2022, contract 11): replicated parameters used on a
+  sequence chunk carry `sequence_parallel = True`; their gradients are summed over TP once per
+  step (`sequence_parallel_params`), not per micro-batch.
+- Under ZB-H1 each linear may defer its weight gradient to a W pass (model/weight_grad.py)."""
 from typing import List
 
 import torch

@@ -1,28 +1,11 @@
 """The Llama family's attention and MLP (Touvron et al. 2023) on our tensor-parallel layers.
 
-Separate projections named as in transformers' LlamaForCausalLM (q_proj, k_proj, v_proj, o_proj;
-gate_proj, up_proj, down_proj), so export is a rename (model/hf_llama.py). Every projection
-that reads the block's input shares one copy to the TP region (one sequence all-gather with
-sequence parallelism), as GPT-2's fused c_attn does.
-
-Tensor parallelism (docs/architectures.md, "Grouped-query attention under TP"):
-- q_proj is column-parallel: rank r holds query heads [r*a/t, (r+1)*a/t).
-- k_proj and v_proj are column-parallel too, always as a plain split of their rows over t:
-  * n_kv_head divisible by t: rank r holds whole key/value heads, the ones its query heads use.
-  * t divisible by n_kv_head (t > n_kv_head, multi-query included): the r_kv = t / n_kv_head
-    ranks whose query heads share key/value head j each hold 1/r_kv of its rows. Forward
-    all-gathers the rows over TP (`gather_rows_from_tp_region`) and every rank computes head j
-    from the whole weight: replicated in use. Backward reduce-scatters the weight's gradient,
-    so each rank's rows get the sum over exactly the ranks that used head j (the others add
-    zeros). The parameter itself stays a true shard (`tensor_model_parallel`, partition_dim 0):
-    DeepSpeed's gradient norm counts every element once (docs/design.md contract 5), the
-    optimizer updates each element on one rank, checkpoints merge and split it as any
-    column-parallel weight, and re-sharding to any tp needs no special case.
-- o_proj and down_proj are row-parallel; gate_proj and up_proj column-parallel with the same
-  row split, so rank r's gate slice and up slice are the same columns of the intermediate.
-- RoPE rotates each rank's own heads, positions 0..T-1 (the sequence is whole inside attention,
-  also with sequence parallelism).
-"""
+Projections named as in transformers' LlamaForCausalLM (export is a rename, model/hf_llama.py);
+q/k/v and gate/up read one copy of the block's input. k_proj and v_proj are a plain row split
+over tp: at tp > n_kv_head the ranks that share a key/value head each store a true shard of its
+rows, all-gathered in forward and reduce-scattered in backward, so the gradient norm, the
+optimizer and checkpoints treat it as any column-parallel weight (docs/architectures.md,
+"Grouped-query attention under TP"; docs/design.md contract 5)."""
 import math
 from typing import Callable, ContextManager, Optional
 

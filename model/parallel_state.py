@@ -57,7 +57,7 @@ def init_parallel_state(tp_size: int, pp_size: int) -> ParallelState:
     Every rank must call this in the same order: `new_group` is collective over the world.
     """
     world_size = dist.get_world_size()
-    assert world_size % (tp_size * pp_size) == 0, "validated by launch/config/recipe.py"
+    assert world_size % (tp_size * pp_size) == 0, "validated by launch/config/layout.py"
     dp_size = world_size // (tp_size * pp_size)
     topology = build_topology(tp_size, pp_size, dp_size)
     rank = dist.get_rank()

@@ -1,23 +1,14 @@
-"""Deferred weight gradients, for the zero-bubble pipeline schedule ZB-H1 (Qi et al. 2023,
-"Zero Bubble Pipeline Parallelism"; launch/analysis/zero_bubble_schedule.py is the schedule,
-launch/runtime/zero_bubble.py runs it).
+"""Deferred weight gradients, for the zero-bubble pipeline schedule ZB-H1 (Qi et al. 2023;
+launch/analysis/zero_bubble_schedule.py is the schedule, launch/runtime/zero_bubble.py runs it,
+docs/pipeline-schedules.md explains it).
 
-The backward of a linear layer Y = X W^T computes two things:
-  B: dL/dX = G W      which the layer before it, and the stage before this one, wait for;
-  W: dL/dW = G^T X    which nothing needs until the optimizer step.
-ZB-H1 runs B at once and W later, in slots where 1F1B would idle. Our linears (model/layers.py)
-ask `weight_grad_now_or_later` for their weight gradients: while the store is deferring (the
-pipeline's B pass), it queues the computation (holding X, or this rank's sequence chunk of it,
-and G) and the linear returns no weight gradient; `seal_microbatch` closes one micro-batch's
-queue; `compute_oldest` runs the oldest micro-batch's queue (the W pass) and adds the results
-to `.grad` as autograd's AccumulateGrad would. Micro-batches are computed in the order they were
-deferred, so every `.grad` receives the same additions in the same order as under 1F1B: the
-gradients, and so the losses, are the same to the bit (tests/test_zero_bubble.py).
-
-Biases, norms and embeddings stay in B (small, Qi et al. sec. 3), as do weights that are not
-parameters (a gathered key/value head, model/llama.py): their gradient must flow on through
-autograd to the shard it came from.
-"""
+A linear's backward is B, dL/dX = G W (which the stage before waits for), and W, dL/dW = G^T X
+(which nothing needs until the optimizer step). While the store defers (the pipeline's B pass),
+`weight_grad_now_or_later` queues W (holding X, or this rank's sequence chunk, and G);
+`seal_microbatch` closes a micro-batch's queue and `compute_oldest` (the W pass) adds the oldest
+one's gradients to `.grad` as AccumulateGrad would. Micro-batches run in the order they were
+deferred, so every gradient is the 1F1B one to the bit. Biases, norms, embeddings and gathered
+key/value heads (not parameters) stay in B."""
 import contextlib
 from collections import deque
 from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple

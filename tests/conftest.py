@@ -1,10 +1,12 @@
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
+import launcher
 from forked import stop_rank_server
-from launcher import LLAMA_TINY, TINY, launch_forked, read_metrics
+from launcher import LLAMA_TINY, TINY, launch_forked, read_metrics, refuse_in_fast_tier
 
 # The layouts of the acceptance test (docs/design.md, The acceptance test): every one trains the same model.
 REFERENCE = (1, 1, 1)
@@ -12,6 +14,9 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 4, 1)]
 # Sequence parallelism on: with pipeline stages (its chunks cross stage boundaries whole) and at
 # tp=4. The Llama family runs the same layouts (tests/test_llama_parity.py).
 SP_LAYOUTS = [(2, 2, 2, "sp"), (4, 1, 1, "sp")]
+# The fast tier's only launches (docs/testing.md, The fast tier): (2,2,2) has every kind of
+# parallelism; (1,1,1) is its reference, and its checkpoints serve the fast checkpoint tests.
+ACCEPTANCE_RUNS = (REFERENCE, (2, 2, 2))
 STEPS = 5
 SAVE_AT = 3  # each parity run also saves a checkpoint here, for the resume tests
 # A precision tag in a layout (e.g. (2, 2, 2, "bf16")) runs it in that precision. fp16: DeepSpeed's
@@ -59,6 +64,8 @@ class ParityRuns:
 
     def __getitem__(self, layout):
         if layout not in self.done:
+            if layout not in ACCEPTANCE_RUNS:
+                refuse_in_fast_tier(f"the parity run {layout}")
             tp, pp, dp = layout[:3]
             tmp = self.tmp_path_factory.mktemp(layout_id(layout))
             sp = ["--set", "model.sequence_parallel=true"] if "sp" in layout else []
@@ -73,7 +80,7 @@ class ParityRuns:
                                          "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
                                          "--save", str(tmp / "ck"), "--save-every", str(SAVE_AT)]
                           + sp + docmask + compiled + recompute + precision_args(precision) + wandb,
-                                 env=dict(precision_env(precision), WANDB_DIR=str(tmp)))
+                                 env=dict(precision_env(precision), WANDB_DIR=str(tmp)), acceptance=True)
             assert proc.returncode == 0, f"layout {layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             self.done[layout] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout,
                                  "stderr": proc.stderr}
@@ -83,6 +90,35 @@ class ParityRuns:
 @pytest.fixture(scope="session")
 def parity_runs(tmp_path_factory):
     return ParityRuns(tmp_path_factory)
+
+
+class FastTierPopen(subprocess.Popen):
+    """subprocess.Popen while a fast test runs: refuses DeepSpeed's launcher and the benchmarks
+    (which train, most through the launcher). A Python entry point that stops at a bad input
+    (exit 2) is allowed."""
+
+    def __init__(self, args, *rest, **kwargs):
+        words = [str(w) for w in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
+        refused = [w for w in words if Path(w).name == "deepspeed"
+                   or (w.endswith(".py") and Path(w).parent.name == "bench")]
+        if refused:
+            refuse_in_fast_tier(refused[0])
+        super().__init__(args, *rest, **kwargs)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The fast tier's rule, enforced: during a fast test (setup, call and teardown, so a fixture
+    that launches counts too), every launch but the acceptance runs fails it (launch_forked,
+    ParityRuns, FastTierPopen)."""
+    fast = item.get_closest_marker("slow") is None
+    launcher.fast_test = item.nodeid if fast else None
+    popen = subprocess.Popen
+    subprocess.Popen = FastTierPopen if fast else popen
+    try:
+        yield
+    finally:
+        launcher.fast_test, subprocess.Popen = None, popen
 
 
 def pytest_sessionfinish(session):

@@ -13,6 +13,15 @@ from launch.runtime.distributed import free_port, launcher_command
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
 LLAMA_TINY = REPO / "recipes" / "llama-tiny.yaml"
+# The fast tier's rule (docs/testing.md, The fast tier): a fast test starts no run of its own.
+# conftest.py sets this to the fast test running now (None during a slow one).
+fast_test: Optional[str] = None
+
+
+def refuse_in_fast_tier(what: str) -> None:
+    if fast_test is not None:
+        raise AssertionError(f"{fast_test} is in the fast tier but starts {what}: mark it slow or test the "
+                             f"contract in process (docs/testing.md, The fast tier)")
 
 
 def launch(num_procs: Optional[int], args: List[str], env: Optional[Dict[str, str]] = None,
@@ -24,12 +33,16 @@ def launch(num_procs: Optional[int], args: List[str], env: Optional[Dict[str, st
 
 
 def launch_forked(num_procs: int, args: List[str], env: Optional[Dict[str, str]] = None,
-                  timeout: int = 600, script: str = "train.py") -> subprocess.CompletedProcess:
+                  timeout: int = 600, script: str = "train.py", acceptance: bool = False
+                  ) -> subprocess.CompletedProcess:
     """The run `launch(num_procs, args, env)` starts (of launch/SCRIPT), its ranks forked from
     tests/rank_server.py: what each rank sees is the same (environment, argv, working directory;
     output in one stdout and one stderr), without every rank importing torch and DeepSpeed again.
     For the training runs whose subject is what they compute; the tests of the launcher itself,
-    signals, failures and the console use `launch`."""
+    signals, failures and the console use `launch`. `acceptance`: one of the session's shared
+    acceptance runs (conftest.py: ParityRuns), the only runs a fast test may start."""
+    if not acceptance:
+        refuse_in_fast_tier(f"launch/{script} on {num_procs} forked ranks")
     cmd = ["launch_forked", str(num_procs), script] + [str(a) for a in args]
     reply, stdout, stderr = run_forked({"script": str(REPO / "launch" / script), "world": num_procs,
                                         "args": cmd[3:], "env": dict(env or {}, MASTER_ADDR="127.0.0.1",

@@ -1,24 +1,17 @@
 """Forks the ranks of a multi-process test from one process that has already imported torch,
-DeepSpeed, transformers and datasets (started once per test session by tests/forked.py).
+DeepSpeed, transformers and datasets (started once per test session by tests/forked.py), so that
+no rank spends its ~10 s of CPU importing them again (docs/testing.md, Helpers). Nothing here runs
+a torch op or starts a thread before forking: each rank starts its own thread pools.
 
-Why: on the 2-core test machine every process that DeepSpeed's launcher (or multiprocessing's
-spawn) starts spends about 10 s of CPU importing those libraries before it does any work; a
-16-rank parity run spent 3 of its 4 minutes there. A forked rank shares the imported modules
-with this process, so only the work of the run remains. Nothing here runs a torch op or starts
-a thread before forking, so each rank starts its own thread pools as a fresh process would.
-
-A rank runs one of:
-- a script (launch/train.py, launch/evaluate.py) as `__main__`, with the environment and
-  `--local_rank` that DeepSpeed's launcher gives each rank (deepspeed/launcher/launch.py);
-- a test body, fn(*args) in a gloo process group (tests/distributed.py: run_body).
-Its output goes to the request's stdout and stderr files, shared by the ranks. Like DeepSpeed's
-launcher, the first rank to exit non-zero stops the others, and its code is the run's.
+A rank runs a script (launch/train.py, launch/evaluate.py) as `__main__` with the environment and
+`--local_rank` DeepSpeed's launcher gives it, or a test body, fn(*args) in a gloo process group
+(tests/distributed.py: run_body). The ranks share the request's stdout and stderr files; the
+first rank to exit non-zero stops the others, and its code is the run's.
 
 Protocol: one JSON request per line on stdin: {"world", "env", "cwd", "stdout", "stderr",
 "timeout"} and either {"script", "args"} or {"call"} (base64 of the pickled (fn, args)); one JSON
 reply per line on the stdout it was started with: {"returncode", "timed_out", "cpu_s"} (the CPU
-seconds of its ranks).
-"""
+seconds of its ranks)."""
 import atexit
 import base64
 import gc

@@ -81,8 +81,8 @@ def _one_line_error(argv, capsys, *words):
 def test_unreadable_manifest_or_latest_is_an_error_not_an_older_checkpoint(parity_runs, tmp_path, monkeypatch,
                                                                            capsys):
     """A complete.json that exists but cannot be read, a `latest` that names no complete
-    checkpoint, or no `latest` at all: one-line errors, where the old code quietly resumed from
-    step 3. And a changed global batch is refused before the sampler's assert."""
+    checkpoint, or no `latest` at all: one-line errors, never a quiet resume from step 3. And a
+    changed global batch is refused before the sampler's assert."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     ck = _copy_checkpoints(parity_runs, tmp_path)
@@ -112,8 +112,8 @@ def _manifest(tag_dir: Path, parent):
 
 def test_keep_last_follows_the_history_not_the_names(tmp_path):
     """--keep-last 2 after a save at step 5 whose history is 5 <- 4 <- 2: step 2 goes; step 1 (an
-    earlier run: step 2 has no parent) and step 3 (not in the chain) stay. Sorting by name, as
-    before, would have deleted steps 1-3."""
+    earlier run: step 2 has no parent) and step 3 (not in the chain) stay, where sorting by name
+    would delete steps 1-3."""
     from launch.checkpoints import store as checkpoint
     for step, parent in [(1, None), (2, None), (3, "step00000002"), (4, "step00000002"), (5, "step00000004")]:
         _manifest(tmp_path / f"step{step:08d}", parent)

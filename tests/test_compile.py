@@ -32,6 +32,7 @@ def _assert_matches_reference(ref, got):
                 assert abs(g[key] - r[key]) <= RTOL * abs(r[key]), (r["step"], key, g[key], r[key])
 
 
+@pytest.mark.slow  # a training run of its own, compiling on two cores
 def test_compiled_blocks_match_eager(parity_runs):
     run = parity_runs[SINGLE]
     _assert_matches_reference(parity_runs[REFERENCE]["metrics"], run["metrics"])
@@ -77,6 +78,7 @@ def test_a_working_compiler_on_path_keeps_compile_on(tmp_path, monkeypatch):
     assert compile_unavailable("cpu") is None
 
 
+@pytest.mark.slow  # a training run of its own
 def test_training_without_a_compiler_falls_back_to_eager(parity_runs, tmp_path):
     """The same run as the eager reference, asked to compile on a machine without a C++ compiler:
     one line says why, and the losses are the reference's to the bit."""

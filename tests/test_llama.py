@@ -148,6 +148,16 @@ def test_tensor_parallel_llama_matches_dense(tp):
     run_distributed(_tp_body, tp)
 
 
+def _shared_kv_head_body():
+    _tp_matches_dense(dataclasses.replace(LLAMA, n_kv_head=1, seq_len=8))
+
+
+def test_tensor_parallel_llama_with_a_shared_kv_head_matches_dense():
+    """The fast tier's check of contract 5's one exception: at tp=2 > n_kv_head=1 both ranks use
+    the one key/value head, each storing half its rows (model/llama.py)."""
+    run_distributed(_shared_kv_head_body, 2)
+
+
 # ------------------------------------------------------------------ pipeline vs dense
 
 PIPE_CONFIG = dataclasses.replace(LLAMA, n_layer=4, n_kv_head=1, sequence_parallel=True)

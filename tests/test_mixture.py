@@ -268,6 +268,7 @@ def test_prepare_data_builds_every_source_in_one_call(tmp_path, monkeypatch, cap
     assert directories.findall(again) == directories.findall(first) and len(directories.findall(first)) == 2
 
 
+@pytest.mark.slow  # two training runs through launch/train.py
 def test_mix_demo_trains_with_metrics_per_source_and_the_same_losses_at_dp2(tmp_path):
     """recipes/mix-demo.yaml's data through launch/train.py, on a small model: samples_by_source
     follows the weights (0.8, 0.2) within one sample after every step; val_loss_by_source has both

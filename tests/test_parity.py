@@ -1,34 +1,28 @@
-"""The acceptance test: every layout trains the same model.
+"""The acceptance test (docs/design.md, The acceptance test): every layout trains the same model.
 
 The first 5 optimizer steps of recipes/tiny.yaml (fp32, ZeRO-1, gradient clipping active, a
 learning rate that moves the loss) give the same loss and gradient norm, relative difference
 <= 1e-5, at (tp, pp, dp) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,2) and (4,4,1), and with
-sequence parallelism (`model.sequence_parallel`) at (2,2,2) and (4,1,1).
-Each layout runs through DeepSpeed's launcher exactly as a user starts it, once per session,
-when a test first asks for it (conftest.py: parity_runs; tests/test_resume.py resumes the
-checkpoints these runs save).
-
-In bf16 (fp32 master weights and gradient accumulation, bf16 matmuls) the layouts sum the same
-products in other orders and groupings (TP splits the reductions of the row-parallel linears,
-pp=2 runs DeepSpeed's bf16 optimizer instead of ZeRO's), each rounded to bf16's 8-bit significand
-(unit roundoff 2**-8 = 3.9e-3): (2,2,2) with sequence parallelism and (1,2,1) match a bf16 (1,1,1)
-within BF16_RTOL.
-"""
+sequence parallelism (`model.sequence_parallel`) at (2,2,2) and (4,1,1); in bf16, (2,2,2) with
+sequence parallelism and (1,2,1) within BF16_RTOL of a bf16 (1,1,1). Each layout is launched
+once per session, when a test first asks for it (conftest.py: parity_runs, its ranks forked as
+DeepSpeed's launcher starts them; tests/test_resume.py resumes the checkpoints these runs save)."""
 import json
 import math
 
 import pytest
 
-from conftest import LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
+from conftest import ACCEPTANCE_RUNS, LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
 from launcher import TINY, launch_forked, read_metrics
 
 RTOL = 1e-5
-# Measured (README, "Layout parity"; deterministic on one machine): the losses of (2,2,2) within
-# 7.2e-5 of a bf16 (1,1,1), of (1,2,1) within 1.8e-5; gradient norms within 1.7e-4 except step 2
-# of (2,2,2), 5.2e-3 (step 1: 1.1e-4; likely Adam, which divides each element's update by its own
-# gradient's magnitude, so elements whose gradient is at bf16's rounding noise move by a full lr in
-# a layout-dependent direction, and the next gradient norm shows it). The loss tolerance leaves 14x headroom and is 5x below the smallest
-# change one step makes to the loss here (a layout a step ahead or behind fails); 4x for the norm.
+# Measured (docs/performance.md, "Layout parity in bf16 and fp16"; deterministic on one machine):
+# the losses of (2,2,2) within 7.2e-5 of a bf16 (1,1,1), of (1,2,1) within 1.8e-5; gradient norms
+# within 1.7e-4 except step 2 of (2,2,2), 5.2e-3 (step 1: 1.1e-4; likely Adam, which divides each
+# element's update by its own gradient's magnitude, so elements whose gradient is at bf16's rounding
+# noise move by a full lr in a layout-dependent direction, and the next gradient norm shows it). The
+# loss tolerance leaves 14x headroom and is 5x below the smallest change one step makes to the loss
+# here (a layout a step ahead or behind fails); 4x for the norm.
 BF16_RTOL = {"loss": 1e-3, "val_loss": 1e-3, "grad_norm": 2e-2}
 # (2,2,2) with sequence parallelism: DeepSpeed's BF16 optimizer (pp > 1) keeps the gradients in its
 # own fp32 buffers, which the once-per-step TP sum of the sequence-parallel parameters must reach.
@@ -51,11 +45,7 @@ def test_reference_run_learns_with_clipping_active(parity_runs):
     assert ref[-1]["tokens"] == STEPS * 16 * 32  # global batch 16 x seq_len 32
 
 
-# The fast tier (-m "not slow") compares (2,2,2), which has every kind of parallelism, with (1,1,1).
-FAST_LAYOUT = (2, 2, 2)
-
-
-@pytest.mark.parametrize("layout", [pytest.param(layout, marks=[] if layout == FAST_LAYOUT else pytest.mark.slow)
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=[] if layout in ACCEPTANCE_RUNS else pytest.mark.slow)
                                     for layout in LAYOUTS + SP_LAYOUTS], ids=layout_id)
 def test_layout_matches_single_process(parity_runs, layout):
     ref, got = parity_runs[REFERENCE]["metrics"], parity_runs[layout]["metrics"]

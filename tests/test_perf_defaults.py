@@ -1,4 +1,4 @@
-"""Efficient defaults (issue 6, item 5), checked by what they do, without DeepSpeed's launcher.
+"""Efficient defaults, checked by what they do, without DeepSpeed's launcher.
 
 ZeRO-1 by default (each data-parallel rank keeps Adam's moments for its share of the parameters
 only), bf16 with fp32 gradient accumulation, fused causal attention, and no copy of the largest

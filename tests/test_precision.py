@@ -14,9 +14,9 @@ from launcher import TINY, launch_forked, read_metrics
 
 pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/test_parity.py)
 FP16 = REFERENCE + ("fp16",), (2, 2, 2, "fp16")
-# Measured (README, "Layout parity"): losses within 5.1e-5 of (1,1,1), gradient norms within
-# 7.9e-4; fp16's unit roundoff is 2**-11 = 4.9e-4, so one rounding of a gradient norm's terms
-# already moves it that much. The resume compares against the same numbers.
+# Measured (docs/performance.md, "Layout parity in bf16 and fp16"): losses within 5.1e-5 of (1,1,1),
+# gradient norms within 7.9e-4; fp16's unit roundoff is 2**-11 = 4.9e-4, so one rounding of a
+# gradient norm's terms already moves it that much. The resume compares against the same numbers.
 FP16_RTOL = {"loss": 1e-3, "val_loss": 1e-3, "grad_norm": 1e-2}
 INITIAL_SCALE, WINDOW = 2.0 ** 16, 2  # launch/runtime/ds_config.py; conftest.py: FP16_SETTINGS
 

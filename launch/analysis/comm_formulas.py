@@ -1,48 +1,11 @@
 """Exact communication of this implementation: every collective one rank calls in one training
-step, with its element and byte count, as launch/instruments/comm_counter.py measures it.
+step, with its calls, elements and bytes, as launch/instruments/comm_counter.py measures it, so a
+measurement can be checked to the byte. Any ModelConfig the repository builds (parameter counts
+from launch/analysis/formulas.py), with or without sequence parallelism.
 
-The planner's formulas (launch/analysis/formulas.py, docs/design.md, Formulas) give the leading terms:
-4 TP all-reduces of b*s*h per block per micro-batch [N21 sec. 2.3], b*s*h per stage boundary per
-micro-batch each way [N21 sec. 3], the local gradient once per step over dp. This module adds
-everything our code and DeepSpeed 0.19.8 really send, so a measurement can be checked to the byte:
-  - TP: the embedding's forward all-reduce (first stage), the head's backward all-reduce
-    (copy_to_tp_region, last stage, tied or not) and the vocab-parallel cross-entropy's three fp32
-    all-reduces of b*s elements (max, sum of exponentials, target logit) [Megatron-LM cross_entropy.py].
-  - Grouped-query attention at tp > n_kv_head (model/llama.py): per block per micro-batch, k_proj's
-    and v_proj's weight (and bias) shards all-gathered in forward ("tp-kv-gather") and the full
-    gradient reduce-scattered in backward ("tp-kv-grads").
-  - PP at tp > 1: DeepSpeed's pipeline engine (`pipe_partitioned`, `grad_partitioned`, both on by
-    default) splits each stage tensor over the TP group, so every TP rank sends b*s*h/t elements
-    plus a (t+7)-element int64 partition header, and the receiver re-assembles the tensor with an
-    all-gather in the TP group: the scatter/gather optimisation of [N21 sec. 4.1]. The sending
-    stage also all-gathers its own output again before its backward pass (it kept only 1/t).
-  - PP, first step only: one 256-element int32 shape header per boundary, forward direction.
-  - Tied embedding (pp > 1; none with an untied head): one all-reduce of the wte shard's gradient
-    between the first and the last stage per step (DeepSpeed `_exec_reduce_tied_grads`).
-  - DP, ZeRO-1 (DeepSpeed stage_1_and_2): one all-reduce of the stage's whole local gradient
-    (all buckets fit in the default 5e8-element bucket), then after the optimizer step one
-    all-gather per parameter group (matrices, vectors: launch/runtime/engine.py's weight-decay groups) of
-    this rank's partition, the group padded to a multiple of 2*d elements [R20 sec. 5.1].
-Parameter counts come from launch/analysis/formulas.py's architecture-general functions, so any
-ModelConfig the repository builds is covered: GPT-2 and the Llama switches (RoPE: no wpe; RMSNorm
-and no biases: a smaller vector group; untied head; grouped-query attention).
-Payload = what this rank hands to the call (all-gather: its own shard). Not counted here:
-bookkeeping reductions of a few scalars (loss, grad norm, metrics), which comm_counter reports
-under "bookkeeping: ...". Assumes b*s*h divisible by t (DeepSpeed uses broadcasts otherwise)
-and no activation recomputation (which repeats the blocks' forward all-reduces and kv gathers).
-Sequence parallelism (model.sequence_parallel, t > 1; model/mappings.py) replaces the TP
-all-reduces with sequence all-gathers ("sp-gather", payload b*s*h/t) and reduce-scatters
-("sp-scatter", payload b*s*h) [K22 sec. 4.2], per micro-batch:
-  - each column-parallel input (GPT-2's c_attn and c_fc; Llama's shared q/k/v and gate/up input):
-    a gather in forward, in backward a gather again (only the chunk was saved) and a scatter;
-  - each row-parallel output (attention out, MLP down) and the embedding: a scatter in forward, a
-    gather of its gradient in backward; the head's input: a gather in forward, a scatter back;
-  - pipeline sends carry each TP rank's whole (b, s/t, h) chunk (`pipe_partitioned` off: no
-    partition header, no re-assembling gather);
-  - once per step, DeepSpeed's tied-gradient hook all-reduces over TP each replicated parameter
-    the stage holds (norms, row-parallel biases, wpe: GPTPipelineModule, model/pipe.py), under
-    the purpose "tied-grads" with role tp.
-Not covered: the document mask's segment ids crossing stages (data.document_mask).
+Payload = what this rank hands to the call (all-gather: its own shard). Each term beyond the
+leading ones of docs/design.md (Formulas), and what is not counted: docs/planner-and-metrics.md,
+Communication counts.
 """
 from typing import Dict, List, Optional, Sequence, Tuple
 

@@ -2,22 +2,12 @@
 (launch/runtime/engine.py hands its boundaries to model/pipe.py), the planner, the memory and
 communication formulas and the tests, so that predictions and the real PipelineModule agree.
 
-`train.partition` picks the rule:
-  balanced  (default) the cut that minimises the largest stage's compute per micro-batch, each
-            pipeline layer costing its forward + backward FLOPs (`layer_flops`): a block
-            72bsh^2 + 12bs^2h for GPT-2 (96 and 16 with full recompute), the output head 6bshV.
-            The embedding, the position table and the final norm do no matmul and cost 0 here
-            (measured on the demo recipe: the embedding 1 ms against 32 ms for a block and 69 ms
-            for the head with its loss). With the head worth several blocks, the last stage gets
-            fewer blocks.
-  blocks    DeepSpeed's partition_method="type:Block": blocks spread evenly, the first stages
-            taking the extra ones; the head's cost is ignored.
-  [n0, n1, ...] blocks per stage as given: one number per stage, summing to n_layer, each >= 1
-            except the last, which may hold only the final norm and the head.
-Every rule cuts just before a block (or after the last), so the embeddings stay on the first stage and the final
-norm and the head on the last. The result is DeepSpeed's `parts`: stage k holds the pipeline
-layers parts[k]:parts[k+1] of model/pipe.py's layer table.
-"""
+`train.partition`: `balanced` (default) minimises the largest stage's forward + backward FLOPs
+per micro-batch (`layer_flops`: blocks and the output head; the embeddings and the final norm
+cost 0); `blocks` spreads blocks evenly, as DeepSpeed's "type:Block"; a list gives the blocks per
+stage. Every rule cuts just before a block (or after the last), so the embeddings stay on the
+first stage and the final norm and head on the last. The result is DeepSpeed's `parts`: stage k
+holds layers parts[k]:parts[k+1] of model/pipe.py's table (docs/planner-and-metrics.md)."""
 import dataclasses
 import functools
 from typing import List, Optional, Sequence, Tuple, Union

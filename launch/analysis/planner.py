@@ -1,22 +1,14 @@
-"""Evaluate one 3D layout (every number launch/plan.py prints) and rank layouts by a stated
-cost model. The formulas live in launch/analysis/formulas.py and memory_formulas.py; the layout
-rules are launch/config/layout.py's.
+"""Evaluate one 3D layout (every number launch/plan.py prints) and rank layouts by a stated cost
+model. The formulas live in launch/analysis/formulas.py and memory_formulas.py; the layout rules
+are launch/config/layout.py's.
 
-Cost model of one optimizer step (`estimate_step_time`), all per device:
-  slot[k] = FLOPs of one micro-batch on stage k (launch/analysis/partition.py: its blocks, and
-            the head on the last stage) / (t * peak * efficiency)
-            + its TP all-reduces: 2(t-1)/t * bytes / TP bandwidth
-            + PP p2p of one activation and one gradient: 2 * b*s*h*2 bytes / PP bandwidth,
-            split into forward and backward as the stage's FLOPs are
-  step    = the schedule of m micro-batches (1F1B, or ZB-H1 with each backward's weight-gradient
-            FLOPs as its W pass) simulated with these per-stage times over the engine's own
-            instruction streams (launch/analysis/schedule_sim.py; for 1F1B (m + p - 1) * slot
-            when the stages are equal), its idle share the bubble
-            + 2(d-1)/d * gradient bytes / DP bandwidth   (not overlapped with the pipeline)
-A bandwidth is the intra-node one when every group of that dimension sits inside one node
-(global rank // gpus_per_node), else the inter-node one. It ignores latency, overlap and the
-lower efficiency of small micro-batches, so it ranks layouts; it does not promise a time.
-"""
+Cost model of one optimizer step (`estimate_step_time`), per device: each stage's time per
+micro-batch (its FLOPs at a stated efficiency of peak, its TP all-reduces and one activation and
+one gradient over the PP link, at the intra-node bandwidth when the group sits in one node), the
+schedule (1F1B or ZB-H1) simulated over the engine's own instruction streams with those times,
+then the DP gradient all-reduce, not overlapped. It ignores latency, overlap and small
+micro-batches' lower efficiency: it ranks layouts, it does not promise a time
+(docs/planner-and-metrics.md, "--search and the cost model")."""
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 

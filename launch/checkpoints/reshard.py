@@ -1,31 +1,11 @@
 """Resume a checkpoint at another layout: re-shard the weights and the optimizer state on load.
 
-DeepSpeed's checkpoint files are bound to the layout that wrote them. ZeRO-1 keeps, for each
-(stage, TP rank), one flat fp32 copy of that stage's parameters cut into dp contiguous
-partitions, with Adam's two moments cut the same way; file `[bf16_]zero_pp_rank_D_mp_rank_M_
-optim_states.pt` holds partition D of model-parallel slice M, and its `param_slice_mappings`
-say which fragment of which parameter lies where in it. A run at another (tp, pp, dp) reads
-these files directly, on every rank, for the parameters it holds, one parameter at a time
-(peak memory: one parameter's full weight and moments, not a stage's; each file is opened
-once, memory-mapped, and only the fragments of this rank's parameters are read):
-  1. for each of its parameters, on each TP rank of the saved stage holding it: concatenate
-     the parameter's fragments of the dp partitions in order and view them as that slice's
-     shard (fp32 weight, exp_avg, exp_avg_sq);
-  2. merge the TP shards into the full tensor and cut its own shard with model/convert.py
-     (the rules export and `--init-from-hf` use, vocab padding included);
-  3. write them into the new engine: the fp32 master weight and the moments with DeepSpeed's
-     `safe_set_full_fp32_param` / `safe_set_full_optimizer_state`, the module weight as the
-     master's copy in the training dtype (what DeepSpeed's step leaves), Adam's step count, the
-     optimizer's hyper-parameters (lr), the LR schedule and the engine's step counters.
-
-Why not DeepSpeed's universal checkpoint (`ds_to_universal.py` + `checkpoint.load_universal`):
-it needs an offline conversion pass that writes a second copy of the optimizer state, and it
-recovers the TP split from Megatron-DeepSpeed's parameter-name patterns; ours is already one
-tested table (model/convert.py RULES), so the conversion happens in memory at load time.
-Only ZeRO-1 checkpoints re-shard (the default): ZeRO-0 keeps torch's per-parameter optimizer
-state in another file format. RNG states are per (stage, TP rank) and are not carried over:
-with dropout on, the masks after a layout change differ from those of the original layout.
-"""
+Every rank reads, from the saved ZeRO-1 files (`[bf16_]zero_pp_rank_D_mp_rank_M_optim_states.pt`,
+located through their `param_slice_mappings`), only the fragments of its own parameters, one
+parameter at a time; merges the saved TP shards and cuts its own with model/convert.py's rules;
+and writes the fp32 master weight, Adam's moments and step, the lr, the LR schedule and the
+engine's step counters into the new engine. Why this way, its memory bound and its limits (ZeRO-1
+only, RNG states not carried): docs/checkpoints.md, "Resuming at another layout"."""
 from __future__ import annotations
 
 from pathlib import Path

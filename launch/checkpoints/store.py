@@ -1,27 +1,16 @@
-"""Checkpoints: DeepSpeed's engine state plus ours, committed atomically.
+"""Checkpoints: DeepSpeed's engine state plus ours, committed atomically (docs/checkpoints.md).
 
-Layout of a save directory:
+A save directory:
     DIR/latest                     the tag of the newest complete checkpoint (atomic rename)
-    DIR/step00000042/              DeepSpeed's files: per-layer weights (layer_XX-model_YY-...),
-                                   ZeRO optimizer partitions, LR scheduler, loss scaler, and
-                                   our client state: step, samples consumed, resolved recipe
+    DIR/step00000042/              DeepSpeed's files (per-layer weights, ZeRO optimizer partitions,
+                                   LR scheduler, loss scaler) and our client state (step, samples
+                                   consumed, resolved recipe)
     DIR/step00000042/rng/rank_N.pt the RNG states of global rank N (dropout replay)
-    DIR/step00000042/complete.json written last, by rank 0, after every rank has saved, with
-                                   the step, layout, resolved recipe and every file's size
-    DIR/abandoned-<UTC time>/      tag directories of steps after the one a run resumed from
-                                   (an abandoned run's, or a save cut short), moved aside at start
-A process killed mid-save leaves a tag directory without complete.json and `latest` still
-naming the previous checkpoint; `--load` only ever takes complete checkpoints, and an
-unreadable complete.json or `latest` is an error, never a reason to take an older checkpoint.
-History: each complete.json names its parent, the checkpoint `latest` named when it was
-committed (the one the run resumed from, or its previous save); `--keep-last K` keeps the K
-newest checkpoints of that chain and touches nothing else in DIR.
-Every file is fsynced by the rank that wrote it before the ranks agree the save is done;
-then the writer fsyncs the directories, commits complete.json and moves `latest`
-(launch/checkpoints/safe_io.py). Files are read with torch.load(weights_only=True) only.
-At the saved (tp, pp, dp) DeepSpeed's loader restores everything bit for bit; at another layout
-launch/checkpoints/reshard.py re-shards the ZeRO-1 weights and optimizer state.
-"""
+    DIR/step00000042/complete.json written last, by rank 0, after every rank has saved and fsynced:
+                                   step, layout, resolved recipe, every file's size, the parent
+    DIR/abandoned-<UTC time>/      tags after the one a run resumed from, moved aside at start
+`--load` takes only complete checkpoints, and an unreadable manifest or `latest` is an error;
+`--keep-last K` keeps the K newest of the parent chain. Loads are torch.load(weights_only=True)."""
 from __future__ import annotations
 
 import json

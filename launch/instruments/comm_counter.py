@@ -1,26 +1,13 @@
-"""Count what every torch.distributed collective moves, per training step, per purpose and group.
+"""Count what every torch.distributed collective moves, per training step, per purpose and group
+(`--comm-counts`; docs/planner-and-metrics.md, "Communication counts").
 
-`install_comm_counter(engine, state, out_dir)` wraps the torch.distributed entry points that our
-model code (model/mappings.py, model/loss.py) and DeepSpeed 0.19.8 (deepspeed.comm's
-TorchBackend, which looks them up at call time) go through, and wraps `engine.train_batch` to
-know which step is running. Each call is recorded as
-
-    phase    "step k" inside the k-th train_batch, "after step k" between it and the next one
-             (metrics, evaluation, preemption agreement); traffic before the first step
-             (engine build, initial broadcasts) is not seen: the counter starts after it
-    purpose  what the bytes are for, from the calling function (PURPOSES); anything else is
-             "bookkeeping: <caller>" (loss averaging, grad-norm reductions, metrics, ...)
-    role     the group, from its ranks' coordinates in the topology: tp, dp, pp (a group along
-             the pipe axis: the whole pipeline or the tied first+last stages), pp-p2p (a send or
-             receive to a neighbouring stage), world, self (a group of one rank)
-    op       the torch.distributed function
-    elements, bytes   the payload handed to the call: this rank's input tensor (all-gather: its
-             own shard; reduce-scatter: the full input; send/recv: the message). A ring all-reduce
-             sends formulas.ring_allreduce_factor times its payload on the wire.
-
-Each rank writes OUT_DIR/rank{R}.json after every step and at exit. The wrappers stay for the
-life of the process: a measurement tool for bench/comm_volume.py and tests, not for production.
-"""
+`install_comm_counter(engine, state, out_dir)` wraps the torch.distributed entry points our model
+code and DeepSpeed 0.19.8 (deepspeed.comm looks them up at call time) go through, and
+`engine.train_batch`. Each call is recorded under (phase, purpose, role, op) with its calls,
+elements and bytes: phase "step k" or "after step k" (nothing before the first step); purpose from
+the calling function (PURPOSES, else "bookkeeping: <caller>"); role the group's axis in the
+topology (tp, dp, pp, pp-p2p, world, self); payload the tensor this rank hands to the call. Each
+rank writes OUT_DIR/rank{R}.json after every step; a measurement tool, not for production."""
 from __future__ import annotations
 
 import atexit

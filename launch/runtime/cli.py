@@ -34,9 +34,9 @@ def parse_training_args(argv: Optional[List[str]], description: str = "") -> arg
     p.add_argument("--load", type=Path, help="resume: a save directory (its latest complete checkpoint) or one "
                    "checkpoint directory; --steps stays the run's total")
     p.add_argument("--init-from-hf", metavar="DIR_OR_NAME",
-                   help="start from GPT-2-format (transformers) weights of the recipe's model shape")
+                   help="start from GPT-2- or Llama-format (transformers) weights of the recipe's model shape")
     p.add_argument("--timeline", type=Path, metavar="FILE.png",
-                   help="draw the measured 1F1B schedule (per-stage forward/backward times) of a few steps")
+                   help="draw the measured pipeline schedule (per-stage forward/backward times) of a few steps")
     p.add_argument("--timeline-steps", type=int, default=3, metavar="N",
                    help="steps --timeline records, after one warm-up step (default: %(default)s)")
     p.add_argument("--comm-counts", type=Path, metavar="DIR",

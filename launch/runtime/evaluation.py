@@ -1,7 +1,7 @@
-"""Loss and perplexity of given weights (a checkpoint or GPT-2-format transformers weights) at any
-layout, through the training pipeline code (`build_pipeline`, `engine.eval_batch`).
+"""Loss and perplexity of given weights (a checkpoint, or GPT-2- or Llama-format transformers
+weights) at any layout, through the training pipeline code (`build_pipeline`, `engine.eval_batch`).
 
-The weights decide the model's shape (the checkpoint's recipe, or the GPT-2 config); the recipe
+The weights decide the model's shape (the checkpoint's recipe, or the transformers config); the recipe
 decides the data and the batch. A checkpoint's shards are merged and re-split for this layout
 (model/convert.py), so every layout gives the same numbers. The data: the first n global batches
 of the validation windows, or of the training stream when the recipe holds out no validation data.

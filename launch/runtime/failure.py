@@ -1,23 +1,13 @@
 """One rank fails after torch.distributed started: every rank exits within seconds, each with one
-line on stderr that names itself and the cause.
+line on stderr that names itself and the cause (docs/checkpoints.md, "A failing rank"), where
+otherwise its peers would fail or hang in their next collective without saying why.
 
-Without this, a rank's exception ends that rank only: on gloo its peers fail their next
-collective with "Connection closed by peer" about 30 s later, on NCCL they wait for the
-collective timeout (`train.dist_timeout_s`, 600 s by default), and neither says what happened.
-
-How: the failing rank publishes "rank Q: <cause>" under one key of the rendezvous store (the
-TCPStore that MASTER_ADDR:MASTER_PORT serves from rank 0, shared by all ranks and independent of
-the communication backend), prints its own line and exits 1. Every rank runs a daemon thread
-that polls that key and, once set, prints "stopping: rank Q failed: <cause>" and exits 1 even
-while its main thread is stuck in a collective. The first report wins: a rank whose collective
-failed because a peer died reports the peer's published cause, not its own symptom. Rank 0
-hosts the store, so a failing rank waits (a few seconds at most) until the others have read the
-cause before it exits; if the store itself disappears (rank 0 killed without a word), the
-watchers say so and exit.
-
-Test hook: GPT3D_FAULT_INJECT="RANK:STEP" raises an exception on global rank RANK just before
-optimizer step STEP (tests/test_failures.py), the way any bug in a step would.
-"""
+The failing rank publishes "rank Q: <cause>" under one key of the rendezvous store (rank 0's
+TCPStore, independent of the communication backend), prints its line and exits 1; a daemon
+thread on every rank polls that key and exits 1 with "stopping: rank Q failed: <cause>", even
+while its main thread is stuck in a collective. The first report wins (a peer's symptom never
+hides the cause); a failing rank 0 waits until the others have read it; a vanished store is
+reported as such. Test hook: GPT3D_FAULT_INJECT="RANK:STEP" raises before that optimizer step."""
 import os
 import sys
 import threading
