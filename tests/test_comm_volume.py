@@ -92,7 +92,7 @@ def test_exact_formulas_contain_the_design_leading_terms():
     # At tp=2 each TP rank sends half of it (plus a partition header) and all-gathers the rest.
     assert split[("pp-activations", "pp-p2p", "send")][1] == boundary // 2 + 9 * m  # header: ndims, 3 sizes, t, rank, t+1 offsets
     local = formulas.stage_params_per_rank(config.n_layer, h, config.vocab_size, s, 2, 4, 1,
-                                           parts=partition.stage_partition(config.n_layer, 4, "blocks"))
+                                           parts=partition.stage_partition(config, 4, "blocks"))
     assert split[("dp-grads", "dp", "all_reduce")][1] == local
     assert split[("dp-params", "dp", "all_gather_into_tensor")][1] * 2 >= local  # padded to 2*d
 
