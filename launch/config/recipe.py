@@ -39,9 +39,10 @@ class TrainSection:
     lr: float = 6e-4
     """Peak learning rate of AdamW."""
     min_lr_ratio: float = 0.1
-    """Cosine decay ends at lr * min_lr_ratio."""
+    """Cosine decay toward lr * min_lr_ratio (reached one step after the last: the last step's lr is
+    just above it; launch/runtime/lr_schedule.py)."""
     warmup_steps: int = 10
-    """Linear warmup from 0 to lr."""
+    """Linear warm-up: step k <= warmup_steps uses lr * k / warmup_steps."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay on matrices and embeddings (not biases or LayerNorm)."""
     beta1: float = 0.9
