@@ -56,9 +56,9 @@ def tiny_run_data(mix: Optional[list] = None):
     if mix is not None:
         recipe.data.mix = mix
     tokenizer = load_tokenizer("builtin")
-    t = recipe.train
-    data = prepare_run_data(recipe.data, tokenizer, recipe.seq_len, t.seed, t.global_batch_size,
-                            t.micro_batch_size, evaluate=False)
+    train_cfg = recipe.train
+    data = prepare_run_data(recipe.data, tokenizer, recipe.seq_len, train_cfg.seed, train_cfg.global_batch_size,
+                            train_cfg.micro_batch_size, evaluate=False)
     return data, tokenizer, GPT(recipe.gpt_config(len(tokenizer)))
 
 

@@ -96,8 +96,8 @@ def main() -> None:
     fastest = {name: min(times) for name, times in measured.items()}
     ratio = fastest["document_mask"] / fastest["causal"]
     paired = statistics.median(m / c for m, c in zip(measured["document_mask"], measured["causal"]))
-    m = recipe.model
-    print(f"{args.recipe.name} ({m.n_layer} x {m.n_embd}, {m.n_head} heads), batch {args.batch} x {args.seq_len} "
+    model_cfg = recipe.model
+    print(f"{args.recipe.name} ({model_cfg.n_layer} x {model_cfg.n_embd}, {model_cfg.n_head} heads), batch {args.batch} x {args.seq_len} "
           f"tokens, {documents:.1f} documents per window, on {device.type}; masked kernel: {kernel}\n"
           f"step time (fastest repetition): causal {fastest['causal']:.3f} s, document mask "
           f"{fastest['document_mask']:.3f} s, ratio {ratio:.2f} (target <= 1.3); median of the repetitions' "

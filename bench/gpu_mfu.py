@@ -73,8 +73,9 @@ def run_recipe(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
     wall = time.perf_counter() - start
-    m = recipe.model
-    result = {"recipe": name, "wall_s": wall, "params": formulas.params_exact(m.n_layer, m.n_embd, m.vocab_size, m.seq_len),
+    model_cfg = recipe.model
+    params = formulas.params_exact(model_cfg.n_layer, model_cfg.n_embd, model_cfg.vocab_size, model_cfg.seq_len)
+    result = {"recipe": name, "wall_s": wall, "params": params,
               "n_layer": recipe.model.n_layer, "n_embd": recipe.model.n_embd,
               "n_head": recipe.model.n_head, "seq_len": recipe.seq_len, "vocab_size": recipe.model.vocab_size,
               "micro_batch_size": recipe.train.micro_batch_size,

@@ -34,13 +34,15 @@ VOCAB = 4096
 def recipe_for(args, precision: str, arch: str = "gpt2"):
     from launch.config.recipe import Recipe
     recipe = Recipe()
-    m, t = recipe.model, recipe.train
-    m.n_layer, m.n_head, m.n_embd, m.seq_len, m.vocab_size = args.layers, args.heads, args.hidden, args.seq_len, VOCAB
+    model_cfg, train_cfg = recipe.model, recipe.train
+    model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd = args.layers, args.heads, args.hidden
+    model_cfg.seq_len, model_cfg.vocab_size = args.seq_len, VOCAB
     if arch == "llama":
-        m.arch, m.n_kv_head, m.ffn_hidden_size = "llama", args.kv_heads, args.ffn
-    t.micro_batch_size = t.global_batch_size = args.batch
-    t.precision, t.zero_stage, t.grad_clip, t.warmup_steps = precision, 1, 1.0, 0
-    t.steps = args.steps * (args.repeats + 1) + 1
+        model_cfg.arch, model_cfg.n_kv_head, model_cfg.ffn_hidden_size = "llama", args.kv_heads, args.ffn
+    train_cfg.micro_batch_size = train_cfg.global_batch_size = args.batch
+    train_cfg.precision, train_cfg.zero_stage = precision, 1
+    train_cfg.grad_clip, train_cfg.warmup_steps = 1.0, 0
+    train_cfg.steps = args.steps * (args.repeats + 1) + 1
     return recipe
 
 

@@ -65,10 +65,10 @@ def sgd_engine(config, state, micro_batch_size: int, micro_batches: int, full_re
     from model.config import ModelConfig
 
     recipe = Recipe(model=ModelConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(ModelConfig)}))
-    t = recipe.train
-    t.micro_batch_size, t.global_batch_size = micro_batch_size, micro_batch_size * micro_batches * state.dp_size
-    t.precision, t.zero_stage, t.grad_clip, t.warmup_steps, t.min_lr_ratio = "fp32", 0, 0.0, 0, 1.0  # lr 1 throughout
-    t.recompute = "full" if full_recompute else "selective" if config.recompute_attention else "none"
+    train_cfg = recipe.train
+    train_cfg.micro_batch_size, train_cfg.global_batch_size = micro_batch_size, micro_batch_size * micro_batches * state.dp_size
+    train_cfg.precision, train_cfg.zero_stage, train_cfg.grad_clip, train_cfg.warmup_steps, train_cfg.min_lr_ratio = "fp32", 0, 0.0, 0, 1.0  # lr 1 throughout
+    train_cfg.recompute = "full" if full_recompute else "selective" if config.recompute_attention else "none"
     layout = check_and_derive_layout(recipe, dist.get_world_size(), state.tp_size, state.pp_size, on_cpu=True)
     engine, _ = build_engine(recipe, layout, state, config, optimizer=lambda groups: torch.optim.SGD(groups, lr=1.0))
     return engine

@@ -78,9 +78,9 @@ def test_benchmark_step_fits_one_80gb_gpu_by_the_formulas(name, capsys):
                       "--json"]) == 0
     # The JSON is the last line (an in-process DeepSpeed import may log its accelerator first).
     planned = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory_per_device_bytes"]
-    m = recipe.model
-    logits = b * m.seq_len * padded_vocab_size(m.vocab_size, 1, m.vocab_pad_multiple)
-    extra = 4 * formulas.params_exact(m.n_layer, m.n_embd, m.vocab_size, m.seq_len) + logits * (2 + 4 + 4 + 4)
+    model_cfg = recipe.model
+    logits = b * model_cfg.seq_len * padded_vocab_size(model_cfg.vocab_size, 1, model_cfg.vocab_pad_multiple)
+    extra = 4 * formulas.params_exact(model_cfg.n_layer, model_cfg.n_embd, model_cfg.vocab_size, model_cfg.seq_len) + logits * (2 + 4 + 4 + 4)
     assert planned + extra < 75 * GIB, (name, planned / GIB, extra / GIB)
 
 

@@ -24,9 +24,9 @@ def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config:
 
     def groups(lists):
         return " ".join(str(g) for g in lists)
-    t = recipe.train
+    train_cfg = recipe.train
     flops = [sum(f) for f in stage_flops(config, pipe.parts, layout.micro_batch_size, recipe.seq_len,
-                                         t.recompute_mode == "full")]
+                                         train_cfg.recompute_mode == "full")]
     print(f"layout: world {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp} "
           f"(axis order pipe, data, model: TP ranks adjacent)\n"
           f"  TP groups  (split each weight matrix):  {groups(state.tp_groups)}\n"
@@ -37,9 +37,9 @@ def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config:
     b, seq_len = layout.micro_batch_size, recipe.seq_len
     shard = f"(b, T/tp, h) = ({b}, {seq_len // layout.tp}, h): sequence parallel" \
         if recipe.model.sequence_parallel and layout.tp > 1 else f"(b, T, h) = ({b}, {seq_len}, h)"
-    schedule = t.schedule if runs_zero_bubble(t.schedule, layout.pp) or t.schedule == "1f1b" \
-        else f"1f1b ({t.schedule} needs pp > 1)"
-    print(f"activations: {shard} per rank between TP linears and across stages; recompute {t.recompute_mode}; "
+    schedule = train_cfg.schedule if runs_zero_bubble(train_cfg.schedule, layout.pp) or train_cfg.schedule == "1f1b" \
+        else f"1f1b ({train_cfg.schedule} needs pp > 1)"
+    print(f"activations: {shard} per rank between TP linears and across stages; recompute {train_cfg.recompute_mode}; "
           f"schedule {schedule}", flush=True)
 
 
@@ -70,24 +70,24 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     from model.pipe import build_pipeline
     from model.weight_grad import WEIGHT_GRADS
 
-    t = recipe.train
-    zero_bubble = runs_zero_bubble(t.schedule, layout.pp)  # at pp = 1 there is no bubble: 1F1B runs
+    train_cfg = recipe.train
+    zero_bubble = runs_zero_bubble(train_cfg.schedule, layout.pp)  # at pp = 1 there is no bubble: 1F1B runs
     WEIGHT_GRADS.enabled = zero_bubble  # before the first forward: the linears read it there
     with quiet_stdout(not verbose):  # DeepSpeed's own layer listing: the role map shows it
-        pipe = build_pipeline(config, state, t.full_recompute_interval, parts=layout.parts or None)
+        pipe = build_pipeline(config, state, train_cfg.full_recompute_interval, parts=layout.parts or None)
     if compiled:  # in place, before DeepSpeed wraps the module: each block compiles on its first call
         compile_blocks(pipe)
     if init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them
         from launch.checkpoints.hf_weights import init_from_hf as load_hf_weights
         load_hf_weights(pipe, init_from_hf, config, state)
     ds_config = deepspeed_config(recipe, layout)
-    own_norm = uses_own_grad_norm(t.zero_stage, t.precision)
+    own_norm = uses_own_grad_norm(train_cfg.zero_stage, train_cfg.precision)
     if own_norm:  # DeepSpeed's fp32 ZeRO-0 clipping miscounts across stages: ours clips instead
         ds_config["gradient_clipping"] = 0.0
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, model_parameters=param_groups(pipe), config=ds_config, optimizer=optimizer,
-        lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio))
+        lr_scheduler=warmup_cosine(train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr_ratio))
     if zero_bubble:
         use_zero_bubble_schedule(engine)
-    grad_norm = Zero0GradNorm(engine, state.tp_rank, t.grad_clip) if own_norm else None
+    grad_norm = Zero0GradNorm(engine, state.tp_rank, train_cfg.grad_clip) if own_norm else None
     return engine, grad_norm

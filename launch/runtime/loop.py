@@ -76,14 +76,14 @@ def run_training(job: TrainingJob) -> None:
     from model.parallel_state import init_parallel_state
 
     args, recipe, layout, data, resume_from = job.args, job.recipe, job.layout, job.data, job.resume_from
-    t = recipe.train
-    start_rank(layout.world_size, t.dist_timeout_s)
+    train_cfg = recipe.train
+    start_rank(layout.world_size, train_cfg.dist_timeout_s)
     watcher = FailureWatcher(int(os.environ["RANK"]), layout.world_size)  # one rank fails: all stop
     fault = fault_injection()  # a test hook, None unless GPT3D_FAULT_INJECT is set
     state = init_parallel_state(layout.tp, layout.pp)
     logging_rank = is_logging_rank(state.global_rank)
     config = recipe.gpt_config(job.vocab_size, data.tokenizer.eos_token_id)
-    compiled = blocks_to_compile(t.compile, get_accelerator().device_name(), logging_rank)
+    compiled = blocks_to_compile(train_cfg.compile, get_accelerator().device_name(), logging_rank)
     engine, own_grad_norm = build_engine(recipe, layout, state, config, compiled,
                                          init_from_hf=args.init_from_hf, verbose=args.verbose)
     if logging_rank:
@@ -92,7 +92,7 @@ def run_training(job: TrainingJob) -> None:
     timeline = None
     if args.timeline is not None:
         from launch.instruments.timeline import install_timeline_recorder
-        timeline = install_timeline_recorder(engine, args.timeline_steps, t.steps,
+        timeline = install_timeline_recorder(engine, args.timeline_steps, train_cfg.steps,
                                              one_per_stage=state.tp_rank == 0 and state.dp_rank == 0)
     first_step, samples = restore(engine, resume_from, layout, state, config, logging_rank)
 
@@ -101,7 +101,7 @@ def run_training(job: TrainingJob) -> None:
                                  data_state=resume_from.meta.get("data_state") if resume_from is not None else None)
     device = torch.device(get_accelerator().current_device_name())
     feed = data.feed(batches, state.tp_group, device)
-    arithmetic = run_arithmetic(config, layout, recipe.seq_len, t.steps)  # the run summary prints it
+    arithmetic = run_arithmetic(config, layout, recipe.seq_len, train_cfg.steps)  # the run summary prints it
     tokens_per_step = arithmetic.tokens_per_step
     stop = StopRequest(get_accelerator().device_name())
     metrics = None
@@ -111,10 +111,10 @@ def run_training(job: TrainingJob) -> None:
                                 arithmetic,
                                 resume_after_step=first_step - 1 if resume_from is not None else None,
                                 wandb_run_id=resume_from.meta.get("wandb_run_id") if resume_from is not None else None)
-    report = data.repeat_report(t.steps)  # a mixture says once which sources repeat, and how often
+    report = data.repeat_report(train_cfg.steps)  # a mixture says once which sources repeat, and how often
     if report is not None and logging_rank:
         print(report, flush=True)
-    for step in range(first_step, t.steps + 1):
+    for step in range(first_step, train_cfg.steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
         maybe_inject_fault(fault, state.global_rank, step)
         reset_step_memory_peak()
@@ -130,12 +130,12 @@ def run_training(job: TrainingJob) -> None:
                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved}
         record.update(data.step_record(samples))
-        if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            record.update(validation_record(engine, data, state, layout, t.eval_batches, device))
+        if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
+            record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device))
         if metrics is not None:
             metrics.log(record)
         stopping = stop.agreed()
-        if args.save and (stopping or step == t.steps or (args.save_every and step % args.save_every == 0)):
+        if args.save and (stopping or step == train_cfg.steps or (args.save_every and step % args.save_every == 0)):
             path = store.save(engine, args.save, step, samples, saved_recipe, vars(layout),
                               args.keep_last, is_writer=logging_rank,
                               wandb_run_id=metrics.wandb_run_id if metrics is not None else None,
