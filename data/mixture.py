@@ -1,28 +1,12 @@
 """A mixture of data sources (`data.mix`): which source each sample comes from, and the batches
 of a run that draws from several sources with one tokenizer.
 
-Interleave. Tijdeman's earliest-deadline rule for the chairman assignment problem (R. Tijdeman,
-"The chairman assignment problem", Discrete Mathematics 32 (1980) 323-330): with k sources of
-positive weight and C = 1 - 1/(2(k-1)), sample n = g + 1 goes, among the sources s that may
-take their next sample without running more than C ahead (weight_s * n - count_s >= 1 - C), to
-the one whose next sample is due first (the smallest (count_s + C) / weight_s, ties to the
-lower index), count_s being the samples s took before. Every source's cumulative count then
-stays within C < 1 of weight_s * samples after every sample, for any number of sources (the
-largest-deficit rule does not: with five sources it drifts past one sample). The weights are
-exact fractions (0.3 is 3/10), scaled to integers W_s with sum T: after T positions every count
-is exactly W_s, all deviations are back to zero and the pattern repeats. So the source of a
-position is a table lookup, cycle[g % T], a pure function of g: the same at every layout, and
-a resume needs only the sample count.
-
-Each source then reads its own windows in its own order. A cached source's k-th sample is
-position k of that source's endless stream, reshuffled every epoch (data/sampler.py's
-permutation, seeded per source), so a source smaller than its share repeats epoch after epoch.
-A streamed source's S streams each own a contiguous B/S of every global batch's slots and give
-the next window of their own stream (data/streaming.py) to each of those slots the source holds;
-their positions are the checkpoint's data_state. dp rank r takes the r-th contiguous 1/dp of
-every global batch, as for a single source (docs/design.md contract 3).
-
-Which sources there are and their fields: data/mixture_spec.py.
+The source of global sample g is cycle[g % T], Tijdeman's earliest-deadline interleave ("The
+chairman assignment problem", 1980): every source stays within 1 - 1/(2(k-1)) < 1 sample of its
+share after every sample, for any number k of sources; a pure function of g, so it is the same at
+every layout and a resume needs only the sample count. Each source then reads its own windows in
+its own order (cached: reshuffled per epoch; streamed: its streams' next windows). docs/data.md,
+"Mixtures", states the rule and the order; data/mixture_spec.py holds the sources' fields.
 """
 import heapq
 import math
