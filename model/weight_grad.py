@@ -63,12 +63,16 @@ class WeightGradStore:
         self._sealed.append(self._open)
         self._open = []
 
-    def compute_oldest(self) -> None:
-        """The W pass: compute the oldest sealed micro-batch's weight gradients into `.grad`."""
+    def compute_oldest(self) -> int:
+        """The W pass: compute the oldest sealed micro-batch's weight gradients into `.grad`;
+        return how many."""
+        computed = 0
         with torch.no_grad():
             for weights, compute, _ in self._sealed.popleft():
                 for weight, grad in zip(weights, compute()):
                     accumulate_grad(weight, grad)
+                    computed += 1
+        return computed
 
     def held_bytes(self) -> int:
         """Bytes of the distinct storages the queued computations hold (the memory ZB-H1 adds)."""

@@ -47,6 +47,15 @@ CASES = [
     (2, ["--pp", "2", "--set", "train.partition=[4]"], ["train.partition=[4]", "give 2 numbers"]),
     (2, ["--pp", "2", "--set", "train.partition=[0, 4]"], ["train.partition=[0, 4]", "each >= 1 (the last may be 0)"]),
     (1, ["--set", "train.partition=3"], ["train.partition=3", "expected str or List[int]"]),
+    (2, ["--pp", "2", "--set", "train.schedule=zb-h1", "--set", "train.precision=bf16",
+         "--set", "deepspeed.bf16.immediate_grad_update=true"],
+     ["deepspeed.bf16.immediate_grad_update=true", "zb-h1 --pp 2", "dropped"]),
+    (2, ["--pp", "2", "--set", "train.schedule=zb-h1", "--set", "deepspeed.bfloat16.immediate_grad_update=true"],
+     ["deepspeed.bfloat16.immediate_grad_update=true", "zb-h1 --pp 2"]),
+    (2, ["--pp", "2", "--set", "train.schedule=zb-h1", "--set", "train.compile=true"],
+     ["train.compile=true", "zb-h1 --pp 2", "train.recompute=none", "train.recompute=full"]),
+    (2, ["--pp", "2", "--set", "train.schedule=zb-h1", "--set", "train.compile=true",
+         "--set", "train.recompute=selective"], ["train.compile=true", "train.recompute=selective"]),
 ]
 
 
@@ -177,3 +186,50 @@ def test_fp16_where_the_accelerator_has_none_is_refused_before_start(supported, 
         check_precision_supported("fp16")
     else:
         _one_line_exit_2(["--set", "train.precision=fp16"], capsys, "train.precision=fp16", "fp32 or bf16")
+
+
+def test_zero_bubble_refusals_leave_the_allowed_combinations_alone():
+    """What ZB-H1 refuses is refused only there: the same keys at pp = 1 (1F1B runs), with 1F1B,
+    immediate_grad_update off, and compile under full recompute (its blocks trace their backward
+    inside the B pass, deferring) all pass the layout's checks."""
+    from launch.config.layout import check_and_derive_layout
+    from launch.config.recipe import load_recipe
+    immediate, compiled = "deepspeed.bf16.immediate_grad_update=true", "train.compile=true"
+    for pp, overrides in [(1, ["train.schedule=zb-h1", immediate, compiled]),
+                          (2, ["train.schedule=1f1b", immediate, compiled]),
+                          (2, ["train.schedule=zb-h1", "deepspeed.bf16.immediate_grad_update=false"]),
+                          (2, ["train.schedule=zb-h1", compiled, "train.recompute=full"])]:
+        check_and_derive_layout(load_recipe(TINY, overrides), 2, 1, pp, True)
+
+
+def _train_batch_with_an_inline_schedule(self, data_iter=None):
+    from deepspeed.runtime.pipe.schedule import TrainSchedule
+    self._exec_schedule(TrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id))
+
+
+@pytest.mark.parametrize("owner,member,replacement", [
+    ("PipelineEngine", "_train_schedule", None),
+    ("PipelineEngine", "train_batch", _train_batch_with_an_inline_schedule),
+    ("PipelineEngine", "_exec_backward_pass", None),
+    ("BF16_Optimizer", "update_hp_grads", None),
+], ids=["no-_train_schedule", "inline-schedule", "no-_exec_backward_pass", "no-update_hp_grads"])
+def test_deepspeed_without_a_zero_bubble_hook_is_refused_before_start(owner, member, replacement, monkeypatch,
+                                                                       capsys):
+    """A DeepSpeed lacking one of the private members ZB-H1 overrides, or whose engine builds its
+    train schedule inline (train_batch never calls `_train_schedule`), would run 1F1B under the
+    name zb-h1: refused before any process group starts, naming the version and the hook."""
+    import deepspeed
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    cls = {"PipelineEngine": PipelineEngine, "BF16_Optimizer": BF16_Optimizer}[owner]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if replacement is None:
+        monkeypatch.delattr(cls, member)
+    else:
+        monkeypatch.setattr(cls, member, replacement)
+    # Unrefused, the run would start: fail here instead of in a rank's one-line exit (os._exit)
+    monkeypatch.setattr("launch.runtime.loop.run_training", lambda job: pytest.fail("training started"))
+    hook = "PipelineEngine._train_schedule" if member == "train_batch" else f"{owner}.{member}"
+    _one_line_exit_2(["--pp", "2", "--set", "train.schedule=zb-h1"], capsys, f"DeepSpeed {deepspeed.__version__}",
+                     hook, "train.schedule=1f1b")

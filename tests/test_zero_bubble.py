@@ -223,6 +223,50 @@ def _zero_bubble_matches_1f1b(tp: int, pp: int, overrides: list, steps: int):
     assert all(update == matrices for update in updates), (updates[0], matrices)
 
 
+@uses_deepspeed
+def _first_step_check():
+    import torch.distributed as dist
+
+    from launch.config.layout import check_and_derive_layout
+    from launch.config.recipe import load_recipe
+    from launch.runtime.engine import build_engine
+    from launch.runtime.zero_bubble import WEIGHT_PASSES, check_weight_passes_ran
+    from model.parallel_state import init_parallel_state
+
+    recipe = load_recipe(TINY, ["train.schedule=zb-h1"])
+    layout = check_and_derive_layout(recipe, dist.get_world_size(), 1, 2, True)
+    engine, _ = build_engine(recipe, layout, init_parallel_state(1, 2), recipe.gpt_config(4096))
+    tokens = torch.randint(0, 4096, (2, layout.grad_accum_steps, layout.micro_batch_size, recipe.seq_len + 1),
+                           generator=torch.Generator().manual_seed(0))
+
+    def step(batch):
+        engine.train_batch(iter([(t[:, :-1], t[:, 1:]) for t in tokens[batch]]))
+    zero_bubble_schedule = engine._train_schedule
+    # What a DeepSpeed that builds its schedule inline does: the engine's own TrainSchedule (1F1B).
+    engine._train_schedule = lambda: schedule.TrainSchedule(micro_batches=engine.micro_batches,
+                                                            stages=engine.num_stages, stage_id=engine.stage_id)
+    step(0)
+    with pytest.raises(RuntimeError, match=f"stage {engine.stage_id}'s first step ran 0 W passes computing no "
+                                           f"weight gradient, so 1F1B's backward ran"):
+        check_weight_passes_ran(engine)
+    engine._train_schedule = zero_bubble_schedule
+    step(1)
+    check_weight_passes_ran(engine)
+    # m W passes, each computing every weight matrix the stage multiplies (the first stage's
+    # embedding tables are looked up; the last stage's tied copy is the head's weight)
+    looked_up = ("tied_modules.embed.wte.weight", "0.wte.weight", "1.wpe") if engine.is_first_stage() else ()
+    matrices = [n for n, p in engine.module.named_parameters() if p.dim() == 2 and n not in looked_up]
+    assert WEIGHT_PASSES.passes == layout.grad_accum_steps
+    assert WEIGHT_PASSES.gradients == layout.grad_accum_steps * len(matrices), (WEIGHT_PASSES.gradients, len(matrices))
+
+
+def test_first_step_check_fails_when_no_weight_pass_ran():
+    """A real pp = 2 zb-h1 engine: the check after the first step fails (one line) when the
+    engine ran DeepSpeed's own TrainSchedule instead (the override ignored), and passes once the
+    ZB-H1 schedule's W passes computed the stage's weight gradients."""
+    run_distributed(_first_step_check, 2)
+
+
 @pytest.mark.parametrize("tp,pp,dp,overrides", [
     (1, 2, 1, ["train.precision=bf16"]),
     pytest.param(2, 2, 2, ["model.sequence_parallel=true", "train.recompute=selective", "model.dropout=0.1"],

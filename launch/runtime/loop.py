@@ -64,6 +64,7 @@ def run_training(job: TrainingJob) -> None:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
+    from launch.analysis.zero_bubble_schedule import runs_zero_bubble
     from launch.checkpoints import store
     from launch.instruments.comm_counter import install_comm_counter
     from launch.instruments.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak,
@@ -73,6 +74,7 @@ def run_training(job: TrainingJob) -> None:
     from launch.runtime.engine import build_engine, print_role_map
     from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
     from launch.runtime.signals import StopRequest
+    from launch.runtime.zero_bubble import check_weight_passes_ran
     from model.parallel_state import init_parallel_state
 
     args, recipe, layout, data, resume_from = job.args, job.recipe, job.layout, job.data, job.resume_from
@@ -120,6 +122,8 @@ def run_training(job: TrainingJob) -> None:
         reset_step_memory_peak()
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=feed)
+        if step == first_step and runs_zero_bubble(train_cfg.schedule, layout.pp):
+            check_weight_passes_ran(engine)  # the hooks took: W passes computed weight gradients
         synchronize_device()  # the clock stops when the device is done, optimizer step included
         seconds = time.perf_counter() - start
         peak_allocated, peak_reserved = step_memory_peak()  # a MAX all-reduce: every rank calls it

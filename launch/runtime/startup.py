@@ -39,6 +39,9 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     ensure_single_process_env()
     layout = check_and_derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
     check_precision_supported(recipe.train.precision)
+    if recipe.train.schedule == "zb-h1" and layout.pp > 1:  # runs_zero_bubble, without importing DeepSpeed here
+        from launch.runtime.zero_bubble import check_deepspeed_hooks
+        check_deepspeed_hooks(layout.pp)
     from launch.runtime.preflight import check_before_start
     check_before_start(recipe, args.metrics_out, args.save, args.timeline, args.comm_counts)
     resume_from = None
