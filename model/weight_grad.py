@@ -33,7 +33,8 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self.enabled = False
-        """Route the plain linears through `DeferrableLinear` (set by the run's schedule, at build)."""
+        """The run defers weight gradients: the plain linears go through `DeferrableLinear` and
+        the backwards may queue theirs (set by the run's schedule, at build, before any forward)."""
         self._deferring = False
         self._open: List[GradWork] = []
         self._sealed: Deque[List[GradWork]] = deque()
@@ -49,10 +50,21 @@ class WeightGradStore:
 
     def weight_grads_now_or_later(self, weights: Sequence[torch.Tensor], compute: Callable[[], Sequence[torch.Tensor]],
                                   holds: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
-        """The gradients of `weights` for a backward to return: `compute()` now, or, while
-        deferring and when every weight is a parameter (a leaf), Nones and the work queued.
-        `holds`: the tensors `compute` reads (a linear's input and output gradient), which a
-        deferred computation keeps alive until its W pass (`held_bytes`)."""
+        """The gradients of `weights` for a backward to return: `compute()` now, or, in a run that
+        defers (`enabled`), while deferring and when every weight is a parameter (a leaf), Nones
+        and the work queued. `holds`: the tensors `compute` reads (a linear's input and output
+        gradient), which a deferred computation keeps alive until its W pass (`held_bytes`)."""
+        if not self.enabled:  # nothing defers in this run: compiled blocks keep W in their backward graph
+            return compute()
+        return self._now_or_later(weights, compute, holds)
+
+    # Opaque to torch.compile: traced, the deferral flag would be read once, at a compiled block's
+    # first forward (AOT autograd traces the backward there, outside any B pass), and baked into
+    # the backward graph. Dynamo cannot trace a backward that calls this, so the linear's autograd
+    # Function runs eagerly between the compiled parts of the block and reads the flag when B runs.
+    @torch.compiler.disable
+    def _now_or_later(self, weights: Sequence[torch.Tensor], compute: Callable[[], Sequence[torch.Tensor]],
+                      holds: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
         if self._deferring and all(w.is_leaf and w.requires_grad for w in weights):
             self._open.append((weights, compute, holds))
             return [None] * len(weights)

@@ -81,7 +81,7 @@ def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, o
 
 
 def check_zero_bubble(recipe: Recipe, pp: int) -> None:
-    """What would turn ZB-H1's deferred weight gradients into lost or undeferred ones, silently."""
+    """What would lose ZB-H1's deferred weight gradients silently."""
     for key in ("bf16", "bfloat16"):  # DeepSpeed reads either spelling
         section = recipe.deepspeed.get(key)
         if isinstance(section, dict) and section.get("immediate_grad_update"):
@@ -90,13 +90,6 @@ def check_zero_bubble(recipe: Recipe, pp: int) -> None:
             raise ConfigError(f"deepspeed.{key}.immediate_grad_update=true with train.schedule=zb-h1 --pp {pp}: "
                               f"the W passes' weight gradients would be dropped; remove the key or use "
                               f"train.schedule=1f1b")
-    train_cfg = recipe.train
-    if train_cfg.compile and train_cfg.recompute_mode != "full":
-        # AOT autograd traces a compiled block's backward once, at its first forward, with the
-        # deferral off: its linears would compute their weight gradients in B and every W be empty.
-        raise ConfigError(f"train.compile=true with train.schedule=zb-h1 --pp {pp} and train.recompute="
-                          f"{train_cfg.recompute_mode}: compiled blocks do not defer their weight gradients; "
-                          f"set train.compile=false, train.recompute=full or train.schedule=1f1b")
 
 
 def check_tensor_split(model: ModelConfig, tp: int) -> None:
