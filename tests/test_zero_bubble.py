@@ -269,41 +269,51 @@ def _zero_bubble_matches_1f1b(tp: int, pp: int, overrides: list, steps: int):
     assert all(update == matrices for update in updates), (updates[0], matrices)
 
 
-@uses_deepspeed
-def _first_step_check():
+def _zero_bubble_engine(compiled: bool = False):
+    """(engine, layout, a step function: batch index -> loss) of tiny at (1,2,1) under zb-h1."""
     import torch.distributed as dist
 
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.engine import build_engine
-    from launch.runtime.zero_bubble import WEIGHT_PASSES, check_weight_passes_ran
     from model.parallel_state import init_parallel_state
 
     recipe = load_recipe(TINY, ["train.schedule=zb-h1"])
     layout = check_and_derive_layout(recipe, dist.get_world_size(), 1, 2, True)
-    engine, _ = build_engine(recipe, layout, init_parallel_state(1, 2), recipe.gpt_config(4096))
+    engine, _ = build_engine(recipe, layout, init_parallel_state(1, 2), recipe.gpt_config(4096), compiled)
     tokens = torch.randint(0, 4096, (2, layout.grad_accum_steps, layout.micro_batch_size, recipe.seq_len + 1),
                            generator=torch.Generator().manual_seed(0))
 
     def step(batch):
-        engine.train_batch(iter([(t[:, :-1], t[:, 1:]) for t in tokens[batch]]))
+        return engine.train_batch(iter([(t[:, :-1], t[:, 1:]) for t in tokens[batch]])).item()
+    return engine, layout, step
+
+
+def _weight_matrices(engine) -> list:
+    """The weight matrices the stage multiplies, each a deferred weight gradient per micro-batch
+    (the first stage's embedding tables are looked up; the last stage's tied copy is the head's)."""
+    looked_up = ("tied_modules.embed.wte.weight", "0.wte.weight", "1.wpe") if engine.is_first_stage() else ()
+    return [n for n, p in engine.module.named_parameters() if p.dim() == 2 and n not in looked_up]
+
+
+@uses_deepspeed
+def _first_step_check():
+    from launch.runtime.zero_bubble import WEIGHT_PASSES, check_weight_passes_ran
+
+    engine, layout, step = _zero_bubble_engine()
     zero_bubble_schedule = engine._train_schedule
     # What a DeepSpeed that builds its schedule inline does: the engine's own TrainSchedule (1F1B).
     engine._train_schedule = lambda: schedule.TrainSchedule(micro_batches=engine.micro_batches,
                                                             stages=engine.num_stages, stage_id=engine.stage_id)
     step(0)
     with pytest.raises(RuntimeError, match=f"stage {engine.stage_id}'s first step ran 0 W passes computing no "
-                                           f"weight gradient, so 1F1B's backward ran"):
+                                           f"weight gradient: its backward was 1F1B's"):
         check_weight_passes_ran(engine)
     engine._train_schedule = zero_bubble_schedule
     step(1)
     check_weight_passes_ran(engine)
-    # m W passes, each computing every weight matrix the stage multiplies (the first stage's
-    # embedding tables are looked up; the last stage's tied copy is the head's weight)
-    looked_up = ("tied_modules.embed.wte.weight", "0.wte.weight", "1.wpe") if engine.is_first_stage() else ()
-    matrices = [n for n, p in engine.module.named_parameters() if p.dim() == 2 and n not in looked_up]
     assert WEIGHT_PASSES.passes == layout.grad_accum_steps
-    assert WEIGHT_PASSES.gradients == layout.grad_accum_steps * len(matrices), (WEIGHT_PASSES.gradients, len(matrices))
+    assert WEIGHT_PASSES.gradients == layout.grad_accum_steps * len(_weight_matrices(engine))
 
 
 def test_first_step_check_fails_when_no_weight_pass_ran():
@@ -311,6 +321,28 @@ def test_first_step_check_fails_when_no_weight_pass_ran():
     engine ran DeepSpeed's own TrainSchedule instead (the override ignored), and passes once the
     ZB-H1 schedule's W passes computed the stage's weight gradients."""
     run_distributed(_first_step_check, 2)
+
+
+@uses_deepspeed
+def _compiled_engine_defers():
+    from launch.runtime.zero_bubble import WEIGHT_PASSES, check_weight_passes_ran
+
+    eager, _, eager_step = _zero_bubble_engine()
+    eager_losses = [eager_step(0), eager_step(1)]
+    engine, layout, step = _zero_bubble_engine(compiled=True)
+    losses = [step(0)]
+    check_weight_passes_ran(engine)
+    assert WEIGHT_PASSES.gradients == layout.grad_accum_steps * len(_weight_matrices(engine))
+    losses.append(step(1))
+    assert losses == pytest.approx(eager_losses, rel=1e-5), (losses, eager_losses)
+
+
+@pytest.mark.slow  # two ranks compiling on two cores
+def test_compiled_blocks_defer_in_a_zero_bubble_engine():
+    """train.compile without full recompute at (1,2,1) under zb-h1: the W passes of the first step
+    compute every weight matrix's gradient of each stage (none done in B by the compiled blocks),
+    and the losses equal the eager engine's within the compile tolerance."""
+    run_distributed(_compiled_engine_defers, 2)
 
 
 @pytest.mark.parametrize("tp,pp,dp,overrides", [

@@ -78,8 +78,9 @@ def check_weight_passes_ran(engine: PipelineEngine) -> None:
     passes computed weight gradients on this stage; none means 1F1B ran, or B did W's work."""
     if WEIGHT_PASSES.gradients == 0:
         raise RuntimeError(f"train.schedule=zb-h1: stage {engine.stage_id}'s first step ran {WEIGHT_PASSES.passes} "
-                           f"W passes computing no weight gradient, so 1F1B's backward ran (DeepSpeed "
-                           f"{deepspeed.__version__} ignored the schedule's hooks); use train.schedule=1f1b")
+                           f"W passes computing no weight gradient: its backward was 1F1B's (DeepSpeed "
+                           f"{deepspeed.__version__} ignoring the schedule's hooks, or compiled blocks not "
+                           f"deferring); use train.schedule=1f1b")
 
 
 def _exec_backward_input_pass(engine: PipelineEngine, buffer_id: int) -> None:
