@@ -16,12 +16,11 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from launch.errors import ConfigError
-
 from launch.analysis.zero_bubble_schedule import BackwardInputPass, WeightPass, ZeroBubbleH1Schedule
+from launch.errors import ConfigError
 from model.weight_grad import WEIGHT_GRADS
 
-
+# DeepSpeed's instructions whose handlers ours wrap (`use_zero_bubble_schedule`)
 REPLACED_INSTRUCTIONS = (schedule.BackwardPass, schedule.RecvGrad, schedule.ReduceTiedGrads)
 
 
