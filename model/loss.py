@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from model.mappings import Group
 
-# fp32 bytes of one chunk's temporary (tokens x V/p): 256 MiB is ~520 tokens at V = 128,256 and
-# tp = 1; the loss's memory above its input is about twice this, and a GPU kernel per op per chunk.
+# fp32 bytes of one chunk's temporary (tokens x V/p), the loss's only large allocation besides its
+# gradient: 256 MiB is ~520 tokens at V = 128,256 and tp = 1 (16 chunks of 8,192 tokens, a few
+# kernels each), small against the 2 GiB of those logits in bf16.
 CHUNK_BYTES = 256 * 2 ** 20
 IGNORE_INDEX = -100  # as functional.cross_entropy: such a token has loss 0 and gradient 0
 
@@ -51,8 +52,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         sum_exp = torch.empty(n, dtype=torch.float32, device=logits.device)
         for rows in _chunks(n, chunk):
-            # (chunk, V/p) fp32, the only large temporary: the input upcast and shifted, exp in place
-            torch.sum(torch.sub(flat[rows], logits_max[rows].unsqueeze(-1)).exp_(), dim=-1, out=sum_exp[rows])
+            # (chunk, V/p) fp32, the only large temporary: the input upcast, then shifted and exp in
+            # place (a mixed-dtype subtraction would make a second one)
+            shifted = flat[rows].to(torch.float32, copy=True).sub_(logits_max[rows].unsqueeze(-1))
+            torch.sum(shifted.exp_(), dim=-1, out=sum_exp[rows])
+            del shifted  # before the next chunk's is made
         if group is not None:
             dist.all_reduce(target_logit, group=group)
             dist.all_reduce(sum_exp, group=group)
@@ -90,12 +94,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             # fp32: straight into the output; else an fp32 (chunk, V/p) temporary, rounded once
             out = grad[rows]
             softmax = torch.sub(flat[rows], logits_max[rows].unsqueeze(-1), out=out) if fp32 \
-                else torch.sub(flat[rows], logits_max[rows].unsqueeze(-1))
+                else flat[rows].float().sub_(logits_max[rows].unsqueeze(-1))
             softmax.exp_().div_(sum_exp[rows].unsqueeze(-1))
             softmax.scatter_add_(-1, local_target[rows].unsqueeze(-1), -onehot[rows])
             softmax.mul_(grad_loss[rows].unsqueeze(-1))
             if not fp32:
                 out.copy_(softmax)
+            del softmax  # before the next chunk's is made
         return grad.view(ctx.shape), None, None, None, None
 
 
