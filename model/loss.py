@@ -110,4 +110,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     IGNORE_INDEX gives loss 0 and gradient 0. `chunk_tokens` tokens are processed at a time (by
     default CHUNK_BYTES' worth). `consume_logits`: backward writes the gradient into the logits'
     memory instead of a new buffer; for callers that never read the logits after the loss."""
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"vocab-parallel cross-entropy: chunk_tokens must be >= 1, got {chunk_tokens}")
     return _VocabParallelCrossEntropy.apply(logits, target, group, chunk_tokens, consume_logits)

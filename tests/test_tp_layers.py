@@ -282,6 +282,8 @@ def _chunked_cross_entropy_body():
 
 def test_chunked_cross_entropy_matches_torch_tp1():
     _chunked_cross_entropy_body()
+    with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), None, chunk_tokens=0)
 
 
 def test_chunked_cross_entropy_matches_torch_tp2():
