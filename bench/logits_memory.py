@@ -226,6 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="--loss: the logits' dtype")
     args = p.parse_args(argv)
     if args.loss:
+        if args.tokens < 1 or min(args.tp) < 1 or (args.vocab is not None and args.vocab < 1):
+            p.error("--tokens, --tp and --vocab must be >= 1")
         args.vocab = args.vocab or 128256
         return loss_main(args)
     args.vocab = args.vocab or 50257
