@@ -100,14 +100,15 @@ def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor],
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss of one micro-batch: (B, T, V_pad/tp), (B, T) -> scalar.
 
-        The loss keeps what its backward needs (the softmax, its own buffer); nothing reads the
-        logits again (the head's backward needs its input and weight, not its output). DeepSpeed's
-        last stage still holds them in `pipe_buffers['outputs']` until that buffer's next forward
-        (its `_exec_backward_pass` returns before clearing it on the last stage), so their memory
-        is released here: without it the last stage carries one finished micro-batch's
-        (B, T, V/p) logits, the model's largest tensor, into the next forward."""
-        loss = vocab_parallel_cross_entropy(logits, labels, state.tp_group).mean()
-        logits.untyped_storage().resize_(0)
+        The loss keeps the logits (its own alias of their memory) and writes its gradient into
+        them in backward; nothing else reads them again (the head's backward needs its input and
+        weight, not its output). DeepSpeed's last stage still holds the logits tensor in
+        `pipe_buffers['outputs']` until that buffer's next forward (its `_exec_backward_pass`
+        returns before clearing it on the last stage), so that tensor is emptied here: its
+        memory then lives exactly as long as the loss's backward and the head's gradient need it,
+        instead of being carried, one finished micro-batch's (B, T, V/p), into the next forward."""
+        loss = vocab_parallel_cross_entropy(logits, labels, state.tp_group, consume_logits=True).mean()
+        logits.data = logits.new_empty(0)
         return loss
     return loss_fn
 

@@ -71,7 +71,7 @@ def test_default_zero_partitions_adam_and_bf16_accumulates_in_fp32(precision):
 def test_attention_runs_a_fused_causal_kernel_and_the_loss_copies_no_logits():
     """SDPA with is_causal=True picks the fused flash kernel on CPU, not the math fallback that
     materialises the (T, T) scores; forward + backward of the model and the vocab-parallel loss
-    copy no (B, T, V_pad) tensor (the loss's backward works in place on the saved softmax; the
+    copy no (B, T, V_pad) tensor (the loss's fp32 backward writes straight into its output; the
     padded vocabulary's columns are set to -inf in place, as with every GPU recipe's
     vocab_pad_multiple 128)."""
     torch.manual_seed(0)
@@ -94,12 +94,23 @@ def test_attention_runs_a_fused_causal_kernel_and_the_loss_copies_no_logits():
 
 def test_loss_gradient_is_exact_and_a_second_backward_is_refused():
     torch.manual_seed(0)
-    logits = torch.randn(3, 5, 11, requires_grad=True)
+    logits = torch.randn(3, 5, 11)
     target = torch.randint(0, 11, (3, 5))
-    loss = vocab_parallel_cross_entropy(logits, target, None).mean()
-    loss.backward(retain_graph=True)
-    reference = logits.detach().clone().requires_grad_()
+    reference = logits.clone().requires_grad_()
     functional.cross_entropy(reference.flatten(0, 1), target.flatten()).backward()
-    torch.testing.assert_close(logits.grad, reference.grad, rtol=1e-6, atol=1e-7)
+    consumed = logits.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(consumed * 1, target, None, consume_logits=True).mean()
+    loss.backward(retain_graph=True)
+    torch.testing.assert_close(consumed.grad, reference.grad, rtol=1e-6, atol=1e-7)
     with pytest.raises(RuntimeError, match="backward ran twice"):
-        loss.backward()  # the saved softmax was consumed in place
+        loss.backward()  # the gradient overwrote the saved logits
+    kept = logits.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(kept, target, None).mean()
+    loss.backward(retain_graph=True)
+    loss.backward()  # without consume_logits the logits are intact: twice the gradient
+    torch.testing.assert_close(kept.grad, 2 * reference.grad, rtol=1e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        loss = vocab_parallel_cross_entropy(kept, target, None).mean()
+        with torch.no_grad():
+            kept.mul_(2)
+        loss.backward()

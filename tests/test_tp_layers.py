@@ -229,3 +229,62 @@ def test_cross_entropy_single_rank_matches_torch():
     (g_ours,) = torch.autograd.grad(ours, logits)
     (g_ref,) = torch.autograd.grad(ref, logits)
     assert torch.allclose(g_ours, g_ref, atol=1e-7)
+
+
+def _chunked_cross_entropy_body():
+    """The chunked loss against functional.cross_entropy on the dense (unpadded) logits, at this
+    world's tp: chunk sizes that do not divide the 5 x 7 tokens, ignored labels, both gradient
+    buffers, fp32 (1e-6 relative) and bf16 (its rounding); and 3 all-reduces per loss call, as
+    before chunking (max, sum of exponentials, target logit)."""
+    tp = dist.get_world_size() if dist.is_initialized() else 1
+    group = _world_group() if tp > 1 else None
+    vocab = 53
+    padded = padded_vocab_size(vocab, tp, multiple=8)
+    logits = _randn(5, 7, padded, seed=0) * 4
+    logits[..., vocab:] = float("-inf")
+    target = torch.randint(0, vocab, (5, 7), generator=torch.Generator().manual_seed(1))
+    target[0, 3] = target[4, 6] = -100  # functional.cross_entropy's ignore_index
+    weights = _randn(5, 7, seed=2)
+
+    def dense(dtype):
+        l_dense = logits[..., :vocab].to(dtype).float().requires_grad_()
+        loss = functional.cross_entropy(l_dense.flatten(0, 1), target.flatten(), reduction="none").view(5, 7)
+        (loss * weights).sum().backward()
+        grad = torch.cat([l_dense.grad, torch.zeros(5, 7, padded - vocab)], dim=-1)
+        return loss.detach(), grad if group is None else _shard_last(grad, group)
+
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return all_reduce(*args, **kwargs)
+    for dtype, rtol, atol in ((torch.float32, 1e-6, 1e-7), (torch.bfloat16, 1e-2, 1e-2)):
+        loss_want, grad_want = dense(dtype)
+        for chunk in (1, 4, 6, 35, 100, None):
+            for consume in (False, True):
+                shard = (logits if group is None else _shard_last(logits, group)).to(dtype)
+                l_tp = shard.clone().requires_grad_()
+                dist.all_reduce = counting
+                try:
+                    calls.clear()
+                    loss = vocab_parallel_cross_entropy(l_tp * 1, target, group, chunk_tokens=chunk,
+                                                        consume_logits=consume)
+                    (loss * weights).sum().backward()
+                finally:
+                    dist.all_reduce = all_reduce
+                assert calls == ([torch.Size([35])] * 3 if group is not None else []), calls
+                where = f"{dtype} chunk {chunk} consume {consume} tp {tp}"
+                torch.testing.assert_close(loss.float(), loss_want, rtol=rtol, atol=atol, msg=where)
+                torch.testing.assert_close(l_tp.grad.float(), grad_want, rtol=rtol, atol=atol, msg=where)
+                assert (loss[0, 3] == 0).item() and (l_tp.grad[0, 3] == 0).all().item()
+
+
+def test_chunked_cross_entropy_matches_torch_tp1():
+    _chunked_cross_entropy_body()
+    with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), None, chunk_tokens=0)
+
+
+def test_chunked_cross_entropy_matches_torch_tp2():
+    run_distributed(_chunked_cross_entropy_body, 2)
