@@ -3,8 +3,11 @@ one line on stderr naming itself and the cause (launch/runtime/failure.py); what
 the start is refused there (launch/runtime/preflight.py). 4 processes at tp=2 pp=2, as the issue tried."""
 import json
 import os
+import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +118,155 @@ def test_failure_line_keeps_the_cause_and_its_origin():
     assert gloo.endswith(f"(at tests/test_failures.py:{line} in _raise); a peer rank probably died or hung, "
                          f"see its line and the launcher's")
     assert "\n" not in cuda + gloo
+    # This rank's own kernel timing out is not a lost peer; a collective that timed out waiting is.
+    watchdog = describe(_caught("CUDA error: the launch timed out and was terminated\n"
+                                "CUDA kernel errors might be asynchronously reported at some other API call"))
+    assert watchdog.startswith("RuntimeError: CUDA error: the launch timed out and was terminated / ")
+    assert "peer" not in watchdog, watchdog
+    for message in ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for "
+                    "recv operation to complete",
+                    "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) "
+                    "ran for 600000 milliseconds before timing out."):
+        assert describe(_caught(message)).endswith("; a peer rank probably died or hung, see its line and the "
+                                                   "launcher's"), message
+
+
+def _blocked_rank(grace_s: float, ready: Path, out: Path) -> None:
+    """A forked child: a StopRequest, then a wait that never ends in C++ code (the store's, as a
+    collective with a frozen peer waits), where no Python signal handler can run. Never returns."""
+    try:
+        _redirect_output(out)
+        from datetime import timedelta
+        import torch.distributed as dist
+        from launch.runtime.signals import StopRequest
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(hours=1))
+        StopRequest("cpu", 3, grace_s)
+        ready.touch()
+        store.wait(["never set"])
+    finally:
+        os._exit(99)
+
+
+def _signal_blocked_rank(tmp_path, grace_s: float, signals: int, limit_s: float):
+    """(exit code, seconds from the first signal to the exit, output) of a _blocked_rank sent
+    SIGTERM `signals` times, 0.5 s apart; an AssertionError if it runs for limit_s after the first."""
+    ready, out = tmp_path / "ready", tmp_path / "out"
+    pid = os.fork()
+    if pid == 0:
+        _blocked_rank(grace_s, ready, out)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), out.read_text() if out.exists() else "no output"
+        start = time.monotonic()
+        for i in range(signals):
+            if i:
+                time.sleep(0.5)
+            os.kill(pid, signal.SIGTERM)
+        while time.monotonic() < start + limit_s:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status), time.monotonic() - start, out.read_text()
+            time.sleep(0.05)
+        raise AssertionError(f"still running {limit_s} s after SIGTERM: {out.read_text()}")
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def test_stop_request_leaves_without_a_save_when_the_step_never_ends(tmp_path):
+    """SIGTERM while the main thread waits forever (a peer frozen inside a collective): the rank
+    says so and exits 128+15 once train.stop_grace_s has passed, not before, without a save."""
+    code, seconds, out = _signal_blocked_rank(tmp_path, grace_s=2.0, signals=1, limit_s=12)
+    assert code == 128 + signal.SIGTERM, out
+    assert 2.0 <= seconds < 5.0, seconds
+    assert "rank 3: SIGTERM received; saving after this step" in out
+    lines = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert lines == ["error: rank 3: the step did not end within train.stop_grace_s=2 s of the SIGTERM; leaving "
+                     "without saving (the last complete checkpoint stays the resume point)"], out
+
+
+def test_second_signal_leaves_at_once_while_the_step_never_ends(tmp_path):
+    code, seconds, out = _signal_blocked_rank(tmp_path, grace_s=60.0, signals=2, limit_s=10)
+    assert code == 128 + signal.SIGTERM, out
+    assert seconds < 3.0, seconds
+    assert "error: " not in out, out
+
+
+def test_threads_per_rank_count_the_cpus_this_process_may_use():
+    """Pinned to one CPU (as taskset, a cgroup cpuset or SLURM does), a rank counts one, not the
+    machine's CPUs."""
+    from launch.runtime.distributed import usable_cpus
+    allowed = os.sched_getaffinity(0)
+    one = {min(allowed)}
+    try:
+        os.sched_setaffinity(0, one)  # this thread only: restored below
+        assert usable_cpus() == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert usable_cpus() == len(allowed)
+
+
+def _redirect_output(out: Path) -> None:
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.stderr = open(fd, "w", buffering=1)  # pytest's capture replaced both
+
+
+def _watchers_one_falls_silent(silent: Path, out: Path) -> None:
+    """A forked child: the watchers of ranks 0 and 1 of a world of 2 on one store, live for 5 s
+    (longer than their 3 s timeout), then rank 1's stops beating, as a frozen process's does.
+    Rank 0's must exit 1; never returns."""
+    try:
+        _redirect_output(out)
+        from datetime import timedelta
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0")
+        from launch.runtime.failure import FailureWatcher
+        rank0 = FailureWatcher(0, 2, heartbeat_timeout_s=3)
+        rank1 = FailureWatcher(1, 2, heartbeat_timeout_s=3)
+        rank0.completed(6)
+        rank1.completed(7)
+        time.sleep(5)
+        rank1.stop()
+        silent.touch()
+        time.sleep(30)
+    finally:
+        os._exit(99)
+
+
+def test_a_rank_whose_heartbeat_stops_is_declared_lost():
+    """Live heartbeats keep a rank alive past the timeout; once they stop, its watcher (the
+    ring's predecessor) names it, its host and its last completed step, and exits 1 within the
+    timeout plus a heartbeat interval and a poll."""
+    import socket
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        silent, out = Path(tmp) / "silent", Path(tmp) / "out"
+        pid = os.fork()
+        if pid == 0:
+            _watchers_one_falls_silent(silent, out)
+        try:
+            _, status = os.waitpid(pid, 0)
+            exited = time.time()
+            text = out.read_text()
+            assert silent.exists(), text  # not declared lost while it was beating
+            seconds = exited - silent.stat().st_mtime
+            assert os.waitstatus_to_exitcode(status) == 1, text
+            assert 3.0 <= seconds < 7.0, (seconds, text)
+            lines = [line for line in text.splitlines() if line.startswith("error: ")]
+            assert len(lines) == 1, text
+            assert lines[0].startswith("error: rank 0: stopping: rank 1 failed: lost: no heartbeat for "), lines
+            assert (f"from host {socket.gethostname()}, last completed step 7; killed, frozen or cut off "
+                    f"(noticed by rank 0)") in lines[0], lines
+        finally:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
