@@ -253,12 +253,12 @@ def test_a_rank_whose_heartbeat_stops_is_declared_lost():
         if pid == 0:
             _watchers_one_falls_silent(silent, out)
         try:
-            _, status = os.waitpid(pid, 0)
+            code = _exit_code(pid, limit_s=60)
             exited = time.time()
             text = out.read_text()
             assert silent.exists(), text  # not declared lost while it was beating
             seconds = exited - silent.stat().st_mtime
-            assert os.waitstatus_to_exitcode(status) == 1, text
+            assert code == 1, text
             assert 3.0 <= seconds < 7.0, (seconds, text)
             lines = [line for line in text.splitlines() if line.startswith("error: ")]
             assert len(lines) == 1, text
@@ -270,3 +270,90 @@ def test_a_rank_whose_heartbeat_stops_is_declared_lost():
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _store_host(port_file: Path) -> None:
+    """A forked child: the rendezvous store, as rank 0 hosts it; never returns (killed by the test)."""
+    try:
+        from datetime import timedelta
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        port_file.write_text(str(store.port))
+        time.sleep(120)
+    finally:
+        os._exit(99)
+
+
+def _watchers_of(port: int, ready: Path, out: Path) -> None:
+    """A forked child: the watchers of ranks 1 and 2 of a world of 3 whose rank 0 hosts the store
+    at `port`; never returns."""
+    try:
+        _redirect_output(out)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1")
+        from launch.runtime.failure import FailureWatcher
+        watchers = [FailureWatcher(rank, 3, heartbeat_timeout_s=3) for rank in (1, 2)]
+        watchers[0].completed(4)
+        ready.touch()
+        time.sleep(60)
+    finally:
+        os._exit(99)
+
+
+def _fork(fn, *args) -> int:
+    pid = os.fork()
+    if pid == 0:
+        fn(*args)
+    return pid
+
+
+def test_a_frozen_store_means_rank_0_is_lost(tmp_path):
+    """Rank 0 frozen (its store with it): the other ranks' watchers exit 1 within the heartbeat
+    timeout plus a request's timeout and a poll, naming rank 0, the store's address and their
+    last completed step. (Rank 0's heartbeat is never written here: the store's silence, not a
+    stale heartbeat, must be what they report.)"""
+    port_file, ready, out = tmp_path / "port", tmp_path / "ready", tmp_path / "out"
+    host = _fork(_store_host, port_file)
+    watchers = None
+    try:
+        assert _wait_for_file(port_file)
+        port = int(port_file.read_text())
+        watchers = _fork(_watchers_of, port, ready, out)
+        assert _wait_for_file(ready), out.read_text()
+        os.kill(host, signal.SIGSTOP)  # the store stops answering, as it does when rank 0 is frozen
+        frozen_at = time.monotonic()
+        code = _exit_code(watchers, limit_s=20)
+        seconds = time.monotonic() - frozen_at
+        text = out.read_text()
+        assert code == 1, text
+        assert 3.0 <= seconds < 3 + 1 + 1 + 3, (seconds, text)
+        lines = [line for line in text.splitlines() if line.startswith("error: ")]
+        assert len(lines) == 1, text
+        assert lines[0].startswith(f"error: rank 1: stopping: rank 0 lost: the rendezvous store it hosts "
+                                   f"(127.0.0.1:{port}) did not answer for "), lines
+        assert lines[0].endswith("see its log; last completed step here: 4"), lines
+    finally:
+        for pid in (host, watchers):
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+
+
+def _wait_for_file(path: Path, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.exists()
+
+
+def _exit_code(pid: int, limit_s: float):
+    """The exit code of child `pid` once it exits, None if it still runs after limit_s."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    return None

@@ -36,6 +36,7 @@ TRACEBACK_ENV = "GPT3D_TRACEBACK"
 _KEY, _ACK, _DONE = "gpt3d/failure", "gpt3d/failure_ack", "gpt3d/failure_done"
 _POLL_S = 1.0  # one small store request per rank per second, also at a thousand ranks
 _ACK_WAIT_S = 5.0  # the longest a failing rank waits for the others to read its cause
+_STORE_LOST_POLLS = 5  # consecutive store errors (not silence: that is timed) before rank 0 is lost
 _REPO = str(Path(__file__).resolve().parents[2])  # the repository root: launch/runtime/failure.py
 # What a collective or the store says when the rank at the other end is gone (gloo, NCCL's
 # watchdog, TCPStore). Only these get the "peer" hint, and never a message naming a CUDA error:
@@ -120,10 +121,13 @@ class FailureWatcher:
         self.step = 0  # the last completed step, as the heartbeat reports it
         self.host = socket.gethostname()
         self.store = _connect_store(timeout_s=30)  # the main thread's client
-        self._ran_at = time.monotonic()  # when the watcher last woke: a frozen process does not
+        self._ran_at = self._answered_at = time.monotonic()  # the last wake-up; the store's last answer
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gpt3d-failure-watcher", daemon=True)
         self._thread.start()
+        # A request to a frozen store never returns (TCPStore's timeout bounds connecting and
+        # waiting for a key, not a reply): a second thread times the first.
+        threading.Thread(target=self._time_the_store, name="gpt3d-store-timer", daemon=True).start()
 
     def completed(self, step: int) -> None:
         self.step = step
@@ -132,18 +136,31 @@ class FailureWatcher:
         self._stop.set()
         self._thread.join()
 
+    def _woke(self) -> None:
+        """Every wake-up of either thread: a gap above the timeout means this process was frozen."""
+        now = time.monotonic()
+        if now - self._ran_at > self.timeout_s:
+            self._leave_frozen(now - self._ran_at)
+        self._ran_at = now
+
+    def _time_the_store(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            self._woke()
+            silent_s = time.monotonic() - self._answered_at
+            if silent_s > self.timeout_s:
+                self._leave(f"stopping: rank 0 lost: the rendezvous store it hosts ({os.environ.get('MASTER_ADDR')}:"
+                            f"{os.environ.get('MASTER_PORT')}) did not answer for {silent_s:.0f} s "
+                            f"(train.heartbeat_timeout_s={self.timeout_s:g}): rank 0 was killed, frozen or cut off, "
+                            f"see its log; last completed step here: {self.step}")
+
     def _watch(self) -> None:
-        # A client of its own (no contention with the main thread) whose requests give up well
-        # within the timeout, so that a wake-up gap above it can only mean this process was frozen.
-        store = _connect_store(timeout_s=max(1.0, self.timeout_s / 4))
+        store = _connect_store(timeout_s=30)  # a client of its own: no contention with the main thread
         peer = (self.rank + 1) % self.world_size
         seen, seen_at = None, time.monotonic()  # the peer's heartbeat count, when it last changed
-        answered_at, next_beat, count = time.monotonic(), 0.0, 0
+        next_beat, count, errors = 0.0, 0, 0
         while not self._stop.wait(_POLL_S):
+            self._woke()
             now = time.monotonic()
-            if now - self._ran_at > self.timeout_s:
-                self._leave_frozen(now - self._ran_at)
-            self._ran_at = now
             try:
                 if now >= next_beat:
                     count += 1
@@ -156,17 +173,19 @@ class FailureWatcher:
                         elif now - seen_at > self.timeout_s:
                             self._declare_lost(store, peer, beat, now - seen_at)
                 published = store.get(_KEY).decode() if store.check([_KEY]) else None
-                answered_at = time.monotonic()
-            except Exception as e:  # the store's host (rank 0) is frozen or gone, or the network is
-                silent_s = time.monotonic() - answered_at
-                if silent_s > self.timeout_s:
+                self._answered_at = time.monotonic()
+            except Exception as e:  # the store's host (rank 0) is gone, or the network is
+                errors += 1
+                if errors >= _STORE_LOST_POLLS:  # refused or reset: no need to wait for the timeout
                     self._leave(f"stopping: rank 0 lost: the rendezvous store it hosts ({os.environ.get('MASTER_ADDR')}:"
-                                f"{os.environ.get('MASTER_PORT')}) did not answer for {silent_s:.0f} s "
-                                f"(train.heartbeat_timeout_s={self.timeout_s:g}; {type(e).__name__}): rank 0 was killed, "
-                                f"frozen or cut off, see its log; last completed step here: {self.step}")
+                                f"{os.environ.get('MASTER_PORT')}) is gone ({type(e).__name__}): rank 0 probably "
+                                f"died, see its log; last completed step here: {self.step}")
                 continue
+            errors = 0
             if published is None:
                 continue
+            if published.startswith(f"rank {self.rank}: lost:"):  # slow or resumed: the others have left
+                self._leave(f"stopping: the other ranks declared this rank lost:{published.split(':', 2)[2]}")
             if published.startswith(f"rank {self.rank}:"):  # our own report: the main thread is on it
                 return
             self._follow(store, published)
@@ -207,10 +226,13 @@ class FailureWatcher:
                     f"train.heartbeat_timeout_s={self.timeout_s:g}: its peers have declared it lost")
 
     def _leave(self, line: str) -> None:
-        with _report_lock:
-            if not self._stop.is_set():
-                _say(line)
-                os._exit(1)
+        """Say `line` and exit 1, unless the run finished (stop() was called). Another thread may
+        hold the lock inside a store request that never returns: then leave without it."""
+        if _report_lock.acquire(timeout=_ACK_WAIT_S + 1) and self._stop.is_set():
+            _report_lock.release()
+            return
+        _say(line)
+        os._exit(1)
 
     def fail(self, error: BaseException) -> None:
         """This rank's main thread caught `error`: report it once (or the cause another rank
