@@ -140,6 +140,7 @@ def test_frozen_rank_is_named_and_every_other_rank_exits(tmp_path):
                      "--set", "train.dist_timeout_s=600"])
     try:
         assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+        time.sleep(2.5)  # a heartbeat (every 2 s) after step 3: the line must name a step >= 3
         ranks = _training_pids(job)
         ranks[1].suspend()  # SIGSTOP
         frozen_at = time.monotonic()
@@ -153,15 +154,18 @@ def test_frozen_rank_is_named_and_every_other_rank_exits(tmp_path):
         assert _files(tmp_path) == before  # nothing written once the job had ended
         out, _ = job.communicate(timeout=60)
     finally:
-        for p in psutil.Process(job.pid).children(recursive=True) + [psutil.Process(job.pid)]:
-            try:
+        if job.poll() is None:  # a failed check: leave nothing running (the frozen rank included)
+            for p in _training_pids(job) + [psutil.Process(job.pid)]:
                 p.kill()
-            except psutil.NoSuchProcess:
-                pass
+            job.wait(timeout=30)
     assert job.returncode != 0, out[-3000:]
+    print("\n".join(line for line in out.splitlines() if line.startswith("error: ")))
     lost = [line for line in out.splitlines() if "stopping: rank 1 failed: lost: no heartbeat for" in line]
     assert sorted(line.split()[2] for line in lost) == ["0:", "2:", "3:"], out[-3000:]
-    assert all("last completed step " in line and "(noticed by rank 0)" in line for line in lost), lost
+    last_logged = read_metrics(metrics)[-1]["step"]
+    for line in lost:
+        step = int(line.split("last completed step ")[1].split(";")[0])
+        assert 3 <= step <= last_logged and line.endswith("(noticed by rank 0)"), (line, last_logged)
     latest = (ck / "latest").read_text()
     assert (ck / latest / "complete.json").exists()  # the resume point a requeued job starts from
 

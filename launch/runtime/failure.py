@@ -44,7 +44,7 @@ _REPO = str(Path(__file__).resolve().parents[2])  # the repository root: launch/
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting",
               "timed out connecting", "collective operation timeout", "socket timeout", "wait timeout")
 _LOCAL = ("cuda error", "cudaerror")
-_report_lock = threading.Lock()  # one line per process: the first reporter exits, others block
+_report_lock = threading.RLock()  # one line per process: the first reporter exits, others block
 _watcher: Optional["FailureWatcher"] = None  # this process's, once torch.distributed is up
 
 
@@ -211,15 +211,16 @@ class FailureWatcher:
     def _follow(self, store, published: str) -> None:
         """Another rank published `published` ("rank Q: cause"): acknowledge it, say it, exit 1;
         rank 0, the store's host, first waits until the publisher is done with the store."""
-        try:
-            store.add(_ACK, 1)
-        except Exception:
-            pass
-        rank, cause = published.split(":", 1)
-        _say(f"stopping: {rank} failed:{cause}")
-        if self.rank == 0:
-            self._wait_for(store, lambda: store.check([_DONE]))
-        os._exit(1)
+        with _report_lock:
+            try:
+                store.add(_ACK, 1)
+            except Exception:
+                pass
+            rank, cause = published.split(":", 1)
+            _say(f"stopping: {rank} failed:{cause}")
+            if self.rank == 0:
+                self._wait_for(store, lambda: store.check([_DONE]))
+            os._exit(1)
 
     def _leave_frozen(self, gap_s: float) -> None:
         self._leave(f"stopping: this process did not run for {gap_s:.0f} s (stopped or starved), longer than "
