@@ -171,6 +171,38 @@ def test_frozen_rank_is_named_and_every_other_rank_exits(tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_while_a_peer_is_frozen_leaves_after_the_grace(tmp_path):
+    """SIGTERM to rank 0 while rank 1 is frozen (its step can never end; heartbeats and
+    collectives allowed longer than the test): rank 0 leaves without a save within
+    train.stop_grace_s (5) + 15 s, with one line, exit 128+15; `latest` stays complete."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    job = _start(2, ["--pp", "2", "--steps", "1000", "--save", str(ck), "--save-every", "2",
+                     "--metrics-out", str(metrics), "--set", "train.stop_grace_s=5",
+                     "--set", "train.heartbeat_timeout_s=600", "--set", "train.dist_timeout_s=600"])
+    ranks = []
+    try:
+        assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+        ranks = _training_pids(job)
+        ranks[1].suspend()
+        time.sleep(1.0)  # rank 0 is now waiting for rank 1 inside the step
+        ranks[0].send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+        assert _wait_for(lambda: _gone(ranks[0]), timeout=5 + 15), "rank 0 still running"
+        seconds = time.monotonic() - signalled_at
+        print(f"rank 0 left {seconds:.1f} s after SIGTERM")
+        assert seconds >= 5.0
+    finally:
+        (ranks[1] if ranks else job).kill()  # frozen: the launcher would wait 30 s for it
+        out, _ = job.communicate(timeout=60)
+    assert "rank 0: SIGTERM received; saving after this step" in out, out[-3000:]
+    assert ("error: rank 0: the step did not end within train.stop_grace_s=5 s of the SIGTERM; leaving without "
+            "saving (the last complete checkpoint stays the resume point)") in out, out[-3000:]
+    assert "stopped by signal" not in out
+    latest = (ck / "latest").read_text()
+    assert (ck / latest / "complete.json").exists()
+
+
+@pytest.mark.slow
 def test_dead_rank_makes_the_others_exit_with_an_error(tmp_path):
     """Without a launcher to clean up (as on another node), a killed rank makes the survivor
     fail its next collective with a clear error instead of hanging: within the heartbeat bound,
