@@ -47,6 +47,32 @@ def test_bad_checkpoints_are_one_line_errors(parity_runs, tmp_path, monkeypatch,
     assert meta["step"] == STEPS and meta["recipe"]["model"]["vocab_size"] == 4096
 
 
+def test_one_command_line_starts_a_run_and_resumes_it(parity_runs, tmp_path, capsys):
+    """`--save DIR --load DIR`, as a scheduler reruns it after a preemption: DIR missing, empty or
+    holding only a save cut short starts at step 1 with one line; with a checkpoint it resumes
+    from DIR's latest; a --load of its own that holds nothing stays an error (a typo)."""
+    from launch.checkpoints.locate import find_resume_point
+    from launch.errors import ConfigError
+    cut_short = tmp_path / "cut"
+    (cut_short / "step00000002").mkdir(parents=True)  # the first run killed during its first save
+    for fresh in (tmp_path / "missing", tmp_path / "empty", cut_short):
+        if fresh.name == "empty":
+            fresh.mkdir()
+        assert find_resume_point(fresh, fresh, is_writer=True) is None
+        assert capsys.readouterr().out == (f"--load {fresh}: no checkpoint there yet; starting at step 1 (rerun the "
+                                           f"same command to resume from its checkpoints)\n")
+    assert find_resume_point(tmp_path / "empty", tmp_path / "empty", is_writer=False) is None
+    assert capsys.readouterr().out == ""  # one line for the job: the writer's
+    ck = _copy_checkpoints(parity_runs, tmp_path)
+    assert find_resume_point(ck, ck, is_writer=True).meta["step"] == STEPS
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
+    for load, save, words in ((tmp_path / "other", tmp_path / "other", "no complete checkpoint"),
+                              (tmp_path / "missing", tmp_path / "elsewhere", "no such directory")):
+        with pytest.raises(ConfigError, match=words):
+            find_resume_point(load, save, is_writer=True)
+
+
 def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
     """SP leaves every weight's shape and shard alone: a checkpoint saved without it (or before
     the key existed) resumes with it; a different n_embd is still refused."""

@@ -117,24 +117,111 @@ def test_second_signal_exits_at_once(tmp_path):
     assert "stopped by signal" not in out
 
 
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE  # exited; the launcher reaps it within a second
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _files(directory: Path) -> dict:
+    return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.slow
+def test_frozen_rank_is_named_and_every_other_rank_exits(tmp_path):
+    """kill -STOP rank 1 of a tp=2 pp=2 job after step 3, its collectives allowed 600 s: its
+    silence stalls the others inside a collective as a frozen GPU peer does on NCCL. Every other
+    rank exits within train.heartbeat_timeout_s (20) + 15 s, each naming rank 1; resumed by
+    kill -CONT, rank 1 leaves without writing a metric or a checkpoint file."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    job = _start(4, ["--tp", "2", "--pp", "2", "--steps", "1000", "--save", str(ck), "--save-every", "2",
+                     "--metrics-out", str(metrics), "--set", "train.heartbeat_timeout_s=20",
+                     "--set", "train.dist_timeout_s=600"])
+    try:
+        assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+        time.sleep(2.5)  # a heartbeat (every 2 s) after step 3: the line must name a step >= 3
+        ranks = _training_pids(job)
+        ranks[1].suspend()  # SIGSTOP
+        frozen_at = time.monotonic()
+        others = [ranks[0], ranks[2], ranks[3]]
+        assert _wait_for(lambda: all(_gone(p) for p in others), timeout=20 + 15), "survivors still running"
+        seconds = time.monotonic() - frozen_at
+        print(f"the other ranks exited {seconds:.1f} s after rank 1 froze")
+        before = _files(tmp_path)
+        ranks[1].resume()  # SIGCONT
+        assert _wait_for(lambda: _gone(ranks[1]), timeout=15), "rank 1 still running after SIGCONT"
+        assert _files(tmp_path) == before  # nothing written once the job had ended
+        out, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:  # a failed check: leave nothing running (the frozen rank included)
+            for p in _training_pids(job) + [psutil.Process(job.pid)]:
+                p.kill()
+            job.wait(timeout=30)
+    assert job.returncode != 0, out[-3000:]
+    print("\n".join(line for line in out.splitlines() if line.startswith("error: ")))
+    lost = [line for line in out.splitlines() if "stopping: rank 1 failed: lost: no heartbeat for" in line]
+    assert sorted(line.split()[2] for line in lost) == ["0:", "2:", "3:"], out[-3000:]
+    last_logged = read_metrics(metrics)[-1]["step"]
+    for line in lost:
+        step = int(line.split("last completed step ")[1].split(";")[0])
+        assert 3 <= step <= last_logged and line.endswith("(noticed by rank 0)"), (line, last_logged)
+    latest = (ck / "latest").read_text()
+    assert (ck / latest / "complete.json").exists()  # the resume point a requeued job starts from
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_peer_is_frozen_leaves_after_the_grace(tmp_path):
+    """SIGTERM to rank 0 while rank 1 is frozen (its step can never end; heartbeats and
+    collectives allowed longer than the test): rank 0 leaves without a save within
+    train.stop_grace_s (5) + 15 s, with one line, exit 128+15; `latest` stays complete."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    job = _start(2, ["--pp", "2", "--steps", "1000", "--save", str(ck), "--save-every", "2",
+                     "--metrics-out", str(metrics), "--set", "train.stop_grace_s=5",
+                     "--set", "train.heartbeat_timeout_s=600", "--set", "train.dist_timeout_s=600"])
+    ranks = []
+    try:
+        assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+        ranks = _training_pids(job)
+        ranks[1].suspend()
+        time.sleep(1.0)  # rank 0 is now waiting for rank 1 inside the step
+        ranks[0].send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+        assert _wait_for(lambda: _gone(ranks[0]), timeout=5 + 15), "rank 0 still running"
+        seconds = time.monotonic() - signalled_at
+        print(f"rank 0 left {seconds:.1f} s after SIGTERM")
+        assert seconds >= 5.0
+    finally:
+        (ranks[1] if ranks else job).kill()  # frozen: the launcher would wait 30 s for it
+        out, _ = job.communicate(timeout=60)
+    assert "rank 0: SIGTERM received; saving after this step" in out, out[-3000:]
+    assert ("error: rank 0: the step did not end within train.stop_grace_s=5 s of the SIGTERM; leaving without "
+            "saving (the last complete checkpoint stays the resume point)") in out, out[-3000:]
+    assert "stopped by signal" not in out
+    latest = (ck / "latest").read_text()
+    assert (ck / latest / "complete.json").exists()
+
+
 @pytest.mark.slow
 def test_dead_rank_makes_the_others_exit_with_an_error(tmp_path):
     """Without a launcher to clean up (as on another node), a killed rank makes the survivor
-    fail its next collective with a clear error instead of hanging."""
+    fail its next collective with a clear error instead of hanging: within the heartbeat bound,
+    the collective timeout set so high that the test cannot pass on it."""
     port, metrics = free_port(), tmp_path / "m.jsonl"
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, "launch/train.py", "--recipe", str(TINY), "--pp", "2",
-                                       "--steps", "1000", "--set", "train.dist_timeout_s=60",
+                                       "--steps", "1000", "--set", "train.dist_timeout_s=600",
+                                       "--set", "train.heartbeat_timeout_s=20",
                                        "--metrics-out", str(metrics)],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
     procs[1].kill()
     start = time.time()
     _, err = procs[0].communicate(timeout=120)
-    assert procs[0].returncode == 1 and time.time() - start < 90
+    assert procs[0].returncode == 1 and time.time() - start < 20 + 15
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and lines[0].startswith("error: rank 0: "), err[-3000:]
     assert "a peer rank probably died" in lines[0], lines  # launch/runtime/failure.py: a lost connection

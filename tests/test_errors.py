@@ -39,6 +39,8 @@ CASES = [
     (1, ["--set", "data.name=/no/such/corpus"], ["data.name='/no/such/corpus'"]),
     (1, ["--set", "wandb.name=[oops"], ["--set 'wandb.name=[oops'", "not valid YAML", "quote it"]),
     (1, ["--set", "train.dist_timeout_s=0"], ["train.dist_timeout_s=0", ">= 1"]),
+    (1, ["--set", "train.heartbeat_timeout_s=2"], ["train.heartbeat_timeout_s=2", "heartbeat interval, 2 s"]),
+    (1, ["--set", "train.stop_grace_s=0"], ["train.stop_grace_s=0", "> 0"]),
     (1, ["--set", "wandb.mode=cloud"], ["wandb.mode='cloud'", "online, offline, disabled"]),
     (1, ["--set", "train.zero_stage=0", "--set", "train.precision=bf16"], ["zero_stage=0", "bf16", "zero_stage=1"]),
     (1, ["--set", "train.partition=even"], ["train.partition='even'", "balanced, blocks", "[3, 1]"]),

@@ -75,6 +75,28 @@ def find_checkpoint(load: Path) -> CheckpointRef:
     return ref
 
 
+def find_resume_point(load: Path, save: Optional[Path], is_writer: bool) -> Optional[CheckpointRef]:
+    """The checkpoint `--load` resumes from, or None where `--load` and `--save` name one directory
+    that holds no checkpoint yet (missing, empty, or only saves cut short and set aside): then the
+    run starts at step 1 and says so, so that a scheduler can rerun one command line after a
+    preemption or a failure. A `--load` of its own that holds nothing stays an error (a typo)."""
+    if save is not None and load.resolve() == save.resolve() and _no_checkpoint_yet(load):
+        if is_writer:
+            print(f"--load {load}: no checkpoint there yet; starting at step 1 (rerun the same command to "
+                  f"resume from its checkpoints)", flush=True)
+        return None
+    return find_checkpoint(load)
+
+
+def _no_checkpoint_yet(root: Path) -> bool:
+    """Missing, or a directory of only unfinished tag directories and abandoned-* ones."""
+    if not root.exists():
+        return True
+    return root.is_dir() and all(p.is_dir() and (p.name.startswith("abandoned-") or
+                                                 (step_of(p.name) is not None and not (p / COMPLETE).exists()))
+                                 for p in root.iterdir())
+
+
 def _locate(load: Path) -> CheckpointRef:
     """`load` is a save directory (the checkpoint its `latest` names) or one tag directory."""
     if not load.is_dir():

@@ -24,6 +24,9 @@ SCHEDULES = ("1f1b", "zb-h1")  # launch/analysis/zero_bubble_schedule.py
 PARTITION_RULES = ("balanced", "blocks")  # launch/analysis/partition.py
 WANDB_MODES = ("online", "offline", "disabled")
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+HEARTBEAT_INTERVAL_S = 2.0
+"""Each rank's failure watcher writes its heartbeat and reads its successor's this often
+(launch/runtime/failure.py); train.heartbeat_timeout_s must be above it."""
 
 
 @dataclass
@@ -68,7 +71,14 @@ class TrainSection:
     eval_batches: int = 10
     """Global batches of validation data per evaluation (the same ones every time)."""
     dist_timeout_s: int = 600
-    """Collectives wait at most this long: if a rank dies, the others exit with an error."""
+    """Collectives wait at most this long: if a rank dies, the others exit with an error. The last
+    resort behind heartbeat_timeout_s."""
+    heartbeat_timeout_s: float = 60.0
+    """A rank whose heartbeat (every 2 s, launch/runtime/failure.py) has not advanced this long is
+    declared lost and every rank exits; a store that does not answer this long means rank 0 is lost."""
+    stop_grace_s: float = 30.0
+    """After SIGTERM/SIGINT a rank saves when the current step ends; if it has not ended within
+    this many seconds, the rank leaves without saving (the last complete checkpoint resumes)."""
     partition: Union[str, List[int]] = "balanced"
     """Where the pipeline stages are cut: balanced (the least compute on the busiest stage, the
     output head and loss counted), blocks (equal numbers of blocks, DeepSpeed's type:Block) or
@@ -109,6 +119,12 @@ class TrainSection:
         if self.dist_timeout_s < 1:
             raise ConfigError(f"train.dist_timeout_s={self.dist_timeout_s} must be >= 1 (seconds a collective "
                               f"waits before a rank gives up; default 600)")
+        if not self.heartbeat_timeout_s > HEARTBEAT_INTERVAL_S:
+            raise ConfigError(f"train.heartbeat_timeout_s={self.heartbeat_timeout_s:g} must be above the heartbeat "
+                              f"interval, {HEARTBEAT_INTERVAL_S:g} s (default 60)")
+        if not self.stop_grace_s > 0:
+            raise ConfigError(f"train.stop_grace_s={self.stop_grace_s:g} must be > 0 (seconds a stop request waits "
+                              f"for the current step to end; default 30)")
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ConfigError(f"train.eval_every={self.eval_every} must be >= 0 and "
                               f"train.eval_batches={self.eval_batches} >= 1")

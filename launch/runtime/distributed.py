@@ -34,6 +34,14 @@ def threads_per_rank(env: Mapping[str, str], cpu_count: int, world_size: int) ->
     return max(1, cpu_count // local_world)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: what taskset, cgroup cpusets and SLURM
+    allot), where os.cpu_count() counts every CPU of the machine."""
+    if hasattr(os, "sched_getaffinity"):  # Linux; macOS and Windows have no affinity masks
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def start_rank(world_size: int, timeout_s: int) -> None:
     """The start of every rank of train.py and evaluate.py: a fair share of the CPU threads
     per local rank, this rank's accelerator (before NCCL picks a device), then torch.distributed
@@ -41,7 +49,7 @@ def start_rank(world_size: int, timeout_s: int) -> None:
     of hanging."""
     import torch
     from deepspeed.accelerator import get_accelerator
-    torch.set_num_threads(threads_per_rank(os.environ, os.cpu_count() or 1, world_size))
+    torch.set_num_threads(threads_per_rank(os.environ, usable_cpus(), world_size))
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     init_distributed(timeout_s)
 

@@ -7,8 +7,17 @@ TCPStore, independent of the communication backend), prints its line and exits 1
 thread on every rank polls that key and exits 1 with "stopping: rank Q failed: <cause>", even
 while its main thread is stuck in a collective. The first report wins (a peer's symptom never
 hides the cause); a failing rank 0 waits until the others have read it; a vanished store is
-reported as such. Test hook: GPT3D_FAULT_INJECT="RANK:STEP" raises before that optimizer step."""
+reported as such. Test hook: GPT3D_FAULT_INJECT="RANK:STEP" raises before that optimizer step.
+
+A rank that dies or freezes without a word (SIGKILL, OOM kill, SIGSTOP, a lost node) is found
+by heartbeats in the same store: every HEARTBEAT_INTERVAL_S each watcher writes "count step
+host" and reads its successor's (rank+1 mod world: O(1) requests and bytes per rank, a ring that
+watches every rank); a count that has not changed for train.heartbeat_timeout_s, by the reader's
+own monotonic clock, is published as that rank's failure. A store that stops answering for as
+long means rank 0, its host, is lost. These threads beat while the main thread waits in a
+collective (the GIL is released there) and stop with the process when it is frozen."""
 import os
+import socket
 import sys
 import threading
 import time
@@ -17,6 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Tuple
 
+from launch.config.recipe import HEARTBEAT_INTERVAL_S
 from launch.errors import ConfigError
 
 FAULT_ENV = "GPT3D_FAULT_INJECT"
@@ -26,12 +36,15 @@ TRACEBACK_ENV = "GPT3D_TRACEBACK"
 _KEY, _ACK, _DONE = "gpt3d/failure", "gpt3d/failure_ack", "gpt3d/failure_done"
 _POLL_S = 1.0  # one small store request per rank per second, also at a thousand ranks
 _ACK_WAIT_S = 5.0  # the longest a failing rank waits for the others to read its cause
-_STORE_LOST_POLLS = 5  # consecutive store errors before a watcher concludes rank 0 is gone
+_STORE_LOST_POLLS = 5  # consecutive store errors (not silence: that is timed) before rank 0 is lost
 _REPO = str(Path(__file__).resolve().parents[2])  # the repository root: launch/runtime/failure.py
-# What a collective says when the rank at the other end is gone. Only these get the "peer"
-# hint: an NCCL or CUDA error raised by this rank's own device is reported as what it is.
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout")
-_report_lock = threading.Lock()  # one line per process: the first reporter exits, others block
+# What a collective or the store says when the rank at the other end is gone (gloo, NCCL's
+# watchdog, TCPStore). Only these get the "peer" hint, and never a message naming a CUDA error:
+# "CUDA error: the launch timed out" is this rank's own kernel, not a lost peer.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting",
+              "timed out connecting", "collective operation timeout", "socket timeout", "wait timeout")
+_LOCAL = ("cuda error", "cudaerror")
+_report_lock = threading.RLock()  # one line per process: the first reporter exits, others block
 _watcher: Optional["FailureWatcher"] = None  # this process's, once torch.distributed is up
 
 
@@ -66,8 +79,9 @@ def describe(error: BaseException) -> str:
         frame = (ours or frames)[-1]
         name = os.path.relpath(frame.filename, _REPO) if frame.filename.startswith(_REPO) else frame.filename
         where = f" (at {name}:{frame.lineno} in {frame.name})"
-    hint = "; a peer rank probably died or hung, see its line and the launcher's" \
-        if any(symptom in message.lower() for symptom in _PEER_LOST) else ""
+    lowered = message.lower()
+    peer = any(symptom in lowered for symptom in _PEER_LOST) and not any(local in lowered for local in _LOCAL)
+    hint = "; a peer rank probably died or hung, see its line and the launcher's" if peer else ""
     return (f"{type(error).__name__}: {message}" if message else type(error).__name__) + where + hint
 
 
@@ -95,59 +109,140 @@ def report_failure(error: BaseException) -> None:
 
 
 class FailureWatcher:
-    """Start on every rank right after torch.distributed is up. A run that finished calls, on
-    every rank: a barrier (all work done, still watched), `stop()`, then the final barrier
-    (after which rank 0 may exit and its store go away: no watcher may poll any more)."""
+    """Start on every rank right after torch.distributed is up; call `completed(step)` after each
+    step (the heartbeat carries it). A run that finished calls, on every rank: a barrier (all
+    work done, still watched), `stop()`, then the final barrier (after which rank 0 may exit and
+    its store go away: no watcher may poll any more)."""
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, heartbeat_timeout_s: float = 60.0):
         global _watcher
         _watcher = self
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.timeout_s = rank, world_size, heartbeat_timeout_s
+        self.step = 0  # the last completed step, as the heartbeat reports it
+        self.host = socket.gethostname()
         self.store = _connect_store(timeout_s=30)  # the main thread's client
+        self._ran_at = self._answered_at = time.monotonic()  # the last wake-up; the store's last answer
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gpt3d-failure-watcher", daemon=True)
         self._thread.start()
+        # A request to a frozen store never returns (TCPStore's timeout bounds connecting and
+        # waiting for a key, not a reply): a second thread times the first.
+        threading.Thread(target=self._time_the_store, name="gpt3d-store-timer", daemon=True).start()
+
+    def completed(self, step: int) -> None:
+        self.step = step
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
-    def _watch(self) -> None:
-        store = _connect_store(timeout_s=10)  # a client of its own: no contention with the main thread
-        errors = 0
+    def _woke(self) -> None:
+        """Every wake-up of either thread: a gap above the timeout means this process was frozen."""
+        now = time.monotonic()
+        if now - self._ran_at > self.timeout_s:
+            self._leave_frozen(now - self._ran_at)
+        self._ran_at = now
+
+    def _time_the_store(self) -> None:
         while not self._stop.wait(_POLL_S):
+            self._woke()
+            silent_s = time.monotonic() - self._answered_at
+            if silent_s > self.timeout_s:
+                self._leave(f"stopping: rank 0 lost: the rendezvous store it hosts ({os.environ.get('MASTER_ADDR')}:"
+                            f"{os.environ.get('MASTER_PORT')}) did not answer for {silent_s:.0f} s "
+                            f"(train.heartbeat_timeout_s={self.timeout_s:g}): rank 0 was killed, frozen or cut off, "
+                            f"see its log; last completed step here: {self.step}")
+
+    def _watch(self) -> None:
+        store = _connect_store(timeout_s=30)  # a client of its own: no contention with the main thread
+        peer = (self.rank + 1) % self.world_size
+        seen, seen_at = None, time.monotonic()  # the peer's heartbeat count, when it last changed
+        next_beat, count, errors = 0.0, 0, 0
+        while not self._stop.wait(_POLL_S):
+            self._woke()
+            now = time.monotonic()
             try:
-                if not store.check([_KEY]):
-                    errors = 0
-                    continue
-                cause = store.get(_KEY).decode()
+                if now >= next_beat:
+                    count += 1
+                    store.set(_beat_key(self.rank), f"{count} {self.step} {self.host}")
+                    next_beat = now + HEARTBEAT_INTERVAL_S
+                    if peer != self.rank:
+                        beat = store.get(_beat_key(peer)).decode() if store.check([_beat_key(peer)]) else None
+                        if beat is not None and beat.split()[0] != seen:
+                            seen, seen_at = beat.split()[0], now
+                        elif now - seen_at > self.timeout_s:
+                            self._declare_lost(store, peer, beat, now - seen_at)
+                published = store.get(_KEY).decode() if store.check([_KEY]) else None
+                self._answered_at = time.monotonic()
             except Exception as e:  # the store's host (rank 0) is gone, or the network is
                 errors += 1
-                if errors < _STORE_LOST_POLLS:
-                    continue
-                with _report_lock:
-                    if self._stop.is_set():
-                        return
-                    _say(f"stopping: lost the rendezvous store on rank 0 ({os.environ.get('MASTER_ADDR')}:"
-                         f"{os.environ.get('MASTER_PORT')}: {type(e).__name__}); rank 0 probably died, see its log")
-                    os._exit(1)
-            if cause.startswith(f"rank {self.rank}:"):  # our own report: the main thread is on it
+                if errors >= _STORE_LOST_POLLS:  # refused or reset: no need to wait for the timeout
+                    self._leave(f"stopping: rank 0 lost: the rendezvous store it hosts ({os.environ.get('MASTER_ADDR')}:"
+                                f"{os.environ.get('MASTER_PORT')}) is gone ({type(e).__name__}): rank 0 probably "
+                                f"died, see its log; last completed step here: {self.step}")
+                continue
+            errors = 0
+            if published is None:
+                continue
+            if published.startswith(f"rank {self.rank}: lost:"):  # slow or resumed: the others have left
+                self._leave(f"stopping: the other ranks declared this rank lost:{published.split(':', 2)[2]}")
+            if published.startswith(f"rank {self.rank}:"):  # our own report: the main thread is on it
                 return
-            with _report_lock:
-                try:
-                    store.add(_ACK, 1)
-                except Exception:
-                    pass
-                _say(f"stopping: {cause.split(':', 1)[0]} failed:{cause.split(':', 1)[1]}")
-                if self.rank == 0:  # the store's host stays until the failing rank is done with it
-                    self._wait_for(store, lambda: store.check([_DONE]))
-                os._exit(1)
+            self._follow(store, published)
+
+    def _declare_lost(self, store, peer: int, beat: Optional[str], silent_s: float) -> None:
+        """Publish that `peer` is lost (unless a cause is already there: then follow that one),
+        let the other survivors read it, exit 1."""
+        _, step, host = beat.split(" ", 2) if beat is not None else ("", "none", "unknown (no heartbeat yet)")
+        mine = (f"rank {peer}: lost: no heartbeat for {silent_s:.0f} s (train.heartbeat_timeout_s={self.timeout_s:g}) "
+                f"from host {host}, last completed step {step}; killed, frozen or cut off (noticed by rank {self.rank})")
+        with _report_lock:
+            published = store.compare_set(_KEY, "", mine).decode()
+            if published != mine:
+                self._follow(store, published)
+            _say(f"stopping: rank {peer} failed:{mine.split(':', 1)[1]}")
+            self._wait_for(store, lambda: store.add(_ACK, 0) >= self.world_size - 2)  # all but peer and us
+            try:
+                store.set(_DONE, "1")
+            except Exception:
+                pass
+            os._exit(1)
+
+    def _follow(self, store, published: str) -> None:
+        """Another rank published `published` ("rank Q: cause"): acknowledge it, say it, exit 1;
+        rank 0, the store's host, first waits until the publisher is done with the store."""
+        with _report_lock:
+            try:
+                store.add(_ACK, 1)
+            except Exception:
+                pass
+            rank, cause = published.split(":", 1)
+            _say(f"stopping: {rank} failed:{cause}")
+            if self.rank == 0:
+                self._wait_for(store, lambda: store.check([_DONE]))
+            os._exit(1)
+
+    def _leave_frozen(self, gap_s: float) -> None:
+        self._leave(f"stopping: this process did not run for {gap_s:.0f} s (stopped or starved), longer than "
+                    f"train.heartbeat_timeout_s={self.timeout_s:g}: its peers have declared it lost")
+
+    def _leave(self, line: str) -> None:
+        """Say `line` and exit 1, unless the run finished (stop() was called). Another thread may
+        hold the lock inside a store request that never returns: then leave without it."""
+        if _report_lock.acquire(timeout=_ACK_WAIT_S + 1) and self._stop.is_set():
+            _report_lock.release()
+            return
+        _say(line)
+        os._exit(1)
 
     def fail(self, error: BaseException) -> None:
         """This rank's main thread caught `error`: report it once (or the cause another rank
         published first), let the others read it, exit 1. Never returns."""
         if os.environ.get(TRACEBACK_ENV) == "1":
             traceback.print_exception(error)
+        gap_s = time.monotonic() - self._ran_at
+        if gap_s > self.timeout_s + _POLL_S:  # resumed after a freeze: the error is the peers having left
+            self._leave_frozen(gap_s)
         with _report_lock:
             mine = f"rank {self.rank}: {describe(error)}"
             try:
@@ -156,15 +251,7 @@ class FailureWatcher:
             except Exception:
                 published = mine  # the store is gone (rank 0 died): our own symptom is all we know
             if published != mine:
-                try:
-                    self.store.add(_ACK, 1)
-                except Exception:
-                    pass
-                rank, cause = published.split(":", 1)
-                _say(f"stopping: {rank} failed:{cause}")
-                if self.rank == 0:
-                    self._wait_for(self.store, lambda: self.store.check([_DONE]))
-                os._exit(1)
+                self._follow(self.store, published)
             _say(mine.split(": ", 1)[1])
             self._wait_for(self.store, lambda: self.store.add(_ACK, 0) >= self.world_size - 1)
             try:
@@ -182,3 +269,7 @@ class FailureWatcher:
                 time.sleep(0.1)
         except Exception:
             pass
+
+
+def _beat_key(rank: int) -> str:
+    return f"gpt3d/heartbeat/{rank}"

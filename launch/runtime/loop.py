@@ -80,7 +80,8 @@ def run_training(job: TrainingJob) -> None:
     args, recipe, layout, data, resume_from = job.args, job.recipe, job.layout, job.data, job.resume_from
     train_cfg = recipe.train
     start_rank(layout.world_size, train_cfg.dist_timeout_s)
-    watcher = FailureWatcher(int(os.environ["RANK"]), layout.world_size)  # one rank fails: all stop
+    # One rank fails or falls silent: all stop.
+    watcher = FailureWatcher(int(os.environ["RANK"]), layout.world_size, train_cfg.heartbeat_timeout_s)
     fault = fault_injection()  # a test hook, None unless GPT3D_FAULT_INJECT is set
     state = init_parallel_state(layout.tp, layout.pp)
     logging_rank = is_logging_rank(state.global_rank)
@@ -105,7 +106,7 @@ def run_training(job: TrainingJob) -> None:
     feed = data.feed(batches, state.tp_group, device)
     arithmetic = run_arithmetic(config, layout, recipe.seq_len, train_cfg.steps)  # the run summary prints it
     tokens_per_step = arithmetic.tokens_per_step
-    stop = StopRequest(get_accelerator().device_name())
+    stop = StopRequest(get_accelerator().device_name(), state.global_rank, train_cfg.stop_grace_s)
     metrics = None
     if logging_rank:
         metrics = MetricsLogger(args.metrics_out, recipe.wandb.mode, recipe.wandb.project,
@@ -126,6 +127,7 @@ def run_training(job: TrainingJob) -> None:
             check_weight_passes_ran(engine)  # the hooks took: W passes computed weight gradients
         synchronize_device()  # the clock stops when the device is done, optimizer step included
         seconds = time.perf_counter() - start
+        watcher.completed(step)  # the heartbeat names it if this rank is lost later
         peak_allocated, peak_reserved = step_memory_peak()  # a MAX all-reduce: every rank calls it
         samples += layout.global_batch_size
         grad_norm = own_grad_norm.value if own_grad_norm is not None else engine.get_global_grad_norm()

@@ -46,8 +46,8 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     check_before_start(recipe, args.metrics_out, args.save, args.timeline, args.comm_counts)
     resume_from = None
     if args.load is not None:
-        from launch.checkpoints.locate import find_checkpoint
-        resume_from = find_checkpoint(args.load)
+        from launch.checkpoints.locate import find_resume_point
+        resume_from = find_resume_point(args.load, args.save, is_writer=os.environ["RANK"] == "0")
     data, vocab_size = load_run_data(recipe, layout)
     layout = with_stage_boundaries(layout, recipe, vocab_size)  # the stage boundaries need the vocabulary
     if args.init_from_hf is not None:
