@@ -259,7 +259,8 @@ def test_a_rank_whose_heartbeat_stops_is_declared_lost():
             assert silent.exists(), text  # not declared lost while it was beating
             seconds = exited - silent.stat().st_mtime
             assert code == 1, text
-            assert 3.0 <= seconds < 7.0, (seconds, text)
+            # not before the timeout; after it, within an interval and a poll, plus 3 s for a loaded CI machine
+            assert 3.0 <= seconds < 10.0, (seconds, text)
             lines = [line for line in text.splitlines() if line.startswith("error: ")]
             assert len(lines) == 1, text
             assert lines[0].startswith("error: rank 0: stopping: rank 1 failed: lost: no heartbeat for "), lines
@@ -325,7 +326,7 @@ def test_a_frozen_store_means_rank_0_is_lost(tmp_path):
         seconds = time.monotonic() - frozen_at
         text = out.read_text()
         assert code == 1, text
-        assert 3.0 <= seconds < 3 + 1 + 1 + 3, (seconds, text)
+        assert 3.0 <= seconds < 3 + 1 + 1 + 3 + 2, (seconds, text)  # + 2 s for a loaded CI machine
         lines = [line for line in text.splitlines() if line.startswith("error: ")]
         assert len(lines) == 1, text
         assert lines[0].startswith(f"error: rank 1: stopping: rank 0 lost: the rendezvous store it hosts "

@@ -92,8 +92,12 @@ def _connect_store(timeout_s: float):
                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def _say(line: str) -> None:
-    print(f"error: rank {os.environ.get('RANK', '?')}: {line}", file=sys.stderr, flush=True)
+def say_error(line: str, rank: Optional[int] = None) -> None:
+    """stderr: "error: rank R: <line>", R this process's RANK unless given."""
+    # One write(2) of the whole line: ranks share the launcher's stderr, and a pipe keeps a write of
+    # up to PIPE_BUF bytes whole, where print's separate text and newline writes can interleave.
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), f"error: rank {os.environ.get('RANK', '?') if rank is None else rank}: {line}\n".encode())
 
 
 def report_failure(error: BaseException) -> None:
@@ -104,7 +108,7 @@ def report_failure(error: BaseException) -> None:
     if os.environ.get(TRACEBACK_ENV) == "1":
         traceback.print_exception(error)
     with _report_lock:
-        _say(describe(error))
+        say_error(describe(error))
         os._exit(1)  # a normal exit could wait on a half-started process group
 
 
@@ -200,7 +204,7 @@ class FailureWatcher:
             published = store.compare_set(_KEY, "", mine).decode()
             if published != mine:
                 self._follow(store, published)
-            _say(f"stopping: rank {peer} failed:{mine.split(':', 1)[1]}")
+            say_error(f"stopping: rank {peer} failed:{mine.split(':', 1)[1]}")
             self._wait_for(store, lambda: store.add(_ACK, 0) >= self.world_size - 2)  # all but peer and us
             try:
                 store.set(_DONE, "1")
@@ -217,7 +221,7 @@ class FailureWatcher:
             except Exception:
                 pass
             rank, cause = published.split(":", 1)
-            _say(f"stopping: {rank} failed:{cause}")
+            say_error(f"stopping: {rank} failed:{cause}")
             if self.rank == 0:
                 self._wait_for(store, lambda: store.check([_DONE]))
             os._exit(1)
@@ -232,7 +236,7 @@ class FailureWatcher:
         if _report_lock.acquire(timeout=_ACK_WAIT_S + 1) and self._stop.is_set():
             _report_lock.release()
             return
-        _say(line)
+        say_error(line)
         os._exit(1)
 
     def fail(self, error: BaseException) -> None:
@@ -252,7 +256,7 @@ class FailureWatcher:
                 published = mine  # the store is gone (rank 0 died): our own symptom is all we know
             if published != mine:
                 self._follow(self.store, published)
-            _say(mine.split(": ", 1)[1])
+            say_error(mine.split(": ", 1)[1])
             self._wait_for(self.store, lambda: self.store.add(_ACK, 0) >= self.world_size - 1)
             try:
                 self.store.set(_DONE, "1")

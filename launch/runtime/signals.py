@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 import select
 import signal
-import sys
 import threading
 import time
 
 import torch
 import torch.distributed as dist
+
+from launch.runtime.failure import say_error
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -51,9 +52,8 @@ class StopRequest:
                 if self._step_ended.is_set():  # the save is under way: it is not bounded here
                     deadline = None
                     continue
-                print(f"error: rank {self.rank}: the step did not end within train.stop_grace_s={self.grace_s:g} s "
-                      f"of the {first.name}; leaving without saving (the last complete checkpoint stays the "
-                      f"resume point)", file=sys.stderr, flush=True)
+                say_error(f"the step did not end within train.stop_grace_s={self.grace_s:g} s of the {first.name}; "
+                          f"leaving without saving (the last complete checkpoint stays the resume point)", self.rank)
                 os._exit(128 + first)
             signum = os.read(fd, 1)[0]
             if signum not in SIGNALS:  # another signal with a Python handler also writes here
