@@ -97,7 +97,8 @@ def say_error(line: str, rank: Optional[int] = None) -> None:
     # One write(2) of the whole line: ranks share the launcher's stderr, and a pipe keeps a write of
     # up to PIPE_BUF bytes whole, where print's separate text and newline writes can interleave.
     sys.stderr.flush()
-    os.write(sys.stderr.fileno(), f"error: rank {os.environ.get('RANK', '?') if rank is None else rank}: {line}\n".encode())
+    who = os.environ.get("RANK", "?") if rank is None else rank
+    os.write(sys.stderr.fileno(), f"error: rank {who}: {line}\n".encode())
 
 
 def report_failure(error: BaseException) -> None:
@@ -152,8 +153,7 @@ class FailureWatcher:
             self._woke()
             silent_s = time.monotonic() - self._answered_at
             if silent_s > self.timeout_s:
-                self._leave(f"stopping: rank 0 lost: the rendezvous store it hosts ({os.environ.get('MASTER_ADDR')}:"
-                            f"{os.environ.get('MASTER_PORT')}) did not answer for {silent_s:.0f} s "
+                self._leave(f"{_store_lost()} did not answer for {silent_s:.0f} s "
                             f"(train.heartbeat_timeout_s={self.timeout_s:g}): rank 0 was killed, frozen or cut off, "
                             f"see its log; last completed step here: {self.step}")
 
@@ -181,8 +181,7 @@ class FailureWatcher:
             except Exception as e:  # the store's host (rank 0) is gone, or the network is
                 errors += 1
                 if errors >= _STORE_LOST_POLLS:  # refused or reset: no need to wait for the timeout
-                    self._leave(f"stopping: rank 0 lost: the rendezvous store it hosts ({os.environ.get('MASTER_ADDR')}:"
-                                f"{os.environ.get('MASTER_PORT')}) is gone ({type(e).__name__}): rank 0 probably "
+                    self._leave(f"{_store_lost()} is gone ({type(e).__name__}): rank 0 probably "
                                 f"died, see its log; last completed step here: {self.step}")
                 continue
             errors = 0
@@ -273,6 +272,11 @@ class FailureWatcher:
                 time.sleep(0.1)
         except Exception:
             pass
+
+
+def _store_lost() -> str:
+    return (f"stopping: rank 0 lost: the rendezvous store it hosts "
+            f"({os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')})")
 
 
 def _beat_key(rank: int) -> str:
