@@ -18,7 +18,8 @@ import numpy as np
 
 from data.sampler import epoch_order
 from data.spec import DataError
-from data.streaming import Batch, StepBatches, StreamState, decoded_states, encoded_states, latest_states
+from data.streaming import (STATE_FORMAT, Batch, StepBatches, StreamState, decoded_states, encoded_states,
+                            latest_states)
 
 MAX_CYCLE = 1_000_000
 """Longest interleave cycle (T samples): computed once per process at start-up (1 s for 1,000,000
@@ -140,8 +141,8 @@ class MixtureBatches(StepBatches):
 
     def __init__(self, readers: List[SourceReader], interleave: Interleave, global_batch_size: int,
                  micro_batch_size: int, dp_rank: int, dp_size: int, step: int = 0,
-                 states: Optional[Dict[int, Dict[int, StreamState]]] = None):
-        super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size, step)
+                 states: Optional[Dict[int, Dict[int, StreamState]]] = None, read_ahead_steps: int = 0):
+        super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size, step, read_ahead_steps)
         self.readers, self.interleave = readers, interleave
         self.orders = {s: SourceOrder(len(r.windows), r.seed, r.shuffle)
                        for s, r in enumerate(readers) if r.windows is not None}
@@ -152,9 +153,9 @@ class MixtureBatches(StepBatches):
                 saved = (states or {}).get(s, {})
                 self.states[s], self.streams[s] = self.open_streams(r.open_stream, r.n_streams, saved)
 
-    def step_windows(self) -> Tuple[List[np.ndarray], Dict[int, Dict[int, StreamState]]]:
+    def step_windows(self, step: int) -> Tuple[List[np.ndarray], Dict[int, Dict[int, StreamState]]]:
         B, lo, hi = self.global_batch_size, self.lo, self.hi
-        sources, local = self.interleave.slots(self.step * B, (self.step + 1) * B)
+        sources, local = self.interleave.slots(step * B, (step + 1) * B)
         rows: List[Optional[np.ndarray]] = [None] * (hi - lo)
         after: Dict[int, Dict[int, StreamState]] = {}
         for s, reader in enumerate(self.readers):
@@ -189,7 +190,7 @@ def merge_mixture_states(local_states: List[dict]) -> dict:
     for local in latest:
         for s, streams in local["sources"].items():
             sources.setdefault(s, {}).update(streams)
-    return {"step": step, "sources": sources}
+    return {"format": STATE_FORMAT, "step": step, "sources": sources}
 
 
 def mixture_states_from(data_state: Optional[dict]) -> Dict[int, Dict[int, StreamState]]:

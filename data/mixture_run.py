@@ -18,7 +18,7 @@ from data.mixture import Interleave, MixtureBatches, SourceReader, merge_mixture
 from data.mixture_spec import MixSource, parse_mixture
 from data.pipeline import Batch, RunData, SourceData, check_streams, first_windows, stream_sources
 from data.spec import DataError, DataSpec
-from data.streaming import gathered_states
+from data.streaming import gathered_states, positions_of_units
 from data.windows import CachedStreams, cached_validation_windows, prepare_streams, windows
 
 
@@ -76,10 +76,11 @@ class MixtureData(RunData):
                       data_state: Optional[dict] = None) -> Iterator[Batch]:
         """Cached sources need nothing but the position; streamed ones resume from `data_state`,
         or without it re-read up to the position."""
+        data_state = positions_of_units(data_state)
         resume_here = data_state is not None or not self.streamed
         batches = MixtureBatches(self.readers(), self.interleave, self.global_batch_size, self.micro_batch_size,
                                  dp_rank, dp_size, start_sample // self.global_batch_size if resume_here else 0,
-                                 mixture_states_from(data_state))
+                                 mixture_states_from(data_state), self.read_ahead_steps if self.streamed else 0)
         return batches if resume_here else self.reread_to(batches, start_sample, dp_size)
 
     def gather_data_state(self, batches: MixtureBatches) -> Optional[dict]:
@@ -89,6 +90,7 @@ class MixtureData(RunData):
         return merge_mixture_states(gathered_states(batches.state()))
 
     def check_data_state(self, data_state: Optional[dict], samples: int) -> None:
+        data_state = positions_of_units(data_state)
         if data_state is None:
             return
         if "sources" not in data_state:
@@ -155,12 +157,13 @@ def prepare_mixture(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len:
         if streams is None:  # streamed: every stream holds a window; validation read once and cached
             with naming(source):
                 train, val = stream_sources(source.spec)
-                per_epoch.append(check_streams(source.spec, train, tokenizer, seq_len, global_batch_size,
+                part.train_stream = train
+                per_epoch.append(check_streams(source.spec, train, tokenizer, seq_len, part.seed, global_batch_size,
                                                windows_per_stream=1))
                 if val is not None and evaluate:
                     part.val_windows = cached_validation_windows(
                         source.spec, tokenizer, seq_len, need_val,
-                        lambda val=val: first_windows(val, tokenizer, seq_len, need_val))
+                        lambda val=val: first_windows(val, tokenizer, seq_len, need_val), val.reader.fingerprint())
         else:
             part.train_windows = windows(streams.train, seq_len)
             part.val_windows = windows(streams.val, seq_len) if streams.val is not None else None
@@ -177,4 +180,4 @@ def prepare_mixture(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len:
         parts.append(part)
     return MixtureData(sources=sources, parts=parts, windows_per_epoch=per_epoch, interleave=interleave,
                        tokenizer=tokenizer, seq_len=seq_len, seed=seed, global_batch_size=global_batch_size,
-                       micro_batch_size=micro_batch_size)
+                       micro_batch_size=micro_batch_size, read_ahead_steps=spec.read_ahead_steps)

@@ -12,9 +12,9 @@ from typing import List
 
 from data.spec import DataError, DataSpec
 
-RUN_WIDE = ("tokenizer", "seq_len", "mix", "document_mask")
+RUN_WIDE = ("tokenizer", "seq_len", "mix", "document_mask", "read_ahead_steps")
 """DataSpec fields that belong to the run, not to a source: one tokenizer, one sample length, one
-attention rule."""
+attention rule, one read-ahead worker."""
 SOURCE_FIELDS = tuple(f.name for f in fields(DataSpec) if f.name not in RUN_WIDE)
 MIX_FIELDS = SOURCE_FIELDS + ("weight", "label")
 

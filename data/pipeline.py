@@ -19,10 +19,15 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from data.sampler import micro_batches
-from data.sources import held_out, load_stream_sources
+from data.builtin import BUILTIN
+from data.files import resolve_files
+from data.sources import in_memory_split, saved_dataset_dir
 from data.spec import DataError, DataSpec
 from data.streaming import (START, Batch, StreamingBatches, StreamSource, StreamState, gather_data_state,
-                            packed_windows, read_rows, states_from, stream_documents, stream_windows)
+                            packed_windows, positions_of_units, states_from, stream_documents, stream_units,
+                            stream_windows)
+from data.tokens import longest_token_bytes
+from data.units import DatasetUnits, FileUnits, UnitSource
 from data.windows import cached_validation_windows, prepare_streams, windows
 
 
@@ -67,6 +72,8 @@ class RunData(ABC):
     seed: int
     global_batch_size: int
     micro_batch_size: int
+    read_ahead_steps: int = 0
+    """Steps a worker thread reads streamed data ahead of the trainer (data.read_ahead_steps)."""
 
     @property
     @abstractmethod
@@ -146,6 +153,8 @@ class SourceData(RunData):
     train_windows: Optional[np.ndarray] = None
     """(N, seq_len + 1) in map-style mode; None when streaming."""
     val_windows: Optional[np.ndarray] = None
+    train_stream: Optional[StreamSource] = None
+    """The training units when streaming (its files resolved and listed once, at preparation)."""
 
     @property
     def streamed(self) -> bool:
@@ -158,7 +167,7 @@ class SourceData(RunData):
     def stream_opener(self) -> Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]]:
         """(stream, state) -> that stream's windows from `state` on (data/streaming.py's stream_windows)."""
         spec = self.spec
-        open_stream = partial(stream_windows, train_source(spec), self.tokenizer, self.seq_len, self.seed,
+        open_stream = partial(stream_windows, self.train_stream, self.tokenizer, self.seq_len, self.seed,
                               spec.shuffle, spec.shuffle_buffer, n_streams=spec.streams)
         return lambda stream, state: open_stream(stream=stream, state=state)
 
@@ -167,10 +176,12 @@ class SourceData(RunData):
         if not self.streamed:
             return micro_batches(self.train_windows, self.seed, self.global_batch_size, self.micro_batch_size,
                                  dp_rank, dp_size, start_sample, self.spec.shuffle)
+        data_state = positions_of_units(data_state)
         resume_here = data_state is not None
         step = start_sample // self.global_batch_size if resume_here else 0
         batches = StreamingBatches(self.stream_opener(), self.spec.streams, self.global_batch_size,
-                                   self.micro_batch_size, dp_rank, dp_size, step, states_from(data_state))
+                                   self.micro_batch_size, dp_rank, dp_size, step, states_from(data_state),
+                                   self.read_ahead_steps)
         return batches if resume_here else self.reread_to(batches, start_sample, dp_size)
 
     def gather_data_state(self, batches: Iterator[Batch]) -> Optional[dict]:
@@ -179,6 +190,7 @@ class SourceData(RunData):
         return gather_data_state(batches.state(), self.spec.streams)
 
     def check_data_state(self, data_state: Optional[dict], samples: int) -> None:
+        data_state = positions_of_units(data_state)
         if data_state is None or not self.streamed:
             return
         if "sources" in data_state:  # saved by a mixture's streamed sources (data/mixture.py)
@@ -205,74 +217,95 @@ class SourceData(RunData):
         return loss_of(self), None
 
 
+def unit_source(spec: DataSpec, split: str) -> UnitSource:
+    """The units of one split: row ranges of a dataset in memory (`builtin`, a save_to_disk
+    directory), else the files `data.name` names (data/files.py)."""
+    if spec.name == BUILTIN or saved_dataset_dir(spec.name):
+        return DatasetUnits(in_memory_split(spec, split), spec.text_field, spec.name)
+    units = FileUnits(resolve_files(spec.name, spec.config, split, spec.revision), spec.text_field, spec.unit_bytes)
+    if not units.units:
+        raise DataError(f"data.name={units.label!r} split {split!r} is empty")
+    return units
+
+
 def stream_sources(spec: DataSpec) -> Tuple[StreamSource, Optional[StreamSource]]:
-    """The training stream source and the validation one (None without validation), from one
-    load of the data: held-out documents (`held_out`) train never and validate only."""
-    train, val = load_stream_sources(spec)
-    f = spec.val_fraction if spec.val_split is None else 0.0
-    train_src = StreamSource.of(spec.name, train, spec.text_field, lambda text: not held_out(text, f))
-    if val is not None:
-        return train_src, StreamSource.of(spec.name, val, spec.text_field, lambda text: True)
-    if f > 0:
-        return train_src, StreamSource.of(spec.name, train, spec.text_field, lambda text: held_out(text, f))
-    return train_src, None
-
-
-def train_source(spec: DataSpec) -> StreamSource:
-    return stream_sources(spec)[0]
+    """The training units and the validation ones (None without validation): the val split's
+    units, or the training split's held-out units (data/units.py), which never train."""
+    train = unit_source(spec, spec.split)
+    if not train.units:
+        raise DataError(f"data.name={spec.name!r} split {spec.split!r} is empty")
+    if spec.val_split is not None:
+        val = unit_source(spec, spec.val_split)
+        return StreamSource(train, train.units), StreamSource(val, val.units)
+    kept, held = train.held_out(spec.val_fraction)
+    return StreamSource(train, kept), (StreamSource(train, held) if held else None)
 
 
 def first_windows(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int, n: int) -> np.ndarray:
-    """Up to `n` windows of one pass over `source` in its own order (a single stream)."""
+    """Up to `n` windows of one pass over `source`'s units in index order (a single stream):
+    reads units only until it has them."""
     docs = stream_documents(source, 0, 1, seed=0, shuffle=False, start=START, epochs=1)
     found: List[np.ndarray] = []
     for _, w in packed_windows(docs, tokenizer, seq_len + 1):
-        if w is None or len(found) == n:
+        if w is None:
             break
         found.append(w)
+        if len(found) == n:
+            break
     return np.stack(found) if found else np.empty((0, seq_len + 1), dtype=np.int64)
 
 
-def check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int,
+def _stream_tokens(source: StreamSource, stream: int, n_streams: int, seed: int, shuffle: bool,
+                   tokenizer: PreTrainedTokenizerBase, need: int) -> Tuple[int, bool]:
+    """(tokens of the stream's epoch-0 documents, read to the end?), reading only until `need`."""
+    tokens, batch = 0, []
+    docs = stream_documents(source, stream, n_streams, seed, shuffle, START, epochs=1)
+    for _, text in docs:
+        if text:
+            batch.append(text)
+        if batch and (len(batch) == 256 or not text):  # a batch, a unit's end (UNIT_END) or the epoch's
+            tokens += sum(len(ids) + 1 for ids in tokenizer(batch, add_special_tokens=False,
+                                                             return_attention_mask=False)["input_ids"] if ids)
+            batch = []
+            if tokens >= need:
+                return tokens, False
+    return tokens, True
+
+
+def check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
                   global_batch_size: int, windows_per_stream: Optional[int] = None) -> Optional[int]:
     """Every stream holds a global batch's share (B/S windows; or `windows_per_stream`, a mixture's
-    source, which repeats) per epoch. Reads the data in its own order only until that is shown
-    (about one global batch of tokens), or to its end; returns the windows per epoch when it read
-    to the end (the data is that small), else None."""
+    source, which repeats) in its units of epoch 0. A stream whose units' text (from parquet
+    footers) must hold that many tokens even at the tokenizer's longest token passes unread;
+    the others are read until shown, or to their end. Returns the windows per epoch when every
+    stream was read to its end (the data is that small), else None."""
     S, window = spec.streams, seq_len + 1
     if global_batch_size % S:
         raise DataError(f"data.streams={S} must divide train.global_batch_size={global_batch_size}: every stream "
                         f"gives B/streams windows to each step")
+    n_units = len(source.units)
+    if n_units < S:
+        raise DataError(f"data.name={spec.name!r} (streaming) has {n_units} training unit(s), fewer than "
+                        f"data.streams={S}: each stream reads whole units (parquet row groups, "
+                        f"data.unit_bytes of a line file); lower data.streams, or use more or smaller units")
     share = windows_per_stream or global_batch_size // S
-    need = share * window
-    tokens, rows, batch = [0] * S, 0, []
-
-    def count(batch):
-        ids = tokenizer([t for _, t in batch], add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        for (s, _), doc in zip(batch, ids):
-            tokens[s] += len(doc) + 1 if doc else 0
-
-    for shard in range(len(source.shards)):
-        for row, text in read_rows(source, shard, 0, 0, 1):
-            rows += 1
-            if text and source.keep(text):
-                batch.append((row % S, text))
-            if len(batch) == 256:
-                count(batch)
-                batch = []
-                if min(tokens) >= need:
-                    return None
-    count(batch)
-    if rows == 0:
-        raise DataError(f"data.name={spec.name!r} split {spec.split!r} is empty")
-    worst = int(np.argmin(tokens))
-    if tokens[worst] < need:
-        raise DataError(f"data.name={spec.name!r} (streaming): stream {worst} of data.streams={S} holds "
-                        f"{tokens[worst] // window} windows of seq_len+1 = {window} tokens per epoch, fewer than "
-                        + (f"its share of one global batch ({global_batch_size}/{S} = {share}); "
-                           if windows_per_stream is None else f"{share} (no complete window); ")
-                        + "lower data.streams, train.global_batch_size or data.seq_len, or use more data")
-    return sum(t // window for t in tokens)  # each stream packs its own documents
+    need, longest = share * window, longest_token_bytes(tokenizer)
+    per_stream, all_read = [], True
+    for t in range(S):
+        mine = [source.units[i] for i in stream_units(n_units, t, S, seed, 0, spec.shuffle)]
+        if all(u.text_bytes >= 0 for u in mine) and sum(u.text_bytes for u in mine) >= need * longest:
+            all_read = False
+            continue
+        tokens, to_end = _stream_tokens(source, t, S, seed, spec.shuffle, tokenizer, need)
+        all_read &= to_end
+        per_stream.append(tokens)
+        if tokens < need:
+            raise DataError(f"data.name={spec.name!r} (streaming): stream {t} of data.streams={S} holds "
+                            f"{tokens // window} windows of seq_len+1 = {window} tokens per epoch, fewer than "
+                            + (f"its share of one global batch ({global_batch_size}/{S} = {share}); "
+                               if windows_per_stream is None else f"{share} (no complete window); ")
+                            + "lower data.streams, train.global_batch_size or data.seq_len, or use more data")
+    return sum(t // window for t in per_stream) if all_read else None  # each stream packs its own documents
 
 
 def prepare_source_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
@@ -286,11 +319,13 @@ def prepare_source_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_
                       global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
     window, need_val = seq_len + 1, eval_batches * global_batch_size
     if spec.streaming:
-        train, val = stream_sources(spec)  # one load of the data for both checks
-        check_streams(spec, train, tokenizer, seq_len, global_batch_size)
+        train, val = stream_sources(spec)  # one listing of the units for both checks
+        check_streams(spec, train, tokenizer, seq_len, seed, global_batch_size)
+        data.train_stream, data.read_ahead_steps = train, spec.read_ahead_steps
         if val is not None:
             data.val_windows = cached_validation_windows(
-                spec, tokenizer, seq_len, need_val, lambda: first_windows(val, tokenizer, seq_len, need_val))
+                spec, tokenizer, seq_len, need_val, lambda: first_windows(val, tokenizer, seq_len, need_val),
+                val.reader.fingerprint())
     else:
         streams = prepare_streams(spec, tokenizer)
         data.train_windows = windows(streams.train, seq_len)

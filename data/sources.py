@@ -1,19 +1,18 @@
-"""Resolve `data.name` to an HF `datasets` object: builtin, save_to_disk directory, local
-files / glob, or hub id; and the identity of that source for the cache key.
+"""Resolve `data.name` to an HF `datasets.Dataset` (map-style mode; streaming reads files by
+units, data/files.py and data/units.py): builtin, save_to_disk directory, local files / glob, or
+hub id; and the identity of that source for the cache key.
 
 Validation documents (when no `val_split` is given) are chosen by a hash of their text, not by
 their index: a document is held out when its hash, mapped to [0, 1), is below val_fraction.
-The rule depends on nothing but the document, so map-style and streaming runs hold out the
-same documents whatever the shard order, the shuffle, the epoch or the number of streams
-(an index-based rule broke here: a streaming dataset renumbers its documents when it
-shuffles its shards). Identical texts land on the same side, so a duplicate of a held-out
-document never trains.
+The rule depends on nothing but the document, whatever the file order. Identical texts land on
+the same side, so a duplicate of a held-out document never trains. (Streaming holds out whole
+units instead, by a hash of the unit: data/units.py.)
 """
 import glob
 import hashlib
 import os
 from pathlib import Path
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional
 
 import datasets
 
@@ -21,7 +20,6 @@ from data.builtin import BUILTIN, builtin_corpus, python_version
 from data.hub import hub_errors_only
 from data.spec import DataError, DataSpec
 
-AnyDataset = Union[datasets.Dataset, datasets.IterableDataset]
 FILE_BUILDERS = {".txt": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -52,13 +50,12 @@ def source_identity(spec: DataSpec) -> list:
     return [spec.name, spec.config, spec.revision]
 
 
-def _load_split(spec: DataSpec, split: str, streaming: bool) -> AnyDataset:
+def _load_split(spec: DataSpec, split: str) -> datasets.Dataset:
     name = os.path.expanduser(spec.name)
     if name == BUILTIN:
         if split != "train":
             raise DataError(f"data.name=builtin has only a 'train' split, not {split!r}; use data.val_fraction")
-        ds = builtin_corpus()
-        return as_iterable(ds) if streaming else ds
+        return builtin_corpus()
     files = local_files(name)
     if files is not None:
         if not files:
@@ -71,7 +68,7 @@ def _load_split(spec: DataSpec, split: str, streaming: bool) -> AnyDataset:
             raise DataError(f"data.name={spec.name!r} is empty: {len(files)} file(s) of 0 bytes")
         try:
             return datasets.load_dataset(FILE_BUILDERS[suffixes.pop()], data_files={"train": files},
-                                         split="train", streaming=streaming)
+                                         split="train")
         except Exception as e:  # malformed JSON, CSV or parquet
             raise DataError(f"data.name={spec.name!r} could not be read: {type(e).__name__}: "
                             f"{str(e).splitlines()[0][:200]}") from None
@@ -85,29 +82,36 @@ def _load_split(spec: DataSpec, split: str, streaming: bool) -> AnyDataset:
             if split not in loaded:
                 raise DataError(f"data.name={spec.name!r} has splits {list(loaded)}, not {split!r}")
             loaded = loaded[split]
-        return as_iterable(loaded) if streaming else loaded
+        return loaded
     if looks_local(name):
         raise DataError(f"data.name={spec.name!r}: no such file or directory")
     try:
         with hub_errors_only():  # its retry warnings would bury our one-line error
-            return datasets.load_dataset(name, spec.config, split=split, revision=spec.revision,
-                                         streaming=streaming)
+            return datasets.load_dataset(name, spec.config, split=split, revision=spec.revision)
     except Exception as e:  # the hub raises many types: unknown id, offline, bad config or split
         raise DataError(f"data.name={spec.name!r} (config={spec.config!r}, split={split!r}) could not be "
                         f"loaded: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
 
 
-def _check_text_field(ds: AnyDataset, spec: DataSpec) -> None:
+def _check_text_field(ds: datasets.Dataset, spec: DataSpec) -> None:
     columns = ds.column_names
     if columns is not None and spec.text_field not in columns:
         raise DataError(f"data.text_field={spec.text_field!r} is not a column of {spec.name!r}; "
                         f"columns: {', '.join(columns)}")
 
 
-def as_iterable(ds: datasets.Dataset) -> datasets.IterableDataset:
-    """A map-style dataset as a stream of up to 64 contiguous shards (the unit of the epoch's
-    shard shuffle and of a resume's re-read, see data/streaming.py)."""
-    return ds.to_iterable_dataset(num_shards=max(1, min(len(ds), 64)))
+def saved_dataset_dir(name: str) -> bool:
+    """Whether `name` is a directory written by `Dataset.save_to_disk` (or a DatasetDict's)."""
+    path = Path(os.path.expanduser(name))
+    return path.is_dir() and any((path / f).exists() for f in ("state.json", "dataset_dict.json"))
+
+
+def in_memory_split(spec: DataSpec, split: str) -> datasets.Dataset:
+    """The split of `builtin` or of a save_to_disk directory, memory-mapped (streaming reads it
+    by row ranges, data/units.py)."""
+    ds = _load_split(spec, split)
+    _check_text_field(ds, spec)
+    return ds
 
 
 def held_out(text: str, val_fraction: float) -> bool:
@@ -119,12 +123,12 @@ def held_out(text: str, val_fraction: float) -> bool:
 
 def load_train_val(spec: DataSpec):
     """Map-style (train, validation or None) datasets for the spec."""
-    train = _load_split(spec, spec.split, streaming=False)
+    train = _load_split(spec, spec.split)
     _check_text_field(train, spec)
     if len(train) == 0:
         raise DataError(f"data.name={spec.name!r} split {spec.split!r} is empty")
     if spec.val_split is not None:
-        val = _load_split(spec, spec.val_split, streaming=False)
+        val = _load_split(spec, spec.val_split)
         _check_text_field(val, spec)
         return train, val
     if spec.val_fraction > 0:
@@ -133,15 +137,3 @@ def load_train_val(spec: DataSpec):
         train = train.filter(lambda b: [not held_out(t or "", f) for t in b[field]], batched=True, num_proc=nproc)
         return train, val
     return train, None
-
-
-def load_stream_sources(spec: DataSpec) -> Tuple[datasets.IterableDataset, Optional[datasets.IterableDataset]]:
-    """Streaming (train split, val split or None), unfiltered: data/streaming.py applies
-    `held_out` itself, because it also needs each document's row number in its shard."""
-    train = _load_split(spec, spec.split, streaming=True)
-    _check_text_field(train, spec)
-    val = None
-    if spec.val_split is not None:
-        val = _load_split(spec, spec.val_split, streaming=True)
-        _check_text_field(val, spec)
-    return train, val

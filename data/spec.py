@@ -35,13 +35,19 @@ class DataSpec:
     """Reshuffle the windows every epoch (map-style) / the shard order every epoch and the
     windows within blocks (streaming)."""
     shuffle_buffer: int = 1000
-    """Streaming: windows per shuffle block of each stream; a resume re-reads at most one block
-    per stream (and the rows of the current shard before its position)."""
+    """Streaming: windows per shuffle block of each stream; a resume re-reads the current block
+    (from the unit where it starts) of each stream it reads."""
     streams: int = 1
-    """Streaming: logical streams, each a disjoint 1/streams of every shard's documents, packed on
-    its own and contributing global_batch_size/streams windows to every step. Fixed by the
-    recipe, not by dp: the samples of a step are the same at every layout, and a rank reads
-    only the streams its slice of the batch needs (streams/dp of them when dp divides it)."""
+    """Streaming: logical streams; each epoch's shuffled units are dealt to them in turn (unit j
+    to stream j % streams), each packs its own and gives global_batch_size/streams windows to
+    every step. Fixed by the recipe, not by dp: the samples of a step are the same at every
+    layout, and a rank reads only the streams its slice of the batch needs."""
+    unit_bytes: int = 32 * 2 ** 20
+    """Streaming: the size of a unit of a line file (.jsonl, .json, .txt, .md): a byte range,
+    owning the lines that start in it. Parquet files are read by row group, csv files whole."""
+    read_ahead_steps: int = 1
+    """Streaming: steps of micro-batches a background thread reads and tokenizes ahead of the
+    trainer (0: read inside the engine's call for the next micro-batch)."""
     val_split: Optional[str] = None
     """A held-out split for validation (`validation`); wins over val_fraction."""
     val_fraction: float = 0.0
@@ -64,5 +70,8 @@ class DataSpec:
         """Raise DataError on a value no run can read (the sources of data.mix: data/mixture_spec.py)."""
         if not 0 <= self.val_fraction < 1:
             raise DataError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
-        if self.num_proc < 1 or self.shuffle_buffer < 1:
-            raise DataError(f"data.num_proc={self.num_proc} and data.shuffle_buffer={self.shuffle_buffer} must be >= 1")
+        if self.num_proc < 1 or self.shuffle_buffer < 1 or self.unit_bytes < 1:
+            raise DataError(f"data.num_proc={self.num_proc}, data.shuffle_buffer={self.shuffle_buffer} and "
+                            f"data.unit_bytes={self.unit_bytes} must be >= 1")
+        if self.read_ahead_steps < 0:
+            raise DataError(f"data.read_ahead_steps={self.read_ahead_steps} must be >= 0 (0 reads inline)")

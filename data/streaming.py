@@ -1,83 +1,76 @@
-"""Streaming mode: documents from an `IterableDataset`, tokenized and packed on the fly, in a
-fixed number of logical streams, with a position that resumes without re-reading (docs/design.md
-contract 14).
+"""Streaming mode: documents read unit by unit (data/units.py: parquet row groups, byte ranges of
+line files), tokenized and packed on the fly in a fixed number of logical streams, with a
+position that resumes by reading one unit per stream (docs/design.md contract 14, issue 22).
 
-Row i of every shard belongs to stream i % S (S = `data.streams`); the global batch of step k
-is stream 0's windows [k*B/S, (k+1)*B/S), then stream 1's, and so on, at every layout; dp rank r
-takes the r-th contiguous 1/dp of it and reads only the streams that slice covers. A stream's
-position (its shuffle block's first position and the windows of the block taken) resumes by
-reading at most one shard and one block. The shuffle order and the position's fields:
+Epoch e of the units is a permutation drawn from (seed, e); stream t takes its units t, t + S,
+t + 2S... (S = `data.streams`) and reads only those, so the job reads each unit once per epoch.
+The global batch of step k is stream 0's windows [k*B/S, (k+1)*B/S), then stream 1's, and so
+on, at every layout; dp rank r takes the r-th contiguous 1/dp of it and reads only the streams
+that slice covers. A stream's position (its shuffle block's first position and the windows of
+the block taken) names an epoch, a unit of the stream's list and a row in it, so a resume reads
+from that unit on and never what came before. The shuffle order and the position's fields:
 docs/data.md, "Streaming"."""
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-import datasets
 import numpy as np
-import pyarrow as pa
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from data.prefetch import ReadAhead
 from data.spec import DataError
+from data.units import Unit, UnitSource
 
-Position = Tuple[int, int, int, int]  # (epoch, place in the shard order, row, token offset)
+Position = Tuple[int, int, int, int]  # (epoch, unit in the stream's list of the epoch, row in the unit, token offset)
 START: Position = (0, 0, 0, 0)
 StreamState = Tuple[Position, int]    # (first position of the current block, windows taken)
 Batch = Tuple[torch.Tensor, torch.Tensor]
+STATE_FORMAT = "units"
+"""The kind of position a checkpoint's data_state holds; one without it (saved before units) is
+resumed by re-reading to its step (data/pipeline.py: RunData.reread_to)."""
 
 
 @dataclass
 class StreamSource:
-    """What the streams read: the shards of one split, its text column, which rows train."""
-    name: str
-    shards: List[datasets.IterableDataset]
-    text_field: str
-    keep: Callable[[str], bool]
-
-    @classmethod
-    def of(cls, name: str, dataset: datasets.IterableDataset, text_field: str,
-           keep: Callable[[str], bool]) -> "StreamSource":
-        n = dataset.num_shards
-        return cls(name, [dataset.shard(num_shards=n, index=i) for i in range(n)], text_field, keep)
+    """What the streams of one source read: its units (and how to read them), and the ones they
+    deal: the training units, or the validation ones."""
+    reader: UnitSource
+    units: List[Unit]
 
 
-def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool) -> List[int]:
+def unit_order(n_units: int, seed: int, epoch: int, shuffle: bool) -> List[int]:
     if not shuffle:
-        return list(range(n_shards))
-    return np.random.default_rng([seed, epoch]).permutation(n_shards).tolist()
+        return list(range(n_units))
+    return np.random.default_rng([seed, epoch]).permutation(n_units).tolist()
 
 
-def read_rows(source: StreamSource, shard: int, first_row: int, stream: int, n_streams: int,
-              batch_rows: int = 1024) -> Iterator[Tuple[int, Optional[str]]]:
-    """(row, text) of one shard's rows of this stream from `first_row` on. Rows before it and
-    rows of other streams are skipped as Arrow tables: never converted, never tokenized."""
-    row0 = 0
-    for table in source.shards[shard].with_format("arrow").iter(batch_size=batch_rows):
-        n = len(table)
-        if row0 + n > first_row:
-            if source.text_field not in table.column_names:
-                raise DataError(f"data.text_field={source.text_field!r} is not a column of {source.name!r}; "
-                                f"columns: {', '.join(table.column_names)}")
-            lo = max(first_row - row0, 0)
-            idx = list(range(lo + (stream - row0 - lo) % n_streams, n, n_streams))
-            texts = table.column(source.text_field).take(pa.array(idx, type=pa.int64())).to_pylist()
-            for i, text in zip(idx, texts):
-                yield row0 + i, text
-        row0 += n
+def stream_units(n_units: int, stream: int, n_streams: int, seed: int, epoch: int, shuffle: bool) -> List[int]:
+    """The units stream `stream` reads in epoch `epoch`, in order: every S-th of the epoch's order."""
+    return unit_order(n_units, seed, epoch, shuffle)[stream::n_streams]
+
+
+UNIT_END = ""
+"""The text stream_documents gives after a unit's last document: a consumer that batches
+documents (for the tokenizer) takes what it holds now, so the next unit is read only when its
+first document is needed, never ahead of it."""
 
 
 def stream_documents(source: StreamSource, stream: int, n_streams: int, seed: int, shuffle: bool,
                      start: Position, epochs: Optional[int] = None) -> Iterator[Tuple[Position, Optional[str]]]:
-    """(position of its first token, text) of this stream's training documents from `start`;
-    (end of epoch, None) after each epoch. Endless unless `epochs` is given."""
+    """(position of its first token, text) of this stream's documents from `start`; (end of
+    the unit, UNIT_END) after each unit; (end of epoch, None) after each epoch. Reads the units
+    from the start's on, whole, one at a time. Endless unless `epochs` is given."""
     epoch, place, row, _ = start
     while epochs is None or epoch < epochs:
-        order = shard_order(len(source.shards), seed, epoch, shuffle)
-        for p in range(place, len(order)):
-            for r, text in read_rows(source, order[p], row, stream, n_streams):
-                if text and source.keep(text):
-                    yield (epoch, p, r, 0), text
+        mine = stream_units(len(source.units), stream, n_streams, seed, epoch, shuffle)
+        for p in range(place, len(mine)):
+            texts = source.reader.texts(source.units[mine[p]])
+            for r in range(row, len(texts)):
+                if texts[r]:
+                    yield (epoch, p, r, 0), texts[r]
+            yield (epoch, p, len(texts), 0), UNIT_END
             row = 0
-        yield (epoch, len(order), 0, 0), None
+        yield (epoch, len(mine), 0, 0), None
         epoch, place = epoch + 1, 0
 
 
@@ -99,10 +92,12 @@ def packed_windows(docs: Iterator[Tuple[Position, Optional[str]]], tokenizer: Pr
 
     batch: List[Tuple[Position, str]] = []
     for pos, text in docs:
-        if text is not None:
+        if text:
             batch.append((pos, text))
             if len(batch) < batch_docs:
                 continue
+        elif text == UNIT_END and not batch:
+            continue
         for doc_pos, ids in tokenized(batch) if batch else []:
             tokens = np.asarray(ids + [eos], dtype=np.int64)
             if skip_tokens:
@@ -168,18 +163,33 @@ class StepBatches:
     step `step`: the rank holds slots [lo, hi) of every global batch (its r-th contiguous 1/dp),
     drawn in micro-batches of b. A subclass gives each step's windows of those slots and the
     stream states after the step (`step_windows`); they become its position (`consumed`) when the
-    step's last micro-batch is drawn, so a checkpoint records exactly what was trained."""
+    step's last micro-batch is drawn, so a checkpoint records exactly what was trained. With
+    `read_ahead_steps` > 0 a worker thread prepares that many steps ahead (data/prefetch.py);
+    what it prepared is not part of the position until drawn."""
 
-    def __init__(self, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, step: int):
+    def __init__(self, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, step: int,
+                 read_ahead_steps: int = 0):
         self.global_batch_size, self.micro_batch_size, self.step = global_batch_size, micro_batch_size, step
         self.lo, self.hi = dp_rank * global_batch_size // dp_size, (dp_rank + 1) * global_batch_size // dp_size
-        self._batches = self._generate()
+        produced = self._generate(step)
+        per_step = -(-(self.hi - self.lo) // micro_batch_size)
+        self._batches = ReadAhead(produced, read_ahead_steps * per_step, f"read-ahead dp{dp_rank}") \
+            if read_ahead_steps > 0 else produced
 
     def __iter__(self):
         return self
 
     def __next__(self) -> Batch:
-        return next(self._batches)
+        x, y, done = next(self._batches)
+        if done is not None:  # the step's last micro-batch: the step is consumed
+            self.consumed(done[0])
+            self.step += 1
+        return x, y
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds the trainer waited on the read-ahead worker (0 without one)."""
+        return getattr(self._batches, "waited_s", 0.0)
 
     def open_streams(self, open_stream: Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]],
                      n_streams: int, saved: Dict[int, StreamState]
@@ -190,24 +200,24 @@ class StepBatches:
         states = {t: saved.get(t, (START, 0)) for t in range(self.lo // per, (self.hi - 1) // per + 1)}
         return states, {t: open_stream(t, state) for t, state in states.items()}
 
-    def step_windows(self) -> Tuple[List[np.ndarray], Any]:
-        """This rank's windows of the current step, in slot order, and the stream states after it."""
+    def step_windows(self, step: int) -> Tuple[List[np.ndarray], Any]:
+        """This rank's windows of step `step` (the one after the previous call's), in slot order,
+        and the stream states after it."""
         raise NotImplementedError
 
     def consumed(self, after: Any) -> None:
         """The stream states after the step (from `step_windows`) are now the position."""
         raise NotImplementedError
 
-    def _generate(self) -> Iterator[Batch]:
+    def _generate(self, step: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor, Optional[Tuple[Any]]]]:
+        """(input_ids, labels, (states after the step,) on its last micro-batch else None)."""
         b = self.micro_batch_size
         while True:
-            rows, after = self.step_windows()
+            rows, after = self.step_windows(step)
             for i in range(0, len(rows), b):
-                if i + b >= len(rows):  # the step's last micro-batch: the step is consumed
-                    self.consumed(after)
-                    self.step += 1
                 batch = torch.from_numpy(np.stack(rows[i:i + b]).astype(np.int64, copy=False))  # (b, seq_len + 1)
-                yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+                yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), (after,) if i + b >= len(rows) else None
+            step += 1
 
 
 class StreamingBatches(StepBatches):
@@ -216,12 +226,12 @@ class StreamingBatches(StepBatches):
 
     def __init__(self, open_stream: Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]],
                  n_streams: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 step: int, states: Dict[int, StreamState]):
-        super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size, step)
+                 step: int, states: Dict[int, StreamState], read_ahead_steps: int = 0):
         self.per_stream = global_batch_size // n_streams
+        super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size, step, read_ahead_steps)
         self.states, self.streams = self.open_streams(open_stream, n_streams, states)
 
-    def step_windows(self) -> Tuple[List[np.ndarray], Dict[int, StreamState]]:
+    def step_windows(self, step: int) -> Tuple[List[np.ndarray], Dict[int, StreamState]]:
         windows, after = [], {}
         for s, stream in self.streams.items():
             for j in range(self.per_stream):
@@ -260,7 +270,7 @@ def merge_states(local_states: List[dict], n_streams: int) -> dict:
     for s in latest:
         streams.update(s["streams"])
     assert len(streams) == n_streams, (sorted(streams), n_streams)
-    return {"streams_total": n_streams, "step": step, "streams": streams}
+    return {"format": STATE_FORMAT, "streams_total": n_streams, "step": step, "streams": streams}
 
 
 def gathered_states(local: dict) -> List[dict]:
@@ -278,3 +288,9 @@ def gather_data_state(local: dict, n_streams: int) -> dict:
 
 def states_from(data_state: Optional[dict]) -> Dict[int, StreamState]:
     return {} if data_state is None else decoded_states(data_state["streams"])
+
+
+def positions_of_units(data_state: Optional[dict]) -> Optional[dict]:
+    """The checkpoint's stream positions when they are positions in units, else None (saved
+    before units: the run re-reads to the checkpoint's step instead)."""
+    return data_state if data_state is not None and data_state.get("format") == STATE_FORMAT else None

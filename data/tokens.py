@@ -31,6 +31,12 @@ def require_eos(tokenizer: PreTrainedTokenizerBase, name: str) -> int:
     return tokenizer.eos_token_id
 
 
+def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the UTF-8 bytes of text one token covers (its vocabulary entry's bytes:
+    a byte-level entry such as 'Ġthe' counts its marker as two bytes, so this errs high)."""
+    return max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
+
+
 def tokenize_batch(texts: List[str], tokenizer: PreTrainedTokenizerBase) -> List[List[int]]:
     """Token ids of each document followed by EOS; documents that tokenize to nothing are
     dropped (wikitext-style blank lines), not turned into a lone EOS."""

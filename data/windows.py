@@ -79,12 +79,12 @@ def prepare_streams(spec: DataSpec, tokenizer: PreTrainedTokenizerBase) -> Cache
 
 
 def cached_validation_windows(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len: int, n_windows: int,
-                              build: Callable[[], np.ndarray]) -> np.ndarray:
+                              build: Callable[[], np.ndarray], source_fingerprint: str) -> np.ndarray:
     """Streaming validation: the first `n_windows` windows that `build()` packs, built by one
-    process once (it may read much of the stream to find the held-out documents) and then
-    memory-mapped by every process and every later run of the same data and length."""
+    process once and then memory-mapped by every process and every later run of the same units
+    (`source_fingerprint`, data/units.py), tokenizer and length."""
     def write(tmp: Path) -> None:
         np.save(tmp, build().astype(token_dtype(len(tokenizer))))
 
-    key = f"{cache_key(spec, tokenizer)}-val-{seq_len + 1}x{n_windows}"
+    key = f"{cache_key(spec, tokenizer)}-{source_fingerprint.replace(':', '-')}-val-{seq_len + 1}x{n_windows}"
     return np.load(build_once(default_cache_dir() / "data" / f"{key}.npy", write), mmap_mode="r")

@@ -221,9 +221,11 @@ def test_streamed_sources_keep_the_order_at_every_dp_and_resume_exactly(shards):
         assert _mixture_steps(data, dp_after, 40 - stop, stop, state)[0] == reference[stop:], (stop, dp_before)
     # Without positions (an older checkpoint) the run re-reads up to its step: the same batches.
     assert _mixture_steps(data, 2, 5, 30)[0] == reference[30:35]
+    row_based = {"step": 30, "sources": {"0": {}}}  # positions saved before units (no "format"): re-read too
+    assert _mixture_steps(data, 2, 5, 30, row_based)[0] == reference[30:35]
     # Positions that do not fit the run are one line each, before training.
     for run, saved, words in ((data, state, "not after its"), (plain, state, "mixture"),
-                              (data, {"streams_total": 4, "step": 23, "streams": {}}, "one streamed source")):
+                              (data, {"format": "units", "streams_total": 4, "step": 23, "streams": {}}, "one streamed source")):
         with pytest.raises(DataError) as e:
             run.check_data_state(saved, 24 * 16)
         assert words in str(e.value), str(e.value)

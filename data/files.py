@@ -1,0 +1,157 @@
+"""Where a streamed source's files are, and their bytes by range (issue 22).
+
+A source name resolves to a list of files on one `fsspec` filesystem:
+- local paths and globs (`corpus/*.parquet`);
+- URLs and globs of them: `https://` (a glob needs a server that lists directories),
+  `hf://datasets/ORG/NAME/...` (the hub's filesystem), `s3://`, `gs://`;
+- a hub dataset id or a directory of data files: the files `datasets` itself resolves for the
+  split (`load_dataset_builder(...).config.data_files`, `hf://` URLs for the hub).
+Bytes are read with `cat_file(path, start, end)`: a range request over HTTP and object stores,
+never more than asked. Credentials come from each backend's own environment (AWS_*,
+GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN); a URL's user, password and query string are
+removed from every message (`shown`)."""
+import os
+from concurrent.futures import ThreadPoolExecutor
+import posixpath
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import fsspec
+
+from data.hub import hub_errors_only
+from data.spec import DataError
+
+FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text", ".md": "text", ".csv": "csv"}
+BUILDER_FORMATS = {"parquet": "parquet", "json": "json", "text": "text", "csv": "csv"}
+BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp",
+                    "az": "adlfs", "abfs": "adlfs"}
+GLOB = re.compile(r"[*?\[]")
+INFO_THREADS = 16
+
+
+def shown(name: str) -> str:
+    """`name` without a URL's user:password@ and ?query (signed URLs carry keys there)."""
+    return re.sub(r"\?\S*", "", re.sub(r"://[^/@\s]*@", "://", name))
+
+
+def is_url(name: str) -> bool:
+    return "://" in name
+
+
+def is_glob(name: str) -> bool:
+    """Whether `name` has glob characters; in an http(s) URL a "?" starts the query instead."""
+    if name.startswith(("http://", "https://")):
+        return re.search(r"[*\[]", name.split("?", 1)[0]) is not None
+    return GLOB.search(name) is not None
+
+
+@dataclass
+class SourceFiles:
+    """The files of one source: read by `fs`, named for identity by `names` (paths relative to
+    the source's common directory: the same on a mirror, no host, no credentials)."""
+    fs: fsspec.AbstractFileSystem
+    paths: List[str]
+    names: List[str]
+    sizes: List[int]
+    versions: List[str]
+    """What changes when a file's content does (mtime, ETag, blob id): part of the cache keys."""
+    format: str
+    label: str
+    """The source as the recipe names it, without credentials (for messages)."""
+
+    def read(self, file: int, start: int, end: int) -> bytes:
+        """Bytes [start, end) of file `file`: one range request."""
+        try:
+            return self.fs.cat_file(self.paths[file], start=start, end=end)
+        except Exception as e:
+            raise DataError(f"data.name={self.label!r}: reading bytes {start}-{end} of {self.names[file]!r} failed: "
+                            f"{type(e).__name__}: {shown(str(e).splitlines()[0][:200]) if str(e) else ''}") from None
+
+
+def filesystem(url: str, label: str) -> Tuple[fsspec.AbstractFileSystem, str]:
+    """(the filesystem of `url`, its path on it); a missing backend is one line naming its package."""
+    protocol = url.split("://", 1)[0] if is_url(url) else "file"
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError:
+        package = BACKEND_PACKAGES.get(protocol, f"the fsspec backend for {protocol}://")
+        raise DataError(f"data.name={label!r} needs {package} for {protocol}:// (not installed): "
+                        f"pip install {package}") from None
+    except ValueError as e:  # an unknown protocol
+        raise DataError(f"data.name={label!r}: {shown(str(e))}") from None
+
+
+def _expand(fs: fsspec.AbstractFileSystem, path: str, label: str) -> List[str]:
+    try:
+        return sorted(fs.glob(path)) if is_glob(path) else [path]
+    except Exception as e:
+        raise DataError(f"data.name={label!r} could not be listed: {type(e).__name__}: "
+                        f"{shown(str(e).splitlines()[0][:200]) if str(e) else ''}") from None
+
+
+def _hub_files(name: str, config: Optional[str], split: str, revision: Optional[str], label: str) -> List[str]:
+    """The data files `datasets` resolves for a hub id (or a directory of data files) and split."""
+    import datasets
+    try:
+        with hub_errors_only():
+            builder = datasets.load_dataset_builder(name, config, revision=revision)
+    except Exception as e:
+        raise DataError(f"data.name={label!r} (config={config!r}) could not be loaded: {type(e).__name__}: "
+                        f"{shown(str(e).splitlines()[0][:200]) if str(e) else ''}") from None
+    files = (builder.config.data_files or {}).get(split)
+    if not files:
+        splits = sorted(builder.config.data_files or {})
+        raise DataError(f"data.name={label!r} has no data files for split {split!r} (splits with files: {splits}); "
+                        f"streaming reads parquet, json, text or csv files; use data.streaming=false otherwise")
+    return list(files)
+
+
+def file_urls(name: str, config: Optional[str], split: str, revision: Optional[str], label: str) -> List[str]:
+    """What `name` points at, as file names or globs (local or URLs)."""
+    if is_url(name):
+        if not is_glob(name) and Path(name.split("?")[0]).suffix not in FORMATS:
+            raise DataError(f"data.name={label!r}: name a file or a glob of files ({', '.join(FORMATS)})")
+        return [name]
+    path = os.path.expanduser(name)
+    if os.path.isdir(path) or not (name.startswith((".", "/", "~")) or GLOB.search(name) or Path(name).suffix in FORMATS):
+        return _hub_files(path, config, split, revision, label)  # a directory of data files, or a hub id
+    return [path]
+
+
+def resolve_files(name: str, config: Optional[str], split: str, revision: Optional[str]) -> SourceFiles:
+    """The files of a streamed source; DataError when there are none or they cannot be listed."""
+    label = shown(name)
+    paths, fs = [], None
+    for url in file_urls(name, config, split, revision, label):
+        fs, path = filesystem(url, label)
+        paths += _expand(fs, path, label)
+    if not paths:
+        raise DataError(f"data.name={label!r} matches no file")
+    suffixes = {Path(p.split("?")[0]).suffix for p in paths}
+    if len(suffixes) != 1 or next(iter(suffixes)) not in FORMATS:
+        raise DataError(f"data.name={label!r}: files must share one of the suffixes {', '.join(FORMATS)}; "
+                        f"got {sorted(suffixes)}")
+    with ThreadPoolExecutor(INFO_THREADS) as pool:  # one HEAD (or listing lookup) per file, overlapped
+        infos = list(pool.map(lambda p: _info(fs, p, label), paths))
+    root = posixpath.commonpath([posixpath.dirname(shown(p)) for p in paths])
+    names = [shown(posixpath.relpath(p, root) if root else p) for p in paths]
+    return SourceFiles(fs, paths, names, [size for size, _ in infos], [version for _, version in infos],
+                       FORMATS[suffixes.pop()], label)
+
+
+def _info(fs: fsspec.AbstractFileSystem, path: str, label: str) -> Tuple[int, str]:
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        raise DataError(f"data.name={label!r}: no such file: {shown(path)}") from None
+    except Exception as e:
+        raise DataError(f"data.name={label!r}: {shown(path)} could not be read: {type(e).__name__}: "
+                        f"{shown(str(e).splitlines()[0][:200]) if str(e) else ''}") from None
+    if info.get("size") is None:
+        raise DataError(f"data.name={label!r}: the server does not say the size of {shown(path)} (no Content-Length); "
+                        f"streaming reads files by byte ranges")
+    version = next((str(info[k]) for k in ("ETag", "etag", "mtime", "LastModified", "last_commit", "blob_id")
+                    if info.get(k) is not None), "")
+    return int(info["size"]), version

@@ -1,0 +1,53 @@
+"""Read ahead: an iterator drawn by a background thread into a bounded queue (issue 22).
+
+Streaming reads and tokenizes in bursts (a step's windows at once); run inline, the burst sits
+inside the engine's call for the step's first micro-batch. Here a worker thread runs the
+iterator up to `depth` items ahead, so the engine's call returns at once when the data keeps
+up (reading releases the GIL in pyarrow and fsspec, tokenizing in the Rust tokenizer). The
+items carry whatever position they need: the consumer, not the worker, decides what is done
+(data/streaming.py: StepBatches). An exception in the worker is raised by the consumer's next
+call, where the training loop turns it into the rank's one-line failure; it never hangs.
+"""
+import queue
+import threading
+import time
+from typing import Iterator, Optional
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class ReadAhead:
+    """`items`, drawn by a daemon thread started at the first `next` (ranks that never draw,
+    such as middle pipeline stages or TP peers that receive their batches, start none)."""
+
+    def __init__(self, items: Iterator, depth: int, name: str = "read-ahead"):
+        self.items, self.name = items, name
+        self.queue: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
+        self.thread: Optional[threading.Thread] = None
+        self.waited_s = 0.0
+        """Seconds the consumer spent waiting on the worker (the data did not keep up)."""
+
+    def _work(self) -> None:
+        try:
+            for item in self.items:
+                self.queue.put(item)
+        except BaseException as e:  # handed to the consumer, raised there
+            self.queue.put(_Failed(e))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+            self.thread.start()
+        start = time.perf_counter()
+        item = self.queue.get()
+        self.waited_s += time.perf_counter() - start
+        if isinstance(item, _Failed):
+            self.queue.put(item)  # every later call fails the same way
+            raise item.error
+        return item

@@ -1,0 +1,291 @@
+"""A streamed source cut into units, the pieces that streams read whole (issue 22).
+
+- parquet: a row group; its bytes are the text column's chunk, found in the file's footer.
+- JSON Lines (.jsonl, .json) and text (.txt, .md): a byte range of `data.unit_bytes` of a file;
+  a unit owns the lines that start inside its range (the last one may run past its end).
+- csv: a whole file (quoted newlines make byte ranges unsafe).
+- a dataset in memory (`builtin`, a `save_to_disk` directory): a range of at most 10,000 rows,
+  at least 64 units when the rows allow.
+Reading a unit fetches its bytes only (one range request; the footer of a parquet file once per
+process). The list of units of a parquet source needs every footer: one process builds it and
+caches it (data/cache.py's build_once); the others read the cached list.
+
+Validation in streaming mode holds out whole units: the ceil(val_fraction x N) units whose
+identity (file path relative to the source's directory and unit number) hashes lowest. The rule
+depends on the units alone, not on the shuffle, the streams or the run.
+"""
+import hashlib
+import io
+import json
+import math
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import datasets
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+
+from data.cache import build_once, default_cache_dir
+from data.files import SourceFiles
+from data.spec import DataError
+
+UNITS_VERSION = 1  # bump when the cutting rule changes: units (and the cached lists) change with it
+MAX_ROWS_IN_MEMORY, MIN_UNITS_IN_MEMORY = 10_000, 64
+FOOTER_THREADS = 16
+TAIL_READ = 64 * 1024
+"""How far past a line unit's end one read looks for the end of its last line: at most 1/64 of
+the unit (at least 256 bytes), so the overshoot stays a small share of what the unit reads."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    file: int
+    """Index of the file in the source's files (0 for a dataset in memory)."""
+    part: int
+    """Row group (parquet), byte range (lines), row range (in memory) number within the file."""
+    start: int
+    stop: int
+    """Bytes [start, stop) of the file (parquet: the text column's chunk), or rows (in memory)."""
+    text_bytes: int = -1
+    """At least this many bytes of text (parquet, from the footer), -1 when unknown: lets the
+    start-up check pass a large corpus without reading it (data/pipeline.py: check_streams)."""
+
+
+def unit_hash(identity: str) -> float:
+    """blake2b of a unit's identity, as a number in [0, 1)."""
+    return int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=8).digest(), "big") / 2.0 ** 64
+
+
+class UnitSource:
+    """A source's units and how to read each one's texts."""
+    label: str
+    units: List[Unit]
+
+    def identity(self, unit: Unit) -> str:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """What changes when the units or their content may: part of the caches' keys."""
+        raise NotImplementedError
+
+    def texts(self, unit: Unit) -> List[Optional[str]]:
+        raise NotImplementedError
+
+    def held_out(self, val_fraction: float) -> Tuple[List[Unit], List[Unit]]:
+        """(training units, held-out units), both in index order: the ceil(f N) units of lowest hash."""
+        if val_fraction <= 0:
+            return list(self.units), []
+        n_held = math.ceil(val_fraction * len(self.units))
+        ranked = sorted(range(len(self.units)), key=lambda i: unit_hash(self.identity(self.units[i])))
+        held = set(ranked[:n_held])
+        if n_held == len(self.units):
+            raise DataError(f"data.name={self.label!r} (streaming) has {len(self.units)} unit(s), and "
+                            f"data.val_fraction={val_fraction} holds out all of them (validation holds out whole "
+                            f"units); use more data, a smaller data.unit_bytes or data.val_fraction, or data.val_split")
+        return ([u for i, u in enumerate(self.units) if i not in held],
+                [u for i, u in enumerate(self.units) if i in held])
+
+
+class DatasetUnits(UnitSource):
+    """An in-memory (memory-mapped) `datasets.Dataset` in row ranges."""
+
+    def __init__(self, dataset: datasets.Dataset, text_field: str, label: str):
+        self.dataset, self.text_field, self.label = dataset.with_format("arrow"), text_field, label
+        n = len(dataset)
+        rows = max(1, min(MAX_ROWS_IN_MEMORY, math.ceil(n / MIN_UNITS_IN_MEMORY)))
+        self.units = [Unit(0, k, a, min(a + rows, n)) for k, a in enumerate(range(0, n, rows))]
+
+    def identity(self, unit: Unit) -> str:
+        return f"rows {unit.start}-{unit.stop}"
+
+    def fingerprint(self) -> str:
+        # the dataset's own identity (builtin's version, a directory's mtime) is in the caches' keys already
+        return f"{UNITS_VERSION}:{len(self.dataset)}:{self.text_field}"
+
+    def texts(self, unit: Unit) -> List[Optional[str]]:
+        return self.dataset[unit.start:unit.stop].column(self.text_field).to_pylist()
+
+
+class SparseFile(io.RawIOBase):
+    """A remote file for pyarrow's parquet reader: the byte ranges already fetched, and a range
+    request for anything else (pyarrow reads exactly the column chunk it was given)."""
+
+    def __init__(self, files: SourceFiles, file: int, fetched: Sequence[Tuple[int, bytes]]):
+        self.files, self.file, self.size = files, file, files.sizes[file]
+        self.ranges, self.pos = list(fetched), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        want = min(len(buffer), self.size - self.pos)
+        for start, blob in self.ranges:
+            if start <= self.pos and self.pos + want <= start + len(blob):
+                break
+        else:
+            start, blob = self.pos, self.files.read(self.file, self.pos, self.pos + want)
+            self.ranges.append((start, blob))
+        buffer[:want] = blob[self.pos - start:self.pos - start + want]
+        self.pos += want
+        return want
+
+
+class FileUnits(UnitSource):
+    """Units of files (local or remote, data/files.py)."""
+
+    def __init__(self, files: SourceFiles, text_field: str, unit_bytes: int):
+        self.files, self.text_field, self.unit_bytes, self.label = files, text_field, unit_bytes, files.label
+        self._footers: Dict[int, pq.FileMetaData] = {}
+        if files.format == "parquet":
+            self.units = self._parquet_units()
+        elif files.format == "csv":
+            self.units = [Unit(f, 0, 0, size) for f, size in enumerate(files.sizes)]
+        else:
+            self.units = [Unit(f, k, a, min(a + unit_bytes, size)) for f, size in enumerate(files.sizes)
+                          for k, a in enumerate(range(0, size, unit_bytes))]
+        if files.format in ("json", "csv") and self.units:
+            self._check_first_record()
+
+    def identity(self, unit: Unit) -> str:
+        return f"{self.files.names[unit.file]}#{unit.part}"
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps([UNITS_VERSION, self.files.names, self.files.sizes, self.files.versions,
+                                          self.text_field, self.unit_bytes]).encode()).hexdigest()[:20]
+
+    # -- parquet --
+
+    def footer(self, file: int) -> pq.FileMetaData:
+        """The file's metadata: two range requests (its length, then the footer), once per process."""
+        if file not in self._footers:
+            size = self.files.sizes[file]
+            tail = self.files.read(file, size - 8, size) if size >= 12 else b""
+            if tail[4:] != b"PAR1":
+                raise DataError(f"data.name={self.label!r}: {self.files.names[file]!r} is not a parquet file")
+            length = struct.unpack("<I", tail[:4])[0]
+            footer = self.files.read(file, size - 8 - length, size - 8)
+            self._footers[file] = pq.read_metadata(pa.BufferReader(b"PAR1" + footer + tail))
+        return self._footers[file]
+
+    def _text_column(self, file: int) -> int:
+        meta = self.footer(file)
+        names = [meta.schema.column(j).path for j in range(meta.num_columns)]
+        if self.text_field not in names:
+            raise DataError(f"data.text_field={self.text_field!r} is not a column of {self.files.names[file]!r} "
+                            f"in {self.label!r}; columns: {', '.join(names)}")
+        return names.index(self.text_field)
+
+    def _file_units(self, file: int) -> List[Unit]:
+        meta, column = self.footer(file), self._text_column(file)
+        units = []
+        for g in range(meta.num_row_groups):
+            chunk = meta.row_group(g).column(column)
+            start = min(chunk.dictionary_page_offset or chunk.data_page_offset, chunk.data_page_offset)
+            rows = meta.row_group(g).num_rows
+            # the chunk's uncompressed bytes less 4-byte lengths and page headers: a floor of its text
+            text = chunk.total_uncompressed_size - 4 * rows - 256 * (1 + chunk.total_uncompressed_size // 65536)
+            units.append(Unit(file, g, start, start + chunk.total_compressed_size, max(0, text)))
+        return units
+
+    def _parquet_units(self) -> List[Unit]:
+        """Every file's row groups from its footer, listed once per machine and cached."""
+        key = self.fingerprint()
+
+        def build(tmp) -> None:
+            with ThreadPoolExecutor(FOOTER_THREADS) as pool:  # footers of many files, overlapped
+                per_file = list(pool.map(self._file_units, range(len(self.files.paths))))
+            tmp.write_text(json.dumps([asdict(u) for units in per_file for u in units]))
+
+        path = build_once(default_cache_dir() / "data" / f"units-{key}.json", build)
+        return [Unit(**u) for u in json.loads(path.read_text())]
+
+    def _parquet_texts(self, unit: Unit) -> List[Optional[str]]:
+        meta = self.footer(unit.file)
+        chunk = SparseFile(self.files, unit.file, [(unit.start, self.files.read(unit.file, unit.start, unit.stop))])
+        reader = pq.ParquetFile(pa.PythonFile(chunk, mode="r"), metadata=meta, pre_buffer=False)
+        return reader.read_row_group(unit.part, columns=[self.text_field]).column(0).to_pylist()
+
+    # -- lines --
+
+    def _lines(self, unit: Unit) -> List[bytes]:
+        """The lines that start in [start, stop): read from start - 1 (is start a line start?) to
+        stop, then on past stop until the last line ends."""
+        f, size = unit.file, self.files.sizes[unit.file]
+        blob = self.files.read(f, max(0, unit.start - 1), unit.stop)
+        if unit.start > 0:
+            first = blob.find(b"\n")
+            if first < 0:
+                return []  # one line runs through the whole range: it belongs to an earlier unit
+            blob = blob[first + 1:]
+        end, tail = unit.stop, min(TAIL_READ, max(256, self.unit_bytes // 64))
+        while blob and not blob.endswith(b"\n") and end < size:
+            more = self.files.read(f, end, min(end + tail, size))
+            cut = more.find(b"\n")
+            blob += more if cut < 0 else more[:cut + 1]
+            end = end + len(more) if cut < 0 else size
+        return blob.splitlines()
+
+    def _check_first_record(self) -> None:
+        """The text field is in the first file's first record (parquet: in every footer), so a
+        wrong data.text_field fails at start-up rather than at the first read."""
+        size, end, blob = self.files.sizes[0], 0, b""
+        while b"\n" not in blob and end < size:
+            blob += self.files.read(0, end, min(end + TAIL_READ, size))
+            end += TAIL_READ
+        first = blob.split(b"\n", 1)[0]
+        if self.files.format == "csv":
+            columns = pa_csv.read_csv(pa.BufferReader(first + b"\n")).column_names if first.strip() else []
+            if self.text_field not in columns:
+                raise DataError(f"data.text_field={self.text_field!r} is not a column of {self.label!r}; "
+                                f"columns: {', '.join(columns)}")
+        elif first.strip():
+            self._line_texts(Unit(0, 0, 0, len(first) + 1), lines=[first])
+
+    def _line_texts(self, unit: Unit, lines: Optional[List[bytes]] = None) -> List[Optional[str]]:
+        texts: List[Optional[str]] = []
+        for n, line in enumerate(self._lines(unit) if lines is None else lines):
+            text = line.decode("utf-8", errors="replace")
+            if self.files.format == "text":
+                texts.append(text)
+                continue
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"data.name={self.label!r}: {self.files.names[unit.file]!r}, line {n + 1} of the unit "
+                                f"at byte {unit.start}, is not JSON ({e.msg}); streaming reads .json as JSON Lines"
+                                ) from None
+            if not isinstance(record, dict) or self.text_field not in record:
+                columns = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                raise DataError(f"data.text_field={self.text_field!r} is not a column of {self.label!r}; "
+                                f"columns: {columns}")
+            texts.append(record[self.text_field])
+        return texts
+
+    def _csv_texts(self, unit: Unit) -> List[Optional[str]]:
+        table = pa_csv.read_csv(pa.BufferReader(self.files.read(unit.file, unit.start, unit.stop)))
+        if self.text_field not in table.column_names:
+            raise DataError(f"data.text_field={self.text_field!r} is not a column of {self.label!r}; "
+                            f"columns: {', '.join(table.column_names)}")
+        return table.column(self.text_field).to_pylist()
+
+    def texts(self, unit: Unit) -> List[Optional[str]]:
+        if self.files.format == "parquet":
+            return self._parquet_texts(unit)
+        if self.files.format == "csv":
+            return self._csv_texts(unit)
+        return self._line_texts(unit)

@@ -1,0 +1,36 @@
+"""Corpora for the streaming tests: document i says `w{i}x` every few words, so any window that
+holds a few tokens of it names it, and the unit that holds it follows from i alone."""
+import json
+import re
+from pathlib import Path
+from typing import List
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data.builtin import builtin_corpus
+
+ID = re.compile(r"w(\d+)x")
+
+
+def document_texts(n: int) -> List[str]:
+    filler = builtin_corpus().select(range(40))["text"]
+    return [" ".join(f"w{i}x {word}" for word in filler[i % 40].split()[: 5 + i % 17]) for i in range(n)]
+
+
+def write_corpus(root: Path, n_docs: int, n_files: int, group_rows: int) -> Path:
+    """n_files parquet files (part{f}.parquet, documents in order, `group_rows` per row group,
+    an `id` column beside `text`) and all.jsonl with every document, one per line."""
+    root.mkdir(parents=True, exist_ok=True)
+    texts, per_file = document_texts(n_docs), n_docs // n_files
+    for f in range(n_files):
+        rows = range(f * per_file, (f + 1) * per_file)
+        pq.write_table(pa.table({"text": [texts[i] for i in rows], "id": list(rows)}),
+                       root / f"part{f}.parquet", row_group_size=group_rows)
+    (root / "all.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    return root
+
+
+def window_ids(tokenizer, windows) -> set:
+    """The documents whose marker appears in any of `windows` (token id arrays)."""
+    return {int(m) for w in windows for m in ID.findall(tokenizer.decode(list(w)))}
