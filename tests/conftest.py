@@ -125,3 +125,8 @@ def pytest_sessionfinish(session):
     stop_rank_server()  # tests/rank_server.py, if a test started it
 
 
+@pytest.fixture
+def stream_cache(tmp_path, monkeypatch):
+    """Streaming caches of the test's own: unit lists and validation windows built afresh."""
+    for module in ("data.windows", "data.units"):
+        monkeypatch.setattr(f"{module}.default_cache_dir", lambda: tmp_path / "cache")

@@ -3,7 +3,6 @@ ignores them), directory listings that fsspec can glob, and a count of the body 
 per file, so a test can say exactly what a job fetched. `fail_after` makes every data request
 after that many fail with 500 (a storage outage, for the failure tests)."""
 import html
-import os
 import re
 import threading
 from collections import defaultdict

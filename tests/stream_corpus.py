@@ -3,12 +3,13 @@ holds a few tokens of it names it, and the unit that holds it follows from i alo
 import json
 import re
 from pathlib import Path
-from typing import List
+from typing import Iterator, List
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data.builtin import builtin_corpus
+from range_server import RangeServer
 
 ID = re.compile(r"w(\d+)x")
 
@@ -34,3 +35,10 @@ def write_corpus(root: Path, n_docs: int, n_files: int, group_rows: int) -> Path
 def window_ids(tokenizer, windows) -> set:
     """The documents whose marker appears in any of `windows` (token id arrays)."""
     return {int(m) for w in windows for m in ID.findall(tokenizer.decode(list(w)))}
+
+
+def served(root: Path) -> Iterator[RangeServer]:
+    """A module fixture's body: the range server over `root`, closed after the module."""
+    server = RangeServer(root)
+    yield server
+    server.close()

@@ -18,8 +18,7 @@ from data.run import prepare_run_data
 from data.spec import DataError, DataSpec
 from data.streaming import merge_states
 from launcher import TINY, launch_forked, read_metrics
-from range_server import RangeServer
-from stream_corpus import document_texts, window_ids, write_corpus
+from stream_corpus import document_texts, served, window_ids, write_corpus
 from stream_steps import windows_per_step
 
 N_DOCS, N_FILES, GROUP_ROWS = 400, 5, 8  # 50 units of 8 documents
@@ -37,16 +36,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(corpus):
-    served = RangeServer(corpus)
-    yield served
-    served.close()
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """Caches of the test's own: validation windows, unit lists and start-up checks built afresh."""
-    for module in ("data.windows", "data.units"):
-        monkeypatch.setattr(f"{module}.default_cache_dir", lambda: tmp_path / "cache")
+    yield from served(corpus)
 
 
 def _spec(name, **kw):
@@ -69,7 +59,7 @@ def _held_out_groups(tokenizer, data, dp=2, epochs=3):
     return {(i // (N_DOCS // N_FILES), i % (N_DOCS // N_FILES) // GROUP_ROWS) for i in seen}, seen
 
 
-def test_validation_holds_out_whole_units_that_never_train(corpus, server, tokenizer, cache):
+def test_validation_holds_out_whole_units_that_never_train(corpus, server, tokenizer, stream_cache):
     B = 16
     data = prepare_run_data(_spec(corpus / "part*.parquet"), tokenizer, 15, seed=1, global_batch_size=B,
                             micro_batch_size=2, evaluate=True, eval_batches=2)
@@ -91,7 +81,7 @@ def test_validation_holds_out_whole_units_that_never_train(corpus, server, token
         assert np.array_equal(again.val_windows, data.val_windows), (name, kw)
 
 
-def test_units_read_every_document_once(corpus, server, tokenizer, cache):
+def test_units_read_every_document_once(corpus, server, tokenizer, stream_cache):
     """Against pyarrow's reading of the whole files and Python's reading of the lines."""
     from data.pipeline import unit_source
     texts = document_texts(N_DOCS)
@@ -99,8 +89,7 @@ def test_units_read_every_document_once(corpus, server, tokenizer, cache):
                              (corpus / "all.jsonl", 1000), (f"{server.url}/all.jsonl", 777),
                              (corpus / "all.jsonl", 10 ** 9)):
         units = unit_source(_spec(name, unit_bytes=unit_bytes), "train")
-        got = [t for u in units.units for t in units.reader.texts(u)] if hasattr(units, "reader") else \
-            [t for u in units.units for t in units.texts(u)]
+        got = [t for u in units.units for t in units.texts(u)]
         assert got == texts, (name, unit_bytes)
     lines = corpus / "lines.txt"
     lines.write_text("first\n\nthird line\nno newline at the end")
@@ -109,7 +98,7 @@ def test_units_read_every_document_once(corpus, server, tokenizer, cache):
     assert len(units.units) == -(-lines.stat().st_size // 4)
 
 
-def test_samples_of_a_step_do_not_depend_on_dp(corpus, tokenizer, cache):
+def test_samples_of_a_step_do_not_depend_on_dp(corpus, tokenizer, stream_cache):
     data = prepare_run_data(_spec(corpus / "part*.parquet"), tokenizer, 15, seed=1, global_batch_size=16,
                             micro_batch_size=2, evaluate=False)
     reference, _ = _steps(data, 1, 6)
@@ -121,7 +110,7 @@ def test_samples_of_a_step_do_not_depend_on_dp(corpus, tokenizer, cache):
     assert _steps(inline, 2, 6) == _steps(data, 2, 6)  # reading ahead: the same batches and positions
 
 
-def test_resume_from_a_position_is_exact_at_any_dp(corpus, tokenizer, cache):
+def test_resume_from_a_position_is_exact_at_any_dp(corpus, tokenizer, stream_cache):
     data = prepare_run_data(_spec(corpus / "part*.parquet"), tokenizer, 63, seed=1, global_batch_size=32,
                             micro_batch_size=4, evaluate=False)
     uninterrupted, end = _steps(data, 2, 45)
@@ -133,7 +122,7 @@ def test_resume_from_a_position_is_exact_at_any_dp(corpus, tokenizer, cache):
         assert resumed == uninterrupted[stop:], (stop, dp_before, dp_after)
 
 
-def test_each_window_starts_where_its_position_says(corpus, tokenizer, cache):
+def test_each_window_starts_where_its_position_says(corpus, tokenizer, stream_cache):
     """The position a resume reopens: epoch e, the k-th unit of the stream's list, row r, token t,
     is the window's first token (the row read here by pyarrow from the whole file)."""
     from data.pipeline import stream_sources
@@ -160,7 +149,7 @@ def test_each_window_starts_where_its_position_says(corpus, tokenizer, cache):
     ([{"text": "a b"}] * 30, ["windows of seq_len+1 = 16", "fewer than its share", "16/4 = 4", "data.streams"]),
     ([{"body": "text"}] * 3, ["data.text_field='text'", "columns: body"]),
 ])
-def test_bad_streaming_data_fails_before_training(rows, words, tokenizer, cache, tmp_path):
+def test_bad_streaming_data_fails_before_training(rows, words, tokenizer, stream_cache, tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError) as e:
@@ -170,7 +159,7 @@ def test_bad_streaming_data_fails_before_training(rows, words, tokenizer, cache,
         assert word in str(e.value), str(e.value)
 
 
-def test_bad_sources_are_one_line_without_credentials(corpus, server, tokenizer, cache):
+def test_bad_sources_are_one_line_without_credentials(corpus, server, tokenizer, stream_cache):
     cases = [("s3://bucket/corpus/*.parquet", ["needs s3fs", "pip install s3fs"]),
              (f"http://user:secret@{server.url[7:]}/missing.parquet?token=abc", ["no such file", "missing.parquet"]),
              (f"{server.url}/part*.csv", ["matches no file"]),
@@ -198,7 +187,7 @@ def test_bad_streaming_data_is_one_line_and_exit_2(corpus, tmp_path, monkeypatch
         assert err.count("\n") == 1 and err.startswith("error: ") and all(w in err for w in words), err
 
 
-def test_a_read_ahead_failure_reaches_the_trainer(corpus, server, tokenizer, cache):
+def test_a_read_ahead_failure_reaches_the_trainer(corpus, server, tokenizer, stream_cache):
     """The worker's error is raised by the trainer's next draw (a storage outage after 3 reads),
     not a hang; and the draws before it were the data's own."""
     data = prepare_run_data(_spec(f"{server.url}/part*.parquet", val_fraction=0, read_ahead_steps=2), tokenizer,

@@ -12,8 +12,7 @@ from data.builtin import load_tokenizer
 from data.run import prepare_run_data
 from data.spec import DataSpec
 from data.streaming import merge_states
-from range_server import RangeServer
-from stream_corpus import window_ids, write_corpus
+from stream_corpus import served, window_ids, write_corpus
 from stream_steps import windows_per_step
 
 N_DOCS, N_FILES, GROUP_ROWS = 8000, 10, 16  # 500 row groups of 16 documents
@@ -34,15 +33,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(corpus):
-    served = RangeServer(corpus)
-    yield served
-    served.close()
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    for module in ("data.windows", "data.units"):
-        monkeypatch.setattr(f"{module}.default_cache_dir", lambda: tmp_path / "cache")
+    yield from served(corpus)
 
 
 class ParquetLayout:
@@ -97,7 +88,7 @@ def _rank_reads(server, data, tokenizer, dp, steps=STEPS, start=0, data_state=No
 
 
 @pytest.mark.parametrize("streams", [4, 8])
-def test_each_unit_is_fetched_once_by_the_rank_that_trains_it(streams, corpus, server, tokenizer, cache):
+def test_each_unit_is_fetched_once_by_the_rank_that_trains_it(streams, corpus, server, tokenizer, stream_cache):
     layout = ParquetLayout(corpus)
     for dp in (1, 2, 4):
         server.reset()
@@ -125,7 +116,7 @@ def test_each_unit_is_fetched_once_by_the_rank_that_trains_it(streams, corpus, s
         assert footer_bytes <= dp * layout.all_footers()  # each process reads a footer at most once
 
 
-def test_line_units_fetch_about_what_they_train(corpus, server, tokenizer, cache):
+def test_line_units_fetch_about_what_they_train(corpus, server, tokenizer, stream_cache):
     """A JSON Lines file in byte ranges: the bytes fetched against the bytes of the lines that start
     in the units that trained (each line's place in the file, from the file itself)."""
     unit_bytes = 32 * 1024
@@ -143,7 +134,7 @@ def test_line_units_fetch_about_what_they_train(corpus, server, tokenizer, cache
     assert total <= READ_BOUND * consumed, (total, consumed)
 
 
-def test_a_resume_fetches_the_same_at_step_3_and_30(corpus, server, tokenizer, cache):
+def test_a_resume_fetches_the_same_at_step_3_and_30(corpus, server, tokenizer, stream_cache):
     """The bytes fetched before the first resumed step's batches do not grow with the step: equal
     within one unit per stream (each stream reopens the unit where its shuffle block starts), and
     footers only of the files those units are in."""
@@ -167,7 +158,7 @@ def test_a_resume_fetches_the_same_at_step_3_and_30(corpus, server, tokenizer, c
         assert footers[step] == {f"part{f}.parquet" for f, _ in units[step]}, (footers[step], units[step])
 
 
-def test_validation_fetches_about_what_its_windows_hold(corpus, server, tokenizer, cache):
+def test_validation_fetches_about_what_its_windows_hold(corpus, server, tokenizer, stream_cache):
     """Held-out units are read in order until eval_batches global batches are packed: the bytes
     fetched are at most 2x those of the units its windows came from, not 1/val_fraction times."""
     layout = ParquetLayout(corpus)
