@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 from fractions import Fraction
 from typing import List
 
-from data.spec import DataError, DataSpec
+from data.spec import DataError, DataSpec, check_no_credentials
 
 RUN_WIDE = ("tokenizer", "seq_len", "mix", "document_mask", "read_ahead_steps")
 """DataSpec fields that belong to the run, not to a source: one tokenizer, one sample length, one
@@ -73,6 +73,7 @@ def parse_mixture(spec: DataSpec) -> List[MixSource]:
                 raise DataError(f"{where} has an unknown field {key!r}; the fields of a source: {', '.join(MIX_FIELDS)}")
         values = {k: _typed(f"{where}.{k}", v, hints[k]) for k, v in item.items() if k in SOURCE_FIELDS}
         source_spec = replace(spec, mix=[], **values)
+        check_no_credentials(source_spec.name)
         label = item.get("label", source_spec.name)
         if not isinstance(label, str) or not label:
             raise DataError(f"{where}.label={label!r} must be a non-empty string")

@@ -3,6 +3,7 @@
 Defined here (not in launch/) so that data/ stays independent of the launcher; the recipe
 loader uses this class as its `data` section.
 """
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -16,7 +17,8 @@ class DataSpec:
     name: str = "builtin"
     """`builtin` (Python's pydoc topics, offline), a hub dataset id (`wikitext`), a directory
     written by `Dataset.save_to_disk`, or local files / a glob of .txt, .json, .jsonl,
-    .parquet or .csv files."""
+    .parquet or .csv files; streaming also takes URLs and globs of them (https://, hf://,
+    s3://, gs://), without credentials (each backend's environment holds those)."""
     config: Optional[str] = None
     """Hub config name (`wikitext-103-raw-v1`)."""
     split: str = "train"
@@ -68,6 +70,7 @@ class DataSpec:
 
     def validate(self) -> None:
         """Raise DataError on a value no run can read (the sources of data.mix: data/mixture_spec.py)."""
+        check_no_credentials(self.name)
         if not 0 <= self.val_fraction < 1:
             raise DataError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
         if self.num_proc < 1 or self.shuffle_buffer < 1 or self.unit_bytes < 1:
@@ -75,3 +78,14 @@ class DataSpec:
                             f"data.unit_bytes={self.unit_bytes} must be >= 1")
         if self.read_ahead_steps < 0:
             raise DataError(f"data.read_ahead_steps={self.read_ahead_steps} must be >= 0 (0 reads inline)")
+
+
+def check_no_credentials(name: str) -> None:
+    """A URL with user:password@ or an http(s) query string (where signed URLs carry their keys)
+    would put a secret into every checkpoint's recipe and every log line: refused, without
+    repeating it."""
+    scheme = name.split("://", 1)[0] if "://" in name else ""
+    if re.search(r"://[^/@\s]*@", name) or (scheme in ("http", "https") and "?" in name):
+        raise DataError(f"data.name={scheme}://... carries credentials (user:password@ or a ?query): "
+                        f"they would be saved with the recipe; give them to the backend's environment "
+                        f"instead (HF_TOKEN, AWS_*, GOOGLE_APPLICATION_CREDENTIALS, a .netrc for http)")

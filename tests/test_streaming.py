@@ -161,12 +161,16 @@ def test_bad_streaming_data_fails_before_training(rows, words, tokenizer, stream
 
 def test_bad_sources_are_one_line_without_credentials(corpus, server, tokenizer, stream_cache):
     cases = [("s3://bucket/corpus/*.parquet", ["needs s3fs", "pip install s3fs"]),
-             (f"http://user:secret@{server.url[7:]}/missing.parquet?token=abc", ["no such file", "missing.parquet"]),
+             (f"{server.url}/missing.parquet", ["no such file", "missing.parquet"]),
+             (f"http://user:secret@{server.url[7:]}/part0.parquet", ["carries credentials", "environment"]),
+             (f"{server.url}/part0.parquet?token=abc", ["carries credentials", "environment"]),
              (f"{server.url}/part*.csv", ["matches no file"]),
              (f"{server.url}/corpus", ["name a file or a glob"])]
     for name, words in cases:
         with pytest.raises(DataError) as e:
-            prepare_run_data(_spec(name), tokenizer, 15, 0, 16, 2, evaluate=False)
+            spec = _spec(name)
+            spec.validate()
+            prepare_run_data(spec, tokenizer, 15, 0, 16, 2, evaluate=False)
         message = str(e.value)
         assert all(w in message for w in words) and "secret" not in message and "token=" not in message, message
         assert "\n" not in message
