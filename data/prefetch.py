@@ -10,7 +10,6 @@ call, where the training loop turns it into the rank's one-line failure; it neve
 """
 import queue
 import threading
-import time
 from typing import Iterator, Optional
 
 
@@ -27,8 +26,6 @@ class ReadAhead:
         self.items, self.name = items, name
         self.queue: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
         self.thread: Optional[threading.Thread] = None
-        self.waited_s = 0.0
-        """Seconds the consumer spent waiting on the worker (the data did not keep up)."""
 
     def _work(self) -> None:
         try:
@@ -44,9 +41,7 @@ class ReadAhead:
         if self.thread is None:
             self.thread = threading.Thread(target=self._work, name=self.name, daemon=True)
             self.thread.start()
-        start = time.perf_counter()
         item = self.queue.get()
-        self.waited_s += time.perf_counter() - start
         if isinstance(item, _Failed):
             self.queue.put(item)  # every later call fails the same way
             raise item.error

@@ -10,6 +10,7 @@ that slice covers. A stream's position (its shuffle block's first position and t
 the block taken) names an epoch, a unit of the stream's list and a row in it, so a resume reads
 from that unit on and never what came before. The shuffle order and the position's fields:
 docs/data.md, "Streaming"."""
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -175,21 +176,21 @@ class StepBatches:
         per_step = -(-(self.hi - self.lo) // micro_batch_size)
         self._batches = ReadAhead(produced, read_ahead_steps * per_step, f"read-ahead dp{dp_rank}") \
             if read_ahead_steps > 0 else produced
+        self.waited_s = 0.0
+        """Seconds the trainer spent drawing micro-batches: waiting on the read-ahead thread, or
+        reading and tokenizing inline (the step's metric data_wait_s)."""
 
     def __iter__(self):
         return self
 
     def __next__(self) -> Batch:
+        start = time.perf_counter()
         x, y, done = next(self._batches)
+        self.waited_s += time.perf_counter() - start
         if done is not None:  # the step's last micro-batch: the step is consumed
             self.consumed(done[0])
             self.step += 1
         return x, y
-
-    @property
-    def waited_s(self) -> float:
-        """Seconds the trainer waited on the read-ahead worker (0 without one)."""
-        return getattr(self._batches, "waited_s", 0.0)
 
     def open_streams(self, open_stream: Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]],
                      n_streams: int, saved: Dict[int, StreamState]

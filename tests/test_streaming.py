@@ -255,6 +255,7 @@ def test_streaming_run_over_http_resumes_exactly_and_matches_one_process(corpus,
         runs[name] = read_metrics(out)
     dp2, one, resumed = runs["dp2"], runs["one"], runs["resumed"]
     assert [r["step"] for r in dp2] == [1, 2, 3, 4, 5] and [r["step"] for r in resumed] == [4, 5]
+    assert all(0 <= r["data_wait_s"] < r["step_time_s"] for r in dp2)  # a part of the step, measured
     for other in (dp2, runs["tp2"]):
         assert len(other) == len(one)
         for a, b in zip(other, one):

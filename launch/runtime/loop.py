@@ -68,7 +68,7 @@ def run_training(job: TrainingJob) -> None:
     from launch.checkpoints import store
     from launch.instruments.comm_counter import install_comm_counter
     from launch.instruments.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak,
-                                            run_arithmetic, step_memory_peak, synchronize_device)
+                                            run_arithmetic, step_peaks, synchronize_device)
     from launch.runtime.distributed import shut_down_distributed, start_rank
     from launch.runtime.compiler import blocks_to_compile
     from launch.runtime.engine import build_engine, print_role_map
@@ -121,6 +121,7 @@ def run_training(job: TrainingJob) -> None:
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
         maybe_inject_fault(fault, state.global_rank, step)
         reset_step_memory_peak()
+        waited_before = getattr(batches, "waited_s", 0.0)  # streamed data times its draws (data/streaming.py)
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=feed)
         if step == first_step and runs_zero_bubble(train_cfg.schedule, layout.pp):
@@ -128,13 +129,15 @@ def run_training(job: TrainingJob) -> None:
         synchronize_device()  # the clock stops when the device is done, optimizer step included
         seconds = time.perf_counter() - start
         watcher.completed(step)  # the heartbeat names it if this rank is lost later
-        peak_allocated, peak_reserved = step_memory_peak()  # a MAX all-reduce: every rank calls it
+        peak_allocated, peak_reserved, data_wait = step_peaks(  # a MAX all-reduce: every rank calls it
+            getattr(batches, "waited_s", 0.0) - waited_before)
         samples += layout.global_batch_size
         grad_norm = own_grad_norm.value if own_grad_norm is not None else engine.get_global_grad_norm()
         record = {"step": step, "samples": samples, "loss": loss.item(), "grad_norm": float(grad_norm),
                   "lr": lr, "loss_scale": loss_scale(engine), "tokens": step * tokens_per_step,
                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
-                  "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved}
+                  "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved,
+                  "data_wait_s": data_wait}
         record.update(data.step_record(samples))
         if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
             record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device))
