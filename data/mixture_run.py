@@ -16,7 +16,8 @@ from transformers import PreTrainedTokenizerBase
 
 from data.mixture import Interleave, MixtureBatches, SourceReader, merge_mixture_states, mixture_states_from, source_seed
 from data.mixture_spec import MixSource, parse_mixture
-from data.pipeline import Batch, RunData, SourceData, check_streams, first_windows, stream_sources
+from data.pipeline import (Batch, RunData, SourceData, check_streams, first_windows, read_ahead_steps,
+                           stream_sources)
 from data.spec import DataError, DataSpec
 from data.streaming import gathered_states, positions_of_units
 from data.windows import CachedStreams, cached_validation_windows, prepare_streams, windows
@@ -180,4 +181,6 @@ def prepare_mixture(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len:
         parts.append(part)
     return MixtureData(sources=sources, parts=parts, windows_per_epoch=per_epoch, interleave=interleave,
                        tokenizer=tokenizer, seq_len=seq_len, seed=seed, global_batch_size=global_batch_size,
-                       micro_batch_size=micro_batch_size, read_ahead_steps=spec.read_ahead_steps)
+                       micro_batch_size=micro_batch_size,
+                       read_ahead_steps=read_ahead_steps(spec, [s.spec for s in sources if s.spec.streaming],
+                                                         global_batch_size))

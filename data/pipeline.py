@@ -217,6 +217,21 @@ class SourceData(RunData):
         return loss_of(self), None
 
 
+def default_read_ahead_steps(streamed: List[DataSpec], global_batch_size: int) -> int:
+    """ceil(max over the streamed sources of shuffle_buffer x streams / B), at least 1. A rank
+    refills all its streams' shuffle blocks in one burst, whose windows feed this many steps (a
+    mixture's source with a share w of the batch refills 1/w times as rarely, but its burst is
+    the same size); queued this far ahead, the read-ahead thread does the burst while the trainer
+    uses the steps before it."""
+    return max([1] + [-(-s.shuffle_buffer * s.streams // global_batch_size) for s in streamed])
+
+
+def read_ahead_steps(spec: DataSpec, streamed: List[DataSpec], global_batch_size: int) -> int:
+    """data.read_ahead_steps, or its default (null) for these streamed sources."""
+    return spec.read_ahead_steps if spec.read_ahead_steps is not None else \
+        default_read_ahead_steps(streamed, global_batch_size)
+
+
 def unit_source(spec: DataSpec, split: str) -> UnitSource:
     """The units of one split: row ranges of a dataset in memory (`builtin`, a save_to_disk
     directory), else the files `data.name` names (data/files.py)."""
@@ -321,7 +336,7 @@ def prepare_source_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_
     if spec.streaming:
         train, val = stream_sources(spec)  # one listing of the units for both checks
         check_streams(spec, train, tokenizer, seq_len, seed, global_batch_size)
-        data.train_stream, data.read_ahead_steps = train, spec.read_ahead_steps
+        data.train_stream, data.read_ahead_steps = train, read_ahead_steps(spec, [spec], global_batch_size)
         if val is not None:
             data.val_windows = cached_validation_windows(
                 spec, tokenizer, seq_len, need_val, lambda: first_windows(val, tokenizer, seq_len, need_val),

@@ -47,9 +47,12 @@ class DataSpec:
     unit_bytes: int = 32 * 2 ** 20
     """Streaming: the size of a unit of a line file (.jsonl, .json, .txt, .md): a byte range,
     owning the lines that start in it. Parquet files are read by row group, csv files whole."""
-    read_ahead_steps: int = 1
+    read_ahead_steps: Optional[int] = None
     """Streaming: steps of micro-batches a background thread reads and tokenizes ahead of the
-    trainer (0: read inside the engine's call for the next micro-batch)."""
+    trainer. null: the steps between two refills of a stream's shuffle block (shuffle_buffer x
+    streams / global_batch_size, at least 1), so a refill overlaps the steps before it; its
+    memory is about the shuffle blocks' once more. 0: read inside the engine's call for the next
+    micro-batch."""
     val_split: Optional[str] = None
     """A held-out split for validation (`validation`); wins over val_fraction."""
     val_fraction: float = 0.0
@@ -76,8 +79,8 @@ class DataSpec:
         if self.num_proc < 1 or self.shuffle_buffer < 1 or self.unit_bytes < 1:
             raise DataError(f"data.num_proc={self.num_proc}, data.shuffle_buffer={self.shuffle_buffer} and "
                             f"data.unit_bytes={self.unit_bytes} must be >= 1")
-        if self.read_ahead_steps < 0:
-            raise DataError(f"data.read_ahead_steps={self.read_ahead_steps} must be >= 0 (0 reads inline)")
+        if self.read_ahead_steps is not None and self.read_ahead_steps < 0:
+            raise DataError(f"data.read_ahead_steps={self.read_ahead_steps} must be >= 0 (0 reads inline, null: one shuffle block of steps)")
 
 
 def check_no_credentials(name: str) -> None:

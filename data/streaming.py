@@ -166,7 +166,8 @@ class StepBatches:
     stream states after the step (`step_windows`); they become its position (`consumed`) when the
     step's last micro-batch is drawn, so a checkpoint records exactly what was trained. With
     `read_ahead_steps` > 0 a worker thread prepares that many steps ahead (data/prefetch.py);
-    what it prepared is not part of the position until drawn."""
+    what it prepared is not part of the position until drawn. `waited_s` counts the seconds
+    spent in drawing."""
 
     def __init__(self, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, step: int,
                  read_ahead_steps: int = 0):
@@ -191,6 +192,12 @@ class StepBatches:
             self.consumed(done[0])
             self.step += 1
         return x, y
+
+    def close(self) -> None:
+        """Stop the read-ahead thread, if any (a run's batches live as long as the run; benches
+        and tests open many)."""
+        if isinstance(self._batches, ReadAhead):
+            self._batches.close()
 
     def open_streams(self, open_stream: Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]],
                      n_streams: int, saved: Dict[int, StreamState]
