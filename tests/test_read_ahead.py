@@ -5,6 +5,7 @@ storage, so the times are large against this machine's noise."""
 import time
 
 import numpy as np
+import pytest
 
 from data.pipeline import default_read_ahead_steps
 from data.spec import DataSpec
@@ -67,6 +68,7 @@ def waits_per_step(read_ahead_steps, steps=3 * BLOCK // B):
     return waits
 
 
+@pytest.mark.slow  # 5 s of sleeps: the fast tier keeps the one-step test above
 def test_the_default_read_ahead_spreads_a_block_refill():
     """One step ahead cannot hide a refill that costs 4 steps' reading; the default depth (the
     steps between refills) can, with a trainer only 1.5x slower than the reader on average."""
