@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -255,8 +256,11 @@ class MetricsLogger:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         if self.wandb_run is not None:  # wandb charts numbers; a null MFU is left out
-            self.wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None},
-                               step=record["step"])
+            charted = {k: v for k, v in record.items() if k not in ("step", "compute_s_by_rank") and v is not None}
+            if "compute_s_by_rank" in record:  # a thousand ranks are a thousand series: their max and median
+                charted.update(compute_s_max=max(record["compute_s_by_rank"]),
+                               compute_s_median=statistics.median(record["compute_s_by_rank"]))
+            self.wandb_run.log(charted, step=record["step"])
         print(self.progress_line(record), flush=True)
 
     def progress_line(self, record: Dict[str, Any]) -> str:

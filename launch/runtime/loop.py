@@ -67,6 +67,8 @@ def run_training(job: TrainingJob) -> None:
     from launch.analysis.zero_bubble_schedule import runs_zero_bubble
     from launch.checkpoints import store
     from launch.instruments.comm_counter import install_comm_counter
+    from launch.instruments.compute_clock import install_compute_clock
+    from launch.instruments.stragglers import StragglerWatch, gather_seconds, gather_stage_hosts
     from launch.instruments.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak,
                                             run_arithmetic, step_peaks, synchronize_device)
     from launch.runtime.distributed import shut_down_distributed, start_rank
@@ -92,6 +94,8 @@ def run_training(job: TrainingJob) -> None:
     if logging_rank:
         print_role_map(recipe, layout, state, config, engine.module)
     install_comm_counter(engine, state, args.comm_counts)  # does nothing without --comm-counts
+    compute_clock = install_compute_clock(engine, state.global_rank)
+    stragglers = StragglerWatch(**gather_stage_hosts(state.pp_rank))
     timeline = None
     if args.timeline is not None:
         from launch.instruments.timeline import install_timeline_recorder
@@ -131,17 +135,20 @@ def run_training(job: TrainingJob) -> None:
         watcher.completed(step)  # the heartbeat names it if this rank is lost later
         peak_allocated, peak_reserved, data_wait = step_peaks(  # a MAX all-reduce: every rank calls it
             getattr(batches, "waited_s", 0.0) - waited_before)
+        compute_by_rank = gather_seconds(compute_clock.take(), device)  # an all-gather: every rank calls it
         samples += layout.global_batch_size
         grad_norm = own_grad_norm.value if own_grad_norm is not None else engine.get_global_grad_norm()
         record = {"step": step, "samples": samples, "loss": loss.item(), "grad_norm": float(grad_norm),
                   "lr": lr, "loss_scale": loss_scale(engine), "tokens": step * tokens_per_step,
                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved,
-                  "data_wait_s": data_wait}
+                  "data_wait_s": data_wait, "compute_s_by_rank": compute_by_rank}
         record.update(data.step_record(samples))
         if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
             record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device))
         if metrics is not None:
+            for line in stragglers.observe(step, compute_by_rank):
+                print(line, flush=True)
             metrics.log(record)
         stopping = stop.agreed()
         if args.save and (stopping or step == train_cfg.steps or (args.save_every and step % args.save_every == 0)):
