@@ -131,12 +131,12 @@ def _files(directory: Path) -> dict:
     return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(directory.rglob("*")) if f.is_file()}
 
 
-@pytest.mark.slow
-def test_frozen_rank_is_named_and_every_other_rank_exits(tmp_path):
-    """kill -STOP rank 1 of a tp=2 pp=2 job after step 3, its collectives allowed 600 s: its
-    silence stalls the others inside a collective as a frozen GPU peer does on NCCL. Every other
-    rank exits within train.heartbeat_timeout_s (20) + 15 s, each naming rank 1; resumed by
-    kill -CONT, rank 1 leaves without writing a metric or a checkpoint file."""
+def _freeze_one_rank(tmp_path, frozen: int):
+    """A tp=2 pp=2 job, its collectives allowed 600 s, with rank `frozen` SIGSTOPped after step 3:
+    its silence stalls the others inside a collective as a frozen GPU peer does on NCCL. Every
+    other rank must exit within train.heartbeat_timeout_s (20) + 15 s; resumed by SIGCONT, the
+    frozen rank must leave without writing a metric or a checkpoint file. Returns the job's
+    output, its metrics file and checkpoint directory."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     job = _start(4, ["--tp", "2", "--pp", "2", "--steps", "1000", "--save", str(ck), "--save-every", "2",
                      "--metrics-out", str(metrics), "--set", "train.heartbeat_timeout_s=20",
@@ -145,15 +145,14 @@ def test_frozen_rank_is_named_and_every_other_rank_exits(tmp_path):
         assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
         time.sleep(2.5)  # a heartbeat (every 2 s) after step 3: the line must name a step >= 3
         ranks = _training_pids(job)
-        ranks[1].suspend()  # SIGSTOP
+        ranks[frozen].suspend()  # SIGSTOP
         frozen_at = time.monotonic()
-        others = [ranks[0], ranks[2], ranks[3]]
+        others = [p for r, p in enumerate(ranks) if r != frozen]
         assert _wait_for(lambda: all(_gone(p) for p in others), timeout=20 + 15), "survivors still running"
-        seconds = time.monotonic() - frozen_at
-        print(f"the other ranks exited {seconds:.1f} s after rank 1 froze")
+        print(f"the other ranks exited {time.monotonic() - frozen_at:.1f} s after rank {frozen} froze")
         before = _files(tmp_path)
-        ranks[1].resume()  # SIGCONT
-        assert _wait_for(lambda: _gone(ranks[1]), timeout=15), "rank 1 still running after SIGCONT"
+        ranks[frozen].resume()  # SIGCONT
+        assert _wait_for(lambda: _gone(ranks[frozen]), timeout=15), f"rank {frozen} still running after SIGCONT"
         after = _files(tmp_path)
         assert set(after) == set(before)  # no file created once the job had ended
         # A rank frozen inside a save's write finishes that write when resumed, before its watcher
@@ -170,14 +169,36 @@ def test_frozen_rank_is_named_and_every_other_rank_exits(tmp_path):
             job.wait(timeout=30)
     assert job.returncode != 0, out[-3000:]
     print("\n".join(line for line in out.splitlines() if line.startswith("error: ")))
-    lost = [line for line in out.splitlines() if "stopping: rank 1 failed: lost: no heartbeat for" in line]
-    assert sorted(line.split()[2] for line in lost) == ["0:", "2:", "3:"], out[-3000:]
-    last_logged = read_metrics(metrics)[-1]["step"]
-    for line in lost:
-        step = int(line.split("last completed step ")[1].split(";")[0])
-        assert 3 <= step <= last_logged and line.endswith("(noticed by rank 0)"), (line, last_logged)
     latest = (ck / "latest").read_text()
     assert (ck / latest / "complete.json").exists()  # the resume point a requeued job starts from
+    return out, metrics
+
+
+def _steps_named(lines, marker: str, last_logged: int) -> None:
+    for line in lines:
+        step = int(line.split(marker)[1].split(";")[0].split()[0])
+        assert 3 <= step <= last_logged, (line, last_logged)
+
+
+@pytest.mark.slow
+def test_frozen_rank_is_named_and_every_other_rank_exits(tmp_path):
+    """Rank 1 frozen: each other rank names it, its host and its last completed step."""
+    out, metrics = _freeze_one_rank(tmp_path, 1)
+    lost = [line for line in out.splitlines() if "stopping: rank 1 failed: lost: no heartbeat for" in line]
+    assert sorted(line.split()[2] for line in lost) == ["0:", "2:", "3:"], out[-3000:]
+    assert all(line.endswith("(noticed by rank 0)") for line in lost), lost
+    _steps_named(lost, "last completed step ", read_metrics(metrics)[-1]["step"])
+
+
+@pytest.mark.slow
+def test_frozen_rank_0_is_named_as_the_lost_store(tmp_path):
+    """Rank 0 frozen: it hosts the rendezvous store, so the others find the store silent and each
+    says rank 0 is lost."""
+    out, metrics = _freeze_one_rank(tmp_path, 0)
+    lost = [line for line in out.splitlines() if "stopping: rank 0 lost: the rendezvous store it hosts" in line
+            and "did not answer" in line]
+    assert sorted(line.split()[2] for line in lost) == ["1:", "2:", "3:"], out[-3000:]
+    _steps_named(lost, "last completed step here: ", read_metrics(metrics)[-1]["step"])
 
 
 @pytest.mark.slow
