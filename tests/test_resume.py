@@ -96,3 +96,25 @@ def test_bf16_resume_at_another_layout(tmp_path):
     for x, y in zip(read_metrics(full)[2:], read_metrics(resumed)):
         assert x["step"] == y["step"] and x["lr"] == y["lr"]
         assert abs(x["loss"] - y["loss"]) <= 1e-3 * x["loss"] and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-2 * x["grad_norm"]
+
+
+def test_one_command_rerun_after_each_failure_trains_the_uninterrupted_model(parity_runs, tmp_path):
+    """A scheduler's requeue (docs/checkpoints.md): the same `--save DIR --load DIR` command run
+    three times. The first starts at step 1 on a DIR that does not exist and fails at step 3
+    (GPT3D_FAULT_INJECT), the second resumes from its step-2 checkpoint and fails at step 5, the
+    third resumes from step 4 and finishes: steps 1-5 are bitwise the uninterrupted (1,1,1) run's."""
+    ck, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
+    command = ["--recipe", str(TINY), "--steps", str(STEPS), "--save", str(ck), "--load", str(ck),
+               "--save-every", "2", "--metrics-out", str(metrics)]
+    outputs = []
+    for fault in ("0:3", "0:5", None):
+        proc = launch_forked(1, command, env={"GPT3D_FAULT_INJECT": fault} if fault else None)
+        assert (proc.returncode != 0) == (fault is not None), proc.stdout[-3000:] + proc.stderr[-3000:]
+        outputs.append(proc.stdout)
+    assert "no checkpoint there yet; starting at step 1" in outputs[0]
+    assert "at step 2 (32 samples consumed)" in outputs[1] and "at step 4 (64 samples consumed)" in outputs[2]
+    reference = parity_runs[REFERENCE]["metrics"]
+    got = read_metrics(metrics)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(got, reference):
+        assert (a["loss"], a["grad_norm"], a.get("val_loss")) == (b["loss"], b["grad_norm"], b.get("val_loss")), (a, b)
