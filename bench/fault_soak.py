@@ -1,15 +1,22 @@
-"""Fault soak: SIGKILL a random rank at random moments, resume each time, and compare the
-result with an uninterrupted run bit for bit: every step's loss and gradient norm, the final
-weights and the optimizer state (the method and results: docs/performance.md, "Fault soak").
+"""Fault soak: hit a random rank at random moments with a random fault, resume each time, and
+compare the result with an uninterrupted run bit for bit: every step's loss and gradient norm,
+the final weights and the optimizer state (the method and results: docs/performance.md, "Fault
+soak"). The faults (issue 23):
+- kill: SIGKILL (an OOM kill, a segfault, a lost node);
+- freeze: SIGSTOP, as a hung GPU or a wedged host falls silent; the others must leave by the
+  heartbeat (train.heartbeat_timeout_s, 10 s here), then SIGCONT lets the frozen rank see it was
+  declared lost and leave without writing;
+- term: SIGTERM (a preemption): the job saves after the step and exits 0.
 
-    python bench/fault_soak.py [--steps 8] [--kills 3] [--seed 3] [--keep DIR]
+    python bench/fault_soak.py [--steps 8] [--faults 5] [--kinds kill,freeze,term] [--seed 3] [--keep DIR]
 
-The seed fixes every random choice (which rank, after which step, how long after it); where the
-kill lands in the step depends on the machine's timing."""
+The seed fixes every random choice (which fault, which rank, after which step, how long after
+it); where the fault lands in the step depends on the machine's timing."""
 import argparse
 import json
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +34,8 @@ from launch.runtime.distributed import launcher_command
 
 TINY = REPO / "recipes" / "tiny.yaml"
 WORLD = 2  # tp=1 pp=2
+HEARTBEAT_TIMEOUT_S = 10  # a frozen rank is declared lost this long after its last heartbeat
+KINDS = ("kill", "freeze", "term")
 
 
 def start(run_dir: Path, steps: int, resume: bool) -> subprocess.Popen:
@@ -34,7 +43,8 @@ def start(run_dir: Path, steps: int, resume: bool) -> subprocess.Popen:
     ck = run_dir / "ck"
     cmd = launcher_command(WORLD, REPO / "launch" / "train.py") + [
         "--recipe", str(TINY), "--pp", "2", "--steps", str(steps),
-        "--save", str(ck), "--save-every", "1", "--metrics-out", str(run_dir / "metrics.jsonl")]
+        "--save", str(ck), "--save-every", "1", "--metrics-out", str(run_dir / "metrics.jsonl"),
+        "--set", f"train.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]
     if resume and (ck / "latest").exists():  # after a kill before the first save: start again
         cmd += ["--load", str(ck)]
     log = open(run_dir / "log.txt", "a")
@@ -72,11 +82,39 @@ def latest_step(run_dir: Path) -> int:
     return int(latest.read_text()[len("step"):]) if latest.exists() else 0
 
 
-def kill_once(run_dir: Path, steps: int, planned: int, rank: int, fraction: float) -> Optional[Dict[str, object]]:
+def gone(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def hit(job: subprocess.Popen, victim: psutil.Process, kind: str) -> None:
+    """Deliver fault `kind` to `victim`; for a freeze, wait until every other rank has left (by
+    the heartbeat), then let the frozen one run again to see it was declared lost."""
+    if kind == "kill":
+        victim.kill()
+    elif kind == "term":
+        victim.send_signal(signal.SIGTERM)
+    else:
+        victim.suspend()
+        others = [rank_process(job, r) for r in range(WORLD)]
+        others = [p for p in others if p is not None and p.pid != victim.pid]
+        deadline = time.time() + HEARTBEAT_TIMEOUT_S + 60
+        while not all(gone(p) for p in others):
+            if time.time() > deadline:
+                victim.resume()
+                raise RuntimeError(f"the other ranks did not leave within {HEARTBEAT_TIMEOUT_S + 60} s of a freeze")
+            time.sleep(0.1)
+        victim.resume()
+
+
+def fault_once(run_dir: Path, steps: int, planned: int, rank: int, fraction: float,
+               kind: str = "kill") -> Optional[Dict[str, object]]:
     """Start (or resume) the run; once it logs step `planned` (or the first step after its
     checkpoint, if that is later), wait `fraction` of two step times (a step and its save) and
-    SIGKILL rank `rank`; wait for the job to end. Returns what happened, or None if no step
-    before the last is left to kill in."""
+    hit rank `rank` with fault `kind`; wait for the job to end. Returns what happened, or None if
+    no step before the last is left to hit."""
     metrics, resumed_at = run_dir / "metrics.jsonl", latest_step(run_dir)
     target = max(planned, resumed_at + 1)
     if target >= steps:
@@ -95,12 +133,15 @@ def kill_once(run_dir: Path, steps: int, planned: int, rank: int, fraction: floa
     time.sleep(delay)
     victim = rank_process(job, rank)
     if victim is None or job.poll() is not None:
-        raise RuntimeError(f"rank {rank} was gone before the kill: see {run_dir / 'log.txt'}")
+        raise RuntimeError(f"rank {rank} was gone before the fault: see {run_dir / 'log.txt'}")
     at = steps_logged(metrics)
     mid_save = any(not (d / "complete.json").exists() for d in (run_dir / "ck").glob("step*"))
-    victim.kill()
-    return {"rank": rank, "resumed_at": resumed_at, "after_step": at, "delay_s": round(delay, 3),
-            "mid_save": mid_save, "launcher_exit": end(job), "latest_after": latest_step(run_dir)}
+    hit_at = time.time()
+    hit(job, victim, kind)
+    exit_code = end(job)
+    return {"kind": kind, "rank": rank, "resumed_at": resumed_at, "after_step": at, "delay_s": round(delay, 3),
+            "mid_save": mid_save, "launcher_exit": exit_code, "ended_s": round(time.time() - hit_at, 1),
+            "latest_after": latest_step(run_dir)}
 
 
 def last_record_per_step(metrics: Path) -> Dict[int, dict]:
@@ -142,9 +183,10 @@ def compare_checkpoints(a: Path, b: Path) -> List[str]:
 
 
 def soak(work: Path, steps: int, kills: int, seed: int,
-         reference: Optional[Tuple[Path, Path]] = None) -> Dict[str, object]:
-    """Run the soak in `work`; `reference` = (metrics file, final checkpoint directory) of an
-    uninterrupted run of the same command, or None to run it here. Returns the report."""
+         reference: Optional[Tuple[Path, Path]] = None, kinds: Tuple[str, ...] = ("kill",)) -> Dict[str, object]:
+    """Run the soak in `work` with `kills` faults of `kinds`; `reference` = (metrics file, final
+    checkpoint directory) of an uninterrupted run of the same command, or None to run it here.
+    Returns the report."""
     started = time.time()
     if reference is None:
         ref_dir = work / "uninterrupted"
@@ -160,7 +202,10 @@ def soak(work: Path, steps: int, kills: int, seed: int,
     # still finish it first: then the kill hits the job's shutdown, and the report says so).
     plan = [(step, rng.randrange(WORLD), rng.random())
             for step in sorted(rng.sample(range(1, max(steps - 1, 2)), kills))]
-    events = [e for e in (kill_once(run_dir, steps, *planned) for planned in plan) if e is not None]
+    kind_rng = random.Random(f"{seed} kinds")  # its own generator: the plan above does not depend on the kinds
+    kinds_drawn = [kinds[0] if len(kinds) == 1 else kind_rng.choice(kinds) for _ in plan]
+    events = [e for e in (fault_once(run_dir, steps, *planned, kind)
+                          for planned, kind in zip(plan, kinds_drawn)) if e is not None]
     if latest_step(run_dir) < steps and end(start(run_dir, steps, resume=True), timeout=900) != 0:
         raise RuntimeError(f"the last resume failed: see {run_dir / 'log.txt'}")
     ref, got = last_record_per_step(reference[0]), last_record_per_step(run_dir / "metrics.jsonl")
@@ -177,24 +222,28 @@ def soak(work: Path, steps: int, kills: int, seed: int,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8, help="N, the run's steps (default: %(default)s)")
-    p.add_argument("--kills", type=int, default=3, help="K, SIGKILLs (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=3, help="fixes the plan (default %(default)s: kills on both ranks)")
+    p.add_argument("--faults", type=int, default=5, help="K, faults (default: %(default)s)")
+    p.add_argument("--kinds", default=",".join(KINDS), help="the faults drawn from (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=3, help="fixes the plan (default %(default)s)")
     p.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temporary one)")
     args = p.parse_args()
-    if not 1 <= args.kills <= args.steps - 2:
-        p.error(f"--kills {args.kills} must be between 1 and --steps - 2 = {args.steps - 2}")
+    if not 1 <= args.faults <= args.steps - 2:
+        p.error(f"--faults {args.faults} must be between 1 and --steps - 2 = {args.steps - 2}")
+    kinds = tuple(args.kinds.split(","))
+    if not kinds or any(k not in KINDS for k in kinds):
+        p.error(f"--kinds {args.kinds!r}: a comma-separated choice of {', '.join(KINDS)}")
     work = args.keep or Path(tempfile.mkdtemp(prefix="fault_soak-"))
     try:
-        report = soak(work, args.steps, args.kills, args.seed)
+        report = soak(work, args.steps, args.faults, args.seed, kinds=kinds)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"fault soak: N={report['steps']} steps, K={report['kills']} SIGKILLs, seed {report['seed']}, "
-          f"tp=1 pp=2 on {WORLD} CPU processes")
+    print(f"fault soak: N={report['steps']} steps, K={report['kills']} faults ({args.kinds}), seed {report['seed']}, "
+          f"tp=1 pp=2 on {WORLD} CPU processes, heartbeat timeout {HEARTBEAT_TIMEOUT_S} s")
     for i, e in enumerate(report["events"], 1):
-        print(f"  kill {i}: launch resumed at step {e['resumed_at']}, rank {e['rank']} killed {e['delay_s']} s after "
-              f"step {e['after_step']} was logged{' (during a save)' if e['mid_save'] else ''}; launcher exit "
-              f"{e['launcher_exit']}, latest checkpoint then step {e['latest_after']}"
+        print(f"  fault {i}: launch resumed at step {e['resumed_at']}, rank {e['rank']} hit by {e['kind']} "
+              f"{e['delay_s']} s after step {e['after_step']} was logged{' (during a save)' if e['mid_save'] else ''}; "
+              f"launcher exit {e['launcher_exit']} {e['ended_s']} s later, latest checkpoint then step {e['latest_after']}"
               f"{' (the run had already finished)' if e['latest_after'] == report['steps'] else ''}")
     print(f"  steps logged: {report['steps_logged']}; losses/grad norms differing at steps: "
           f"{report['steps_differing']}")

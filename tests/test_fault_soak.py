@@ -1,4 +1,4 @@
-"""A small fault soak (bench/fault_soak.py runs the larger one: N=8 steps, K=3 kills): the
+"""A small fault soak (bench/fault_soak.py runs the larger one: N=8 steps, K=5 kills, freezes and SIGTERMs): the
 (1,2,1) parity run's command, saving every step, SIGKILLed once on a random rank after a random
 step and resumed: every step's loss and gradient norm and the final checkpoint's weights and
 optimizer state equal the uninterrupted parity run's, bit for bit. Marked slow (two 2-process
