@@ -42,3 +42,12 @@ def test_a_slowed_rank_is_named_and_its_step_times_recorded(tmp_path):
         assert slow >= 0.4 > fast > 0 and fast < r["step_time_s"], r["compute_s_by_rank"]
     named = [line for line in proc.stdout.splitlines() if "straggler" in line]
     assert len(named) == 1 and named[0].startswith("warning: rank 1 on ") and "at step 5," in named[0], named
+
+
+def test_a_balanced_run_names_no_straggler(parity_runs):
+    """The (2,2,2) acceptance run (two stages of four ranks each, none slowed): no line, and every
+    record holds each rank's compute time, a part of its step."""
+    run = parity_runs[(2, 2, 2)]
+    assert "straggler" not in run["stdout"] + run["stderr"]
+    for r in run["metrics"]:
+        assert len(r["compute_s_by_rank"]) == 8 and all(0 < t < r["step_time_s"] for t in r["compute_s_by_rank"]), r

@@ -65,10 +65,14 @@ class ComputeClock:
                 self.host_s += time.perf_counter() - begin
         return run
 
-    def take(self) -> float:
-        """This step's compute seconds, and a fresh start; call after the step's device sync."""
-        seconds = self.host_s + sum(start.elapsed_time(end) for start, end in self.events) / 1000  # ms
+    def start_step(self) -> None:
+        """Forget passes timed since the last step (evaluation runs the same forward handler)."""
         self.host_s, self.events, self.slowed = 0.0, [], False
+
+    def take(self) -> float:
+        """This step's compute seconds; call after the step's device sync."""
+        seconds = self.host_s + sum(start.elapsed_time(end) for start, end in self.events) / 1000  # ms
+        self.start_step()
         return seconds
 
 

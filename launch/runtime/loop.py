@@ -126,6 +126,7 @@ def run_training(job: TrainingJob) -> None:
         maybe_inject_fault(fault, state.global_rank, step)
         reset_step_memory_peak()
         waited_before = getattr(batches, "waited_s", 0.0)  # streamed data times its draws (data/streaming.py)
+        compute_clock.start_step()
         start = time.perf_counter()
         loss = engine.train_batch(data_iter=feed)
         if step == first_step and runs_zero_bubble(train_cfg.schedule, layout.pp):
