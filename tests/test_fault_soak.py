@@ -1,8 +1,9 @@
-"""A small fault soak (bench/fault_soak.py runs the larger one: N=8 steps, K=5 kills, freezes and SIGTERMs): the
-(1,2,1) parity run's command, saving every step, SIGKILLed once on a random rank after a random
-step and resumed: every step's loss and gradient norm and the final checkpoint's weights and
-optimizer state equal the uninterrupted parity run's, bit for bit. Marked slow (two 2-process
-launches): `pytest -m "not slow"` leaves it out."""
+"""A small fault soak (bench/fault_soak.py runs the larger one: N=8 steps, K=5 kills, freezes
+and SIGTERMs): the (1,2,1) parity run's command, saving every step, its rank 0 frozen (SIGSTOP:
+silent, as a hung GPU is on NCCL) after step 1, the job ended by the heartbeat, and resumed:
+every step's loss and gradient norm and the final checkpoint's weights and optimizer state
+equal the uninterrupted parity run's, bit for bit. Marked slow (two 2-process launches):
+`pytest -m "not slow"` leaves it out."""
 
 import pytest
 
@@ -12,10 +13,13 @@ from bench import fault_soak
 
 
 @pytest.mark.slow
-def test_fault_soak_one_kill(parity_runs, tmp_path):
+def test_fault_soak_one_freeze(parity_runs, tmp_path):
     run = parity_runs[(1, 2, 1)]
-    report = fault_soak.soak(tmp_path, STEPS, kills=1, seed=1,  # kills rank 0 (the writer) after step 1
-                             reference=(run["dir"] / "metrics.jsonl", run["dir"] / "ck" / f"step{STEPS:08d}"))
-    assert report["kills"] == 1 and report["events"][0]["launcher_exit"] != 0, report
+    report = fault_soak.soak(tmp_path, STEPS, kills=1, seed=1,  # rank 0 (the writer, the store's host), after step 1
+                             reference=(run["dir"] / "metrics.jsonl", run["dir"] / "ck" / f"step{STEPS:08d}"),
+                             kinds=("freeze",))
+    event = report["events"][0]
+    assert report["kills"] == 1 and event["kind"] == "freeze" and event["rank"] == 0, report
+    assert event["launcher_exit"] != 0 and event["ended_s"] < fault_soak.HEARTBEAT_TIMEOUT_S + 15, report
     assert report["steps_logged"] == list(range(1, STEPS + 1)), report
     assert report["tensor_files_compared"] >= 7 and report["bitwise_equal"], report
