@@ -39,13 +39,15 @@ KINDS = ("kill", "freeze", "term")
 
 
 def start(run_dir: Path, steps: int, resume: bool) -> subprocess.Popen:
-    """`deepspeed --num_gpus 2 launch/train.py --pp 2 ...` saving every step into run_dir/ck."""
+    """`deepspeed --num_gpus 2 launch/train.py --pp 2 ...` saving every step into run_dir/ck; with
+    `resume`, the one command a scheduler would rerun after every fault: `--save ck --load ck`,
+    which starts at step 1 while ck holds no checkpoint (docs/checkpoints.md)."""
     ck = run_dir / "ck"
     cmd = launcher_command(WORLD, REPO / "launch" / "train.py") + [
         "--recipe", str(TINY), "--pp", "2", "--steps", str(steps),
         "--save", str(ck), "--save-every", "1", "--metrics-out", str(run_dir / "metrics.jsonl"),
         "--set", f"train.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]
-    if resume and (ck / "latest").exists():  # after a kill before the first save: start again
+    if resume:
         cmd += ["--load", str(ck)]
     log = open(run_dir / "log.txt", "a")
     return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
