@@ -4,7 +4,7 @@
 
 A corpus of about --gb GB of parquet (16 files, row groups of 1,000 documents: the embedded
 corpus's documents, each copy tagged so no two are equal) is written to a temporary directory and
-served by tests/range_server.py (HTTP with Range requests, as a bucket or the hub would serve it).
+served by bench/range_server.py (HTTP with Range requests, as a bucket or the hub would serve it).
 
 1. Start-up: seconds from launching launch/train.py (recipes/tiny.yaml, data.streaming=true over
    the URL) to its step 1 with an empty data cache, on 1 process and on 2 (DeepSpeed's launcher);
@@ -36,14 +36,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # the test server: tests/range_server.py
+from bench.range_server import RangeServer
+from data.builtin import builtin_corpus, builtin_tokenizer_dir, load_tokenizer
+from data.run import prepare_run_data
+from data.spec import DataSpec
+from launch.runtime.distributed import launcher_command
 
-from data.builtin import builtin_corpus, builtin_tokenizer_dir, load_tokenizer  # noqa: E402
-from data.run import prepare_run_data  # noqa: E402
-from data.spec import DataSpec  # noqa: E402
-from launch.runtime.distributed import launcher_command  # noqa: E402
-from range_server import RangeServer  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 H100_GPT2_124M_TOKENS_PER_S = 460_000  # llm.c, GPT-2 124M, one H100, bf16
 FILES, DOCS_PER_GROUP = 16, 1_000
@@ -209,8 +208,8 @@ def measure_launches(root: Path, work: Path, corpus_bytes: int) -> None:
 # -- 2. tokens/s per rank --
 
 def start_server_process(root: Path) -> Tuple[subprocess.Popen, str]:
-    """tests/range_server.py in its own process, so serving never takes the GIL from the loader measured here."""
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "range_server.py"), str(root)],
+    """bench/range_server.py in its own process, so serving never takes the GIL from the loader measured here."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "range_server.py"), str(root)],
                             stdout=subprocess.PIPE, text=True)
     return proc, proc.stdout.readline().strip()
 

@@ -1,5 +1,5 @@
 """Streaming data by units (issue 22), on local parquet, JSON Lines and text files and on the same
-files over HTTP (tests/range_server.py, which counts the bytes it sends): units read every
+files over HTTP (bench/range_server.py, which counts the bytes it sends): units read every
 document once; held-out units never train and do not move with shuffling, epochs, streams or
 the files' location; the samples of a step do not depend on dp; a resume from a position is
 exact; reading ahead changes nothing; bad data fails before training in one line."""

@@ -1,4 +1,4 @@
-"""What a streaming job fetches (issue 22), counted by the test server (tests/range_server.py) and
+"""What a streaming job fetches (issue 22), counted by the test server (bench/range_server.py) and
 checked against the files' own layout read by pyarrow: every unit is fetched once per epoch by
 one rank, and nothing but the text column's chunks and the footers; a resume fetches the same
 bytes at step 3 as at step 30; validation fetches about what its windows hold; start-up fetches

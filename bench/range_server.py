@@ -1,4 +1,4 @@
-"""A small HTTP file server for the streaming tests: Range requests (Python's http.server
+"""A small HTTP file server for the streaming tests and bench/streaming_data.py: Range requests (Python's http.server
 ignores them), directory listings that fsspec can glob, and a count of the body bytes it sent
 per file, so a test can say exactly what a job fetched. `fail_after` makes every data request
 after that many fail with 500 (a storage outage, for the failure tests)."""
@@ -63,7 +63,7 @@ class RangeServer:
                 with server.lock:
                     failing = server.fail_after is not None and len(server.requests) >= server.fail_after
                 if failing:
-                    self.send_error(500, "storage outage (tests/range_server.py fail_after)")
+                    self.send_error(500, "storage outage (bench/range_server.py fail_after)")
                     return
                 size = path.stat().st_size
                 start, end, status = 0, size, 200
@@ -109,7 +109,7 @@ class RangeServer:
         self.httpd.server_close()
 
 
-if __name__ == "__main__":  # python tests/range_server.py DIR: serve DIR (for the benchmark's launched jobs)
+if __name__ == "__main__":  # python bench/range_server.py DIR: serve DIR (for the benchmark's launched jobs)
     import sys
     import time
     server = RangeServer(Path(sys.argv[1]))
