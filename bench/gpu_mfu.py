@@ -1,4 +1,5 @@
-"""Tokens/s, TFLOP/s and MFU of the GPT-2 124M, 350M and 1.3B recipes on one GPU, in bf16.
+"""Tokens/s, TFLOP/s and MFU of the GPT-2 124M, 350M and 1.3B recipes on one GPU, in bf16
+(and of any other recipe named by --recipes: bench/gpu_check.py adds llama3.2-1b).
 
     python bench/gpu_mfu.py                  # one NVIDIA GPU, no network, under 5 minutes
     python bench/gpu_mfu.py --json           # last line: one JSON object with every number
@@ -24,12 +25,16 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPES = ("gpt2-124m", "gpt2-350m", "gpt2-1.3b")
 # Micro-batches per step for each recipe, with the recipe's micro-batch size (16, 8, 8): big
 # enough steps (64k, 64k, 32k tokens) to time, small enough for 30 of them in well under a minute.
-ACCUM = {"gpt2-124m": 4, "gpt2-350m": 8, "gpt2-1.3b": 4}
+# llama3.2-1b (bench/gpu_check.py): 8 x 4 samples of 2048 tokens, 64k tokens as well.
+ACCUM = {"gpt2-124m": 4, "gpt2-350m": 8, "gpt2-1.3b": 4, "llama3.2-1b": 4}
 OFFLINE = ["data.name=builtin", "data.config=null", "data.tokenizer=builtin", "data.streaming=false",
            "data.val_fraction=0.0", "train.eval_every=0", "wandb.mode=disabled"]
 # --tiny: every recipe shrunk to a toy (2 blocks of 64, 32 tokens) that runs in seconds on CPU,
 # still bf16, still the GPT-2 vocabulary.
 TINY = ["model.n_layer=2", "model.n_head=4", "model.n_embd=64", "model.seq_len=32", "train.micro_batch_size=2"]
+# A Llama recipe keeps its key/value heads (8 for llama3.2-1b), so its toy has 8 query heads of 8,
+# and its SwiGLU width: launch/plan.py --recipe then plans the very model the toy run builds.
+TINY_LLAMA = ["model.n_head=8" if item.startswith("model.n_head=") else item for item in TINY]
 BUDGET_S = 300
 
 
@@ -50,10 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def recipe_overrides(name: str, args: argparse.Namespace, micro_batch: int) -> list:
+def recipe_overrides(name: str, args: argparse.Namespace, micro_batch: int, arch: str = "gpt2") -> list:
     """The --set list of one recipe's run: offline data, the step size, --tiny, the user's."""
     accum = args.accum or (2 if args.tiny else ACCUM.get(name, 4))
-    sets = OFFLINE + (TINY if args.tiny else [])
+    sets = OFFLINE + ((TINY_LLAMA if arch == "llama" else TINY) if args.tiny else [])
     micro = 2 if args.tiny else micro_batch
     return sets + [f"train.global_batch_size={micro * accum}"] + args.overrides
 
@@ -63,7 +68,8 @@ def run_recipe(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     from launch.analysis import formulas
     from launch.config.recipe import load_recipe
     path = REPO / "recipes" / f"{name}.yaml"
-    sets = recipe_overrides(name, args, load_recipe(path, []).train.micro_batch_size)
+    as_written = load_recipe(path, [])
+    sets = recipe_overrides(name, args, as_written.train.micro_batch_size, as_written.model.arch)
     recipe = load_recipe(path, sets)  # what train.py will see (fails here on a bad --set)
     metrics = workdir / f"{name}.jsonl"
     cmd = [sys.executable, str(REPO / "launch" / "train.py"), "--recipe", str(path),
@@ -73,8 +79,7 @@ def run_recipe(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
     wall = time.perf_counter() - start
-    model_cfg = recipe.model
-    params = formulas.params_exact(model_cfg.n_layer, model_cfg.n_embd, model_cfg.vocab_size, model_cfg.seq_len)
+    params = formulas.model_params(recipe.gpt_config(recipe.model.vocab_size))  # either architecture
     result = {"recipe": name, "wall_s": wall, "params": params,
               "n_layer": recipe.model.n_layer, "n_embd": recipe.model.n_embd,
               "n_head": recipe.model.n_head, "seq_len": recipe.seq_len, "vocab_size": recipe.model.vocab_size,

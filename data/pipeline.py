@@ -37,11 +37,13 @@ def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]
     `.to(device)` of a pageable tensor waits for the device's queued work at every micro-batch
     (the host cannot run ahead); of a tensor already on the device it does nothing. Values are
     unchanged, and nothing is fetched ahead, so the source's position (a checkpoint's
-    data_state) stays exactly what was trained. On CPU: the batches as they are."""
-    if device.type == "cpu":
-        return batches
-    return ((x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
-            for x, y in batches)
+    data_state) stays exactly what was trained. Pinning goes through DeepSpeed's accelerator
+    (on CPU it pins nothing and the copy to the CPU returns the tensor itself), so a test's
+    accelerator sees the same calls a GPU gets (tests/test_device_sync.py, issue 24)."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    return ((accelerator.pin_memory(x).to(device, non_blocking=True),
+             accelerator.pin_memory(y).to(device, non_blocking=True)) for x, y in batches)
 
 
 def shared_over_tp(batches: Optional[Iterator[Batch]], tp_group, shape: Tuple[int, int],

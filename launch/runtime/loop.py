@@ -59,6 +59,17 @@ def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout
     return step + 1, samples
 
 
+def timed_train_batch(engine: PipelineEngine, feed) -> Tuple[torch.Tensor, float]:
+    """(loss, seconds) of one `train_batch`. The clock stops when the device is done, optimizer
+    step included: on a GPU `train_batch` returns with kernels still queued (the pp=1 optimizer
+    step runs asynchronously), so without the sync a step would be timed at its launch."""
+    from launch.instruments.metrics import synchronize_device
+    start = time.perf_counter()
+    loss = engine.train_batch(data_iter=feed)
+    synchronize_device()
+    return loss, time.perf_counter() - start
+
+
 def run_training(job: TrainingJob) -> None:
     import torch
     import torch.distributed as dist
@@ -70,7 +81,7 @@ def run_training(job: TrainingJob) -> None:
     from launch.instruments.compute_clock import install_compute_clock
     from launch.instruments.stragglers import StragglerWatch, gather_seconds, gather_stage_hosts
     from launch.instruments.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak,
-                                            run_arithmetic, step_peaks, synchronize_device)
+                                            run_arithmetic, step_peaks)
     from launch.runtime.distributed import shut_down_distributed, start_rank
     from launch.runtime.compiler import blocks_to_compile
     from launch.runtime.engine import build_engine, print_role_map
@@ -127,12 +138,9 @@ def run_training(job: TrainingJob) -> None:
         reset_step_memory_peak()
         waited_before = getattr(batches, "waited_s", 0.0)  # streamed data times its draws (data/streaming.py)
         compute_clock.start_step()
-        start = time.perf_counter()
-        loss = engine.train_batch(data_iter=feed)
+        loss, seconds = timed_train_batch(engine, feed)
         if step == first_step and runs_zero_bubble(train_cfg.schedule, layout.pp):
             check_weight_passes_ran(engine)  # the hooks took: W passes computed weight gradients
-        synchronize_device()  # the clock stops when the device is done, optimizer step included
-        seconds = time.perf_counter() - start
         watcher.completed(step)  # the heartbeat names it if this rank is lost later
         peak_allocated, peak_reserved, data_wait = step_peaks(  # a MAX all-reduce: every rank calls it
             getattr(batches, "waited_s", 0.0) - waited_before)
