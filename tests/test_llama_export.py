@@ -56,9 +56,11 @@ def test_split_and_merge_follow_the_llama_layers(tp, n_kv_head, monkeypatch):
     for name, full in dense.items():
         param, rule = shards[0][name], rule_for(name)
         assert rule.dim == (param.partition_dim if getattr(param, "tensor_model_parallel", False) else None), name
+        assert rule.blocks(name, config) == getattr(param, "partition_sections", None), name
         for rank in range(tp):
-            assert torch.equal(split(name, full, rank, tp, config.padded_vocab_size(tp)), shards[rank][name]), name
-        assert torch.equal(merge(name, [s[name].detach() for s in shards], config.vocab_size), full), name
+            assert torch.equal(split(name, full, rank, tp, config.padded_vocab_size(tp), config),
+                               shards[rank][name]), name
+        assert torch.equal(merge(name, [s[name].detach() for s in shards], config.vocab_size, config), full), name
 
 
 def _random_llama(config: GPTConfig):
@@ -77,7 +79,8 @@ def test_llama_weights_round_trip_bitwise_through_every_tp_split():
     dense = from_llama_state_dict(w, CONFIG)
     for tp in (2, 4):
         padded = CONFIG.padded_vocab_size(tp)
-        merged = {name: merge(name, [split(name, full, r, tp, padded) for r in range(tp)], CONFIG.vocab_size)
+        merged = {name: merge(name, [split(name, full, r, tp, padded, CONFIG) for r in range(tp)], CONFIG.vocab_size,
+                              CONFIG)
                   for name, full in dense.items()}
         ours = GPT(CONFIG)
         load_dense_into(ours, merged, None, 0, 1, CONFIG.padded_vocab_size(1))
