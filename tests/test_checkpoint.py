@@ -112,7 +112,7 @@ def test_llama_checkpoint_with_separate_projections_is_refused_in_one_line(tmp_p
         with pytest.raises(ConfigError) as error:
             find_checkpoint(tag)
         message = str(error.value)
-        assert "separate q/k/v and gate/up" in message and "--init-from-hf" in message and "\n" not in message
+        assert "separate q/k/v (and gate/up) projections" in message and "--init-from-hf" in message and "\n" not in message
 
 
 def _copy_checkpoints(parity_runs, tmp_path) -> Path:

@@ -136,7 +136,7 @@ def refuse_unfused_llama(ref: CheckpointRef) -> None:
     longer has (q_proj, k_proj, v_proj, gate_proj, up_proj) in every file DeepSpeed wrote: refused
     in one line that says how to carry its weights over."""
     if ModelConfig(**ref.meta["recipe"]["model"]).resolved().arch == "llama" and not ref.meta.get(FUSED_LLAMA):
-        raise ConfigError(f"checkpoint {ref.path} holds Llama blocks with separate q/k/v and gate/up projections, "
+        raise ConfigError(f"checkpoint {ref.path} holds Llama blocks with separate q/k/v (and gate/up) projections, "
                           f"saved before they were fused into qkv_proj and gate_up_proj; export it with the gpt3d "
                           f"version that saved it (launch/export_hf.py --load {ref.path} --out DIR) and start from "
                           f"the export with --init-from-hf DIR")
