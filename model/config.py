@@ -6,7 +6,7 @@ The architecture is an `arch` preset plus individual switches (docs/architecture
 left null takes the preset's value (`ARCH_PRESETS`, `ModelConfig.resolved`); a switch that is
 set wins. `arch` also names the module layout: `gpt2` keeps GPT-2's fused c_attn / c_fc modules
 (so its grouped-query attention and SwiGLU switches must stay at GPT-2's values), `llama` has
-separate q/k/v/o and gate/up/down projections and accepts every value of every switch.
+its own projections (q/k/v fused, o; gate/up fused, down) and accepts every value of every switch.
 
 No torch here: the planner and the recipe loader read it without starting torch.
 """

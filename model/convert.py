@@ -9,7 +9,7 @@ A dense state dict here is keyed by our dense GPT's names (`embed.wte.weight`, `
 depend on tp and `vocab_pad_multiple`, so they are stripped on merge and re-added on split.
 """
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -18,6 +18,7 @@ from model.config import ModelConfig
 from model.hf_gpt2 import GPT2_LINEARS
 from model.layer_table import dense_prefix, pipeline_layers
 from model.layers import split_rows
+from model.llama import gate_up_sections, qkv_sections
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -26,8 +27,19 @@ StateDict = Dict[str, torch.Tensor]
 class Rule:
     """How one parameter is laid out across the TP ranks (Megatron's partition_dim/_stride)."""
     dim: Optional[int]  # the split dimension; None: replicated on every TP rank
-    stride: int = 1     # equal blocks split separately (3 for the fused [Q; K; V])
+    stride: int = 1     # equal blocks split separately (3 for GPT-2's fused [Q; K; V])
     vocab: bool = False  # rows >= vocab_size are padding: stripped on merge, zeros on split
+    # Blocks of these rows, each split separately (Llama's fused [Q; K; V] and [G; U]): they
+    # depend on the model's shape, so merge and split need its config.
+    sections: Optional[Callable[[ModelConfig], Tuple[int, ...]]] = None
+
+    def blocks(self, name: str, config: Optional[ModelConfig]) -> Optional[Sequence[int]]:
+        """The rows of each separately split block of parameter `name`, or None (equal blocks: stride)."""
+        if self.sections is None:
+            return None
+        if config is None:
+            raise ValueError(f"{name} is fused from parts whose rows depend on the model's shape: pass its config")
+        return self.sections(config)
 
 
 REPLICATED = Rule(None)
@@ -43,11 +55,12 @@ RULES: Dict[str, Rule] = {
     "mlp.c_fc.bias": Rule(0),
     "attn.c_proj.weight": Rule(1),         # RowParallelLinear: input columns
     "mlp.c_proj.weight": Rule(1),
-    # The Llama family (model/llama.py): every column-parallel projection a plain split of its
-    # rows, k_proj / v_proj too (also when tp exceeds n_kv_head: each rank then holds part of a head).
+    # The Llama family (model/llama.py): the fused projections split each part's rows on its
+    # own, K and V too (also when tp exceeds n_kv_head: each rank then holds part of a head).
     "lm_head.weight": Rule(0, vocab=True),  # LMHead, the untied output head: vocab rows
-    **{f"{name}.{kind}": Rule(0) for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj",
-                                               "mlp.up_proj") for kind in ("weight", "bias")},
+    **{f"attn.qkv_proj.{kind}": Rule(0, sections=qkv_sections) for kind in ("weight", "bias")},
+    **{f"mlp.gate_up_proj.{kind}": Rule(0, sections=gate_up_sections) for kind in ("weight", "bias")},
+    **{f"mlp.up_proj.{kind}": Rule(0) for kind in ("weight", "bias")},  # the GELU MLP's, unfused
     "attn.o_proj.weight": Rule(1),
     "mlp.down_proj.weight": Rule(1),
 }
@@ -61,17 +74,23 @@ def rule_for(name: str) -> Rule:
     return REPLICATED
 
 
-def merge_rows(shards: List[torch.Tensor], stride: int = 1) -> torch.Tensor:
+def merge_rows(shards: List[torch.Tensor], stride: int = 1, sections: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Inverse of `split_rows` / `shard_rows`: shards in TP-rank order -> the full tensor.
 
     With stride s each shard is [b_1; ...; b_s] (e.g. [Q_r; K_r; V_r]); block i of the full
-    tensor is the concatenation of every rank's b_i."""
-    per_rank = [s.chunk(stride, dim=0) for s in shards]
-    return torch.cat([torch.cat([blocks[i] for blocks in per_rank], dim=0) for i in range(stride)], dim=0)
+    tensor is the concatenation of every rank's b_i. With `sections` (the full blocks' rows)
+    each shard holds 1/tp of each block."""
+    if sections:
+        per_rank = [s.split([n // len(shards) for n in sections], dim=0) for s in shards]
+    else:
+        per_rank = [s.chunk(stride, dim=0) for s in shards]
+    blocks = len(per_rank[0])
+    return torch.cat([torch.cat([parts[i] for parts in per_rank], dim=0) for i in range(blocks)], dim=0)
 
 
-def merge(name: str, shards: List[torch.Tensor], vocab_size: int) -> torch.Tensor:
-    """The full tensor of parameter `name` from its shards in TP-rank order, padding stripped."""
+def merge(name: str, shards: List[torch.Tensor], vocab_size: int, config: Optional[ModelConfig] = None) -> torch.Tensor:
+    """The full tensor of parameter `name` from its shards in TP-rank order, padding stripped;
+    `config` (the model's shape) is needed by the fused Llama projections only."""
     rule = rule_for(name)
     if rule.dim is None:
         # Replicated parameters see identical inputs and all-reduced gradients on every TP
@@ -79,14 +98,16 @@ def merge(name: str, shards: List[torch.Tensor], vocab_size: int) -> torch.Tenso
         return shards[0].clone()
     if rule.dim == 1:
         return merge_rows([s.t() for s in shards], rule.stride).t().contiguous()
-    full = merge_rows(shards, rule.stride)
+    full = merge_rows(shards, rule.stride, rule.blocks(name, config))
     return full[:vocab_size].clone() if rule.vocab else full
 
 
-def split(name: str, full: torch.Tensor, tp_rank: int, tp_size: int, padded_vocab_size: int) -> torch.Tensor:
+def split(name: str, full: torch.Tensor, tp_rank: int, tp_size: int, padded_vocab_size: int,
+          config: Optional[ModelConfig] = None) -> torch.Tensor:
     """Rank `tp_rank`'s shard of the full tensor of parameter `name` at tensor-parallel size
     `tp_size`; a vocab-split tensor is first padded with zero rows to `padded_vocab_size`
-    (the padding of this layout, `GPTConfig.padded_vocab_size(tp_size)`), as at init."""
+    (the padding of this layout, `GPTConfig.padded_vocab_size(tp_size)`), as at init.
+    `config` (the model's shape) is needed by the fused Llama projections only."""
     rule = rule_for(name)
     if rule.dim is None:
         return full.clone()
@@ -94,7 +115,7 @@ def split(name: str, full: torch.Tensor, tp_rank: int, tp_size: int, padded_voca
         full = torch.cat([full, full.new_zeros(padded_vocab_size - full.size(0), *full.shape[1:])])
     if rule.dim == 1:
         return split_rows(full.t(), tp_rank, tp_size, rule.stride).t().contiguous()
-    return split_rows(full, tp_rank, tp_size, rule.stride)
+    return split_rows(full, tp_rank, tp_size, rule.stride, rule.blocks(name, config))
 
 
 # ------------------------------------------------------------------ pipeline <-> dense names
@@ -115,7 +136,7 @@ def merge_layer_states(layer_states: Mapping[int, List[StateDict]], layers: Mode
     for index, per_rank in sorted(layer_states.items()):
         for key in per_rank[0]:
             name = dense_name(f"{index}.{key}", layers)
-            dense[name] = merge(name, [sd[key] for sd in per_rank], vocab_size)
+            dense[name] = merge(name, [sd[key] for sd in per_rank], vocab_size, layers)
     return dense
 
 
@@ -123,12 +144,14 @@ def merge_layer_states(layer_states: Mapping[int, List[StateDict]], layers: Mode
 def load_dense_into(module: nn.Module, dense: StateDict, layers: Optional[ModelConfig], tp_rank: int, tp_size: int,
                     padded_vocab_size: int) -> None:
     """Copy this rank's shard of every parameter of `module` (a PipelineModule stage when
-    `layers` is given, else a dense GPT) from the dense state dict, in place."""
+    `layers` is given, else a dense GPT, whose own config then gives the model's shape) from the
+    dense state dict, in place."""
+    config = layers if layers is not None else module.config
     for name, param in module.named_parameters():
         key = dense_name(name, layers) if layers is not None else name
         if key not in dense:
             raise KeyError(f"no weights for {key} (parameter {name})")
-        shard = split(key, dense[key], tp_rank, tp_size, padded_vocab_size)
+        shard = split(key, dense[key], tp_rank, tp_size, padded_vocab_size, config)
         if shard.shape != param.shape:
             raise ValueError(f"{key}: the weights give a shard of {tuple(shard.shape)} on tp rank {tp_rank} "
                              f"of {tp_size}, the model has {tuple(param.shape)}")

@@ -2,21 +2,25 @@
 LlamaForCausalLM.
 
 Both store nn.Linear (out, in) weights and the same RoPE layout (rotate_half, model/rotary.py),
-so the map is a rename: no transpose, no permutation of q_proj / k_proj rows. The vocabulary
-padding rows are stripped. Used by export, `--init-from-hf` and the tests.
+so the map is a rename, no transpose and no permutation of q/k rows, except that our fused
+projections are transformers' tensors stacked by rows: `attn.qkv_proj` is [q_proj; k_proj;
+v_proj] and `mlp.gate_up_proj` is [gate_proj; up_proj] (`fused_parts`; each TP rank's shard
+takes its rows of each part, `shard_parts`). The vocabulary padding rows are stripped. Used by
+export, `--init-from-hf` and the tests.
 """
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
 from model.config import GPTConfig
+from model.llama import gate_up_sections, qkv_sections
 
 # (our name inside blocks.{i}, transformers' inside model.layers.{i}): one parameter each.
 LLAMA_BLOCK_NAMES = (("ln_1.weight", "input_layernorm.weight"), ("ln_2.weight", "post_attention_layernorm.weight"),
-                     ("attn.q_proj", "self_attn.q_proj"), ("attn.k_proj", "self_attn.k_proj"),
-                     ("attn.v_proj", "self_attn.v_proj"), ("attn.o_proj", "self_attn.o_proj"),
-                     ("mlp.gate_proj", "mlp.gate_proj"), ("mlp.up_proj", "mlp.up_proj"),
-                     ("mlp.down_proj", "mlp.down_proj"))
+                     ("attn.o_proj", "self_attn.o_proj"), ("mlp.down_proj", "mlp.down_proj"))
+# (our fused projection inside blocks.{i}, transformers' projections it stacks, in row order, its sections).
+LLAMA_FUSED = (("attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), qkv_sections),
+               ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), gate_up_sections))
 
 
 def llama_incompatibilities(config: GPTConfig) -> List[str]:
@@ -43,19 +47,22 @@ def llama_config_kwargs(config: GPTConfig, rope_theta: Optional[float] = None) -
                 attention_dropout=config.dropout, initializer_range=config.init_std)
 
 
+def _kinds(config: GPTConfig) -> Tuple[str, ...]:
+    return ("weight", "bias") if config.bias else ("weight",)  # transformers' attention_bias and mlp_bias: ours
+
+
 def _block_pairs(config: GPTConfig, i: int):
-    """(our dense name, transformers' name) of every parameter of block i."""
+    """(our dense name, transformers' name) of every parameter of block i that is not fused."""
     for ours, theirs in LLAMA_BLOCK_NAMES:
         if ours.endswith(".weight"):
             yield f"blocks.{i}.{ours}", f"model.layers.{i}.{theirs}"
             continue
-        yield f"blocks.{i}.{ours}.weight", f"model.layers.{i}.{theirs}.weight"
-        if config.bias:  # transformers' attention_bias and mlp_bias, both set from ours
-            yield f"blocks.{i}.{ours}.bias", f"model.layers.{i}.{theirs}.bias"
+        for kind in _kinds(config):
+            yield f"blocks.{i}.{ours}.{kind}", f"model.layers.{i}.{theirs}.{kind}"
 
 
 def name_pairs(config: GPTConfig):
-    """(our dense name, transformers' name) of every parameter, in model order."""
+    """(our dense name, transformers' name) of every parameter that is a rename, in model order."""
     yield "embed.wte.weight", "model.embed_tokens.weight"
     for i in range(config.n_layer):
         yield from _block_pairs(config, i)
@@ -64,10 +71,29 @@ def name_pairs(config: GPTConfig):
         yield "lm_head.weight", "lm_head.weight"
 
 
+def fused_parts(config: GPTConfig) -> Iterator[Tuple[str, List[Tuple[str, int]]]]:
+    """(our dense name, [(transformers' name, its rows), ...]) of every fused parameter: ours is
+    those tensors stacked by rows in this order (qkv_proj: q, k, v; gate_up_proj: gate, up)."""
+    for i in range(config.n_layer):
+        for ours, theirs, sections in LLAMA_FUSED:
+            for kind in _kinds(config):
+                yield (f"blocks.{i}.{ours}.{kind}",
+                       [(f"model.layers.{i}.{name}.{kind}", rows) for name, rows in zip(theirs, sections(config))])
+
+
+def shard_parts(parts: List[Tuple[str, int]], tp_rank: int, tp_size: int) -> List[Tuple[str, slice]]:
+    """[(transformers' name, its rows on TP rank `tp_rank`)] of one fused parameter's `parts`
+    (`fused_parts`): the rank's shard is these row slices stacked in this order, as
+    model/convert.py `split` cuts the dense tensor (each part split over tp on its own)."""
+    return [(name, slice(tp_rank * rows // tp_size, (tp_rank + 1) * rows // tp_size)) for name, rows in parts]
+
+
 def to_llama_state_dict(dense: Mapping[str, torch.Tensor], config: GPTConfig) -> Dict[str, torch.Tensor]:
     """Our dense state dict (real vocabulary, model/convert.py names) -> LlamaForCausalLM's."""
     out = {theirs: dense[ours][: config.vocab_size] if ours in ("embed.wte.weight", "lm_head.weight") else dense[ours]
            for ours, theirs in name_pairs(config)}
+    for ours, parts in fused_parts(config):
+        out.update(zip([name for name, _ in parts], dense[ours].split([rows for _, rows in parts])))
     if config.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
@@ -75,4 +101,6 @@ def to_llama_state_dict(dense: Mapping[str, torch.Tensor], config: GPTConfig) ->
 
 def from_llama_state_dict(llama: Mapping[str, torch.Tensor], config: GPTConfig) -> Dict[str, torch.Tensor]:
     """Inverse of `to_llama_state_dict`: LlamaForCausalLM weights -> our dense state dict."""
-    return {ours: llama[theirs].detach().contiguous().clone() for ours, theirs in name_pairs(config)}
+    dense = {ours: llama[theirs].detach().contiguous().clone() for ours, theirs in name_pairs(config)}
+    dense.update({ours: torch.cat([llama[name].detach() for name, _ in parts]) for ours, parts in fused_parts(config)})
+    return dense

@@ -9,7 +9,7 @@
   sequence chunk carry `sequence_parallel = True`; their gradients are summed over TP once per
   step (`sequence_parallel_params`), not per micro-batch.
 - Under ZB-H1 each linear may defer its weight gradient to a W pass (model/weight_grad.py)."""
-from typing import List
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -31,19 +31,22 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else torch.distributed.get_rank(group)
 
 
-def split_rows(full: torch.Tensor, tp_rank: int, tp_size: int, stride: int = 1) -> torch.Tensor:
-    """Rank `tp_rank`'s share of dim 0 of `full`, taken from each of `stride` equal blocks.
+def split_rows(full: torch.Tensor, tp_rank: int, tp_size: int, stride: int = 1,
+               sections: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Rank `tp_rank`'s share of dim 0 of `full`, taken from each of `stride` equal blocks, or
+    from each block of `sections` rows when the blocks differ in size.
 
-    stride=3 shards a fused [Q; K; V] weight so that each rank gets [Q_r; K_r; V_r], i.e. whole
-    attention heads (Megatron's `stride`).
+    stride=3 shards GPT-2's fused [Q; K; V] weight so that each rank gets [Q_r; K_r; V_r], i.e.
+    whole attention heads (Megatron's `stride`); sections=(a*d, kv*d, kv*d) does the same for
+    Llama's, whose key/value blocks are smaller with grouped-query attention.
     """
-    blocks = full.chunk(stride, dim=0)
+    blocks = full.split(list(sections), dim=0) if sections else full.chunk(stride, dim=0)
     return torch.cat([b.chunk(tp_size, dim=0)[tp_rank] for b in blocks], dim=0).contiguous()
 
 
-def shard_rows(full: torch.Tensor, group: Group, stride: int = 1) -> torch.Tensor:
+def shard_rows(full: torch.Tensor, group: Group, stride: int = 1, sections: Optional[Sequence[int]] = None) -> torch.Tensor:
     """This rank's share of dim 0 of `full` (see `split_rows`)."""
-    return split_rows(full, group_rank(group), group_size(group), stride)
+    return split_rows(full, group_rank(group), group_size(group), stride, sections)
 
 
 def mark_sequence_parallel(param: nn.Parameter, group: Group) -> None:
@@ -69,10 +72,12 @@ def allreduce_sequence_parallel_grads(module: nn.Module, tp_group: Group) -> Non
         grad.copy_(summed)
 
 
-def _mark_tp(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
+def _mark_tp(param: nn.Parameter, partition_dim: int, stride: int = 1, sections: Optional[Sequence[int]] = None) -> None:
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.partition_stride = stride
+    if sections:  # the full rows of each block that is split on its own (`split_rows`)
+        param.partition_sections = tuple(sections)
 
 
 class _SequenceGatherLinear(torch.autograd.Function):
@@ -110,26 +115,34 @@ class ColumnParallelLinear(nn.Module):
     `gather_output`. Backward all-reduces dL/dX (copy_to_tp_region). With `sequence_parallel`
     the input is this rank's (B, T/t, in) sequence chunk, all-gathered before the matmul
     (backward: reduce-scatter).
+
+    `sections` fuses several linears of one input into one GEMM (Llama's q/k/v, gate/up): the
+    output is their outputs side by side, each drawn in turn from the generator as its own
+    linear would be, and each split over TP on its own (`split_rows`), so rank r's rows are
+    [A_1,r; A_2,r; ...] and its output columns hold its share of every part.
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: Group,
                  generator: torch.Generator, init_std: float, bias: bool = True,
-                 gather_output: bool = False, stride: int = 1, sequence_parallel: bool = False):
+                 gather_output: bool = False, stride: int = 1, sequence_parallel: bool = False,
+                 sections: Optional[Sequence[int]] = None):
         super().__init__()
         tp_size = group_size(tp_group)
         assert out_features % (tp_size * stride) == 0, (out_features, tp_size, stride)
+        assert not sections or (sum(sections) == out_features and all(n % tp_size == 0 for n in sections)), sections
         assert not (gather_output and sequence_parallel), "SP feeds a row-parallel layer"
         self.tp_group = tp_group
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp_group is not None
         self.output_size_per_partition = out_features // tp_size
-        full = torch.empty(out_features, in_features).normal_(0.0, init_std, generator=generator)
-        self.weight = nn.Parameter(shard_rows(full, tp_group, stride))  # (out/p, in)
-        _mark_tp(self.weight, partition_dim=0, stride=stride)
+        full = torch.cat([torch.empty(n, in_features).normal_(0.0, init_std, generator=generator)
+                          for n in (sections or [out_features])])
+        self.weight = nn.Parameter(shard_rows(full, tp_group, stride, sections))  # (out/p, in)
+        _mark_tp(self.weight, partition_dim=0, stride=stride, sections=sections)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition))
-            _mark_tp(self.bias, partition_dim=0, stride=stride)
+            _mark_tp(self.bias, partition_dim=0, stride=stride, sections=sections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # (B, T/t, in) -> (B, T, out/p)

@@ -1,13 +1,15 @@
 """The Llama family's attention and MLP (Touvron et al. 2023) on our tensor-parallel layers.
 
-Projections named as in transformers' LlamaForCausalLM (export is a rename, model/hf_llama.py);
-q/k/v and gate/up read one copy of the block's input. k_proj and v_proj are a plain row split
-over tp: at tp > n_kv_head the ranks that share a key/value head each store a true shard of its
-rows, all-gathered in forward and reduce-scattered in backward, so the gradient norm, the
-optimizer and checkpoints treat it as any column-parallel weight (docs/architectures.md,
-"Grouped-query attention under TP"; docs/design.md contract 5)."""
+q, k and v are one column-parallel GEMM (`qkv_proj`, rows [Q; K; V]) and gate and up another
+(`gate_up_proj`, rows [G; U]): each part of the fused weight is split over tp on its own, so
+rank r's rows are [Q_r; K_r; V_r] and [G_r; U_r] and one GEMM gives it its heads and its MLP
+columns (issue 24; export splits them into transformers' q/k/v and gate/up, model/hf_llama.py).
+K and V are a plain row split over tp: at tp > n_kv_head the ranks that share a key/value head
+each store a true shard of its rows, all-gathered in forward and reduce-scattered in backward,
+so the gradient norm, the optimizer and checkpoints treat it as any column-parallel weight
+(docs/architectures.md, "Grouped-query attention under TP"; docs/design.md contract 5)."""
 import math
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,6 +25,16 @@ from model.mappings import Group, gather_rows_from_tp_region
 def kv_replicas(n_kv_head: int, tp_size: int) -> int:
     """How many TP ranks use each key/value head: 1 when n_kv_head divides by tp, else tp / n_kv_head."""
     return 1 if n_kv_head % tp_size == 0 else tp_size // n_kv_head
+
+
+def qkv_sections(config) -> Tuple[int, int, int]:
+    """Rows of the Q, K and V parts of the fused qkv_proj weight (a config's n_head, n_kv_head, head_dim)."""
+    return config.n_head * config.head_dim, config.n_kv_head * config.head_dim, config.n_kv_head * config.head_dim
+
+
+def gate_up_sections(config) -> Tuple[int, int]:
+    """Rows of the gate and up parts of the fused gate_up_proj weight."""
+    return config.ffn_hidden_size, config.ffn_hidden_size
 
 
 class GroupedQueryAttention(nn.Module):
@@ -45,28 +57,41 @@ class GroupedQueryAttention(nn.Module):
         self.core = AttentionCore(config, dropout_rng, enable_gqa=True)
         self.residual_dropout_rng = residual_dropout_rng
         std, bias = config.init_std, config.bias
-        # Drawn in this order from the block's generator: the full weights, then each rank's rows.
-        self.q_proj = ColumnParallelLinear(h, config.n_head * d, tp_group, generator, std, bias=bias)
-        self.k_proj = ColumnParallelLinear(h, config.n_kv_head * d, tp_group, generator, std, bias=bias)
-        self.v_proj = ColumnParallelLinear(h, config.n_kv_head * d, tp_group, generator, std, bias=bias)
+        # Drawn from the block's generator in the order of separate q, k, v linears (full weights,
+        # then each rank's rows of each), so the weights equal those of unfused projections.
+        sections = qkv_sections(config)
+        self.qkv_proj = ColumnParallelLinear(h, sum(sections), tp_group, generator, std, bias=bias, sections=sections)
+        self.local_sections = [n // tp_size for n in sections]  # this rank's Q, K, V rows
         self.o_proj = RowParallelLinear(config.n_head * d, h, tp_group, generator,
                                         std / math.sqrt(2 * config.n_layer), bias=bias,
                                         sequence_parallel=config.sequence_parallel)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def _kv_params(self, linear: ColumnParallelLinear):
-        """(weight, bias) of this rank's key/value heads: its own rows, or the whole shared head."""
-        if self.replicas == 1:
-            return linear.weight, linear.bias
-        rows = slice(self.kv_head * self.head_dim, (self.kv_head + 1) * self.head_dim)
-        weight = gather_rows_from_tp_region(linear.weight, self.tp_group)[rows]
-        bias = None if linear.bias is None else gather_rows_from_tp_region(linear.bias, self.tp_group)[rows]
-        return weight, bias
+    def _with_shared_kv_head(self, param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """This rank's [Q_r; K_j; V_j] rows of the fused weight or bias (replicas > 1): its own Q
+        rows and the whole key/value head j it shares, from one all-gather of every rank's
+        [K_r; V_r] rows (backward: reduce-scatter, each rank's rows get the gradient of the
+        ranks that used them)."""
+        if param is None:
+            return None
+        q_rows, d, r = self.local_sections[0], self.head_dim, self.replicas
+        kv_all = gather_rows_from_tp_region(param[q_rows:], self.tp_group)  # (t * 2d/r, ...): [K_0; V_0; K_1; ...]
+        kv_all = kv_all.view(-1, 2, d // r, *param.shape[1:])  # (t, 2, d/r, ...): rank, K or V, rows
+        kv = kv_all[self.kv_head * r:(self.kv_head + 1) * r].transpose(0, 1).reshape(2 * d, *param.shape[1:])
+        return torch.cat([param[:q_rows], kv])  # (a/t*d + 2d, ...)
 
     def forward(self, x: torch.Tensor, documents: Optional[DocumentLayout] = None) -> torch.Tensor:
         """(B, T, h), or (B, T/t, h) with SP; `documents`: positions and mask of the document mask."""
-        params = [(self.q_proj.weight, self.q_proj.bias), self._kv_params(self.k_proj), self._kv_params(self.v_proj)]
-        q, k, v = column_parallel_projections(x, params, self.tp_group, self.sequence_parallel)
+        weight, bias = self.qkv_proj.weight, self.qkv_proj.bias
+        sections = self.local_sections
+        if self.replicas > 1:
+            weight, bias = self._with_shared_kv_head(weight), self._with_shared_kv_head(bias)
+            sections = [sections[0], self.head_dim, self.head_dim]
+        (qkv,) = column_parallel_projections(x, [(weight, bias)], self.tp_group, self.sequence_parallel)
+        q, k, v = qkv.split(sections, dim=-1)  # (B, T, a/t*d), (B, T, kv*d) twice: views of one GEMM's output
+        # V is saved for backward as is (q and k as RoPE's new tensors): a view would keep the
+        # whole (B, T, (a/t + 2kv)d) output alive, a copy keeps what separate projections kept.
+        v = v.contiguous()
         B, T, _ = q.shape
         q = q.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)  # (B, a/t, T, d)
         k, v = (t.view(B, T, self.n_kv_local, self.head_dim).transpose(1, 2) for t in (k, v))  # (B, kv, T, d)
@@ -86,9 +111,11 @@ class LlamaMLP(nn.Module):
         self.tp_group = tp_group
         self.sequence_parallel = config.sequence_parallel and tp_group is not None
         self.gated = config.mlp == "swiglu"
-        if self.gated:
-            self.gate_proj = ColumnParallelLinear(h, f, tp_group, generator, std, bias=bias)
-        self.up_proj = ColumnParallelLinear(h, f, tp_group, generator, std, bias=bias)
+        if self.gated:  # gate and up drawn in turn, as two linears would be; rank r holds [G_r; U_r]
+            self.gate_up_proj = ColumnParallelLinear(h, 2 * f, tp_group, generator, std, bias=bias,
+                                                     sections=gate_up_sections(config))
+        else:
+            self.up_proj = ColumnParallelLinear(h, f, tp_group, generator, std, bias=bias)
         self.down_proj = RowParallelLinear(f, h, tp_group, generator, std / math.sqrt(2 * config.n_layer),
                                            bias=bias, sequence_parallel=config.sequence_parallel)
         self.dropout = nn.Dropout(config.dropout)
@@ -96,9 +123,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            gate, up = column_parallel_projections(
-                x, [(self.gate_proj.weight, self.gate_proj.bias), (self.up_proj.weight, self.up_proj.bias)],
-                self.tp_group, self.sequence_parallel)
+            (gate_up,) = column_parallel_projections(x, [(self.gate_up_proj.weight, self.gate_up_proj.bias)],
+                                                     self.tp_group, self.sequence_parallel)
+            gate, up = gate_up.chunk(2, dim=-1)  # (B, T, f/t) each: views of one GEMM's output
             y = self.down_proj(functional.silu(gate) * up)
         else:
             (up,) = column_parallel_projections(x, [(self.up_proj.weight, self.up_proj.bias)],

@@ -7,8 +7,8 @@ A linear's backward is B, dL/dX = G W (which the stage before waits for), and W,
 `weight_grad_now_or_later` queues W (holding X, or this rank's sequence chunk, and G);
 `seal_microbatch` closes a micro-batch's queue and `compute_oldest` (the W pass) adds the oldest
 one's gradients to `.grad` as AccumulateGrad would. Micro-batches run in the order they were
-deferred, so every gradient is the 1F1B one to the bit. Biases, norms, embeddings and gathered
-key/value heads (not parameters) stay in B."""
+deferred, so every gradient is the 1F1B one to the bit. Biases, norms, embeddings and a fused
+q/k/v weight built from gathered key/value heads (not a parameter) stay in B."""
 import contextlib
 from collections import deque
 from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple

@@ -91,6 +91,30 @@ def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
         check_compatible(ref, now.to_dict(), layout)
 
 
+def test_llama_checkpoint_with_separate_projections_is_refused_in_one_line(tmp_path):
+    """A Llama checkpoint saved before q/k/v and gate/up were fused (complete.json without the
+    mark) names weights the model no longer has: one line saying how to carry them over, before
+    any engine; a GPT-2 checkpoint without the mark and a marked Llama one pass."""
+    from launch.checkpoints.locate import FUSED_LLAMA, find_checkpoint
+    from launch.config.recipe import load_recipe
+    from launch.errors import ConfigError
+    from launcher import LLAMA_TINY
+    for name, recipe, marked, refused in (("old-llama", LLAMA_TINY, False, True), ("llama", LLAMA_TINY, True, False),
+                                          ("gpt2", TINY, False, False)):
+        tag = tmp_path / name / "step00000005"
+        tag.mkdir(parents=True)
+        meta = {"step": 5, "samples": 80, "layout": {"tp": 1, "pp": 1, "dp": 1, "parts": [0, 6]},
+                "recipe": load_recipe(recipe, []).to_dict(), "files": {}, **({FUSED_LLAMA: True} if marked else {})}
+        (tag / "complete.json").write_text(json.dumps(meta))
+        if not refused:
+            find_checkpoint(tag)
+            continue
+        with pytest.raises(ConfigError) as error:
+            find_checkpoint(tag)
+        message = str(error.value)
+        assert "separate q/k/v (and gate/up) projections" in message and "--init-from-hf" in message and "\n" not in message
+
+
 def _copy_checkpoints(parity_runs, tmp_path) -> Path:
     """A private copy of the (1,1,1) parity run's save directory: step 3 and step 5 (latest)."""
     ck = tmp_path / "ck"

@@ -170,7 +170,8 @@ def _pipeline_body():
         dense_grads = {name: param.grad for name, param in dense.named_parameters()}
         for name, param in pipe.named_parameters():
             key = dense_name(name, config)
-            want = split(key, dense_grads[key], state.tp_rank, state.tp_size, config.padded_vocab_size(state.tp_size))
+            want = split(key, dense_grads[key], state.tp_rank, state.tp_size, config.padded_vocab_size(state.tp_size),
+                         config)
             torch.testing.assert_close(before[name] - param.detach(), want, rtol=1e-4, atol=2e-6,
                                        msg=lambda m: f"{config.arch} {name}: {m}")
 

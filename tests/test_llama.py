@@ -23,11 +23,11 @@ from launch.config.recipe import load_recipe
 from launch.errors import ConfigError
 from launch.runtime.run_inputs import resolved_recipe_dict
 from model.config import GPTConfig, ModelConfig, llama_ffn_hidden_size
-from model.convert import dense_name, rule_for
+from model.convert import dense_name, rule_for, split
 from model.gpt import GPT
 from model.hf_llama import llama_config_kwargs, to_llama_state_dict
 from model.layer_table import pipeline_layers
-from model.layers import allreduce_sequence_parallel_grads, shard_rows
+from model.layers import allreduce_sequence_parallel_grads
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import init_parallel_state
 
@@ -86,17 +86,10 @@ def test_dense_llama_matches_transformers(changes):
 
 # ------------------------------------------------------------------ tensor parallel vs dense
 
-def _dense_shard(full: torch.Tensor, name: str, group) -> torch.Tensor:
-    rule = rule_for(name)
-    if rule.dim is None:
-        return full
-    if rule.vocab:
-        tp = dist.get_world_size(group)
-        padded = LLAMA.padded_vocab_size(tp)
-        full = torch.cat([full, full.new_zeros(padded - full.size(0), *full.shape[1:])])
-    if rule.dim == 0:
-        return shard_rows(full, group, rule.stride)
-    return shard_rows(full.t(), group).t()
+def _dense_shard(full: torch.Tensor, name: str, group, config: GPTConfig) -> torch.Tensor:
+    """This TP rank's part of a dense parameter or gradient, by the export's split rules."""
+    tp = dist.get_world_size(group)
+    return split(name, full, dist.get_rank(group), tp, config.padded_vocab_size(tp), config)
 
 
 def _deepspeed_norm_squared(model, group) -> float:
@@ -115,7 +108,7 @@ def _tp_matches_dense(config: GPTConfig):
     dense, tp_model = GPT(config), GPT(config, group)
     dense_params = dict(dense.named_parameters())
     for name, param in tp_model.named_parameters():  # layout-invariant init
-        torch.testing.assert_close(param.detach(), _dense_shard(dense_params[name].detach(), name, group),
+        torch.testing.assert_close(param.detach(), _dense_shard(dense_params[name].detach(), name, group, config),
                                    rtol=0, atol=0, msg=lambda m: f"step-0 {name}: {m}")
     ids = _ids(config)
     losses = [_loss(dense, ids), _loss(tp_model, ids, group)]
@@ -124,7 +117,7 @@ def _tp_matches_dense(config: GPTConfig):
     allreduce_sequence_parallel_grads(tp_model, group)  # the once-per-step sum (model/layers.py)
     assert abs(losses[1].item() - losses[0].item()) <= 1e-5 * losses[0].item(), [x.item() for x in losses]
     for name, param in tp_model.named_parameters():
-        want = _dense_shard(dense_params[name].grad, name, group)
+        want = _dense_shard(dense_params[name].grad, name, group, config)
         torch.testing.assert_close(param.grad, want, rtol=1e-4, atol=2e-6, msg=lambda m: f"dL/d{name}: {m}")
     dense_norm = sum(p.grad.pow(2).sum() for p in dense.parameters()).item()
     assert abs(_deepspeed_norm_squared(tp_model, group) - dense_norm) <= 1e-5 * dense_norm
@@ -180,8 +173,8 @@ def _pipeline_body(tp, pp):
     group = state.tp_group
     for name, param in pipe.named_parameters():
         key = dense_name(name, PIPE_CONFIG)
-        torch.testing.assert_close(before[name], _dense_shard(dense_params[key].detach(), key, group))
-        torch.testing.assert_close(before[name] - param.detach(), _dense_shard(dense_params[key].grad, key, group),
+        torch.testing.assert_close(before[name], _dense_shard(dense_params[key].detach(), key, group, PIPE_CONFIG))
+        torch.testing.assert_close(before[name] - param.detach(), _dense_shard(dense_params[key].grad, key, group, PIPE_CONFIG),
                                    atol=2e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 

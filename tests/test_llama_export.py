@@ -29,7 +29,7 @@ from launcher import LLAMA_TINY, REPO, launch_forked, read_metrics
 from model.config import GPTConfig
 from model.convert import load_dense_into, merge, rule_for, split
 from model.gpt import GPT
-from model.hf_llama import from_llama_state_dict, llama_config_kwargs, to_llama_state_dict
+from model.hf_llama import fused_parts, from_llama_state_dict, llama_config_kwargs, shard_parts, to_llama_state_dict
 
 LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=4)
 CONFIG = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=8,
@@ -56,9 +56,11 @@ def test_split_and_merge_follow_the_llama_layers(tp, n_kv_head, monkeypatch):
     for name, full in dense.items():
         param, rule = shards[0][name], rule_for(name)
         assert rule.dim == (param.partition_dim if getattr(param, "tensor_model_parallel", False) else None), name
+        assert rule.blocks(name, config) == getattr(param, "partition_sections", None), name
         for rank in range(tp):
-            assert torch.equal(split(name, full, rank, tp, config.padded_vocab_size(tp)), shards[rank][name]), name
-        assert torch.equal(merge(name, [s[name].detach() for s in shards], config.vocab_size), full), name
+            assert torch.equal(split(name, full, rank, tp, config.padded_vocab_size(tp), config),
+                               shards[rank][name]), name
+        assert torch.equal(merge(name, [s[name].detach() for s in shards], config.vocab_size, config), full), name
 
 
 def _random_llama(config: GPTConfig):
@@ -77,13 +79,49 @@ def test_llama_weights_round_trip_bitwise_through_every_tp_split():
     dense = from_llama_state_dict(w, CONFIG)
     for tp in (2, 4):
         padded = CONFIG.padded_vocab_size(tp)
-        merged = {name: merge(name, [split(name, full, r, tp, padded) for r in range(tp)], CONFIG.vocab_size)
+        merged = {name: merge(name, [split(name, full, r, tp, padded, CONFIG) for r in range(tp)], CONFIG.vocab_size,
+                              CONFIG)
                   for name, full in dense.items()}
         ours = GPT(CONFIG)
         load_dense_into(ours, merged, None, 0, 1, CONFIG.padded_vocab_size(1))
         back = to_llama_state_dict(dict(ours.named_parameters()), CONFIG)
         assert back.keys() == w.keys()
         assert [k for k in w if not torch.equal(back[k], w[k])] == []
+
+
+@pytest.mark.parametrize("tp,n_kv_head", [(2, 2), (4, 2), (4, 1)])
+def test_each_rank_holds_its_heads_of_the_transformers_tensors(tp, n_kv_head, monkeypatch):
+    """Rank r's fused shards, loaded from transformers' weights at tp, are their tensors cut by head: its
+    a/tp query heads, then the rows of the key/value heads they use (all of them when tp divides
+    n_kv_head, else its 1/(tp/n_kv_head) share of the one they share), for k then v; and its
+    gate rows then the up rows of the same MLP columns. `shard_parts` names those slices."""
+    config = dataclasses.replace(CONFIG, n_kv_head=n_kv_head)
+    hf = {k: v.detach() for k, v in _random_llama(config).state_dict().items()}
+    d, a, f = config.head_dim, config.n_head, config.ffn_hidden_size
+    fused = dict(fused_parts(config))
+    for rank in range(tp):
+        ours = _tp_model(config, tp, rank, monkeypatch)
+        with torch.no_grad():
+            load_dense_into(ours, from_llama_state_dict(hf, config), None, rank, tp, config.padded_vocab_size(tp))
+        params = dict(ours.named_parameters())
+        layer = "model.layers.1."
+        heads = range(rank * a // tp, (rank + 1) * a // tp)
+        if n_kv_head % tp == 0:
+            kv_rows = [row for j in range(rank * n_kv_head // tp, (rank + 1) * n_kv_head // tp)
+                       for row in range(j * d, (j + 1) * d)]
+        else:  # tp / n_kv_head ranks share head `rank // share`, each its part of the head's rows
+            share = tp // n_kv_head
+            head, part = rank // share, rank % share
+            kv_rows = list(range(head * d + part * d // share, head * d + (part + 1) * d // share))
+        q_rows = [row for i in heads for row in range(i * d, (i + 1) * d)]
+        want_qkv = torch.cat([hf[layer + "self_attn.q_proj.weight"][q_rows], hf[layer + "self_attn.k_proj.weight"][kv_rows],
+                              hf[layer + "self_attn.v_proj.weight"][kv_rows]])
+        columns = slice(rank * f // tp, (rank + 1) * f // tp)
+        want_gate_up = torch.cat([hf[layer + "mlp.gate_proj.weight"][columns], hf[layer + "mlp.up_proj.weight"][columns]])
+        for name, want in (("blocks.1.attn.qkv_proj.weight", want_qkv), ("blocks.1.mlp.gate_up_proj.weight", want_gate_up)):
+            assert torch.equal(params[name], want), name
+            sliced = torch.cat([hf[part][rows] for part, rows in shard_parts(fused[name], rank, tp)])
+            assert torch.equal(sliced, want), name
 
 
 def test_saved_llama_directory_is_checked_and_read(tmp_path):

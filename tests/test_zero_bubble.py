@@ -118,7 +118,7 @@ def _held_bytes_against_formula(arch: str, sequence_parallel: bool = False, n_kv
             loss.backward()
         WEIGHT_GRADS.seal_microbatch()
         held = WEIGHT_GRADS.held_bytes()
-        gathered = (("q_proj", "k_proj", "v_proj") if sequence_parallel else ("k_proj", "v_proj")) if tp > n_kv_head else ()
+        gathered = ("qkv_proj",) if tp > n_kv_head else ()  # part of the fused weight gathered: not a leaf
         multiplied = {n: p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("embed.", "pos."))}
         assert multiplied and all((p.grad is None) != any(g in n for g in gathered) for n, p in multiplied.items())
         WEIGHT_GRADS.compute_oldest()

@@ -66,12 +66,13 @@ def sequence_parallel_params(config: ModelConfig, blocks: int, first: bool, last
 
 def kv_gathered_elements(config: ModelConfig, tp: int) -> Tuple[int, int]:
     """(calls, elements of the whole tensors) gathered per block per micro-batch when TP ranks share
-    a key/value head (model/llama.py `kv_replicas` > 1): k_proj's and v_proj's weight, and bias if
-    any, each n_kv_head*d rows; (0, 0) when every rank holds whole heads of its own."""
+    a key/value head (model/llama.py `kv_replicas` > 1): the K and V rows of the fused qkv_proj
+    weight, 2*n_kv_head*d of them, in one call, and of its bias if any in another; (0, 0) when
+    every rank holds whole heads of its own."""
     if kv_replicas(config.n_kv_head, tp) == 1:
         return 0, 0
-    rows = config.n_kv_head * config.head_dim
-    return 2 * (2 if config.bias else 1), 2 * rows * (config.n_embd + (1 if config.bias else 0))
+    rows = 2 * config.n_kv_head * config.head_dim
+    return (2 if config.bias else 1), rows * (config.n_embd + (1 if config.bias else 0))
 
 
 def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_step: bool = False,

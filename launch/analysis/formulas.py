@@ -218,9 +218,9 @@ def tp_allreduce_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, lay
 def kv_gather_bytes_per_step(m: ModelConfig, tp: int, layers: int, microbatches: int,
                               recompute: bool = False) -> int:
     """What GQA adds to one TP rank's traffic when tp > n_kv_head (model/llama.py): per block
-    per micro-batch, k_proj's and v_proj's rows all-gathered in forward (again with recompute)
-    and their gradients reduce-scattered in backward: the gathered size is kv*d*h (+ kv*d with
-    biases) elements each. Zero when n_kv_head divides by tp (each rank holds its own heads)."""
+    per micro-batch, the K and V rows of the fused qkv_proj all-gathered in forward (again with
+    recompute) and their gradients reduce-scattered in backward: the gathered size is 2*kv*d*h
+    (+ 2*kv*d with biases) elements. Zero when n_kv_head divides by tp (each rank holds its own heads)."""
     if tp <= m.n_kv_head:
         return 0
     weights = m.n_kv_head * m.head_dim * (m.n_embd + (1 if m.bias else 0))

@@ -114,14 +114,14 @@ def weight_grad_stash_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch:
       inputs:  attention input h_in, MLP input h_in, o_proj input a*d/t, down-projection input f/t;
       output gradients: q, k, v (a*d + 2*kv*d)/t, o_proj h (the row-parallel output gradient is
                whole on every rank), the first MLP projection(s) f/t (two with SwiGLU), down h.
-    When tp > n_kv_head the key/value weights are gathered, not parameters: their gradients are
-    computed at once, and under sequence parallelism so are q's (one gather feeds all three)."""
+    When tp > n_kv_head the fused q/k/v weight is built from its gathered key/value rows, not the
+    parameter itself: its gradient is computed at once (model/llama.py)."""
     s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
     d, kv, f = m.head_dim, m.n_kv_head, m.ffn_hidden_size
     h_in = h / t if sequence_parallel else h
     qkv_input, qkv_grads = h_in, (a * d + 2 * kv * d) / t
     if t > kv:
-        qkv_input, qkv_grads = (0, 0) if sequence_parallel else (h_in, a * d / t)
+        qkv_input, qkv_grads = 0, 0
     inputs = qkv_input + h_in + a * d / t + f / t
     grads = qkv_grads + h + (2 if m.mlp == "swiglu" else 1) * f / t + h
     return element_bytes * s * b * (inputs + grads)

@@ -19,6 +19,9 @@ COMPLETE = "complete.json"
 LATEST = "latest"
 TAG = re.compile(r"step(\d{8})")
 REQUIRED = ("step", "samples", "layout", "recipe", "files")
+FUSED_LLAMA = "fused_llama_projections"
+"""complete.json's mark (true) of a checkpoint whose Llama blocks hold the fused qkv_proj and
+gate_up_proj (issue 24); a Llama checkpoint without it has separate q/k/v and gate/up weights."""
 
 
 def tag_for(step: int) -> str:
@@ -65,6 +68,7 @@ def find_checkpoint(load: Path) -> CheckpointRef:
     """The checkpoint `--load` names, verified against its manifest of file sizes."""
     ref = _locate(load)
     fill_saved_parts(ref.meta)
+    refuse_unfused_llama(ref)
     for name, size in ref.meta["files"].items():
         path = ref.path / name
         actual = path.stat().st_size if path.is_file() else None
@@ -125,6 +129,17 @@ def _locate(load: Path) -> CheckpointRef:
         raise ConfigError(f"--load {str(load)!r} holds no complete checkpoint (no {COMPLETE}); "
                           f"it is not a checkpoint directory or every save in it was interrupted")
     raise ConfigError(f"--load {str(load)!r} is empty: no checkpoint to resume from")
+
+
+def refuse_unfused_llama(ref: CheckpointRef) -> None:
+    """A Llama checkpoint saved before its projections were fused names weights this model no
+    longer has (q_proj, k_proj, v_proj, gate_proj, up_proj) in every file DeepSpeed wrote: refused
+    in one line that says how to carry its weights over."""
+    if ModelConfig(**ref.meta["recipe"]["model"]).resolved().arch == "llama" and not ref.meta.get(FUSED_LLAMA):
+        raise ConfigError(f"checkpoint {ref.path} holds Llama blocks with separate q/k/v (and gate/up) projections, "
+                          f"saved before they were fused into qkv_proj and gate_up_proj; export it with the gpt3d "
+                          f"version that saved it (launch/export_hf.py --load {ref.path} --out DIR) and start from "
+                          f"the export with --init-from-hf DIR")
 
 
 def same_layout(saved: Dict[str, Any], layout: Dict[str, Any]) -> bool:

@@ -116,7 +116,7 @@ def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: ModelC
         slices = [_SavedSlice(ckpt, mp_ranks[stage, r], dp) for r in range(tp)]
         for name, dense in names.items():
             shards = [s.shard(name) for s in slices]
-            yield dense, {key: merge(dense, [shard[key] for shard in shards], vocab_size)
+            yield dense, {key: merge(dense, [shard[key] for shard in shards], vocab_size, layers)
                           for key in (FP32,) + MOMENTS}
             done.add(dense)
         del slices  # unmap this stage's files before the next stage's
@@ -159,7 +159,7 @@ def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, i
         engine.optimizer.loss_scaler = common["loss_scaler"]  # fp16: the scale found so far, and its counters
     for dense, full in iter_training_state(ckpt, saved_layout, layers, vocab_size, params):
         param = params[dense]
-        shards = {key: split(dense, tensor, state.tp_rank, state.tp_size, padded_vocab_size)
+        shards = {key: split(dense, tensor, state.tp_rank, state.tp_size, padded_vocab_size, layers)
                   for key, tensor in full.items()}
         if shards[FP32].shape != param.shape:
             raise ValueError(f"{dense}: the checkpoint gives a shard of {tuple(shards[FP32].shape)}, the "

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from launch.checkpoints.locate import COMPLETE, LATEST, CheckpointRef, same_layout, step_of, tag_for
+from launch.checkpoints.locate import COMPLETE, FUSED_LLAMA, LATEST, CheckpointRef, same_layout, step_of, tag_for
 from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
 from launch.errors import ConfigError
 
@@ -108,7 +108,7 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     if is_writer:
         meta = {"step": step, "samples": samples, "layout": layout, "recipe": recipe_dict,
                 "world_size": dist.get_world_size(), "wandb_run_id": wandb_run_id, "data_state": data_state,
-                "parent": _latest_tag(root)}
+                "parent": _latest_tag(root), FUSED_LLAMA: True}
         _commit(root, tag, meta)
         _prune_in_background(root, tag, keep_last)
     return root / tag
