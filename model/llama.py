@@ -15,7 +15,7 @@ from torch.nn import functional
 
 from model.attention import AttentionCore
 from model.config import GPTConfig
-from model.documents import DocumentLayout
+from model.attention_inputs import AttentionInputs
 from model.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_projections, group_rank, group_size
 from model.mappings import Group, gather_rows_from_tp_region
 
@@ -63,14 +63,14 @@ class GroupedQueryAttention(nn.Module):
         bias = None if linear.bias is None else gather_rows_from_tp_region(linear.bias, self.tp_group)[rows]
         return weight, bias
 
-    def forward(self, x: torch.Tensor, documents: Optional[DocumentLayout] = None) -> torch.Tensor:
-        """(B, T, h), or (B, T/t, h) with SP; `documents`: positions and mask of the document mask."""
+    def forward(self, x: torch.Tensor, inputs: Optional[AttentionInputs] = None) -> torch.Tensor:
+        """(B, T, h), or (B, T/t, h) with SP; `inputs`: the stage's RoPE tables and mask for this micro-batch."""
         params = [(self.q_proj.weight, self.q_proj.bias), self._kv_params(self.k_proj), self._kv_params(self.v_proj)]
         q, k, v = column_parallel_projections(x, params, self.tp_group, self.sequence_parallel)
         B, T, _ = q.shape
         q = q.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)  # (B, a/t, T, d)
         k, v = (t.view(B, T, self.n_kv_local, self.head_dim).transpose(1, 2) for t in (k, v))  # (B, kv, T, d)
-        y = self.core(q, k, v, self.training, documents)  # (B, a/t, T, d)
+        y = self.core(q, k, v, self.training, inputs)  # (B, a/t, T, d)
         y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head_local * self.head_dim))
         with self.residual_dropout_rng():
             return self.resid_dropout(y)
