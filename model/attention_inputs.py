@@ -111,6 +111,10 @@ class StageAttentionInputs:
         self.built += 1
         return entry.inputs
 
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) starts empty: weak references cannot be copied."""
+        return {**self.__dict__, "_causal": {}, "_documents": []}
+
     def _forget(self, dead: weakref.ref) -> None:
         """A micro-batch's segment tensor is gone: its entry (mask and tables) goes with it."""
         self._documents = [entry for entry in self._documents if entry.segments is not dead]
