@@ -82,9 +82,10 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     `mask` (dense_document_mask's or block_document_mask's)."""
     if isinstance(mask, torch.Tensor):
         if enable_gqa and k.size(-3) != q.size(-3):
-            # SDPA has no flash or memory-efficient kernel for a mask with enable_gqa: it would take
-            # the math kernel and its (B, heads, T, T) scores (issue 24). Query head i reads key/value
-            # head i // groups, as enable_gqa does. (B, kv, T, d) -> (B, heads, T, d)
+            # On CUDA SDPA has no flash or memory-efficient kernel for a mask with enable_gqa: it would
+            # take the math kernel and its (B, heads, T, T) scores (issue 24; the CPU flash kernel
+            # takes either). Query head i reads key/value head i // groups, as enable_gqa does.
+            # (B, kv, T, d) -> (B, heads, T, d)
             groups = q.size(-3) // k.size(-3)
             k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
         return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
