@@ -8,7 +8,9 @@ it alone from position 0 with plain causal attention (no mask; fp32, relative 1e
   forked ranks), both architectures (GPT-2's learned positions taken per rank's sequence chunk),
   one under each recompute mode: the per-token losses the last stage computes at step-0 weights
   (the same at every layout: docs/design.md contract 2), and the gradient of every shard against
-  the dense masked model's.
+  the dense masked model's; and one mask build per micro-batch per stage, also under full recompute;
+- the GPU path: its BlockMask, built from the document starts, allows exactly the boolean mask's
+  pairs, and compiled flex_attention with it (forward only on CPU) gives each document's losses alone.
 The packed windows are synthetic, so that each holds several documents: in the embedded corpus
 only 3% of the 33-token windows of the tiny recipes hold a document boundary. For the same reason
 tests/test_llama_parity.py, whose runs train with the mask on, shows mostly that the mask's
