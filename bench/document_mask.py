@@ -1,5 +1,16 @@
-"""Step time with the document mask (`data.document_mask`) against plain causal attention, same run,
-same batches: the CPU demo shape (recipes/demo.yaml: 4 x 128, 4 heads) at sequence 1024 by default.
+"""The document mask (`data.document_mask`): what building its BlockMask costs, and the step time
+against plain causal attention.
+
+Mask build (first): the BlockMask of the flex_attention path (model/documents.py, built from the
+document starts) for real windows of the recipe's data at --mask-batch x --mask-seq-len (8 x 8192;
+target: peak memory under 64 MiB), and, for comparison at --old-batch x --old-seq-len (1 x 4096),
+torch's uncompiled create_block_mask of the same rule (the code before issue 24) and the boolean
+(B, 1, T, T) mask of the SDPA path. Peak memory is the most bytes the build holds allocated at once:
+torch.cuda's peak counter on a GPU, the allocation records of torch's profiler on CPU (tracemalloc
+does not see torch's allocator); time is the fastest of --mask-repeats builds, one per micro-batch
+per stage in training.
+
+Step time: the CPU demo shape (recipes/demo.yaml: 4 x 128, 4 heads) at sequence 1024 by default.
 
 Both models are model/pipe.py's PipelineModule at tp=pp=dp=1 in a DeepSpeed engine configured by
 launch/runtime/ds_config.py (AdamW, ZeRO-1, clipping), stepped with `train_batch` on the same
@@ -12,12 +23,15 @@ dropout, else SDPA with one boolean (B, 1, T, T) mask per micro-batch).
 
     python bench/document_mask.py [--recipe recipes/demo.yaml] [--seq-len 1024] [--batch 4]
                                   [--steps 3 --repeats 5] [--set KEY=VALUE ...] [--json]
+                                  [--mask-batch 8 --mask-seq-len 8192] [--old-batch 1 --old-seq-len 4096]
+                                  [--mask-only]
 """
 import argparse
 import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -59,6 +73,75 @@ def seconds_per_step(step, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def peak_bytes(fn, device: torch.device) -> Tuple[Any, int]:
+    """fn()'s result and the most bytes it held allocated at once (module docstring)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns())
+    live = peak = 0
+    for record in records:  # + bytes allocated, - bytes freed
+        live += record.nbytes()
+        peak = max(peak, live)
+    return out, peak
+
+
+def fastest_seconds(fn, device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def old_block_mask(segments: torch.Tensor) -> Any:
+    """The code before issue 24: create_block_mask, uncompiled, evaluating the rule on every (q, kv)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def document_causal(b, h, q_index, kv_index):
+        return (segments[b, q_index] == segments[b, kv_index]) & (q_index >= kv_index)
+    B, T = segments.shape
+    return create_block_mask(document_causal, B, None, T, T, device=segments.device)
+
+
+def mask_build_report(args, device: torch.device) -> Dict[str, Any]:
+    from launch.runtime.run_inputs import load_run_data
+    from model.documents import block_document_mask, dense_document_mask, document_ids
+
+    def segments(batch: int, seq_len: int) -> Tuple[torch.Tensor, float]:
+        recipe, layout = load(argparse.Namespace(**(vars(args) | {"seq_len": seq_len, "batch": batch})), True)
+        data, _ = load_run_data(recipe, layout)
+        ids = torch.from_numpy(data.train_windows[:batch, :-1].astype("int64")).to(device)
+        eos = data.tokenizer.eos_token_id
+        return document_ids(ids, eos), (ids == eos).sum(dim=1).float().mean().item() + 1
+    builds = {"from boundaries": block_document_mask, "create_block_mask (before)": old_block_mask,
+              "boolean (B, 1, T, T)": dense_document_mask}
+    report = {}
+    for (batch, seq_len), names in (((args.mask_batch, args.mask_seq_len), ["from boundaries"]),
+                                    ((args.old_batch, args.old_seq_len), list(builds))):
+        ids, documents = segments(batch, seq_len)
+        for name in names:
+            build = builds[name]
+            _, peak = peak_bytes(lambda: build(ids), device)
+            seconds = fastest_seconds(lambda: build(ids), device, args.mask_repeats)
+            report[f"{name} at {batch} x {seq_len}"] = {"peak_MiB": peak / 2 ** 20, "seconds": seconds,
+                                                        "documents_per_window": documents}
+            print(f"mask build, {name}, {batch} x {seq_len} ({documents:.1f} documents per window), {device.type}: "
+                  f"peak {peak / 2 ** 20:.2f} MiB, {seconds * 1e3:.2f} ms per micro-batch", flush=True)
+    return report
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", type=Path, default=REPO / "recipes" / "demo.yaml")
@@ -68,7 +151,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
+    p.add_argument("--mask-batch", type=int, default=8)
+    p.add_argument("--mask-seq-len", type=int, default=8192)
+    p.add_argument("--old-batch", type=int, default=1, help="the shape the old builds are measured at")
+    p.add_argument("--old-seq-len", type=int, default=4096)
+    p.add_argument("--mask-repeats", type=int, default=5)
+    p.add_argument("--mask-only", action="store_true", help="measure the mask build only, not the step time")
     args = p.parse_args()
+    for name in ("mask_batch", "mask_seq_len", "old_batch", "old_seq_len", "mask_repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
 
     ensure_single_process_env()
     from deepspeed.accelerator import get_accelerator
@@ -77,13 +169,18 @@ def main() -> None:
     from launch.runtime.run_inputs import load_run_data
     from model.documents import uses_flex_attention
     init_distributed(600, verbose=False)
+    device = torch.device(get_accelerator().device_name(0))
+    masks = mask_build_report(args, device)
+    if args.mask_only:
+        if args.json:
+            print(json.dumps({"device": device.type, "mask_build": masks}))
+        return
     recipe, layout = load(args, True)
     data, vocab = load_run_data(recipe, layout)
     eos = data.tokenizer.eos_token_id
     n = args.batch * (args.steps * (args.repeats + 1) + 1)
     windows = torch.from_numpy(data.train_windows[:n].astype("int64"))  # the same windows for both models
     documents = (windows[:, :-1] == eos).sum(dim=1).float().mean().item() + 1
-    device = torch.device(get_accelerator().device_name(0))
     kernel = ("flex_attention (compiled, BlockMask)" if uses_flex_attention(device, recipe.model.dropout)
               else "SDPA with a boolean (B, 1, T, T) mask")
     steppers = {"causal": stepper(args, False, windows, eos, vocab), "document_mask": stepper(args, True, windows, eos, vocab)}
@@ -105,7 +202,7 @@ def main() -> None:
     if args.json:
         print(json.dumps({"device": device.type, "kernel": kernel, "dims": vars(args) | {"recipe": str(args.recipe)},
                           "documents_per_window": documents, "seconds_per_step": fastest, "runs": measured,
-                          "ratio": ratio, "median_paired_ratio": paired}))
+                          "ratio": ratio, "median_paired_ratio": paired, "mask_build": masks}))
 
 
 if __name__ == "__main__":

@@ -1,41 +1,43 @@
 """The attention core shared by GPT-2's attention (model/gpt.py) and the Llama family's
 (model/llama.py), after their projections: RoPE on q and k (positions 0..T-1, or restarting at
-each document under the document mask), causal or document-masked scaled-dot-product attention,
+each document under the document mask; the tables and the mask come built once per micro-batch
+per stage, model/attention_inputs.py), causal or document-masked scaled-dot-product attention,
 its dropout under the per-TP-rank RNG, and selective recompute (Korthikanti et al. 2022 sec. 5).
 """
-from typing import Callable, ContextManager, Dict, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.utils.checkpoint
 from torch.nn import functional
 
 from model.config import GPTConfig
-from model.documents import DocumentLayout, document_attention
-from model.rotary import apply_rope, at_positions, rope_cos_sin
+from model.attention_inputs import AttentionInputs, causal_inputs
+from model.documents import document_attention
+from model.rotary import apply_rope
 
 
 class AttentionCore:
     """softmax(q k^T / sqrt(d) + mask) v for one rank's heads; no parameters."""
 
     def __init__(self, config: GPTConfig, dropout_rng: Callable[[], ContextManager], enable_gqa: bool = False):
-        self.rope_theta: Optional[float] = config.rope_theta if config.position == "rope" else None
-        self.rope_scaling: Optional[Dict[str, float]] = config.rope_scaling
+        self.config = config
         self.dropout = config.dropout
         self.dropout_rng = dropout_rng
         self.recompute = config.recompute_attention
         self.enable_gqa = enable_gqa
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, training: bool,
-                 documents: Optional[DocumentLayout] = None) -> torch.Tensor:
-        """(B, heads, T, d) queries, (B, kv heads, T, d) keys and values -> (B, heads, T, d)."""
-        if self.rope_theta is not None:
-            T, d = q.shape[-2:]
-            cos, sin = rope_cos_sin(T, d, self.rope_theta, q.device, q.dtype, self.rope_scaling)
-            if documents is not None:
-                cos, sin = at_positions(cos, sin, documents.positions)
+                 inputs: Optional[AttentionInputs] = None) -> torch.Tensor:
+        """(B, heads, T, d) queries, (B, kv heads, T, d) keys and values -> (B, heads, T, d).
+        `inputs`: the stage's RoPE tables and mask for this micro-batch; None outside a Block
+        (plain causal attention, its tables built here)."""
+        if inputs is None:
+            inputs = causal_inputs(self.config, q.size(-2), q.device, q.dtype)
+        if inputs.rope is not None:
+            cos, sin = inputs.rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout_p = self.dropout if training else 0.0
-        mask = None if documents is None else documents.mask
+        mask = inputs.mask
         # Attention probabilities are TP-sharded: their dropout mask must differ per TP rank.
         with self.dropout_rng():
             if self.recompute and training:

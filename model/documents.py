@@ -2,16 +2,18 @@
 earlier tokens of its own document, and positions restart at 0 at each document start. Each EOS
 starts the next document, as a BOS would; no loss is masked. The (B, T) segment ids travel with
 the hidden states (only tensors cross stages, docs/design.md contract 7); each stage derives the
-positions and one mask per micro-batch from them (`DocumentMasks`). Kernels: flex_attention with a
-BlockMask on CUDA with dropout 0, else SDPA with a boolean (B, 1, T, T) mask (`document_attention`).
-Why each choice: docs/data.md, "Documents in a window"."""
-from dataclasses import dataclass
-from typing import Any, Optional
+positions and one mask per micro-batch from them (model/attention_inputs.py). Kernels:
+flex_attention with a BlockMask on CUDA with dropout 0, else SDPA with a boolean (B, 1, T, T) mask
+(`document_attention`). Why each choice: docs/data.md, "Documents in a window"."""
+from typing import Any, Tuple
 
 import torch
 from torch.nn import functional
 
 _compiled_flex_attention = None
+
+FLEX_BLOCK = 128
+"""flex_attention's tile: create_block_mask's and the kernels' default block size."""
 
 
 def document_ids(ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -28,7 +30,8 @@ def document_positions(segments: torch.Tensor) -> torch.Tensor:
 
 
 def uses_flex_attention(device: torch.device, dropout: float) -> bool:
-    """The kernel choice (module docstring): flex_attention on CUDA without dropout, else SDPA with a mask."""
+    """The kernel choice (module docstring): flex_attention on CUDA without dropout, else SDPA with a
+    mask. (On CPU torch 2.13's flex_attention has a forward only: it refuses inputs that need grad.)"""
     return device.type == "cuda" and dropout == 0.0
 
 
@@ -39,59 +42,53 @@ def dense_document_mask(segments: torch.Tensor) -> torch.Tensor:
     return (segments.unsqueeze(-1) == segments.unsqueeze(-2)).logical_and_(causal).unsqueeze(1)
 
 
-def block_document_mask(segments: torch.Tensor) -> Any:
-    """(B, T) segment ids -> flex_attention's BlockMask of the same rule (one for all heads)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def _ordered_blocks(member: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(B, n, n) boolean [query block, key block] -> BlockMask's (B, 1, n) counts and (B, 1, n, n)
+    indices: each row's member key blocks first, in increasing order."""
+    counts = member.sum(dim=-1, dtype=torch.int32)
+    indices = member.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts.unsqueeze(1), indices.unsqueeze(1)
 
-    def document_causal(b, h, q_index, kv_index):
-        return (segments[b, q_index] == segments[b, kv_index]) & (q_index >= kv_index)
+
+def block_document_mask(segments: torch.Tensor, block_size: int = FLEX_BLOCK) -> Any:
+    """(B, T) segment ids -> flex_attention's BlockMask of the same rule (one for all heads), from
+    the document starts alone: (B, T) integers and (B, T/block, T/block) block tables, never a
+    (T, T) tensor (create_block_mask evaluates the rule on every (q, kv) pair: 5.6 GiB at 8 x 8192,
+    issue 24)."""
+    from torch.nn.attention.flex_attention import BlockMask
     B, T = segments.shape
-    return create_block_mask(document_causal, B, None, T, T, device=segments.device)
+    n = -(-T // block_size)
+    # starts[b, i]: the first token of token i's document. Nondecreasing along T (segment ids are a
+    # running count), so a block row's first query has the row's lowest start and its last the highest.
+    starts = torch.arange(T, device=segments.device) - document_positions(segments)  # (B, T)
+    blocks = torch.arange(n, device=segments.device)
+    first_query = blocks * block_size
+    last_query = (first_query + block_size - 1).clamp(max=T - 1)
+    lowest_seen = starts[:, first_query] // block_size  # (B, n): no query of the row sees a key block below
+    first_full = -(-starts[:, last_query] // block_size)  # (B, n): every query of the row sees these whole
+    q_block, kv_block = blocks.view(1, n, 1), blocks.view(1, 1, n)
+    full = (kv_block >= first_full.unsqueeze(-1)) & (kv_block < q_block)  # (B, n, n); never the diagonal
+    partial = (kv_block >= lowest_seen.unsqueeze(-1)) & (kv_block <= q_block) & ~full
 
-
-@dataclass
-class DocumentLayout:
-    """What the blocks of one stage need for one micro-batch."""
-    positions: torch.Tensor
-    """(B, T) position of each token in its document."""
-    mask: Any
-    """The boolean (B, 1, T, T) mask, or a BlockMask on the flex_attention path."""
-
-
-class DocumentMasks:
-    """Positions and mask of the last micro-batch's segment ids, built once and shared by the
-    blocks (and heads) of one stage. A different segment tensor rebuilds them: each micro-batch
-    arrives as a new tensor (DeepSpeed clones what it receives), and the recomputation of full
-    activation checkpointing gets a detached view of the same storage, which is recognised."""
-
-    def __init__(self, dropout: float = 0.0):
-        self.dropout = dropout
-        self._segments: Optional[torch.Tensor] = None
-        self._layout: Optional[DocumentLayout] = None
-
-    def _is_cached(self, segments: torch.Tensor) -> bool:
-        # Holding a reference keeps the cached storage alive, so an equal pointer is the same tensor.
-        cached = self._segments
-        return (cached is not None and segments.data_ptr() == cached.data_ptr()
-                and segments.shape == cached.shape and segments.stride() == cached.stride()
-                and segments._version == cached._version)
-
-    def layout(self, segments: torch.Tensor) -> DocumentLayout:
-        if not self._is_cached(segments):
-            with torch.no_grad():
-                mask = (block_document_mask(segments) if uses_flex_attention(segments.device, self.dropout)
-                        else dense_document_mask(segments))
-                self._layout = DocumentLayout(document_positions(segments), mask)
-            self._segments = segments
-        return self._layout
+    def document_causal(b, h, q_index, kv_index):  # the rule inside the partial blocks
+        return (kv_index >= starts[b, q_index]) & (kv_index <= q_index)
+    return BlockMask.from_kv_blocks(*_ordered_blocks(partial), *_ordered_blocks(full), BLOCK_SIZE=block_size,
+                                    mask_mod=document_causal, seq_lengths=(T, T))
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout_p: float,
                        enable_gqa: bool = False) -> torch.Tensor:
-    """Attention of (B, heads, T, d) queries restricted by `mask` (a DocumentLayout's)."""
+    """Attention of (B, heads, T, d) queries, (B, kv heads, T, d) keys and values restricted by
+    `mask` (dense_document_mask's or block_document_mask's)."""
     if isinstance(mask, torch.Tensor):
-        return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                       enable_gqa=enable_gqa)
+        if enable_gqa and k.size(-3) != q.size(-3):
+            # On CUDA SDPA has no flash or memory-efficient kernel for a mask with enable_gqa: it would
+            # take the math kernel and its (B, heads, T, T) scores (issue 24; the CPU flash kernel
+            # takes either). Query head i reads key/value head i // groups, as enable_gqa does.
+            # (B, kv, T, d) -> (B, heads, T, d)
+            groups = q.size(-3) // k.size(-3)
+            k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+        return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     global _compiled_flex_attention
     if _compiled_flex_attention is None:  # compiled on first use: importing the model stays cheap
         from torch.nn.attention.flex_attention import flex_attention

@@ -19,7 +19,8 @@ from torch.nn import functional
 
 from model.attention import AttentionCore
 from model.config import GPTConfig
-from model.documents import DocumentLayout, DocumentMasks, document_ids, document_positions
+from model.attention_inputs import AttentionInputs, StageAttentionInputs
+from model.documents import document_ids, document_positions
 from model.layer_table import dense_prefix, pipeline_layers
 from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                           group_rank, group_size, mark_sequence_parallel)
@@ -75,13 +76,13 @@ class CausalSelfAttention(nn.Module):
                                         sequence_parallel=sp)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, documents: Optional[DocumentLayout] = None) -> torch.Tensor:
-        """(B, T, h), or (B, T/t, h) with SP; `documents`: positions and mask of the document mask."""
+    def forward(self, x: torch.Tensor, inputs: Optional[AttentionInputs] = None) -> torch.Tensor:
+        """(B, T, h), or (B, T/t, h) with SP; `inputs`: the stage's RoPE tables and mask for this micro-batch."""
         q, k, v = self.c_attn(x).split(self.n_head_local * self.head_dim, dim=-1)  # (B, T, h/p) each
         B, T, _ = q.shape
         q, k, v = (t.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)
                    for t in (q, k, v))  # (B, nh/p, T, hs)
-        y = self.core(q, k, v, self.training, documents)  # (B, nh/p, T, hs)
+        y = self.core(q, k, v, self.training, inputs)  # (B, nh/p, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_head_local * self.head_dim)  # (B, T, h/p)
         y = self.c_proj(y)  # (B, T, h), or (B, T/t, h) with SP
         with self.residual_dropout_rng():
@@ -112,6 +113,12 @@ class MLP(nn.Module):
             return self.dropout(y)
 
 
+def query_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype of the attention's queries: the hidden states', or autocast's (bench/throughput.py)."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
 Carried = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 """What flows between the layers: the hidden states, or with the document mask (hidden states,
 (B, T) segment ids) until the last block (model/documents.py)."""
@@ -124,16 +131,17 @@ class Block(nn.Module):
     `dropout_rng` enters the per-TP-rank dropout RNG (model/pipe.py); the dense reference
     leaves it a no-op. With the document mask a block takes (hidden, segment ids) and passes the
     segment ids on, except the last block, whose output is the hidden states alone (ln_f and
-    the head are unchanged); `document_masks` is shared by the blocks of one stage."""
+    the head are unchanged). `attention_inputs` (RoPE's tables, the document mask) is built once
+    per micro-batch and shared by the blocks of one stage (model/attention_inputs.py)."""
 
     def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group,
                  dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext,
-                 document_masks: Optional[DocumentMasks] = None):
+                 attention_inputs: Optional[StageAttentionInputs] = None):
         super().__init__()
-        self.document_masks = None
-        if config.document_mask:
-            self.document_masks = document_masks or DocumentMasks(config.dropout)
-            self.last = layer_index == config.n_layer - 1
+        self.attention_inputs = attention_inputs or StageAttentionInputs(config)
+        self.document_mask = config.document_mask
+        self.last = layer_index == config.n_layer - 1
+        self.sequence_chunks = group_size(config.sequence_parallel_group(tp_group))
         generator = init_generator(config, layer_index)
         residual_rng = sequence_dropout_rng(config, tp_group, dropout_rng)
         llama = config.arch == "llama"
@@ -144,13 +152,12 @@ class Block(nn.Module):
         self.mlp = (LlamaMLP if llama else MLP)(config, tp_group, generator, residual_rng)
 
     def forward(self, x: Carried) -> Carried:  # (B, T, h) -> (B, T, h); (B, T/t, h) with SP
-        if self.document_masks is None:
-            x = x + self.attn(self.ln_1(x))
-            return x + self.mlp(self.ln_2(x))
-        hidden, segments = x
-        hidden = hidden + self.attn(self.ln_1(hidden), self.document_masks.layout(segments))
+        hidden, segments = x if self.document_mask else (x, None)
+        inputs = self.attention_inputs(segments, hidden.size(1) * self.sequence_chunks, hidden.device,
+                                       query_dtype(hidden))
+        hidden = hidden + self.attn(self.ln_1(hidden), inputs)
         hidden = hidden + self.mlp(self.ln_2(hidden))
-        return hidden if self.last else (hidden, segments)
+        return hidden if self.last or not self.document_mask else (hidden, segments)
 
 
 class TokenEmbedding(nn.Module):
@@ -230,7 +237,7 @@ class GPT(nn.Module):
         self.config = config
         self.tp_group = tp_group
         self.layer_table = pipeline_layers(config)
-        masks = DocumentMasks(config.dropout) if config.document_mask else None
+        attention_inputs = StageAttentionInputs(config)
         for kind, i in self.layer_table:  # each module at its dense name (LAYER_KINDS), in the table's order
             if kind == "embed":
                 self.embed = TokenEmbedding(config, tp_group)
@@ -239,7 +246,7 @@ class GPT(nn.Module):
             elif kind == "block":
                 if i == 0:
                     self.blocks = nn.ModuleList()
-                self.blocks.append(Block(config, i, tp_group, document_masks=masks))
+                self.blocks.append(Block(config, i, tp_group, attention_inputs=attention_inputs))
             elif kind == "ln_f":
                 self.ln_f = make_norm(config, tp_group)
             elif kind == "lm_head":

@@ -17,7 +17,7 @@ from torch.nn import functional
 
 from model.attention import AttentionCore
 from model.config import GPTConfig
-from model.documents import DocumentLayout
+from model.attention_inputs import AttentionInputs
 from model.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_projections, group_rank, group_size
 from model.mappings import Group, gather_rows_from_tp_region
 
@@ -80,8 +80,8 @@ class GroupedQueryAttention(nn.Module):
         kv = kv_all[self.kv_head * r:(self.kv_head + 1) * r].transpose(0, 1).reshape(2 * d, *param.shape[1:])
         return torch.cat([param[:q_rows], kv])  # (a/t*d + 2d, ...)
 
-    def forward(self, x: torch.Tensor, documents: Optional[DocumentLayout] = None) -> torch.Tensor:
-        """(B, T, h), or (B, T/t, h) with SP; `documents`: positions and mask of the document mask."""
+    def forward(self, x: torch.Tensor, inputs: Optional[AttentionInputs] = None) -> torch.Tensor:
+        """(B, T, h), or (B, T/t, h) with SP; `inputs`: the stage's RoPE tables and mask for this micro-batch."""
         weight, bias = self.qkv_proj.weight, self.qkv_proj.bias
         sections = self.local_sections
         if self.replicas > 1:
@@ -95,7 +95,7 @@ class GroupedQueryAttention(nn.Module):
         B, T, _ = q.shape
         q = q.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)  # (B, a/t, T, d)
         k, v = (t.view(B, T, self.n_kv_local, self.head_dim).transpose(1, 2) for t in (k, v))  # (B, kv, T, d)
-        y = self.core(q, k, v, self.training, documents)  # (B, a/t, T, d)
+        y = self.core(q, k, v, self.training, inputs)  # (B, a/t, T, d)
         y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head_local * self.head_dim))
         with self.residual_dropout_rng():
             return self.resid_dropout(y)

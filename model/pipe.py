@@ -19,7 +19,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
-from model.documents import DocumentMasks
+from model.attention_inputs import StageAttentionInputs
 from model.gpt import Block, GPTConfig, LMHead, PositionEmbedding, TokenEmbedding, norm_class
 from model.layer_table import layer_name, pipeline_layers
 from model.layers import sequence_parallel_params
@@ -70,7 +70,7 @@ def tp_dropout_rng():
 
 
 def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: ParallelState,
-               document_masks: Optional[DocumentMasks] = None) -> LayerSpec:
+               attention_inputs: Optional[StageAttentionInputs] = None) -> LayerSpec:
     tp = state.tp_group
     # Without dropout nothing draws from the stream: no fork, which saves swapping the RNG state
     # around every attention core and, under train.compile, the graph breaks that swap causes.
@@ -82,7 +82,7 @@ def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: Parall
     if kind == "wpe":
         return LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng_or_none)
     if kind == "block":
-        return LayerSpec(Block, config, block, tp, tp_dropout_rng_or_none, document_masks)
+        return LayerSpec(Block, config, block, tp, tp_dropout_rng_or_none, attention_inputs)
     if kind == "ln_f":
         return LayerSpec(norm_class(config), config.n_embd, config.sequence_parallel_group(tp), eps=config.norm_eps)
     if kind == "lm_head":
@@ -91,9 +91,9 @@ def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: Parall
 
 
 def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
-    # One cache of the document mask for all blocks: DeepSpeed builds only this stage's layers.
-    masks = DocumentMasks(config.dropout) if config.document_mask else None
-    return [layer_spec(kind, block, config, state, masks) for kind, block in pipeline_layers(config)]
+    # One cache of RoPE's tables and the document mask for all blocks: DeepSpeed builds only this stage's layers.
+    attention_inputs = StageAttentionInputs(config)
+    return [layer_spec(kind, block, config, state, attention_inputs) for kind, block in pipeline_layers(config)]
 
 
 def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -8,7 +8,9 @@ it alone from position 0 with plain causal attention (no mask; fp32, relative 1e
   forked ranks), both architectures (GPT-2's learned positions taken per rank's sequence chunk),
   one under each recompute mode: the per-token losses the last stage computes at step-0 weights
   (the same at every layout: docs/design.md contract 2), and the gradient of every shard against
-  the dense masked model's.
+  the dense masked model's; and one mask build per micro-batch per stage, also under full recompute;
+- the GPU path: its BlockMask, built from the document starts, allows exactly the boolean mask's
+  pairs, and compiled flex_attention with it (forward only on CPU) gives each document's losses alone.
 The packed windows are synthetic, so that each holds several documents: in the embedded corpus
 only 3% of the 33-token windows of the tiny recipes hold a document boundary. For the same reason
 tests/test_llama_parity.py, whose runs train with the mask on, shows mostly that the mask's
@@ -26,7 +28,7 @@ from distributed import run_distributed, sgd_engine, uses_deepspeed
 from model.config import GPTConfig
 from model.convert import dense_name, split
 from model.documents import block_document_mask, dense_document_mask, document_ids, document_positions
-from model.gpt import GPT
+from model.gpt import GPT, Block
 from model.loss import vocab_parallel_cross_entropy
 from model.parallel_state import init_parallel_state
 
@@ -88,6 +90,44 @@ def test_segments_and_positions_restart_at_each_eos():
             assert mask[i, j] == (j <= i and segments[0, i] == segments[0, j]), (i, j)
 
 
+def _block_mask_elements(block_mask, B: int, T: int, block_size: int) -> torch.Tensor:
+    """A BlockMask as flex_attention reads it, element by element: (B, 1, T, T) boolean, True in its
+    full blocks and, in its partial blocks, where its mask_mod says so."""
+    n = block_mask.kv_num_blocks.size(-1)
+    tables = []
+    for counts, indices in ((block_mask.kv_num_blocks, block_mask.kv_indices),
+                            (block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
+        table = torch.zeros(B, n, n, dtype=torch.bool)
+        for b in range(B):
+            for i in range(n):
+                table[b, i, indices[b, 0, i, :counts[b, 0, i]].long()] = True
+        tables.append(table)
+    partial, full = tables
+    assert not (partial & full).any()
+    q, kv = torch.arange(T).view(T, 1), torch.arange(T).view(1, T)
+    rows = []
+    for b in range(B):
+        rule = block_mask.mask_mod(torch.tensor(b), torch.tensor(0), q, kv)
+        rows.append(full[b][q // block_size, kv // block_size] | (partial[b][q // block_size, kv // block_size] & rule))
+    return torch.stack(rows).unsqueeze(1)
+
+
+@pytest.mark.parametrize("T,block_size", [(100, 16), (96, 16), (33, 128), (384, 128)])
+def test_block_mask_from_boundaries_is_the_dense_mask(T, block_size):
+    """The BlockMask built from document starts (no (T, T) tensor) allows exactly the pairs of the
+    boolean mask, and marks full only blocks the rule fills: T a multiple of the block or not,
+    documents shorter and longer than a block, empty documents, a row with one boundary."""
+    generator = torch.Generator().manual_seed(T)
+    for trial in range(3):
+        ids = torch.randint(0, 6, (3, T), generator=generator)  # EOS = 0: documents of ~6 tokens
+        ids[1] = torch.randint(1, 6, (T,), generator=generator)
+        ids[1, T // 2] = EOS
+        ids[2] = torch.randint(1, 6, (T,), generator=generator)  # no boundary: plain causal
+        segments = document_ids(ids, EOS)
+        got = _block_mask_elements(block_document_mask(segments, block_size), 3, T, block_size)
+        assert torch.equal(got, dense_document_mask(segments)), (T, block_size, trial)
+
+
 @pytest.mark.slow  # 5 s: flex_attention's first use
 def test_flex_block_mask_matches_the_dense_mask():
     """The GPU kernel's BlockMask (flex_attention; on CPU forward only, unfused) against the
@@ -116,6 +156,25 @@ def test_packed_documents_match_each_document_alone(config):
         unmasked = _token_losses(plain, windows[:, :-1], windows[:, 1:])
     _assert_documents_alone(windows, losses, plain)
     assert (losses - unmasked).abs().max() > 1e-3  # the mask changes what documents see
+
+
+@pytest.mark.slow  # 15-25 s: compiles flex_attention (inductor) on CPU
+def test_flex_attention_path_matches_each_document_alone(monkeypatch):
+    """The GPU path, compiled flex_attention with the BlockMask from boundaries, run on CPU: torch
+    2.13's flex_attention has a forward only there (it refuses inputs that need grad), so this is
+    the dense Llama model in no_grad on the same windows, against each document alone."""
+    import model.attention_inputs
+    config = dataclasses.replace(LLAMA, n_embd=64)  # head_dim 16: flex's CPU kernel wants at least 16
+    monkeypatch.setattr(model.attention_inputs, "uses_flex_attention", lambda device, dropout: True)
+    windows = _windows(config)
+    masked, plain = GPT(_masked(config)).eval(), GPT(config).eval()
+    from torch.nn.attention.flex_attention import BlockMask
+    masks = []
+    masked.blocks[0].attn.register_forward_pre_hook(lambda module, args: masks.append(args[1].mask))
+    with torch.no_grad():
+        losses = _token_losses(masked, windows[:, :-1], windows[:, 1:])
+    assert len(masks) == 1 and isinstance(masks[0], BlockMask)
+    _assert_documents_alone(windows, losses, plain)
 
 
 @pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
@@ -158,6 +217,10 @@ def _pipeline_body():
         windows = {(r, m): _windows(config, seed=10 * r + m) for r in range(state.dp_size) for m in range(N_MICRO)}
         mine = [windows[(state.dp_rank, m)] for m in range(N_MICRO)]
         engine.train_batch(iter([(w[:, :-1], w[:, 1:]) for w in mine]))
+        # One build of the mask (and RoPE's tables) per micro-batch per stage, shared by its blocks:
+        # full recompute's replay of micro-batch 0, after 1F1B ran micro-batch 1's forward, reuses it.
+        stage_inputs = {id(m.attention_inputs): m.attention_inputs for m in pipe.modules() if isinstance(m, Block)}
+        assert [s.built for s in stage_inputs.values()] == [N_MICRO], (config.arch, [s.built for s in stage_inputs.values()])
 
         plain = GPT(dataclasses.replace(config, document_mask=False, sequence_parallel=False,
                                         recompute_attention=False))
