@@ -16,8 +16,8 @@ import torch.nn as nn
 from torch.nn import functional
 
 from model.attention import AttentionCore
-from model.config import GPTConfig
 from model.attention_inputs import AttentionInputs
+from model.config import GPTConfig
 from model.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_projections, group_rank, group_size
 from model.mappings import Group, gather_rows_from_tp_region
 
