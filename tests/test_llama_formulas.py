@@ -109,6 +109,22 @@ def test_activation_formula_is_what_autograd_saves(changes):
     assert formula == _saved_block_bytes(config, 2)
 
 
+@pytest.mark.parametrize("changes", [dict(), dict(n_kv_head=2), dict(arch="gpt2", ffn_hidden_size=None)],
+                         ids=["llama", "llama-gqa", "gpt2"])
+@pytest.mark.parametrize("selective", [False, True], ids=["none", "selective"])
+def test_fused_attention_formula_is_what_autograd_saves(changes, selective):
+    """Dropout 0: SDPA takes its fused (flash) kernel, on CPU as on GPU, and stores no s x s
+    scores: the fused count (a logsumexp per row and head; nothing of the core under selective
+    recompute) equals the saved bytes exactly, grouped-query heads unexpanded. The planner counts
+    this path (launch/analysis/planner.py plans for GPUs)."""
+    config = GPTConfig(**dict(dict(arch="llama", n_layer=2, n_head=4, n_embd=32, ffn_hidden_size=64, seq_len=16,
+                                   vocab_size=50, dropout=0.0, recompute_attention=selective), **changes))
+    formula = memory_formulas.model_activation_bytes_per_layer(config, config.seq_len, 2, selective=selective,
+                                                               element_bytes=4, mask_bytes=0, layernorm_stat_bytes=4,
+                                                               fused_attention=True)
+    assert formula == _saved_block_bytes(config, 2)
+
+
 @pytest.mark.parametrize("l,h,a,s,b,t", [(12, 768, 12, 1024, 4, 2), (4, 64, 4, 32, 2, 4)])
 def test_activation_and_layer_flops_are_gpt2s_for_gpt2(l, h, a, s, b, t):
     m = ModelConfig(n_layer=l, n_embd=h, n_head=a, seq_len=s, vocab_size=100).resolved()

@@ -76,7 +76,8 @@ def activation_bytes_per_stage(seq_len: int, micro_batch: int, hidden: int, head
 def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1,
                                      recompute: bool = False, sequence_parallel: bool = False,
                                      selective: bool = False, element_bytes: int = ACTIVATION_BYTES,
-                                     mask_bytes: int = 1, layernorm_stat_bytes: int = 0) -> float:
+                                     mask_bytes: int = 1, layernorm_stat_bytes: int = 0,
+                                     fused_attention: bool = False) -> float:
     """`activation_bytes_per_layer` (K22's tensor-by-tensor count) for any architecture; equal to
     it for GPT-2. Per s*b*h, E = element_bytes, M = mask_bytes:
       replicated over TP, split by SP: norm inputs 2E, inputs of the q/k/v and first MLP
@@ -86,7 +87,12 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
         them to all a heads before saving: count kv = a there), the o_proj input E*a*d/h; the MLP
         keeps 2 tensors of width f (GELU: its input and output) or 4 (SwiGLU: gate, up, silu(gate)
         and their product), E*f/h each;
-      attention core, per a*s/h: (2E + M), as K22.
+      attention core, per a*s/h: (2E + M), as K22: SDPA's math path, which stores the s x s
+        scores (CPU with dropout). `fused_attention` (flash SDPA: the GPU path, and CPU's without
+        dropout) stores no scores, only an fp32 logsumexp per row and head, 4*a/h: its output,
+        laid out (b, s, a, d), is the o_proj input already counted (the transpose before o_proj
+        copies nothing). Selective recompute (model/attention.py checkpoints the whole core, its
+        inputs q, k, v already counted) stores neither;
     Per token: `layernorm_stat_bytes` for each LayerNorm's mean and 1/std, or each RMSNorm's 1/rms.
     RoPE adds its cos and sin tables, 2*s*d*E per block (independent of b)."""
     s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
@@ -99,7 +105,12 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
     d, kv, f = m.head_dim, m.n_kv_head, m.ffn_hidden_size
     attention = E * (2 * a * d + 2 * kv * d) / h
     mlp = (4 if m.mlp == "swiglu" else 2) * E * f / h
-    core = 0 if selective else (2 * E + M) * a * s / h
+    if selective:
+        core = 0
+    elif fused_attention:
+        core = 4 * a / h  # the logsumexp, (b, a, s) fp32, kept for the fused backward
+    else:
+        core = (2 * E + M) * a * s / h
     stats = 2 * (1 if rms else 2) * layernorm_stat_bytes * s * b  # two norms per block
     rope = 2 * s * d * E if m.position == "rope" else 0
     return s * b * h * (replicated / sp + (attention + mlp) / t + core / t) + stats / sp + rope
