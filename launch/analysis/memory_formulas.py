@@ -16,7 +16,9 @@ def model_state_bytes(params: float, dp: int, zero_stage: int) -> Dict[str, floa
     """Weights, gradients and optimizer states per device for `params` local parameters [R20
     sec. 3.1 and 5, fig. 1]: 2 + 2 + K bytes/param with K = 12, i.e. 16 without ZeRO (stage 0);
     stage 1 splits the optimizer over d (4 + 12/d); stage 2 also the gradients (2 + 14/d);
-    stage 3 also the weights (16/d)."""
+    stage 3 also the weights (16/d). The paper's count: what DeepSpeed's engine allocates on top
+    (the bf16 path's fp32 gradient buffer, ZeRO-1's padding and bucket) is
+    launch/analysis/engine_memory.py's."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage} must be 0, 1, 2 or 3")
     split = lambda stage: dp if zero_stage >= stage else 1  # noqa: E731
