@@ -83,8 +83,9 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
     """`activation_bytes_per_layer` (K22's tensor-by-tensor count) for any architecture; equal to
     it for GPT-2. Per s*b*h, E = element_bytes, M = mask_bytes:
       replicated over TP, split by SP: norm inputs 2E, inputs of the q/k/v and first MLP
-        projections 2E, two dropout masks 2M; RMSNorm (model/layers.py, transformers' formula)
-        also keeps its normalised output before the weight, 2E for the two norms;
+        projections 2E, two dropout masks 2M; RMSNorm (model/norms.py, transformers' formula)
+        keeps its input in fp32 (2*4 for the two norms, whatever E: in bf16 that is a copy) and
+        its normalised output before the weight, 2E;
       split by TP: Q E*a*d/h, K and V E*kv*d/h each (SDPA's math path, CPU with dropout, expands
         them to all a heads before saving: count kv = a there), the o_proj input E*a*d/h; the MLP
         keeps 2 tensors of width f (GELU: its input and output) or 4 (SwiGLU: gate, up, silu(gate)
@@ -103,7 +104,10 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
     if recompute:
         return E * s * b * h / sp
     rms = m.norm == "rmsnorm"
-    replicated = 4 * E + 2 * M + (2 * E if rms else 0)
+    # RMSNorm (model/norms.py) keeps its input as an fp32 copy, 4 bytes whatever E, and its
+    # normalised output before the weight, E.
+    norm_inputs = 2 * 4 if rms else 2 * E
+    replicated = norm_inputs + 2 * E + 2 * M + (2 * E if rms else 0)
     d, kv, f = m.head_dim, m.n_kv_head, m.ffn_hidden_size
     attention = E * (2 * a * d + 2 * kv * d) / h
     mlp = (4 if m.mlp == "swiglu" else 2) * E * f / h
