@@ -133,7 +133,8 @@ def test_fused_attention_formula_is_what_autograd_saves(changes, selective, dtyp
 @pytest.mark.parametrize("l,h,a,s,b,t", [(12, 768, 12, 1024, 4, 2), (4, 64, 4, 32, 2, 4)])
 def test_activation_and_layer_flops_are_gpt2s_for_gpt2(l, h, a, s, b, t):
     m = ModelConfig(n_layer=l, n_embd=h, n_head=a, seq_len=s, vocab_size=100).resolved()
-    for kwargs in (dict(), dict(sequence_parallel=True), dict(selective=True), dict(recompute=True)):
+    for kwargs in (dict(), dict(sequence_parallel=True), dict(selective=True), dict(recompute=True),
+                   dict(fused_attention=True)):
         assert memory_formulas.model_activation_bytes_per_layer(m, s, b, t, **kwargs) == \
             memory_formulas.activation_bytes_per_layer(s, b, h, a, t, **kwargs)
     for recompute in (False, True):

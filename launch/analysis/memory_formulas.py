@@ -30,7 +30,8 @@ def model_state_bytes(params: float, dp: int, zero_stage: int) -> Dict[str, floa
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int,
                                tp: int = 1, recompute: bool = False, sequence_parallel: bool = False,
                                selective: bool = False, element_bytes: int = ACTIVATION_BYTES,
-                               mask_bytes: int = 1, layernorm_stat_bytes: int = 0) -> float:
+                               mask_bytes: int = 1, layernorm_stat_bytes: int = 0,
+                               fused_attention: bool = False) -> float:
     """Activations one block stores for backward, per micro-batch, per TP rank [K22 sec. 4-5,
     table 2]. With the defaults (fp16/bf16: 2 bytes per element, 1 per dropout-mask element):
       no parallelism                 s*b*h*(34 + 5*a*s/h)
@@ -47,8 +48,9 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                         GELU input 4E and output 4E               (24)
       attention core, per a*s/h:        softmax output E, its dropout mask M and output E (5)
     `layernorm_stat_bytes` adds what K22 leaves out: each LayerNorm's mean and 1/std per token
-    (4 bytes each in fp32). The core assumes the s x s scores are stored: an upper bound for
-    fused (flash) attention, which keeps none."""
+    (4 bytes each in fp32). The core assumes the s x s scores are stored (SDPA's math path);
+    `fused_attention` (flash) keeps none, only an fp32 logsumexp per row and head: 4*a/h
+    (model_activation_bytes_per_layer)."""
     s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
     E, M = element_bytes, mask_bytes
     sp = t if sequence_parallel else 1
@@ -56,7 +58,7 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
         return E * s * b * h / sp
     replicated = 4 * E + 2 * M
     split = 12 * E
-    core = 0 if selective else (2 * E + M) * a * s / h
+    core = 0 if selective else 4 * a / h if fused_attention else (2 * E + M) * a * s / h
     stats = 2 * 2 * layernorm_stat_bytes * s * b  # two LayerNorms, mean and 1/std per token
     return s * b * h * (replicated / sp + split / t + core / t) + stats / sp
 
