@@ -119,7 +119,8 @@ def main(argv=None) -> int:
     fp32 = dict(element_bytes=4, mask_bytes=0 if fused else 4, layernorm_stat_bytes=4)
     print(f"Activation bytes saved for backward per block per TP rank: s={s} b={b} h={h} a={a} "
           f"dropout={args.dropout}, fp32")
-    print(f"{'tp':>3} {'SP':>3} {'recompute':>9} | {'measured':>10} {'/sbh':>7} | {'fused count, fp32' if fused else 'K22 count, fp32':>15} "
+    counted = "fused count, fp32" if fused else "K22 count, fp32"
+    print(f"{'tp':>3} {'SP':>3} {'recompute':>9} | {'measured':>10} {'/sbh':>7} | {counted:>15} "
           f"{'/sbh':>7} | {'K22 fp16 /sbh':>13}")
     notes = set()
     for (tp, sp, mode), n in sorted(measured.items(), key=lambda kv: (kv[0][0], kv[0][1], MODES.index(kv[0][2]))):

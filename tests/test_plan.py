@@ -182,12 +182,12 @@ def test_recompute_mode_chooses_the_activations(capsys):
     for mode in ("none", "selective", "full"):
         assert main([*SMALL, "--gpus", "2", "--precision", "fp32", "--zero", "0", "--recompute", mode, "--json"]) == 0
         plans[mode] = _json(capsys.readouterr().out)
+    keys = {"none": "activations_no_recompute", "selective": "activations_selective", "full": "activations_recompute"}
     for mode, plan in plans.items():
         stage = plan["memory_per_stage_bytes"][0]
         states = sum(stage[k] for k in ("weights", "gradients", "optimizer", "buffers"))
         assert plan["recompute"] == mode and stage["total"] == states + stage["activations"]
-        assert stage["activations"] == plans["none"]["memory_per_stage_bytes"][0][
-            {"none": "activations_no_recompute", "selective": "activations_selective", "full": "activations_recompute"}[mode]]
+        assert stage["activations"] == plans["none"]["memory_per_stage_bytes"][0][keys[mode]]
     totals = [plans[mode]["memory_per_device_bytes"] for mode in ("full", "selective", "none")]
     assert totals == sorted(set(totals))
 

@@ -113,7 +113,8 @@ def _engine_holds_the_planned_bytes():
         plan = estimate_plan(dataclasses.replace(recipe.model, vocab_size=VOCAB), setup,
                              Hardware(gpu.peak_flops, gpu.intra_node_bw, gpu.inter_node_bw))
         planned = plan["memory_per_stage_bytes"][state.pp_rank]
-        where = f"{train.precision} zero {train.zero_stage} (tp {tp}, pp {pp}, dp {layout.dp}), rank {state.global_rank}"
+        where = (f"{train.precision} zero {train.zero_stage} (tp {tp}, pp {pp}, dp {layout.dp}), "
+                 f"rank {state.global_rank}")
         assert held == {k: planned[k] for k in STATES}, f"{where}: engine holds {held}, planned {planned}"
 
         groups = stage_groups(config, tp, pp, state.pp_rank, list(engine.module.parts))
