@@ -19,6 +19,8 @@ from launcher import LLAMA_TINY, TINY
 
 VOCAB = 4095
 SMALL_GPT2 = ["model.n_embd=30", "model.n_head=2"]
+# 1 or 2 micro-batches of 2 per step: the model states held do not depend on their number.
+FEW_MICRO_BATCHES = ["train.global_batch_size=4"]
 # (recipe, overrides, tp, pp): dp = 2 / (tp * pp) on the test's two processes.
 LAYOUTS = [(TINY, SMALL_GPT2 + ["train.precision=fp32", "train.zero_stage=0"], 1, 2),
            (TINY, SMALL_GPT2 + ["train.precision=fp32", "train.zero_stage=1"], 1, 1),
@@ -84,7 +86,7 @@ def _engine_holds_the_planned_bytes():
 
     gpu = GPUS["H100"]
     for recipe_path, overrides, tp, pp in LAYOUTS:
-        recipe = load_recipe(recipe_path, overrides)
+        recipe = load_recipe(recipe_path, overrides + FEW_MICRO_BATCHES)
         # The training run's layout and stage boundaries (launch/runtime/startup.py).
         layout = with_stage_boundaries(check_and_derive_layout(recipe, dist.get_world_size(), tp, pp, True), recipe,
                                        VOCAB)
