@@ -82,6 +82,7 @@ BAD = [  # (argv, words the message must contain)
     (["--tp", "2"], ["--gpus"]),
     (["--gpus", "8", "--zero", "2"], ["--zero", "invalid choice"]),
     (["--gpus", "8", "--zero", "0"], ["--zero 0 with bf16", "--zero 1", "--precision fp32"]),
+    (["--gpus", "8", "--zero", "0", "--search"], ["--zero 0 with bf16", "--zero 1", "--precision fp32"]),
     (["--gpus", "8", "--precision", "fp8"], ["--precision", "invalid choice"]),
     (["--gpus", "8", "--recipe", "recipes/nope.yaml"], ["recipes/nope.yaml", "not found"]),
 ]

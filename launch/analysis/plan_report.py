@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Tuple
 from launch.analysis import formulas
 from launch.analysis.engine_memory import REDUCE_BUCKET_ELEMENTS
 from launch.analysis.partition import DEFAULT, parse_partition
-from launch.analysis.planner import GIB, GPUS, Hardware, Setup, estimate_plan, search, why
+from launch.analysis.planner import GIB, GPUS, Hardware, Setup, check_precision, estimate_plan, search, why
 from model.config import ModelConfig
 from launch.config.recipe import RECOMPUTE_MODES, load_recipe
 from launch.errors import ConfigError
@@ -256,6 +256,7 @@ def plot(path: Path, plan: Dict[str, Any]) -> None:
 def plan_output(args: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
     """(the text or JSON to print, the plan to draw) for launch/plan.py's arguments."""
     model, setup, hw = resolve(args)
+    check_precision(setup)  # before --search, which skips the layouts that fail their checks
     if args.search:
         valid = search(model, setup, hw)
         plans = [plan for plan in valid if plan["fits"]]

@@ -79,6 +79,13 @@ class Hardware:
     """Per-device budget; None checks nothing."""
 
 
+def check_precision(setup: Setup) -> None:
+    """The one precision rule of every layout, named by the planner's flags (docs/design.md contract 8)."""
+    if setup.precision == "bf16" and setup.zero == 0:
+        raise ConfigError("--zero 0 with bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 path with fp32 gradient "
+                          "accumulation (docs/design.md contract 8); use --zero 1, or --precision fp32")
+
+
 def check_setup(model: ModelConfig, setup: Setup) -> Layout:
     """The training script's own layout rules (check_and_derive_layout), on a recipe of these dims."""
     # Checked first, so that the message names the planner's flag rather than the recipe key.
@@ -92,9 +99,7 @@ def check_setup(model: ModelConfig, setup: Setup) -> Layout:
         raise ConfigError(f"--gpus {setup.gpus} is not divisible by tp*pp = {setup.tp}*{setup.pp} = "
                           f"{setup.tp * setup.pp}; use a multiple of {setup.tp * setup.pp} GPUs, or a tp*pp "
                           f"that divides {setup.gpus}")
-    if setup.precision == "bf16" and setup.zero == 0:
-        raise ConfigError("--zero 0 with bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 path with fp32 gradient "
-                          "accumulation (docs/design.md contract 8); use --zero 1, or --precision fp32")
+    check_precision(setup)
     recipe = Recipe(model=model,
                     train=TrainSection(micro_batch_size=setup.micro_batch, global_batch_size=setup.global_batch,
                                        precision=setup.precision, zero_stage=setup.zero,
