@@ -109,14 +109,18 @@ def main(argv=None) -> int:
     for tp in tps:
         measured.update(measure(args, tp))
 
+    fused = args.dropout == 0  # SDPA takes its fused kernel: no s x s scores, no masks
+
     def formula(tp: int, sp: bool, mode: str, **dtype) -> float:
         return memory_formulas.activation_bytes_per_layer(s, b, h, a, tp, recompute=mode == "full",
-                                            sequence_parallel=sp, selective=mode == "selective", **dtype)
+                                            sequence_parallel=sp, selective=mode == "selective",
+                                            fused_attention=fused, **dtype)
 
-    fp32 = dict(element_bytes=4, mask_bytes=4, layernorm_stat_bytes=4)
+    fp32 = dict(element_bytes=4, mask_bytes=0 if fused else 4, layernorm_stat_bytes=4)
     print(f"Activation bytes saved for backward per block per TP rank: s={s} b={b} h={h} a={a} "
           f"dropout={args.dropout}, fp32")
-    print(f"{'tp':>3} {'SP':>3} {'recompute':>9} | {'measured':>10} {'/sbh':>7} | {'K22 count, fp32':>15} "
+    counted = "fused count, fp32" if fused else "K22 count, fp32"
+    print(f"{'tp':>3} {'SP':>3} {'recompute':>9} | {'measured':>10} {'/sbh':>7} | {counted:>15} "
           f"{'/sbh':>7} | {'K22 fp16 /sbh':>13}")
     notes = set()
     for (tp, sp, mode), n in sorted(measured.items(), key=lambda kv: (kv[0][0], kv[0][1], MODES.index(kv[0][2]))):
@@ -131,14 +135,14 @@ def main(argv=None) -> int:
         print(f"{tp:>3} {'on' if sp else 'off':>3} {mode:>9} | {n:>10d} {n / sbh:>7.3f} | {ours:>15.0f} "
               f"{ours / sbh:>7.3f} | {formula(tp, sp, mode) / sbh:>13.3f}{mark}")
     if not notes:
-        print("measured = K22's count with fp32 elements, fp32 dropout masks and LayerNorm statistics, to the byte")
+        print("measured = " + ("the fused-attention count (a logsumexp per row and head, no scores or masks)"
+                               if fused else "K22's count with fp32 dropout masks") + " with fp32 elements and "
+              "LayerNorm statistics, to the byte")
     if " *" in notes:
         print(" * one head per TP rank: SDPA keeps V as a view of the whole (B, T, 3h/t) c_attn output, "
               "+2*4*s*b*h/t bytes; every other term is as counted")
     if " ?" in notes:
-        print(" ? measured differs from K22's fp32 count" + (
-            ": with dropout 0 SDPA's fused kernel stores no s x s scores and no masks are kept, so "
-            "K22's core term (5as/h) over-counts" if args.dropout == 0 else ""))
+        print(" ? measured differs from the fp32 count")
 
     print("\nRatios (measured vs K22 formula):")
     for tp in tps:

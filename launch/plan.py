@@ -10,7 +10,9 @@
 
 Model fields not given come from --recipe, else GPT-3 defaults (Brown et al. 2020, 175B):
 96 layers, hidden 12288, heads = hidden / 128, sequence 2048, vocabulary 51200 (GPT-2's
-50257 padded as in Narayanan et al. 2021). Memory assumes bf16/fp16 mixed precision.
+50257 padded as in Narayanan et al. 2021). Memory is what DeepSpeed 0.19.8 allocates for the
+precision and ZeRO stage (launch/analysis/engine_memory.py) and what a GPU's fused attention
+stores (no s x s scores).
 Formulas: launch/analysis/formulas.py; cost model of --search: launch/analysis/planner.py.
 """
 import argparse
@@ -21,7 +23,7 @@ from typing import List, Optional
 
 from launch.analysis.plan_report import plan_output, plot
 from launch.analysis.planner import GPUS
-from launch.config.recipe import SCHEDULES
+from launch.config.recipe import PRECISIONS, RECOMPUTE_MODES, SCHEDULES
 from launch.errors import ConfigError, report_bad_input
 from launch.runtime.cli import OneLineErrorParser
 
@@ -43,8 +45,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     lay.add_argument("--micro-batch", type=int, help="samples per micro-batch per replica (default: recipe's, else 1)")
     lay.add_argument("--global-batch", type=int, help="samples per step (default: recipe's, else 1536 as GPT-3)")
     lay.add_argument("--zero", type=int, choices=[0, 1], help="ZeRO stage (default: recipe's, else 1)")
-    lay.add_argument("--recompute", choices=["none", "full"],
-                     help="activation recompute (default: full if the recipe checkpoints, else none)")
+    lay.add_argument("--recompute", choices=RECOMPUTE_MODES,
+                     help="activation recompute: none, selective (the attention core) or full (whole blocks); "
+                          "default: the recipe's train.recompute, else none")
+    lay.add_argument("--precision", choices=PRECISIONS,
+                     help="train.precision: decides DeepSpeed's optimizer, its buffers and the activations' bytes "
+                          "(default: the recipe's, else bf16)")
     lay.add_argument("--schedule", choices=SCHEDULES,
                      help="pipeline schedule (default: the recipe's train.schedule, else 1f1b)")
     lay.add_argument("--partition", metavar="balanced|blocks|N,N,...",

@@ -87,11 +87,11 @@ def test_general_formulas_are_gpt2_closed_forms_for_gpt2(l, h, a, V, s):
 
 # ------------------------------------------------------------------ activation memory
 
-def _saved_block_bytes(config: GPTConfig, batch: int) -> int:
+def _saved_block_bytes(config: GPTConfig, batch: int, dtype: torch.dtype = torch.float32) -> int:
     from bench.activation_memory import saved_activation_bytes
     from model.gpt import Block
-    block = Block(config, 0, None).train()
-    x = torch.randn(batch, config.seq_len, config.n_embd, requires_grad=True)
+    block = Block(config, 0, None).train().to(dtype)
+    x = torch.randn(batch, config.seq_len, config.n_embd, requires_grad=True, dtype=dtype)
     return saved_activation_bytes(lambda: block(x), block.parameters())
 
 
@@ -109,10 +109,32 @@ def test_activation_formula_is_what_autograd_saves(changes):
     assert formula == _saved_block_bytes(config, 2)
 
 
+@pytest.mark.parametrize("changes", [dict(), dict(n_kv_head=2), dict(arch="gpt2", ffn_hidden_size=None)],
+                         ids=["llama", "llama-gqa", "gpt2"])
+@pytest.mark.parametrize("selective", [False, True], ids=["none", "selective"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_attention_formula_is_what_autograd_saves(changes, selective, dtype):
+    """Dropout 0: SDPA takes its fused (flash) kernel, on CPU as on GPU, and stores no s x s
+    scores: the fused count (a logsumexp per row and head; nothing of the core under selective
+    recompute) equals the saved bytes exactly, grouped-query heads unexpanded, in fp32 and in bf16
+    (RMSNorm's fp32 copy of its input). The planner counts this path (it plans for GPUs). The
+    device assumption passed here: CPU keeps LayerNorm's mean and 1/std in the input's dtype
+    (CUDA in fp32, the planner's 4 bytes); RMSNorm's 1/rms is fp32 on both."""
+    config = GPTConfig(**dict(dict(arch="llama", n_layer=2, n_head=4, n_embd=32, ffn_hidden_size=64, seq_len=16,
+                                   vocab_size=50, dropout=0.0, recompute_attention=selective), **changes))
+    element = torch.finfo(dtype).bits // 8
+    stats = 4 if config.norm == "rmsnorm" else element
+    formula = memory_formulas.model_activation_bytes_per_layer(config, config.seq_len, 2, selective=selective,
+                                                               element_bytes=element, mask_bytes=0,
+                                                               layernorm_stat_bytes=stats, fused_attention=True)
+    assert formula == _saved_block_bytes(config, 2, dtype)
+
+
 @pytest.mark.parametrize("l,h,a,s,b,t", [(12, 768, 12, 1024, 4, 2), (4, 64, 4, 32, 2, 4)])
 def test_activation_and_layer_flops_are_gpt2s_for_gpt2(l, h, a, s, b, t):
     m = ModelConfig(n_layer=l, n_embd=h, n_head=a, seq_len=s, vocab_size=100).resolved()
-    for kwargs in (dict(), dict(sequence_parallel=True), dict(selective=True), dict(recompute=True)):
+    for kwargs in (dict(), dict(sequence_parallel=True), dict(selective=True), dict(recompute=True),
+                   dict(fused_attention=True)):
         assert memory_formulas.model_activation_bytes_per_layer(m, s, b, t, **kwargs) == \
             memory_formulas.activation_bytes_per_layer(s, b, h, a, t, **kwargs)
     for recompute in (False, True):

@@ -81,6 +81,9 @@ BAD = [  # (argv, words the message must contain)
     (["--gpus", "8", "--heads", "0"], ["--heads 0", ">= 1"]),
     (["--tp", "2"], ["--gpus"]),
     (["--gpus", "8", "--zero", "2"], ["--zero", "invalid choice"]),
+    (["--gpus", "8", "--zero", "0"], ["--zero 0 with bf16", "--zero 1", "--precision fp32"]),
+    (["--gpus", "8", "--zero", "0", "--search"], ["--zero 0 with bf16", "--zero 1", "--precision fp32"]),
+    (["--gpus", "8", "--precision", "fp8"], ["--precision", "invalid choice"]),
     (["--gpus", "8", "--recipe", "recipes/nope.yaml"], ["recipes/nope.yaml", "not found"]),
 ]
 
@@ -170,6 +173,24 @@ def test_recipe_gives_the_model(capsys):
     expected = dict(yaml.safe_load((REPO / "recipes" / "tiny.yaml").read_text())["model"], vocab_size=4096)
     assert {key: plan["model"][key] for key in expected} == expected
     assert (plan["dp"], plan["micro_batch"], plan["global_batch"], plan["zero"]) == (2, 2, 16, 1)
+    assert (plan["precision"], plan["recompute"]) == ("fp32", "none")  # the recipe's train section
+
+
+def test_recompute_mode_chooses_the_activations(capsys):
+    """The total counts the chosen mode's activations; full < selective < none (selective keeps no
+    logsumexp under fused attention: a little less than none)."""
+    plans = {}
+    for mode in ("none", "selective", "full"):
+        assert main([*SMALL, "--gpus", "2", "--precision", "fp32", "--zero", "0", "--recompute", mode, "--json"]) == 0
+        plans[mode] = _json(capsys.readouterr().out)
+    keys = {"none": "activations_no_recompute", "selective": "activations_selective", "full": "activations_recompute"}
+    for mode, plan in plans.items():
+        stage = plan["memory_per_stage_bytes"][0]
+        states = sum(stage[k] for k in ("weights", "gradients", "optimizer", "buffers"))
+        assert plan["recompute"] == mode and stage["total"] == states + stage["activations"]
+        assert stage["activations"] == plans["none"]["memory_per_stage_bytes"][0][keys[mode]]
+    totals = [plans[mode]["memory_per_device_bytes"] for mode in ("full", "selective", "none")]
+    assert totals == sorted(set(totals))
 
 
 @pytest.mark.parametrize("pp,m", [(1, 4), (2, 1), (4, 4), (4, 8), (8, 3), (3, 32)])

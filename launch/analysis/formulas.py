@@ -235,7 +235,9 @@ def pp_p2p_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, microbatc
 
 def dp_allreduce_bytes_per_step(params_per_device: int) -> int:
     """Gradient all-reduce per step across the dp replicas: the local gradient, params/(t*p)
-    on average [N21 sec. 3], in bf16/fp16 (fp32 gradient accumulation doubles it)."""
+    on average [N21 sec. 3], in bf16/fp16: the leading term. DeepSpeed reduces in the model dtype
+    even when it accumulates in fp32; the planner's exact count, per precision and with ZeRO-1's
+    padding, is launch/analysis/engine_memory.py's dp_allreduce_bytes."""
     return params_per_device * GRAD_BYTES
 
 

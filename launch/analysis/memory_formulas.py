@@ -16,7 +16,9 @@ def model_state_bytes(params: float, dp: int, zero_stage: int) -> Dict[str, floa
     """Weights, gradients and optimizer states per device for `params` local parameters [R20
     sec. 3.1 and 5, fig. 1]: 2 + 2 + K bytes/param with K = 12, i.e. 16 without ZeRO (stage 0);
     stage 1 splits the optimizer over d (4 + 12/d); stage 2 also the gradients (2 + 14/d);
-    stage 3 also the weights (16/d)."""
+    stage 3 also the weights (16/d). The paper's count: what DeepSpeed's engine allocates on top
+    (the bf16 path's fp32 gradient buffer, ZeRO-1's padding and bucket) is
+    launch/analysis/engine_memory.py's."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage} must be 0, 1, 2 or 3")
     split = lambda stage: dp if zero_stage >= stage else 1  # noqa: E731
@@ -28,7 +30,8 @@ def model_state_bytes(params: float, dp: int, zero_stage: int) -> Dict[str, floa
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int,
                                tp: int = 1, recompute: bool = False, sequence_parallel: bool = False,
                                selective: bool = False, element_bytes: int = ACTIVATION_BYTES,
-                               mask_bytes: int = 1, layernorm_stat_bytes: int = 0) -> float:
+                               mask_bytes: int = 1, layernorm_stat_bytes: int = 0,
+                               fused_attention: bool = False) -> float:
     """Activations one block stores for backward, per micro-batch, per TP rank [K22 sec. 4-5,
     table 2]. With the defaults (fp16/bf16: 2 bytes per element, 1 per dropout-mask element):
       no parallelism                 s*b*h*(34 + 5*a*s/h)
@@ -45,8 +48,9 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                         GELU input 4E and output 4E               (24)
       attention core, per a*s/h:        softmax output E, its dropout mask M and output E (5)
     `layernorm_stat_bytes` adds what K22 leaves out: each LayerNorm's mean and 1/std per token
-    (4 bytes each in fp32). The core assumes the s x s scores are stored: an upper bound for
-    fused (flash) attention, which keeps none."""
+    (4 bytes each in fp32). The core assumes the s x s scores are stored (SDPA's math path);
+    `fused_attention` (flash) keeps none, only an fp32 logsumexp per row and head: 4*a/h
+    (model_activation_bytes_per_layer)."""
     s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
     E, M = element_bytes, mask_bytes
     sp = t if sequence_parallel else 1
@@ -54,7 +58,7 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
         return E * s * b * h / sp
     replicated = 4 * E + 2 * M
     split = 12 * E
-    core = 0 if selective else (2 * E + M) * a * s / h
+    core = 0 if selective else 4 * a / h if fused_attention else (2 * E + M) * a * s / h
     stats = 2 * 2 * layernorm_stat_bytes * s * b  # two LayerNorms, mean and 1/std per token
     return s * b * h * (replicated / sp + split / t + core / t) + stats / sp
 
@@ -76,17 +80,24 @@ def activation_bytes_per_stage(seq_len: int, micro_batch: int, hidden: int, head
 def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1,
                                      recompute: bool = False, sequence_parallel: bool = False,
                                      selective: bool = False, element_bytes: int = ACTIVATION_BYTES,
-                                     mask_bytes: int = 1, layernorm_stat_bytes: int = 0) -> float:
+                                     mask_bytes: int = 1, layernorm_stat_bytes: int = 0,
+                                     fused_attention: bool = False) -> float:
     """`activation_bytes_per_layer` (K22's tensor-by-tensor count) for any architecture; equal to
     it for GPT-2. Per s*b*h, E = element_bytes, M = mask_bytes:
       replicated over TP, split by SP: norm inputs 2E, inputs of the q/k/v and first MLP
-        projections 2E, two dropout masks 2M; RMSNorm (model/layers.py, transformers' formula)
-        also keeps its normalised output before the weight, 2E for the two norms;
+        projections 2E, two dropout masks 2M; RMSNorm (model/norms.py, transformers' formula)
+        keeps its input in fp32 (2*4 for the two norms, whatever E: in bf16 that is a copy) and
+        its normalised output before the weight, 2E;
       split by TP: Q E*a*d/h, K and V E*kv*d/h each (SDPA's math path, CPU with dropout, expands
         them to all a heads before saving: count kv = a there), the o_proj input E*a*d/h; the MLP
         keeps 2 tensors of width f (GELU: its input and output) or 4 (SwiGLU: gate, up, silu(gate)
         and their product), E*f/h each;
-      attention core, per a*s/h: (2E + M), as K22.
+      attention core, per a*s/h: (2E + M), as K22: SDPA's math path, which stores the s x s
+        scores (CPU with dropout). `fused_attention` (flash SDPA: the GPU path, and CPU's without
+        dropout) stores no scores, only an fp32 logsumexp per row and head, 4*a/h: its output,
+        laid out (b, s, a, d), is the o_proj input already counted (the transpose before o_proj
+        copies nothing). Selective recompute (model/attention.py checkpoints the whole core, its
+        inputs q, k, v already counted) stores neither;
     Per token: `layernorm_stat_bytes` for each LayerNorm's mean and 1/std, or each RMSNorm's 1/rms.
     RoPE adds its cos and sin tables, 2*s*d*E per block (independent of b)."""
     s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
@@ -95,11 +106,19 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
     if recompute:
         return E * s * b * h / sp
     rms = m.norm == "rmsnorm"
-    replicated = 4 * E + 2 * M + (2 * E if rms else 0)
+    # RMSNorm (model/norms.py) keeps its input as an fp32 copy, 4 bytes whatever E, and its
+    # normalised output before the weight, E.
+    norm_inputs = 2 * 4 if rms else 2 * E
+    replicated = norm_inputs + 2 * E + 2 * M + (2 * E if rms else 0)
     d, kv, f = m.head_dim, m.n_kv_head, m.ffn_hidden_size
     attention = E * (2 * a * d + 2 * kv * d) / h
     mlp = (4 if m.mlp == "swiglu" else 2) * E * f / h
-    core = 0 if selective else (2 * E + M) * a * s / h
+    if selective:
+        core = 0
+    elif fused_attention:
+        core = 4 * a / h  # the logsumexp, (b, a, s) fp32, kept for the fused backward
+    else:
+        core = (2 * E + M) * a * s / h
     stats = 2 * (1 if rms else 2) * layernorm_stat_bytes * s * b  # two norms per block
     rope = 2 * s * d * E if m.position == "rope" else 0
     return s * b * h * (replicated / sp + (attention + mlp) / t + core / t) + stats / sp + rope

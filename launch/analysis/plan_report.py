@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from launch.analysis import formulas
+from launch.analysis.engine_memory import REDUCE_BUCKET_ELEMENTS
 from launch.analysis.partition import DEFAULT, parse_partition
-from launch.analysis.planner import GIB, GPUS, Hardware, Setup, estimate_plan, search, why
+from launch.analysis.planner import GIB, GPUS, Hardware, Setup, check_precision, estimate_plan, search, why
 from model.config import ModelConfig
-from launch.config.recipe import load_recipe
+from launch.config.recipe import RECOMPUTE_MODES, load_recipe
 from launch.errors import ConfigError
 
 GPT3 = {"layers": 96, "hidden": 12288, "seq_len": 2048, "vocab": 51200}
@@ -50,14 +51,21 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
                                 seq_len=pick(args.seq_len, rm and rm.seq_len, GPT3["seq_len"]),
                                 vocab_size=vocab if vocab is not None else GPT3["vocab"],
                                 vocab_pad_multiple=pick(args.vocab_pad_multiple, rm and rm.vocab_pad_multiple, 1))
-    recompute = args.recompute == "full" if args.recompute else bool(rt and rt.recompute_mode == "full")
+    recompute = args.recompute or (rt.recompute_mode if rt else "none")
+    ds_settings = recipe.deepspeed if rm is not None else {}  # the recipe's own DeepSpeed settings
+    comm_dtype = ds_settings.get("communication_data_type")
+    if comm_dtype not in (None, "fp32", "bf16", "fp16"):
+        raise ConfigError(f"deepspeed.communication_data_type={comm_dtype!r} must be fp32, bf16 or fp16")
     cut = parse_partition(args.partition) if args.partition is not None else rt.partition if rt else DEFAULT
     setup = Setup(gpus=args.gpus, tp=args.tp, pp=args.pp,
                   micro_batch=pick(args.micro_batch, rt and rt.micro_batch_size, 1),
                   global_batch=pick(args.global_batch, rt and rt.global_batch_size, 1536),
                   zero=pick(args.zero, rt and rt.zero_stage, 1), recompute=recompute,
                   partition=cut if isinstance(cut, str) else tuple(cut),
-                  schedule=args.schedule or (rt.schedule if rt else "1f1b"))
+                  schedule=args.schedule or (rt.schedule if rt else "1f1b"),
+                  precision=args.precision or (rt.precision if rt else "bf16"), communication_data_type=comm_dtype,
+                  reduce_bucket_elements=int(ds_settings.get("zero_optimization", {}).get(
+                      "reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)))
     gpu = GPUS[args.gpu]
     memory = args.gpu_memory if args.gpu_memory is not None else (gpu.memory_gib if args.search else None)
     for name, value in [("--gpu-memory", memory), ("--peak-tflops", args.peak_tflops),
@@ -94,13 +102,17 @@ def warnings(plan: Dict[str, Any], model: ModelConfig, setup: Setup, hw: Hardwar
                    f"and raise --pp instead")
     mem = plan["memory_per_device_bytes"]
     if hw.memory_bytes is not None and mem > hw.memory_bytes:
-        changes = ([{"recompute": True}] if not setup.recompute else []) + ([{"zero": 1}] if setup.zero == 0 else [])
-        if len(changes) == 2:
-            changes.append({"recompute": True, "zero": 1})
+        stronger = RECOMPUTE_MODES[RECOMPUTE_MODES.index(setup.recompute) + 1:]  # none < selective < full
+        recompute = [{"recompute": mode} for mode in stronger]
+        changes = recompute + ([{"zero": 1}] if setup.zero == 0 else [])
+        if setup.zero == 0 and recompute:
+            changes.append({"recompute": "full", "zero": 1})
         fixes = []
         for change in changes:
             alt = estimate_plan(model, dataclasses.replace(setup, **change), hw)["memory_per_device_bytes"]
-            flags = " ".join("--recompute full" if k == "recompute" else "--zero 1" for k in change)
+            if alt > 0.99 * mem:  # selective recompute under fused attention saves a logsumexp: no fix
+                continue
+            flags = " ".join(f"--recompute {v}" if k == "recompute" else "--zero 1" for k, v in change.items())
             fixes.append(f"{flags} gives {alt / GIB:.1f} GiB")
         fixes.append("or raise --tp/--pp, lower --micro-batch (--search lists layouts that fit)")
         out.append(f"predicted {mem / GIB:.1f} GiB per device (stage {plan['memory_fullest_stage']}) exceeds "
@@ -150,6 +162,9 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
     time = plan["step_time_parts_s"]
     gib = lambda x: f"{x / GIB:7.1f} GiB"  # noqa: E731
     total_label = f"total (zero {plan['zero']}, recompute {plan['recompute']})"
+    precision = plan["precision"]
+    gradients_label = ("gradients (fp32 + bf16 .grad)" if precision == "bf16" and plan["zero"] == 1
+                       else f"gradients ({precision})")
     lines = [
         f"Model: {model.n_layer} layers, hidden {model.n_embd}, {model.n_head} heads, seq {model.seq_len}, "
         f"vocab {model.vocab_size} (padded {plan['padded_vocab']}): {_count(plan['params_total'])} parameters "
@@ -167,7 +182,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"{comm['pp'] / 1e9:.1f} GB each way per boundary (b*s*h per micro-batch), {where['pp']}",
         f"{'':12}groups: {_groups(plan['groups']['pp'])}",
         f"{'DP':<5}{d:>5}  {f'the batch into {d} replicas':<44}"
-        f"{comm['dp'] / 1e9:.1f} GB all-reduced (the local gradients), {where['dp']}",
+        f"{comm['dp'] / 1e9:.1f} GB all-reduced (the local gradients, {plan['dp_allreduce_dtype']}), {where['dp']}",
         f"{'':12}groups: {_groups(plan['groups']['dp'])}",
         "",
         f"dp = {plan['gpus']} / (tp {t} * pp {p}) = {d}",
@@ -183,12 +198,16 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"(stages: {', '.join(_count(x) for x in plan['params_per_stage'][:8])}{', ...' if p > 8 else ''})",
         "",
         f"memory per device, stage {k} (the fullest):",
-        f"  {'weights (bf16)':<32}{gib(mem['weights'])}",
-        f"  {'gradients (bf16)':<32}{gib(mem['gradients'])}",
-        f"  {'optimizer (fp32 Adam)':<32}{gib(mem['optimizer'])}   with ZeRO-1 over dp {d}: "
-        f"{gib(mem['optimizer_zero1'])}",
-        f"  {'activations':<32}{gib(mem['activations'])}   with full recompute:   "
-        f"{gib(mem['activations_recompute'])}",
+        f"  {f'weights ({precision})':<32}{gib(mem['weights'])}",
+        f"  {gradients_label:<32}{gib(mem['gradients'])}",
+        f"  {'optimizer (fp32 master, Adam)':<32}{gib(mem['optimizer'])}"
+        + (f"   with ZeRO-1 over dp {d}: {gib(mem['optimizer_zero1'])}" if plan['zero'] == 0 else
+           f"   (ZeRO-1: split over dp {d})"),
+        *([f"  {'DeepSpeed ZeRO-1 reduce bucket':<32}{gib(mem['buffers'])}   (zero_optimization.reduce_bucket_size "
+           f"elements, during backward)"] if mem["buffers"] else []),
+        f"  {'activations (recompute ' + plan['recompute'] + ')':<32}{gib(mem['activations'])}   none "
+        f"{gib(mem['activations_no_recompute']).strip()}, selective {gib(mem['activations_selective']).strip()}, "
+        f"full {gib(mem['activations_recompute']).strip()}",
         *([f"  {'ZB-H1 weight-gradient stash':<32}{gib(mem['weight_grad_stash'])}   (up to {deferred} "
            f"micro-batch{'es' * (deferred > 1)} of linear inputs and output gradients)"] if deferred else []),
         f"  {total_label:<32}{gib(plan['memory_per_device_bytes'])}"
@@ -207,7 +226,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
 def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setup, hw: Hardware) -> str:
     budget = f"{hw.memory_bytes / GIB:g} GiB" if hw.memory_bytes else "none"
     lines = [f"{len(plans)} of {valid} valid layouts fit for {setup.gpus} GPUs, global batch {setup.global_batch}, "
-             f"zero {setup.zero}, recompute {'full' if setup.recompute else 'none'}, memory budget {budget}; "
+             f"{setup.precision}, zero {setup.zero}, recompute {setup.recompute}, memory budget {budget}; "
              f"cost model: {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s, "
              f"{hw.intra_node_bw / 1e9:.0f} GB/s in node, {hw.inter_node_bw / 1e9:.0f} GB/s across",
              f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'micro':>5} {'m':>4} {'bubble':>7} {'GiB':>6} "
@@ -237,9 +256,9 @@ def plot(path: Path, plan: Dict[str, Any]) -> None:
 def plan_output(args: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
     """(the text or JSON to print, the plan to draw) for launch/plan.py's arguments."""
     model, setup, hw = resolve(args)
+    check_precision(setup)  # before --search, which skips the layouts that fail their checks
     if args.search:
-        valid = search(model, setup.gpus, setup.global_batch, setup.zero, setup.recompute, hw, setup.partition,
-                       setup.schedule)
+        valid = search(model, setup, hw)
         plans = [plan for plan in valid if plan["fits"]]
         if not valid:
             raise ConfigError(f"no valid (tp, pp, micro-batch) for {setup.gpus} GPUs, global batch "
@@ -248,7 +267,7 @@ def plan_output(args: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
         if not plans:
             raise ConfigError(f"none of the {len(valid)} valid layouts for {setup.gpus} GPUs and global batch "
                               f"{setup.global_batch} fits {hw.memory_bytes / GIB:g} GiB per device; "
-                              f"try --recompute full, --zero 1, more --gpus or a larger --gpu-memory")
+                              f"try --recompute selective or full, --zero 1, more --gpus or a larger --gpu-memory")
         chosen, output = plans[0], search_report(plans, len(valid), args.top, setup, hw)
         if args.json:
             output = json.dumps({"search": plans[:args.top], "valid_layouts": len(valid),

@@ -9,10 +9,11 @@ schedule (1F1B or ZB-H1) simulated over the engine's own instruction streams wit
 then the DP gradient all-reduce, not overlapped. It ignores latency, overlap and small
 micro-batches' lower efficiency: it ranks layouts, it does not promise a time
 (docs/planner-and-metrics.md, "--search and the cost model")."""
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from launch.analysis import formulas, memory_formulas
+from launch.analysis import engine_memory, formulas, memory_formulas
 from launch.analysis import partition as partition_rules
 from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe, TrainSection
@@ -47,11 +48,23 @@ class Setup:
     micro_batch: int
     global_batch: int
     zero: int = 1
-    recompute: bool = False
+    recompute: str = "none"
+    """train.recompute: none, selective (the attention core) or full (whole blocks)."""
     partition: Union[str, Tuple[int, ...]] = partition_rules.DEFAULT
     """train.partition: balanced, blocks or blocks per stage (launch/analysis/partition.py)."""
     schedule: str = "1f1b"
     """train.schedule: 1f1b or zb-h1 (launch/analysis/zero_bubble_schedule.py)."""
+    precision: str = "bf16"
+    """train.precision: fp32, bf16 or fp16; decides DeepSpeed's optimizer and its buffers
+    (launch/analysis/engine_memory.py) and the bytes of every activation."""
+    communication_data_type: Optional[str] = None
+    """The recipe's deepspeed.communication_data_type: the DP all-reduce's dtype (None: the model's)."""
+    reduce_bucket_elements: int = engine_memory.REDUCE_BUCKET_ELEMENTS
+    """The recipe's deepspeed.zero_optimization.reduce_bucket_size (ZeRO-1's bucket, fp32 and fp16)."""
+
+    @property
+    def full_recompute(self) -> bool:
+        return self.recompute == "full"
 
 
 @dataclass(frozen=True)
@@ -66,8 +79,15 @@ class Hardware:
     """Per-device budget; None checks nothing."""
 
 
+def check_precision(setup: Setup) -> None:
+    """The one precision rule of every layout, named by the planner's flags (docs/design.md contract 8)."""
+    if setup.precision == "bf16" and setup.zero == 0:
+        raise ConfigError("--zero 0 with bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 path with fp32 gradient "
+                          "accumulation (docs/design.md contract 8); use --zero 1, or --precision fp32")
+
+
 def check_setup(model: ModelConfig, setup: Setup) -> Layout:
-    """The training script's own layout rules (check_and_derive_layout), on a bf16 recipe of these dims."""
+    """The training script's own layout rules (check_and_derive_layout), on a recipe of these dims."""
     # Checked first, so that the message names the planner's flag rather than the recipe key.
     for flag, value in [("--gpus", setup.gpus), ("--layers", model.n_layer), ("--hidden", model.n_embd),
                         ("--heads", model.n_head), ("--seq-len", model.seq_len), ("--vocab", model.vocab_size),
@@ -79,9 +99,10 @@ def check_setup(model: ModelConfig, setup: Setup) -> Layout:
         raise ConfigError(f"--gpus {setup.gpus} is not divisible by tp*pp = {setup.tp}*{setup.pp} = "
                           f"{setup.tp * setup.pp}; use a multiple of {setup.tp * setup.pp} GPUs, or a tp*pp "
                           f"that divides {setup.gpus}")
+    check_precision(setup)
     recipe = Recipe(model=model,
                     train=TrainSection(micro_batch_size=setup.micro_batch, global_batch_size=setup.global_batch,
-                                       precision="bf16", zero_stage=setup.zero,
+                                       precision=setup.precision, zero_stage=setup.zero,
                                        partition=setup.partition if isinstance(setup.partition, str)
                                        else list(setup.partition)))
     return check_and_derive_layout(recipe, setup.gpus, setup.tp, setup.pp, on_cpu=False)
@@ -99,43 +120,65 @@ def within_node(groups: List[List[int]], gpus_per_node: int) -> bool:
     return all(len({rank // gpus_per_node for rank in group}) == 1 for group in groups)
 
 
+def stage_groups(model: ModelConfig, tp: int, pp: int, stage: int, parts: List[int]) -> Tuple[int, int]:
+    """(matrices, vectors) one rank of `stage` holds: the optimizer's two parameter groups
+    (weight-decayed matrices and embeddings; biases and norms), each flattened apart by ZeRO-1."""
+    from launch.analysis.comm_formulas import stage_vector_params_per_rank  # imports the model: only when planning
+    params = formulas.model_stage_params_per_rank(model, tp, pp, stage, parts)
+    vectors = stage_vector_params_per_rank(model, tp, pp, stage, parts)
+    return params - vectors, vectors
+
+
+def activation_bytes_per_block(model: ModelConfig, setup: Setup, recompute: str) -> float:
+    """What one block keeps for backward on a GPU, per micro-batch and TP rank: elements in the
+    run's precision, fused (flash) attention with no s x s scores, dropout masks (1 byte) only
+    with dropout, the norms' fp32 statistics, sequence parallelism as the recipe sets it."""
+    return memory_formulas.model_activation_bytes_per_layer(
+        model, model.seq_len, setup.micro_batch, setup.tp, recompute=recompute == "full",
+        sequence_parallel=model.sequence_parallel and setup.tp > 1, selective=recompute == "selective",
+        element_bytes=engine_memory.ELEMENT_BYTES[setup.precision], mask_bytes=1 if model.dropout > 0 else 0,
+        layernorm_stat_bytes=4, fused_attention=True)
+
+
 def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, blocks: int,
-                  params: int) -> Dict[str, int]:
-    plain, zero1 = memory_formulas.model_state_bytes(params, dp, 0), memory_formulas.model_state_bytes(params, dp, 1)
+                  groups: Tuple[int, int]) -> Dict[str, int]:
+    states = lambda zero: engine_memory.model_state_bytes_per_rank(  # noqa: E731
+        setup.precision, zero, dp, *groups, reduce_bucket_elements=setup.reduce_bucket_elements)
+    chosen = states(setup.zero)
     inflight = memory_formulas.inflight_microbatches(setup.pp, m, stage)  # micro-batches alive at the peak
     arch, b, s, t = model.resolved(), setup.micro_batch, model.seq_len, setup.tp
-    per_layer = lambda recompute: memory_formulas.model_activation_bytes_per_layer(  # noqa: E731
-        arch, s, b, t, recompute)
+    element = engine_memory.ELEMENT_BYTES[setup.precision]
     # ZB-H1: each stage keeps some micro-batches' weight-gradient inputs between their B and W
     # passes (launch/analysis/zero_bubble_schedule.py), the last stage the output layer's too.
     from launch.analysis.zero_bubble_schedule import deferred_microbatches, runs_zero_bubble  # imports DeepSpeed
     stash, deferred = 0.0, 0
     if runs_zero_bubble(setup.schedule, setup.pp):
         deferred = deferred_microbatches(stage, m)
-        stash = blocks * memory_formulas.weight_grad_stash_bytes_per_layer(arch, s, b, t)
-        stash += memory_formulas.head_weight_grad_stash_bytes(arch, s, b, t) if stage == setup.pp - 1 else 0
+        stash = blocks * memory_formulas.weight_grad_stash_bytes_per_layer(arch, s, b, t, element_bytes=element)
+        stash += memory_formulas.head_weight_grad_stash_bytes(arch, s, b, t, element) if stage == setup.pp - 1 else 0
         stash *= deferred
-    out = {"weights": plain["weights"], "gradients": plain["gradients"],
-           "optimizer": plain["optimizer"], "optimizer_zero1": zero1["optimizer"],
-           "activations": per_layer(False) * blocks * inflight,
-           "activations_recompute": per_layer(True) * blocks * inflight,
+    activations = {mode: activation_bytes_per_block(arch, setup, mode) * blocks * inflight
+                   for mode in ("none", "selective", "full")}
+    out = {**chosen, "optimizer_zero1": states(1)["optimizer"],
+           "activations": activations[setup.recompute], "activations_no_recompute": activations["none"],
+           "activations_selective": activations["selective"], "activations_recompute": activations["full"],
            "weight_grad_stash": stash, "weight_grad_stash_microbatches": deferred}
-    out["total"] = (sum(memory_formulas.model_state_bytes(params, dp, setup.zero).values())
-                    + out["activations_recompute" if setup.recompute else "activations"] + stash)
+    out["total"] = sum(chosen.values()) + out["activations"] + stash
     return {k: round(v) for k, v in out.items()}
 
 
 def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: List[int],
                        flops: List[Tuple[int, int]], weight_flops: List[int], dp: int, m: int,
-                       params_per_device: int,
+                       dp_bytes: int,
                        bandwidth: Dict[str, float]) -> Tuple[Dict[str, float], Dict[str, List[float]]]:
     """(seconds per step and its parts, per-stage forward, backward and weight-gradient seconds of
     one micro-batch) by the cost model of the module docstring; `flops`: each stage's (forward,
-    backward) FLOPs, `weight_flops` the weight-gradient part of the backward."""
+    backward) FLOPs, `weight_flops` the weight-gradient part of the backward, `dp_bytes` what the
+    fullest stage's rank hands to the DP gradient all-reduce."""
     from launch.analysis.pipeline_chart import idle_fraction  # matplotlib: only when planning
     from launch.analysis.schedule_sim import simulate_schedule
     b, s, h, t, p = setup.micro_batch, model.seq_len, model.n_embd, setup.tp, setup.pp
-    tp_bytes_per_block = formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.recompute) * formulas.ring_allreduce_factor(t)
+    tp_bytes_per_block = formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.full_recompute) * formulas.ring_allreduce_factor(t)
     pp_comm = 2 * formulas.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0
     compute = [(forward + backward) / t / (hw.peak_flops * hw.efficiency) for forward, backward in flops]
     tp_comm = [n * tp_bytes_per_block / bandwidth["tp"] for n in blocks]
@@ -149,7 +192,7 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     span = max(e[4] for e in events)
     stages["bubble_fraction"] = idle_fraction(events) if p > 1 else 0.0
     slowest = max(range(p), key=lambda k: slot[k])
-    dp_comm = formulas.ring_allreduce_factor(dp) * formulas.dp_allreduce_bytes_per_step(params_per_device) / bandwidth["dp"]
+    dp_comm = formulas.ring_allreduce_factor(dp) * dp_bytes / bandwidth["dp"]
     # The slowest stage works m slots; the rest of the simulated span it waits: the bubble.
     parts = {"compute": m * compute[slowest], "tp": m * tp_comm[slowest], "pp": m * pp_comm,
              "bubble": max(span - m * slot[slowest], 0.0), "dp": dp_comm}
@@ -162,21 +205,25 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     arch = model.resolved()  # every architecture switch set (GQA, SwiGLU, untied head, RoPE change the counts)
     l, h, s, V = model.n_layer, model.n_embd, model.seq_len, model.vocab_size
     t, p, d, m, b = setup.tp, setup.pp, layout.dp, layout.grad_accum_steps, setup.micro_batch
-    parts = partition_rules.stage_partition(arch, p, setup.partition, s, setup.recompute)
+    # Cut as the run cuts (partition.with_stage_boundaries): only full recompute changes the FLOPs.
+    parts = partition_rules.stage_partition(arch, p, setup.partition, s, setup.full_recompute)
     blocks = partition_rules.blocks_per_stage(arch, parts)
-    stage_flops = partition_rules.stage_flops(arch, parts, b, s, setup.recompute)
+    stage_flops = partition_rules.stage_flops(arch, parts, b, s, setup.full_recompute)
     params = [formulas.model_stage_params_per_rank(arch, t, p, k, parts) for k in range(p)]
-    memory = [_stage_memory(model, setup, d, m, k, blocks[k], params[k]) for k in range(p)]
+    groups_of = [stage_groups(arch, t, p, k, parts) for k in range(p)]
+    memory = [_stage_memory(model, setup, d, m, k, blocks[k], groups_of[k]) for k in range(p)]
+    dp_bytes = max(engine_memory.dp_allreduce_bytes(setup.precision, setup.zero, d, *g, setup.communication_data_type)
+                   for g in groups_of)
     fullest = max(range(p), key=lambda k: memory[k]["total"])
     groups = rank_groups(t, p, d)
     intra = {dim: within_node(groups[dim], hw.gpus_per_node) for dim in groups}
     bandwidth = {dim: hw.intra_node_bw if intra[dim] else hw.inter_node_bw for dim in groups}
     weight_flops = partition_rules.stage_weight_grad_flops(arch, parts, b, s)
-    time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, weight_flops, d, m, max(params), bandwidth)
+    time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, weight_flops, d, m, dp_bytes, bandwidth)
     flops = formulas.model_flops_per_step_of(arch, setup.global_batch, s)
     return {
         "gpus": setup.gpus, "tp": t, "pp": p, "dp": d, "micro_batch": b, "global_batch": setup.global_batch,
-        "zero": setup.zero, "recompute": "full" if setup.recompute else "none",
+        "zero": setup.zero, "recompute": setup.recompute, "precision": setup.precision,
         "padded_vocab": formulas.padded_vocab_size(V, t, model.vocab_pad_multiple),
         # The closed form [N21] is GPT-2's: for another architecture it is a reference point only.
         "params_total": formulas.model_params(arch), "params_formula": formulas.params_formula(l, h, V, s),
@@ -196,10 +243,11 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
         "model_flops_per_step": flops,
         "model_flops_per_step_recompute": formulas.model_flops_per_step_of(arch, setup.global_batch, s, True),
         "comm_bytes_per_step": {
-            "tp": (formulas.tp_allreduce_bytes_per_step(b, s, h, max(blocks), m, setup.recompute)
-                   + formulas.kv_gather_bytes_per_step(arch, t, max(blocks), m, setup.recompute)) if t > 1 else 0,
+            "tp": (formulas.tp_allreduce_bytes_per_step(b, s, h, max(blocks), m, setup.full_recompute)
+                   + formulas.kv_gather_bytes_per_step(arch, t, max(blocks), m, setup.full_recompute)) if t > 1 else 0,
             "pp": formulas.pp_p2p_bytes_per_step(b, s, h, m) if p > 1 else 0,
-            "dp": formulas.dp_allreduce_bytes_per_step(max(params)) if d > 1 else 0},
+            "dp": dp_bytes if d > 1 else 0},
+        "dp_allreduce_dtype": setup.communication_data_type or setup.precision,
         "groups": groups, "groups_within_node": intra,
         "step_time_s": time["step"], "step_time_parts_s": time,
         "mfu_estimate": formulas.mfu(flops, time["step"], hw.peak_flops, setup.gpus),
@@ -210,11 +258,10 @@ def divisors(n: int) -> List[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def search(model: ModelConfig, gpus: int, global_batch: int, zero: int, recompute: bool,
-           hw: Hardware, partition: Union[str, Tuple[int, ...]] = partition_rules.DEFAULT,
-           schedule: str = "1f1b") -> List[Dict[str, Any]]:
-    """Every valid (tp, pp, dp, micro-batch), fastest first; `fits` says whether it fits
-    hw.memory_bytes."""
+def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any]]:
+    """Every valid (tp, pp, dp, micro-batch) for setup's GPUs and global batch, the rest of
+    `setup` kept, fastest first; `fits` says whether it fits hw.memory_bytes."""
+    gpus, global_batch = setup.gpus, setup.global_batch
     found = []
     for tp in divisors(gpus):
         for pp in divisors(gpus // tp):
@@ -223,7 +270,7 @@ def search(model: ModelConfig, gpus: int, global_batch: int, zero: int, recomput
                 continue
             for b in divisors(global_batch // dp):
                 try:
-                    plan = estimate_plan(model, Setup(gpus, tp, pp, b, global_batch, zero, recompute, partition, schedule), hw)
+                    plan = estimate_plan(model, dataclasses.replace(setup, tp=tp, pp=pp, micro_batch=b), hw)
                 except ConfigError:  # heads not divisible by tp, fewer layers than stages, a list for another pp, ...
                     continue
                 plan["fits"] = hw.memory_bytes is None or plan["memory_per_device_bytes"] <= hw.memory_bytes

@@ -58,6 +58,7 @@ PURPOSES = {
     "PartitionedTensor.full": "pp-tp-gather",  # a stage tensor sent as 1/t per TP rank, re-assembled
     "PipelineEngine._exec_reduce_tied_grads": "tied-grads",
     "DeepSpeedZeroOptimizer.allreduce_bucket": "dp-grads",
+    "DeepSpeedEngine.allreduce_bucket": "dp-grads",  # fp32 ZeRO-0 and the BF16 optimizer's fp32 buffers
     "all_gather_into_tensor_dp_groups": "dp-params",
     "all_gather_dp_groups": "dp-params",
 }
