@@ -1,12 +1,13 @@
 """`--init-from-hf DIR_OR_NAME`: start from GPT-2- or Llama-format (transformers) weights at any layout.
 
 Two halves, because bad input must fail before any process group or engine starts:
-`check_hf_source` reads only config.json and compares it with the recipe's model;
-`init_from_hf` runs after `build_pipeline` and overwrites each local parameter with this
-rank's shard of the GPT-2 weights (split by `model/convert.py`'s rules), so the first step
-trains exactly those weights whatever (tp, pp, dp) is. Nothing from the source executes
-code: the model class is fixed (GPT2LMHeadModel or LlamaForCausalLM by the config's model_type,
-never trust_remote_code) and weights load from safetensors or with torch's weights_only unpickler.
+`check_hf_source` reads only config.json (and the safetensors headers' names) and compares it
+with the recipe's model; `init_from_hf` runs after `build_pipeline` and overwrites each local
+parameter with this rank's shard of the weights (split by `model/convert.py`'s rules), so the
+first step trains exactly those weights whatever (tp, pp, dp) is. Each rank reads only the
+slices it holds, lazily from safetensors (launch/checkpoints/hf_safetensors.py). Nothing from
+the source executes code: the model class is fixed by the config's model_type (never
+trust_remote_code) and weights are safetensors.
 """
 from __future__ import annotations
 
@@ -104,10 +105,15 @@ def _llama_problems(hf, config: GPTConfig) -> List[str]:
 
 
 def check_hf_source(source: str, config: GPTConfig, resuming: bool) -> None:
-    """Raise ConfigError unless `source` holds weights of exactly the recipe's model."""
+    """Raise ConfigError unless `source` holds safetensors weights of exactly the recipe's model."""
     if resuming:
         raise ConfigError("--init-from-hf starts a new run from weights, --load resumes one: pass only one")
-    hf = read_hf_config(source)
+    _check_config(source, read_hf_config(source), config)
+    from launch.checkpoints.hf_safetensors import safetensors_weight_map
+    safetensors_weight_map(source)  # a ConfigError when there are none (pytorch_model.bin only)
+
+
+def _check_config(source: str, hf, config: GPTConfig) -> None:
     if hf.model_type == "llama":
         problems = _llama_problems(hf, config)
         if problems:
@@ -126,7 +132,9 @@ def check_hf_source(source: str, config: GPTConfig, resuming: bool) -> None:
 
 
 def hf_dense_state_dict(source: str, config: GPTConfig):
-    """GPT-2 or Llama weights of `source` as a dense state dict of our model (model/convert.py names)."""
+    """GPT-2 or Llama weights of `source` as a dense state dict of our model (model/convert.py
+    names): the whole model through transformers, for tests and small models; training reads
+    lazily (`init_from_hf`)."""
     from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
     from data.hub import hub_errors_only
@@ -144,7 +152,6 @@ def init_from_hf(pipe: PipelineModule, source: str, config: GPTConfig, state: Pa
     """Overwrite the local stage's parameters of `pipe` with this rank's shards of `source`.
 
     Call before `deepspeed.initialize`, so the optimizer (and ZeRO's fp32 master copy) start
-    from these weights. Every rank reads the whole source: simple, and fine for GPT-2 sizes."""
-    from model.convert import load_dense_into
-    load_dense_into(pipe, hf_dense_state_dict(source, config), config, state.tp_rank,
-                    state.tp_size, config.padded_vocab_size(state.tp_size))
+    from these weights. Each rank reads only its stage's tensors and its TP slices of them."""
+    from launch.checkpoints.hf_safetensors import load_hf_shards_into
+    load_hf_shards_into(pipe, source, config, True, state.tp_rank, state.tp_size)
