@@ -79,3 +79,29 @@ def test_a_source_without_safetensors_is_refused_in_one_line(tmp_path):
         check_hf_source(str(tmp_path), config, resuming=False)
     assert "no model.safetensors" in str(error.value) and "save_pretrained" in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_the_export_writes_shards_and_an_index_transformers_loads(tmp_path):
+    """launch/checkpoints/hf_safetensors.py's writer, as the export calls it with a small shard
+    limit: several files, none above the limit, an index; transformers loads every tensor, and
+    so does the lazy reader, through the index."""
+    from launch.checkpoints.hf_export import hf_config
+    from launch.checkpoints.hf_safetensors import write_safetensors
+    from model.hf_llama import to_llama_state_dict
+
+    config = CASES["llama-untied"]
+    dense = {k: v.detach() for k, v in GPT(config).named_parameters()}
+    weights = to_llama_state_dict(dense, config)
+    tokenizer = type("Ids", (), {"bos_token_id": 1, "eos_token_id": 2})()
+    limit = 8 * 1024
+    write_safetensors(tmp_path, iter(weights.items()), limit)
+    hf_config(config, tokenizer).save_pretrained(tmp_path)
+    files = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(files) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    largest = max(t.numel() * t.element_size() for t in weights.values())
+    assert all(f.stat().st_size <= max(limit, largest) + 4096 for f in files)  # + the header
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert [k for k, v in weights.items() if not torch.equal(loaded[k], v)] == []
+    ours = GPT(config)
+    load_hf_shards_into(ours, str(tmp_path), config, False, 0, 1)
+    assert [k for k, v in ours.named_parameters() if not torch.equal(v, dense[k])] == []

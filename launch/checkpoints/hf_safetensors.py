@@ -1,4 +1,5 @@
-"""Read this rank's shards of transformers weights lazily from safetensors (issue 24, item 7).
+"""Transformers weights in safetensors: read this rank's shards lazily (`--init-from-hf`), and
+write an export shard by shard (issue 24, item 7).
 
 Each parameter of the local stage gets its plan (model/hf_shards.py: which stored tensors and
 which slices of them); each piece is read with safetensors' `get_slice(name)[index]` straight
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -113,3 +114,38 @@ def load_hf_shards_into(module: torch.nn.Module, source: str, config: GPTConfig,
                 for rows, piece, transpose in destinations[name]:
                     value = f.get_slice(name)[piece.index]
                     rows.copy_(value.t() if transpose else value)  # Conv1D (in, out) -> ours (out, in)
+
+
+def write_safetensors(out: Path, tensors: Iterable[Tuple[str, torch.Tensor]], max_shard_bytes: int) -> torch.dtype:
+    """Write (name, tensor) pairs as they come into safetensors files of at most `max_shard_bytes`
+    (a larger tensor gets one of its own): `model.safetensors` when one is enough, else
+    transformers' `model-0000i-of-0000N.safetensors` and `model.safetensors.index.json`. Holds
+    one shard at a time; returns the tensors' dtype (for config.json)."""
+    from safetensors.torch import save_file
+    shards: List[List[str]] = []
+    pending: Dict[str, torch.Tensor] = {}
+    size, total, dtype = 0, 0, torch.float32
+
+    def flush() -> None:
+        save_file(pending, str(out / f".shard-{len(shards):05d}.tmp"), metadata={"format": "pt"})
+        shards.append(list(pending))
+        pending.clear()
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and size + nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        pending[name], dtype = tensor.contiguous(), tensor.dtype
+        size += nbytes
+        total += nbytes
+    if pending:
+        flush()
+    names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                               for i in range(len(shards))]
+    for i, name in enumerate(names):
+        (out / f".shard-{i:05d}.tmp").replace(out / name)
+    if len(shards) > 1:
+        weight_map = {tensor: name for name, held in zip(names, shards) for tensor in held}
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return dtype

@@ -70,7 +70,8 @@ def hf_model_fields(hf) -> Dict[str, Any]:
         return dict(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, seq_len=hf.n_positions,
                     vocab_size=hf.vocab_size)
     rope = hf.rope_parameters or {}
-    return dict(arch="llama", n_layer=hf.num_hidden_layers, n_head=hf.num_attention_heads, n_embd=hf.hidden_size,
+    return dict(arch="llama", max_positions=hf.max_position_embeddings, n_layer=hf.num_hidden_layers,
+                n_head=hf.num_attention_heads, n_embd=hf.hidden_size,
                 n_kv_head=hf.num_key_value_heads, ffn_hidden_size=hf.intermediate_size, vocab_size=hf.vocab_size,
                 rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling=_llama3_scaling(rope),
                 norm_eps=hf.rms_norm_eps,
@@ -87,8 +88,13 @@ def _llama3_scaling(rope: Dict[str, Any]) -> Optional[Dict[str, float]]:
 
 def _llama_problems(hf, config: GPTConfig) -> List[str]:
     """`key=value (needs X: fix)` items for each way a Llama config differs from the run's model."""
+    fields = hf_model_fields(hf)
+    built = fields.pop("max_positions")
     problems = [f"{key}={value!r} where this run's model has model.{key}={getattr(config, key)!r}; set "
-                f"model.{key}={value!r}" for key, value in hf_model_fields(hf).items() if getattr(config, key) != value]
+                f"model.{key}={value!r}" for key, value in fields.items() if getattr(config, key) != value]
+    if built > config.position_range:  # else the export would shrink the range the weights are built for
+        problems.append(f"max_position_embeddings={built} where this run's model is built for "
+                        f"{config.position_range} positions; set model.max_positions={built}")
     for key, have, want in (("position", config.position, "rope"), ("norm", config.norm, "rmsnorm"),
                             ("mlp", config.mlp, "swiglu")):
         if have != want:
