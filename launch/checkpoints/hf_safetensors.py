@@ -18,11 +18,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
-import torch
-
 from launch.errors import ConfigError
 
-if TYPE_CHECKING:  # annotations only
+if TYPE_CHECKING:  # annotations only: the checks before the start import no torch
+    import torch
+
     from model.config import GPTConfig
 
 INDEX = "model.safetensors.index.json"
@@ -76,11 +76,11 @@ def stored_shapes(weight_map: Dict[str, Path]) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
-@torch.no_grad()
 def load_hf_shards_into(module: torch.nn.Module, source: str, config: GPTConfig, pipeline: bool, tp_rank: int,
                         tp_size: int) -> None:
     """Copy this rank's shard of every parameter of `module` (a PipelineModule stage when
     `pipeline`, else a dense GPT holding TP shards) from the safetensors of `source`, in place."""
+    import torch
     from safetensors import safe_open
 
     from model.convert import dense_name
@@ -102,18 +102,20 @@ def load_hf_shards_into(module: torch.nn.Module, source: str, config: GPTConfig,
         plans[name] = (param, plan)
     # One file open at a time; within it, each piece read and copied to its rows before the next.
     destinations: Dict[str, List[Tuple[torch.Tensor, object, bool]]] = {}
-    for param, plan in plans.values():
-        offset = 0
-        for piece in plan.pieces:
-            destinations.setdefault(piece.name, []).append((param[offset:offset + piece.rows], piece, plan.transpose))
-            offset += piece.rows
-        param[offset:].zero_()  # vocab padding rows, zeros as at init (contract 4)
-    for path, names in _by_file(weight_map, destinations).items():
-        with safe_open(str(path), framework="pt", backend="pread") as f:
-            for name in names:
-                for rows, piece, transpose in destinations[name]:
-                    value = f.get_slice(name)[piece.index]
-                    rows.copy_(value.t() if transpose else value)  # Conv1D (in, out) -> ours (out, in)
+    with torch.no_grad():
+        for param, plan in plans.values():
+            offset = 0
+            for piece in plan.pieces:
+                destinations.setdefault(piece.name, []).append((param[offset:offset + piece.rows], piece,
+                                                                plan.transpose))
+                offset += piece.rows
+            param[offset:].zero_()  # vocab padding rows, zeros as at init (contract 4)
+        for path, names in _by_file(weight_map, destinations).items():
+            with safe_open(str(path), framework="pt", backend="pread") as f:
+                for name in names:
+                    for rows, piece, transpose in destinations[name]:
+                        value = f.get_slice(name)[piece.index]
+                        rows.copy_(value.t() if transpose else value)  # Conv1D (in, out) -> ours (out, in)
 
 
 def write_safetensors(out: Path, tensors: Iterable[Tuple[str, torch.Tensor]], max_shard_bytes: int) -> torch.dtype:
@@ -121,6 +123,7 @@ def write_safetensors(out: Path, tensors: Iterable[Tuple[str, torch.Tensor]], ma
     (a larger tensor gets one of its own): `model.safetensors` when one is enough, else
     transformers' `model-0000i-of-0000N.safetensors` and `model.safetensors.index.json`. Holds
     one shard at a time; returns the tensors' dtype (for config.json)."""
+    import torch
     from safetensors.torch import save_file
     shards: List[List[str]] = []
     pending: Dict[str, torch.Tensor] = {}
