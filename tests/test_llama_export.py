@@ -90,6 +90,8 @@ def test_saved_llama_directory_is_checked_and_read(tmp_path):
     hf = _random_llama(CONFIG)
     hf.save_pretrained(tmp_path)
     check_hf_source(str(tmp_path), CONFIG, resuming=False)
+    check_hf_source(str(tmp_path), dataclasses.replace(CONFIG, seq_len=16), resuming=False)  # a longer context
+    check_hf_source(str(tmp_path), dataclasses.replace(CONFIG, seq_len=4, max_positions=8), resuming=False)
     dense = hf_dense_state_dict(str(tmp_path), CONFIG)
     assert all(torch.equal(dense[k], v) for k, v in from_llama_state_dict(hf.state_dict(), CONFIG).items())
     for changes, words in [(dict(n_kv_head=4), "has n_kv_head=2 where this run's model has model.n_kv_head=4; "
@@ -99,7 +101,9 @@ def test_saved_llama_directory_is_checked_and_read(tmp_path):
                            (dict(rope_theta=5e5), "rope_theta=10000.0 where"),
                            (dict(rope_scaling=LLAMA3_SCALING), "rope_scaling=None where"),
                            (dict(norm="layernorm"), "set model.norm=rmsnorm"),
-                           (dict(arch="gpt2", n_kv_head=4, mlp="gelu"), "set model.arch='llama'")]:
+                           (dict(arch="gpt2", n_kv_head=4, mlp="gelu"), "set model.arch='llama'"),
+                           (dict(seq_len=4), "max_position_embeddings=8 where this run's model is built for 4 "
+                                             "positions; set model.max_positions=8")]:
         with pytest.raises(ConfigError) as error:
             check_hf_source(str(tmp_path), dataclasses.replace(CONFIG, **changes), resuming=False)
         assert words in str(error.value) and "\n" not in str(error.value), str(error.value)
