@@ -26,7 +26,7 @@ from data.spec import DataError, DataSpec
 from data.streaming import (START, Batch, StreamingBatches, StreamSource, StreamState, gather_data_state,
                             packed_windows, positions_of_units, states_from, stream_documents, stream_units,
                             stream_windows)
-from data.tokens import longest_token_bytes
+from data.tokens import longest_token_bytes, tokenize_batch
 from data.units import DatasetUnits, FileUnits, UnitSource
 from data.windows import cached_validation_windows, prepare_streams, windows
 
@@ -281,8 +281,7 @@ def _stream_tokens(source: StreamSource, stream: int, n_streams: int, seed: int,
         if text:
             batch.append(text)
         if batch and (len(batch) == 256 or not text):  # a batch, a unit's end (UNIT_END) or the epoch's
-            tokens += sum(len(ids) + 1 for ids in tokenizer(batch, add_special_tokens=False,
-                                                             return_attention_mask=False)["input_ids"] if ids)
+            tokens += sum(len(ids) for ids in tokenize_batch(batch, tokenizer))
             batch = []
             if tokens >= need:
                 return tokens, False

@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data.prefetch import ReadAhead
 from data.spec import DataError
+from data.tokens import document_tokens
 from data.units import Unit, UnitSource
 
 Position = Tuple[int, int, int, int]  # (epoch, unit in the stream's list of the epoch, row in the unit, token offset)
@@ -79,16 +80,14 @@ def packed_windows(docs: Iterator[Tuple[Position, Optional[str]]], tokenizer: Pr
                    window: int, skip_tokens: int = 0, batch_docs: int = 64
                    ) -> Iterator[Tuple[Position, Optional[np.ndarray]]]:
     """(position of its first token, window) in stream order; (end of epoch, None) after an
-    epoch's last complete window. Each document is its tokens and EOS (documents that tokenize
-    to nothing are dropped: the rule of data/tokens.py, so streaming packs what map-style does).
+    epoch's last complete window. Each document is data/tokens.py's `document_tokens` of it (its
+    tokens and EOS; empty ones dropped), so streaming packs what map-style does.
     The first document loses its first `skip_tokens` tokens (a resume inside a document)."""
-    eos = tokenizer.eos_token_id
     carry = np.empty(0, dtype=np.int64)
     pieces: List[Tuple[int, Position]] = []  # (index in carry, position of that token)
 
     def tokenized(batch):
-        ids = tokenizer([text for _, text in batch], add_special_tokens=False,
-                        return_attention_mask=False)["input_ids"]
+        ids = document_tokens([text for _, text in batch], tokenizer)
         return [(pos, doc) for (pos, _), doc in zip(batch, ids) if doc]
 
     batch: List[Tuple[Position, str]] = []
@@ -100,7 +99,7 @@ def packed_windows(docs: Iterator[Tuple[Position, Optional[str]]], tokenizer: Pr
         elif text == UNIT_END and not batch:
             continue
         for doc_pos, ids in tokenized(batch) if batch else []:
-            tokens = np.asarray(ids + [eos], dtype=np.int64)
+            tokens = np.asarray(ids, dtype=np.int64)
             if skip_tokens:
                 tokens, doc_pos, skip_tokens = tokens[skip_tokens:], doc_pos[:3] + (skip_tokens,), 0
             pieces.append((len(carry), doc_pos))

@@ -1,5 +1,10 @@
 """Documents -> one flat token stream (EOS after every document), stored compactly on disk.
 
+A document's ids are what `tokenizer(text)` gives with the tokenizer's own defaults (issue 24:
+Llama 3's prepends BOS, GPT-2's and the builtin add nothing), so training sees what
+transformers sees for the same text; then EOS, the document separator, unless the tokenizer
+appended it already.
+
 Tokenization is the fast tokenizer in batched `datasets.map`, parallel over `num_proc`
 processes; the stream is written once into a .npy file (uint16 when the vocabulary fits,
 else int32) that every process memory-maps. Windows of seq_len + 1 tokens are views into it
@@ -37,12 +42,20 @@ def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
     return max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
 
 
-def tokenize_batch(texts: List[str], tokenizer: PreTrainedTokenizerBase) -> List[List[int]]:
-    """Token ids of each document followed by EOS; documents that tokenize to nothing are
-    dropped (wikitext-style blank lines), not turned into a lone EOS."""
+def document_tokens(texts: List[str], tokenizer: PreTrainedTokenizerBase) -> List[List[int]]:
+    """Token ids of each document (the tokenizer's defaults, BOS where it adds one) ending in
+    EOS, in the order of `texts`; [] for a document with no tokens of its own (a wikitext-style
+    blank line: only what the tokenizer adds around any text), never a lone BOS or EOS."""
     eos = tokenizer.eos_token_id
-    ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    return [doc + [eos] for doc in ids if doc]
+    added = tokenizer("", return_attention_mask=False)["input_ids"]  # the specials around nothing
+    separator = [] if added and added[-1] == eos else [eos]
+    ids = tokenizer(texts, return_attention_mask=False)["input_ids"]
+    return [doc + separator if len(doc) > len(added) else [] for doc in ids]
+
+
+def tokenize_batch(texts: List[str], tokenizer: PreTrainedTokenizerBase) -> List[List[int]]:
+    """`document_tokens` of each document, the empty ones dropped."""
+    return [doc for doc in document_tokens(texts, tokenizer) if doc]
 
 
 def write_token_stream(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, text_field: str,

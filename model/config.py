@@ -62,6 +62,10 @@ class ModelConfig:
     """Hidden size; divisible by n_head."""
     seq_len: int = 1024
     """Positions the model has (GPT-2's n_positions); every batch uses exactly this length."""
+    max_positions: Optional[int] = None
+    """RoPE: the positions the model is built for, written as transformers' max_position_embeddings
+    on export (Llama 3.2: 131072, trained on shorter samples); null is seq_len. --init-from-hf
+    needs at least the source's. Learned positions have exactly seq_len (wpe's rows): null."""
     vocab_size: Optional[int] = None
     """Real vocabulary; null in a recipe takes the tokenizer's size (never below it). Padded to
     `vocab_pad_multiple * tp` inside the model, stripped on export."""
@@ -111,6 +115,11 @@ class ModelConfig:
         return dataclasses.replace(self, **filled)
 
     @property
+    def position_range(self) -> int:
+        """The positions the model is built for: max_positions, or seq_len when longer or null."""
+        return max(self.seq_len, self.max_positions or 0)
+
+    @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
@@ -144,6 +153,9 @@ class ModelConfig:
         if kv < 1 or full.n_head % kv:
             raise ValueError(f"model.n_kv_head={kv} must divide model.n_head={full.n_head} (each key/value head serves "
                              f"n_head/n_kv_head query heads; 1 is multi-query, null is n_head)")
+        if self.max_positions is not None and (full.position != "rope" or self.max_positions < 1):
+            raise ValueError(f"model.max_positions={self.max_positions} needs model.position=rope and a value >= 1 "
+                             f"(learned positions have model.seq_len rows); drop it or set model.position=rope")
         if self.vocab_pad_multiple < 1:
             raise ValueError(f"model.vocab_pad_multiple={self.vocab_pad_multiple} must be >= 1")
         if self.vocab_size is not None and self.vocab_size < 1:

@@ -3,7 +3,7 @@
 GPT-2 stores its linear weights as Conv1D (in, out); ours are nn.Linear-style (out, in).
 The vocabulary padding rows are stripped. Used by the export and by the architecture test.
 """
-from typing import Dict, List
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 
@@ -27,6 +27,22 @@ def gpt2_config_kwargs(config: GPTConfig) -> Dict:
                 n_layer=config.n_layer, n_head=config.n_head, activation_function="gelu_new",
                 resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
                 layer_norm_epsilon=1e-5, initializer_range=config.init_std, tie_word_embeddings=True)
+
+
+def gpt2_name_pairs(n_layer: int) -> Iterator[Tuple[str, str, bool]]:
+    """(our dense name, GPT2LMHeadModel's name, stored as Conv1D (in, out)) of every stored
+    parameter, in model order (the tied lm_head is wte: transformers does not store it)."""
+    yield "embed.wte.weight", "transformer.wte.weight", False
+    yield "pos.wpe", "transformer.wpe.weight", False
+    for i in range(n_layer):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        for name in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"):
+            yield ours + name, theirs + name, False
+        for name in GPT2_LINEARS:
+            yield f"{ours}{name}.weight", f"{theirs}{name}.weight", True
+            yield f"{ours}{name}.bias", f"{theirs}{name}.bias", False
+    yield "ln_f.weight", "transformer.ln_f.weight", False
+    yield "ln_f.bias", "transformer.ln_f.bias", False
 
 
 def to_gpt2_state_dict(model: GPT) -> Dict[str, torch.Tensor]:

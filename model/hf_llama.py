@@ -41,7 +41,7 @@ def llama_config_kwargs(config: GPTConfig, rope_theta: Optional[float] = None) -
     return dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.ffn_hidden_size,
                 num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
                 num_key_value_heads=config.n_kv_head, head_dim=config.head_dim, hidden_act="silu",
-                max_position_embeddings=config.seq_len, rms_norm_eps=config.norm_eps,
+                max_position_embeddings=config.position_range, rms_norm_eps=config.norm_eps,
                 rope_parameters=rope_parameters(config),
                 tie_word_embeddings=config.tie_embeddings, attention_bias=config.bias, mlp_bias=config.bias,
                 attention_dropout=config.dropout, initializer_range=config.init_std)

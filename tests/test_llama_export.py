@@ -128,6 +128,8 @@ def test_saved_llama_directory_is_checked_and_read(tmp_path):
     hf = _random_llama(CONFIG)
     hf.save_pretrained(tmp_path)
     check_hf_source(str(tmp_path), CONFIG, resuming=False)
+    check_hf_source(str(tmp_path), dataclasses.replace(CONFIG, seq_len=16), resuming=False)  # a longer context
+    check_hf_source(str(tmp_path), dataclasses.replace(CONFIG, seq_len=4, max_positions=8), resuming=False)
     dense = hf_dense_state_dict(str(tmp_path), CONFIG)
     assert all(torch.equal(dense[k], v) for k, v in from_llama_state_dict(hf.state_dict(), CONFIG).items())
     for changes, words in [(dict(n_kv_head=4), "has n_kv_head=2 where this run's model has model.n_kv_head=4; "
@@ -137,7 +139,9 @@ def test_saved_llama_directory_is_checked_and_read(tmp_path):
                            (dict(rope_theta=5e5), "rope_theta=10000.0 where"),
                            (dict(rope_scaling=LLAMA3_SCALING), "rope_scaling=None where"),
                            (dict(norm="layernorm"), "set model.norm=rmsnorm"),
-                           (dict(arch="gpt2", n_kv_head=4, mlp="gelu"), "set model.arch='llama'")]:
+                           (dict(arch="gpt2", n_kv_head=4, mlp="gelu"), "set model.arch='llama'"),
+                           (dict(seq_len=4), "max_position_embeddings=8 where this run's model is built for 4 "
+                                             "positions; set model.max_positions=8")]:
         with pytest.raises(ConfigError) as error:
             check_hf_source(str(tmp_path), dataclasses.replace(CONFIG, **changes), resuming=False)
         assert words in str(error.value) and "\n" not in str(error.value), str(error.value)
@@ -218,3 +222,68 @@ def test_gpt2_weights_need_the_gpt2_switches(tmp_path):
         with pytest.raises(ConfigError, match=words) as error:
             check_hf_source(str(tmp_path), dataclasses.replace(config, **changes), resuming=False)
         assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------ the tokenizer's convention (issue 24)
+
+TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Pack my box with five dozen liquor jugs.", ""]
+
+
+def _trained_tokenizer(bos: bool):
+    """A Llama-3-like tokenizer built here (no download): BOS prepended by its post-processor
+    when `bos`, EOS separate; without it, GPT-2's convention (nothing added)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|begin|>", "<|end|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if bos:
+        bpe.post_processor = processors.TemplateProcessing(single="<|begin|> $A", special_tokens=[("<|begin|>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin|>", eos_token="<|end|>")
+
+
+@pytest.mark.parametrize("bos", [True, False], ids=["bos", "no-bos"])
+def test_training_tokenizes_as_transformers_and_the_export_computes_our_loss(bos, tmp_path):
+    """Training's document ids are `tokenizer(text)` with its defaults (then EOS), map-style and
+    streamed; the exported config carries the tokenizer's real BOS/EOS ids and the model's
+    position range; transformers' loss on the text tokenized with its defaults equals ours on
+    the ids training packs."""
+    import datasets
+    import numpy as np
+
+    from data.streaming import packed_windows
+    from data.tokens import tokenize_batch, write_token_stream
+    from launch.checkpoints.hf_export import hf_config
+    from transformers import LlamaForCausalLM
+    tokenizer = _trained_tokenizer(bos)
+    theirs = tokenizer(TEXTS[0])["input_ids"]
+    assert (theirs[0] == tokenizer.bos_token_id) == bos
+    assert tokenize_batch(TEXTS, tokenizer) == [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in TEXTS[:2]]
+    n = write_token_stream(datasets.Dataset.from_dict({"text": TEXTS}), tokenizer, "text", 1, tmp_path / "s.npy")
+    stream = np.load(tmp_path / "s.npy")
+    streamed = [w for _, w in packed_windows(iter([((0, 0, i, 0), t) for i, t in enumerate(TEXTS)]
+                                                  + [((0, 1, 0, 0), None)]), tokenizer, len(theirs))]
+    assert n == len(stream) and stream[:len(theirs)].tolist() == theirs == streamed[0].tolist()
+
+    config = dataclasses.replace(CONFIG, vocab_size=len(tokenizer), seq_len=len(theirs) - 1, max_positions=64)
+    ours = GPT(config).eval()
+    hf = LlamaForCausalLM(hf_config(config, tokenizer)).eval()
+    hf.load_state_dict(to_llama_state_dict(dict(ours.named_parameters()), config), strict=True)
+    assert (hf.config.bos_token_id, hf.config.eos_token_id) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
+    assert hf.config.max_position_embeddings == 64
+    ids = torch.tensor(stream[None, :len(theirs)], dtype=torch.long)  # what training packs
+    with torch.no_grad():
+        logits = ours(ids[:, :-1])[..., :config.vocab_size]
+        their_loss = hf(**tokenizer(TEXTS[0], return_tensors="pt"), labels=torch.tensor([theirs])).loss.item()
+    our_loss = functional.cross_entropy(logits.reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1)).item()
+    assert abs(their_loss - our_loss) <= REL * our_loss, (their_loss, our_loss)
+
+
+def test_the_data_cache_key_follows_the_tokenizers_convention():
+    """A tokenizer that adds BOS tokenizes into other streams: it must not reuse a cache built
+    without (its serialisation, post-processor included, is in the key)."""
+    from data.spec import DataSpec
+    from data.windows import cache_key
+    spec = DataSpec(name="builtin")
+    assert cache_key(spec, _trained_tokenizer(True)) != cache_key(spec, _trained_tokenizer(False))

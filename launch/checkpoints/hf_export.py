@@ -1,21 +1,26 @@
 """A checkpoint as a transformers model directory (GPT2LMHeadModel for arch gpt2,
 LlamaForCausalLM for arch llama): read DeepSpeed's per-layer weight files (one per pipeline layer
-and TP rank), merge the TP shards and stages with model/convert.py, strip the vocab padding,
-write config, safetensors weights, generation config and tokenizer.
-One process, no DeepSpeed engine, no torch.distributed; only model weights, never optimizer state."""
+and TP rank) one layer at a time, merge its TP shards with model/convert.py, strip the vocab
+padding, and write it into safetensors shards (with their index when there are several); then
+config (the tokenizer's real BOS and EOS ids), generation config and tokenizer.
+One process, no DeepSpeed engine, no torch.distributed; only model weights, never optimizer state;
+at most one layer and one shard in memory, never the whole model (issue 24)."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from launch.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
+    import torch
+
     from model.config import GPTConfig
 
 # DeepSpeed's name for the weights of pipeline layer XX on TP rank YY (PipelineModule.ckpt_layer_path).
 LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+DEFAULT_SHARD_BYTES = 2 << 30  # the largest safetensors file the export writes (a whole model below it)
 
 
 def checkpoint_gpt_config(recipe: Dict[str, Any]):
@@ -24,12 +29,9 @@ def checkpoint_gpt_config(recipe: Dict[str, Any]):
     return GPTConfig(**recipe["model"], seed=recipe["train"]["seed"])
 
 
-def read_checkpoint_weights(load: Path):
-    """(CheckpointRef, GPTConfig, dense state dict with the real vocabulary) of `--load`."""
-    import torch
-
+def _checkpoint_layers(load: Path):
+    """(CheckpointRef, GPTConfig, {saved pipeline layer: [its file on TP rank 0, 1, ...]}) of `--load`."""
     from launch.checkpoints.locate import find_checkpoint
-    from model.convert import merge_layer_states
     from model.layer_table import pipeline_layers
 
     ref = find_checkpoint(load)  # a complete checkpoint whose files have their recorded sizes
@@ -48,12 +50,36 @@ def read_checkpoint_weights(load: Path):
     if missing:
         raise ConfigError(f"checkpoint {ref.path} lacks the weight files {', '.join(missing[:4])}"
                           f"{' ...' if len(missing) > 4 else ''} of its tp={tp} n_layer={config.n_layer} model")
-    # DeepSpeed writes each layer file with torch.save(module.state_dict()): a plain dict of
-    # tensors, so the safe unpickler (weights_only) reads it and no code in the file runs.
-    layer_states = {layer: [torch.load(found[layer, rank], map_location="cpu", weights_only=True)
-                            for rank in range(tp)]
-                    for layer in saved_layers}
+    return ref, config, {layer: [found[layer, rank] for rank in range(tp)] for layer in saved_layers}
+
+
+def _read_layer(files: List[Path]):
+    """One pipeline layer's state dict on each TP rank. DeepSpeed writes each layer file with
+    torch.save(module.state_dict()): a plain dict of tensors, so the safe unpickler
+    (weights_only) reads it and no code in the file runs."""
+    import torch
+    return [torch.load(path, map_location="cpu", weights_only=True) for path in files]
+
+
+def read_checkpoint_weights(load: Path):
+    """(CheckpointRef, GPTConfig, dense state dict with the real vocabulary) of `--load`: the
+    whole model in this process (evaluation and tests; the export goes layer by layer)."""
+    from model.convert import merge_layer_states
+    ref, config, layers = _checkpoint_layers(load)
+    layer_states = {layer: _read_layer(files) for layer, files in layers.items()}
     return ref, config, merge_layer_states(layer_states, config, config.vocab_size)
+
+
+def hf_tensors(layers: Dict[int, List[Path]], config: GPTConfig) -> Iterator[Tuple[str, "torch.Tensor"]]:
+    """(transformers name, full tensor) of every weight, one pipeline layer read at a time:
+    TP shards merged, vocab padding stripped, GPT-2's linears transposed to Conv1D (in, out)."""
+    from model.convert import merge_layer_states
+    from model.hf_shards import hf_sources
+    sources = hf_sources(config)
+    for layer, files in sorted(layers.items()):
+        for name, full in merge_layer_states({layer: _read_layer(files)}, config, config.vocab_size).items():
+            (theirs,) = sources[name].names
+            yield theirs, full.t().contiguous() if sources[name].conv1d else full
 
 
 def dense_gpt(config: GPTConfig, dense):
@@ -101,36 +127,43 @@ def check_exportable(config: GPTConfig) -> None:
                           f"only checkpoints of that architecture export")
 
 
-def transformers_model(config: GPTConfig, dense, eos: int):
-    """The transformers model of our architecture holding the dense weights (GPT-2 or Llama)."""
+def hf_config(config: GPTConfig, tokenizer):
+    """The transformers config of our architecture (GPT-2 or Llama) with the tokenizer's real
+    BOS and EOS ids (GPT2Config's default 50256 would lie outside a smaller vocabulary)."""
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     if config.arch == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaConfig
 
-        from model.hf_llama import llama_config_kwargs, to_llama_state_dict
-        hf = LlamaForCausalLM(LlamaConfig(**llama_config_kwargs(config), bos_token_id=eos, eos_token_id=eos))
-        hf.load_state_dict(to_llama_state_dict(dense, config), strict=True)
-        return hf
-    from transformers import GPT2Config, GPT2LMHeadModel
+        from model.hf_llama import llama_config_kwargs
+        return LlamaConfig(**llama_config_kwargs(config), **ids)
+    from transformers import GPT2Config
 
-    from model.hf_gpt2 import gpt2_config_kwargs, to_gpt2_state_dict
-    # GPT2Config's default bos/eos (50256) lies outside a smaller vocabulary: use the tokenizer's.
-    hf = GPT2LMHeadModel(GPT2Config(**gpt2_config_kwargs(config), bos_token_id=eos, eos_token_id=eos))
-    hf.load_state_dict(to_gpt2_state_dict(dense_gpt(config, dense)), strict=True)
-    return hf
+    from model.hf_gpt2 import gpt2_config_kwargs
+    return GPT2Config(**gpt2_config_kwargs(config), **ids)
 
 
-def export(load: Path, out: Path, tokenizer_name: Optional[str] = None, overwrite: bool = False) -> Path:
-    """Write the transformers directory of checkpoint `load` to `out`; return `out`."""
+def export(load: Path, out: Path, tokenizer_name: Optional[str] = None, overwrite: bool = False,
+           max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write the transformers directory of checkpoint `load` to `out`; return `out`. The weights
+    go layer by layer into safetensors shards of at most `max_shard_bytes` (one
+    model.safetensors when they fit, else shards and their index): no process holds the model."""
+    from transformers import GenerationConfig
+
+    from launch.checkpoints.hf_safetensors import write_safetensors
     check_out_dir(out, overwrite)
-    ref, config, dense = read_checkpoint_weights(load)
+    ref, config, layers = _checkpoint_layers(load)
     check_exportable(config)
     flag = "--tokenizer" if tokenizer_name else "the checkpoint's data.tokenizer"
     tokenizer = load_export_tokenizer(tokenizer_name or ref.meta["recipe"]["data"]["tokenizer"],
                                       config.vocab_size, flag)
-    eos = tokenizer.eos_token_id
-    hf = transformers_model(config, dense, eos)
-    hf.generation_config.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     out.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(out)  # transformers 5 always writes safetensors (no pickle in the export)
+    dtype = write_safetensors(out, hf_tensors(layers, config), max_shard_bytes)
+    hf = hf_config(config, tokenizer)
+    hf.dtype = dtype
+    hf.save_pretrained(out)
+    generation = GenerationConfig.from_model_config(hf)
+    generation.update(pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                      else tokenizer.eos_token_id)
+    generation.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -1,12 +1,13 @@
 """`--init-from-hf DIR_OR_NAME`: start from GPT-2- or Llama-format (transformers) weights at any layout.
 
 Two halves, because bad input must fail before any process group or engine starts:
-`check_hf_source` reads only config.json and compares it with the recipe's model;
-`init_from_hf` runs after `build_pipeline` and overwrites each local parameter with this
-rank's shard of the GPT-2 weights (split by `model/convert.py`'s rules), so the first step
-trains exactly those weights whatever (tp, pp, dp) is. Nothing from the source executes
-code: the model class is fixed (GPT2LMHeadModel or LlamaForCausalLM by the config's model_type,
-never trust_remote_code) and weights load from safetensors or with torch's weights_only unpickler.
+`check_hf_source` reads only config.json (and the safetensors headers' names) and compares it
+with the recipe's model; `init_from_hf` runs after `build_pipeline` and overwrites each local
+parameter with this rank's shard of the weights (split by `model/convert.py`'s rules), so the
+first step trains exactly those weights whatever (tp, pp, dp) is. Each rank reads only the
+slices it holds, lazily from safetensors (launch/checkpoints/hf_safetensors.py). Nothing from
+the source executes code: the model class is fixed by the config's model_type (never
+trust_remote_code) and weights are safetensors.
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def hf_model_fields(hf) -> Dict[str, Any]:
         return dict(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, seq_len=hf.n_positions,
                     vocab_size=hf.vocab_size)
     rope = hf.rope_parameters or {}
-    return dict(arch="llama", n_layer=hf.num_hidden_layers, n_head=hf.num_attention_heads, n_embd=hf.hidden_size,
+    return dict(arch="llama", max_positions=hf.max_position_embeddings, n_layer=hf.num_hidden_layers,
+                n_head=hf.num_attention_heads, n_embd=hf.hidden_size,
                 n_kv_head=hf.num_key_value_heads, ffn_hidden_size=hf.intermediate_size, vocab_size=hf.vocab_size,
                 rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling=_llama3_scaling(rope),
                 norm_eps=hf.rms_norm_eps,
@@ -86,8 +88,13 @@ def _llama3_scaling(rope: Dict[str, Any]) -> Optional[Dict[str, float]]:
 
 def _llama_problems(hf, config: GPTConfig) -> List[str]:
     """`key=value (needs X: fix)` items for each way a Llama config differs from the run's model."""
+    fields = hf_model_fields(hf)
+    built = fields.pop("max_positions")
     problems = [f"{key}={value!r} where this run's model has model.{key}={getattr(config, key)!r}; set "
-                f"model.{key}={value!r}" for key, value in hf_model_fields(hf).items() if getattr(config, key) != value]
+                f"model.{key}={value!r}" for key, value in fields.items() if getattr(config, key) != value]
+    if built > config.position_range:  # else the export would shrink the range the weights are built for
+        problems.append(f"max_position_embeddings={built} where this run's model is built for "
+                        f"{config.position_range} positions; set model.max_positions={built}")
     for key, have, want in (("position", config.position, "rope"), ("norm", config.norm, "rmsnorm"),
                             ("mlp", config.mlp, "swiglu")):
         if have != want:
@@ -104,10 +111,15 @@ def _llama_problems(hf, config: GPTConfig) -> List[str]:
 
 
 def check_hf_source(source: str, config: GPTConfig, resuming: bool) -> None:
-    """Raise ConfigError unless `source` holds weights of exactly the recipe's model."""
+    """Raise ConfigError unless `source` holds safetensors weights of exactly the recipe's model."""
     if resuming:
         raise ConfigError("--init-from-hf starts a new run from weights, --load resumes one: pass only one")
-    hf = read_hf_config(source)
+    _check_config(source, read_hf_config(source), config)
+    from launch.checkpoints.hf_safetensors import safetensors_weight_map
+    safetensors_weight_map(source)  # a ConfigError when there are none (pytorch_model.bin only)
+
+
+def _check_config(source: str, hf, config: GPTConfig) -> None:
     if hf.model_type == "llama":
         problems = _llama_problems(hf, config)
         if problems:
@@ -126,7 +138,9 @@ def check_hf_source(source: str, config: GPTConfig, resuming: bool) -> None:
 
 
 def hf_dense_state_dict(source: str, config: GPTConfig):
-    """GPT-2 or Llama weights of `source` as a dense state dict of our model (model/convert.py names)."""
+    """GPT-2 or Llama weights of `source` as a dense state dict of our model (model/convert.py
+    names): the whole model through transformers, for tests and small models; training reads
+    lazily (`init_from_hf`)."""
     from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
     from data.hub import hub_errors_only
@@ -144,7 +158,6 @@ def init_from_hf(pipe: PipelineModule, source: str, config: GPTConfig, state: Pa
     """Overwrite the local stage's parameters of `pipe` with this rank's shards of `source`.
 
     Call before `deepspeed.initialize`, so the optimizer (and ZeRO's fp32 master copy) start
-    from these weights. Every rank reads the whole source: simple, and fine for GPT-2 sizes."""
-    from model.convert import load_dense_into
-    load_dense_into(pipe, hf_dense_state_dict(source, config), config, state.tp_rank,
-                    state.tp_size, config.padded_vocab_size(state.tp_size))
+    from these weights. Each rank reads only its stage's tensors and its TP slices of them."""
+    from launch.checkpoints.hf_safetensors import load_hf_shards_into
+    load_hf_shards_into(pipe, source, config, True, state.tp_rank, state.tp_size)
