@@ -5,7 +5,7 @@ Both store nn.Linear (out, in) weights and the same RoPE layout (rotate_half, mo
 so the map is a rename, no transpose and no permutation of q/k rows, except that our fused
 projections are transformers' tensors stacked by rows: `attn.qkv_proj` is [q_proj; k_proj;
 v_proj] and `mlp.gate_up_proj` is [gate_proj; up_proj] (`fused_parts`; each TP rank's shard
-takes its rows of each part, `shard_parts`). The vocabulary padding rows are stripped. Used by
+takes its rows of each part, model/hf_shards.py). The vocabulary padding rows are stripped. Used by
 export, `--init-from-hf` and the tests.
 """
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
@@ -79,13 +79,6 @@ def fused_parts(config: GPTConfig) -> Iterator[Tuple[str, List[Tuple[str, int]]]
             for kind in _kinds(config):
                 yield (f"blocks.{i}.{ours}.{kind}",
                        [(f"model.layers.{i}.{name}.{kind}", rows) for name, rows in zip(theirs, sections(config))])
-
-
-def shard_parts(parts: List[Tuple[str, int]], tp_rank: int, tp_size: int) -> List[Tuple[str, slice]]:
-    """[(transformers' name, its rows on TP rank `tp_rank`)] of one fused parameter's `parts`
-    (`fused_parts`): the rank's shard is these row slices stacked in this order, as
-    model/convert.py `split` cuts the dense tensor (each part split over tp on its own)."""
-    return [(name, slice(tp_rank * rows // tp_size, (tp_rank + 1) * rows // tp_size)) for name, rows in parts]
 
 
 def to_llama_state_dict(dense: Mapping[str, torch.Tensor], config: GPTConfig) -> Dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ class Source:
     """The transformers tensors one dense parameter is made of, in order along its dim 0."""
     names: Tuple[str, ...]
     conv1d: bool = False  # GPT-2's Conv1D weight: stored (in, out), ours (out, in)
+    rows: Tuple[int, ...] = ()  # several names (Llama's fused qkv_proj, gate_up_proj): the rows of each
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,11 @@ class ShardPlan:
 def hf_sources(config: GPTConfig) -> Dict[str, Source]:
     """Our dense name -> its transformers source, for GPT-2 or Llama weights."""
     if config.arch == "llama":
-        from model.hf_llama import name_pairs
-        return {ours: Source((theirs,)) for ours, theirs in name_pairs(config)}
+        from model.hf_llama import fused_parts, name_pairs
+        sources = {ours: Source((theirs,)) for ours, theirs in name_pairs(config)}
+        sources.update({ours: Source(tuple(name for name, _ in parts), rows=tuple(rows for _, rows in parts))
+                        for ours, parts in fused_parts(config)})
+        return sources
     from model.hf_gpt2 import gpt2_name_pairs
     return {ours: Source((theirs,), conv1d) for ours, theirs, conv1d in gpt2_name_pairs(config.n_layer)}
 

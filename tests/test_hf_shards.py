@@ -67,7 +67,7 @@ def test_lazy_shards_equal_the_split_of_the_whole_model(case, sharded, tmp_path,
                     p.fill_(float("nan"))  # a row the loader forgets stays visible
             load_hf_shards_into(ours, source, config, False, rank, tp)
             for name, param in ours.named_parameters():
-                assert torch.equal(param, split(name, dense[name], rank, tp, padded)), (case, tp, rank, name)
+                assert torch.equal(param, split(name, dense[name], rank, tp, padded, config)), (case, tp, rank, name)
 
 
 def test_a_source_without_safetensors_is_refused_in_one_line(tmp_path):

@@ -29,7 +29,7 @@ from launcher import LLAMA_TINY, REPO, launch_forked, read_metrics
 from model.config import GPTConfig
 from model.convert import load_dense_into, merge, rule_for, split
 from model.gpt import GPT
-from model.hf_llama import fused_parts, from_llama_state_dict, llama_config_kwargs, shard_parts, to_llama_state_dict
+from model.hf_llama import from_llama_state_dict, llama_config_kwargs, to_llama_state_dict
 
 LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=4)
 CONFIG = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=8,
@@ -94,11 +94,10 @@ def test_each_rank_holds_its_heads_of_the_transformers_tensors(tp, n_kv_head, mo
     """Rank r's fused shards, loaded from transformers' weights at tp, are their tensors cut by head: its
     a/tp query heads, then the rows of the key/value heads they use (all of them when tp divides
     n_kv_head, else its 1/(tp/n_kv_head) share of the one they share), for k then v; and its
-    gate rows then the up rows of the same MLP columns. `shard_parts` names those slices."""
+    gate rows then the up rows of the same MLP columns."""
     config = dataclasses.replace(CONFIG, n_kv_head=n_kv_head)
     hf = {k: v.detach() for k, v in _random_llama(config).state_dict().items()}
     d, a, f = config.head_dim, config.n_head, config.ffn_hidden_size
-    fused = dict(fused_parts(config))
     for rank in range(tp):
         ours = _tp_model(config, tp, rank, monkeypatch)
         with torch.no_grad():
@@ -120,8 +119,6 @@ def test_each_rank_holds_its_heads_of_the_transformers_tensors(tp, n_kv_head, mo
         want_gate_up = torch.cat([hf[layer + "mlp.gate_proj.weight"][columns], hf[layer + "mlp.up_proj.weight"][columns]])
         for name, want in (("blocks.1.attn.qkv_proj.weight", want_qkv), ("blocks.1.mlp.gate_up_proj.weight", want_gate_up)):
             assert torch.equal(params[name], want), name
-            sliced = torch.cat([hf[part][rows] for part, rows in shard_parts(fused[name], rank, tp)])
-            assert torch.equal(sliced, want), name
 
 
 def test_saved_llama_directory_is_checked_and_read(tmp_path):

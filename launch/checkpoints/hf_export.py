@@ -78,8 +78,10 @@ def hf_tensors(layers: Dict[int, List[Path]], config: GPTConfig) -> Iterator[Tup
     sources = hf_sources(config)
     for layer, files in sorted(layers.items()):
         for name, full in merge_layer_states({layer: _read_layer(files)}, config, config.vocab_size).items():
-            (theirs,) = sources[name].names
-            yield theirs, full.t().contiguous() if sources[name].conv1d else full
+            source = sources[name]
+            parts = full.split(source.rows) if source.rows else (full,)  # a fused tensor: its parts by rows
+            for theirs, part in zip(source.names, parts):
+                yield theirs, part.t().contiguous() if source.conv1d else part.contiguous()
 
 
 def dense_gpt(config: GPTConfig, dense):
