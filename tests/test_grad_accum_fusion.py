@@ -1,0 +1,112 @@
+"""Gradient-accumulation fusion (`train.grad_accum_fusion`, launch/runtime/main_grad.py; issue 24):
+in bf16 the linears' weight-gradient GEMMs add into DeepSpeed's fp32 gradient buffer, so a
+micro-batch's backward and the engine's gradient handling after it make no element-wise pass over
+those weights. Counted with torch.profiler against the same engine with the fusion switched off
+(DeepSpeed's own accumulation), for 1F1B and ZB-H1; the losses and gradient norms of both agree
+within bf16 rounding, and an fp32 run is unchanged to the bit."""
+from pathlib import Path
+
+import pytest
+import torch
+from deepspeed.runtime.pipe import schedule
+
+from distributed import run_distributed, uses_deepspeed
+from launch.analysis.zero_bubble_schedule import BackwardInputPass, WeightPass
+
+TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny.yaml"
+# tests/test_parity.py's BF16_RTOL: the layouts' bf16 agreement
+BF16_RTOL = {"loss": 1e-3, "grad_norm": 2e-2}
+# The kernels that read or write every element of their tensor once: zeroing, casting (to -> copy_),
+# adding. GEMMs (mm, addmm) and the embedding's scatter are not among them.
+ELEMENTWISE = {"aten::add_", "aten::add", "aten::copy_", "aten::zero_", "aten::fill_", "aten::_foreach_zero_",
+               "aten::_foreach_add_", "aten::mul_"}
+MICRO_BATCH = 5  # b * T = 160 rows (80 per TP rank under SP): no (rows, h) activation has a weight's shape
+
+
+def _shapes(shapes):
+    """The tensor shapes in a profiler event's `input_shapes` (tensor lists nested)."""
+    for shape in shapes:
+        if shape and isinstance(shape[0], list):
+            yield from _shapes(shape)
+        elif shape:
+            yield tuple(shape)
+
+
+def _train(tp: int, pp: int, overrides: list, steps: int):
+    """(losses, grad norms, {weight shape: element-wise ops over it per micro-batch}, params) of
+    `steps` steps of tiny.yaml on this rank's engine. The counts cover every backward instruction
+    (1F1B's backward; ZB-H1's B and W passes), DeepSpeed's gradient handling inside them included,
+    over this stage's multiplied weights (not the first stage's looked-up embeddings), each matched
+    by its shape and by its flattened shape (DeepSpeed's fp32 views) where no other parameter has it."""
+    import torch.distributed as dist
+
+    from launch.config.layout import check_and_derive_layout
+    from launch.config.recipe import load_recipe
+    from launch.runtime.engine import build_engine
+    from model.parallel_state import init_parallel_state
+
+    dp = dist.get_world_size() // (tp * pp)
+    recipe = load_recipe(TINY, [f"train.micro_batch_size={MICRO_BATCH}", f"train.global_batch_size={MICRO_BATCH * 2 * dp}"]
+                         + overrides)
+    layout = check_and_derive_layout(recipe, dist.get_world_size(), tp, pp, True)
+    config = recipe.gpt_config(4096)
+    engine, _ = build_engine(recipe, layout, init_parallel_state(tp, pp), config)
+    params = dict(engine.module.named_parameters())
+    looked_up = ("wte", "wpe") if engine.is_first_stage() else ()
+    multiplied = {name: p for name, p in params.items() if p.dim() == 2 and not any(k in name for k in looked_up)}
+    others = {shape for name, p in params.items() if name not in multiplied for shape in (tuple(p.shape), (p.numel(),))}
+    counts = {shape: 0 for p in multiplied.values() for shape in (tuple(p.shape), (p.numel(),)) if shape not in others}
+    handlers = dict(engine._INSTRUCTION_MAP)
+    for kind in (schedule.BackwardPass, BackwardInputPass, WeightPass):
+        if kind in handlers:
+            handlers[kind] = _profiled(handlers[kind], counts)
+    engine._INSTRUCTION_MAP = handlers
+    tokens = torch.randint(0, 4096, (steps * layout.grad_accum_steps, MICRO_BATCH, config.seq_len + 1),
+                           generator=torch.Generator().manual_seed(dist.get_rank() // tp))
+    losses, norms = [], []
+    for step in range(steps):
+        chunk = tokens[step * layout.grad_accum_steps:(step + 1) * layout.grad_accum_steps]
+        losses.append(engine.train_batch(iter([(t[:, :-1], t[:, 1:]) for t in chunk])).item())
+        norms.append(float(engine.get_global_grad_norm()))
+    micro_batches = steps * layout.grad_accum_steps
+    return losses, norms, {shape: n / micro_batches for shape, n in counts.items()}, params
+
+
+def _profiled(handler, counts):
+    """`handler` (an instruction's), adding to `counts` the element-wise ops it runs over each shape."""
+    def run(engine, **kwargs):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            handler(engine, **kwargs)
+        for event in prof.events():
+            if event.name in ELEMENTWISE:
+                for shape in set(_shapes(event.input_shapes)) & counts.keys():
+                    counts[shape] += 1
+    return run
+
+
+def _close(fused, unfused, key):
+    return all(abs(f - u) <= BF16_RTOL[key] * abs(u) for f, u in zip(fused, unfused))
+
+
+@uses_deepspeed
+def _fusion_makes_no_pass_and_trains_the_same(tp: int, pp: int, overrides: list):
+    for name in (["1f1b", "zb-h1"] if pp > 1 else ["1f1b"]):
+        run = [f"train.schedule={name}", "train.precision=bf16"] + overrides
+        losses, norms, passes, _ = _train(tp, pp, run + ["train.grad_accum_fusion=false"], 2)
+        fused_losses, fused_norms, fused_passes, params = _train(tp, pp, run, 2)
+        assert all(p.main_grad.dtype == torch.float32 for p in params.values())
+        # DeepSpeed's accumulation passes over every weight each micro-batch; the fused GEMMs over none.
+        assert passes and all(n > 0 for n in passes.values()), (name, passes)
+        assert not any(fused_passes.values()), (name, fused_passes)
+        assert _close(fused_losses, losses, "loss") and _close(fused_norms, norms, "grad_norm"), \
+            (name, fused_losses, losses, fused_norms, norms)
+
+
+@pytest.mark.parametrize("tp,pp,overrides", [
+    (1, 1, []),
+    (1, 2, []),
+    pytest.param(2, 2, ["model.sequence_parallel=true", "train.recompute=full"], marks=pytest.mark.slow),
+], ids=["1-1-1", "1-2-1", "2-2-2-sp-full-recompute"])
+def test_fused_accumulation_makes_no_pass_over_the_weights_and_trains_the_same(tp, pp, overrides):
+    world = tp * pp * (2 if tp > 1 else 1)
+    run_distributed(_fusion_makes_no_pass_and_trains_the_same, world, tp, pp, overrides)
