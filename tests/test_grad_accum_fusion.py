@@ -14,8 +14,11 @@ from distributed import run_distributed, uses_deepspeed
 from launch.analysis.zero_bubble_schedule import BackwardInputPass, WeightPass
 
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny.yaml"
-# tests/test_parity.py's BF16_RTOL: the layouts' bf16 agreement
+# tests/test_parity.py's BF16_RTOL: the layouts' bf16 agreement, for the step after the first update
 BF16_RTOL = {"loss": 1e-3, "grad_norm": 2e-2}
+# The first step's gradients differ only by the bf16 rounding of each micro-batch's weight gradient,
+# which the fusion skips: at most bf16's unit roundoff, 2**-9, of each of its terms.
+FIRST_NORM_RTOL = 2.0 ** -9
 # The kernels that read or write every element of their tensor once: zeroing, casting (to -> copy_),
 # adding. GEMMs (mm, addmm) and the embedding's scatter are not among them.
 ELEMENTWISE = {"aten::add_", "aten::add", "aten::copy_", "aten::zero_", "aten::fill_", "aten::_foreach_zero_",
@@ -84,8 +87,8 @@ def _profiled(handler, counts):
     return run
 
 
-def _close(fused, unfused, key):
-    return all(abs(f - u) <= BF16_RTOL[key] * abs(u) for f, u in zip(fused, unfused))
+def _close(fused: float, unfused: float, rtol: float) -> bool:
+    return abs(fused - unfused) <= rtol * abs(unfused)
 
 
 @uses_deepspeed
@@ -98,8 +101,11 @@ def _fusion_makes_no_pass_and_trains_the_same(tp: int, pp: int, overrides: list)
         # DeepSpeed's accumulation passes over every weight each micro-batch; the fused GEMMs over none.
         assert passes and all(n > 0 for n in passes.values()), (name, passes)
         assert not any(fused_passes.values()), (name, fused_passes)
-        assert _close(fused_losses, losses, "loss") and _close(fused_norms, norms, "grad_norm"), \
+        # The same weights and batch: the same forward, to the bit; the gradients within their rounding.
+        assert fused_losses[0] == losses[0] and _close(fused_norms[0], norms[0], FIRST_NORM_RTOL), \
             (name, fused_losses, losses, fused_norms, norms)
+        assert _close(fused_losses[1], losses[1], BF16_RTOL["loss"]) \
+            and _close(fused_norms[1], norms[1], BF16_RTOL["grad_norm"]), (name, fused_losses, losses, fused_norms, norms)
 
 
 @pytest.mark.parametrize("tp,pp,overrides", [
