@@ -21,7 +21,7 @@ from model.mappings import (Group, all_gather_sequence, copy_to_tp_region,
                             gather_from_sequence_parallel_region, gather_from_tp_region,
                             reduce_from_tp_region, reduce_scatter_sequence,
                             reduce_scatter_to_sequence_parallel_region)
-from model.weight_grad import WEIGHT_GRADS, add_product_into, linear, weight_grad_now_or_later
+from model.weight_grad import WEIGHT_GRADS, add_product_into, embedding, linear, weight_grad_now_or_later
 
 
 def group_size(group: Group) -> int:
@@ -281,10 +281,10 @@ class VocabParallelEmbedding(nn.Module):
         """(B, T) token ids -> (B, T, h) embeddings, replicated on the TP group; with
         sequence parallelism this rank's (B, T/t, h) chunk (reduce-scatter, not all-reduce)."""
         if self.tp_group is None:  # one rank holds every row: no masking, no (B, T, h) masked copy
-            return functional.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        emb = functional.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        emb = embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(emb, self.tp_group)
         return reduce_from_tp_region(emb, self.tp_group)

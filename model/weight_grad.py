@@ -166,3 +166,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if WEIGHT_GRADS.enabled or hasattr(weight, "main_grad"):
         return DeferrableLinear.apply(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+class _MainGradEmbedding(torch.autograd.Function):
+    """functional.embedding (ids (...), W (V, h) -> (..., h)) whose gradient, the rows of G summed
+    per id, is scattered straight into W's fp32 main gradient (index_add_ over the looked-up rows
+    only) instead of a dense (V, h) bf16 gradient built, cast and added per micro-batch."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.main_grad = weight.main_grad
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (..., h)
+        ids, = ctx.saved_tensors
+        main = ctx.main_grad
+        main.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.size(-1)).to(main.dtype))
+        return None, None
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """functional.embedding, with the gradient added into the weight's main gradient where it has one."""
+    if hasattr(weight, "main_grad") and torch.is_grad_enabled():
+        return _MainGradEmbedding.apply(ids, weight)
+    return torch.nn.functional.embedding(ids, weight)

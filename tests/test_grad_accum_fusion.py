@@ -39,8 +39,9 @@ def _train(tp: int, pp: int, overrides: list, steps: int):
     """(losses, grad norms, {weight shape: element-wise ops over it per micro-batch}, params) of
     `steps` steps of tiny.yaml on this rank's engine. The counts cover every backward instruction
     (1F1B's backward; ZB-H1's B and W passes), DeepSpeed's gradient handling inside them included,
-    over this stage's multiplied weights (not the first stage's looked-up embeddings), each matched
-    by its shape and by its flattened shape (DeepSpeed's fp32 views) where no other parameter has it."""
+    over this stage's weight matrices and token embeddings (multiplied or looked up; not the learned
+    positions, added), each matched by its shape and by its flattened shape (DeepSpeed's fp32
+    views) where no other parameter has it."""
     import torch.distributed as dist
 
     from launch.config.layout import check_and_derive_layout
@@ -55,8 +56,7 @@ def _train(tp: int, pp: int, overrides: list, steps: int):
     config = recipe.gpt_config(4096)
     engine, _ = build_engine(recipe, layout, init_parallel_state(tp, pp), config)
     params = dict(engine.module.named_parameters())
-    looked_up = ("wte", "wpe") if engine.is_first_stage() else ()
-    multiplied = {name: p for name, p in params.items() if p.dim() == 2 and not any(k in name for k in looked_up)}
+    multiplied = {name: p for name, p in params.items() if p.dim() == 2 and "wpe" not in name}
     others = {shape for name, p in params.items() if name not in multiplied for shape in (tuple(p.shape), (p.numel(),))}
     counts = {shape: 0 for p in multiplied.values() for shape in (tuple(p.shape), (p.numel(),)) if shape not in others}
     handlers = dict(engine._INSTRUCTION_MAP)
@@ -106,6 +106,18 @@ def _fusion_makes_no_pass_and_trains_the_same(tp: int, pp: int, overrides: list)
             (name, fused_losses, losses, fused_norms, norms)
         assert _close(fused_losses[1], losses[1], BF16_RTOL["loss"]) \
             and _close(fused_norms[1], norms[1], BF16_RTOL["grad_norm"]), (name, fused_losses, losses, fused_norms, norms)
+
+
+@uses_deepspeed
+def _fp32_is_unchanged():
+    """fp32 keeps each gradient in `.grad` (no separate buffer): nothing to fuse, the same run to the bit."""
+    (losses, norms, _, _), (on_losses, on_norms, _, params) = [
+        _train(1, 1, ["train.precision=fp32", f"train.grad_accum_fusion={on}"], 2) for on in ("false", "true")]
+    assert on_losses == losses and on_norms == norms and not any(hasattr(p, "main_grad") for p in params.values())
+
+
+def test_fp32_runs_are_unchanged():
+    run_distributed(_fp32_is_unchanged, 1)
 
 
 @pytest.mark.parametrize("tp,pp,overrides", [
