@@ -3,7 +3,9 @@ in bf16 the linears' weight-gradient GEMMs add into DeepSpeed's fp32 gradient bu
 micro-batch's backward and the engine's gradient handling after it make no element-wise pass over
 those weights. Counted with torch.profiler against the same engine with the fusion switched off
 (DeepSpeed's own accumulation), for 1F1B and ZB-H1; the losses and gradient norms of both agree
-within bf16 rounding, and an fp32 run is unchanged to the bit."""
+within bf16 rounding, and an fp32 run is unchanged to the bit. In process, every layer's path
+(the padded head, the lookup, sequence parallelism, Llama's fused projections) against autograd's
+bf16 gradients summed in fp32."""
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,54 @@ def test_fp32_runs_are_unchanged():
 def test_fused_accumulation_makes_no_pass_over_the_weights_and_trains_the_same(tp, pp, overrides):
     world = tp * pp * (2 if tp > 1 else 1)
     run_distributed(_fusion_makes_no_pass_and_trains_the_same, world, tp, pp, overrides)
+
+
+def _every_path_adds_into_main_grad(arch: str, tp_group=None, sequence_parallel: bool = False):
+    """Two micro-batches through the bf16 model with a main gradient on every parameter, against
+    the same model through autograd (each micro-batch's bf16 `.grad` summed in fp32, what DeepSpeed
+    does). Each weight matrix and token embedding gets its gradient only in `main_grad` (no `.grad`),
+    within the bf16 rounding of each micro-batch's gradient; the padded vocabulary rows stay zero."""
+    from model.gpt import GPT, GPTConfig
+    from model.loss import vocab_parallel_cross_entropy
+
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=4, seed=3,
+                       arch=arch, sequence_parallel=sequence_parallel, **({"n_kv_head": 2} if arch == "llama" else {}))
+    plain, fused = GPT(config, tp_group).bfloat16(), GPT(config, tp_group).bfloat16()  # the same seeded weights
+    for param in fused.parameters():
+        param.main_grad = torch.zeros(param.shape, dtype=torch.float32)
+    summed = {name: torch.zeros(p.shape) for name, p in plain.named_parameters()}
+    bound = {name: torch.zeros(p.shape) for name, p in plain.named_parameters()}  # sum of |each micro-batch's|
+    for ids in torch.randint(0, config.vocab_size, (2, 3, config.seq_len + 1), generator=torch.Generator().manual_seed(0)):
+        for model in (plain, fused):
+            vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], tp_group).mean().backward()
+        for name, param in plain.named_parameters():
+            summed[name] += param.grad.float()
+            bound[name] += param.grad.float().abs()
+            param.grad = None
+    fused_params = dict(fused.named_parameters())
+    matrices = [name for name, p in fused_params.items() if p.dim() == 2 and "wpe" not in name]
+    assert matrices and all(fused_params[name].grad is None for name in matrices)
+    for name in matrices:
+        error = (fused_params[name].main_grad - summed[name]).norm()
+        assert error <= 2.0 ** -8 * bound[name].norm() + 1e-6, (name, error.item(), summed[name].norm().item())
+    padded = fused.embed.wte
+    real = max(0, min(padded.vocab_size - padded.vocab_start, padded.rows_per_partition))
+    assert not padded.weight.main_grad[real:].any()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_every_layer_adds_its_weight_gradient_into_main_grad(arch):
+    _every_path_adds_into_main_grad(arch)
+
+
+def _every_path_at_tp2():
+    from model.parallel_state import init_parallel_state
+    group = init_parallel_state(2, 1).tp_group
+    for arch in ("gpt2", "llama"):
+        for sequence_parallel in (False, True):
+            _every_path_adds_into_main_grad(arch, group, sequence_parallel)
+
+
+def test_every_layer_adds_its_weight_gradient_into_main_grad_at_tp2():
+    """The same per TP rank, with and without sequence parallelism (the gathered linears)."""
+    run_distributed(_every_path_at_tp2, 2)
