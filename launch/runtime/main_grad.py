@@ -1,15 +1,16 @@
 """Gradient-accumulation fusion (Megatron-LM's `--gradient-accumulation-fusion`; issue 24) on
 DeepSpeed's BF16 optimizer, `train.grad_accum_fusion` (docs/design.md contract 8).
 
-Without it, after every micro-batch the optimizer casts each parameter's bf16 `.grad` to fp32, adds
-it into its fp32 gradient buffer, and the next micro-batch's backward zeroes `.grad` and adds into
-it again: four passes over every parameter per micro-batch. With it, every parameter gets
-`main_grad`, its fp32 gradient: a view of the optimizer's flat buffer, shaped like the parameter.
-Our linears' weight-gradient GEMMs add into it (model/weight_grad.py: eagerly, in ZB-H1's W pass,
-under recompute, the tied output layer's, with sequence parallelism) and leave `.grad` None, which
-the optimizer's per-micro-batch `update_hp_grads` skips. Every other gradient (biases, norms, the
-embedding lookup's) still comes through `.grad` and is added into the same buffer as before, so the
-buffer holds the same sum. Everything after backward already reads that buffer: the data-parallel
+Without it, every micro-batch's backward zeroes each parameter's bf16 `.grad` and adds into it,
+and the optimizer then casts it to fp32 and adds it into its fp32 gradient buffer: element-wise
+passes over every parameter per micro-batch (tests/test_grad_accum_fusion.py counts them). With
+it, every parameter gets `main_grad`, its fp32 gradient: a view of the optimizer's flat buffer,
+shaped like the parameter. Our linears' weight-gradient GEMMs add into it, and the token
+embedding's lookup scatters into it (model/weight_grad.py: eagerly, in ZB-H1's W pass, under
+recompute, the tied output layer, with sequence parallelism), leaving `.grad` None, which the
+optimizer's per-micro-batch `update_hp_grads` skips. The other gradients (biases, norms, learned
+positions) still come through `.grad` and are added into the same buffer as before, so the buffer
+holds the same sum. Everything after backward already reads that buffer: the data-parallel
 all-reduce (`get_grads_for_reduction`), the tied and sequence-parallel all-reduces (`_hp_grad`),
 the gradient norm, clipping and the step.
 """
