@@ -132,16 +132,18 @@ def test_fused_accumulation_makes_no_pass_over_the_weights_and_trains_the_same(t
     run_distributed(_fusion_makes_no_pass_and_trains_the_same, world, tp, pp, overrides)
 
 
-def _every_path_adds_into_main_grad(arch: str, tp_group=None, sequence_parallel: bool = False):
+def _every_path_adds_into_main_grad(arch: str, tp_group=None, sequence_parallel: bool = False, n_kv_head: int = 2):
     """Two micro-batches through the bf16 model with a main gradient on every parameter, against
     the same model through autograd (each micro-batch's bf16 `.grad` summed in fp32, what DeepSpeed
     does). Each weight matrix and token embedding gets its gradient only in `main_grad` (no `.grad`),
-    within the bf16 rounding of each micro-batch's gradient; the padded vocabulary rows stay zero."""
+    within the bf16 rounding of each micro-batch's gradient; the padded vocabulary rows stay zero.
+    Key/value weights gathered from other TP ranks (tp > n_kv_head) are the exception: their
+    gradient flows back through the gather into `.grad`, and their `main_grad` stays zero."""
     from model.gpt import GPT, GPTConfig
     from model.loss import vocab_parallel_cross_entropy
 
     config = GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=4, seed=3,
-                       arch=arch, sequence_parallel=sequence_parallel, **({"n_kv_head": 2} if arch == "llama" else {}))
+                       arch=arch, sequence_parallel=sequence_parallel, **({"n_kv_head": n_kv_head} if arch == "llama" else {}))
     plain, fused = GPT(config, tp_group).bfloat16(), GPT(config, tp_group).bfloat16()  # the same seeded weights
     for param in fused.parameters():
         param.main_grad = torch.zeros(param.shape, dtype=torch.float32)
@@ -156,9 +158,15 @@ def _every_path_adds_into_main_grad(arch: str, tp_group=None, sequence_parallel:
             param.grad = None
     fused_params = dict(fused.named_parameters())
     matrices = [name for name, p in fused_params.items() if p.dim() == 2 and "wpe" not in name]
-    assert matrices and all(fused_params[name].grad is None for name in matrices)
+    through_grad = [name for name in matrices if fused_params[name].grad is not None]
+    tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+    assert matrices and (through_grad == [] if arch == "gpt2" or tp <= n_kv_head else
+                         0 < len(through_grad) <= 2 * config.n_layer), through_grad  # the gathered k, v
     for name in matrices:
-        error = (fused_params[name].main_grad - summed[name]).norm()
+        param = fused_params[name]
+        assert name not in through_grad or not param.main_grad.any(), name
+        got = param.main_grad if param.grad is None else param.grad.float()
+        error = (got - summed[name]).norm()
         assert error <= 2.0 ** -8 * bound[name].norm() + 1e-6, (name, error.item(), summed[name].norm().item())
     padded = fused.embed.wte
     real = max(0, min(padded.vocab_size - padded.vocab_start, padded.rows_per_partition))
@@ -173,11 +181,12 @@ def test_every_layer_adds_its_weight_gradient_into_main_grad(arch):
 def _every_path_at_tp2():
     from model.parallel_state import init_parallel_state
     group = init_parallel_state(2, 1).tp_group
-    for arch in ("gpt2", "llama"):
+    for arch, n_kv_head in (("gpt2", 2), ("llama", 2), ("llama", 1)):
         for sequence_parallel in (False, True):
-            _every_path_adds_into_main_grad(arch, group, sequence_parallel)
+            _every_path_adds_into_main_grad(arch, group, sequence_parallel, n_kv_head)
 
 
 def test_every_layer_adds_its_weight_gradient_into_main_grad_at_tp2():
-    """The same per TP rank, with and without sequence parallelism (the gathered linears)."""
+    """The same per TP rank, with and without sequence parallelism (the gathered linears), and with
+    one key/value head shared by both ranks."""
     run_distributed(_every_path_at_tp2, 2)
