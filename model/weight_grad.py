@@ -36,8 +36,8 @@ def add_product_into(main: torch.Tensor, left: torch.Tensor, right: torch.Tensor
     """main += left @ right, (out, N) @ (N, in) -> (out, in), with `main` an fp32 main gradient and
     the operands bf16: the GEMM accumulates into `main` itself (Megatron's gradient-accumulation
     fusion), with no bf16 product, no cast and no separate add over the weight's elements."""
-    if main.is_cuda:  # cuBLAS: bf16 operands, fp32 accumulation and output (aten::addmm.dtype_out)
-        torch.addmm(main, left, right, out_dtype=main.dtype, out=main)
+    if main.is_cuda and left.dtype != main.dtype:  # cuBLAS: bf16 operands, fp32 accumulation and output
+        torch.addmm(main, left, right, out_dtype=main.dtype, out=main)  # (aten::addmm.dtype_out)
     else:  # no mixed-dtype addmm on CPU: the operands (activation-sized) cast to fp32, where bf16 is
         # exact, so this is the CUDA kernel's fp32 sum of exact products, up to summation order
         main.addmm_(left.to(main.dtype), right.to(main.dtype))
