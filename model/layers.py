@@ -8,7 +8,8 @@
 - Sequence parallelism (Korthikanti et al. 2022, contract 11): replicated parameters used on a
   sequence chunk carry `sequence_parallel = True`; their gradients are summed over TP once per
   step (`sequence_parallel_params`), not per micro-batch.
-- Under ZB-H1 each linear may defer its weight gradient to a W pass (model/weight_grad.py)."""
+- Under ZB-H1 each linear may defer its weight gradient to a W pass, and in bf16 each adds its
+  weight gradient straight into the fp32 main gradient (model/weight_grad.py)."""
 from typing import List, Optional, Sequence
 
 import torch
@@ -20,7 +21,7 @@ from model.mappings import (Group, all_gather_sequence, copy_to_tp_region,
                             gather_from_sequence_parallel_region, gather_from_tp_region,
                             reduce_from_tp_region, reduce_scatter_sequence,
                             reduce_scatter_to_sequence_parallel_region)
-from model.weight_grad import WEIGHT_GRADS, linear, weight_grad_now_or_later
+from model.weight_grad import WEIGHT_GRADS, add_product_into, embedding, linear, weight_grad_now_or_later
 
 
 def group_size(group: Group) -> int:
@@ -102,9 +103,12 @@ class _SequenceGatherLinear(torch.autograd.Function):
         grad_2d = grad.reshape(-1, grad.size(-1))  # (B*T, out/p)
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
 
-        def weight_grad():  # gathers the sequence when it runs: a deferred W pass keeps only x
+        def weight_grad(main):  # gathers the sequence when it runs: a deferred W pass keeps only x
             x_full = all_gather_sequence(x, group)  # (B, T, in)
-            return grad_2d.t().matmul(x_full.reshape(-1, x_full.size(-1)))  # (out/p, in)
+            x_2d = x_full.reshape(-1, x_full.size(-1))  # (B*T, in)
+            if main is None:
+                return grad_2d.t().matmul(x_2d)  # (out/p, in)
+            add_product_into(main, grad_2d.t(), x_2d)
         return grad_x, weight_grad_now_or_later(weight, weight_grad, holds=(x, grad)), grad_bias, None
 
 
@@ -173,10 +177,11 @@ class _SequenceGatherLinears(torch.autograd.Function):
         grads_2d = [grad.reshape(-1, grad.size(-1)) for grad in grads]
         grad_biases = [grad_2d.sum(0) if has_bias else None for grad_2d, has_bias in zip(grads_2d, ctx.has_bias)]
 
-        def weight_grads():  # one sequence gather for all the weights, when it runs (B or W pass)
+        def weight_grads(mains):  # one sequence gather for all the weights, when it runs (B or W pass)
             x_full = all_gather_sequence(x, group)
             x_2d = x_full.reshape(-1, x_full.size(-1))
-            return [grad_2d.t().matmul(x_2d) for grad_2d in grads_2d]
+            return [grad_2d.t().matmul(x_2d) if main is None else add_product_into(main, grad_2d.t(), x_2d)
+                    for grad_2d, main in zip(grads_2d, mains)]  # None where added into the main gradient
         grad_weights = WEIGHT_GRADS.weight_grads_now_or_later(weights, weight_grads, holds=(x, *grads))
         return (reduce_scatter_sequence(grad_x_full, group), None, None, *grad_weights, *grad_biases)
 
@@ -249,9 +254,12 @@ class _PaddedVocabLogits(torch.autograd.Function):
         grad_real = grad.reshape(-1, grad.size(-1))[:, :real]  # (B*T, real): a view, no copy
         grad_hidden = grad_real.matmul(weight[:real]).view_as(hidden)  # (B, T, h)
 
-        def weight_grad():
+        def weight_grad(main):
+            hidden_2d = hidden.reshape(-1, hidden.size(-1))  # (B*T, h)
+            if main is not None:  # the padded rows' main gradient stays zero
+                return add_product_into(main[:real], grad_real.t(), hidden_2d)
             grad_weight = torch.zeros_like(weight)  # (V/p, h); padded rows: zero
-            torch.mm(grad_real.t(), hidden.reshape(-1, hidden.size(-1)), out=grad_weight[:real])
+            torch.mm(grad_real.t(), hidden_2d, out=grad_weight[:real])
             return grad_weight
         return grad_hidden, weight_grad_now_or_later(weight, weight_grad, holds=(hidden, grad)), None
 
@@ -286,10 +294,10 @@ class VocabParallelEmbedding(nn.Module):
         """(B, T) token ids -> (B, T, h) embeddings, replicated on the TP group; with
         sequence parallelism this rank's (B, T/t, h) chunk (reduce-scatter, not all-reduce)."""
         if self.tp_group is None:  # one rank holds every row: no masking, no (B, T, h) masked copy
-            return functional.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        emb = functional.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        emb = embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(emb, self.tp_group)
         return reduce_from_tp_region(emb, self.tp_group)

@@ -8,15 +8,39 @@ A linear's backward is B, dL/dX = G W (which the stage before waits for), and W,
 `seal_microbatch` closes a micro-batch's queue and `compute_oldest` (the W pass) adds the oldest
 one's gradients to `.grad` as AccumulateGrad would. Micro-batches run in the order they were
 deferred, so every gradient is the 1F1B one to the bit. Biases, norms, embeddings and a fused
-q/k/v weight built from gathered key/value heads (not a parameter) stay in B."""
+q/k/v weight built from gathered key/value heads (not a parameter) stay in B.
+
+Gradient-accumulation fusion (Megatron-LM's, issue 24): a weight that carries `main_grad`, its fp32
+gradient in the BF16 optimizer's buffer (launch/runtime/main_grad.py), gets its gradient added
+there by the weight-gradient GEMM itself (`add_product_into`), in B or in W, and keeps no `.grad`:
+no bf16 gradient to allocate, zero, cast and add into fp32 after every micro-batch."""
 import contextlib
 from collections import deque
 from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+# The computation of some weights' gradients: given each weight's fp32 main gradient or None, it
+# adds into the main gradients and returns None for them, and returns the others' gradients.
+GradCompute = Callable[[Sequence[Optional[torch.Tensor]]], Sequence[Optional[torch.Tensor]]]
 # (weights, the computation of their gradients, the tensors it holds until it runs)
-GradWork = Tuple[Sequence[torch.nn.Parameter], Callable[[], Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+GradWork = Tuple[Sequence[torch.nn.Parameter], GradCompute, Sequence[torch.Tensor]]
+
+
+def main_grads(weights: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+    """Each weight's fp32 main gradient (`main_grad`, shaped like it), or None where it has none."""
+    return [getattr(weight, "main_grad", None) for weight in weights]
+
+
+def add_product_into(main: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """main += left @ right, (out, N) @ (N, in) -> (out, in), with `main` an fp32 main gradient and
+    the operands bf16: the GEMM accumulates into `main` itself (Megatron's gradient-accumulation
+    fusion), with no bf16 product, no cast and no separate add over the weight's elements."""
+    if main.is_cuda and left.dtype != main.dtype:  # cuBLAS: bf16 operands, fp32 accumulation and output
+        torch.addmm(main, left, right, out_dtype=main.dtype, out=main)  # (aten::addmm.dtype_out)
+    else:  # no mixed-dtype addmm on CPU: the operands (activation-sized) cast to fp32, where bf16 is
+        # exact, so this is the CUDA kernel's fp32 sum of exact products, up to summation order
+        main.addmm_(left.to(main.dtype), right.to(main.dtype))
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -48,14 +72,15 @@ class WeightGradStore:
         finally:
             self._deferring = False
 
-    def weight_grads_now_or_later(self, weights: Sequence[torch.Tensor], compute: Callable[[], Sequence[torch.Tensor]],
+    def weight_grads_now_or_later(self, weights: Sequence[torch.Tensor], compute: GradCompute,
                                   holds: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
-        """The gradients of `weights` for a backward to return: `compute()` now, or, in a run that
-        defers (`enabled`), while deferring and when every weight is a parameter (a leaf), Nones
-        and the work queued. `holds`: the tensors `compute` reads (a linear's input and output
-        gradient), which a deferred computation keeps alive until its W pass (`held_bytes`)."""
-        if not self.enabled:  # nothing defers in this run: compiled blocks keep W in their backward graph
-            return compute()
+        """The gradients of `weights` for a backward to return: computed now (None for a weight
+        with a main gradient: added into it), or, in a run that defers (`enabled`), while deferring
+        and when every weight is a parameter (a leaf), Nones and the work queued. `holds`: the
+        tensors `compute` reads (a linear's input and output gradient), which a deferred
+        computation keeps alive until its W pass (`held_bytes`)."""
+        if not self.enabled and not any(hasattr(w, "main_grad") for w in weights):
+            return compute([None] * len(weights))  # compiled blocks keep this W in their backward graph
         return self._now_or_later(weights, compute, holds)
 
     # Opaque to torch.compile: traced, the deferral flag would be read once, at a compiled block's
@@ -63,12 +88,12 @@ class WeightGradStore:
     # the backward graph. Dynamo cannot trace a backward that calls this, so the linear's autograd
     # Function runs eagerly between the compiled parts of the block and reads the flag when B runs.
     @torch.compiler.disable
-    def _now_or_later(self, weights: Sequence[torch.Tensor], compute: Callable[[], Sequence[torch.Tensor]],
+    def _now_or_later(self, weights: Sequence[torch.Tensor], compute: GradCompute,
                       holds: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
-        if self._deferring and all(w.is_leaf and w.requires_grad for w in weights):
+        if self.enabled and self._deferring and all(w.is_leaf and w.requires_grad for w in weights):
             self._open.append((weights, compute, holds))
             return [None] * len(weights)
-        return compute()
+        return compute(main_grads(weights))
 
     def seal_microbatch(self) -> None:
         """The B pass of one micro-batch is done: its queue is one W pass."""
@@ -76,13 +101,14 @@ class WeightGradStore:
         self._open = []
 
     def compute_oldest(self) -> int:
-        """The W pass: compute the oldest sealed micro-batch's weight gradients into `.grad`;
-        return how many."""
+        """The W pass: compute the oldest sealed micro-batch's weight gradients into their main
+        gradients, or `.grad` where they have none; return how many."""
         computed = 0
         with torch.no_grad():
             for weights, compute, _ in self._sealed.popleft():
-                for weight, grad in zip(weights, compute()):
-                    accumulate_grad(weight, grad)
+                for weight, grad in zip(weights, compute(main_grads(weights))):
+                    if grad is not None:  # None: added into the weight's main gradient
+                        accumulate_grad(weight, grad)
                     computed += 1
         return computed
 
@@ -101,10 +127,10 @@ class WeightGradStore:
 WEIGHT_GRADS = WeightGradStore()
 
 
-def weight_grad_now_or_later(weight: torch.Tensor, compute: Callable[[], torch.Tensor],
+def weight_grad_now_or_later(weight: torch.Tensor, compute: Callable[[Optional[torch.Tensor]], Optional[torch.Tensor]],
                              holds: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """`WEIGHT_GRADS.weight_grads_now_or_later` for one weight."""
-    return WEIGHT_GRADS.weight_grads_now_or_later([weight], lambda: [compute()], holds)[0]
+    """`WEIGHT_GRADS.weight_grads_now_or_later` for one weight: compute(main gradient or None)."""
+    return WEIGHT_GRADS.weight_grads_now_or_later([weight], lambda mains: [compute(mains[0])], holds)[0]
 
 
 class DeferrableLinear(torch.autograd.Function):
@@ -125,13 +151,44 @@ class DeferrableLinear(torch.autograd.Function):
         grad_2d = grad.reshape(-1, grad.size(-1))  # (N, out)
         grad_x = grad.matmul(weight)  # (..., in)
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        grad_weight = weight_grad_now_or_later(
-            weight, lambda: x.reshape(-1, x.size(-1)).t().mm(grad_2d).t(), holds=(x, grad))  # (out, in)
-        return grad_x, grad_weight, grad_bias
+
+        def weight_grad(main):  # (out, in), or added into main
+            x_2d = x.reshape(-1, x.size(-1))  # (N, in)
+            if main is None:
+                return x_2d.t().mm(grad_2d).t()
+            add_product_into(main, grad_2d.t(), x_2d)
+        return grad_x, weight_grad_now_or_later(weight, weight_grad, holds=(x, grad)), grad_bias
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """functional.linear, through `DeferrableLinear` when the run's schedule defers weight gradients."""
-    if WEIGHT_GRADS.enabled:
+    """functional.linear, through `DeferrableLinear` when the run's schedule defers weight gradients
+    or the weight's gradient accumulates into its main gradient."""
+    if WEIGHT_GRADS.enabled or hasattr(weight, "main_grad"):
         return DeferrableLinear.apply(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+class _MainGradEmbedding(torch.autograd.Function):
+    """functional.embedding (ids (...), W (V, h) -> (..., h)) whose gradient, the rows of G summed
+    per id, is scattered straight into W's fp32 main gradient (index_add_ over the looked-up rows
+    only) instead of a dense (V, h) bf16 gradient built, cast and added per micro-batch."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.main_grad = weight.main_grad
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (..., h)
+        ids, = ctx.saved_tensors
+        main = ctx.main_grad
+        main.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.size(-1)).to(main.dtype))
+        return None, None
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """functional.embedding, with the gradient added into the weight's main gradient where it has one."""
+    if hasattr(weight, "main_grad") and torch.is_grad_enabled():
+        return _MainGradEmbedding.apply(ids, weight)
+    return torch.nn.functional.embedding(ids, weight)

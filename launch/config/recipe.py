@@ -57,6 +57,10 @@ class TrainSection:
     """fp32, bf16 or fp16."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage: 0 or 1 (pipeline parallelism allows no more)."""
+    grad_accum_fusion: bool = True
+    """bf16: the linears' weight-gradient GEMMs add into the optimizer's fp32 gradients, with no
+    bf16 gradient to cast and add after each micro-batch (Megatron's gradient-accumulation
+    fusion, launch/runtime/main_grad.py); false: DeepSpeed's own accumulation. No effect in fp32/fp16."""
     recompute: str = "none"
     """Activation recomputation (Korthikanti et al. 2022): none; selective (store q, k, v and
     recompute each attention core); full (store each block's input, recompute the block)."""

@@ -65,6 +65,7 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     from launch.runtime.ds_config import deepspeed_config
     from launch.runtime.grad_norm import Zero0GradNorm, uses_own_grad_norm
     from launch.runtime.lr_schedule import warmup_cosine
+    from launch.runtime.main_grad import attach_main_grads
     from launch.runtime.zero_bubble import use_zero_bubble_schedule
     from model.compiled import compile_blocks
     from model.pipe import build_pipeline
@@ -87,6 +88,8 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, model_parameters=param_groups(pipe), config=ds_config, optimizer=optimizer,
         lr_scheduler=warmup_cosine(train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr_ratio))
+    if train_cfg.grad_accum_fusion:  # bf16: the linears add their weight gradients into the fp32 buffer
+        attach_main_grads(engine.optimizer)
     if zero_bubble:
         use_zero_bubble_schedule(engine)
     grad_norm = Zero0GradNorm(engine, state.tp_rank, train_cfg.grad_clip) if own_norm else None

@@ -18,6 +18,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from launch.analysis.zero_bubble_schedule import BackwardInputPass, WeightPass, ZeroBubbleH1Schedule
 from launch.errors import ConfigError
+from launch.runtime.main_grad import accumulates_into_main_grads
 from model.weight_grad import WEIGHT_GRADS
 
 # DeepSpeed's instructions whose handlers ours wrap (`use_zero_bubble_schedule`)
@@ -98,8 +99,9 @@ def _exec_recv_grads(engine: PipelineEngine, buffer_id: int) -> None:
 
 def _exec_weight_pass(engine: PipelineEngine) -> None:
     """What the engine's backward does around autograd, for the weight gradients alone: DeepSpeed's
-    BF16 optimizer adds each micro-batch's bf16 gradients into its fp32 ones after the pass."""
-    bf16 = engine.using_bf16_optimizer
+    BF16 optimizer adds each micro-batch's bf16 gradients into its fp32 ones after the pass (with
+    gradient-accumulation fusion the W pass adds into the fp32 ones itself: nothing to do)."""
+    bf16 = engine.using_bf16_optimizer and not accumulates_into_main_grads(engine.optimizer)
     if bf16:
         engine.optimizer.clear_lp_grads()
     WEIGHT_PASSES.passes += 1
