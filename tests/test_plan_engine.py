@@ -26,7 +26,11 @@ LAYOUTS = [(TINY, SMALL_GPT2 + ["train.precision=fp32", "train.zero_stage=0"], 1
            (TINY, SMALL_GPT2 + ["train.precision=fp32", "train.zero_stage=1"], 1, 1),
            (TINY, SMALL_GPT2 + ["train.precision=bf16", "train.zero_stage=1"], 1, 1),
            (TINY, SMALL_GPT2 + ["train.precision=bf16", "train.zero_stage=1"], 1, 2),
-           (LLAMA_TINY, ["train.precision=bf16", "train.zero_stage=1"], 2, 1)]
+           (LLAMA_TINY, ["train.precision=bf16", "train.zero_stage=1"], 2, 1),
+           # Key/value heads shared by the TP ranks (the fused q/k/v weight keeps a bf16 .grad),
+           # and bf16 without gradient-accumulation fusion (every parameter keeps one).
+           (LLAMA_TINY, ["train.precision=bf16", "train.zero_stage=1", "model.n_kv_head=1"], 2, 1),
+           (TINY, SMALL_GPT2 + ["train.precision=bf16", "train.zero_stage=1", "train.grad_accum_fusion=false"], 1, 1)]
 STATES = ("weights", "gradients", "optimizer", "buffers")
 
 
@@ -111,7 +115,8 @@ def _engine_holds_the_planned_bytes():
         train = recipe.train
         setup = Setup(gpus=layout.world_size, tp=tp, pp=pp, micro_batch=train.micro_batch_size,
                       global_batch=train.global_batch_size, zero=train.zero_stage, recompute=train.recompute_mode,
-                      partition=train.partition, schedule=train.schedule, precision=train.precision)
+                      partition=train.partition, schedule=train.schedule, precision=train.precision,
+                      grad_accum_fusion=train.grad_accum_fusion)
         plan = estimate_plan(dataclasses.replace(recipe.model, vocab_size=VOCAB), setup,
                              Hardware(gpu.peak_flops, gpu.intra_node_bw, gpu.inter_node_bw))
         planned = plan["memory_per_stage_bytes"][state.pp_rank]

@@ -6,9 +6,11 @@ The ZeRO paper's 16 bytes per parameter (memory_formulas.model_state_bytes, [R20
 out what this engine adds. Which optimizer wraps AdamW follows the engine's own choice
 (`DeepSpeedEngine._do_optimizer_sanity_check`):
   fp32, ZeRO-0   torch's AdamW on the parameters: weights 4, .grad 4, Adam moments 8 bytes each.
-  bf16, ZeRO-1   BF16_Optimizer (docs/design.md contract 8): bf16 weights 2, their bf16 .grad 2,
-                 the fp32 gradient-accumulation buffer 4 (whole, not split over dp), fp32 master
-                 weights 4/d and moments 8/d.
+  bf16, ZeRO-1   BF16_Optimizer (docs/design.md contract 8): bf16 weights 2, the fp32
+                 gradient-accumulation buffer 4 (whole, not split over dp), fp32 master weights
+                 4/d and moments 8/d; a bf16 .grad 2 only for the parameters whose gradient does
+                 not go straight into the buffer (train.grad_accum_fusion: biases, norms, learned
+                 positions; every parameter with the fusion off).
   fp32 or fp16, ZeRO-1   DeepSpeedZeroOptimizer (stage 1): weights and .grad in the model dtype,
                  fp32 master weights 4/d (a copy even in fp32) and moments 8/d, and, from the
                  first backward to the reduction, a reduce bucket of reduce_bucket_size elements
@@ -46,9 +48,9 @@ def gradient_bytes(precision: str, zero_stage: int, params: int, padded: int,
       fp32 accumulation buffer  BF16_Optimizer's flat fp32 copy of every gradient (4 bytes per
                                 padded element), into which each micro-batch's .grad is added;
       .grad                     autograd's gradient, in the model dtype, of each parameter that
-                                still gets one (`params_with_grad`: today every parameter; a
-                                linear that accumulates its weight gradient straight into the fp32
-                                buffer no longer allocates one).
+                                still gets one (`params_with_grad`, None: every parameter; a
+                                weight whose gradient is added straight into the fp32 buffer
+                                allocates none: planner.params_with_bf16_grad).
     `padded`: the flat groups' padded size (padded_group)."""
     buffer = FP32 * padded if uses_bf16_optimizer(precision, zero_stage) else 0
     dot_grad = ELEMENT_BYTES[precision] * (params if params_with_grad is None else params_with_grad)

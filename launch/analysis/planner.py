@@ -61,6 +61,8 @@ class Setup:
     """The recipe's deepspeed.communication_data_type: the DP all-reduce's dtype (None: the model's)."""
     reduce_bucket_elements: int = engine_memory.REDUCE_BUCKET_ELEMENTS
     """The recipe's deepspeed.zero_optimization.reduce_bucket_size (ZeRO-1's bucket, fp32 and fp16)."""
+    grad_accum_fusion: bool = True
+    """train.grad_accum_fusion: in bf16 the weight matrices' gradients go straight into the fp32 buffer."""
 
     @property
     def full_recompute(self) -> bool:
@@ -129,6 +131,19 @@ def stage_groups(model: ModelConfig, tp: int, pp: int, stage: int, parts: List[i
     return params - vectors, vectors
 
 
+def params_with_bf16_grad(model: ModelConfig, setup: Setup, stage: int, blocks: int, vectors: int) -> Optional[int]:
+    """The parameters of one rank of `stage` that still get a bf16 `.grad` under gradient-accumulation
+    fusion (launch/runtime/main_grad.py): the vectors (biases, norms), the learned positions, and
+    Llama's fused q/k/v weight where TP ranks share key/value heads (the GEMM uses a weight built
+    from the gathered heads, not the parameter). None: every parameter has one (no fusion)."""
+    if not (setup.grad_accum_fusion and engine_memory.uses_bf16_optimizer(setup.precision, setup.zero)):
+        return None
+    positions = model.seq_len * model.n_embd if model.position == "learned" and stage == 0 else 0
+    shared_kv_heads = model.arch == "llama" and model.n_kv_head % setup.tp != 0
+    qkv = (model.n_head + 2 * model.n_kv_head) * model.head_dim * model.n_embd // setup.tp if shared_kv_heads else 0
+    return vectors + positions + blocks * qkv
+
+
 def activation_bytes_per_block(model: ModelConfig, setup: Setup, recompute: str) -> float:
     """What one block keeps for backward on a GPU, per micro-batch and TP rank: elements in the
     run's precision, fused (flash) attention with no s x s scores, dropout masks (1 byte) only
@@ -142,11 +157,13 @@ def activation_bytes_per_block(model: ModelConfig, setup: Setup, recompute: str)
 
 def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, blocks: int,
                   groups: Tuple[int, int]) -> Dict[str, int]:
+    arch = model.resolved()
     states = lambda zero: engine_memory.model_state_bytes_per_rank(  # noqa: E731
-        setup.precision, zero, dp, *groups, reduce_bucket_elements=setup.reduce_bucket_elements)
+        setup.precision, zero, dp, *groups, reduce_bucket_elements=setup.reduce_bucket_elements,
+        params_with_grad=params_with_bf16_grad(arch, dataclasses.replace(setup, zero=zero), stage, blocks, groups[1]))
     chosen = states(setup.zero)
     inflight = memory_formulas.inflight_microbatches(setup.pp, m, stage)  # micro-batches alive at the peak
-    arch, b, s, t = model.resolved(), setup.micro_batch, model.seq_len, setup.tp
+    b, s, t = setup.micro_batch, model.seq_len, setup.tp
     element = engine_memory.ELEMENT_BYTES[setup.precision]
     # ZB-H1: each stage keeps some micro-batches' weight-gradient inputs between their B and W
     # passes (launch/analysis/zero_bubble_schedule.py), the last stage the output layer's too.
