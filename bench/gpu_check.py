@@ -12,9 +12,8 @@
 2. gpt2-mfu: tokens/s and MFU of the GPT-2 124M recipe (bf16, one device, bench/gpu_mfu.py), and
    its measured per-step peak memory against launch/plan.py's prediction.
 3. llama-mfu: the same for recipes/llama3.2-1b.yaml (bf16, selective recompute, 8 x 4 samples of
-   2048 tokens, 15 steps, the first 5 left out). The planner's prediction for it is 123.9 GiB,
-   105.5 of them activations: it counts recompute none (its choices are none and full) with the
-   (b, a, s, s) attention scores that SDPA never stores, so expect a ratio well under 1.
+   2048 tokens, 15 steps, the first 5 left out), against the planner's prediction with the
+   recipe's selective recompute and fused attention (no s x s scores stored).
 4. document-mask: data.document_mask (flex_attention on a GPU with dropout 0) against the default
    SDPA causal path, on a corpus of one document, where the two masks are the same: the losses
    and gradient norms of 8 steps within 1e-4 relative, and the step-time ratio. llama3.2-1b cut
