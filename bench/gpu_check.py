@@ -20,6 +20,10 @@
    to 4 blocks, fp32 (the kernels' own rounding, not bf16's), 4 samples of 2048 tokens a step.
 5. zb-h1: train.schedule=zb-h1 against 1f1b at pp = 2 (2 devices), the GPT-2 124M recipe in
    fp32, 8 micro-batches of 4: losses and gradient norms identical to the bit, the step-time ratio.
+6. grad-accum-fusion: the bf16 weight-gradient GEMM that adds into the fp32 main gradient
+   (model/weight_grad.py add_product_into, train.grad_accum_fusion) at Llama-2-7B's MLP shape
+   (4096 x 11008 weight, 8192 tokens): which GEMM path this torch build takes, its error against
+   an fp32 GEMM of the same bf16 operands, and its time against the unfused bf16 GEMM, cast and add.
 A check the machine cannot run (zb-h1 on one device) is a row marked skipped, with the reason.
 It ends with one summary table. Paste it into docs with the date and the device.
 
@@ -27,7 +31,8 @@ Time on one H200 (989 TFLOP/s dense bf16, about 67 fp32; estimated at 40% of pea
 30 s of start-up per launched run): parity 2 runs, 60 s; gpt2-mfu 30 steps of 5.6e13 FLOPs
 (0.14 s), 35 s; llama-mfu 15 steps of 5.4e14 FLOPs (1.4 s), 60 s with the 1.2B model's
 initialisation; document-mask 2 runs of 8 steps of 2.7e13 FLOPs in fp32 (1 s), 110 s with
-flex_attention's compilation: about 4.5 minutes. With 2 GPUs, parity 90 s and zb-h1 2 runs of
+flex_attention's compilation; grad-accum-fusion 22 GEMMs of 7.4e11 FLOPs, under 5 s: about 4.5
+minutes. With 2 GPUs, parity 90 s and zb-h1 2 runs of
 8 steps of 2.8e13 FLOPs in fp32 on 2 devices (0.6 s), 70 s: about 6.5 minutes.
 With --cpu every check runs at toy sizes (tests/test_gpu_check.py runs the document-mask and
 zb-h1 checks so at --devices 1).
@@ -46,7 +51,7 @@ from bench.gpu_mfu import OFFLINE
 REPO = Path(__file__).resolve().parent.parent
 TINY, LLAMA_TINY = REPO / "recipes" / "tiny.yaml", REPO / "recipes" / "llama-tiny.yaml"
 LLAMA, GPT2 = REPO / "recipes" / "llama3.2-1b.yaml", REPO / "recipes" / "gpt2-124m.yaml"
-CHECKS = ("parity", "gpt2-mfu", "llama-mfu", "document-mask", "zb-h1")
+CHECKS = ("parity", "gpt2-mfu", "llama-mfu", "document-mask", "zb-h1", "grad-accum-fusion")
 STEPS = 5
 SKIPPED = "skipped"
 
@@ -135,6 +140,39 @@ def zero_bubble(devices: int, workdir: Path, on_cpu: bool) -> list:
     return [(f"{recipe.stem} {what}", measured, "bit-identical", ("ok" if same else "FAIL") + f", step time x{ratio:.2f}")]
 
 
+def grad_accum_fusion(on_cpu: bool) -> list:
+    """The fused weight-gradient GEMM against an fp32 reference, and its time against the path
+    without fusion (a bf16 product, cast to fp32 and added: DeepSpeed's per-micro-batch work)."""
+    import torch
+    from model.weight_grad import add_product_into, mixed_gemm_path
+    device = torch.device("cpu" if on_cpu else "cuda")
+    out, tokens, inner = (256, 512, 1024) if on_cpu else (11008, 8192, 4096)  # (out, N) @ (N, in)
+    left = torch.randn(out, tokens, device=device).bfloat16()
+    right = torch.randn(tokens, inner, device=device).bfloat16()
+    main = torch.zeros(out, inner, device=device)
+    want = left.float() @ right.float()
+    add_product_into(main, left, right)
+    error = ((main - want).abs().max() / want.abs().max()).item()
+
+    def seconds(step) -> float:
+        step()  # warm-up
+        if not on_cpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            step()
+        if not on_cpu:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / 10
+    fused = seconds(lambda: add_product_into(main, left, right))
+    unfused = seconds(lambda: main.add_(torch.mm(left, right).float()))
+    path = "fp32 operands (CPU)" if on_cpu else mixed_gemm_path(device)
+    # fp32 accumulation: only the summation order differs; the last fallback rounds the product to bf16
+    bar = 1e-2 if path == "mm-then-add" else 1e-4
+    return [(f"grad-accum fusion GEMM ({path}), {out}x{tokens}x{inner}", f"max rel. err {error:.1e}",
+             f"<= {bar:.0e}", ("ok" if error <= bar else "FAIL") + f", time x{fused / unfused:.2f} of unfused")]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="run the checks on CPU processes, at toy sizes")
@@ -188,8 +226,10 @@ def main(argv=None) -> int:
                                                    "1" if args.cpu else "5"])
             elif check == "document-mask":
                 rows += document_mask(workdir, args.cpu)
-            else:
+            elif check == "zb-h1":
                 rows += zero_bubble(devices, workdir, args.cpu)
+            else:
+                rows += grad_accum_fusion(args.cpu)
     print(f"\ngpu_check on {device}, {time.strftime('%Y-%m-%d')}, {time.perf_counter() - start:.0f} s")
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:

@@ -36,11 +36,43 @@ def add_product_into(main: torch.Tensor, left: torch.Tensor, right: torch.Tensor
     """main += left @ right, (out, N) @ (N, in) -> (out, in), with `main` an fp32 main gradient and
     the operands bf16: the GEMM accumulates into `main` itself (Megatron's gradient-accumulation
     fusion), with no bf16 product, no cast and no separate add over the weight's elements."""
-    if main.is_cuda and left.dtype != main.dtype:  # cuBLAS: bf16 operands, fp32 accumulation and output
-        torch.addmm(main, left, right, out_dtype=main.dtype, out=main)  # (aten::addmm.dtype_out)
+    if main.is_cuda and left.dtype != main.dtype:
+        _MIXED_GEMMS[mixed_gemm_path(main.device)](main, left, right)
     else:  # no mixed-dtype addmm on CPU: the operands (activation-sized) cast to fp32, where bf16 is
         # exact, so this is the CUDA kernel's fp32 sum of exact products, up to summation order
         main.addmm_(left.to(main.dtype), right.to(main.dtype))
+
+
+# The ways to add a bf16 product into an fp32 matrix on a GPU, best first. cuBLAS takes bf16
+# operands with fp32 accumulation and output (aten::addmm.dtype_out); torch builds that accept an
+# fp32 `self` for it do it in one GEMM. Older ones require `self` in the operands' dtype: then the
+# fp32 product is a temporary added once (mm.dtype), or, without that, the bf16 product.
+_MIXED_GEMMS = {
+    "addmm-out-fp32": lambda main, a, b: torch.addmm(main, a, b, out_dtype=main.dtype, out=main),
+    "mm-fp32-then-add": lambda main, a, b: main.add_(torch.mm(a, b, out_dtype=main.dtype)),
+    "mm-then-add": lambda main, a, b: main.add_(torch.mm(a, b)),
+}
+_CHOSEN_PATH = {}
+
+
+def mixed_gemm_path(device: torch.device) -> str:
+    """The first of `_MIXED_GEMMS` this torch runs correctly on `device`, tried once on a 2 x 2
+    product (bench/gpu_check.py reports which, and its error against an fp32 GEMM)."""
+    if device.type not in _CHOSEN_PATH:
+        a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=torch.bfloat16)
+        for name, add in _MIXED_GEMMS.items():
+            main = torch.ones(2, 2, device=device)
+            try:
+                add(main, a, a)
+            except (RuntimeError, TypeError):  # an overload this build does not have
+                continue
+            if torch.equal(main, torch.tensor([[8.0, 11.0], [16.0, 23.0]], device=device)):
+                _CHOSEN_PATH[device.type] = name
+                break
+        else:
+            raise RuntimeError(f"no way to add a bf16 product into an fp32 gradient on {device}: "
+                               "set train.grad_accum_fusion: false")
+    return _CHOSEN_PATH[device.type]
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -190,3 +190,19 @@ def test_every_layer_adds_its_weight_gradient_into_main_grad_at_tp2():
     """The same per TP rank, with and without sequence parallelism (the gathered linears), and with
     one key/value head shared by both ranks."""
     run_distributed(_every_path_at_tp2, 2)
+
+
+def test_mixed_gemm_falls_back_to_what_this_torch_can_run():
+    """On a GPU the fused GEMM needs aten::addmm.dtype_out with an fp32 `self`, which not every
+    torch build accepts: the probe takes the first way that runs and gives the right sum. On CPU
+    neither dtype overload exists (CUDA only), so the probe must fall through to the last way, and
+    that way must add the product exactly as an fp32 GEMM of the same bf16 operands does."""
+    from model.weight_grad import _MIXED_GEMMS, mixed_gemm_path
+    path = mixed_gemm_path(torch.device("cpu"))
+    assert path == list(_MIXED_GEMMS)[-1]
+    a = torch.randn(8, 16).bfloat16()
+    b = torch.randn(16, 4).bfloat16()
+    main = torch.randn(8, 4)
+    want = main + a.float() @ b.float()
+    _MIXED_GEMMS[path](main, a, b)
+    torch.testing.assert_close(main, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
