@@ -6,6 +6,7 @@ or a known one whose text changes with a library upgrade, still reaches the cons
 """
 import contextlib
 import io
+import logging
 import re
 import warnings
 from typing import Iterator
@@ -23,10 +24,28 @@ KNOWN_NOISE = [
 ]
 
 
+# (start of a DeepSpeed log line, origin and why it is harmless)
+KNOWN_LOG_NOISE = [
+    ("[pinned-memory checkpoint]",
+     "DeepSpeed's pinned-memory tracker (deepspeed/utils/pin_memory_tracker.py) adds up every tensor "
+     "pinned through the accelerator and never subtracts a freed one, and logs the total at 32, 64, "
+     "128 GB and so on. data/pipeline.py pins each micro-batch for its non-blocking copy to the GPU "
+     "and frees it once copied, so on a long run that total reads like a leak of memory never held."),
+]
+
+
+class _KnownLogNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(record.getMessage().startswith(start) for start, _why in KNOWN_LOG_NOISE)
+
+
 def silence_known_noise() -> None:
-    """Ignore exactly the KNOWN_NOISE warnings, in this process."""
+    """Ignore exactly the KNOWN_NOISE warnings and KNOWN_LOG_NOISE log lines, in this process."""
+    from deepspeed.utils import logger
     for category, message, _why in KNOWN_NOISE:
         warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+    if not any(isinstance(f, _KnownLogNoise) for f in logger.filters):
+        logger.addFilter(_KnownLogNoise())
 
 
 @contextlib.contextmanager
