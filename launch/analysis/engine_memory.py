@@ -77,14 +77,20 @@ def model_state_bytes_per_rank(precision: str, zero_stage: int, dp: int, matrice
             "optimizer": master + moments, "buffers": bucket}
 
 
+def reduce_dtype(precision: str) -> str:
+    """The dtype the run's DP all-reduce uses unless the recipe sets deepspeed.communication_data_type:
+    fp32 for bf16 (launch/runtime/ds_config.py sets it, docs/design.md contract 8), else the model's."""
+    return "fp32" if precision == "bf16" else precision
+
+
 def dp_allreduce_bytes(precision: str, zero_stage: int, dp: int, matrices: int, vectors: int,
                        communication_data_type: Optional[str] = None) -> int:
     """Bytes this rank hands to the data-parallel gradient all-reduce per step. DeepSpeed casts
     the gradients to `communication_data_type` (the recipe's `deepspeed.communication_data_type`;
-    unset, the model dtype: bf16 for a bf16 run, though it accumulates in fp32;
-    DeepSpeedEngine.communication_data_type) and reduces the BF16_Optimizer's padded flat fp32
-    buffers, ZeRO-1's or torch's gradients unpadded (as --comm-counts measures them)."""
-    element = ELEMENT_BYTES[communication_data_type or precision]
+    unset, `reduce_dtype`, which our DeepSpeed config sets: DeepSpeed's own default is the model
+    dtype, DeepSpeedEngine.communication_data_type) and reduces the BF16_Optimizer's padded flat
+    fp32 buffers, ZeRO-1's or torch's gradients unpadded (as --comm-counts measures them)."""
+    element = ELEMENT_BYTES[communication_data_type or reduce_dtype(precision)]
     if uses_bf16_optimizer(precision, zero_stage):
         return element * (padded_group(matrices, dp) + padded_group(vectors, dp))
     return element * (matrices + vectors)

@@ -58,7 +58,7 @@ class Setup:
     """train.precision: fp32, bf16 or fp16; decides DeepSpeed's optimizer and its buffers
     (launch/analysis/engine_memory.py) and the bytes of every activation."""
     communication_data_type: Optional[str] = None
-    """The recipe's deepspeed.communication_data_type: the DP all-reduce's dtype (None: the model's)."""
+    """The recipe's deepspeed.communication_data_type: the DP all-reduce's dtype (None: engine_memory.reduce_dtype)."""
     reduce_bucket_elements: int = engine_memory.REDUCE_BUCKET_ELEMENTS
     """The recipe's deepspeed.zero_optimization.reduce_bucket_size (ZeRO-1's bucket, fp32 and fp16)."""
     grad_accum_fusion: bool = True
@@ -264,7 +264,7 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
                    + formulas.kv_gather_bytes_per_step(arch, t, max(blocks), m, setup.full_recompute)) if t > 1 else 0,
             "pp": formulas.pp_p2p_bytes_per_step(b, s, h, m) if p > 1 else 0,
             "dp": dp_bytes if d > 1 else 0},
-        "dp_allreduce_dtype": setup.communication_data_type or setup.precision,
+        "dp_allreduce_dtype": setup.communication_data_type or engine_memory.reduce_dtype(setup.precision),
         "groups": groups, "groups_within_node": intra,
         "step_time_s": time["step"], "step_time_parts_s": time,
         "mfu_estimate": formulas.mfu(flops, time["step"], hw.peak_flops, setup.gpus),

@@ -35,6 +35,10 @@ def deepspeed_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
         config["bf16"] = {"enabled": True}
         # Accumulating micro-batch gradients in bf16 loses bits; fp32 is docs/design.md contract 8.
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+        # And so does summing them over the data-parallel replicas: DeepSpeed casts the fp32
+        # buffer to the model dtype for its all-reduce unless told otherwise (Megatron-LM reduces
+        # bf16 runs' gradients in fp32 too). Twice the DP bytes; a recipe may set bf16 back.
+        config["communication_data_type"] = "fp32"
     elif train_cfg.precision == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 1000}
     deep_merge(config, pipeline_config(recipe.model.sequence_parallel))
