@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional
 
-from model.attention import AttentionCore
+from model.attention import AttentionCore, check_context_heads
 from model.config import GPTConfig
 from model.attention_inputs import AttentionInputs, StageAttentionInputs
 from model.documents import document_ids, document_positions
@@ -57,17 +57,19 @@ def sequence_dropout_rng(config: GPTConfig, tp_group: Group,
 class CausalSelfAttention(nn.Module):
     """Heads split across TP: c_attn is column-parallel (whole heads per rank, stride 3 over
     [Q; K; V]), c_proj row-parallel; one all-reduce in forward, one in backward (with sequence
-    parallelism an all-gather before c_attn and a reduce-scatter after c_proj instead)."""
+    parallelism an all-gather before c_attn and a reduce-scatter after c_proj instead). With
+    `cp_group` the core exchanges sequence shards for head shards around attention (model/attention.py)."""
 
     def __init__(self, config: GPTConfig, tp_group: Group, generator: torch.Generator,
                  dropout_rng: Callable[[], ContextManager],
-                 residual_dropout_rng: Callable[[], ContextManager]):
+                 residual_dropout_rng: Callable[[], ContextManager], *, cp_group: Group = None):
         super().__init__()
         h = config.n_embd
         sp = config.sequence_parallel
+        check_context_heads(config.n_head, group_size(tp_group), group_size(cp_group))
         self.n_head_local = config.n_head // group_size(tp_group)
         self.head_dim = h // config.n_head
-        self.core = AttentionCore(config, dropout_rng)
+        self.core = AttentionCore(config, dropout_rng, cp_group=cp_group)
         self.residual_dropout_rng = residual_dropout_rng
         self.c_attn = ColumnParallelLinear(h, 3 * h, tp_group, generator, config.init_std, stride=3,
                                            bias=config.bias, sequence_parallel=sp)
@@ -77,7 +79,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, inputs: Optional[AttentionInputs] = None) -> torch.Tensor:
-        """(B, T, h), or (B, T/t, h) with SP; `inputs`: the stage's RoPE tables and mask for this micro-batch."""
+        """(B, T, h), or (B, T/t, h) with SP (T: this CP rank's tokens); `inputs`: the stage's RoPE
+        tables and mask for this micro-batch."""
         q, k, v = self.c_attn(x).split(self.n_head_local * self.head_dim, dim=-1)  # (B, T, h/p) each
         B, T, _ = q.shape
         q, k, v = (t.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)
@@ -132,29 +135,36 @@ class Block(nn.Module):
     leaves it a no-op. With the document mask a block takes (hidden, segment ids) and passes the
     segment ids on, except the last block, whose output is the hidden states alone (ln_f and
     the head are unchanged). `attention_inputs` (RoPE's tables, the document mask) is built once
-    per micro-batch and shared by the blocks of one stage (model/attention_inputs.py)."""
+    per micro-batch and shared by the blocks of one stage (model/attention_inputs.py).
+
+    With `cp_group` (context parallelism) the input is this CP rank's contiguous shard of the
+    sequence, (B, T/cp, h) (rank r: tokens [r T/cp, (r+1) T/cp)), and so are the segment ids
+    (`document_ids` of its shard of the ids); everything but the attention core runs on these
+    tokens, the core on the whole sequence of its heads (model/attention.py)."""
 
     def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group,
                  dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext,
-                 attention_inputs: Optional[StageAttentionInputs] = None):
+                 attention_inputs: Optional[StageAttentionInputs] = None, *, cp_group: Group = None):
         super().__init__()
+        self.cp_group = cp_group
         self.attention_inputs = attention_inputs or StageAttentionInputs(config)
         self.document_mask = config.document_mask
         self.last = layer_index == config.n_layer - 1
-        self.sequence_chunks = group_size(config.sequence_parallel_group(tp_group))
+        # The sequence attention sees is this many times a block's input: SP's TP chunks, CP's shards.
+        self.sequence_chunks = group_size(config.sequence_parallel_group(tp_group)) * group_size(cp_group)
         generator = init_generator(config, layer_index)
         residual_rng = sequence_dropout_rng(config, tp_group, dropout_rng)
         llama = config.arch == "llama"
         self.ln_1 = make_norm(config, tp_group)
         attention = GroupedQueryAttention if llama else CausalSelfAttention
-        self.attn = attention(config, tp_group, generator, dropout_rng, residual_rng)
+        self.attn = attention(config, tp_group, generator, dropout_rng, residual_rng, cp_group=cp_group)
         self.ln_2 = make_norm(config, tp_group)
         self.mlp = (LlamaMLP if llama else MLP)(config, tp_group, generator, residual_rng)
 
-    def forward(self, x: Carried) -> Carried:  # (B, T, h) -> (B, T, h); (B, T/t, h) with SP
+    def forward(self, x: Carried) -> Carried:  # (B, T, h) -> (B, T, h); (B, T/t, h) with SP; / cp with CP
         hidden, segments = x if self.document_mask else (x, None)
         inputs = self.attention_inputs(segments, hidden.size(1) * self.sequence_chunks, hidden.device,
-                                       query_dtype(hidden))
+                                       query_dtype(hidden), self.cp_group)
         hidden = hidden + self.attn(self.ln_1(hidden), inputs)
         hidden = hidden + self.mlp(self.ln_2(hidden))
         return hidden if self.last or not self.document_mask else (hidden, segments)
