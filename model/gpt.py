@@ -19,6 +19,7 @@ from torch.nn import functional
 
 from model.attention import AttentionCore
 from model.config import GPTConfig
+from model.context_parallel import gather_sequence, group_rank_and_size, sequence_shard
 from model.attention_inputs import AttentionInputs, StageAttentionInputs
 from model.documents import document_ids, document_positions
 from model.layer_table import dense_prefix, pipeline_layers
@@ -163,18 +164,24 @@ class Block(nn.Module):
 class TokenEmbedding(nn.Module):
     """wte: vocab-parallel token embedding; also the output head when `tie_embeddings`."""
 
-    def __init__(self, config: GPTConfig, tp_group: Group):
+    def __init__(self, config: GPTConfig, tp_group: Group, cp_group: Group = None):
         super().__init__()
         self.wte = VocabParallelEmbedding(config.vocab_size, config.padded_vocab_size(group_size(tp_group)),
                                           config.n_embd, tp_group, init_generator(config, WTE_STREAM),
                                           config.init_std, sequence_parallel=config.sequence_parallel)
         self.document_eos = config.eos_token_id if config.document_mask else None
+        self.cp_group = cp_group
 
     def forward(self, ids: torch.Tensor) -> Carried:  # (B, T) -> (B, T, h); (B, T/t, h) with SP
-        """With the document mask also the (B, T) segment ids, full length on every TP rank."""
+        """With the document mask also the (B, T) segment ids, full length on every TP rank.
+        Under CP ids are this rank's (B, T/cp) tokens and the segment ids its shard of the whole
+        sequence's: a document that began on an earlier CP rank keeps its id (issue 25)."""
         if self.document_eos is None:
             return self.wte(ids)
-        return self.wte(ids), document_ids(ids, self.document_eos)
+        if self.cp_group is None:
+            return self.wte(ids), document_ids(ids, self.document_eos)
+        segments = document_ids(gather_sequence(ids, self.cp_group), self.document_eos)  # (B, T)
+        return self.wte(ids), sequence_shard(segments, *group_rank_and_size(self.cp_group))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, h) or (B, T/t, h) -> (B, T, V_pad/p)
         return self.wte.logits(hidden)
@@ -197,11 +204,14 @@ class LMHead(VocabParallelEmbedding):
 class PositionEmbedding(nn.Module):
     """Adds wpe (replicated) and applies embedding dropout; positions derived here, so only the
     hidden states cross pipeline stages (docs/design.md contract 7). With sequence parallelism the
-    input is TP rank r's chunk, positions [r*T/t, (r+1)*T/t)."""
+    input is TP rank r's chunk, positions [r*T/t, (r+1)*T/t). Under context parallelism these are
+    offsets inside CP rank c's shard, which starts at c*T/cp: every token takes the row of its
+    global position (issue 25)."""
 
     def __init__(self, config: GPTConfig, tp_group: Group = None,
-                 dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext):
+                 dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext, cp_group: Group = None):
         super().__init__()
+        self.cp_group = cp_group
         full = torch.empty(config.seq_len, config.n_embd)
         self.wpe = nn.Parameter(full.normal_(0.0, config.init_std,
                                              generator=init_generator(config, WPE_STREAM)))
@@ -215,11 +225,14 @@ class PositionEmbedding(nn.Module):
         of its position inside its document, and the segment ids pass on."""
         tok_emb, segments = x if isinstance(x, tuple) else (x, None)
         T_local = tok_emb.size(1)
-        start = group_rank(self.sp_group) * T_local
+        cp_rank, _ = group_rank_and_size(self.cp_group)
+        T_shard = T_local * group_size(self.sp_group)  # this CP rank's tokens: T/cp
+        start = cp_rank * T_shard + group_rank(self.sp_group) * T_local
         if segments is None:
             pos_emb = self.wpe[start:start + T_local]
-        else:
-            pos_emb = self.wpe[document_positions(segments)[:, start:start + T_local]]  # (B, T_local, h)
+        else:  # segments: (B, T/cp) under CP, gathered to the whole sequence's (B, T)
+            positions = document_positions(gather_sequence(segments, self.cp_group))
+            pos_emb = self.wpe[positions[:, start:start + T_local]]  # (B, T_local, h)
         with self.dropout_rng():
             out = self.drop(tok_emb + pos_emb)
         return out if segments is None else (out, segments)
