@@ -45,10 +45,10 @@ def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, o
             hint = (f"on CPU the launcher starts one process per NUMA node unless told: run "
                     f"`deepspeed --num_gpus {model_parallel} launch/train.py {flags} ...`")
         else:
-            hint = (f"start a multiple of {model_parallel} processes or choose --tp, --cp and --pp whose product "
-                    f"divides {world_size}")
-        raise ConfigError(f"world size {world_size} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = "
-                          f"{model_parallel}; {hint}")
+            hint = (f"start a multiple of {model_parallel} processes or choose --tp" + (", --cp" if cp > 1 else "")
+                    + f" and --pp whose product divides {world_size}")
+        product = f"tp*pp = {tp}*{pp}" if cp == 1 else f"tp*cp*pp = {tp}*{cp}*{pp}"
+        raise ConfigError(f"world size {world_size} is not divisible by {product} = {model_parallel}; {hint}")
     dp = world_size // model_parallel
     recipe.validate()
 
