@@ -11,6 +11,10 @@ and in every recompute.
   other micro-batches' forwards between a micro-batch's forward and its backward, so several
   entries may be held, one per micro-batch in flight; full recompute (DeepSpeed's checkpoint)
   replays a block with a detached view of the same segment storage, which finds its entry.
+- Context parallelism: the segment ids a block holds are its CP rank's shard; the entry is keyed
+  by that shard and built from the whole sequence's ids (one all-gather over CP per build; every
+  CP rank runs the same schedule, so they build, and gather, together), since after Ulysses'
+  all-to-all the core attends over the whole sequence.
 """
 import weakref
 from dataclasses import dataclass
@@ -19,7 +23,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from model.config import GPTConfig
-from model.documents import block_document_mask, dense_document_mask, document_positions, uses_flex_attention
+from model.documents import (block_document_mask, dense_document_mask, document_positions, full_sequence_segments,
+                             uses_flex_attention)
+from model.mappings import Group
 from model.rotary import at_positions, rope_cos_sin
 
 
@@ -80,21 +86,21 @@ class StageAttentionInputs:
         self._documents: List[_Entry] = []
 
     def __call__(self, segments: Optional[torch.Tensor], seq_len: int, device: torch.device,
-                 dtype: torch.dtype) -> AttentionInputs:
-        """`segments`: the micro-batch's (B, T) segment ids, or None without the document mask;
-        seq_len: T, the length attention sees (all TP ranks' chunks under sequence parallelism);
-        dtype: that of the queries and keys."""
+                 dtype: torch.dtype, cp_group: Group = None) -> AttentionInputs:
+        """`segments`: the micro-batch's (B, T) segment ids (B, T/cp with CP: this rank's shard), or
+        None without the document mask; seq_len: T, the length attention sees (all TP ranks' chunks
+        under sequence parallelism, all CP ranks' shards); dtype: that of the queries and keys."""
         if segments is None and self.config.position != "rope":
             return NO_ROPE_CAUSAL
         if segments is None and torch.compiler.is_compiling():
             return causal_inputs(self.config, seq_len, device, dtype)
-        return self._cached(segments, seq_len, device, dtype)
+        return self._cached(segments, seq_len, device, dtype, cp_group)
 
     @torch.compiler.disable  # Python-side bookkeeping: under train.compile the block's graph breaks here
-    def _cached(self, segments, seq_len, device, dtype) -> AttentionInputs:
+    def _cached(self, segments, seq_len, device, dtype, cp_group) -> AttentionInputs:
         if torch.is_inference_mode_enabled():  # inference tensors could not be saved for a later backward
             return causal_inputs(self.config, seq_len, device, dtype) if segments is None \
-                else document_inputs(self.config, segments, dtype)
+                else document_inputs(self.config, full_sequence_segments(segments, cp_group), dtype)
         if segments is None:
             key = (seq_len, device, dtype)
             if key not in self._causal:
@@ -106,7 +112,8 @@ class StageAttentionInputs:
         for entry in self._documents:
             if entry.key == key and entry.dtype == dtype and entry.segments() is not None:
                 return entry.inputs
-        entry = _Entry(segments, dtype, document_inputs(self.config, segments, dtype), self._forget)
+        inputs = document_inputs(self.config, full_sequence_segments(segments, cp_group), dtype)
+        entry = _Entry(segments, dtype, inputs, self._forget)
         self._documents.append(entry)
         self.built += 1
         return entry.inputs

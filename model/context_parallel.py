@@ -1,11 +1,11 @@
 """The run side of context parallelism (issue 25; Jacobs et al. 2023, DeepSpeed-Ulysses): which
-tokens a CP rank holds, the few integer collectives its layers outside attention need, and the
-token-weighted loss over the CP group. The attention's all-to-alls live in model/mappings.py.
+tokens a CP rank holds and the token-weighted loss over the CP group. The attention's
+all-to-alls live in model/mappings.py, the whole sequence's document ids in model/documents.py.
 
 CP rank r of a replica holds the contiguous tokens [r T/cp, (r+1) T/cp) of every sequence of the
 replica's micro-batches, inputs and labels alike. Everything outside attention (embeddings, norms,
 MLP, loss) runs on those local tokens; what depends on a token's place in the whole sequence
-(learned positions, document ids and positions) is computed from the global index.
+(learned positions, document positions) is computed from the global index (model/gpt.py).
 """
 from typing import Iterator, Tuple
 
@@ -35,16 +35,6 @@ def sequence_shards(batches: Iterator[Tuple[torch.Tensor, torch.Tensor]], cp_ran
     if cp_size == 1:
         return batches
     return ((sequence_shard(x, cp_rank, cp_size), sequence_shard(y, cp_rank, cp_size)) for x, y in batches)
-
-
-def gather_sequence(local: torch.Tensor, cp_group: Group) -> torch.Tensor:
-    """(B, T/cp) integers (token or segment ids; no gradient) -> (B, T), the CP ranks' shards in
-    rank order. Cheap next to the hidden states: one integer per token."""
-    if cp_group is None:
-        return local
-    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(cp_group))]
-    dist.all_gather(shards, local.contiguous(), group=cp_group)
-    return torch.cat(shards, dim=1)
 
 
 def token_weighted_mean(token_loss: torch.Tensor, counted: torch.Tensor, cp_group: Group) -> torch.Tensor:

@@ -10,6 +10,8 @@ from typing import Any, Tuple
 import torch
 from torch.nn import functional
 
+from model.mappings import Group, all_gather_context
+
 _compiled_flex_attention = None
 
 FLEX_BLOCK = 128
@@ -19,6 +21,21 @@ FLEX_BLOCK = 128
 def document_ids(ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """(B, T) token ids -> (B, T) segment ids: the number of EOS tokens up to and including each."""
     return (ids == eos_token_id).cumsum(dim=-1)
+
+
+def full_sequence_segments(segments: torch.Tensor, cp_group: Group) -> torch.Tensor:
+    """(B, T/cp) segment ids of this CP rank's shard, counted inside the shard (`document_ids` of
+    its ids) -> (B, T) those of the whole sequence, equal to `document_ids` of all the ids: each
+    shard's ids plus the EOS tokens of the shards before it (the last id of a shard is its EOS
+    count). One all-gather of integers over CP; the identity without CP."""
+    if cp_group is None:
+        return segments
+    gathered = all_gather_context(segments, cp_group)  # (B, T)
+    B, T = gathered.shape
+    shards = gathered.view(B, -1, segments.size(-1))  # (B, cp, T/cp)
+    eos_in_shard = shards[:, :, -1]  # (B, cp)
+    eos_before = eos_in_shard.cumsum(dim=-1) - eos_in_shard
+    return (shards + eos_before.unsqueeze(-1)).view(B, T)
 
 
 def document_positions(segments: torch.Tensor) -> torch.Tensor:

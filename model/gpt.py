@@ -17,11 +17,11 @@ import torch
 import torch.nn as nn
 from torch.nn import functional
 
-from model.attention import AttentionCore
+from model.attention import AttentionCore, check_context_heads
 from model.config import GPTConfig
-from model.context_parallel import gather_sequence, group_rank_and_size, sequence_shard
+from model.context_parallel import group_rank_and_size
 from model.attention_inputs import AttentionInputs, StageAttentionInputs
-from model.documents import document_ids, document_positions
+from model.documents import document_ids, document_positions, full_sequence_segments
 from model.layer_table import dense_prefix, pipeline_layers
 from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                           group_rank, group_size, mark_sequence_parallel)
@@ -58,17 +58,19 @@ def sequence_dropout_rng(config: GPTConfig, tp_group: Group,
 class CausalSelfAttention(nn.Module):
     """Heads split across TP: c_attn is column-parallel (whole heads per rank, stride 3 over
     [Q; K; V]), c_proj row-parallel; one all-reduce in forward, one in backward (with sequence
-    parallelism an all-gather before c_attn and a reduce-scatter after c_proj instead)."""
+    parallelism an all-gather before c_attn and a reduce-scatter after c_proj instead). With
+    `cp_group` the core exchanges sequence shards for head shards around attention (model/attention.py)."""
 
     def __init__(self, config: GPTConfig, tp_group: Group, generator: torch.Generator,
                  dropout_rng: Callable[[], ContextManager],
-                 residual_dropout_rng: Callable[[], ContextManager]):
+                 residual_dropout_rng: Callable[[], ContextManager], *, cp_group: Group = None):
         super().__init__()
         h = config.n_embd
         sp = config.sequence_parallel
+        check_context_heads(config.n_head, group_size(tp_group), group_size(cp_group))
         self.n_head_local = config.n_head // group_size(tp_group)
         self.head_dim = h // config.n_head
-        self.core = AttentionCore(config, dropout_rng)
+        self.core = AttentionCore(config, dropout_rng, cp_group=cp_group)
         self.residual_dropout_rng = residual_dropout_rng
         self.c_attn = ColumnParallelLinear(h, 3 * h, tp_group, generator, config.init_std, stride=3,
                                            bias=config.bias, sequence_parallel=sp)
@@ -78,7 +80,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, inputs: Optional[AttentionInputs] = None) -> torch.Tensor:
-        """(B, T, h), or (B, T/t, h) with SP; `inputs`: the stage's RoPE tables and mask for this micro-batch."""
+        """(B, T, h), or (B, T/t, h) with SP (T: this CP rank's tokens); `inputs`: the stage's RoPE
+        tables and mask for this micro-batch."""
         q, k, v = self.c_attn(x).split(self.n_head_local * self.head_dim, dim=-1)  # (B, T, h/p) each
         B, T, _ = q.shape
         q, k, v = (t.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)
@@ -133,29 +136,36 @@ class Block(nn.Module):
     leaves it a no-op. With the document mask a block takes (hidden, segment ids) and passes the
     segment ids on, except the last block, whose output is the hidden states alone (ln_f and
     the head are unchanged). `attention_inputs` (RoPE's tables, the document mask) is built once
-    per micro-batch and shared by the blocks of one stage (model/attention_inputs.py)."""
+    per micro-batch and shared by the blocks of one stage (model/attention_inputs.py).
+
+    With `cp_group` (context parallelism) the input is this CP rank's contiguous shard of the
+    sequence, (B, T/cp, h) (rank r: tokens [r T/cp, (r+1) T/cp)), and so are the segment ids
+    (`document_ids` of its shard of the ids); everything but the attention core runs on these
+    tokens, the core on the whole sequence of its heads (model/attention.py)."""
 
     def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group,
                  dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext,
-                 attention_inputs: Optional[StageAttentionInputs] = None):
+                 attention_inputs: Optional[StageAttentionInputs] = None, *, cp_group: Group = None):
         super().__init__()
+        self.cp_group = cp_group
         self.attention_inputs = attention_inputs or StageAttentionInputs(config)
         self.document_mask = config.document_mask
         self.last = layer_index == config.n_layer - 1
-        self.sequence_chunks = group_size(config.sequence_parallel_group(tp_group))
+        # The sequence attention sees is this many times a block's input: SP's TP chunks, CP's shards.
+        self.sequence_chunks = group_size(config.sequence_parallel_group(tp_group)) * group_size(cp_group)
         generator = init_generator(config, layer_index)
         residual_rng = sequence_dropout_rng(config, tp_group, dropout_rng)
         llama = config.arch == "llama"
         self.ln_1 = make_norm(config, tp_group)
         attention = GroupedQueryAttention if llama else CausalSelfAttention
-        self.attn = attention(config, tp_group, generator, dropout_rng, residual_rng)
+        self.attn = attention(config, tp_group, generator, dropout_rng, residual_rng, cp_group=cp_group)
         self.ln_2 = make_norm(config, tp_group)
         self.mlp = (LlamaMLP if llama else MLP)(config, tp_group, generator, residual_rng)
 
-    def forward(self, x: Carried) -> Carried:  # (B, T, h) -> (B, T, h); (B, T/t, h) with SP
+    def forward(self, x: Carried) -> Carried:  # (B, T, h) -> (B, T, h); (B, T/t, h) with SP; / cp with CP
         hidden, segments = x if self.document_mask else (x, None)
         inputs = self.attention_inputs(segments, hidden.size(1) * self.sequence_chunks, hidden.device,
-                                       query_dtype(hidden))
+                                       query_dtype(hidden), self.cp_group)
         hidden = hidden + self.attn(self.ln_1(hidden), inputs)
         hidden = hidden + self.mlp(self.ln_2(hidden))
         return hidden if self.last or not self.document_mask else (hidden, segments)
@@ -164,24 +174,20 @@ class Block(nn.Module):
 class TokenEmbedding(nn.Module):
     """wte: vocab-parallel token embedding; also the output head when `tie_embeddings`."""
 
-    def __init__(self, config: GPTConfig, tp_group: Group, cp_group: Group = None):
+    def __init__(self, config: GPTConfig, tp_group: Group):
         super().__init__()
         self.wte = VocabParallelEmbedding(config.vocab_size, config.padded_vocab_size(group_size(tp_group)),
                                           config.n_embd, tp_group, init_generator(config, WTE_STREAM),
                                           config.init_std, sequence_parallel=config.sequence_parallel)
         self.document_eos = config.eos_token_id if config.document_mask else None
-        self.cp_group = cp_group
 
     def forward(self, ids: torch.Tensor) -> Carried:  # (B, T) -> (B, T, h); (B, T/t, h) with SP
-        """With the document mask also the (B, T) segment ids, full length on every TP rank.
-        Under CP ids are this rank's (B, T/cp) tokens and the segment ids its shard of the whole
-        sequence's: a document that began on an earlier CP rank keeps its id (issue 25)."""
+        """With the document mask also the (B, T) segment ids, full length on every TP rank. Under
+        CP ids are this rank's (B, T/cp) tokens and the segment ids are counted inside the shard;
+        who needs the whole sequence's makes them (model/documents.py: full_sequence_segments)."""
         if self.document_eos is None:
             return self.wte(ids)
-        if self.cp_group is None:
-            return self.wte(ids), document_ids(ids, self.document_eos)
-        segments = document_ids(gather_sequence(ids, self.cp_group), self.document_eos)  # (B, T)
-        return self.wte(ids), sequence_shard(segments, *group_rank_and_size(self.cp_group))
+        return self.wte(ids), document_ids(ids, self.document_eos)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, h) or (B, T/t, h) -> (B, T, V_pad/p)
         return self.wte.logits(hidden)
@@ -230,8 +236,8 @@ class PositionEmbedding(nn.Module):
         start = cp_rank * T_shard + group_rank(self.sp_group) * T_local
         if segments is None:
             pos_emb = self.wpe[start:start + T_local]
-        else:  # segments: (B, T/cp) under CP, gathered to the whole sequence's (B, T)
-            positions = document_positions(gather_sequence(segments, self.cp_group))
+        else:  # segments: (B, T/cp) under CP, made the whole sequence's (B, T)
+            positions = document_positions(full_sequence_segments(segments, self.cp_group))
             pos_emb = self.wpe[positions[:, start:start + T_local]]  # (B, T_local, h)
         with self.dropout_rng():
             out = self.drop(tok_emb + pos_emb)

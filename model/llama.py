@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional
 
-from model.attention import AttentionCore
+from model.attention import AttentionCore, check_context_heads
 from model.attention_inputs import AttentionInputs
 from model.config import GPTConfig
 from model.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_projections, group_rank, group_size
@@ -38,14 +38,17 @@ def gate_up_sections(config) -> Tuple[int, int]:
 
 
 class GroupedQueryAttention(nn.Module):
-    """Causal self-attention with n_kv_head key/value heads shared by groups of query heads."""
+    """Causal self-attention with n_kv_head key/value heads shared by groups of query heads. With
+    `cp_group` the core exchanges sequence shards for head shards around attention, copying
+    key/value heads where tp x cp exceeds them (model/attention.py)."""
 
     def __init__(self, config: GPTConfig, tp_group: Group, generator: torch.Generator,
                  dropout_rng: Callable[[], ContextManager],
-                 residual_dropout_rng: Callable[[], ContextManager]):
+                 residual_dropout_rng: Callable[[], ContextManager], *, cp_group: Group = None):
         super().__init__()
         h, d = config.n_embd, config.head_dim
         tp_size = group_size(tp_group)
+        check_context_heads(config.n_head, tp_size, group_size(cp_group))
         self.tp_group = tp_group
         self.sequence_parallel = config.sequence_parallel and tp_group is not None
         self.head_dim = d
@@ -54,7 +57,7 @@ class GroupedQueryAttention(nn.Module):
         self.n_kv_local = 1 if self.replicas > 1 else config.n_kv_head // tp_size
         # The key/value head this rank uses when it holds only part of it (replicas > 1).
         self.kv_head = group_rank(tp_group) // self.replicas
-        self.core = AttentionCore(config, dropout_rng, enable_gqa=True)
+        self.core = AttentionCore(config, dropout_rng, enable_gqa=True, cp_group=cp_group)
         self.residual_dropout_rng = residual_dropout_rng
         std, bias = config.init_std, config.bias
         # Drawn from the block's generator in the order of separate q, k, v linears (full weights,
@@ -81,7 +84,8 @@ class GroupedQueryAttention(nn.Module):
         return torch.cat([param[:q_rows], kv])  # (a/t*d + 2d, ...)
 
     def forward(self, x: torch.Tensor, inputs: Optional[AttentionInputs] = None) -> torch.Tensor:
-        """(B, T, h), or (B, T/t, h) with SP; `inputs`: the stage's RoPE tables and mask for this micro-batch."""
+        """(B, T, h), or (B, T/t, h) with SP (T: this CP rank's tokens); `inputs`: the stage's RoPE
+        tables and mask for this micro-batch."""
         weight, bias = self.qkv_proj.weight, self.qkv_proj.bias
         sections = self.local_sections
         if self.replicas > 1:

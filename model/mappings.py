@@ -7,10 +7,16 @@ row-parallel output, SP reduce-scatters it along the sequence, and where plain T
 input of a column-parallel linear, SP all-gathers the sequence. An all-reduce is a
 reduce-scatter followed by an all-gather, so SP moves the same bytes as TP (K22 sec. 4.2).
 
+Context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023) shards the whole sequence over the
+CP group; around the attention core two all-to-alls trade a sequence shard of every head for the
+whole sequence of a head shard, and back (`all_to_all_sequence_to_heads`,
+`all_to_all_heads_to_sequence`; each is the other's backward). Shapes are attention's
+(B, heads, T, d); CP rank r holds tokens [r T/cp, (r+1) T/cp) and heads [r H/cp, (r+1) H/cp).
+
 Three tiers, as in Megatron core: a private helper that does the communication, a private
 autograd Function whose forward and backward are one line each, and a public wrapper whose
 docstring says what happens in each direction. Every helper is the identity when the group
-is None (tp_size == 1), so the single-device model runs the exact same code.
+is None (tp_size == 1, cp_size == 1), so the single-device model runs the exact same code.
 """
 from typing import Optional
 
@@ -92,6 +98,42 @@ def _reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
+def _all_to_all(ranked: torch.Tensor, group: Group) -> torch.Tensor:
+    """(c, ...) rank-major: slice j goes to rank j -> (c, ...): slice i came from rank i."""
+    ranked = ranked.contiguous()
+    out = torch.empty_like(ranked)  # after .contiguous(): empty_like keeps a permuted input's strides
+    dist.all_to_all_single(out, ranked, group=group)
+    return out
+
+
+def sequence_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """(B, H, T/c, d): this rank's tokens of every head -> (B, H/c, T, d): every token of its heads.
+    No autograd (the wrappers below). Rank j is sent head chunk j; from rank i come tokens chunk i."""
+    if group is None:
+        return x
+    c = dist.get_world_size(group)
+    B, H, T_local, d = x.shape
+    ranked = x.reshape(B, c, H // c, T_local, d).movedim(1, 0)  # (c, B, H/c, T/c, d): chunk j for rank j
+    received = _all_to_all(ranked, group)  # (c, B, H/c, T/c, d): tokens chunk i from rank i
+    return received.permute(1, 2, 0, 3, 4).reshape(B, H // c, c * T_local, d)  # (B, H/c, T, d)
+
+
+def heads_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """(B, H/c, T, d): every token of this rank's heads -> (B, H, T/c, d): its tokens of every head.
+    No autograd. Rank j is sent tokens chunk j; from rank i come head chunk i.
+
+    The result is a transposed view of a (B, T/c, H, d) tensor, so the caller's merge of the heads
+    back into (B, T/c, H*d) is a view, as without CP."""
+    if group is None:
+        return x
+    c = dist.get_world_size(group)
+    B, H_local, T, d = x.shape
+    ranked = x.reshape(B, H_local, c, T // c, d).permute(2, 0, 3, 1, 4)  # (c, B, T/c, H/c, d): tokens chunk j
+    received = _all_to_all(ranked, group)  # (c, B, T/c, H/c, d): head chunk i from rank i
+    by_token = received.permute(1, 2, 0, 3, 4).reshape(B, T // c, c * H_local, d)  # (B, T/c, H, d)
+    return by_token.transpose(1, 2)  # (B, H, T/c, d)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -165,6 +207,28 @@ class _GatherRowsFromTP(torch.autograd.Function):
         return _reduce_scatter_rows(grad, ctx.group), None
 
 
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return sequence_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return heads_to_sequence(grad, ctx.group), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return heads_to_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return sequence_to_heads(grad, ctx.group), None
+
+
 def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: identity; backward: all-reduce (Megatron's f)."""
     return x if group is None else _CopyToTP.apply(x, group)
@@ -201,3 +265,22 @@ def gather_rows_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     their number, model/llama.py): the sum in backward reaches exactly the ranks that used
     those rows, the others contribute zeros."""
     return x if group is None else _GatherRowsFromTP.apply(x, group)
+
+
+def all_to_all_sequence_to_heads(x: torch.Tensor, cp_group: Group) -> torch.Tensor:
+    """forward: (B, H, T/cp, d) -> (B, H/cp, T, d), an all-to-all over CP (Ulysses' first);
+    backward: the inverse all-to-all of the gradient, (B, H/cp, T, d) -> (B, H, T/cp, d).
+
+    A permutation of elements across ranks: no sums, so forward and backward are exact."""
+    return x if cp_group is None else _SequenceToHeads.apply(x, cp_group)
+
+
+def all_to_all_heads_to_sequence(x: torch.Tensor, cp_group: Group) -> torch.Tensor:
+    """forward: (B, H/cp, T, d) -> (B, H, T/cp, d), an all-to-all over CP (Ulysses' second);
+    backward: (B, H, T/cp, d) -> (B, H/cp, T, d)."""
+    return x if cp_group is None else _HeadsToSequence.apply(x, cp_group)
+
+
+def all_gather_context(x: torch.Tensor, cp_group: Group) -> torch.Tensor:
+    """(B, T/cp) on each CP rank -> (B, T), rank order: no autograd (integer segment ids)."""
+    return all_gather_sequence(x, cp_group)

@@ -80,18 +80,18 @@ def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: Parall
     tp_dropout_rng_or_none = tp_dropout_rng if config.dropout > 0 else contextlib.nullcontext
     cp = state.cp_group
     if kind == "embed" and config.tie_embeddings:
-        return TiedLayerSpec("embed", TokenEmbedding, config, tp, cp, tied_weight_attr=["wte.weight"])
+        return TiedLayerSpec("embed", TokenEmbedding, config, tp, tied_weight_attr=["wte.weight"])
     if kind == "embed":
-        return LayerSpec(TokenEmbedding, config, tp, cp)
+        return LayerSpec(TokenEmbedding, config, tp)
     if kind == "wpe":
         return LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng_or_none, cp)
     if kind == "block":
-        return LayerSpec(Block, config, block, tp, tp_dropout_rng_or_none, attention_inputs)
+        return LayerSpec(Block, config, block, tp, tp_dropout_rng_or_none, attention_inputs, cp_group=cp)
     if kind == "ln_f":
         return LayerSpec(norm_class(config), config.n_embd, config.sequence_parallel_group(tp), eps=config.norm_eps)
     if kind == "lm_head":
         return LayerSpec(LMHead, config, tp)
-    return TiedLayerSpec("embed", TokenEmbedding, config, tp, cp, forward_fn=_logits, tied_weight_attr=["wte.weight"])
+    return TiedLayerSpec("embed", TokenEmbedding, config, tp, forward_fn=_logits, tied_weight_attr=["wte.weight"])
 
 
 def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:

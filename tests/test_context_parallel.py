@@ -1,107 +1,174 @@
-"""Context parallelism, the run side (issue 25; docs/design.md contract 17): the fourth axis inside
-DeepSpeed's data axis, and what each CP rank computes outside attention against the dense,
-single-process reference: the token embedding's document ids, the learned positions of its
-tokens (global, with and without the document mask, with sequence parallelism) and the loss,
-whose token-weighted mean over the CP group is F.cross_entropy's over the whole sequences with
-its gradient, also when the shards count unequal numbers of tokens. The layouts' parity is the
-parity runs' (tests/test_parity.py, tests/test_llama_parity.py); bad input, tests/test_errors.py."""
-import itertools
+"""Context parallelism's model side (DeepSpeed-Ulysses, Jacobs et al. 2023; model/mappings.py,
+model/attention.py) against dense references, on CPU processes over gloo (no DeepSpeed engine):
+
+- the two all-to-alls, forward and gradient, against slicing the full tensor (the dense map is
+  the identity on the whole tensor, its gradient the probe);
+- the segment ids of the whole sequence from each CP rank's shard against `document_ids` of all ids;
+- a GPT-2 block and a Llama block (grouped-query; n_kv_head < tp x cp, so key/value heads are
+  copied) at cp = 2 and 4, and at tp = 2 x cp = 2, causal and with the document mask, with sequence
+  parallelism and selective recompute: each CP rank's output shard and input gradient against the
+  same block run on the whole sequence in one process, and every parameter's gradient, summed over
+  CP (as DeepSpeed's data-parallel reduction over dp x cp sums it), against the dense block's.
+"""
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn import functional
 
 from distributed import run_distributed
-from model.context_parallel import sequence_shard, token_weighted_mean
-from model.documents import document_ids
-from model.gpt import GPTConfig, PositionEmbedding, TokenEmbedding
-from model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
-from model.parallel_state import build_topology, context_parallel_groups
+from model.attention import check_context_heads, kv_copies
+from model.config import GPTConfig
+from model.convert import split
+from model.documents import document_ids, full_sequence_segments
+from model.gpt import Block
+from model.layers import allreduce_sequence_parallel_grads
+from model.mappings import all_to_all_heads_to_sequence, all_to_all_sequence_to_heads
 
-EOS = 7
-CONFIG = dict(vocab_size=64, n_layer=1, n_head=4, n_embd=16, seq_len=16, dropout=0.0, seed=3)
-
-
-@pytest.mark.parametrize("tp,cp,pp,dp", [(2, 2, 2, 2), (1, 4, 1, 2), (2, 2, 1, 1)])
-def test_topology_keeps_tp_adjacent_then_cp(tp, cp, pp, dp):
-    """Global rank = ((stage * dp + replica) * cp + cp rank) * tp + tp rank: the order the issue
-    fixes, derived here by hand; DeepSpeed's data axis holds dp x cp, cp fastest."""
-    topology = build_topology(tp, pp, dp, cp)
-    groups = sorted(map(tuple, context_parallel_groups(topology, cp)))
-    want = sorted(tuple(((stage * dp + replica) * cp + c) * tp + t for c in range(cp))
-                  for stage, replica, t in itertools.product(range(pp), range(dp), range(tp)))
-    assert groups == want
-    for stage, replica, c, t in itertools.product(range(pp), range(dp), range(cp), range(tp)):
-        coord = topology.get_coord(((stage * dp + replica) * cp + c) * tp + t)
-        assert (coord.pipe, coord.data, coord.model) == (stage, replica * cp + c, t)
+EOS = 0
+GPT2 = GPTConfig(n_layer=2, n_head=8, n_embd=32, seq_len=16, vocab_size=97, seed=3)
+LLAMA = GPTConfig(arch="llama", n_layer=2, n_head=8, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=16,
+                  vocab_size=97, seed=3)
 
 
-def _world():
-    return dist.new_group(list(range(dist.get_world_size())))
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _check(name, got, want, atol=1e-6):
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    err = (got - want).abs().max().item()
-    assert err <= atol, f"{name}: max abs error {err:.3g} (rank {dist.get_rank()})"
+def _layout_groups(tp: int, cp: int):
+    """(tp_group, cp_group, tp_rank, cp_rank) with TP ranks adjacent, then CP (rank = cp_rank * tp +
+    tp_rank), as the run's topology lays them out; a group of one is None."""
+    rank = dist.get_rank()
+    tp_group = cp_group = None
+    for c in range(cp):
+        group = dist.new_group([c * tp + t for t in range(tp)])  # collective: every rank creates every group
+        if rank // tp == c and tp > 1:
+            tp_group = group
+    for t in range(tp):
+        group = dist.new_group([c * tp + t for c in range(cp)])
+        if rank % tp == t and cp > 1:
+            cp_group = group
+    return tp_group, cp_group, rank % tp, rank // tp
 
 
-def _cp_body():
-    """2 ranks, one CP group of the whole world."""
-    from model.parallel_state import init_parallel_state
-    state = init_parallel_state(1, 1, 2)
-    rank, cp = state.cp_rank, state.cp_size
-    assert (state.dp_rank, state.dp_size, cp, rank) == (0, 1, 2, dist.get_rank())
-    group = state.cp_group
-    B, T = 3, CONFIG["seq_len"]
-    ids = torch.randint(0, CONFIG["vocab_size"], (B, T), generator=torch.Generator().manual_seed(0))
-    ids[0, [2, 9, 12]] = EOS  # a document crossing the shard boundary (T/cp = 8), and one inside a shard
-    ids[1, [8]] = EOS  # one starting exactly at the boundary
-    local_ids = sequence_shard(ids, rank, cp)
-
-    # Document ids and learned positions: the local rows of the dense model's.
-    h = CONFIG["n_embd"]
-    for mask in (False, True):
-        config = GPTConfig(**CONFIG, document_mask=mask, eos_token_id=EOS)
-        dense_embed, dense_pos = TokenEmbedding(config, None), PositionEmbedding(config, None)
-        embed, pos = TokenEmbedding(config, None, group), PositionEmbedding(config, None, cp_group=group)
-        local = embed(local_ids)
-        if mask:  # the whole sequence's document ids, this rank's shard of them
-            assert torch.equal(local[1], sequence_shard(document_ids(ids, EOS), rank, cp))
-        want, got = dense_pos(dense_embed(ids)), pos(local)
-        want, got = (want[0], got[0]) if mask else (want, got)
-        _check(f"embeddings (mask {mask})", got, sequence_shard(want, rank, cp))
-
-        # With sequence parallelism as well: the 2 ranks are also one TP group, so this process is
-        # CP rank r and TP rank r, and holds the whole sequence's tokens r T/cp + r T/(cp tp) onward.
-        sp = PositionEmbedding(GPTConfig(**CONFIG, document_mask=mask, eos_token_id=EOS, sequence_parallel=True),
-                               _world(), cp_group=group)
-        rows = T // 4
-        zeros, dense_zeros = torch.zeros(B, rows, h), torch.zeros(B, T, h)  # positions alone
-        got = sp((zeros, local[1]) if mask else zeros)
-        want = dense_pos((dense_zeros, document_ids(ids, EOS)) if mask else dense_zeros)
-        got, want = (got[0], want[0]) if mask else (got, want)
-        first = rank * (T // cp) + rank * rows
-        _check(f"SP positions (mask {mask})", got, want[:, first:first + rows])
-
-    # The loss: unequal counted tokens per shard (rank 0 holds 5 ignored labels, rank 1 none).
-    logits = torch.randn(B, T, CONFIG["vocab_size"], generator=torch.Generator().manual_seed(1), requires_grad=True)
-    labels = torch.randint(0, CONFIG["vocab_size"], (B, T), generator=torch.Generator().manual_seed(2))
-    labels[0, :5] = IGNORE_INDEX
-    want = functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
-    want.backward()
-    local_logits = sequence_shard(logits.detach(), rank, cp).requires_grad_()
-    local_labels = sequence_shard(labels, rank, cp)
-    token_loss = vocab_parallel_cross_entropy(local_logits, local_labels, None)
-    loss = token_weighted_mean(token_loss, local_labels != IGNORE_INDEX, group)
-    loss.backward()
-    # What DeepSpeed reports and reduces over its data axis: the mean over the CP ranks.
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    _check("loss", mean / cp, want.detach())
-    _check("logits' gradient", local_logits.grad / cp, sequence_shard(logits.grad, rank, cp))
+def _chunk(t: torch.Tensor, dim: int, index: int, count: int) -> torch.Tensor:
+    return t.chunk(count, dim=dim)[index]
 
 
-def test_cp_ranks_compute_their_shard_of_the_dense_model_outside_attention():
-    run_distributed(_cp_body, 2)
+# ------------------------------------------------------------------ the mappings
+
+def _mappings_body():
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(cp)))
+    B, H, T, d = 2, 2 * cp, 3 * cp, 5
+    full = _randn(B, H, T, d, seed=0)  # every rank builds the same whole tensor
+    probe = _randn(B, H, T, d, seed=1)  # loss = <y, probe>: the gradient of the whole map is the probe
+
+    x = _chunk(full, 2, rank, cp).clone().requires_grad_()  # this rank's tokens of every head
+    y = all_to_all_sequence_to_heads(x, group)
+    torch.testing.assert_close(y, _chunk(full, 1, rank, cp), rtol=0, atol=0)  # every token of its heads
+    (y * _chunk(probe, 1, rank, cp)).sum().backward()
+    torch.testing.assert_close(x.grad, _chunk(probe, 2, rank, cp), rtol=0, atol=0)
+
+    x = _chunk(full, 1, rank, cp).clone().requires_grad_()
+    y = all_to_all_heads_to_sequence(x, group)
+    torch.testing.assert_close(y, _chunk(full, 2, rank, cp), rtol=0, atol=0)
+    (y * _chunk(probe, 2, rank, cp)).sum().backward()
+    torch.testing.assert_close(x.grad, _chunk(probe, 1, rank, cp), rtol=0, atol=0)
+
+    # The segment ids of the whole sequence from the shards: documents cross shard boundaries,
+    # a shard may start with an EOS, and row 2 has none at all.
+    ids = torch.randint(1, 50, (3, T), generator=torch.Generator().manual_seed(2))
+    ids[0, [1, T // cp, T - 2]] = EOS
+    ids[1, [0, T // cp - 1, T // cp + 1]] = EOS
+    local = document_ids(_chunk(ids, 1, rank, cp), EOS)
+    torch.testing.assert_close(full_sequence_segments(local, group), document_ids(ids, EOS), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_all_to_alls_and_segments_match_slicing_the_full_tensor(cp):
+    run_distributed(_mappings_body, cp)
+
+
+def test_identity_without_a_group_and_head_checks():
+    x = _randn(2, 4, 6, 3, seed=0)
+    assert all_to_all_sequence_to_heads(x, None) is x and all_to_all_heads_to_sequence(x, None) is x
+    segments = document_ids(torch.tensor([[3, EOS, 4]]), EOS)
+    assert full_sequence_segments(segments, None) is segments
+    # Each CP rank must receive whole key/value heads for its query heads: (kv per TP rank, cp) -> copies
+    assert [kv_copies(kv, cp) for kv, cp in [(4, 2), (2, 2), (1, 2), (2, 4), (3, 2), (1, 4)]] == [1, 1, 2, 2, 2, 4]
+    with pytest.raises(ValueError, match=r"model.n_head=4 must divide by tp x cp = 2 x 4"):
+        check_context_heads(4, 2, 4)
+
+
+# ------------------------------------------------------------------ blocks against the dense block
+
+def _ids(config: GPTConfig, B: int) -> torch.Tensor:
+    """Windows whose documents cross the shard boundaries of every cp (and tp chunks under SP)."""
+    T = config.seq_len
+    ids = torch.randint(1, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(7))
+    ids[0, [3, 7, 8, 13]] = EOS
+    ids[1, [4, 11]] = EOS
+    return ids
+
+
+def _check_block(config: GPTConfig, tp_group, cp_group, tp_rank: int, cp_rank: int, tp: int, cp: int) -> None:
+    B, T, h = 2, config.seq_len, config.n_embd
+    name = f"{config.arch} tp={tp} cp={cp} doc={config.document_mask} sp={config.sequence_parallel}"
+    x = _randn(B, T, h, seed=11)
+    probe = _randn(B, T, h, seed=12)
+    ids = _ids(config, B)
+
+    dense = Block(config, 0, None)  # block 0 of 2: with the document mask it passes the segment ids on
+    x_dense = x.clone().requires_grad_()
+    out = dense((x_dense, document_ids(ids, EOS)) if config.document_mask else x_dense)
+    out = out[0] if config.document_mask else out
+    (out * probe).sum().backward()
+
+    # This rank's tokens: CP shard cp_rank, and under SP its TP chunk of that shard.
+    sp_chunks = tp if config.sequence_parallel else 1
+    def local(t):
+        return _chunk(_chunk(t, 1, cp_rank, cp), 1, tp_rank if sp_chunks > 1 else 0, sp_chunks)
+    block = Block(config, 0, tp_group, cp_group=cp_group)
+    block.train()
+    x_local = local(x).clone().requires_grad_()
+    segments = document_ids(_chunk(ids, 1, cp_rank, cp), EOS)  # the shard's own count, as TokenEmbedding gives
+    out_local = block((x_local, segments) if config.document_mask else x_local)
+    out_local = out_local[0] if config.document_mask else out_local
+    (out_local * local(probe)).sum().backward()
+    torch.testing.assert_close(out_local, local(out.detach()), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"{name} output: {m}")
+    torch.testing.assert_close(x_local.grad, local(x_dense.grad), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"{name} dL/dx: {m}")
+
+    allreduce_sequence_parallel_grads(block, tp_group)  # SP's TP sum (model/layers.py)
+    dense_params = dict(dense.named_parameters())
+    for param_name, param in block.named_parameters():
+        grad = param.grad.clone()
+        if cp_group is not None:  # weights are replicated over CP: their gradients sum over it
+            dist.all_reduce(grad, group=cp_group)
+        want = split(f"blocks.0.{param_name}", dense_params[param_name].grad, tp_rank, tp,
+                     config.padded_vocab_size(tp), config)
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=2e-6, msg=lambda m: f"{name} dL/d{param_name}: {m}")
+
+
+def _blocks_body(tp: int, cp: int, cases):
+    tp_group, cp_group, tp_rank, cp_rank = _layout_groups(tp, cp)
+    for config in cases:
+        _check_block(config, tp_group, cp_group, tp_rank, cp_rank, tp, cp)
+
+
+def _cases(tp: int):
+    document = dict(document_mask=True, eos_token_id=EOS)
+    sp = dict(sequence_parallel=True) if tp > 1 else {}
+    return [
+        GPT2, dataclasses.replace(GPT2, **document, **sp, recompute_attention=True),
+        LLAMA,  # 2 key/value heads: copied at cp = 4, and per TP rank at tp x cp = 4
+        dataclasses.replace(LLAMA, **document, **sp),
+        dataclasses.replace(LLAMA, n_kv_head=1, recompute_attention=True, **document),  # multi-query: copied at any cp
+    ]
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 2), (1, 4), (2, 2)], ids=["cp2", "cp4", "tp2-cp2"])
+def test_context_parallel_blocks_match_the_dense_block(tp, cp):
+    run_distributed(_blocks_body, tp * cp, tp, cp, _cases(tp))
