@@ -3,7 +3,8 @@
 The first 5 optimizer steps of recipes/tiny.yaml (fp32, ZeRO-1, gradient clipping active, a
 learning rate that moves the loss) give the same loss and gradient norm, relative difference
 <= 1e-5, at (tp, pp, dp) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,2) and (4,4,1), and with
-sequence parallelism (`model.sequence_parallel`) at (2,2,2) and (4,1,1); in bf16, (2,2,2) with
+sequence parallelism (`model.sequence_parallel`) at (2,2,2) and (4,1,1), with context parallelism
+(--cp 2, issue 25) at (tp, cp, pp, dp) = (1,2,1,1), (2,2,1,1), (1,2,2,1) and (1,2,1,2); in bf16, (2,2,2) with
 sequence parallelism and (1,2,1) within BF16_RTOL of a bf16 (1,1,1). Each layout is launched
 once per session, when a test first asks for it (conftest.py: parity_runs, its ranks forked as
 DeepSpeed's launcher starts them; tests/test_resume.py resumes the checkpoints these runs save)."""
@@ -12,7 +13,7 @@ import math
 
 import pytest
 
-from conftest import ACCEPTANCE_RUNS, LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
+from conftest import ACCEPTANCE_RUNS, CP_LAYOUTS, LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
 from launcher import TINY, launch_forked, read_metrics
 
 RTOL = 1e-5
@@ -46,7 +47,7 @@ def test_reference_run_learns_with_clipping_active(parity_runs):
 
 
 @pytest.mark.parametrize("layout", [pytest.param(layout, marks=[] if layout in ACCEPTANCE_RUNS else pytest.mark.slow)
-                                    for layout in LAYOUTS + SP_LAYOUTS], ids=layout_id)
+                                    for layout in LAYOUTS + SP_LAYOUTS + CP_LAYOUTS], ids=layout_id)
 def test_layout_matches_single_process(parity_runs, layout):
     ref, got = parity_runs[REFERENCE]["metrics"], parity_runs[layout]["metrics"]
     assert len(got) == STEPS
