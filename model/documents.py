@@ -30,12 +30,10 @@ def full_sequence_segments(segments: torch.Tensor, cp_group: Group) -> torch.Ten
     count). One all-gather of integers over CP; the identity without CP."""
     if cp_group is None:
         return segments
-    gathered = all_gather_context(segments, cp_group)  # (B, T)
-    B, T = gathered.shape
-    shards = gathered.view(B, -1, segments.size(-1))  # (B, cp, T/cp)
-    eos_in_shard = shards[:, :, -1]  # (B, cp)
-    eos_before = eos_in_shard.cumsum(dim=-1) - eos_in_shard
-    return (shards + eos_before.unsqueeze(-1)).view(B, T)
+    shards = all_gather_context(segments, cp_group)  # (cp, B, T/cp)
+    eos_in_shard = shards[:, :, -1:]  # (cp, B, 1)
+    eos_before = eos_in_shard.cumsum(dim=0) - eos_in_shard
+    return (shards + eos_before).movedim(0, 1).reshape(segments.size(0), -1)  # (B, T)
 
 
 def document_positions(segments: torch.Tensor) -> torch.Tensor:

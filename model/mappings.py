@@ -282,5 +282,7 @@ def all_to_all_heads_to_sequence(x: torch.Tensor, cp_group: Group) -> torch.Tens
 
 
 def all_gather_context(x: torch.Tensor, cp_group: Group) -> torch.Tensor:
-    """(B, T/cp) on each CP rank -> (B, T), rank order: no autograd (integer segment ids)."""
-    return all_gather_sequence(x, cp_group)
+    """(B, T/cp, ...) on each CP rank -> (cp, B, T/cp, ...), rank-major, the collective's own layout:
+    no autograd, for integer tensors (the document mask's segment ids, model/documents.py). Its own
+    function, so that --comm-counts can tell it from sequence parallelism's gathers."""
+    return _gather_rows(x.unsqueeze(0), cp_group)
