@@ -114,7 +114,7 @@ def run_training(job: TrainingJob) -> None:
     if args.timeline is not None:
         from launch.instruments.timeline import install_timeline_recorder
         timeline = install_timeline_recorder(engine, args.timeline_steps, train_cfg.steps,
-                                             one_per_stage=state.tp_rank == 0 and state.dp_rank == 0)
+                                             one_per_stage=state.tp_rank == 0 and state.cp_rank == 0 and state.dp_rank == 0)
     first_step, samples = restore(engine, resume_from, layout, state, config, logging_rank)
 
     saved_recipe = resolved_recipe_dict(recipe, job.vocab_size)
