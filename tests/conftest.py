@@ -64,7 +64,7 @@ class ParityRuns:
     saves a checkpoint after step SAVE_AT. runs[layout] = {metrics, dir (checkpoints under
     dir/ck), stdout, stderr}. (1,1,2) also writes a wandb offline run. Tags after (tp, pp, dp): "sp"
     (sequence parallelism), a precision of PRECISIONS (fp32 without one), "llama" (recipes/llama-tiny.yaml
-    instead of recipes/tiny.yaml), "docmask" (data.document_mask), "cp<N>" (--cp N: N times the ranks), a mode of RECOMPUTE_MODES (train.recompute: the
+    instead of recipes/tiny.yaml), "docmask" (data.document_mask), "cp<N>" (--cp N: N times the ranks), "zb-h1" (train.schedule), a mode of RECOMPUTE_MODES (train.recompute: the
     same losses, other code paths), "compile" (train.compile: each block compiled)."""
 
     def __init__(self, tmp_path_factory):
@@ -79,6 +79,7 @@ class ParityRuns:
             sp = ["--set", "model.sequence_parallel=true"] if "sp" in layout else []
             docmask = ["--set", "data.document_mask=true"] if "docmask" in layout else []
             compiled = ["--set", "train.compile=true"] if "compile" in layout else []
+            schedule = ["--set", "train.schedule=zb-h1"] if "zb-h1" in layout else []
             recompute = [arg for tag in layout[3:] if tag in RECOMPUTE_MODES
                          for arg in ("--set", f"train.recompute={tag}")]
             precision = run_precision(layout)
@@ -89,7 +90,7 @@ class ParityRuns:
             proc = launch_forked(tp * cp * pp * dp, ["--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
                                          "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
                                          "--save", str(tmp / "ck"), "--save-every", str(SAVE_AT)]
-                          + context + sp + docmask + compiled + recompute + precision_args(precision) + wandb,
+                          + context + sp + docmask + compiled + schedule + recompute + precision_args(precision) + wandb,
                                  env=dict(precision_env(precision), WANDB_DIR=str(tmp)), acceptance=True)
             assert proc.returncode == 0, f"layout {layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             self.done[layout] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout,

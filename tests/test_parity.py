@@ -74,6 +74,16 @@ def test_bf16_layout_matches_single_process(parity_runs, layout):
 
 
 @pytest.mark.slow
+def test_zero_bubble_with_context_parallelism_is_bitwise_1f1b(parity_runs):
+    """ZB-H1 at (tp, cp, pp, dp) = (1,2,2,1): the W passes defer weight gradients past the
+    all-to-alls' backward, and reorder nothing within a sum, so the losses and norms are 1F1B's bits."""
+    zb, one_f_one_b = parity_runs[(1, 2, 1, "cp2", "zb-h1")], parity_runs[(1, 2, 1, "cp2")]
+    assert "schedule zb-h1" in zb["stdout"]
+    assert [(m["loss"], m["grad_norm"], m.get("val_loss")) for m in zb["metrics"]] == \
+        [(m["loss"], m["grad_norm"], m.get("val_loss")) for m in one_f_one_b["metrics"]]
+
+
+@pytest.mark.slow
 def test_evaluation_does_not_change_training(parity_runs, tmp_path):
     proc = launch_forked(1, ["--recipe", str(TINY), "--steps", str(STEPS), "--set", "train.eval_every=0",
                       "--metrics-out", str(tmp_path / "m.jsonl")])
@@ -98,6 +108,20 @@ def test_role_map_names_groups_and_stages(parity_runs):
     assert "stage 1: layers 5-7: block 3, ln_f, lm_head (tied embed) | 66% of the predicted compute" in out
     assert "activations: (b, T, h) = (2, 32, h) per rank between TP linears and across stages; recompute none" in out
     assert "activations: (b, T/tp, h) = (2, 16, h): sequence parallel" in parity_runs[(2, 2, 2, "sp")]["stdout"]
+
+
+@pytest.mark.slow
+def test_role_map_shows_the_context_parallel_axis(parity_runs):
+    """TP adjacent, then CP (data index = dp_rank * cp + cp_rank); DeepSpeed's data-parallel groups
+    hold dp x cp ranks; the activations are each CP rank's T/cp tokens."""
+    out = parity_runs[(2, 1, 1, "cp2")]["stdout"]
+    assert "world 4 = tp 2 x cp 2 x pp 1 x dp 1 (axis order pipe, data, model: TP ranks adjacent, then CP)" in out
+    assert "TP groups  (split each weight matrix):  [0, 1] [2, 3]" in out
+    assert "CP groups  (split each sequence, all-to-all in attention): [0, 2] [1, 3]" in out
+    assert "activations: (b, T/cp, h) = (2, 16, h) per rank" in out
+    out = parity_runs[(1, 1, 2, "cp2")]["stdout"]
+    assert "CP groups  (split each sequence, all-to-all in attention): [0, 1] [2, 3]" in out
+    assert "DP groups  (split the data, all-reduce grads over dp x cp): [0, 1, 2, 3]" in out
 
 
 @pytest.mark.slow
