@@ -19,8 +19,9 @@ from torch.nn import functional
 
 from model.attention import AttentionCore, check_context_heads
 from model.config import GPTConfig
+from model.context_parallel import group_rank_and_size
 from model.attention_inputs import AttentionInputs, StageAttentionInputs
-from model.documents import document_ids, document_positions
+from model.documents import document_ids, document_positions, full_sequence_segments
 from model.layer_table import dense_prefix, pipeline_layers
 from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                           group_rank, group_size, mark_sequence_parallel)
@@ -181,7 +182,9 @@ class TokenEmbedding(nn.Module):
         self.document_eos = config.eos_token_id if config.document_mask else None
 
     def forward(self, ids: torch.Tensor) -> Carried:  # (B, T) -> (B, T, h); (B, T/t, h) with SP
-        """With the document mask also the (B, T) segment ids, full length on every TP rank."""
+        """With the document mask also the (B, T) segment ids, full length on every TP rank. Under
+        CP ids are this rank's (B, T/cp) tokens and the segment ids are counted inside the shard;
+        who needs the whole sequence's makes them (model/documents.py: full_sequence_segments)."""
         if self.document_eos is None:
             return self.wte(ids)
         return self.wte(ids), document_ids(ids, self.document_eos)
@@ -207,11 +210,14 @@ class LMHead(VocabParallelEmbedding):
 class PositionEmbedding(nn.Module):
     """Adds wpe (replicated) and applies embedding dropout; positions derived here, so only the
     hidden states cross pipeline stages (docs/design.md contract 7). With sequence parallelism the
-    input is TP rank r's chunk, positions [r*T/t, (r+1)*T/t)."""
+    input is TP rank r's chunk, positions [r*T/t, (r+1)*T/t). Under context parallelism these are
+    offsets inside CP rank c's shard, which starts at c*T/cp: every token takes the row of its
+    global position (issue 25)."""
 
     def __init__(self, config: GPTConfig, tp_group: Group = None,
-                 dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext):
+                 dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext, cp_group: Group = None):
         super().__init__()
+        self.cp_group = cp_group
         full = torch.empty(config.seq_len, config.n_embd)
         self.wpe = nn.Parameter(full.normal_(0.0, config.init_std,
                                              generator=init_generator(config, WPE_STREAM)))
@@ -225,11 +231,14 @@ class PositionEmbedding(nn.Module):
         of its position inside its document, and the segment ids pass on."""
         tok_emb, segments = x if isinstance(x, tuple) else (x, None)
         T_local = tok_emb.size(1)
-        start = group_rank(self.sp_group) * T_local
+        cp_rank, _ = group_rank_and_size(self.cp_group)
+        T_shard = T_local * group_size(self.sp_group)  # this CP rank's tokens: T/cp
+        start = cp_rank * T_shard + group_rank(self.sp_group) * T_local
         if segments is None:
             pos_emb = self.wpe[start:start + T_local]
-        else:
-            pos_emb = self.wpe[document_positions(segments)[:, start:start + T_local]]  # (B, T_local, h)
+        else:  # segments: (B, T/cp) under CP, made the whole sequence's (B, T)
+            positions = document_positions(full_sequence_segments(segments, self.cp_group))
+            pos_emb = self.wpe[positions[:, start:start + T_local]]  # (B, T_local, h)
         with self.dropout_rng():
             out = self.drop(tok_emb + pos_emb)
         return out if segments is None else (out, segments)

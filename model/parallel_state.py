@@ -1,9 +1,15 @@
-"""The 3D layout of one run: (pipe, data, model) ranks, sizes and process groups.
+"""The layout of one run: (pipe, data, model) ranks, sizes and process groups, with context
+parallelism (cp) inside DeepSpeed's data axis.
 
 Built once from DeepSpeed's `PipeModelDataParallelTopology` and passed down explicitly; the
-same topology object goes to `PipelineModule(topology=...)`, so our TP groups and DeepSpeed's
-pipeline / data-parallel groups can never disagree (docs/design.md contract 1).
+same topology object goes to `PipelineModule(topology=...)`, so our TP and CP groups and
+DeepSpeed's pipeline / data-parallel groups can never disagree (docs/design.md contract 1).
 Axis order is (pipe, data, model): the TP ranks of one stage are adjacent global ranks.
+
+DeepSpeed's engine knows three axes only. Its "data" axis holds dp x cp ranks, cp fastest
+(data index = dp_rank * cp + cp_rank): the CP ranks of one replica are adjacent after TP, and
+DeepSpeed's gradient all-reduce and ZeRO-1 partition run over dp x cp, which is what CP needs,
+since the weights are replicated over CP and their gradients summed over it (issue 25).
 """
 from dataclasses import dataclass
 from typing import List, Optional
@@ -14,7 +20,9 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelState:
-    """This rank's coordinate in the (pipe, data, model) grid, the sizes and its TP group."""
+    """This rank's coordinate in the (pipe, data, model) grid, the sizes and its TP and CP groups.
+    dp_rank / dp_size count data replicas (which samples a rank trains on), not DeepSpeed's
+    data index (dp_rank * cp_size + cp_rank)."""
     topology: PipeModelDataParallelTopology
     global_rank: int
     tp_size: int
@@ -24,6 +32,9 @@ class ParallelState:
     pp_rank: int
     dp_rank: int
     tp_group: Optional[dist.ProcessGroup]  # None when tp_size == 1: collectives bypass
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: Optional[dist.ProcessGroup] = None  # None when cp_size == 1, as tp_group
 
     @property
     def tp_groups(self) -> List[List[int]]:
@@ -37,12 +48,26 @@ class ParallelState:
 
     @property
     def dp_groups(self) -> List[List[int]]:
-        """Global ranks of every data-parallel group (one per (pipe, model) coordinate)."""
+        """Global ranks of every group DeepSpeed all-reduces gradients over (one per (pipe, model)
+        coordinate): the dp x cp ranks of its data axis."""
         return self.topology.get_axis_comm_lists("data")
 
+    @property
+    def cp_groups(self) -> List[List[int]]:
+        """Global ranks of every CP group: the cp ranks of one replica at one (pipe, model) coordinate."""
+        return context_parallel_groups(self.topology, self.cp_size)
 
-def build_topology(tp_size: int, pp_size: int, dp_size: int) -> PipeModelDataParallelTopology:
-    return PipeModelDataParallelTopology(num_pp=pp_size, num_mp=tp_size, num_dp=dp_size)
+
+def build_topology(tp_size: int, pp_size: int, dp_size: int, cp_size: int = 1) -> PipeModelDataParallelTopology:
+    """DeepSpeed's topology with dp x cp ranks on its data axis (module docstring)."""
+    return PipeModelDataParallelTopology(num_pp=pp_size, num_mp=tp_size, num_dp=dp_size * cp_size)
+
+
+def context_parallel_groups(topology: PipeModelDataParallelTopology, cp_size: int) -> List[List[int]]:
+    """Each data-axis list (ordered by data index) cut into runs of cp_size: data indices
+    [d * cp, (d + 1) * cp) are replica d's CP ranks."""
+    return [ranks[start:start + cp_size] for ranks in topology.get_axis_comm_lists("data")
+            for start in range(0, len(ranks), cp_size)]
 
 
 def single_process_state() -> ParallelState:
@@ -51,24 +76,30 @@ def single_process_state() -> ParallelState:
                          tp_rank=0, pp_rank=0, dp_rank=0, tp_group=None)
 
 
-def init_parallel_state(tp_size: int, pp_size: int) -> ParallelState:
-    """Derive dp = world / (tp * pp) and create the TP groups; needs torch.distributed up.
+def _own_group(rank_lists: List[List[int]], rank: int) -> Optional[dist.ProcessGroup]:
+    """One process group per list (`new_group` is collective over the world: every rank makes
+    all of them, in the same order); this rank's."""
+    own = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks=ranks)
+        if rank in ranks:
+            own = group
+    return own
+
+
+def init_parallel_state(tp_size: int, pp_size: int, cp_size: int = 1) -> ParallelState:
+    """Derive dp = world / (tp * cp * pp) and create the TP and CP groups; needs torch.distributed up.
 
     Every rank must call this in the same order: `new_group` is collective over the world.
     """
     world_size = dist.get_world_size()
-    assert world_size % (tp_size * pp_size) == 0, "validated by launch/config/layout.py"
-    dp_size = world_size // (tp_size * pp_size)
-    topology = build_topology(tp_size, pp_size, dp_size)
+    assert world_size % (tp_size * cp_size * pp_size) == 0, "validated by launch/config/layout.py"
+    dp_size = world_size // (tp_size * cp_size * pp_size)
+    topology = build_topology(tp_size, pp_size, dp_size, cp_size)
     rank = dist.get_rank()
     coord = topology.get_coord(rank)
-
-    tp_group = None
-    if tp_size > 1:
-        for ranks in topology.get_axis_comm_lists("model"):
-            group = dist.new_group(ranks=ranks)
-            if rank in ranks:
-                tp_group = group
+    tp_group = _own_group(topology.get_axis_comm_lists("model"), rank) if tp_size > 1 else None
+    cp_group = _own_group(context_parallel_groups(topology, cp_size), rank) if cp_size > 1 else None
     return ParallelState(topology=topology, global_rank=rank, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size,
-                         tp_rank=coord.model, pp_rank=coord.pipe, dp_rank=coord.data,
-                         tp_group=tp_group)
+                         tp_rank=coord.model, pp_rank=coord.pipe, dp_rank=coord.data // cp_size,
+                         tp_group=tp_group, cp_size=cp_size, cp_rank=coord.data % cp_size, cp_group=cp_group)

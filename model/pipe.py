@@ -23,7 +23,8 @@ from model.attention_inputs import StageAttentionInputs
 from model.gpt import Block, GPTConfig, LMHead, PositionEmbedding, TokenEmbedding, norm_class
 from model.layer_table import layer_name, pipeline_layers
 from model.layers import sequence_parallel_params
-from model.loss import vocab_parallel_cross_entropy
+from model.context_parallel import token_weighted_mean
+from model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from model.parallel_state import ParallelState
 
 TP_DROPOUT_RNG = "tp-sharded-dropout"
@@ -57,10 +58,12 @@ def seed_dropout_rngs(seed: int, state: ParallelState, *restart) -> None:
     launch/checkpoints/store.py save and restore both, so recomputation and resume replay them.
     `restart` (e.g. ("resumed", step)) starts fresh streams: a resume at another layout, which
     has no saved state for this rank's coordinate, must not replay the masks of step 1."""
-    torch.manual_seed(dropout_stream_seed(seed, "replicated", state.pp_rank, state.dp_rank, *restart))
+    # The CP ranks of a replica hold different tokens (and, in attention, heads): their own streams.
+    replica = (state.dp_rank,) if state.cp_size == 1 else (state.dp_rank, "cp", state.cp_rank)
+    torch.manual_seed(dropout_stream_seed(seed, "replicated", state.pp_rank, *replica, *restart))
     tracker = get_cuda_rng_tracker()
     tracker.reset()
-    tracker.add(TP_DROPOUT_RNG, dropout_stream_seed(seed, "tp-sharded", state.pp_rank, state.dp_rank,
+    tracker.add(TP_DROPOUT_RNG, dropout_stream_seed(seed, "tp-sharded", state.pp_rank, *replica,
                                                     state.tp_rank, *restart))
 
 
@@ -75,14 +78,15 @@ def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: Parall
     # Without dropout nothing draws from the stream: no fork, which saves swapping the RNG state
     # around every attention core and, under train.compile, the graph breaks that swap causes.
     tp_dropout_rng_or_none = tp_dropout_rng if config.dropout > 0 else contextlib.nullcontext
+    cp = state.cp_group
     if kind == "embed" and config.tie_embeddings:
         return TiedLayerSpec("embed", TokenEmbedding, config, tp, tied_weight_attr=["wte.weight"])
     if kind == "embed":
         return LayerSpec(TokenEmbedding, config, tp)
     if kind == "wpe":
-        return LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng_or_none)
+        return LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng_or_none, cp)
     if kind == "block":
-        return LayerSpec(Block, config, block, tp, tp_dropout_rng_or_none, attention_inputs)
+        return LayerSpec(Block, config, block, tp, tp_dropout_rng_or_none, attention_inputs, cp_group=cp)
     if kind == "ln_f":
         return LayerSpec(norm_class(config), config.n_embd, config.sequence_parallel_group(tp), eps=config.norm_eps)
     if kind == "lm_head":
@@ -98,7 +102,9 @@ def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
 
 def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss of one micro-batch: (B, T, V_pad/tp), (B, T) -> scalar.
+        """Mean next-token loss of one micro-batch over its counted tokens (labels other than
+        IGNORE_INDEX, as F.cross_entropy's mean): (B, T, V_pad/tp), (B, T) -> scalar; (B, T/cp, ...)
+        under CP.
 
         The loss keeps the logits (its own alias of their memory) and writes its gradient into
         them in backward; nothing else reads them again (the head's backward needs its input and
@@ -107,9 +113,11 @@ def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor],
         returns before clearing it on the last stage), so that tensor is emptied here: its
         memory then lives exactly as long as the loss's backward and the head's gradient need it,
         instead of being carried, one finished micro-batch's (B, T, V/p), into the next forward."""
-        loss = vocab_parallel_cross_entropy(logits, labels, state.tp_group, consume_logits=True).mean()
+        token_loss = vocab_parallel_cross_entropy(logits, labels, state.tp_group, consume_logits=True)
         logits.data = logits.new_empty(0)
-        return loss
+        # Under CP, (B, T/cp) tokens here: weighted over the CP group so that DeepSpeed's average
+        # over dp x cp is the mean over the whole sequences' tokens (model/context_parallel.py).
+        return token_weighted_mean(token_loss, labels != IGNORE_INDEX, state.cp_group)
     return loss_fn
 
 

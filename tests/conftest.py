@@ -14,6 +14,9 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 4, 1)]
 # Sequence parallelism on: with pipeline stages (its chunks cross stage boundaries whole) and at
 # tp=4. The Llama family runs the same layouts (tests/test_llama_parity.py).
 SP_LAYOUTS = [(2, 2, 2, "sp"), (4, 1, 1, "sp")]
+# Context parallelism (issue 25), tag "cp<N>": as (tp, cp, pp, dp) = (1,2,1,1), (2,2,1,1), (1,2,2,1),
+# (1,2,1,2); the Llama family adds one with the document mask and SP (tests/test_llama_parity.py).
+CP_LAYOUTS = [(1, 1, 1, "cp2"), (2, 1, 1, "cp2"), (1, 2, 1, "cp2"), (1, 1, 2, "cp2")]
 # The fast tier's only launches (docs/testing.md, The fast tier): (2,2,2) has every kind of
 # parallelism; (1,1,1) is its reference, and its checkpoints serve the fast checkpoint tests.
 ACCEPTANCE_RUNS = (REFERENCE, (2, 2, 2))
@@ -32,6 +35,11 @@ RECOMPUTE_MODES = ("selective", "full")
 
 def layout_id(layout) -> str:
     return "-".join([f"tp{layout[0]}", f"pp{layout[1]}", f"dp{layout[2]}"] + list(layout[3:]))
+
+
+def context_parallel_size(layout) -> int:
+    """N of a "cp<N>" tag, else 1."""
+    return next((int(tag[2:]) for tag in layout[3:] if tag.startswith("cp") and tag[2:].isdigit()), 1)
 
 
 def run_precision(layout) -> str:
@@ -56,7 +64,7 @@ class ParityRuns:
     saves a checkpoint after step SAVE_AT. runs[layout] = {metrics, dir (checkpoints under
     dir/ck), stdout, stderr}. (1,1,2) also writes a wandb offline run. Tags after (tp, pp, dp): "sp"
     (sequence parallelism), a precision of PRECISIONS (fp32 without one), "llama" (recipes/llama-tiny.yaml
-    instead of recipes/tiny.yaml), "docmask" (data.document_mask), a mode of RECOMPUTE_MODES (train.recompute: the
+    instead of recipes/tiny.yaml), "docmask" (data.document_mask), "cp<N>" (--cp N: N times the ranks), "zb-h1" (train.schedule), a mode of RECOMPUTE_MODES (train.recompute: the
     same losses, other code paths), "compile" (train.compile: each block compiled)."""
 
     def __init__(self, tmp_path_factory):
@@ -71,15 +79,18 @@ class ParityRuns:
             sp = ["--set", "model.sequence_parallel=true"] if "sp" in layout else []
             docmask = ["--set", "data.document_mask=true"] if "docmask" in layout else []
             compiled = ["--set", "train.compile=true"] if "compile" in layout else []
+            schedule = ["--set", "train.schedule=zb-h1"] if "zb-h1" in layout else []
             recompute = [arg for tag in layout[3:] if tag in RECOMPUTE_MODES
                          for arg in ("--set", f"train.recompute={tag}")]
             precision = run_precision(layout)
             wandb = ["--wandb", "offline"] if layout == (1, 1, 2) else []
             recipe = LLAMA_TINY if "llama" in layout else TINY
-            proc = launch_forked(tp * pp * dp, ["--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
+            cp = context_parallel_size(layout)
+            context = ["--cp", str(cp)] if cp > 1 else []
+            proc = launch_forked(tp * cp * pp * dp, ["--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
                                          "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
                                          "--save", str(tmp / "ck"), "--save-every", str(SAVE_AT)]
-                          + sp + docmask + compiled + recompute + precision_args(precision) + wandb,
+                          + context + sp + docmask + compiled + schedule + recompute + precision_args(precision) + wandb,
                                  env=dict(precision_env(precision), WANDB_DIR=str(tmp)), acceptance=True)
             assert proc.returncode == 0, f"layout {layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             self.done[layout] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout,

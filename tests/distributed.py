@@ -69,6 +69,7 @@ def sgd_engine(config, state, micro_batch_size: int, micro_batches: int, full_re
     train_cfg.micro_batch_size, train_cfg.global_batch_size = micro_batch_size, micro_batch_size * micro_batches * state.dp_size
     train_cfg.precision, train_cfg.zero_stage, train_cfg.grad_clip, train_cfg.warmup_steps, train_cfg.min_lr_ratio = "fp32", 0, 0.0, 0, 1.0  # lr 1 throughout
     train_cfg.recompute = "full" if full_recompute else "selective" if config.recompute_attention else "none"
+    train_cfg.cp = state.cp_size
     layout = check_and_derive_layout(recipe, dist.get_world_size(), state.tp_size, state.pp_size, on_cpu=True)
     engine, _ = build_engine(recipe, layout, state, config, optimizer=lambda groups: torch.optim.SGD(groups, lr=1.0))
     return engine

@@ -54,6 +54,16 @@ CASES = [
      ["deepspeed.bf16.immediate_grad_update=true", "zb-h1 --pp 2", "dropped"]),
     (2, ["--pp", "2", "--set", "train.schedule=zb-h1", "--set", "deepspeed.bfloat16.immediate_grad_update=true"],
      ["deepspeed.bfloat16.immediate_grad_update=true", "zb-h1 --pp 2"]),
+    # Context parallelism (issue 25): the world, the heads, the sequence (with SP: x tp), the key/value heads.
+    (3, ["--cp", "2"], ["world size 3", "tp*cp*pp = 1*2*1 = 2"]),
+    (1, ["--cp", "0"], ["--cp 0", ">= 1"]),
+    (6, ["--cp", "3"], ["n_head=4", "tp*cp = 1*3 = 3"]),
+    (8, ["--tp", "2", "--cp", "4"], ["n_head=4", "tp*cp = 2*4 = 8"]),
+    (2, ["--cp", "2", "--set", "data.seq_len=31"], ["sequence length 31", "--cp 2", "multiple of 2"]),
+    (4, ["--tp", "2", "--cp", "2", "--set", "model.sequence_parallel=true", "--set", "data.seq_len=30"],
+     ["sequence length 30", "cp*tp = 2*2 = 4 (sequence parallel)"]),
+    (2, ["--recipe", "recipes/llama-tiny.yaml", "--cp", "2", "--set", "model.n_head=12", "--set", "model.n_embd=96",
+         "--set", "model.n_kv_head=3"], ["n_kv_head=3", "tp*cp = 1*2 = 2"]),
 ]
 
 

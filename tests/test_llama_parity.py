@@ -25,6 +25,10 @@ RECOMPUTE = {(2, 2, 2): "full", (2, 2, 2, "sp"): "selective"}
 # (1,1,2) runs unmasked only in GPT-2's test: data parallelism touches neither the architecture nor the mask.
 LAYOUTS = [layout[:3] + ("llama",) + layout[3:] + ("docmask",) + ((RECOMPUTE[layout],) if layout in RECOMPUTE else ())
            for layout in GPT2_LAYOUTS + GPT2_SP_LAYOUTS if layout != (1, 1, 2)]
+# Context parallelism with the mask (issue 25): documents crossing the CP shards' boundaries, and
+# (tp, cp, pp, dp) = (2,2,1,1) with SP, where tp x cp = 4 ranks share the 2 key/value heads.
+CP_LAYOUTS = [(1, 1, 1, "llama", "cp2", "docmask"), (2, 1, 1, "llama", "sp", "cp2", "docmask")]
+LAYOUTS += CP_LAYOUTS
 # The default path, no document mask: TP with pipeline stages and data parallelism, and tp=4 > 2 key/value heads.
 NO_MASK_REFERENCE = (1, 1, 1, "llama")
 NO_MASK_LAYOUTS = [(2, 2, 2, "llama"), (4, 1, 1, "llama")]

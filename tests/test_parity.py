@@ -3,7 +3,8 @@
 The first 5 optimizer steps of recipes/tiny.yaml (fp32, ZeRO-1, gradient clipping active, a
 learning rate that moves the loss) give the same loss and gradient norm, relative difference
 <= 1e-5, at (tp, pp, dp) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,2) and (4,4,1), and with
-sequence parallelism (`model.sequence_parallel`) at (2,2,2) and (4,1,1); in bf16, (2,2,2) with
+sequence parallelism (`model.sequence_parallel`) at (2,2,2) and (4,1,1), with context parallelism
+(--cp 2, issue 25) at (tp, cp, pp, dp) = (1,2,1,1), (2,2,1,1), (1,2,2,1) and (1,2,1,2); in bf16, (2,2,2) with
 sequence parallelism and (1,2,1) within BF16_RTOL of a bf16 (1,1,1). Each layout is launched
 once per session, when a test first asks for it (conftest.py: parity_runs, its ranks forked as
 DeepSpeed's launcher starts them; tests/test_resume.py resumes the checkpoints these runs save)."""
@@ -12,7 +13,7 @@ import math
 
 import pytest
 
-from conftest import ACCEPTANCE_RUNS, LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
+from conftest import ACCEPTANCE_RUNS, CP_LAYOUTS, LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
 from launcher import TINY, launch_forked, read_metrics
 
 RTOL = 1e-5
@@ -46,7 +47,7 @@ def test_reference_run_learns_with_clipping_active(parity_runs):
 
 
 @pytest.mark.parametrize("layout", [pytest.param(layout, marks=[] if layout in ACCEPTANCE_RUNS else pytest.mark.slow)
-                                    for layout in LAYOUTS + SP_LAYOUTS], ids=layout_id)
+                                    for layout in LAYOUTS + SP_LAYOUTS + CP_LAYOUTS], ids=layout_id)
 def test_layout_matches_single_process(parity_runs, layout):
     ref, got = parity_runs[REFERENCE]["metrics"], parity_runs[layout]["metrics"]
     assert len(got) == STEPS
@@ -70,6 +71,16 @@ def test_bf16_layout_matches_single_process(parity_runs, layout):
         for key, rtol in BF16_RTOL.items():
             if key in r:
                 assert _rel(g[key], r[key]) <= rtol, (layout, r["step"], key, g[key], r[key])
+
+
+@pytest.mark.slow
+def test_zero_bubble_with_context_parallelism_is_bitwise_1f1b(parity_runs):
+    """ZB-H1 at (tp, cp, pp, dp) = (1,2,2,1): the W passes defer weight gradients past the
+    all-to-alls' backward, and reorder nothing within a sum, so the losses and norms are 1F1B's bits."""
+    zb, one_f_one_b = parity_runs[(1, 2, 1, "cp2", "zb-h1")], parity_runs[(1, 2, 1, "cp2")]
+    assert "schedule zb-h1" in zb["stdout"]
+    assert [(m["loss"], m["grad_norm"], m.get("val_loss")) for m in zb["metrics"]] == \
+        [(m["loss"], m["grad_norm"], m.get("val_loss")) for m in one_f_one_b["metrics"]]
 
 
 @pytest.mark.slow
@@ -97,6 +108,20 @@ def test_role_map_names_groups_and_stages(parity_runs):
     assert "stage 1: layers 5-7: block 3, ln_f, lm_head (tied embed) | 66% of the predicted compute" in out
     assert "activations: (b, T, h) = (2, 32, h) per rank between TP linears and across stages; recompute none" in out
     assert "activations: (b, T/tp, h) = (2, 16, h): sequence parallel" in parity_runs[(2, 2, 2, "sp")]["stdout"]
+
+
+@pytest.mark.slow
+def test_role_map_shows_the_context_parallel_axis(parity_runs):
+    """TP adjacent, then CP (data index = dp_rank * cp + cp_rank); DeepSpeed's data-parallel groups
+    hold dp x cp ranks; the activations are each CP rank's T/cp tokens."""
+    out = parity_runs[(2, 1, 1, "cp2")]["stdout"]
+    assert "world 4 = tp 2 x cp 2 x pp 1 x dp 1 (axis order pipe, data, model: TP ranks adjacent, then CP)" in out
+    assert "TP groups  (split each weight matrix):  [0, 1] [2, 3]" in out
+    assert "CP groups  (split each sequence, all-to-all in attention): [0, 2] [1, 3]" in out
+    assert "activations: (b, T/cp, h) = (2, 16, h) per rank" in out
+    out = parity_runs[(1, 1, 2, "cp2")]["stdout"]
+    assert "CP groups  (split each sequence, all-to-all in attention): [0, 1] [2, 3]" in out
+    assert "DP groups  (split the data, all-reduce grads over dp x cp): [0, 1, 2, 3]" in out
 
 
 @pytest.mark.slow

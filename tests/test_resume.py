@@ -4,7 +4,7 @@ At the saved layout the continuation is bit-identical to the uninterrupted run, 
 of the parity test, and the metrics file continues from step 4. At another layout
 (launch/checkpoints/reshard.py re-shards the ZeRO-1 weights and Adam moments) steps 4-5 match the
 uninterrupted run within fp32 rounding, like the layouts themselves do; a checkpoint of a
-sequence-parallel run re-shards the same way.
+sequence-parallel run re-shards the same way, and so does one of a context-parallel run to another cp.
 """
 import json
 
@@ -17,10 +17,11 @@ pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tes
 RTOL = 1e-5
 
 
-def _resume(checkpoint, layout, metrics, extra=(), env=None):
+def _resume(checkpoint, layout, metrics, extra=(), env=None, cp=1):
     tp, pp, dp = layout
-    proc = launch_forked(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp), "--steps", str(STEPS),
-                                 "--load", str(checkpoint), "--metrics-out", str(metrics)] + list(extra), env=env)
+    proc = launch_forked(tp * pp * dp * cp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp), "--steps", str(STEPS),
+                                 "--cp", str(cp), "--load", str(checkpoint), "--metrics-out", str(metrics)] + list(extra),
+                         env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -66,6 +67,33 @@ def test_resume_at_another_layout_matches(parity_runs, tmp_path, saved, layout):
             assert x["lr"] == y["lr"]
             for key in ("loss", "grad_norm", "val_loss"):
                 assert abs(x[key] - y[key]) <= RTOL * abs(x[key]), (layout, key, x, y)
+
+
+def test_resume_at_another_cp(parity_runs, tmp_path):
+    """Context parallelism (issue 25): the weights do not depend on cp, only the ZeRO-1 partition
+    over DeepSpeed's data axis (dp x cp ranks) does. Saved at (tp, cp, pp, dp) = (1,2,1,2): resumed
+    there, bit for bit; at cp=1 (re-sharded over 2 data ranks instead of 4), and the single process's
+    checkpoint at cp=2, within fp32 rounding of the uninterrupted runs (which match each other)."""
+    saved = parity_runs[(1, 1, 2, "cp2")]
+    checkpoint = saved["dir"] / "ck" / f"step{SAVE_AT:08d}"
+
+    def resume(name, ckpt, layout, cp):
+        metrics = tmp_path / f"{name}.jsonl"
+        return _resume(ckpt, layout, metrics, cp=cp), read_metrics(metrics)
+
+    out, same = resume("same", checkpoint, (1, 1, 2), 2)
+    assert "re-sharded" not in out
+    assert [(m["loss"], m["grad_norm"]) for m in same] == [(m["loss"], m["grad_norm"]) for m in saved["metrics"][SAVE_AT:]]
+    for name, ckpt, layout, cp, full in [
+            ("cp1", checkpoint, (1, 1, 2), 1, saved["metrics"]),
+            ("cp2", parity_runs[REFERENCE]["dir"] / "ck" / f"step{SAVE_AT:08d}", (1, 1, 1), 2,
+             parity_runs[REFERENCE]["metrics"])]:
+        out, other = resume(name, ckpt, layout, cp)
+        assert "re-sharded" in out, out[-2000:]
+        assert [m["step"] for m in other] == [SAVE_AT + 1, STEPS]
+        for got, want in zip(other, full[SAVE_AT:]):
+            for key in ("loss", "grad_norm"):
+                assert abs(got[key] - want[key]) <= RTOL * abs(want[key]), (name, got["step"], key, got[key], want[key])
 
 
 def test_resume_at_another_partition_matches(parity_runs, tmp_path):

@@ -239,8 +239,8 @@ def test_tp_peers_read_once_and_share(corpus, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_streaming_run_over_http_resumes_exactly_and_matches_one_process(corpus, server, tmp_path):
     """Through launch/train.py, reading the corpus over HTTP: dp=2 streaming 5 steps with a save
-    after step 3; the same run on one process and at tp=2 (TP rank 0 reads, its peer receives)
-    (layout parity); dp=2 resumed from step 3 (bit for bit); and a run whose storage fails
+    after step 3; the same run on one process, at tp=2 (TP rank 0 reads, its peer receives) and
+    at tp=2 cp=2 (layout parity); dp=2 resumed from step 3 (bit for bit); and a run whose storage fails
     mid-run ends with the reading rank's one line."""
     common = ["--recipe", str(TINY), "--steps", "5", "--set", f"data.name={server.url}/part*.parquet",
               "--set", "data.streaming=true", "--set", "data.streams=4", "--set", "data.shuffle_buffer=8"]
@@ -248,6 +248,9 @@ def test_streaming_run_over_http_resumes_exactly_and_matches_one_process(corpus,
     for name, procs, extra in (("dp2", 2, ["--save", str(tmp_path / "ck"), "--save-every", "3"]),
                                ("one", 1, []),
                                ("tp2", 2, ["--tp", "2"]),
+                               # Context parallelism: the CP ranks of a replica read the same samples
+                               # (each its sequence shard), TP rank 0 of each reading for its TP peer.
+                               ("tp2-cp2", 4, ["--tp", "2", "--cp", "2"]),
                                ("resumed", 2, ["--load", str(tmp_path / "ck" / "step00000003")])):
         out = tmp_path / f"{name}.jsonl"
         proc = launch_forked(procs, common + extra + ["--metrics-out", str(out)])
@@ -256,7 +259,7 @@ def test_streaming_run_over_http_resumes_exactly_and_matches_one_process(corpus,
     dp2, one, resumed = runs["dp2"], runs["one"], runs["resumed"]
     assert [r["step"] for r in dp2] == [1, 2, 3, 4, 5] and [r["step"] for r in resumed] == [4, 5]
     assert all(0 <= r["data_wait_s"] < r["step_time_s"] for r in dp2)  # a part of the step, measured
-    for other in (dp2, runs["tp2"]):
+    for other in (dp2, runs["tp2"], runs["tp2-cp2"]):
         assert len(other) == len(one)
         for a, b in zip(other, one):
             for key in ("loss", "grad_norm", "val_loss"):

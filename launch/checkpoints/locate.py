@@ -146,7 +146,7 @@ def same_layout(saved: Dict[str, Any], layout: Dict[str, Any]) -> bool:
     """Same (tp, pp, dp) and the same stage boundaries: DeepSpeed's own loader restores each rank's
     flat ZeRO-1 partition, which holds the parameters of that rank's layers, so another cut of the
     pipeline at the same layout re-shards too."""
-    return (all(saved[k] == layout[k] for k in ("tp", "pp", "dp"))
+    return (all(saved[k] == layout[k] for k in ("tp", "pp", "dp")) and saved.get("cp", 1) == layout.get("cp", 1)
             and list(saved.get("parts", ())) == list(layout.get("parts", ())))
 
 

@@ -100,7 +100,10 @@ def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: ModelC
     Memory: only one parameter's full tensors exist at a time (the caller drops them before the
     next), and a saved stage's files are open only while its parameters are read; each file is
     opened once per reading rank, and stages that hold none of `wanted` are never opened."""
-    tp, pp, dp = (saved_layout[k] for k in ("tp", "pp", "dp"))
+    tp, pp = saved_layout["tp"], saved_layout["pp"]
+    # DeepSpeed's data axis, over which the ZeRO-1 files are partitioned, held dp x cp ranks
+    # (model/parallel_state.py); the weights themselves do not depend on cp.
+    dp = saved_layout["dp"] * saved_layout.get("cp", 1)
     wanted = set(wanted)
     mp_ranks = slice_ranks(tp, pp, dp)
     done: Set[str] = set()

@@ -1,4 +1,4 @@
-"""The run's layout at (world size, tp, pp): derives dp, micro-batches per step and DeepSpeed's
+"""The run's layout at (world size, tp, pp, train.cp): derives dp = world / (tp x cp x pp), micro-batches per step and DeepSpeed's
 batch keys from a recipe, after checking the recipe (`Recipe.validate`) and the rules that
 depend on tp and pp, with messages that print the numbers and the fix.
 
@@ -19,10 +19,14 @@ class Layout:
     tp: int
     pp: int
     dp: int
+    """Data replicas: each draws its own samples (the CP ranks of one replica share them)."""
     micro_batch_size: int
     global_batch_size: int
     grad_accum_steps: int
     """Micro-batches per pipeline per optimizer step (m = B / (b * dp))."""
+    cp: int = 1
+    """Context-parallel ranks per replica, each holding seq_len / cp tokens of every sequence
+    (train.cp, --cp; issue 25). Checkpoints saved before cp existed read as cp = 1."""
     parts: Tuple[int, ...] = ()
     """Stage boundaries over the pipeline layers (stage k holds parts[k]:parts[k+1]) from
     train.partition; they need the vocabulary, so launch/analysis/partition.py's `with_stage_boundaries`
@@ -31,16 +35,21 @@ class Layout:
 
 def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: bool) -> Layout:
     """Check the recipe and every rule that depends on the layout; raise ConfigError naming the values."""
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"--tp {tp} --pp {pp}: both must be >= 1")
-    if world_size % (tp * pp) != 0:
+    cp = recipe.train.cp
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ConfigError(f"--tp {tp} --pp {pp} --cp {cp}: each must be >= 1")
+    model_parallel = tp * cp * pp
+    if world_size % model_parallel != 0:
+        flags = f"--tp {tp} --pp {pp}" + (f" --cp {cp}" if cp > 1 else "")
         if on_cpu:
             hint = (f"on CPU the launcher starts one process per NUMA node unless told: run "
-                    f"`deepspeed --num_gpus {tp * pp} launch/train.py --tp {tp} --pp {pp} ...`")
+                    f"`deepspeed --num_gpus {model_parallel} launch/train.py {flags} ...`")
         else:
-            hint = f"start a multiple of {tp * pp} processes or choose --tp and --pp whose product divides {world_size}"
-        raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; {hint}")
-    dp = world_size // (tp * pp)
+            hint = (f"start a multiple of {model_parallel} processes or choose --tp" + (", --cp" if cp > 1 else "")
+                    + f" and --pp whose product divides {world_size}")
+        product = f"tp*pp = {tp}*{pp}" if cp == 1 else f"tp*cp*pp = {tp}*{cp}*{pp}"
+        raise ConfigError(f"world size {world_size} is not divisible by {product} = {model_parallel}; {hint}")
+    dp = world_size // model_parallel
     recipe.validate()
 
     model_cfg, train_cfg = recipe.model, recipe.train
@@ -60,6 +69,8 @@ def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, o
         raise ConfigError(f"train.zero_stage={train_cfg.zero_stage} with --pp {pp}: DeepSpeed's pipeline engine "
                           f"supports ZeRO stage 0 or 1 only; set train.zero_stage=1")
     check_partition(train_cfg.partition, model_cfg.n_layer, pp)
+    if cp > 1:
+        check_context_parallel(recipe, tp, cp)
     if model_cfg.sequence_parallel and recipe.seq_len % tp != 0:
         # Each TP rank holds T/t positions of every sequence-parallel activation.
         raise ConfigError(f"model.sequence_parallel with --tp {tp} needs the sequence length {recipe.seq_len} "
@@ -76,8 +87,28 @@ def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, o
                           f"remove the key (SP already sends 1/tp of the sequence)")
     if train_cfg.schedule == "zb-h1" and pp > 1:  # launch/analysis/zero_bubble_schedule.py: runs_zero_bubble
         check_zero_bubble(recipe, pp)
-    return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, micro_batch_size=b, global_batch_size=B,
+    return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch_size=b, global_batch_size=B,
                   grad_accum_steps=B // (b * dp))
+
+
+def check_context_parallel(recipe: Recipe, tp: int, cp: int) -> None:
+    """What Ulysses attention (Jacobs et al. 2023) needs of the model at cp > 1: whole heads per
+    (TP, CP) rank after the all-to-all, and whole tokens per CP rank (and per TP rank under SP)."""
+    model = recipe.model
+    if model.n_head % (tp * cp):
+        raise ConfigError(f"model.n_head={model.n_head} is not divisible by tp*cp = {tp}*{cp} = {tp * cp}: after "
+                          f"the all-to-all each rank attends over whole heads; choose tp*cp among the divisors of "
+                          f"{model.n_head}")
+    shards = cp * tp if model.sequence_parallel else cp
+    if recipe.seq_len % shards:
+        split = f"cp*tp = {cp}*{tp} = {shards} (sequence parallel)" if model.sequence_parallel else f"--cp {cp}"
+        raise ConfigError(f"sequence length {recipe.seq_len} (data.seq_len, else model.seq_len) is not divisible "
+                          f"by {split}: each CP rank holds seq_len/cp tokens; choose a multiple of {shards}")
+    if recipe.model.resolved().n_kv_head % (tp * cp) and (tp * cp) % recipe.model.resolved().n_kv_head:
+        kv = recipe.model.resolved().n_kv_head
+        raise ConfigError(f"model.n_kv_head={kv} with tp*cp = {tp}*{cp} = {tp * cp}: tp*cp must divide n_kv_head or "
+                          f"n_kv_head must divide tp*cp (the key/value heads replicate over the ranks sharing one); "
+                          f"choose a --cp for which it does")
 
 
 def check_zero_bubble(recipe: Recipe, pp: int) -> None:

@@ -74,6 +74,10 @@ class TrainSection:
     """Validation loss every this many steps and at the last step; 0 disables."""
     eval_batches: int = 10
     """Global batches of validation data per evaluation (the same ones every time)."""
+    cp: int = 1
+    """Context-parallel degree (--cp overrides it): each sequence split into cp contiguous shards,
+    one per rank, attention exchanging them for heads (Ulysses; docs/design.md contract 17).
+    world = tp x cp x pp x dp."""
     dist_timeout_s: int = 600
     """Collectives wait at most this long: if a rank dies, the others exit with an error. The last
     resort behind heartbeat_timeout_s."""

@@ -6,7 +6,7 @@ code and DeepSpeed 0.19.8 (deepspeed.comm looks them up at call time) go through
 `engine.train_batch`. Each call is recorded under (phase, purpose, role, op) with its calls,
 elements and bytes: phase "step k" or "after step k" (nothing before the first step); purpose from
 the calling function (PURPOSES, else "bookkeeping: <caller>"); role the group's axis in the
-topology (tp, dp, pp, pp-p2p, world, self); payload the tensor this rank hands to the call. Each
+topology (tp, dp, pp, pp-p2p, world, self; cp for context parallelism's calls); payload the tensor this rank hands to the call. Each
 rank writes OUT_DIR/rank{R}.json after every step; a measurement tool, not for production."""
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ PAYLOAD_ARGUMENT = {
     "reduce_scatter": "input_list", "reduce_scatter_tensor": "input",
     "all_gather_single": "input_tensor", "reduce_scatter_single": "input",  # torch 2.13's names of the two above
     "send": "tensor", "recv": "tensor", "isend": "tensor", "irecv": "tensor",
+    "all_to_all_single": "input",  # context parallelism's exchanges (model/mappings.py)
 }
 POINT_TO_POINT = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
 
@@ -61,6 +62,12 @@ PURPOSES = {
     "DeepSpeedEngine.allreduce_bucket": "dp-grads",  # fp32 ZeRO-0 and the BF16 optimizer's fp32 buffers
     "all_gather_into_tensor_dp_groups": "dp-params",
     "all_gather_dp_groups": "dp-params",
+    # Context parallelism (Ulysses): sequence shards to head shards and back, each the other's backward.
+    "_SequenceToHeads.forward": "cp-forward",
+    "_HeadsToSequence.forward": "cp-forward",
+    "_SequenceToHeads.backward": "cp-backward",
+    "_HeadsToSequence.backward": "cp-backward",
+    "all_gather_context": "cp-segments",  # the document mask's segment ids of the whole sequence
 }
 BOOKKEEPING = "bookkeeping: "
 _COMM_LAYERS = ("torch/distributed/", "deepspeed/comm/", "launch/instruments/comm_counter.py")
@@ -113,14 +120,17 @@ class CommCounter:
         tensors = payload if isinstance(payload, (list, tuple)) else [payload]
         elements = sum(t.numel() for t in tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        purpose = purpose_of_call(frame)
         if op in POINT_TO_POINT:
             role = "pp-p2p" if self.role((self.rank, bound.arguments[POINT_TO_POINT[op]])) == "pp" else "p2p"
         else:
             group = bound.arguments.get("group")
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
                 range(dist.get_world_size()))
-            role = self.role(ranks)
-        entry = self.counts[self.phase][(purpose_of_call(frame), role, op)]
+            # A CP group lies inside DeepSpeed's data axis (model/parallel_state.py), and at dp = 1 it
+            # is that axis: name it by what the call is for, as the planner does.
+            role = "cp" if purpose.startswith("cp-") else self.role(ranks)
+        entry = self.counts[self.phase][(purpose, role, op)]
         entry[0] += 1
         entry[1] += elements
         entry[2] += nbytes

@@ -102,7 +102,8 @@ class RunArithmetic:
 
     def summary(self) -> str:
         l, p, m = self.layout, self.layout.pp, self.layout.grad_accum_steps
-        return (f"summary: {self.params:,} parameters; world {l.world_size} = tp {l.tp} x pp {p} x dp {l.dp}\n"
+        cp = f"cp {l.cp} x " if l.cp > 1 else ""
+        return (f"summary: {self.params:,} parameters; world {l.world_size} = tp {l.tp} x {cp}pp {p} x dp {l.dp}\n"
                 f"  per step: {m} micro-batches of {l.micro_batch_size} per pipeline x dp {l.dp} = "
                 f"{l.global_batch_size} samples = {self.tokens_per_step:,} tokens; {self.total_steps} steps\n"
                 f"  1F1B bubble predicted (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {self.bubble_fraction:.1%}\n"

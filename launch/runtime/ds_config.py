@@ -10,8 +10,11 @@ from model.pipe import pipeline_config
 
 
 def batch_config(layout: Layout) -> Dict[str, int]:
-    """DeepSpeed's three batch keys, from the layout that derived and checked them."""
-    return {"train_batch_size": layout.global_batch_size,
+    """DeepSpeed's three batch keys, from the layout that derived and checked them. DeepSpeed's
+    data axis holds dp x cp ranks (model/parallel_state.py) and it checks train_batch_size =
+    micro x accumulation x that axis: each CP rank's shards of a replica's b samples count as its
+    b, so its train_batch_size is B x cp, with the same B samples (issue 25)."""
+    return {"train_batch_size": layout.global_batch_size * layout.cp,
             "train_micro_batch_size_per_gpu": layout.micro_batch_size,
             "gradient_accumulation_steps": layout.grad_accum_steps}
 

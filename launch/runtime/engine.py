@@ -27,16 +27,22 @@ def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config:
     train_cfg = recipe.train
     flops = [sum(f) for f in stage_flops(config, pipe.parts, layout.micro_batch_size, recipe.seq_len,
                                          train_cfg.recompute_mode == "full")]
-    print(f"layout: world {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp} "
-          f"(axis order pipe, data, model: TP ranks adjacent)\n"
+    cp = layout.cp
+    print(f"layout: world {layout.world_size} = tp {layout.tp} x " + (f"cp {cp} x " if cp > 1 else "")
+          + f"pp {layout.pp} x dp {layout.dp} (axis order pipe, data, model: TP ranks adjacent"
+          + (", then CP)" if cp > 1 else ")") + "\n"
           f"  TP groups  (split each weight matrix):  {groups(state.tp_groups)}\n"
-          f"  pipelines  (split the layers, stage 0 first): {groups(state.pipelines)}\n"
-          f"  DP groups  (split the data, all-reduce grads): {groups(state.dp_groups)}")
+          + (f"  CP groups  (split each sequence, all-to-all in attention): {groups(state.cp_groups)}\n"
+             if cp > 1 else "")
+          + f"  pipelines  (split the layers, stage 0 first): {groups(state.pipelines)}\n"
+          f"  DP groups  (split the data, all-reduce grads" + (f" over dp x cp" if cp > 1 else "") + "): "
+          f"{groups(state.dp_groups)}")
     for stage, contents in stage_contents(pipe, config):
         print(f"  stage {stage}: {contents} | {flops[stage] / sum(flops):.0%} of the predicted compute")
     b, seq_len = layout.micro_batch_size, recipe.seq_len
-    shard = f"(b, T/tp, h) = ({b}, {seq_len // layout.tp}, h): sequence parallel" \
-        if recipe.model.sequence_parallel and layout.tp > 1 else f"(b, T, h) = ({b}, {seq_len}, h)"
+    seq_local, per_cp = seq_len // cp, "/cp" if cp > 1 else ""  # each CP rank its shard of every sequence
+    shard = f"(b, T{per_cp}/tp, h) = ({b}, {seq_local // layout.tp}, h): sequence parallel" \
+        if recipe.model.sequence_parallel and layout.tp > 1 else f"(b, T{per_cp}, h) = ({b}, {seq_local}, h)"
     schedule = train_cfg.schedule if runs_zero_bubble(train_cfg.schedule, layout.pp) or train_cfg.schedule == "1f1b" \
         else f"1f1b ({train_cfg.schedule} needs pp > 1)"
     print(f"activations: {shard} per rank between TP linears and across stages; recompute {train_cfg.recompute_mode}; "

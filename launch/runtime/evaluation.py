@@ -68,7 +68,8 @@ def evaluation_recipe(args: argparse.Namespace) -> Recipe:
         weights = as_overrides({"model": shape}, "")
     # The weights' shape first, the user's --set last: a --set model.* that contradicts the
     # weights is caught below instead of silently ignored.
-    recipe = load_recipe(args.recipe or DEFAULT_RECIPE, weights + args.overrides)
+    cp = [] if getattr(args, "cp", None) is None else [f"train.cp={args.cp}"]  # any cp: weights do not depend on it
+    recipe = load_recipe(args.recipe or DEFAULT_RECIPE, weights + args.overrides + cp)
     for key, value in shape.items():
         if getattr(recipe.model, key) != value:
             raise ConfigError(f"model.{key}={getattr(recipe.model, key)!r} but the weights have {value!r}: "
@@ -97,11 +98,12 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
     from launch.instruments.metrics import is_logging_rank
     from launch.runtime.distributed import shut_down_distributed, start_rank
     from launch.runtime.ds_config import evaluation_config
+    from model.context_parallel import sequence_shards
     from model.parallel_state import init_parallel_state
     from model.pipe import build_pipeline
 
     start_rank(layout.world_size, recipe.train.dist_timeout_s)
-    state = init_parallel_state(layout.tp, layout.pp)
+    state = init_parallel_state(layout.tp, layout.pp, layout.cp)
     config = recipe.gpt_config(job.vocab_size, data.tokenizer.eos_token_id)
     pipe = build_pipeline(config, state, parts=layout.parts or None)
     load_weights(pipe, args, config, state)
@@ -113,6 +115,7 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
     def mean_loss(batches) -> float:
         # One eval_batch is one global batch (grad_accum_steps micro-batches per pipeline), averaged
         # over micro-batches and dp ranks by DeepSpeed and broadcast to every stage.
+        batches = sequence_shards(batches, state.cp_rank, state.cp_size)  # each CP rank its tokens
         return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n_batches)) / n_batches
 
     if on_validation:  # a mixture: each source's own loss, then their weighted mean
@@ -128,7 +131,7 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
         result["loss_by_source"] = by_source
     if is_logging_rank(state.global_rank):
         print(f"loss {loss:.6f} ppl {result['ppl']:.4f} ({n_batches} global batches of {result['data']} data, "
-              f"tp={layout.tp} pp={layout.pp} dp={layout.dp})", flush=True)
+              f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp={layout.dp})", flush=True)
         for label, source_loss in (by_source or {}).items():
             print(f"  {label}: loss {source_loss:.6f} ppl {math.exp(min(source_loss, 50.0)):.4f}", flush=True)
         if args.json_out is not None:

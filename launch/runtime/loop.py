@@ -24,8 +24,10 @@ def validation_loss(engine: PipelineEngine, data: SourceData, state: ParallelSta
                     eval_batches: int, device: torch.device) -> float:
     """Mean validation loss over the same global batches at every call, via `eval_batch`."""
     from data.pipeline import on_device
+    from model.context_parallel import sequence_shards
     n = data.eval_global_batches(eval_batches)
-    batches = on_device(data.val_batches(state.dp_rank, layout.dp, n), device)
+    batches = sequence_shards(on_device(data.val_batches(state.dp_rank, layout.dp, n), device),
+                              state.cp_rank, state.cp_size)
     return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n)) / n
 
 
@@ -88,6 +90,7 @@ def run_training(job: TrainingJob) -> None:
     from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
     from launch.runtime.signals import StopRequest
     from launch.runtime.zero_bubble import check_weight_passes_ran
+    from model.context_parallel import sequence_shards
     from model.parallel_state import init_parallel_state
 
     args, recipe, layout, data, resume_from = job.args, job.recipe, job.layout, job.data, job.resume_from
@@ -96,7 +99,7 @@ def run_training(job: TrainingJob) -> None:
     # One rank fails or falls silent: all stop.
     watcher = FailureWatcher(int(os.environ["RANK"]), layout.world_size, train_cfg.heartbeat_timeout_s)
     fault = fault_injection()  # a test hook, None unless GPT3D_FAULT_INJECT is set
-    state = init_parallel_state(layout.tp, layout.pp)
+    state = init_parallel_state(layout.tp, layout.pp, layout.cp)
     logging_rank = is_logging_rank(state.global_rank)
     config = recipe.gpt_config(job.vocab_size, data.tokenizer.eos_token_id)
     compiled = blocks_to_compile(train_cfg.compile, get_accelerator().device_name(), logging_rank)
@@ -111,14 +114,15 @@ def run_training(job: TrainingJob) -> None:
     if args.timeline is not None:
         from launch.instruments.timeline import install_timeline_recorder
         timeline = install_timeline_recorder(engine, args.timeline_steps, train_cfg.steps,
-                                             one_per_stage=state.tp_rank == 0 and state.dp_rank == 0)
+                                             one_per_stage=state.tp_rank == 0 and state.cp_rank == 0 and state.dp_rank == 0)
     first_step, samples = restore(engine, resume_from, layout, state, config, logging_rank)
 
     saved_recipe = resolved_recipe_dict(recipe, job.vocab_size)
     batches = data.train_batches(state.dp_rank, layout.dp, start_sample=samples,
                                  data_state=resume_from.meta.get("data_state") if resume_from is not None else None)
     device = torch.device(get_accelerator().current_device_name())
-    feed = data.feed(batches, state.tp_group, device)
+    # The CP ranks of a replica drew the same samples (same dp rank); each keeps its sequence shard.
+    feed = sequence_shards(data.feed(batches, state.tp_group, device), state.cp_rank, state.cp_size)
     arithmetic = run_arithmetic(config, layout, recipe.seq_len, train_cfg.steps)  # the run summary prints it
     tokens_per_step = arithmetic.tokens_per_step
     stop = StopRequest(get_accelerator().device_name(), state.global_rank, train_cfg.stop_grace_s)
