@@ -1,7 +1,8 @@
 """Exact communication of this implementation: every collective one rank calls in one training
 step, with its calls, elements and bytes, as launch/instruments/comm_counter.py measures it, so a
 measurement can be checked to the byte. Any ModelConfig the repository builds (parameter counts
-from launch/analysis/formulas.py), with or without sequence parallelism.
+from launch/analysis/formulas.py), with or without sequence parallelism, at any context-parallel
+degree (the Ulysses all-to-alls, Jacobs et al. 2023 [J23], issue 25).
 
 Payload = what this rank hands to the call (all-gather: its own shard). Each term beyond the
 leading ones of docs/design.md (Formulas), and what is not counted: docs/planner-and-metrics.md,

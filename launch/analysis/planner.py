@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from launch.analysis import engine_memory, formulas, memory_formulas
 from launch.analysis import partition as partition_rules
+from launch.analysis.context_parallel import check_context_split, cp_bytes_per_step
 from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe, TrainSection
 from launch.errors import ConfigError
@@ -127,28 +128,6 @@ def check_setup(model: ModelConfig, setup: Setup) -> Layout:
     return layout
 
 
-def check_context_split(model: ModelConfig, tp: int, cp: int) -> None:
-    """What Ulysses' exchange needs (issue 25): each of the tp*cp ranks of a stage attends with
-    n_head/(tp*cp) whole heads over the whole sequence, from its s/cp tokens (s/(cp*tp) under SP)."""
-    if cp == 1:
-        return
-    full, split = model.resolved(), tp * cp
-    if full.n_head % split:
-        raise ConfigError(f"model.n_head={full.n_head} is not divisible by tp*cp = {tp}*{cp} = {split}: each rank "
-                          f"attends with n_head/(tp*cp) whole heads; choose a cp that divides {full.n_head // tp}")
-    kv = full.n_kv_head
-    if kv % split and split % kv:
-        raise ConfigError(f"model.n_kv_head={kv} with tp*cp = {tp}*{cp} = {split}: tp*cp must divide n_kv_head or "
-                          f"n_kv_head must divide tp*cp (ranks then share a replicated key/value head); choose "
-                          f"a cp with tp*cp among the divisors or multiples of {kv}")
-    tokens = cp * tp if model.sequence_parallel and tp > 1 else cp
-    if model.seq_len % tokens:
-        under = f"cp*tp = {cp}*{tp} = {tokens} (sequence parallelism splits each shard again)" if tokens != cp \
-            else f"--cp {cp}"
-        raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by {under}: each rank holds an equal "
-                          f"shard of every sequence; choose a seq_len that is a multiple of {tokens}")
-
-
 def rank_groups(tp: int, pp: int, dp: int, cp: int = 1) -> Dict[str, List[List[int]]]:
     """Global ranks of every TP, CP, PP and DP group, from the topology the training run builds:
     DeepSpeed's data axis holds dp x cp ranks, CP fastest (data index = dp_rank * cp + cp_rank,
@@ -228,15 +207,6 @@ def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int,
     return {k: round(v) for k, v in out.items()}
 
 
-def cp_bytes_per_step(model: ModelConfig, setup: Setup, blocks: int, microbatches: int) -> int:
-    """Bytes one rank hands to the context-parallel all-to-alls per step (comm_formulas'
-    exact count: 4 per block per micro-batch forward, 4 backward, 4 more under full recompute)."""
-    from launch.analysis.comm_formulas import cp_comm_per_rank_per_step  # imports the model: only when planning
-    volumes = cp_comm_per_rank_per_step(model.resolved(), setup.tp, setup.cp, setup.micro_batch, microbatches,
-                                        blocks, engine_memory.ELEMENT_BYTES[setup.precision], setup.recompute)
-    return sum(nbytes for _, _, nbytes in volumes.values())
-
-
 def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: List[int],
                        flops: List[Tuple[int, int]], weight_flops: List[int], dp: int, m: int,
                        dp_bytes: int,
@@ -251,7 +221,7 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     tp_bytes_per_block = formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.full_recompute) * formulas.ring_allreduce_factor(t)
     pp_comm = 2 * formulas.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0
     # An all-to-all keeps 1/cp of what each rank hands it and sends the rest.
-    cp_bytes_per_block = cp_bytes_per_step(model, setup, 1, 1) * (c - 1) / c
+    cp_bytes_per_block = cp_bytes_per_step(model, setup.tp, c, b, setup.precision, setup.recompute, 1, 1) * (c - 1) / c
     compute = [(forward + backward) / (t * c) / (hw.peak_flops * hw.efficiency) for forward, backward in flops]
     tp_comm = [n * tp_bytes_per_block / bandwidth["tp"] for n in blocks]
     cp_comm = [n * cp_bytes_per_block / bandwidth["cp"] for n in blocks]
@@ -319,7 +289,7 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
         "comm_bytes_per_step": {  # this rank's s/cp tokens under context parallelism
             "tp": (formulas.tp_allreduce_bytes_per_step(b, s // c, h, max(blocks), m, setup.full_recompute)
                    + formulas.kv_gather_bytes_per_step(arch, t, max(blocks), m, setup.full_recompute)) if t > 1 else 0,
-            "cp": cp_bytes_per_step(model, setup, max(blocks), m),
+            "cp": cp_bytes_per_step(model, t, c, b, setup.precision, setup.recompute, max(blocks), m),
             "pp": formulas.pp_p2p_bytes_per_step(b, s // c, h, m) if p > 1 else 0,
             "dp": dp_bytes if d * c > 1 else 0},
         "dp_allreduce_dtype": setup.communication_data_type or engine_memory.reduce_dtype(setup.precision),
