@@ -126,7 +126,7 @@ def warnings(plan: Dict[str, Any], model: ModelConfig, setup: Setup, hw: Hardwar
                 continue
             flags = " ".join(f"--recompute {v}" if k == "recompute" else "--zero 1" for k, v in change.items())
             fixes.append(f"{flags} gives {alt / GIB:.1f} GiB")
-        fixes.append("or raise --tp/--pp, lower --micro-batch (--search lists layouts that fit)")
+        fixes.append("or raise --tp/--cp/--pp, lower --micro-batch (--search lists layouts that fit)")
         out.append(f"predicted {mem / GIB:.1f} GiB per device (stage {plan['memory_fullest_stage']}) exceeds "
                    f"--gpu-memory {hw.memory_bytes / GIB:g} GiB: " + "; ".join(fixes))
     return out
