@@ -72,7 +72,13 @@ def test_warns_when_tp_leaves_the_node(capsys):
 
 
 BAD = [  # (argv, words the message must contain)
-    (["--gpus", "6", "--tp", "4"], ["--gpus 6", "tp*pp = 4*1 = 4"]),
+    (["--gpus", "6", "--tp", "4"], ["--gpus 6", "tp*cp*pp = 4*1*1 = 4"]),
+    (["--gpus", "8", "--tp", "2", "--cp", "3", *SMALL], ["--gpus 8", "tp*cp*pp = 2*3*1 = 6"]),
+    (["--gpus", "8", "--cp", "0", *SMALL], ["--cp 0", ">= 1"]),
+    (["--gpus", "16", "--tp", "2", "--cp", "8", *SMALL], ["n_head=8", "tp*cp = 2*8 = 16", "divides 4"]),
+    (["--gpus", "4", "--cp", "4", *SMALL, "--seq-len", "250"], ["seq_len=250", "--cp 4", "multiple of 4"]),
+    (["--gpus", "3", "--cp", "3", "--layers", "2", "--hidden", "96", "--heads", "6", "--seq-len", "48",
+      "--vocab", "64", "--recipe", "recipes/llama-tiny.yaml"], ["n_kv_head=2", "tp*cp = 1*3 = 3", "divisors or multiples of 2"]),
     (["--gpus", "12", "--tp", "3", *SMALL], ["n_head=8", "--tp 3"]),
     (["--gpus", "16", "--pp", "16", *SMALL], ["n_layer=8", "16 pipeline stages"]),
     (["--gpus", "16", "--micro-batch", "3", "--global-batch", "100", *SMALL], ["global_batch_size=100", "3*16 = 48"]),
@@ -113,12 +119,16 @@ def test_search_lists_every_valid_layout_fastest_first(capsys):
     plans = result["search"]
     times = [p["step_time_s"] for p in plans]
     assert times == sorted(times)
-    got = {(p["tp"], p["pp"], p["micro_batch"]) for p in plans}
-    want = {(tp, pp, b) for tp in range(1, gpus + 1) for pp in range(1, layers + 1) for b in range(1, global_batch + 1)
-            if gpus % (tp * pp) == 0 and heads % tp == 0 and global_batch % (b * gpus // (tp * pp)) == 0}
+    got = {(p["tp"], p["cp"], p["pp"], p["micro_batch"]) for p in plans}
+    # cp: each of the tp*cp ranks of a stage attends with whole heads (seq 256 divides by any cp here).
+    want = {(tp, cp, pp, b) for tp in range(1, gpus + 1) for cp in range(1, gpus + 1) for pp in range(1, layers + 1)
+            for b in range(1, global_batch + 1)
+            if gpus % (tp * cp * pp) == 0 and heads % (tp * cp) == 0
+            and global_batch % (b * gpus // (tp * cp * pp)) == 0}
+    assert any(cp > 1 for _, cp, _, _ in want)
     assert got == want and result["valid_layouts"] == result["fitting_layouts"] == len(want)
     for p in plans:
-        assert p["tp"] * p["pp"] * p["dp"] == gpus
+        assert p["tp"] * p["cp"] * p["pp"] * p["dp"] == gpus
 
 
 def test_search_respects_the_memory_budget(capsys):

@@ -1,7 +1,8 @@
 """Exact communication of this implementation: every collective one rank calls in one training
 step, with its calls, elements and bytes, as launch/instruments/comm_counter.py measures it, so a
 measurement can be checked to the byte. Any ModelConfig the repository builds (parameter counts
-from launch/analysis/formulas.py), with or without sequence parallelism.
+from launch/analysis/formulas.py), with or without sequence parallelism, at any context-parallel
+degree (the Ulysses all-to-alls, Jacobs et al. 2023 [J23], issue 25).
 
 Payload = what this rank hands to the call (all-gather: its own shard). Each term beyond the
 leading ones of docs/design.md (Formulas), and what is not counted: docs/planner-and-metrics.md,
@@ -11,6 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from launch.analysis import formulas
 from launch.analysis.partition import blocks_per_stage, stage_partition
+from launch.analysis.memory_formulas import cp_kv_heads_per_rank
 from launch.config.layout import Layout
 from model.config import ModelConfig
 from model.gpt import GPTConfig
@@ -23,6 +25,7 @@ SHAPE_HEADER_ELEMENTS, SHAPE_HEADER_BYTES = 256, 4  # DeepSpeed TENSOR_META_SIZE
 PARTITION_HEADER_BYTES = 8  # int64: PartitionedTensor.to_meta()
 ZERO_ALIGNMENT = 2  # DeepSpeed nccl_start_alignment_factor: groups padded to a multiple of 2*d
 LOSS_BYTES = 4  # the cross-entropy reduces in fp32 whatever the precision
+CP_ALL_TO_ALL = "all_to_all_single"  # torch's call under DeepSpeed-Ulysses' exchange (and model/mappings.py's)
 
 
 def partition_header_elements(tp: int) -> int:
@@ -75,12 +78,46 @@ def kv_gathered_elements(config: ModelConfig, tp: int) -> Tuple[int, int]:
     return (2 if config.bias else 1), rows * (config.n_embd + (1 if config.bias else 0))
 
 
+def cp_all_to_all_elements(config: ModelConfig, tp: int, cp: int, micro_batch: int) -> Tuple[int, int, int]:
+    """(queries, keys, values): the elements one rank hands to each all-to-all of a block's
+    attention per micro-batch (Ulysses [J23], issue 25). Sequence to heads takes this rank's
+    (b, heads, s/cp, d) and returns (b, heads/cp, s, d): the queries' a/t heads, the keys' and
+    values' cp * cp_kv_heads_per_rank heads (replicated before the exchange where t*cp > kv).
+    The attention output goes back, heads to sequence, with the queries' size; in backward each
+    exchange runs once the other way on its gradient, the same elements."""
+    s, d = config.seq_len, config.head_dim
+    queries = micro_batch * (config.n_head // tp) * (s // cp) * d
+    keys = micro_batch * cp * cp_kv_heads_per_rank(config.n_kv_head, tp, cp) * (s // cp) * d
+    return queries, keys, keys
+
+
+def cp_comm_per_rank_per_step(config: ModelConfig, tp: int, cp: int, micro_batch: int, microbatches: int,
+                              blocks: int, element_bytes: int, recompute: str = "none") -> Dict[Key, Volume]:
+    """The context-parallel all-to-alls of one rank in one step: per block per micro-batch 4 in
+    forward (q, k, v to heads, the output back) and 4 in backward (their gradients), 4 more under
+    full recompute (the forward again); selective recompute repeats the attention core only,
+    inside the exchange. Nothing at cp = 1. The key --comm-counts records them under."""
+    if cp == 1:
+        return {}
+    queries, keys, values = cp_all_to_all_elements(config, tp, cp, micro_batch)
+    per_block = queries + keys + values + queries  # the output returns with the queries' shape
+    forwards = 2 if recompute == "full" else 1
+    out = {}
+    for purpose, passes in (("cp-forward", forwards), ("cp-backward", 1)):
+        calls, elements = passes * microbatches * blocks * 4, passes * microbatches * blocks * per_block
+        out[(purpose, "cp", CP_ALL_TO_ALL)] = (calls, elements, elements * element_bytes)
+    return out
+
+
 def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_step: bool = False,
-                           element_bytes: int = 4) -> Dict[Key, Volume]:
+                           element_bytes: int = 4, cp: int = 1) -> Dict[Key, Volume]:
     """{(purpose, role, op): (calls, elements, bytes)} of one rank of pipeline stage `stage` in one
-    training step. element_bytes: activations and gradients (4 for fp32; 2 for bf16 activations)."""
-    t, p, d, m = layout.tp, layout.pp, layout.dp, layout.grad_accum_steps
-    b, s, h = layout.micro_batch_size, config.seq_len, config.n_embd
+    training step. element_bytes: activations and gradients (4 for fp32; 2 for bf16 activations).
+    cp: the context-parallel degree; layout.dp the replicas, DeepSpeed's data axis dp * cp ranks
+    (issue 25): every sequence tensor is this rank's s/cp tokens, ZeRO-1 splits over dp * cp."""
+    t, p, m = layout.tp, layout.pp, layout.grad_accum_steps
+    d = layout.dp * cp  # DeepSpeed's data axis: the gradient all-reduce and ZeRO-1's partitions
+    b, s, h = layout.micro_batch_size, config.seq_len // cp, config.n_embd
     first, last = stage == 0, stage == p - 1
     # The run's stage boundaries (launch/analysis/partition.py: with_stage_boundaries), else DeepSpeed's type:Block.
     cut = list(layout.parts) or stage_partition(config, p, "blocks")
@@ -150,4 +187,5 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
         vectors = stage_vector_params_per_rank(config, t, p, stage, cut)
         groups = [zero1_gather_elements(n, d) for n in (local - vectors, vectors) if n]
         add("dp-params", "dp", "all_gather_into_tensor", len(groups), sum(groups), sum(groups) * element_bytes)
+    out.update(cp_comm_per_rank_per_step(config, t, cp, b, m, blocks, element_bytes))
     return out

@@ -4,7 +4,8 @@ activations a block and a pipeline stage keep for backward.
 Pure functions of the model dimensions and the layout, used by the planner (launch/plan.py),
 bench/activation_memory.py and the tests that check them against measured memory. Sources and
 symbols as in launch/analysis/formulas.py: [K22] Korthikanti et al. 2022, [R20] Rajbhandari et
-al. 2020 (ZeRO), [N21] Narayanan et al. 2021; s sequence, b micro-batch, h hidden, a heads, t tp.
+al. 2020 (ZeRO), [N21] Narayanan et al. 2021, [J23] Jacobs et al. 2023 (DeepSpeed-Ulysses);
+s sequence, b micro-batch, h hidden, a heads, t tp, cp the context-parallel degree.
 """
 from typing import Dict
 
@@ -81,7 +82,7 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
                                      recompute: bool = False, sequence_parallel: bool = False,
                                      selective: bool = False, element_bytes: int = ACTIVATION_BYTES,
                                      mask_bytes: int = 1, layernorm_stat_bytes: int = 0,
-                                     fused_attention: bool = False) -> float:
+                                     fused_attention: bool = False, cp: int = 1) -> float:
     """`activation_bytes_per_layer` (K22's tensor-by-tensor count) for any architecture; equal to
     it for GPT-2. Per s*b*h, E = element_bytes, M = mask_bytes:
       replicated over TP, split by SP: norm inputs 2E, inputs of the q/k/v and first MLP
@@ -99,29 +100,48 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
         copies nothing). Selective recompute (model/attention.py checkpoints the whole core, its
         inputs q, k, v already counted) stores neither;
     Per token: `layernorm_stat_bytes` for each LayerNorm's mean and 1/std, or each RMSNorm's 1/rms.
-    RoPE adds its cos and sin tables, 2*s*d*E per block (independent of b)."""
+    RoPE adds its cos and sin tables, 2*s*d*E per block (independent of b).
+    Context parallelism (`cp`, Ulysses [J23], issue 25): a rank holds n = s/cp tokens of every
+    sequence, so every per-token term above counts n tokens; the attention core runs after the
+    all-to-all on the whole sequence for a/(t*cp) heads, so its inputs and logsumexp are the same
+    1/cp, but the math path's scores are (a/(t*cp)) x s x s (the core's s stays s), K and V hold
+    `cp_kv_heads_per_rank` heads of s tokens (at least one: replicated where t*cp > kv), and RoPE's
+    tables cover the whole sequence's positions."""
     s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
+    n = s / cp  # this CP rank's tokens (all of them at cp = 1)
     E, M = element_bytes, mask_bytes
     sp = t if sequence_parallel else 1
     if recompute:
-        return E * s * b * h / sp
+        return E * n * b * h / sp
     rms = m.norm == "rmsnorm"
     # RMSNorm (model/norms.py) keeps its input as an fp32 copy, 4 bytes whatever E, and its
     # normalised output before the weight, E.
     norm_inputs = 2 * 4 if rms else 2 * E
     replicated = norm_inputs + 2 * E + 2 * M + (2 * E if rms else 0)
     d, kv, f = m.head_dim, m.n_kv_head, m.ffn_hidden_size
-    attention = E * (2 * a * d + 2 * kv * d) / h
+    queries_and_output = E * 2 * a * d / h
+    # K and V, (b, heads, s, d) each after the exchange; at cp = 1 TP's count, kv*d/t per token.
+    kv_per_rank = kv / t if cp == 1 else cp_kv_heads_per_rank(kv, t, cp)
+    keys_and_values = 2 * E * kv_per_rank * d * s * b
     mlp = (4 if m.mlp == "swiglu" else 2) * E * f / h
     if selective:
         core = 0
     elif fused_attention:
         core = 4 * a / h  # the logsumexp, (b, a, s) fp32, kept for the fused backward
     else:
-        core = (2 * E + M) * a * s / h
-    stats = 2 * (1 if rms else 2) * layernorm_stat_bytes * s * b  # two norms per block
+        core = (2 * E + M) * a * s / h  # the scores of each local query row over all s keys
+    stats = 2 * (1 if rms else 2) * layernorm_stat_bytes * n * b  # two norms per block
     rope = 2 * s * d * E if m.position == "rope" else 0
-    return s * b * h * (replicated / sp + (attention + mlp) / t + core / t) + stats / sp + rope
+    return n * b * h * (replicated / sp + (queries_and_output + mlp) / t + core / t) + keys_and_values \
+        + stats / sp + rope
+
+
+def cp_kv_heads_per_rank(n_kv_head: int, tp: int, cp: int) -> int:
+    """Key/value heads one rank attends with after the Ulysses exchange (issue 25): its
+    n_head/(t*cp) query heads use n_kv_head/(t*cp) of them when that divides, else the one their
+    group shares (replicated over the t*cp/n_kv_head ranks that use it; launch/analysis/planner.py
+    checks that one of the two divides)."""
+    return max(n_kv_head // (tp * cp), 1)
 
 
 def weight_grad_stash_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1,

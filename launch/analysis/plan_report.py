@@ -57,7 +57,9 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
     if comm_dtype not in (None, "fp32", "bf16", "fp16"):
         raise ConfigError(f"deepspeed.communication_data_type={comm_dtype!r} must be fp32, bf16 or fp16")
     cut = parse_partition(args.partition) if args.partition is not None else rt.partition if rt else DEFAULT
-    setup = Setup(gpus=args.gpus, tp=args.tp, pp=args.pp,
+    # train.cp arrives with the run's recipe fields (issue 25); a recipe without it plans cp = 1.
+    recipe_cp = getattr(rt, "cp", None) if rt else None
+    setup = Setup(gpus=args.gpus, tp=args.tp, pp=args.pp, cp=pick(args.cp, recipe_cp, 1),
                   micro_batch=pick(args.micro_batch, rt and rt.micro_batch_size, 1),
                   global_batch=pick(args.global_batch, rt and rt.global_batch_size, 1536),
                   zero=pick(args.zero, rt and rt.zero_stage, 1), recompute=recompute,
@@ -101,6 +103,15 @@ def warnings(plan: Dict[str, Any], model: ModelConfig, setup: Setup, hw: Hardwar
         out.append(f"TP groups of {setup.tp} span nodes of {hw.gpus_per_node} GPUs: 4 all-reduces per block "
                    f"per micro-batch cross the inter-node network; use a tp that divides {hw.gpus_per_node} "
                    f"and raise --pp instead")
+    if setup.cp > 1 and not plan["groups_within_node"]["cp"]:
+        out.append(f"CP groups of {setup.cp} (strided by tp {setup.tp}) span nodes of {hw.gpus_per_node} GPUs: "
+                   f"8 all-to-alls per block per micro-batch cross the inter-node network; keep tp*cp <= "
+                   f"{hw.gpus_per_node} and raise --pp instead")
+    kv = model.resolved().n_kv_head
+    if setup.cp > 1 and setup.tp * setup.cp > kv:
+        out.append(f"tp*cp = {setup.tp}*{setup.cp} = {setup.tp * setup.cp} exceeds the {kv} key/value heads: "
+                   f"each is replicated over {setup.tp * setup.cp // kv} ranks, so the keys' and values' memory and "
+                   f"all-to-all volume no longer fall with cp (the queries' do); a tp*cp <= {kv} splits them")
     mem = plan["memory_per_device_bytes"]
     if hw.memory_bytes is not None and mem > hw.memory_bytes:
         stronger = RECOMPUTE_MODES[RECOMPUTE_MODES.index(setup.recompute) + 1:]  # none < selective < full
@@ -115,7 +126,7 @@ def warnings(plan: Dict[str, Any], model: ModelConfig, setup: Setup, hw: Hardwar
                 continue
             flags = " ".join(f"--recompute {v}" if k == "recompute" else "--zero 1" for k, v in change.items())
             fixes.append(f"{flags} gives {alt / GIB:.1f} GiB")
-        fixes.append("or raise --tp/--pp, lower --micro-batch (--search lists layouts that fit)")
+        fixes.append("or raise --tp/--cp/--pp, lower --micro-batch (--search lists layouts that fit)")
         out.append(f"predicted {mem / GIB:.1f} GiB per device (stage {plan['memory_fullest_stage']}) exceeds "
                    f"--gpu-memory {hw.memory_bytes / GIB:g} GiB: " + "; ".join(fixes))
     return out
@@ -153,7 +164,8 @@ def _stage_lines(plan: Dict[str, Any]) -> List[str]:
 
 
 def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[str]) -> str:
-    t, p, d, m, b = plan["tp"], plan["pp"], plan["dp"], plan["microbatches_per_pipeline"], plan["micro_batch"]
+    t, c, p, d = plan["tp"], plan["cp"], plan["pp"], plan["dp"]
+    m, b = plan["microbatches_per_pipeline"], plan["micro_batch"]
     comm, where = plan["comm_bytes_per_step"], {k: "in node" if v else "across nodes"
                                                  for k, v in plan["groups_within_node"].items()}
     blocks = plan["blocks_per_stage"]
@@ -171,7 +183,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"vocab {model.vocab_size} (padded {plan['padded_vocab']}): {_count(plan['params_total'])} parameters "
         + (f"(formula {_count(plan['params_formula'])})" if model.arch == "gpt2"
            else f"({model.arch}: GPT-2's closed form would say {_count(plan['params_formula'])})"),
-        f"Layout: {plan['gpus']} GPUs = tp {t} x pp {p} x dp {d}; {t * p} GPUs per replica, "
+        f"Layout: {plan['gpus']} GPUs = tp {t} x cp {c} x pp {p} x dp {d}; {t * c * p} GPUs per replica, "
         f"{hw.gpus_per_node} per node",
         "",
         f"{'role':<5}{'size':>5}  {'splits':<44}communication per step per device",
@@ -179,14 +191,19 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"{comm['tp'] / 1e9:.1f} GB all-reduced ({6 if plan['recompute'] == 'full' else 4} x b*s*h per block "
         f"per micro-batch), {where['tp']}",
         f"{'':12}groups: {_groups(plan['groups']['tp'])}",
+        f"{'CP':<5}{c:>5}  {'tokens of each sequence; attention: heads':<44}"
+        f"{comm['cp'] / 1e9:.1f} GB all-to-all (8 per block per micro-batch, b*s*h/(tp*cp) each "
+        f"with all heads), {where['cp']}",
+        f"{'':12}groups: {_groups(plan['groups']['cp'])}",
         f"{'PP':<5}{p:>5}  {f'the {model.n_layer} blocks into {p} stages':<44}"
         f"{comm['pp'] / 1e9:.1f} GB each way per boundary (b*s*h per micro-batch), {where['pp']}",
         f"{'':12}groups: {_groups(plan['groups']['pp'])}",
         f"{'DP':<5}{d:>5}  {f'the batch into {d} replicas':<44}"
-        f"{comm['dp'] / 1e9:.1f} GB all-reduced (the local gradients, {plan['dp_allreduce_dtype']}), {where['dp']}",
+        f"{comm['dp'] / 1e9:.1f} GB all-reduced (the local gradients, {plan['dp_allreduce_dtype']}"
+        + (f", over dp x cp = {d * c} ranks" if c > 1 else "") + f"), {where['data']}",
         f"{'':12}groups: {_groups(plan['groups']['dp'])}",
         "",
-        f"dp = {plan['gpus']} / (tp {t} * pp {p}) = {d}",
+        f"dp = {plan['gpus']} / (tp {t} * " + (f"cp {c} * " if c > 1 else "") + f"pp {p}) = {d}",
         f"layers per stage: {plan['layers_per_stage']} blocks"
         + ("" if len(set(blocks)) == 1 else f" at most ({blocks})")
         + (f" (+ {_edge_layers(model)})" if p > 1 else ""),
@@ -202,8 +219,8 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"  {f'weights ({precision})':<32}{gib(mem['weights'])}",
         f"  {gradients_label:<32}{gib(mem['gradients'])}",
         f"  {'optimizer (fp32 master, Adam)':<32}{gib(mem['optimizer'])}"
-        + (f"   with ZeRO-1 over dp {d}: {gib(mem['optimizer_zero1'])}" if plan['zero'] == 0 else
-           f"   (ZeRO-1: split over dp {d})"),
+        + (f"   with ZeRO-1 over dp {d * c}: {gib(mem['optimizer_zero1'])}" if plan['zero'] == 0 else
+           f"   (ZeRO-1: split over dp {d}" + (f" x cp {c}" if c > 1 else "") + ")"),
         *([f"  {'DeepSpeed ZeRO-1 reduce bucket':<32}{gib(mem['buffers'])}   (zero_optimization.reduce_bucket_size "
            f"elements, during backward)"] if mem["buffers"] else []),
         f"  {'activations (recompute ' + plan['recompute'] + ')':<32}{gib(mem['activations'])}   none "
@@ -217,7 +234,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"model FLOPs per step: {plan['model_flops_per_step']:.3e} "
         f"(executed with full recompute: {plan['model_flops_per_step_recompute']:.3e})",
         f"estimated step: {time['step']:.2f} s (compute {time['compute']:.2f}, bubble {time['bubble']:.2f}, "
-        f"tp {time['tp']:.2f}, pp {time['pp']:.2f}, dp {time['dp']:.2f}), MFU {plan['mfu_estimate']:.0%} "
+        f"tp {time['tp']:.2f}, cp {time['cp']:.2f}, pp {time['pp']:.2f}, dp {time['dp']:.2f}), MFU {plan['mfu_estimate']:.0%} "
         f"at {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s",
     ]
     lines += [""] + [f"warning: {w}" for w in notes] if notes else []
@@ -230,10 +247,10 @@ def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setu
              f"{setup.precision}, zero {setup.zero}, recompute {setup.recompute}, memory budget {budget}; "
              f"cost model: {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s, "
              f"{hw.intra_node_bw / 1e9:.0f} GB/s in node, {hw.inter_node_bw / 1e9:.0f} GB/s across",
-             f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'micro':>5} {'m':>4} {'bubble':>7} {'GiB':>6} "
+             f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'micro':>5} {'m':>4} {'bubble':>7} {'GiB':>6} "
              f"{'step s':>8} {'MFU':>4}  why (share of step time)"]
     for i, r in enumerate(plans[:top], 1):
-        lines.append(f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['micro_batch']:>5} "
+        lines.append(f"{i:>3} {r['tp']:>3} {r['cp']:>3} {r['pp']:>3} {r['dp']:>4} {r['micro_batch']:>5} "
                      f"{r['microbatches_per_pipeline']:>4} {r['bubble_fraction']:>7.1%} "
                      f"{r['memory_per_device_bytes'] / GIB:>6.1f} {r['step_time_s']:>8.2f} "
                      f"{r['mfu_estimate']:>4.0%}  {why(r)}")
@@ -248,8 +265,9 @@ def plot(path: Path, plan: Dict[str, Any]) -> None:
     events = simulate_schedule(plan["schedule"], p, m, plan["stage_forward_s"],
                                [b - w for b, w in zip(plan["stage_backward_s"], weight)], weight)
     name = {"1f1b": "1F1B", "zb-h1": "ZB-H1"}[plan["schedule"]]
-    draw_plan(str(path), plan["tp"], p, plan["dp"], events,
-              f"{name}, p={p}, m={m} (tp {plan['tp']}, dp {plan['dp']}, micro {plan['micro_batch']}, blocks per stage "
+    # The grid's columns are DeepSpeed's data axis, dp x cp ranks (CP fastest): its rank numbers.
+    draw_plan(str(path), plan["tp"], p, plan["dp"] * plan["cp"], events,
+              f"{name}, p={p}, m={m} (tp {plan['tp']}, cp {plan['cp']}, dp {plan['dp']}, micro {plan['micro_batch']}, blocks per stage "
               f"{plan['blocks_per_stage']}): simulated bubble {plan['bubble_fraction']:.1%} "
               f"((p-1)/(m+p-1) = {plan['bubble_fraction_equal_stages']:.1%})")
 
@@ -262,7 +280,7 @@ def plan_output(args: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
         valid = search(model, setup, hw)
         plans = [plan for plan in valid if plan["fits"]]
         if not valid:
-            raise ConfigError(f"no valid (tp, pp, micro-batch) for {setup.gpus} GPUs, global batch "
+            raise ConfigError(f"no valid (tp, cp, pp, micro-batch) for {setup.gpus} GPUs, global batch "
                               f"{setup.global_batch}, {model.n_head} heads and {model.n_layer} layers; "
                               f"choose a --global-batch divisible by more dp sizes, or other --gpus")
         if not plans:

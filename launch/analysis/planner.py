@@ -6,7 +6,10 @@ Cost model of one optimizer step (`estimate_step_time`), per device: each stage'
 micro-batch (its FLOPs at a stated efficiency of peak, its TP all-reduces and one activation and
 one gradient over the PP link, at the intra-node bandwidth when the group sits in one node), the
 schedule (1F1B or ZB-H1) simulated over the engine's own instruction streams with those times,
-then the DP gradient all-reduce, not overlapped. It ignores latency, overlap and small
+then the DP gradient all-reduce, not overlapped. Context parallelism (cp, issue 25) splits every
+micro-batch's tokens over cp ranks: each rank computes 1/(tp*cp) of a stage's FLOPs, its TP and
+PP traffic is its s/cp tokens', its attention adds the Ulysses all-to-alls, and the gradient
+all-reduce runs over DeepSpeed's data axis, dp x cp ranks. It ignores latency, overlap and small
 micro-batches' lower efficiency: it ranks layouts, it does not promise a time
 (docs/planner-and-metrics.md, "--search and the cost model")."""
 import dataclasses
@@ -15,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from launch.analysis import engine_memory, formulas, memory_formulas
 from launch.analysis import partition as partition_rules
+from launch.analysis.context_parallel import check_context_split, cp_bytes_per_step
 from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe, TrainSection
 from launch.errors import ConfigError
@@ -63,6 +67,14 @@ class Setup:
     """The recipe's deepspeed.zero_optimization.reduce_bucket_size (ZeRO-1's bucket, fp32 and fp16)."""
     grad_accum_fusion: bool = True
     """train.grad_accum_fusion: in bf16 the weight matrices' gradients go straight into the fp32 buffer."""
+    cp: int = 1
+    """Context-parallel degree (issue 25): each rank holds s/cp tokens of every sequence; the
+    replicas are dp = gpus / (tp * cp * pp), DeepSpeed's data axis dp * cp ranks."""
+
+    @property
+    def data_axis(self) -> int:
+        """DeepSpeed's data axis, dp * cp ranks: ZeRO-1 and the gradient all-reduce span it."""
+        return self.gpus // (self.tp * self.pp)
 
     @property
     def full_recompute(self) -> bool:
@@ -97,25 +109,36 @@ def check_setup(model: ModelConfig, setup: Setup) -> Layout:
                         ("--micro-batch", setup.micro_batch), ("--global-batch", setup.global_batch)]:
         if value < 1:
             raise ConfigError(f"{flag} {value} must be >= 1")
-    if setup.tp >= 1 and setup.pp >= 1 and setup.gpus % (setup.tp * setup.pp) != 0:
-        raise ConfigError(f"--gpus {setup.gpus} is not divisible by tp*pp = {setup.tp}*{setup.pp} = "
-                          f"{setup.tp * setup.pp}; use a multiple of {setup.tp * setup.pp} GPUs, or a tp*pp "
-                          f"that divides {setup.gpus}")
+    if setup.cp < 1:
+        raise ConfigError(f"--cp {setup.cp} must be >= 1")
+    per_replica = setup.tp * setup.cp * setup.pp
+    if setup.tp >= 1 and setup.pp >= 1 and setup.gpus % per_replica != 0:
+        raise ConfigError(f"--gpus {setup.gpus} is not divisible by tp*cp*pp = {setup.tp}*{setup.cp}*{setup.pp} = "
+                          f"{per_replica}; use a multiple of {per_replica} GPUs, or a tp*cp*pp that divides "
+                          f"{setup.gpus}")
     check_precision(setup)
     recipe = Recipe(model=model,
                     train=TrainSection(micro_batch_size=setup.micro_batch, global_batch_size=setup.global_batch,
                                        precision=setup.precision, zero_stage=setup.zero,
                                        partition=setup.partition if isinstance(setup.partition, str)
                                        else list(setup.partition)))
-    return check_and_derive_layout(recipe, setup.gpus, setup.tp, setup.pp, on_cpu=False)
+    # The CP ranks of a replica draw the same samples: the batch rules are those of gpus / cp ranks.
+    layout = check_and_derive_layout(recipe, setup.gpus // setup.cp, setup.tp, setup.pp, on_cpu=False)
+    check_context_split(model, setup.tp, setup.cp)
+    return layout
 
 
-def rank_groups(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
-    """Global ranks of every TP, PP and DP group, from the topology the training run builds."""
+def rank_groups(tp: int, pp: int, dp: int, cp: int = 1) -> Dict[str, List[List[int]]]:
+    """Global ranks of every TP, CP, PP and DP group, from the topology the training run builds:
+    DeepSpeed's data axis holds dp x cp ranks, CP fastest (data index = dp_rank * cp + cp_rank,
+    issue 25); "data" is that axis (ZeRO-1, the gradient all-reduce), "dp" the replicas."""
     from model.parallel_state import build_topology  # imports DeepSpeed: only when asked
-    topology = build_topology(tp, pp, dp)
-    return {"tp": topology.get_axis_comm_lists("model"), "pp": topology.get_axis_comm_lists("pipe"),
-            "dp": topology.get_axis_comm_lists("data")}
+    topology = build_topology(tp, pp, dp * cp)
+    data = topology.get_axis_comm_lists("data")
+    return {"tp": topology.get_axis_comm_lists("model"),
+            "cp": sorted(axis[i:i + cp] for axis in data for i in range(0, dp * cp, cp)),
+            "pp": topology.get_axis_comm_lists("pipe"),
+            "dp": sorted(axis[c::cp] for axis in data for c in range(cp)), "data": data}
 
 
 def within_node(groups: List[List[int]], gpus_per_node: int) -> bool:
@@ -152,7 +175,7 @@ def activation_bytes_per_block(model: ModelConfig, setup: Setup, recompute: str)
         model, model.seq_len, setup.micro_batch, setup.tp, recompute=recompute == "full",
         sequence_parallel=model.sequence_parallel and setup.tp > 1, selective=recompute == "selective",
         element_bytes=engine_memory.ELEMENT_BYTES[setup.precision], mask_bytes=1 if model.dropout > 0 else 0,
-        layernorm_stat_bytes=4, fused_attention=True)
+        layernorm_stat_bytes=4, fused_attention=True, cp=setup.cp)
 
 
 def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, blocks: int,
@@ -163,7 +186,7 @@ def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int,
         params_with_grad=params_with_bf16_grad(arch, dataclasses.replace(setup, zero=zero), stage, blocks, groups[1]))
     chosen = states(setup.zero)
     inflight = memory_formulas.inflight_microbatches(setup.pp, m, stage)  # micro-batches alive at the peak
-    b, s, t = setup.micro_batch, model.seq_len, setup.tp
+    b, s, t = setup.micro_batch, model.seq_len // setup.cp, setup.tp  # this rank's tokens
     element = engine_memory.ELEMENT_BYTES[setup.precision]
     # ZB-H1: each stage keeps some micro-batches' weight-gradient inputs between their B and W
     # passes (launch/analysis/zero_bubble_schedule.py), the last stage the output layer's too.
@@ -194,12 +217,15 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     fullest stage's rank hands to the DP gradient all-reduce."""
     from launch.analysis.pipeline_chart import idle_fraction  # matplotlib: only when planning
     from launch.analysis.schedule_sim import simulate_schedule
-    b, s, h, t, p = setup.micro_batch, model.seq_len, model.n_embd, setup.tp, setup.pp
+    b, s, h, t, p, c = setup.micro_batch, model.seq_len // setup.cp, model.n_embd, setup.tp, setup.pp, setup.cp
     tp_bytes_per_block = formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.full_recompute) * formulas.ring_allreduce_factor(t)
     pp_comm = 2 * formulas.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0
-    compute = [(forward + backward) / t / (hw.peak_flops * hw.efficiency) for forward, backward in flops]
+    # An all-to-all keeps 1/cp of what each rank hands it and sends the rest.
+    cp_bytes_per_block = cp_bytes_per_step(model, setup.tp, c, b, setup.precision, setup.recompute, 1, 1) * (c - 1) / c
+    compute = [(forward + backward) / (t * c) / (hw.peak_flops * hw.efficiency) for forward, backward in flops]
     tp_comm = [n * tp_bytes_per_block / bandwidth["tp"] for n in blocks]
-    slot = [compute[k] + tp_comm[k] + pp_comm for k in range(p)]
+    cp_comm = [n * cp_bytes_per_block / bandwidth["cp"] for n in blocks]
+    slot = [compute[k] + tp_comm[k] + cp_comm[k] + pp_comm for k in range(p)]
     forward = [slot[k] * flops[k][0] / sum(flops[k]) for k in range(p)]
     weight = [slot[k] * weight_flops[k] / sum(flops[k]) for k in range(p)]
     stages = {"forward_s": forward, "backward_s": [slot[k] - forward[k] for k in range(p)], "weight_s": weight,
@@ -209,9 +235,9 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     span = max(e[4] for e in events)
     stages["bubble_fraction"] = idle_fraction(events) if p > 1 else 0.0
     slowest = max(range(p), key=lambda k: slot[k])
-    dp_comm = formulas.ring_allreduce_factor(dp) * dp_bytes / bandwidth["dp"]
+    dp_comm = formulas.ring_allreduce_factor(setup.data_axis) * dp_bytes / bandwidth["data"]
     # The slowest stage works m slots; the rest of the simulated span it waits: the bubble.
-    parts = {"compute": m * compute[slowest], "tp": m * tp_comm[slowest], "pp": m * pp_comm,
+    parts = {"compute": m * compute[slowest], "tp": m * tp_comm[slowest], "cp": m * cp_comm[slowest], "pp": m * pp_comm,
              "bubble": max(span - m * slot[slowest], 0.0), "dp": dp_comm}
     return dict(parts, step=sum(parts.values())), stages
 
@@ -221,25 +247,26 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     layout = check_setup(model, setup)
     arch = model.resolved()  # every architecture switch set (GQA, SwiGLU, untied head, RoPE change the counts)
     l, h, s, V = model.n_layer, model.n_embd, model.seq_len, model.vocab_size
-    t, p, d, m, b = setup.tp, setup.pp, layout.dp, layout.grad_accum_steps, setup.micro_batch
+    t, p, d, m, b, c = setup.tp, setup.pp, layout.dp, layout.grad_accum_steps, setup.micro_batch, setup.cp
     # Cut as the run cuts (partition.with_stage_boundaries): only full recompute changes the FLOPs.
     parts = partition_rules.stage_partition(arch, p, setup.partition, s, setup.full_recompute)
     blocks = partition_rules.blocks_per_stage(arch, parts)
     stage_flops = partition_rules.stage_flops(arch, parts, b, s, setup.full_recompute)
     params = [formulas.model_stage_params_per_rank(arch, t, p, k, parts) for k in range(p)]
     groups_of = [stage_groups(arch, t, p, k, parts) for k in range(p)]
-    memory = [_stage_memory(model, setup, d, m, k, blocks[k], groups_of[k]) for k in range(p)]
-    dp_bytes = max(engine_memory.dp_allreduce_bytes(setup.precision, setup.zero, d, *g, setup.communication_data_type)
-                   for g in groups_of)
+    # ZeRO-1 and the gradient all-reduce span DeepSpeed's data axis: dp x cp ranks.
+    memory = [_stage_memory(model, setup, d * c, m, k, blocks[k], groups_of[k]) for k in range(p)]
+    dp_bytes = max(engine_memory.dp_allreduce_bytes(setup.precision, setup.zero, d * c, *g,
+                                                    setup.communication_data_type) for g in groups_of)
     fullest = max(range(p), key=lambda k: memory[k]["total"])
-    groups = rank_groups(t, p, d)
+    groups = rank_groups(t, p, d, c)
     intra = {dim: within_node(groups[dim], hw.gpus_per_node) for dim in groups}
     bandwidth = {dim: hw.intra_node_bw if intra[dim] else hw.inter_node_bw for dim in groups}
     weight_flops = partition_rules.stage_weight_grad_flops(arch, parts, b, s)
     time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, weight_flops, d, m, dp_bytes, bandwidth)
     flops = formulas.model_flops_per_step_of(arch, setup.global_batch, s)
     return {
-        "gpus": setup.gpus, "tp": t, "pp": p, "dp": d, "micro_batch": b, "global_batch": setup.global_batch,
+        "gpus": setup.gpus, "tp": t, "cp": c, "pp": p, "dp": d, "micro_batch": b, "global_batch": setup.global_batch,
         "zero": setup.zero, "recompute": setup.recompute, "precision": setup.precision,
         "padded_vocab": formulas.padded_vocab_size(V, t, model.vocab_pad_multiple),
         # The closed form [N21] is GPT-2's: for another architecture it is a reference point only.
@@ -259,11 +286,12 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
         "memory_per_device_bytes": memory[fullest]["total"],
         "model_flops_per_step": flops,
         "model_flops_per_step_recompute": formulas.model_flops_per_step_of(arch, setup.global_batch, s, True),
-        "comm_bytes_per_step": {
-            "tp": (formulas.tp_allreduce_bytes_per_step(b, s, h, max(blocks), m, setup.full_recompute)
+        "comm_bytes_per_step": {  # this rank's s/cp tokens under context parallelism
+            "tp": (formulas.tp_allreduce_bytes_per_step(b, s // c, h, max(blocks), m, setup.full_recompute)
                    + formulas.kv_gather_bytes_per_step(arch, t, max(blocks), m, setup.full_recompute)) if t > 1 else 0,
-            "pp": formulas.pp_p2p_bytes_per_step(b, s, h, m) if p > 1 else 0,
-            "dp": dp_bytes if d > 1 else 0},
+            "cp": cp_bytes_per_step(model, t, c, b, setup.precision, setup.recompute, max(blocks), m),
+            "pp": formulas.pp_p2p_bytes_per_step(b, s // c, h, m) if p > 1 else 0,
+            "dp": dp_bytes if d * c > 1 else 0},
         "dp_allreduce_dtype": setup.communication_data_type or engine_memory.reduce_dtype(setup.precision),
         "groups": groups, "groups_within_node": intra,
         "step_time_s": time["step"], "step_time_parts_s": time,
@@ -276,22 +304,23 @@ def divisors(n: int) -> List[int]:
 
 
 def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any]]:
-    """Every valid (tp, pp, dp, micro-batch) for setup's GPUs and global batch, the rest of
+    """Every valid (tp, cp, pp, dp, micro-batch) for setup's GPUs and global batch, the rest of
     `setup` kept, fastest first; `fits` says whether it fits hw.memory_bytes."""
     gpus, global_batch = setup.gpus, setup.global_batch
     found = []
     for tp in divisors(gpus):
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if global_batch % dp != 0:
-                continue
-            for b in divisors(global_batch // dp):
-                try:
-                    plan = estimate_plan(model, dataclasses.replace(setup, tp=tp, pp=pp, micro_batch=b), hw)
-                except ConfigError:  # heads not divisible by tp, fewer layers than stages, a list for another pp, ...
+        for cp in divisors(gpus // tp):
+            for pp in divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                if global_batch % dp != 0:
                     continue
-                plan["fits"] = hw.memory_bytes is None or plan["memory_per_device_bytes"] <= hw.memory_bytes
-                found.append(plan)
+                for b in divisors(global_batch // dp):
+                    try:
+                        plan = estimate_plan(model, dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, micro_batch=b), hw)
+                    except ConfigError:  # heads not divisible by tp*cp, fewer layers than stages, ...
+                        continue
+                    plan["fits"] = hw.memory_bytes is None or plan["memory_per_device_bytes"] <= hw.memory_bytes
+                    found.append(plan)
     found.sort(key=lambda r: (r["step_time_s"], r["memory_per_device_bytes"]))
     return found
 
@@ -299,10 +328,11 @@ def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any
 def why(plan: Dict[str, Any]) -> str:
     """The step-time shares besides compute, largest first, and the memory: why it ranks there."""
     parts = plan["step_time_parts_s"]
-    shares = sorted(((parts[k] / parts["step"], k) for k in ("bubble", "tp", "pp", "dp")
+    shares = sorted(((parts[k] / parts["step"], k) for k in ("bubble", "tp", "cp", "pp", "dp")
                      if parts[k] >= 0.005 * parts["step"]),
                     reverse=True)
-    where = {k: "in node" if plan["groups_within_node"][k] else "across nodes" for k in ("tp", "pp", "dp")}
+    where = {k: "in node" if plan["groups_within_node"][g] else "across nodes"
+             for k, g in (("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "data"))}
     text = [f"{k} {share:.0%}" + ("" if k == "bubble" else f" {where[k]}") for share, k in shares]
     text.append(f"{plan['memory_per_device_bytes'] / GIB:.0f} GiB")
     return ", ".join(text) if shares else "no bubble or communication, " + text[-1]
