@@ -14,8 +14,7 @@ import yaml
 
 from launch.analysis import memory_formulas
 from launch.analysis.comm_formulas import comm_per_rank_per_step, cp_all_to_all_elements, cp_comm_per_rank_per_step
-from launch.analysis.context_parallel import check_context_split
-from launch.analysis.planner import rank_groups
+from launch.analysis.planner import Setup, check_setup, rank_groups
 from launch.config.layout import Layout
 from launch.config.recipe import load_recipe
 from launch.errors import ConfigError
@@ -165,10 +164,12 @@ def test_warns_when_tp_times_cp_exceeds_the_key_value_heads(capsys):
 
 
 def test_sequence_parallel_needs_the_sequence_divisible_by_cp_times_tp():
+    """The planner applies the training run's own layout rules (launch/config/layout.py)."""
     model = GPTConfig(n_head=8, n_embd=64, seq_len=18, vocab_size=50, sequence_parallel=True)
-    with pytest.raises(ConfigError, match=r"seq_len=18 is not divisible by cp\*tp = 2\*2 = 4"):
-        check_context_split(model, 2, 2)
-    check_context_split(dataclasses.replace(model, seq_len=20), 2, 2)
+    setup = Setup(gpus=4, tp=2, pp=1, cp=2, micro_batch=1, global_batch=1)
+    with pytest.raises(ConfigError, match=r"18 .* is not divisible by cp\*tp = 2\*2 = 4"):
+        check_setup(model, setup)
+    check_setup(dataclasses.replace(model, seq_len=20), setup)
 
 
 def test_text_report_shows_the_fourth_axis(capsys):

@@ -58,7 +58,7 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
         raise ConfigError(f"deepspeed.communication_data_type={comm_dtype!r} must be fp32, bf16 or fp16")
     cut = parse_partition(args.partition) if args.partition is not None else rt.partition if rt else DEFAULT
     # train.cp arrives with the run's recipe fields (issue 25); a recipe without it plans cp = 1.
-    recipe_cp = getattr(rt, "cp", None) if rt else None
+    recipe_cp = rt.cp if rt else None
     setup = Setup(gpus=args.gpus, tp=args.tp, pp=args.pp, cp=pick(args.cp, recipe_cp, 1),
                   micro_batch=pick(args.micro_batch, rt and rt.micro_batch_size, 1),
                   global_batch=pick(args.global_batch, rt and rt.global_batch_size, 1536),

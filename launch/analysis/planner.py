@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from launch.analysis import engine_memory, formulas, memory_formulas
 from launch.analysis import partition as partition_rules
-from launch.analysis.context_parallel import check_context_split, cp_bytes_per_step
+from launch.analysis.context_parallel import cp_bytes_per_step
 from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe, TrainSection
 from launch.errors import ConfigError
@@ -119,24 +119,20 @@ def check_setup(model: ModelConfig, setup: Setup) -> Layout:
     check_precision(setup)
     recipe = Recipe(model=model,
                     train=TrainSection(micro_batch_size=setup.micro_batch, global_batch_size=setup.global_batch,
-                                       precision=setup.precision, zero_stage=setup.zero,
+                                       precision=setup.precision, zero_stage=setup.zero, cp=setup.cp,
                                        partition=setup.partition if isinstance(setup.partition, str)
                                        else list(setup.partition)))
-    # The CP ranks of a replica draw the same samples: the batch rules are those of gpus / cp ranks.
-    layout = check_and_derive_layout(recipe, setup.gpus // setup.cp, setup.tp, setup.pp, on_cpu=False)
-    check_context_split(model, setup.tp, setup.cp)
-    return layout
+    return check_and_derive_layout(recipe, setup.gpus, setup.tp, setup.pp, on_cpu=False)  # its dp: the replicas
 
 
 def rank_groups(tp: int, pp: int, dp: int, cp: int = 1) -> Dict[str, List[List[int]]]:
     """Global ranks of every TP, CP, PP and DP group, from the topology the training run builds:
     DeepSpeed's data axis holds dp x cp ranks, CP fastest (data index = dp_rank * cp + cp_rank,
     issue 25); "data" is that axis (ZeRO-1, the gradient all-reduce), "dp" the replicas."""
-    from model.parallel_state import build_topology  # imports DeepSpeed: only when asked
-    topology = build_topology(tp, pp, dp * cp)
+    from model.parallel_state import build_topology, context_parallel_groups  # imports DeepSpeed: only when asked
+    topology = build_topology(tp, pp, dp, cp)
     data = topology.get_axis_comm_lists("data")
-    return {"tp": topology.get_axis_comm_lists("model"),
-            "cp": sorted(axis[i:i + cp] for axis in data for i in range(0, dp * cp, cp)),
+    return {"tp": topology.get_axis_comm_lists("model"), "cp": sorted(context_parallel_groups(topology, cp)),
             "pp": topology.get_axis_comm_lists("pipe"),
             "dp": sorted(axis[c::cp] for axis in data for c in range(cp)), "data": data}
 
