@@ -15,10 +15,6 @@ import torch.distributed as dist
 from model.mappings import Group
 
 
-def group_rank_and_size(group: Group) -> Tuple[int, int]:
-    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-
-
 def sequence_shard(x: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
     """(B, T, ...) -> (B, T/cp, ...): CP rank r's contiguous tokens [r T/cp, (r+1) T/cp)."""
     if cp_size == 1:

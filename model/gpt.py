@@ -19,7 +19,6 @@ from torch.nn import functional
 
 from model.attention import AttentionCore, check_context_heads
 from model.config import GPTConfig
-from model.context_parallel import group_rank_and_size
 from model.attention_inputs import AttentionInputs, StageAttentionInputs
 from model.documents import document_ids, document_positions, full_sequence_segments
 from model.layer_table import dense_prefix, pipeline_layers
@@ -231,9 +230,8 @@ class PositionEmbedding(nn.Module):
         of its position inside its document, and the segment ids pass on."""
         tok_emb, segments = x if isinstance(x, tuple) else (x, None)
         T_local = tok_emb.size(1)
-        cp_rank, _ = group_rank_and_size(self.cp_group)
         T_shard = T_local * group_size(self.sp_group)  # this CP rank's tokens: T/cp
-        start = cp_rank * T_shard + group_rank(self.sp_group) * T_local
+        start = group_rank(self.cp_group) * T_shard + group_rank(self.sp_group) * T_local
         if segments is None:
             pos_emb = self.wpe[start:start + T_local]
         else:  # segments: (B, T/cp) under CP, made the whole sequence's (B, T)

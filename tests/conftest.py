@@ -15,8 +15,8 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 4, 1)]
 # tp=4. The Llama family runs the same layouts (tests/test_llama_parity.py).
 SP_LAYOUTS = [(2, 2, 2, "sp"), (4, 1, 1, "sp")]
 # Context parallelism (issue 25), tag "cp<N>": as (tp, cp, pp, dp) = (1,2,1,1), (2,2,1,1), (1,2,2,1),
-# (1,2,1,2); the Llama family adds one with the document mask and SP (tests/test_llama_parity.py).
-CP_LAYOUTS = [(1, 1, 1, "cp2"), (2, 1, 1, "cp2"), (1, 2, 1, "cp2"), (1, 1, 2, "cp2")]
+# (1,2,1,2) and (2,2,2,1) with SP; the Llama family adds the document mask (tests/test_llama_parity.py).
+CP_LAYOUTS = [(1, 1, 1, "cp2"), (2, 1, 1, "cp2"), (1, 2, 1, "cp2"), (1, 1, 2, "cp2"), (2, 2, 1, "sp", "cp2")]
 # The fast tier's only launches (docs/testing.md, The fast tier): (2,2,2) has every kind of
 # parallelism; (1,1,1) is its reference, and its checkpoints serve the fast checkpoint tests.
 ACCEPTANCE_RUNS = (REFERENCE, (2, 2, 2))

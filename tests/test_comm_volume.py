@@ -18,6 +18,7 @@ from bench.comm_volume import OVERRIDES, STEPS, compare, run_model
 from launch.analysis import formulas, partition
 from launch.analysis.comm_formulas import comm_per_rank_per_step, stage_vector_params_per_rank
 from launch.config.layout import Layout
+from launch.config.recipe import load_recipe
 from launcher import LLAMA_TINY, TINY, launch_forked
 from model.gpt import GPT, GPTConfig
 
@@ -107,3 +108,28 @@ def test_zero1_vector_group_is_the_built_models(switches):
     config = GPTConfig(n_layer=3, n_head=4, n_embd=64, seq_len=32, vocab_size=300, **switches)
     vectors = sum(p.numel() for p in GPT(config).parameters() if p.dim() < 2)
     assert stage_vector_params_per_rank(config, tp=1, pp=1, stage=0) == vectors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2), (1, 4)], ids=lambda v: str(v))
+def test_context_parallel_all_to_alls_are_four_per_block_each_way(tmp_path, tp, cp):
+    """Ulysses (issue 25; docs/design.md contract 17), counted by --comm-counts on every rank:
+    per block per micro-batch 4 all-to-alls in forward (q, k, v to heads, the output back) and 4
+    in backward, each of this rank's b x s/cp x h/tp elements (GPT-2: as many key/value heads as
+    query heads), over the CP group; no other collective is named for CP."""
+    world = tp * cp
+    proc = launch_forked(world, ["--recipe", str(TINY), "--tp", str(tp), "--cp", str(cp), "--comm-counts", str(tmp_path)]
+                         + [arg for o in OVERRIDES for arg in ("--set", o)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recipe = load_recipe(TINY, [])
+    config, train_cfg = recipe.model, recipe.train
+    b, m = train_cfg.micro_batch_size, train_cfg.global_batch_size // train_cfg.micro_batch_size  # dp = 1
+    per_call = b * (config.seq_len // cp) * (config.n_embd // tp)
+    for rank in range(world):
+        step = json.loads((tmp_path / f"rank{rank}.json").read_text())["phases"][f"step {STEPS}"]
+        cp_rows = {e["purpose"]: e for e in step if e["role"] == "cp"}
+        assert set(cp_rows) == {"cp-forward", "cp-backward"}, step
+        for row in cp_rows.values():
+            calls = m * config.n_layer * 4
+            assert (row["op"], row["calls"], row["elements"], row["bytes"]) == \
+                ("all_to_all_single", calls, calls * per_call, 4 * calls * per_call), (rank, row)
