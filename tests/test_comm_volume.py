@@ -16,7 +16,7 @@ import pytest
 
 from bench.comm_volume import OVERRIDES, STEPS, compare, run_model
 from launch.analysis import formulas, partition
-from launch.analysis.comm_formulas import comm_per_rank_per_step, stage_vector_params_per_rank
+from launch.analysis.comm_formulas import comm_per_rank_per_step, cp_comm_per_rank_per_step, stage_vector_params_per_rank
 from launch.config.layout import Layout
 from launch.config.recipe import load_recipe
 from launcher import LLAMA_TINY, TINY, launch_forked
@@ -116,7 +116,8 @@ def test_context_parallel_all_to_alls_are_four_per_block_each_way(tmp_path, tp, 
     """Ulysses (issue 25; docs/design.md contract 17), counted by --comm-counts on every rank:
     per block per micro-batch 4 all-to-alls in forward (q, k, v to heads, the output back) and 4
     in backward, each of this rank's b x s/cp x h/tp elements (GPT-2: as many key/value heads as
-    query heads), over the CP group; no other collective is named for CP."""
+    query heads), over the CP group; no other collective is named for CP. The planner's formula
+    (comm_formulas.cp_comm_per_rank_per_step) gives the same calls, elements and bytes."""
     world = tp * cp
     proc = launch_forked(world, ["--recipe", str(TINY), "--tp", str(tp), "--cp", str(cp), "--comm-counts", str(tmp_path)]
                          + [arg for o in OVERRIDES for arg in ("--set", o)])
@@ -129,7 +130,9 @@ def test_context_parallel_all_to_alls_are_four_per_block_each_way(tmp_path, tp, 
         step = json.loads((tmp_path / f"rank{rank}.json").read_text())["phases"][f"step {STEPS}"]
         cp_rows = {e["purpose"]: e for e in step if e["role"] == "cp"}
         assert set(cp_rows) == {"cp-forward", "cp-backward"}, step
-        for row in cp_rows.values():
+        planned = cp_comm_per_rank_per_step(config.resolved(), tp, cp, b, m, config.n_layer, element_bytes=4)
+        for purpose, row in cp_rows.items():
             calls = m * config.n_layer * 4
             assert (row["op"], row["calls"], row["elements"], row["bytes"]) == \
                 ("all_to_all_single", calls, calls * per_call, 4 * calls * per_call), (rank, row)
+            assert planned[(purpose, "cp", row["op"])] == (row["calls"], row["elements"], row["bytes"]), (rank, row)
