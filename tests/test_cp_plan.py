@@ -52,7 +52,9 @@ def test_activation_bytes_at_cp_are_a_shards_plus_the_exchange(name, cp, selecti
     the core attend over all s tokens for n_head/cp heads: the queries and the logsumexp are the
     shard's (a/cp heads x s = a heads x s/cp), RoPE's tables cover all s positions and the keys
     and values are the heads the rank's queries use, over s tokens (two ranks share one key/value
-    head at cp 4 here, replicated): the differences from the shard, from their shapes."""
+    head at cp 4 here, replicated), and the fused core keeps its output apart from the o_proj
+    input (the return all-to-all's new tensor): the differences from the shard, from their shapes.
+    test_real_context_parallel_blocks_save_what_the_planner_counts measures real CP blocks."""
     config = dataclasses.replace(CONFIGS[name], recompute_attention=selective)
     measured_shard = _saved_block_bytes(dataclasses.replace(config, seq_len=S // cp))
     E, d = 4, config.head_dim
@@ -62,7 +64,8 @@ def test_activation_bytes_at_cp_are_a_shards_plus_the_exchange(name, cp, selecti
     formula = memory_formulas.model_activation_bytes_per_layer(
         config, S, B, selective=selective, element_bytes=E, mask_bytes=0, layernorm_stat_bytes=4,
         fused_attention=True, cp=cp)
-    assert formula == measured_shard + rope + kv_replication
+    output = 0 if selective else E * B * S * (config.n_head // cp) * d  # (b, a/cp, s, d), saved by the core
+    assert formula == measured_shard + rope + kv_replication + output
     assert (kv_replication > 0) == (name == "llama-gqa" and cp == 4)  # the replicated case is covered
 
 
@@ -137,7 +140,8 @@ def _plan(*argv):
 
 def test_activation_memory_falls_as_one_over_cp(capsys):
     """Llama-3.2-1B at 32768 tokens on 8 GPUs: each rank's activations are cp 1's over cp, but for
-    RoPE's tables (the whole sequence's positions on every rank); the optimizer state is split
+    RoPE's tables (the whole sequence's positions on every rank) and the core's output (a second
+    copy beside the o_proj input); the optimizer state is split
     over dp x cp = 8 whatever cp; the all-to-all bytes appear with cp."""
     plans = {}
     for cp in (1, 2, 4, 8):
@@ -147,7 +151,9 @@ def test_activation_memory_falls_as_one_over_cp(capsys):
     rope = model.n_layer * 2 * model.seq_len * model.head_dim * 2  # bf16 tables, one stage of every block
     act = {cp: p["memory_per_stage_bytes"][0]["activations_no_recompute"] for cp, p in plans.items()}
     for cp in (2, 4, 8):
-        assert act[cp] - rope == pytest.approx((act[1] - rope) / cp, rel=1e-9, abs=1)
+        # and the fused core's output, kept apart from the o_proj input once the exchange returns it
+        output = model.n_layer * 2 * (model.seq_len // cp) * model.n_head * model.head_dim  # bf16, b = 1
+        assert act[cp] - rope - output == pytest.approx((act[1] - rope) / cp, rel=1e-9, abs=1)
         assert plans[cp]["memory_per_stage_bytes"][0]["optimizer"] == plans[1]["memory_per_stage_bytes"][0]["optimizer"]
         assert plans[cp]["comm_bytes_per_step"]["cp"] > 0 and (plans[cp]["cp"], plans[cp]["dp"]) == (cp, 8 // cp)
     assert plans[1]["comm_bytes_per_step"]["cp"] == 0
@@ -192,3 +198,19 @@ def test_long_context_recipe_states_the_planners_memory(capsys):
     out = capsys.readouterr().out
     assert f"{float(stated.group(1)):7.1f} GiB of 80 GiB" in out
     assert re.search(rf"activations \(recompute selective\)\s+{stated.group(2)} GiB", out)
+
+
+@pytest.mark.slow
+def test_real_context_parallel_blocks_save_what_the_planner_counts():
+    """bench/context_memory.py: GPT-2 (with and without selective recompute) and a GQA Llama block
+    on cp = 2 and 4 gloo processes, each rank's real Ulysses block on its s/cp tokens, save exactly
+    the bytes the planner's formula counts, on every rank."""
+    from bench.context_memory import configs, measure
+    seq_len, batch = 64, 2
+    for cp in (2, 4):
+        for name, per_rank in measure(cp, seq_len, batch).items():
+            config, selective = next((c, sel) for n, c, sel in configs(seq_len) if n == name)
+            planned = memory_formulas.model_activation_bytes_per_layer(
+                config, seq_len, batch, selective=selective, element_bytes=4, mask_bytes=0,
+                layernorm_stat_bytes=4, fused_attention=True, cp=cp)
+            assert per_rank == [planned] * cp, (name, cp, per_rank, planned)

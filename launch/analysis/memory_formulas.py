@@ -104,7 +104,8 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
     Context parallelism (`cp`, Ulysses [J23], issue 25): a rank holds n = s/cp tokens of every
     sequence, so every per-token term above counts n tokens; the attention core runs after the
     all-to-all on the whole sequence for a/(t*cp) heads, so its inputs and logsumexp are the same
-    1/cp, but the math path's scores are (a/(t*cp)) x s x s (the core's s stays s), K and V hold
+    1/cp, but the math path's scores are (a/(t*cp)) x s x s (the core's s stays s), the fused
+    path keeps its output apart from the o_proj input (E*a*d/h more), K and V hold
     `cp_kv_heads_per_rank` heads of s tokens (at least one: replicated where t*cp > kv), and RoPE's
     tables cover the whole sequence's positions."""
     s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
@@ -128,6 +129,8 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
         core = 0
     elif fused_attention:
         core = 4 * a / h  # the logsumexp, (b, a, s) fp32, kept for the fused backward
+        if cp > 1:  # the core's own output (on the whole sequence, a/(t*cp) heads) is no longer
+            core += E * a * d / h  # the o_proj input: the return all-to-all made that a new tensor
     else:
         core = (2 * E + M) * a * s / h  # the scores of each local query row over all s keys
     stats = 2 * (1 if rms else 2) * layernorm_stat_bytes * n * b  # two norms per block
