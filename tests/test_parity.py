@@ -6,7 +6,7 @@ learning rate that moves the loss) give the same loss and gradient norm, relativ
 sequence parallelism (`model.sequence_parallel`) at (2,2,2) and (4,1,1), with context parallelism
 (--cp 2, issue 25) at (tp, cp, pp, dp) = (1,2,1,1), (2,2,1,1), (1,2,2,1), (1,2,1,2) and, with SP,
 (2,2,2,1); in bf16, (2,2,2) with
-sequence parallelism and (1,2,1) within BF16_RTOL of a bf16 (1,1,1). Each layout is launched
+sequence parallelism, (1,2,1) and (tp, cp, pp, dp) = (1,2,1,1) within BF16_RTOL of a bf16 (1,1,1). Each layout is launched
 once per session, when a test first asks for it (conftest.py: parity_runs, its ranks forked as
 DeepSpeed's launcher starts them; tests/test_resume.py resumes the checkpoints these runs save)."""
 import json
@@ -28,7 +28,9 @@ RTOL = 1e-5
 BF16_RTOL = {"loss": 1e-3, "val_loss": 1e-3, "grad_norm": 2e-2}
 # (2,2,2) with sequence parallelism: DeepSpeed's BF16 optimizer (pp > 1) keeps the gradients in its
 # own fp32 buffers, which the once-per-step TP sum of the sequence-parallel parameters must reach.
-BF16_LAYOUTS = [(2, 2, 2, "sp", "bf16"), (1, 2, 1, "bf16")]
+# (tp, pp, dp) = (1,1,1) at cp 2: the fused fp32 accumulation and the fp32 DP all-reduce over DeepSpeed's
+# data axis, which holds the CP ranks too, with the CP loss weighting in bf16.
+BF16_LAYOUTS = [(2, 2, 2, "sp", "bf16"), (1, 2, 1, "bf16"), (1, 1, 1, "bf16", "cp2")]
 GRAD_CLIP = 0.5  # recipes/tiny.yaml
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "elapsed_s"}
 
