@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from model.config import ModelConfig
-from model.hf_gpt2 import GPT2_LINEARS
+from model.hf_gpt2 import gpt2_name_pairs
 from model.layer_table import dense_prefix, pipeline_layers
 from model.layers import split_rows
 from model.llama import gate_up_sections, qkv_sections
@@ -163,14 +163,5 @@ def load_dense_into(module: nn.Module, dense: StateDict, layers: Optional[ModelC
 def from_gpt2_state_dict(gpt2: Mapping[str, torch.Tensor], n_layer: int) -> StateDict:
     """Inverse of `model.hf_gpt2.to_gpt2_state_dict`: GPT2LMHeadModel weights -> dense state
     dict (Conv1D (in, out) back to nn.Linear (out, in); lm_head is wte, tied)."""
-    dense = {"embed.wte.weight": gpt2["transformer.wte.weight"], "pos.wpe": gpt2["transformer.wpe.weight"],
-             "ln_f.weight": gpt2["transformer.ln_f.weight"], "ln_f.bias": gpt2["transformer.ln_f.bias"]}
-    for i in range(n_layer):
-        src, dst = f"transformer.h.{i}.", f"blocks.{i}."
-        for norm in ("ln_1", "ln_2"):
-            for kind in ("weight", "bias"):
-                dense[f"{dst}{norm}.{kind}"] = gpt2[f"{src}{norm}.{kind}"]
-        for linear in GPT2_LINEARS:
-            dense[f"{dst}{linear}.weight"] = gpt2[f"{src}{linear}.weight"].t()
-            dense[f"{dst}{linear}.bias"] = gpt2[f"{src}{linear}.bias"]
-    return {k: v.detach().contiguous().clone() for k, v in dense.items()}
+    return {ours: (gpt2[theirs].t() if conv1d else gpt2[theirs]).detach().contiguous().clone()
+            for ours, theirs, conv1d in gpt2_name_pairs(n_layer)}

@@ -48,18 +48,9 @@ def gpt2_name_pairs(n_layer: int) -> Iterator[Tuple[str, str, bool]]:
 def to_gpt2_state_dict(model: GPT) -> Dict[str, torch.Tensor]:
     """Our dense model's weights under GPT2LMHeadModel's names and layouts."""
     assert model.tp_group is None, "merge TP shards first: this maps the dense (tp=1) model"
-    config = model.config
-    out = {"transformer.wte.weight": model.embed.wte.weight[: config.vocab_size],
-           "transformer.wpe.weight": model.pos.wpe,
-           "transformer.ln_f.weight": model.ln_f.weight, "transformer.ln_f.bias": model.ln_f.bias}
-    for i, block in enumerate(model.blocks):
-        prefix = f"transformer.h.{i}."
-        for norm in ("ln_1", "ln_2"):
-            out[prefix + norm + ".weight"] = getattr(block, norm).weight
-            out[prefix + norm + ".bias"] = getattr(block, norm).bias
-        for name in GPT2_LINEARS:
-            linear = block.get_submodule(name)
-            out[prefix + name + ".weight"] = linear.weight.t()  # (out, in) -> Conv1D (in, out)
-            out[prefix + name + ".bias"] = linear.bias
+    ours = model.state_dict()
+    ours["embed.wte.weight"] = ours["embed.wte.weight"][: model.config.vocab_size]  # padding rows stripped
+    out = {theirs: ours[name].t() if conv1d else ours[name]  # (out, in) -> Conv1D (in, out)
+           for name, theirs, conv1d in gpt2_name_pairs(model.config.n_layer)}
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
