@@ -157,8 +157,9 @@ def params_with_bf16_grad(model: ModelConfig, setup: Setup, stage: int, blocks: 
     from the gathered heads, not the parameter). None: every parameter has one (no fusion)."""
     if not (setup.grad_accum_fusion and engine_memory.uses_bf16_optimizer(setup.precision, setup.zero)):
         return None
+    from model.llama import kv_replicas  # imports the model: only when planning
     positions = model.seq_len * model.n_embd if model.position == "learned" and stage == 0 else 0
-    shared_kv_heads = model.arch == "llama" and model.n_kv_head % setup.tp != 0
+    shared_kv_heads = model.arch == "llama" and kv_replicas(model.n_kv_head, setup.tp) > 1
     qkv = (model.n_head + 2 * model.n_kv_head) * model.head_dim * model.n_embd // setup.tp if shared_kv_heads else 0
     return vectors + positions + blocks * qkv
 

@@ -104,8 +104,8 @@ def check_context_parallel(recipe: Recipe, tp: int, cp: int) -> None:
         split = f"cp*tp = {cp}*{tp} = {shards} (sequence parallel)" if model.sequence_parallel else f"--cp {cp}"
         raise ConfigError(f"sequence length {recipe.seq_len} (data.seq_len, else model.seq_len) is not divisible "
                           f"by {split}: each CP rank holds seq_len/cp tokens; choose a multiple of {shards}")
-    if recipe.model.resolved().n_kv_head % (tp * cp) and (tp * cp) % recipe.model.resolved().n_kv_head:
-        kv = recipe.model.resolved().n_kv_head
+    kv = model.resolved().n_kv_head
+    if kv % (tp * cp) and (tp * cp) % kv:
         raise ConfigError(f"model.n_kv_head={kv} with tp*cp = {tp}*{cp} = {tp * cp}: tp*cp must divide n_kv_head or "
                           f"n_kv_head must divide tp*cp (the key/value heads replicate over the ranks sharing one); "
                           f"choose a --cp for which it does")
