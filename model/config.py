@@ -11,18 +11,23 @@ its own projections (q/k/v fused, o; gate/up fused, down) and accepts every valu
 No torch here: the planner and the recipe loader read it without starting torch.
 """
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
+
+from model.moe_config import MoEConfig, moe_from, moe_preset
 
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")
 """The fields a set of weights fixes (a checkpoint or a transformers model decides them)."""
 
-ARCHS = ("gpt2", "llama")
+ARCHS = ("gpt2", "llama", "mixtral", "qwen3_moe", "olmoe")
+MOE_ARCHS = ("mixtral", "qwen3_moe", "olmoe")
+"""The mixture-of-experts families: the Llama layout with their own switch values (model.moe)."""
 POSITIONS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
+QK_NORMS = ("head", "projection")
 ARCH_SWITCHES = ("position", "rope_theta", "norm", "norm_eps", "mlp", "ffn_hidden_size", "n_kv_head",
-                 "tie_embeddings", "bias")
+                 "tie_embeddings", "bias", "qk_norm")
 """The switches an `arch` preset fills when the recipe leaves them null."""
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 """The keys of `model.rope_scaling` (Llama 3's, transformers' rope_parameters of rope_type llama3)."""
@@ -35,15 +40,26 @@ def llama_ffn_hidden_size(n_embd: int, multiple_of: int = 256) -> int:
 
 
 def preset_values(arch: str, n_embd: int, n_head: int) -> Dict[str, Any]:
-    """The switch values of preset `arch` for a model of this width."""
+    """The switch values of preset `arch` for a model of this width: ARCH_SWITCHES and the
+    router's MOE_SWITCHES (model/moe_config.py)."""
+    routing = dict(router="softmax_topk", norm_topk_prob=True)
     if arch == "gpt2":  # Radford et al. 2019: what this repository trained before the switches
         return dict(position="learned", rope_theta=10000.0, norm="layernorm", norm_eps=1e-5, mlp="gelu",
-                    ffn_hidden_size=4 * n_embd, n_kv_head=n_head, tie_embeddings=True, bias=True)
-    if arch == "llama":  # Touvron et al. 2023: RoPE, RMSNorm, SwiGLU, untied head, no biases
-        return dict(position="rope", rope_theta=10000.0, norm="rmsnorm", norm_eps=1e-5, mlp="swiglu",
-                    ffn_hidden_size=llama_ffn_hidden_size(n_embd), n_kv_head=n_head, tie_embeddings=False,
-                    bias=False)
-    raise ValueError(f"model.arch={arch!r} is not one of {', '.join(ARCHS)}")
+                    ffn_hidden_size=4 * n_embd, n_kv_head=n_head, tie_embeddings=True, bias=True, qk_norm=None,
+                    **routing)
+    if arch not in ARCHS:
+        raise ValueError(f"model.arch={arch!r} is not one of {', '.join(ARCHS)}")
+    # Touvron et al. 2023: RoPE, RMSNorm, SwiGLU, untied head, no biases; the MoE families on top.
+    llama = dict(position="rope", rope_theta=10000.0, norm="rmsnorm", norm_eps=1e-5, mlp="swiglu",
+                 ffn_hidden_size=llama_ffn_hidden_size(n_embd), n_kv_head=n_head, tie_embeddings=False,
+                 bias=False, qk_norm=None, **routing)
+    if arch == "mixtral":  # Jiang et al. 2024: top-2 of 8, softmax over the chosen two
+        return dict(llama, rope_theta=1e6)
+    if arch == "qwen3_moe":  # Qwen3 technical report 2025: per-head q/k RMSNorm, renormalised top-k
+        return dict(llama, rope_theta=1e6, norm_eps=1e-6, qk_norm="head")
+    if arch == "olmoe":  # Muennighoff et al. 2024: q/k RMSNorm over the whole projection, top-k unnormalised
+        return dict(llama, qk_norm="projection", norm_topk_prob=False)
+    return llama
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 1) -> int:
@@ -59,7 +75,10 @@ class ModelConfig:
     n_head: int = 12
     """Attention heads; divisible by tp."""
     n_embd: int = 768
-    """Hidden size; divisible by n_head."""
+    """Hidden size; divisible by n_head unless head_size is set."""
+    head_size: Optional[int] = None
+    """Width of each attention head (transformers' head_dim, Megatron's kv_channels); null is
+    n_embd / n_head. Qwen3-30B-A3B: 128 at n_embd 2048 with 32 heads. Needs a Llama-layout arch."""
     seq_len: int = 1024
     """Positions the model has (GPT-2's n_positions); every batch uses exactly this length."""
     max_positions: Optional[int] = None
@@ -104,15 +123,40 @@ class ModelConfig:
     """The output head is the token embedding (gpt2) or a weight of its own (llama)."""
     bias: Optional[bool] = None
     """Biases in the attention and MLP linears (gpt2 yes, llama no). LayerNorm keeps its own."""
+    qk_norm: Optional[str] = None
+    """RMSNorm of the queries and keys before RoPE: head (one weight of head size shared by the heads,
+    Qwen3), projection (over the whole q and k projections, OLMoE), or null (none; gpt2, llama,
+    mixtral)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture of experts (model/moe_config.py): routed and shared experts, the router, the auxiliary
+    losses. num_experts 0 (the default) is a dense model."""
+
+    def __post_init__(self) -> None:
+        self.moe = moe_from(self.moe)  # a recipe's or checkpoint's mapping becomes the dataclass
 
     def padded_vocab_size(self, tp_size: int) -> int:
         return padded_vocab_size(self.vocab_size, tp_size, self.vocab_pad_multiple)
 
     def resolved(self) -> "ModelConfig":
         """A copy with every switch left null set from the `arch` preset (the recipe's wins)."""
+        return dataclasses.replace(self, **self._preset_filled())
+
+    def _preset_filled(self) -> Dict[str, Any]:
+        """The switches left null, with the preset's values, and `moe` with its router's filled."""
         preset = preset_values(self.arch, self.n_embd, self.n_head)
         filled = {key: preset[key] for key in ARCH_SWITCHES if getattr(self, key) is None}
-        return dataclasses.replace(self, **filled)
+        routing = {key: value for key, value in moe_preset(preset).items() if getattr(self.moe, key) is None}
+        return dict(filled, moe=dataclasses.replace(self.moe, **routing))
+
+    @property
+    def llama_layout(self) -> bool:
+        """The Llama module layout (fused q/k/v and gate/up projections, any switch value): every arch but gpt2."""
+        return self.arch != "gpt2"
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each routed (and shared) expert's MLP width (a resolved config)."""
+        return self.moe.expert_width(self.ffn_hidden_size)
 
     @property
     def position_range(self) -> int:
@@ -121,7 +165,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size if self.head_size is not None else self.n_embd // self.n_head
 
     def validate(self) -> None:
         """Raise ValueError naming the field, its value and the fix (launch/ reports it as bad input,
@@ -130,18 +174,33 @@ class ModelConfig:
         for key in ("n_layer", "n_head", "n_embd", "seq_len"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
+        if self.head_size is None and self.n_embd % self.n_head != 0:
+            raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head} (or set "
+                             f"model.head_size)")
+        if self.head_size is not None and self.head_size < 1:
+            raise ValueError(f"model.head_size={self.head_size} must be >= 1 (null is n_embd / n_head)")
         if self.arch not in ARCHS:
             raise ValueError(f"model.arch={self.arch!r} is not one of {', '.join(ARCHS)}")
         full = self.resolved()  # the arch preset's switches filled in
-        for key, allowed in (("position", POSITIONS), ("norm", NORMS), ("mlp", MLPS)):
+        for key, allowed in (("position", POSITIONS), ("norm", NORMS), ("mlp", MLPS), ("qk_norm", QK_NORMS + (None,))):
             if getattr(full, key) not in allowed:
-                raise ValueError(f"model.{key}={getattr(full, key)!r} is not one of {', '.join(allowed)}")
-        if full.arch == "gpt2" and (full.mlp != "gelu" or full.n_kv_head != full.n_head):
-            key, value = ("mlp", full.mlp) if full.mlp != "gelu" else ("n_kv_head", full.n_kv_head)
+                raise ValueError(f"model.{key}={getattr(full, key)!r} is not one of {', '.join(map(str, allowed))}")
+        gpt2_only = dict(mlp=("gelu", full.mlp), n_kv_head=(full.n_head, full.n_kv_head),
+                         qk_norm=(None, full.qk_norm), head_size=(full.n_embd // full.n_head, full.head_dim),
+                         **{"moe.num_experts": (0, full.moe.num_experts)})
+        changed = [(key, got) for key, (want, got) in gpt2_only.items() if want != got]
+        if full.arch == "gpt2" and changed:
+            key, value = changed[0]
             raise ValueError(f"model.{key}={value!r} with model.arch=gpt2: GPT-2's fused c_attn and c_fc have "
-                             f"n_kv_head = n_head and a GELU MLP; set model.arch=llama, which takes every switch")
+                             f"n_kv_head = n_head, a GELU MLP, no q/k norm and no experts; set model.arch=llama, "
+                             f"which takes every switch")
+        if full.arch in MOE_ARCHS and not full.moe.enabled:
+            raise ValueError(f"model.arch={full.arch} with model.moe.num_experts=0: the {full.arch} preset is a "
+                             f"mixture of experts; set model.moe.num_experts (and experts_per_token)")
+        full.moe.validate(full.ffn_hidden_size)
+        if full.moe.enabled and full.mlp != "swiglu":
+            raise ValueError(f"model.mlp={full.mlp!r} with model.moe.num_experts={full.moe.num_experts}: the experts "
+                             f"are SwiGLU MLPs; set model.mlp=swiglu")
         if full.norm_eps <= 0 or full.rope_theta <= 0:
             raise ValueError(f"model.norm_eps={full.norm_eps} and model.rope_theta={full.rope_theta} must be > 0")
         full._validate_rope_scaling()
@@ -201,11 +260,10 @@ class GPTConfig(ModelConfig):
             raise ValueError("GPTConfig needs a vocab_size (a recipe's null is resolved from the tokenizer first)")
         if self.document_mask and self.eos_token_id is None:
             raise ValueError("GPTConfig with document_mask needs the eos_token_id that starts each document")
+        super().__post_init__()
         # A built model never sees a null switch: fill them from the preset here, once.
-        preset = preset_values(self.arch, self.n_embd, self.n_head)
-        for key in ARCH_SWITCHES:
-            if getattr(self, key) is None:
-                setattr(self, key, preset[key])
+        for key, value in self._preset_filled().items():
+            setattr(self, key, value)
 
     def sequence_parallel_group(self, tp_group: Any) -> Any:
         """The TP group when activations are sequence-sharded, else None (the collectives bypass)."""

@@ -26,6 +26,8 @@ from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallel
                           group_rank, group_size, mark_sequence_parallel)
 from model.llama import GroupedQueryAttention, LlamaMLP
 from model.mappings import Group
+from model.moe import MoEMLP
+from model.moe_losses import MoEStatistics
 from model.norms import LayerNorm, RMSNorm
 
 # Generator streams: blocks use their index; the embeddings and the head use ids no block can have.
@@ -140,11 +142,15 @@ class Block(nn.Module):
     With `cp_group` (context parallelism) the input is this CP rank's contiguous shard of the
     sequence, (B, T/cp, h) (rank r: tokens [r T/cp, (r+1) T/cp)), and so are the segment ids
     (`document_ids` of its shard of the ids); everything but the attention core runs on these
-    tokens, the core on the whole sequence of its heads (model/attention.py)."""
+    tokens, the core on the whole sequence of its heads (model/attention.py).
+
+    In a mixture-of-experts model (`config.moe`) the MLP of every moe_every-th block is an MoEMLP
+    (model/moe.py), its experts split over `ep_group`; the stage's blocks share `moe_statistics`."""
 
     def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group,
                  dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext,
-                 attention_inputs: Optional[StageAttentionInputs] = None, *, cp_group: Group = None):
+                 attention_inputs: Optional[StageAttentionInputs] = None, *, cp_group: Group = None,
+                 ep_group: Group = None, moe_statistics: Optional[MoEStatistics] = None):
         super().__init__()
         self.cp_group = cp_group
         self.attention_inputs = attention_inputs or StageAttentionInputs(config)
@@ -154,12 +160,16 @@ class Block(nn.Module):
         self.sequence_chunks = group_size(config.sequence_parallel_group(tp_group)) * group_size(cp_group)
         generator = init_generator(config, layer_index)
         residual_rng = sequence_dropout_rng(config, tp_group, dropout_rng)
-        llama = config.arch == "llama"
+        llama = config.llama_layout
         self.ln_1 = make_norm(config, tp_group)
         attention = GroupedQueryAttention if llama else CausalSelfAttention
         self.attn = attention(config, tp_group, generator, dropout_rng, residual_rng, cp_group=cp_group)
         self.ln_2 = make_norm(config, tp_group)
-        self.mlp = (LlamaMLP if llama else MLP)(config, tp_group, generator, residual_rng)
+        if config.moe.is_moe_block(layer_index):
+            self.mlp = MoEMLP(config, layer_index, tp_group, generator, residual_rng, ep_group=ep_group,
+                              cp_group=cp_group, statistics=moe_statistics)
+        else:
+            self.mlp = (LlamaMLP if llama else MLP)(config, tp_group, generator, residual_rng)
 
     def forward(self, x: Carried) -> Carried:  # (B, T, h) -> (B, T, h); (B, T/t, h) with SP; / cp with CP
         hidden, segments = x if self.document_mask else (x, None)
@@ -249,12 +259,13 @@ class GPT(nn.Module):
     order in which `model/pipe.py` splits the same modules into stages.
     """
 
-    def __init__(self, config: GPTConfig, tp_group: Optional[Group] = None):
+    def __init__(self, config: GPTConfig, tp_group: Optional[Group] = None, ep_group: Optional[Group] = None):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
         self.layer_table = pipeline_layers(config)
         attention_inputs = StageAttentionInputs(config)
+        self.moe_statistics = MoEStatistics(config) if config.moe.enabled else None
         for kind, i in self.layer_table:  # each module at its dense name (LAYER_KINDS), in the table's order
             if kind == "embed":
                 self.embed = TokenEmbedding(config, tp_group)
@@ -263,7 +274,8 @@ class GPT(nn.Module):
             elif kind == "block":
                 if i == 0:
                     self.blocks = nn.ModuleList()
-                self.blocks.append(Block(config, i, tp_group, attention_inputs=attention_inputs))
+                self.blocks.append(Block(config, i, tp_group, attention_inputs=attention_inputs, ep_group=ep_group,
+                                         moe_statistics=self.moe_statistics))
             elif kind == "ln_f":
                 self.ln_f = make_norm(config, tp_group)
             elif kind == "lm_head":

@@ -18,8 +18,10 @@ from torch.nn import functional
 from model.attention import AttentionCore, check_context_heads
 from model.attention_inputs import AttentionInputs
 from model.config import GPTConfig
-from model.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_projections, group_rank, group_size
-from model.mappings import Group, gather_rows_from_tp_region
+from model.layers import (ColumnParallelLinear, RowParallelLinear, column_parallel_projections, group_rank, group_size,
+                          mark_sequence_parallel)
+from model.mappings import Group, all_reduce_sum, gather_rows_from_tp_region
+from model.norms import RMSNorm
 
 
 def kv_replicas(n_kv_head: int, tp_size: int) -> int:
@@ -35,6 +37,35 @@ def qkv_sections(config) -> Tuple[int, int, int]:
 def gate_up_sections(config) -> Tuple[int, int]:
     """Rows of the gate and up parts of the fused gate_up_proj weight."""
     return config.ffn_hidden_size, config.ffn_hidden_size
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole q or k projection whose heads are split over TP (OLMoE's q_norm and
+    k_norm): the mean of squares is over all heads (an all-reduce of the TP ranks' sums, forward and
+    backward), the weight is split over TP like the projection's rows. (B, T, width/t) -> same."""
+
+    def __init__(self, width: int, tp_group: Group, eps: float):
+        super().__init__()
+        self.width, self.tp_group, self.eps = width, tp_group, eps
+        self.weight = nn.Parameter(torch.ones(width // group_size(tp_group)))
+        self.weight.tensor_model_parallel = True  # each TP rank holds its heads' part (contract 5)
+        self.weight.partition_dim, self.weight.partition_stride = 0, 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = all_reduce_sum(x32.pow(2).sum(-1, keepdim=True), self.tp_group)  # (B, T, 1): every head's
+        return self.weight * (x32 * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
 
 
 class GroupedQueryAttention(nn.Module):
@@ -69,6 +100,27 @@ class GroupedQueryAttention(nn.Module):
                                         std / math.sqrt(2 * config.n_layer), bias=bias,
                                         sequence_parallel=config.sequence_parallel)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm == "head":  # Qwen3: one (d,) weight each for q and k, shared by the heads
+            self.q_norm, self.k_norm = RMSNorm(d, eps=config.norm_eps), RMSNorm(d, eps=config.norm_eps)
+            # Replicated, but each TP rank normalises only its heads: the gradients summed over TP once
+            # per step, as sequence-parallel weights' are (model/layers.py); a key/value head that
+            # `replicas` ranks share enters that sum once per rank, so each rank passes 1/replicas of it.
+            mark_sequence_parallel(self.q_norm.weight, tp_group)
+            mark_sequence_parallel(self.k_norm.weight, tp_group)
+        elif config.qk_norm == "projection":  # OLMoE: over the whole projections (n_kv_head % tp == 0: layout check)
+            self.q_norm = ProjectionRMSNorm(config.n_head * d, tp_group, config.norm_eps)
+            self.k_norm = ProjectionRMSNorm(config.n_kv_head * d, tp_group, config.norm_eps)
+
+    def _normalise(self, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """q (B, T, a/t*d), k (B, T, kv*d) with the q/k norm of `qk_norm` applied (before RoPE)."""
+        if self.qk_norm == "projection":
+            return self.q_norm(q), self.k_norm(k)
+        B, T, _ = q.shape
+        k_weight = _ScaleGrad.apply(self.k_norm.weight, 1.0 / self.replicas) if self.replicas > 1 else self.k_norm.weight
+        q = self.q_norm(q.view(B, T, -1, self.head_dim)).view(B, T, -1)
+        k = k_weight * functional.rms_norm(k.view(B, T, -1, self.head_dim), (self.head_dim,), None, self.k_norm.eps)
+        return q, k.view(B, T, -1)
 
     def _with_shared_kv_head(self, param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """This rank's [Q_r; K_j; V_j] rows of the fused weight or bias (replicas > 1): its own Q
@@ -93,6 +145,8 @@ class GroupedQueryAttention(nn.Module):
             sections = [sections[0], self.head_dim, self.head_dim]
         (qkv,) = column_parallel_projections(x, [(weight, bias)], self.tp_group, self.sequence_parallel)
         q, k, v = qkv.split(sections, dim=-1)  # (B, T, a/t*d), (B, T, kv*d) twice: views of one GEMM's output
+        if self.qk_norm is not None:
+            q, k = self._normalise(q, k)
         # V is saved for backward as is (q and k as RoPE's new tensors): a view would keep the
         # whole (B, T, (a/t + 2kv)d) output alive, a copy keeps what separate projections kept.
         v = v.contiguous()

@@ -13,12 +13,16 @@ whole sequence of a head shard, and back (`all_to_all_sequence_to_heads`,
 `all_to_all_heads_to_sequence`; each is the other's backward). Shapes are attention's
 (B, heads, T, d); CP rank r holds tokens [r T/cp, (r+1) T/cp) and heads [r H/cp, (r+1) H/cp).
 
+Expert parallelism (issue 26) sends each token to the ranks of its experts and back: an all-to-all
+of rows with variable split sizes over the EP group (`all_to_all_tokens`), the sizes exchanged
+first (`exchange_counts`); the backward is the same exchange with the sizes swapped.
+
 Three tiers, as in Megatron core: a private helper that does the communication, a private
 autograd Function whose forward and backward are one line each, and a public wrapper whose
 docstring says what happens in each direction. Every helper is the identity when the group
 is None (tp_size == 1, cp_size == 1), so the single-device model runs the exact same code.
 """
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -134,6 +138,26 @@ def heads_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return by_token.transpose(1, 2)  # (B, H, T/c, d)
 
 
+def _all_to_all_rows(x: torch.Tensor, output_splits: List[int], input_splits: List[int],
+                     group: Group) -> torch.Tensor:
+    """(sum(input_splits), ...): rows [sum(input_splits[:j]), sum(input_splits[:j+1])) go to rank j
+    -> (sum(output_splits), ...): output_splits[i] rows from rank i, in rank order."""
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=output_splits, input_split_sizes=input_splits,
+                           group=group)
+    return out
+
+
+def exchange_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
+    """(ep, n) integer counts, row j for rank j -> (ep, n): row i is what rank i has for this rank.
+    No autograd: the split sizes an `all_to_all_tokens` needs, sent before the rows."""
+    if group is None:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -229,6 +253,28 @@ class _HeadsToSequence(torch.autograd.Function):
         return sequence_to_heads(grad, ctx.group), None
 
 
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _AllToAllTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all_rows(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all_rows(grad, ctx.splits[1], ctx.splits[0], ctx.group), None, None, None
+
+
 def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: identity; backward: all-reduce (Megatron's f)."""
     return x if group is None else _CopyToTP.apply(x, group)
@@ -279,6 +325,23 @@ def all_to_all_heads_to_sequence(x: torch.Tensor, cp_group: Group) -> torch.Tens
     """forward: (B, H/cp, T, d) -> (B, H, T/cp, d), an all-to-all over CP (Ulysses' second);
     backward: (B, H, T/cp, d) -> (B, H/cp, T, d)."""
     return x if cp_group is None else _HeadsToSequence.apply(x, cp_group)
+
+
+def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: all-reduce (a sum over the TP ranks that every rank then uses whole); backward:
+    all-reduce, since each rank's output depends on every rank's term (the statistic of a norm
+    over a TP-sharded vector: model/llama.py's q/k norm over the whole projection)."""
+    return x if group is None else _AllReduceSum.apply(x, group)
+
+
+def all_to_all_tokens(x: torch.Tensor, output_splits: List[int], input_splits: List[int],
+                      ep_group: Group) -> torch.Tensor:
+    """forward: rows to ranks, (sum(input_splits), h) -> (sum(output_splits), h): input_splits[j]
+    consecutive rows go to EP rank j, output_splits[i] rows arrive from rank i, in rank order;
+    backward: the gradient rows go back the same way (the sizes swapped).
+
+    A permutation of rows across ranks, no sums: forward and backward are exact."""
+    return x if ep_group is None else _AllToAllTokens.apply(x, output_splits, input_splits, ep_group)
 
 
 def all_gather_context(x: torch.Tensor, cp_group: Group) -> torch.Tensor:

@@ -16,6 +16,7 @@ import hashlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from deepspeed.moe.layer import MoE
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
@@ -25,6 +26,7 @@ from model.layer_table import layer_name, pipeline_layers
 from model.layers import sequence_parallel_params
 from model.context_parallel import token_weighted_mean
 from model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
+from model.moe_losses import MoEStatistics
 from model.parallel_state import ParallelState
 
 TP_DROPOUT_RNG = "tp-sharded-dropout"
@@ -73,7 +75,8 @@ def tp_dropout_rng():
 
 
 def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: ParallelState,
-               attention_inputs: Optional[StageAttentionInputs] = None) -> LayerSpec:
+               attention_inputs: Optional[StageAttentionInputs] = None,
+               moe_statistics: Optional[MoEStatistics] = None) -> LayerSpec:
     tp = state.tp_group
     # Without dropout nothing draws from the stream: no fork, which saves swapping the RNG state
     # around every attention core and, under train.compile, the graph breaks that swap causes.
@@ -86,7 +89,8 @@ def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: Parall
     if kind == "wpe":
         return LayerSpec(PositionEmbedding, config, tp, tp_dropout_rng_or_none, cp)
     if kind == "block":
-        return LayerSpec(Block, config, block, tp, tp_dropout_rng_or_none, attention_inputs, cp_group=cp)
+        return LayerSpec(Block, config, block, tp, tp_dropout_rng_or_none, attention_inputs, cp_group=cp,
+                         ep_group=state.ep_group, moe_statistics=moe_statistics)
     if kind == "ln_f":
         return LayerSpec(norm_class(config), config.n_embd, config.sequence_parallel_group(tp), eps=config.norm_eps)
     if kind == "lm_head":
@@ -95,9 +99,12 @@ def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: Parall
 
 
 def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
-    # One cache of RoPE's tables and the document mask for all blocks: DeepSpeed builds only this stage's layers.
+    # One cache of RoPE's tables and the document mask for all blocks: DeepSpeed builds only this stage's
+    # layers. Likewise one record of the router statistics for the stage's MoE blocks (model/moe_losses.py).
     attention_inputs = StageAttentionInputs(config)
-    return [layer_spec(kind, block, config, state, attention_inputs) for kind, block in pipeline_layers(config)]
+    moe_statistics = MoEStatistics(config) if config.moe.enabled else None
+    return [layer_spec(kind, block, config, state, attention_inputs, moe_statistics)
+            for kind, block in pipeline_layers(config)]
 
 
 def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -134,6 +141,24 @@ def pipeline_config(sequence_parallel: bool) -> Dict[str, Any]:
     return {}
 
 
+class ExpertParallelMarker(MoE):
+    """What tells DeepSpeed's engine that the model has experts (it looks for a `deepspeed.moe.layer.MoE`
+    module, then reduces, partitions and norms the expert parameters by their groups: see
+    launch/runtime/experts.py). No parameters and never called: our MoE blocks are model/moe.py's."""
+
+    def __init__(self, num_experts: int, ep_size: int):
+        torch.nn.Module.__init__(self)  # not MoE.__init__, which would build DeepSpeed's own experts
+        self.num_experts, self.ep_size = num_experts, ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = f"ep_size_{ep_size}"
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """The engine's call to create the groups: the run registered its own already."""
+
+    def forward(self, *args):
+        raise RuntimeError("ExpertParallelMarker is a marker for DeepSpeed's engine, not a layer")
+
+
 class GPTPipelineModule(PipelineModule):
     """DeepSpeed's PipelineModule, plus stage boundaries given by the caller (`parts`, instead of
     a DeepSpeed partition method) and the sequence-parallel gradient sum (model/layers.py).
@@ -145,10 +170,13 @@ class GPTPipelineModule(PipelineModule):
     with the TP group makes that the once-per-step TP sum they need, where an all-reduce per
     parameter per micro-batch in backward would cost m times the calls."""
 
-    def __init__(self, tp_group, parts: Optional[Sequence[int]] = None, **kwargs):
+    def __init__(self, tp_group, parts: Optional[Sequence[int]] = None, experts: Optional[Tuple[int, int]] = None,
+                 **kwargs):
         self.given_parts = None if parts is None else tuple(parts)  # read by super().__init__
         super().__init__(**kwargs)
         self.sequence_parallel_group = tp_group
+        if experts is not None:  # (num_experts, ep): DeepSpeed's engine must see an MoE module
+            self.expert_parallel_marker = ExpertParallelMarker(*experts)
 
     def _partition_layers(self, method: str = "uniform") -> None:
         """DeepSpeed's partition, or the stage boundaries the run computed (launch/analysis/partition.py):
@@ -174,7 +202,8 @@ def build_pipeline(config: GPTConfig, state: ParallelState, activation_checkpoin
     parts[k]:parts[k+1]; the training run computes them from train.partition), else by counting
     transformer blocks (DeepSpeed's type:Block)."""
     seed_dropout_rngs(config.seed, state)
-    return GPTPipelineModule(tp_group=state.tp_group, parts=parts,
+    experts = (config.moe.num_experts, state.ep_size) if config.moe.enabled else None
+    return GPTPipelineModule(tp_group=state.tp_group, parts=parts, experts=experts,
                              layers=layer_specs(config, state),
                              topology=state.topology,
                              loss_fn=make_loss_fn(state),

@@ -27,6 +27,9 @@ class Layout:
     cp: int = 1
     """Context-parallel ranks per replica, each holding seq_len / cp tokens of every sequence
     (train.cp, --cp; issue 25). Checkpoints saved before cp existed read as cp = 1."""
+    ep: int = 1
+    """Expert-parallel ranks: each MoE block's experts split over ep ranks of DeepSpeed's data axis
+    (dp x cp ranks; train.ep, --ep; issue 26). Checkpoints saved before ep existed read as ep = 1."""
     parts: Tuple[int, ...] = ()
     """Stage boundaries over the pipeline layers (stage k holds parts[k]:parts[k+1]) from
     train.partition; they need the vocabulary, so launch/analysis/partition.py's `with_stage_boundaries`
@@ -71,6 +74,7 @@ def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, o
     check_partition(train_cfg.partition, model_cfg.n_layer, pp)
     if cp > 1:
         check_context_parallel(recipe, tp, cp)
+    check_expert_parallel(recipe, tp, dp * cp)
     if model_cfg.sequence_parallel and recipe.seq_len % tp != 0:
         # Each TP rank holds T/t positions of every sequence-parallel activation.
         raise ConfigError(f"model.sequence_parallel with --tp {tp} needs the sequence length {recipe.seq_len} "
@@ -87,8 +91,33 @@ def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, o
                           f"remove the key (SP already sends 1/tp of the sequence)")
     if train_cfg.schedule == "zb-h1" and pp > 1:  # launch/analysis/zero_bubble_schedule.py: runs_zero_bubble
         check_zero_bubble(recipe, pp)
-    return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch_size=b, global_batch_size=B,
-                  grad_accum_steps=B // (b * dp))
+    return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=recipe.train.ep, micro_batch_size=b,
+                  global_batch_size=B, grad_accum_steps=B // (b * dp))
+
+
+def check_expert_parallel(recipe: Recipe, tp: int, data_ranks: int) -> None:
+    """What expert parallelism (issue 26) needs: ep ranks carved out of DeepSpeed's data axis (dp x cp
+    ranks), whole experts per rank, and each expert's MLP split over tp."""
+    model, ep = recipe.model.resolved(), recipe.train.ep
+    if ep < 1:
+        raise ConfigError(f"--ep {ep} (train.ep) must be >= 1")
+    if not model.moe.enabled:
+        if ep > 1:
+            raise ConfigError(f"--ep {ep} with model.moe.num_experts=0: expert parallelism splits the experts of "
+                              f"a mixture-of-experts model; drop --ep or set model.moe.num_experts")
+        return
+    if data_ranks % ep:
+        raise ConfigError(f"--ep {ep} does not divide the {data_ranks} data-parallel ranks (dp x cp): the experts are "
+                          f"split over ep of them and each split is replicated over the rest; choose --ep among the "
+                          f"divisors of {data_ranks}")
+    E = model.moe.num_experts
+    if E % ep:
+        raise ConfigError(f"model.moe.num_experts={E} is not divisible by --ep {ep}: each expert-parallel rank holds "
+                          f"E/ep whole experts; choose --ep among the divisors of {E}")
+    width = model.expert_ffn_hidden_size
+    if width % tp:
+        raise ConfigError(f"model.moe.expert_ffn_hidden_size={width} is not divisible by --tp {tp}: each TP rank "
+                          f"holds 1/tp of every expert's MLP; choose a multiple of {tp}")
 
 
 def check_context_parallel(recipe: Recipe, tp: int, cp: int) -> None:

@@ -78,6 +78,10 @@ class TrainSection:
     """Context-parallel degree (--cp overrides it): each sequence split into cp contiguous shards,
     one per rank, attention exchanging them for heads (Ulysses; docs/design.md contract 17).
     world = tp x cp x pp x dp."""
+    ep: int = 1
+    """Expert-parallel degree (--ep overrides it): the experts of every MoE block split over ep ranks of
+    the data-parallel axis (dp x cp ranks), tokens sent to their experts' ranks by an all-to-all
+    (docs/design.md contract 18). Must divide dp x cp; 1 keeps every expert on every rank."""
     dist_timeout_s: int = 600
     """Collectives wait at most this long: if a rank dies, the others exit with an error. The last
     resort behind heartbeat_timeout_s."""

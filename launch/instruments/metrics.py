@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from launch.analysis import formulas
 from launch.config.layout import Layout
 from launch.errors import ConfigError
+from launch.instruments.moe_metrics import charted_moe_metrics
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -257,7 +258,9 @@ class MetricsLogger:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         if self.wandb_run is not None:  # wandb charts numbers; a null MFU is left out
-            charted = {k: v for k, v in record.items() if k not in ("step", "compute_s_by_rank") and v is not None}
+            charted = {k: v for k, v in record.items()
+                       if k not in ("step", "compute_s_by_rank", "expert_load") and v is not None}
+            charted.update(charted_moe_metrics(record))  # each MoE block's load imbalance
             if "compute_s_by_rank" in record:  # a thousand ranks are a thousand series: their max and median
                 charted.update(compute_s_max=max(record["compute_s_by_rank"]),
                                compute_s_median=statistics.median(record["compute_s_by_rank"]))
@@ -276,6 +279,8 @@ class MetricsLogger:
         parts.append(f"mem {record['peak_memory_bytes'] / 2 ** 30:.2f} GiB")
         if record["loss_scale"] != 1.0:
             parts.append(f"scale {record['loss_scale']:g}")
+        if "aux_loss" in record:  # a mixture of experts: the router's loss and the worst load imbalance
+            parts.append(f"aux {record['aux_loss']:.4f} load max/mean {record['expert_load_max_over_mean']:.2f}")
         if "val_loss" in record:
             parts.append(f"val_loss {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})")
         for label, loss in record.get("val_loss_by_source", {}).items():  # a mixture (data.mix)

@@ -22,6 +22,8 @@ def parse_training_args(argv: Optional[List[str]], description: str = "") -> arg
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
     p.add_argument("--cp", type=int, help="context-parallel size: ranks sharing each sequence (overrides train.cp)")
+    p.add_argument("--ep", type=int, help="expert-parallel size: ranks of the data-parallel axis sharing each MoE "
+                   "block's experts (overrides train.ep)")
     p.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
     p.add_argument("--seed", type=int, help="seed (overrides train.seed)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -57,10 +59,12 @@ def parse_training_args(argv: Optional[List[str]], description: str = "") -> arg
 
 
 def training_recipe(args: argparse.Namespace) -> Recipe:
-    """The recipe file with --set, then the --steps / --seed / --cp / --wandb shorthands, applied."""
+    """The recipe file with --set, then the --steps / --seed / --cp / --ep / --wandb shorthands, applied."""
     overrides = list(args.overrides)
     if args.cp is not None:
         overrides.append(f"train.cp={args.cp}")
+    if args.ep is not None:
+        overrides.append(f"train.ep={args.ep}")
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     if args.seed is not None:

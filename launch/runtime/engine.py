@@ -49,11 +49,16 @@ def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config:
           f"schedule {schedule}", flush=True)
 
 
-def param_groups(module: torch.nn.Module) -> List[dict]:
-    """AdamW decays matrices and embeddings, not biases or LayerNorm (GPT-2 / nanoGPT)."""
+def param_groups(module: torch.nn.Module, experts: bool = False) -> List[dict]:
+    """AdamW decays matrices and embeddings, not biases or LayerNorm (GPT-2 / nanoGPT). With
+    `experts`, the expert parameters in groups of their own (launch/runtime/experts.py)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2]},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [{"params": [p for p in params if p.dim() >= 2]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if not experts:
+        return groups
+    from launch.runtime.experts import expert_param_groups  # DeepSpeed's split keys the groups by name
+    return expert_param_groups([dict(group, name=name) for group, name in zip(groups, ("decay", "no_decay"))])
 
 
 def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: GPTConfig, compiled: bool = False,
@@ -80,6 +85,10 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     train_cfg = recipe.train
     zero_bubble = runs_zero_bubble(train_cfg.schedule, layout.pp)  # at pp = 1 there is no bubble: 1F1B runs
     WEIGHT_GRADS.enabled = zero_bubble  # before the first forward: the linears read it there
+    experts = config.moe.enabled
+    if experts:  # before deepspeed.initialize, which reduces and partitions by these groups
+        from launch.runtime.experts import register_expert_groups
+        register_expert_groups(state)
     with quiet_stdout(not verbose):  # DeepSpeed's own layer listing: the role map shows it
         pipe = build_pipeline(config, state, train_cfg.full_recompute_interval, parts=layout.parts or None)
     if compiled:  # in place, before DeepSpeed wraps the module: each block compiles on its first call
@@ -92,7 +101,7 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     if own_norm:  # DeepSpeed's fp32 ZeRO-0 clipping miscounts across stages: ours clips instead
         ds_config["gradient_clipping"] = 0.0
     engine, _, _, _ = deepspeed.initialize(
-        model=pipe, model_parameters=param_groups(pipe), config=ds_config, optimizer=optimizer,
+        model=pipe, model_parameters=param_groups(pipe, experts), config=ds_config, optimizer=optimizer,
         lr_scheduler=warmup_cosine(train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr_ratio))
     if train_cfg.grad_accum_fusion:  # bf16: the linears add their weight gradients into the fp32 buffer
         attach_main_grads(engine.optimizer)

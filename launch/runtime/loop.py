@@ -84,7 +84,9 @@ def run_training(job: TrainingJob) -> None:
     from launch.instruments.stragglers import StragglerWatch, gather_seconds, gather_stage_hosts
     from launch.instruments.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak,
                                             run_arithmetic, step_peaks)
+    from launch.instruments.moe_metrics import moe_step_record
     from launch.runtime.distributed import shut_down_distributed, start_rank
+    from launch.runtime.experts import set_router_loss_scale
     from launch.runtime.compiler import blocks_to_compile
     from launch.runtime.engine import build_engine, print_role_map
     from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
@@ -99,7 +101,7 @@ def run_training(job: TrainingJob) -> None:
     # One rank fails or falls silent: all stop.
     watcher = FailureWatcher(int(os.environ["RANK"]), layout.world_size, train_cfg.heartbeat_timeout_s)
     fault = fault_injection()  # a test hook, None unless GPT3D_FAULT_INJECT is set
-    state = init_parallel_state(layout.tp, layout.pp, layout.cp)
+    state = init_parallel_state(layout.tp, layout.pp, layout.cp, layout.ep, experts=recipe.model.moe.enabled)
     logging_rank = is_logging_rank(state.global_rank)
     config = recipe.gpt_config(job.vocab_size, data.tokenizer.eos_token_id)
     compiled = blocks_to_compile(train_cfg.compile, get_accelerator().device_name(), logging_rank)
@@ -142,6 +144,7 @@ def run_training(job: TrainingJob) -> None:
         reset_step_memory_peak()
         waited_before = getattr(batches, "waited_s", 0.0)  # streamed data times its draws (data/streaming.py)
         compute_clock.start_step()
+        set_router_loss_scale(engine, layout)  # the fp16 loss scale may have changed after the last step
         loss, seconds = timed_train_batch(engine, feed)
         if step == first_step and runs_zero_bubble(train_cfg.schedule, layout.pp):
             check_weight_passes_ran(engine)  # the hooks took: W passes computed weight gradients
@@ -156,6 +159,7 @@ def run_training(job: TrainingJob) -> None:
                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved,
                   "data_wait_s": data_wait, "compute_s_by_rank": compute_by_rank}
+        record.update(moe_step_record(engine, config, layout.cp))  # collective; {} without experts
         record.update(data.step_record(samples))
         if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
             record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device))

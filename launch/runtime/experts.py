@@ -1,0 +1,69 @@
+"""Expert parallelism in DeepSpeed's engine (issue 26; docs/design.md contract 18).
+
+DeepSpeed knows mixture-of-experts parameters by two marks (moe/experts.py): `allreduce = False` and
+`group_name = "ep_size_<ep>"` (model/moe.py sets both), and treats them only when its engine finds a
+`deepspeed.moe.layer.MoE` module (model/pipe.py adds a parameterless one). Then:
+- the gradient reduction sums an expert parameter over its expert-data-parallel group (the ranks that
+  hold the same experts) and divides by the whole data axis, dp x cp, as for every parameter
+  (engine.py `_reduce_expert_gradients`, and the ZeRO-1 optimizer's own reduction);
+- ZeRO-1 partitions the expert parameters' optimizer state over that group, in param groups of
+  their own (`split_params_into_different_moe_groups_for_optimizer`);
+- the gradient norm sums the expert parameters' squares over the expert-parallel group too, so each
+  expert counts once.
+DeepSpeed would build those groups itself with its own rank order; `register_expert_groups` gives it
+ours instead, cut from the run's one topology (model/parallel_state.py, contract 1).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:  # annotations only
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from launch.config.layout import Layout
+    from model.parallel_state import ParallelState
+
+
+def register_expert_groups(state: ParallelState) -> None:
+    """Put this run's expert-parallel and expert-data-parallel groups where DeepSpeed looks them up
+    (`deepspeed.utils.groups`), under the name the expert parameters carry. Collective: every rank
+    calls it, before `deepspeed.initialize`. At ep = 1 each rank is its own EP group."""
+    from deepspeed.utils import groups
+
+    from model.moe import expert_group_name
+    from model.parallel_state import expert_data_parallel_groups, expert_parallel_groups
+
+    rank, name = dist.get_rank(), expert_group_name(state.ep_size)
+    ep_lists = expert_parallel_groups(state.topology, state.ep_size)
+    if state.ep_size > 1:
+        ep_group = state.ep_group
+    else:  # new_group is collective over the world: every rank makes every singleton, in order
+        ep_group = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    groups._EXPERT_PARALLEL_GROUP[name] = ep_group
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = _own_ranks(ep_lists, rank)
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = state.expert_dp_group
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = _own_ranks(
+        expert_data_parallel_groups(state.topology, state.ep_size), rank)
+
+
+def _own_ranks(rank_lists: List[List[int]], rank: int) -> List[int]:
+    return next(ranks for ranks in rank_lists if rank in ranks)
+
+
+def expert_param_groups(param_groups: List[dict]) -> List[dict]:
+    """The optimizer's parameter groups with the expert parameters moved into groups of their own,
+    one per expert group name and original group (DeepSpeed's split, which ZeRO-1 needs)."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    return split_params_into_different_moe_groups_for_optimizer(param_groups)
+
+
+def set_router_loss_scale(engine: PipelineEngine, layout: Layout) -> None:
+    """Before a step: the gradient the router losses enter backward with (model/moe_losses.py),
+    DeepSpeed's scale of the main loss: 1 / gradient-accumulation steps, times the fp16 loss scale,
+    times cp (DeepSpeed averages over dp x cp ranks, a CP rank holding 1/cp of a replica's tokens)."""
+    from launch.instruments.metrics import loss_scale
+    from model.moe_losses import stage_statistics
+    statistics = stage_statistics(engine.module)
+    if statistics is not None:
+        statistics.backward_scale = layout.cp * loss_scale(engine) / layout.grad_accum_steps

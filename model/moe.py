@@ -1,0 +1,254 @@
+"""The mixture-of-experts MLP (Shazeer et al. 2017; Fedus et al. 2022; Mixtral, Qwen3-MoE, OLMoE) on
+our tensor- and expert-parallel layers: a router picks k of E expert SwiGLU MLPs per token, every
+token reaches all k (dropless), and the experts' outputs are summed with the router's weights.
+
+Parallelism (docs/design.md contract 18):
+- TP splits every expert's MLP as it splits the dense MLP (gate/up by rows, down by columns): each
+  TP rank runs its shard of the experts on all of its replica's tokens, and one all-reduce (or,
+  under sequence parallelism, one reduce-scatter) after the combine sums the shards, as after a
+  row-parallel linear. The router is replicated; its input is the block's own (B, T, h) tokens or,
+  under SP, this rank's (B, T/t, h) chunk, whose choices are all-gathered.
+- EP splits the E experts over the ep ranks of an EP group (ep_rank r: experts [r E/ep, (r+1) E/ep)):
+  the assignments are sorted by expert, their counts exchanged, the token rows sent to their
+  experts' ranks by an all-to-all and the outputs brought back by a second (model/mappings.py).
+- The auxiliary losses (load balancing, z-loss) are computed over each micro-batch's whole token
+  set, whatever the shards, and enter the backward where they arise (`add_to_backward`), so their
+  gradients reach this stage's router without crossing the pipeline (model/moe_losses.py).
+
+Exactness: routing ties go to the lower expert index (a stable sort), every gather and scatter is
+a permutation or an expand (deterministic backward), and the k outputs of a token are summed in
+slot order, so every layout computes the same sums up to the rounding of its matmuls.
+"""
+import math
+from typing import Callable, ContextManager, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.nn import functional
+
+from model.config import GPTConfig
+from model.layers import group_rank, group_size, mark_sequence_parallel, split_rows
+from model.mappings import (Group, all_gather_sequence, all_to_all_tokens, copy_to_tp_region, exchange_counts,
+                            gather_from_sequence_parallel_region, reduce_from_tp_region,
+                            reduce_scatter_to_sequence_parallel_region)
+from model.moe_losses import MoEStatistics, add_to_backward, router_losses
+from model.weight_grad import add_product_into, linear, weight_grad_now_or_later
+
+
+def expert_group_name(ep_size: int) -> str:
+    """DeepSpeed's name of the expert-parallel group of size ep (utils/groups.py: ep_size_<ep>),
+    carried by every expert parameter as `group_name`."""
+    return f"ep_size_{ep_size}"
+
+
+def mark_expert(param: nn.Parameter, ep_size: int) -> None:
+    """DeepSpeed's mark of an expert parameter (moe/experts.py): not all-reduced over the data axis
+    but over its expert-data-parallel group, and put in a ZeRO-1 group of its own."""
+    param.allreduce = False
+    param.group_name = expert_group_name(ep_size)
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    return getattr(param, "allreduce", True) is False
+
+
+def expert_generator(config: GPTConfig, layer_index: int, expert: int) -> torch.Generator:
+    """A generator private to one expert of one block: each rank draws only its own experts, and
+    an expert's weights are the same whichever rank (ep) and TP shard (tp) holds them."""
+    stream = -1000 - layer_index * 100_000 - expert  # apart from the blocks' and embeddings' streams
+    return torch.Generator().manual_seed(config.seed * 1_000_003 + stream + 10)
+
+
+def route(logits: torch.Tensor, k: int, router: str, norm_topk_prob: bool
+          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, E) logits -> (weights (N, k) fp32, experts (N, k) int64, probabilities (N, E) fp32).
+
+    The k experts are those of the largest logits, ties to the lower index (a stable sort: the
+    same choice at every layout). softmax_topk: their softmax probabilities, divided by their sum
+    with norm_topk_prob; topk_softmax: a softmax over their k logits (the same, up to rounding)."""
+    logits = logits.float()
+    probs = functional.softmax(logits, dim=-1)
+    experts = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
+    if router == "topk_softmax":
+        weights = functional.softmax(logits.gather(1, experts), dim=-1)
+    else:
+        weights = probs.gather(1, experts)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts, probs
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """Y_g = X_g W_g^T for each expert g's consecutive rows: X (M, in) in groups of `sizes`,
+    W (E_local, out, in) -> (M, out). The weight gradient G_g^T X_g of every expert may be deferred
+    to ZB-H1's W pass or added into the fp32 main gradient (model/weight_grad.py), as a linear's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, sizes):
+        ctx.save_for_backward(x, weight)
+        ctx.sizes = sizes
+        return torch.cat([functional.linear(x_g, w_g) for x_g, w_g in zip(x.split(sizes), weight)])
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (M, out)
+        x, weight = ctx.saved_tensors
+        sizes = ctx.sizes
+        grad_x = torch.cat([g.matmul(w_g) for g, w_g in zip(grad.split(sizes), weight)])  # (M, in)
+
+        def weight_grad(main):  # (E_local, out, in), or added into main; an expert without tokens: zero
+            pairs = zip(grad.split(sizes), x.split(sizes))
+            if main is not None:
+                for e, (g, x_g) in enumerate(pairs):
+                    add_product_into(main[e], g.t(), x_g)
+                return None
+            out = torch.empty_like(weight)
+            for e, (g, x_g) in enumerate(pairs):
+                torch.mm(g.t(), x_g, out=out[e])
+            return out
+        return grad_x, weight_grad_now_or_later(weight, weight_grad, holds=(x, grad)), None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, sizes: List[int]) -> torch.Tensor:
+    """(M, in) rows in groups of `sizes`, (E_local, out, in) -> (M, out): each group through its expert."""
+    return _GroupedLinear.apply(x, weight, sizes)
+
+
+class ExpertMLPs(nn.Module):
+    """This rank's E/ep experts, each down(silu(gate(x)) * up(x)) of width f, TP-split as the dense
+    SwiGLU MLP: gate_up_proj (E/ep, 2f/t, h) holds rank r's [G_r; U_r] rows of every expert,
+    down_proj (E/ep, h, f/t) its columns (transformers' Qwen3MoeExperts layout, sliced).
+
+    Each expert's full weights are drawn from its own generator (gate, up, then down, as three
+    linears would be) and sliced, so they do not depend on tp or ep (docs/design.md contract 2)."""
+
+    def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group, first_expert: int,
+                 local_experts: int, ep_size: int):
+        super().__init__()
+        h, f = config.n_embd, config.expert_ffn_hidden_size
+        tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+        down_std = config.init_std / math.sqrt(2 * config.n_layer)
+        gate_up, down = [], []
+        for expert in range(first_expert, first_expert + local_experts):
+            generator = expert_generator(config, layer_index, expert)
+            full_gate_up = torch.empty(2 * f, h).normal_(0.0, config.init_std, generator=generator)  # [G; U]
+            full_down = torch.empty(h, f).normal_(0.0, down_std, generator=generator)
+            gate_up.append(split_rows(full_gate_up, tp_rank, tp_size, sections=(f, f)))  # (2f/t, h)
+            down.append(split_rows(full_down.t(), tp_rank, tp_size).t())  # (h, f/t)
+        self.gate_up_proj = nn.Parameter(torch.stack(gate_up))  # (E/ep, 2f/t, h)
+        self.down_proj = nn.Parameter(torch.stack(down).contiguous())  # (E/ep, h, f/t)
+        for param, dim in ((self.gate_up_proj, 1), (self.down_proj, 2)):
+            param.tensor_model_parallel = True  # each TP rank holds a shard: counted on every one (contract 5)
+            param.partition_dim = dim
+            param.partition_stride = 1
+            mark_expert(param, ep_size)
+        self.gate_up_proj.partition_sections = (f, f)
+
+    def forward(self, x: torch.Tensor, sizes: List[int]) -> torch.Tensor:
+        """(M, h) rows grouped by local expert, `sizes` rows each -> (M, h) partial sums over TP."""
+        gate, up = grouped_linear(x, self.gate_up_proj, sizes).chunk(2, dim=-1)  # (M, f/t) each
+        return grouped_linear(functional.silu(gate) * up, self.down_proj, sizes)
+
+
+class Router(nn.Module):
+    """logits = x W_r^T, (N, h) -> (N, E); W_r (E, h) replicated over TP, drawn from the block's generator."""
+
+    def __init__(self, config: GPTConfig, generator: torch.Generator):
+        super().__init__()
+        full = torch.empty(config.moe.num_experts, config.n_embd).normal_(0.0, config.init_std, generator=generator)
+        self.weight = nn.Parameter(full)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return linear(tokens, self.weight)
+
+
+class MoEMLP(nn.Module):
+    """The MLP of an MoE block: routed experts (TP x EP), plus shared experts every token passes
+    through (a SwiGLU of width shared_experts * f, model/llama.py's LlamaMLP). (B, T, h), or
+    (B, T/t, h) under SP, -> the same shape (T: this CP rank's tokens)."""
+
+    def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group, generator: torch.Generator,
+                 residual_dropout_rng: Callable[[], ContextManager], *, ep_group: Group = None,
+                 cp_group: Group = None, statistics: Optional[MoEStatistics] = None):
+        super().__init__()
+        from model.llama import LlamaMLP  # model/llama.py builds the shared experts; gpt.py imports both
+        moe = config.moe
+        self.layer_index = layer_index
+        self.num_experts, self.k = moe.num_experts, moe.experts_per_token
+        self.router_kind, self.norm_topk_prob = moe.router, moe.norm_topk_prob
+        self.tp_group, self.ep_group, self.cp_group = tp_group, ep_group, cp_group
+        self.sequence_parallel = config.sequence_parallel and tp_group is not None
+        self.ep_size = group_size(ep_group)
+        self.local_experts = self.num_experts // self.ep_size
+        self.statistics = statistics if statistics is not None else MoEStatistics(config)
+        self.router = Router(config, generator)
+        # Under SP each TP rank routes its own sequence chunk: the router's gradient is summed over TP.
+        mark_sequence_parallel(self.router.weight, config.sequence_parallel_group(tp_group))
+        self.experts = ExpertMLPs(config, layer_index, tp_group, group_rank(ep_group) * self.local_experts,
+                                  self.local_experts, self.ep_size)
+        self.shared_experts = None
+        if moe.shared_experts:
+            import dataclasses
+            width = moe.shared_experts * config.expert_ffn_hidden_size
+            shared = dataclasses.replace(config, ffn_hidden_size=width, dropout=0.0)  # dropout once, below
+            self.shared_experts = LlamaMLP(shared, tp_group, generator, residual_dropout_rng)
+        self.dropout = nn.Dropout(config.dropout)
+        self.residual_dropout_rng = residual_dropout_rng
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T_local, h = x.shape
+        logits = self.router(x.reshape(-1, h))  # (B*T_local, E): this rank's tokens (its SP chunk)
+        weights, experts, probs = route(logits, self.k, self.router_kind, self.norm_topk_prob)
+        losses = None
+        if torch.is_grad_enabled():  # training (a recomputed forward included), not evaluation
+            losses = router_losses(logits, probs, experts, self.statistics, self.layer_index,
+                                   self.tp_group if self.sequence_parallel else None, self.cp_group)
+        weights = weights.to(x.dtype).view(B, T_local, self.k)
+        experts = experts.view(B, T_local, self.k)
+        if self.sequence_parallel:  # (B, T/t, .) -> (B, T, .): every TP rank runs its expert shards on all tokens
+            tokens = gather_from_sequence_parallel_region(x, self.tp_group)
+            weights = gather_from_sequence_parallel_region(weights, self.tp_group)
+            experts = all_gather_sequence(experts, self.tp_group)
+        else:  # backward: the TP ranks' partial gradients (their expert shards') summed
+            tokens, weights = copy_to_tp_region(x, self.tp_group), copy_to_tp_region(weights, self.tp_group)
+        T = tokens.size(1)
+        y = self._routed(tokens.reshape(-1, h), weights.reshape(-1, self.k), experts.reshape(-1, self.k))
+        y = y.view(B, T, h)  # partial sums over TP: this rank's shards of the experts
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # (B, T/t, h)
+        else:
+            y = reduce_from_tp_region(y, self.tp_group)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        if losses is not None:  # the router losses' gradients join this block's backward here
+            y = add_to_backward(y, losses, self.statistics)
+        with self.residual_dropout_rng():
+            return self.dropout(y)
+
+    def _routed(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """(N, h) tokens, (N, k) weights and experts -> (N, h) = sum_j weights[:, j] * expert_j(token),
+        this TP rank's partial sum. Dropless: every one of the N*k assignments is computed."""
+        N, h = tokens.shape
+        assignment_expert = experts.reshape(-1)  # (N*k,): token-major, slot-minor
+        by_expert = torch.argsort(assignment_expert, stable=True)  # assignments grouped by expert, in token order
+        counts = torch.bincount(assignment_expert, minlength=self.num_experts)  # (E,)
+        # expand's backward sums a token's k copies in a fixed order; the index is a permutation
+        routed = tokens.unsqueeze(1).expand(N, self.k, h).reshape(N * self.k, h)[by_expert]  # (N*k, h)
+        out = self._through_experts(routed, counts)  # (N*k, h), by expert
+        per_assignment = out[torch.argsort(by_expert)].view(N, self.k, h)  # token-major again
+        return (per_assignment * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _through_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """(N*k, h) rows sorted by expert, (E,) rows per expert -> their experts' outputs, same order.
+        Across EP: counts first, then the rows to their experts' ranks, the outputs back."""
+        if self.ep_group is None:
+            return self.experts(routed, counts.tolist())
+        send = counts.view(self.ep_size, self.local_experts)  # row j: for EP rank j's experts
+        received = exchange_counts(send, self.ep_group)  # row i: from EP rank i, per local expert
+        send_rows, received_rows = send.sum(1).tolist(), received.sum(1).tolist()
+        rows = all_to_all_tokens(routed, received_rows, send_rows, self.ep_group)  # source-major, then expert
+        # Regroup by local expert (source order within): each expert's rows consecutive.
+        row_expert = torch.arange(self.local_experts, device=rows.device).repeat(self.ep_size)
+        by_expert = torch.argsort(row_expert.repeat_interleave(received.reshape(-1)), stable=True)
+        out = self.experts(rows[by_expert], received.sum(0).tolist())
+        out = out[torch.argsort(by_expert)]  # source-major again
+        return all_to_all_tokens(out, send_rows, received_rows, self.ep_group)

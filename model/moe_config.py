@@ -1,0 +1,100 @@
+"""The mixture-of-experts section of a model, `model.moe` (docs/architectures.md, "Mixture of
+experts"): which blocks replace their MLP by E expert MLPs, how a router picks k of them per
+token, and the auxiliary losses that keep the load balanced. num_experts = 0 is a dense model.
+
+No torch here: the planner and the recipe loader read it without starting torch.
+"""
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+ROUTERS = ("softmax_topk", "topk_softmax")
+MOE_SWITCHES = ("router", "norm_topk_prob")
+"""The switches of this section an `arch` preset fills when the recipe leaves them null."""
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    num_experts: int = 0
+    """Routed experts E per MoE block; 0: every block has the dense MLP (no MoE)."""
+    experts_per_token: int = 2
+    """k: the experts each token is sent to (Mixtral 2, Qwen3-30B-A3B and OLMoE 8)."""
+    expert_ffn_hidden_size: Optional[int] = None
+    """Width of each expert's SwiGLU MLP; null is model.ffn_hidden_size."""
+    shared_experts: int = 0
+    """Always-on experts every token also passes through (DeepSeek-MoE's shared experts): one SwiGLU
+    MLP of width shared_experts * expert_ffn_hidden_size, added to the routed experts' output."""
+    router: Optional[str] = None
+    """softmax_topk: softmax over all E logits, then the k largest probabilities (Qwen3-MoE, OLMoE;
+    renormalised to sum to 1 with norm_topk_prob, which is also Mixtral's transformers code);
+    topk_softmax: the k largest logits, then a softmax over those k (Mixtral's reference code: the
+    same weights as softmax_topk with norm_topk_prob, up to rounding). null: the arch preset's."""
+    norm_topk_prob: Optional[bool] = None
+    """softmax_topk: divide the k chosen probabilities by their sum (Mixtral, Qwen3-30B-A3B: true;
+    OLMoE: false). null: the arch preset's."""
+    moe_every: int = 1
+    """Block i (from 0) is an MoE block when (i + 1) % moe_every == 0 (Qwen3-MoE's
+    decoder_sparse_step): 1 makes every block MoE, 2 every second one; the others keep the dense MLP."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformer, Fedus et al. 2022, eq. 4, in transformers'
+    normalisation: E * sum_e f_e * P_e, f_e the share of the k assignments per token that go to expert e,
+    so a balanced router scores k), averaged over the MoE blocks. Mixtral 0.02, OLMoE 0.01, Qwen3 0.001."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5: the mean squared logsumexp of the
+    router logits), averaged over the MoE blocks; 0 disables (OLMoE trained with 0.001)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_block(self, layer_index: int) -> bool:
+        return self.enabled and (layer_index + 1) % self.moe_every == 0
+
+    def validate(self, ffn_hidden_size: Optional[int]) -> None:
+        """Raise ValueError naming the field, its value and the fix (layout rules, ep: launch/config/layout.py)."""
+        if self.num_experts < 0:
+            raise ValueError(f"model.moe.num_experts={self.num_experts} must be >= 0 (0: a dense model)")
+        if not self.enabled:
+            return
+        E, k = self.num_experts, self.experts_per_token
+        if not 1 <= k <= E:
+            raise ValueError(f"model.moe.experts_per_token={k} must be in [1, model.moe.num_experts={E}]: each token "
+                             f"goes to k of the E experts; lower experts_per_token or add experts")
+        width = self.expert_ffn_hidden_size if self.expert_ffn_hidden_size is not None else ffn_hidden_size
+        if width is None or width < 1:
+            raise ValueError(f"model.moe.expert_ffn_hidden_size={self.expert_ffn_hidden_size} must be >= 1 "
+                             f"(null takes model.ffn_hidden_size)")
+        if self.shared_experts < 0 or self.moe_every < 1:
+            raise ValueError(f"model.moe.shared_experts={self.shared_experts} must be >= 0 and "
+                             f"model.moe.moe_every={self.moe_every} >= 1")
+        if self.router not in ROUTERS:
+            raise ValueError(f"model.moe.router={self.router!r} is not one of {', '.join(ROUTERS)}")
+        if self.router == "topk_softmax" and self.norm_topk_prob is False:
+            raise ValueError("model.moe.router=topk_softmax with model.moe.norm_topk_prob=false: a softmax over "
+                             "the k chosen logits always sums to 1; use router=softmax_topk for unnormalised weights")
+        if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
+            raise ValueError(f"model.moe.aux_loss_coef={self.aux_loss_coef} and model.moe.z_loss_coef="
+                             f"{self.z_loss_coef} must be >= 0")
+
+    def expert_width(self, ffn_hidden_size: int) -> int:
+        """Each expert's MLP width: expert_ffn_hidden_size, or the model's ffn_hidden_size when null."""
+        return self.expert_ffn_hidden_size if self.expert_ffn_hidden_size is not None else ffn_hidden_size
+
+
+def moe_from(value: Any) -> MoEConfig:
+    """A MoEConfig from a recipe's or a checkpoint's mapping (or an instance, kept)."""
+    if isinstance(value, MoEConfig):
+        return value
+    if value is None:
+        return MoEConfig()
+    if not isinstance(value, dict):
+        raise ValueError(f"model.moe={value!r} must be a mapping (num_experts, experts_per_token, ...)")
+    unknown = sorted(set(value) - set(MoEConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"unknown recipe key model.moe.{unknown[0]}; known keys: "
+                         f"{', '.join('model.moe.' + k for k in MoEConfig.__dataclass_fields__)}")
+    return MoEConfig(**value)
+
+
+def moe_preset(values: Dict[str, Any]) -> Dict[str, Any]:
+    """The MOE_SWITCHES values of an arch preset's `values` (preset_values in model/config.py)."""
+    return {key: values[key] for key in MOE_SWITCHES}
