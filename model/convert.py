@@ -7,6 +7,10 @@ any layout (split full weights for this rank). No DeepSpeed engine, no files, no
 A dense state dict here is keyed by our dense GPT's names (`embed.wte.weight`, `pos.wpe`,
 `blocks.3.attn.c_attn.weight`, `ln_f.bias`) and holds the *real* vocabulary only: padding rows
 depend on tp and `vocab_pad_multiple`, so they are stripped on merge and re-added on split.
+
+Expert weights of a mixture-of-experts block (model/moe.py: `blocks.3.mlp.experts.gate_up_proj`,
+(E, 2f, h), and `...down_proj`, (E, h, f), dense) are split over EP along dim 0, whole experts per
+rank (`split_experts`, `merge_experts`), and each expert over TP like the dense MLP's weights.
 """
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -28,6 +32,8 @@ class Rule:
     """How one parameter is laid out across the TP ranks (Megatron's partition_dim/_stride)."""
     dim: Optional[int]  # the split dimension; None: replicated on every TP rank
     stride: int = 1     # equal blocks split separately (3 for GPT-2's fused [Q; K; V])
+    experts: bool = False  # dim 0 holds the experts, split over EP (E/ep whole experts per rank)
+    projection_norm: bool = False  # a q/k norm weight: split like its projection under qk_norm=projection only
     vocab: bool = False  # rows >= vocab_size are padding: stripped on merge, zeros on split
     # Blocks of these rows, each split separately (Llama's fused [Q; K; V] and [G; U]): they
     # depend on the model's shape, so merge and split need its config.
@@ -63,13 +69,25 @@ RULES: Dict[str, Rule] = {
     **{f"mlp.up_proj.{kind}": Rule(0) for kind in ("weight", "bias")},  # the GELU MLP's, unfused
     "attn.o_proj.weight": Rule(1),
     "mlp.down_proj.weight": Rule(1),
+    # Mixture of experts (model/moe.py): each expert's [G; U] rows and down columns, as the dense MLP's
+    # (the shared experts are a dense MLP: the two rules above; the router is replicated).
+    "mlp.experts.gate_up_proj": Rule(1, experts=True, sections=lambda m: gate_up_sections(m, m.expert_ffn_hidden_size)),
+    "mlp.experts.down_proj": Rule(2, experts=True),
+    "mlp.shared_experts.gate_up_proj.weight": Rule(0, sections=lambda m: gate_up_sections(
+        m, m.moe.shared_experts * m.expert_ffn_hidden_size)),
+    "mlp.shared_experts.down_proj.weight": Rule(1),
+    # q/k RMSNorm over the whole projection (OLMoE): split like the projection's rows; per head: replicated.
+    **{f"attn.{norm}.weight": Rule(0, projection_norm=True) for norm in ("q_norm", "k_norm")},
 }
 
 
-def rule_for(name: str) -> Rule:
-    """The rule of a dense, pipeline or layer-file parameter name (matched by suffix)."""
+def rule_for(name: str, config: Optional[ModelConfig] = None) -> Rule:
+    """The rule of a dense, pipeline or layer-file parameter name (matched by suffix); `config`
+    tells a q/k norm over the whole projection (split) from one per head (replicated)."""
     for suffix, rule in RULES.items():
         if name == suffix or name.endswith("." + suffix):
+            if rule.projection_norm and (config is None or config.qk_norm != "projection"):
+                return REPLICATED
             return rule
     return REPLICATED
 
@@ -91,13 +109,14 @@ def merge_rows(shards: List[torch.Tensor], stride: int = 1, sections: Optional[S
 def merge(name: str, shards: List[torch.Tensor], vocab_size: int, config: Optional[ModelConfig] = None) -> torch.Tensor:
     """The full tensor of parameter `name` from its shards in TP-rank order, padding stripped;
     `config` (the model's shape) is needed by the fused Llama projections only."""
-    rule = rule_for(name)
+    rule = rule_for(name, config)
     if rule.dim is None:
         # Replicated parameters see identical inputs and all-reduced gradients on every TP
         # rank, so every shard holds the same values; rank 0's is the one DeepSpeed reloads too.
         return shards[0].clone()
-    if rule.dim == 1:
-        return merge_rows([s.t() for s in shards], rule.stride).t().contiguous()
+    if rule.dim > 0:  # columns of a matrix, or an expert's rows or columns: split dim brought first
+        moved = [s.movedim(rule.dim, 0) for s in shards]
+        return merge_rows(moved, rule.stride, rule.blocks(name, config)).movedim(0, rule.dim).contiguous()
     full = merge_rows(shards, rule.stride, rule.blocks(name, config))
     return full[:vocab_size].clone() if rule.vocab else full
 
@@ -108,14 +127,26 @@ def split(name: str, full: torch.Tensor, tp_rank: int, tp_size: int, padded_voca
     `tp_size`; a vocab-split tensor is first padded with zero rows to `padded_vocab_size`
     (the padding of this layout, `GPTConfig.padded_vocab_size(tp_size)`), as at init.
     `config` (the model's shape) is needed by the fused Llama projections only."""
-    rule = rule_for(name)
+    rule = rule_for(name, config)
     if rule.dim is None:
         return full.clone()
     if rule.vocab:
         full = torch.cat([full, full.new_zeros(padded_vocab_size - full.size(0), *full.shape[1:])])
-    if rule.dim == 1:
-        return split_rows(full.t(), tp_rank, tp_size, rule.stride).t().contiguous()
+    if rule.dim > 0:
+        moved = split_rows(full.movedim(rule.dim, 0), tp_rank, tp_size, rule.stride, rule.blocks(name, config))
+        return moved.movedim(0, rule.dim).contiguous()
     return split_rows(full, tp_rank, tp_size, rule.stride, rule.blocks(name, config))
+
+
+def split_experts(name: str, full: torch.Tensor, ep_rank: int, ep_size: int) -> torch.Tensor:
+    """EP rank `ep_rank`'s experts of parameter `name` (dim 0: experts [r E/ep, (r+1) E/ep)); any
+    other parameter whole."""
+    return full.chunk(ep_size, dim=0)[ep_rank].clone() if rule_for(name).experts else full
+
+
+def merge_experts(name: str, per_ep_rank: List[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `split_experts`: the EP ranks' experts of `name`, in EP-rank order -> all E."""
+    return torch.cat(per_ep_rank, dim=0) if rule_for(name).experts else per_ep_rank[0]
 
 
 # ------------------------------------------------------------------ pipeline <-> dense names

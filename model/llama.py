@@ -34,9 +34,11 @@ def qkv_sections(config) -> Tuple[int, int, int]:
     return config.n_head * config.head_dim, config.n_kv_head * config.head_dim, config.n_kv_head * config.head_dim
 
 
-def gate_up_sections(config) -> Tuple[int, int]:
-    """Rows of the gate and up parts of the fused gate_up_proj weight."""
-    return config.ffn_hidden_size, config.ffn_hidden_size
+def gate_up_sections(config, width: Optional[int] = None) -> Tuple[int, int]:
+    """Rows of the gate and up parts of the fused gate_up_proj weight (of an MLP `width` wide, else
+    the model's ffn_hidden_size: experts and shared experts have their own width)."""
+    width = config.ffn_hidden_size if width is None else width
+    return width, width
 
 
 class _ScaleGrad(torch.autograd.Function):
