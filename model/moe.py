@@ -19,6 +19,7 @@ Exactness: routing ties go to the lower expert index (a stable sort), every gath
 a permutation or an expand (deterministic backward), and the k outputs of a token are summed in
 slot order, so every layout computes the same sums up to the rounding of its matmuls.
 """
+import dataclasses
 import math
 from typing import Callable, ContextManager, List, Optional, Tuple
 
@@ -28,6 +29,7 @@ from torch.nn import functional
 
 from model.config import GPTConfig
 from model.layers import group_rank, group_size, mark_sequence_parallel, split_rows
+from model.llama import LlamaMLP
 from model.mappings import (Group, all_gather_sequence, all_to_all_tokens, copy_to_tp_region, exchange_counts,
                             gather_from_sequence_parallel_region, reduce_from_tp_region,
                             reduce_scatter_to_sequence_parallel_region)
@@ -170,7 +172,6 @@ class MoEMLP(nn.Module):
                  residual_dropout_rng: Callable[[], ContextManager], *, ep_group: Group = None,
                  cp_group: Group = None, statistics: Optional[MoEStatistics] = None):
         super().__init__()
-        from model.llama import LlamaMLP  # model/llama.py builds the shared experts; gpt.py imports both
         moe = config.moe
         self.layer_index = layer_index
         self.num_experts, self.k = moe.num_experts, moe.experts_per_token
@@ -187,7 +188,6 @@ class MoEMLP(nn.Module):
                                   self.local_experts, self.ep_size)
         self.shared_experts = None
         if moe.shared_experts:
-            import dataclasses
             width = moe.shared_experts * config.expert_ffn_hidden_size
             shared = dataclasses.replace(config, ffn_hidden_size=width, dropout=0.0)  # dropout once, below
             self.shared_experts = LlamaMLP(shared, tp_group, generator, residual_dropout_rng)

@@ -6,7 +6,7 @@ import pytest
 
 import launcher
 from forked import stop_rank_server
-from launcher import LLAMA_TINY, TINY, launch_forked, read_metrics, refuse_in_fast_tier
+from launcher import LLAMA_TINY, MOE_TINY, TINY, launch_forked, read_metrics, refuse_in_fast_tier
 
 # The layouts of the acceptance test (docs/design.md, The acceptance test): every one trains the same model.
 REFERENCE = (1, 1, 1)
@@ -42,6 +42,11 @@ def context_parallel_size(layout) -> int:
     return next((int(tag[2:]) for tag in layout[3:] if tag.startswith("cp") and tag[2:].isdigit()), 1)
 
 
+def expert_parallel_size(layout) -> int:
+    """N of an "ep<N>" tag, else 1."""
+    return next((int(tag[2:]) for tag in layout[3:] if tag.startswith("ep") and tag[2:].isdigit()), 1)
+
+
 def run_precision(layout) -> str:
     return next((tag for tag in layout[3:] if tag in PRECISIONS), "fp32")
 
@@ -64,7 +69,7 @@ class ParityRuns:
     saves a checkpoint after step SAVE_AT. runs[layout] = {metrics, dir (checkpoints under
     dir/ck), stdout, stderr}. (1,1,2) also writes a wandb offline run. Tags after (tp, pp, dp): "sp"
     (sequence parallelism), a precision of PRECISIONS (fp32 without one), "llama" (recipes/llama-tiny.yaml
-    instead of recipes/tiny.yaml), "docmask" (data.document_mask), "cp<N>" (--cp N: N times the ranks), "zb-h1" (train.schedule), a mode of RECOMPUTE_MODES (train.recompute: the
+    instead of recipes/tiny.yaml), "moe" (recipes/moe-tiny.yaml), "docmask" (data.document_mask), "cp<N>" (--cp N: N times the ranks), "ep<N>" (--ep N), "zb-h1" (train.schedule), a mode of RECOMPUTE_MODES (train.recompute: the
     same losses, other code paths), "compile" (train.compile: each block compiled)."""
 
     def __init__(self, tmp_path_factory):
@@ -84,9 +89,9 @@ class ParityRuns:
                          for arg in ("--set", f"train.recompute={tag}")]
             precision = run_precision(layout)
             wandb = ["--wandb", "offline"] if layout == (1, 1, 2) else []
-            recipe = LLAMA_TINY if "llama" in layout else TINY
-            cp = context_parallel_size(layout)
-            context = ["--cp", str(cp)] if cp > 1 else []
+            recipe = LLAMA_TINY if "llama" in layout else MOE_TINY if "moe" in layout else TINY
+            cp, ep = context_parallel_size(layout), expert_parallel_size(layout)
+            context = (["--cp", str(cp)] if cp > 1 else []) + (["--ep", str(ep)] if ep > 1 else [])
             proc = launch_forked(tp * cp * pp * dp, ["--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
                                          "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
                                          "--save", str(tmp / "ck"), "--save-every", str(SAVE_AT)]

@@ -13,6 +13,7 @@ from launch.runtime.distributed import free_port, launcher_command
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "recipes" / "tiny.yaml"
 LLAMA_TINY = REPO / "recipes" / "llama-tiny.yaml"
+MOE_TINY = REPO / "recipes" / "moe-tiny.yaml"
 # The fast tier's rule (docs/testing.md, The fast tier): a fast test starts no run of its own.
 # conftest.py sets this to the fast test running now (None during a slow one).
 fast_test: Optional[str] = None

@@ -163,6 +163,10 @@ def check_tensor_split(model: ModelConfig, tp: int) -> None:
         raise ConfigError(f"model.n_kv_head={kv} with --tp {tp}: tp must divide n_kv_head (each rank holds its "
                           f"own key/value heads) or n_kv_head must divide tp (tp/n_kv_head ranks share one); "
                           f"choose --tp among the divisors or multiples of {kv}")
+    if full.qk_norm == "projection" and kv % tp:
+        raise ConfigError(f"model.qk_norm=projection with model.n_kv_head={kv} and --tp {tp}: the key norm over the "
+                          f"whole projection needs whole key/value heads on every TP rank; choose --tp among the "
+                          f"divisors of {kv}")
     if tp > kv and full.head_dim % (tp // kv):
         raise ConfigError(f"model.n_kv_head={kv} with --tp {tp}: the {tp // kv} ranks sharing a key/value head "
                           f"each hold 1/{tp // kv} of its {full.head_dim} rows, which does not divide; choose a "

@@ -107,5 +107,5 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
         attach_main_grads(engine.optimizer)
     if zero_bubble:
         use_zero_bubble_schedule(engine)
-    grad_norm = Zero0GradNorm(engine, state.tp_rank, train_cfg.grad_clip) if own_norm else None
+    grad_norm = Zero0GradNorm(engine, state.tp_rank, train_cfg.grad_clip, state.ep_group) if own_norm else None
     return engine, grad_norm

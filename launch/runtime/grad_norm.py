@@ -9,7 +9,9 @@ the norm with ZeRO-1's counting rule and clips with it:
 - a TP-sharded parameter (`tensor_model_parallel`) counts on every TP rank (each holds a shard);
 - a replicated one counts on TP rank 0 of each stage only;
 - a pipeline-replicated copy (`ds_pipe_replicated`: the tied embedding's second stage) not at all;
-then the squares are summed over the model-parallel group (every TP rank of every stage).
+then the squares are summed over the model-parallel group (every TP rank of every stage). An expert
+parameter of a mixture of experts (model/moe.py) holds different experts on the ranks of its
+expert-parallel group: its squares are summed over that group too, so each expert counts once.
 """
 from __future__ import annotations
 
@@ -29,10 +31,11 @@ def uses_own_grad_norm(zero_stage: int, precision: str) -> bool:
 
 
 class Zero0GradNorm:
-    """Install with `Zero0GradNorm(engine, tp_rank, grad_clip)`; `value` is the last step's norm."""
+    """Install with `Zero0GradNorm(engine, tp_rank, grad_clip, ep_group)`; `value` is the last step's norm."""
 
-    def __init__(self, engine: PipelineEngine, tp_rank: int, grad_clip: float):
+    def __init__(self, engine: PipelineEngine, tp_rank: int, grad_clip: float, ep_group=None):
         self.module, self.mpu, self.tp_rank, self.grad_clip = engine.module, engine.mpu, tp_rank, grad_clip
+        self.ep_group = ep_group
         self.value: Optional[float] = None
         engine.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._before_step())
 
@@ -42,13 +45,19 @@ class Zero0GradNorm:
         return getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0
 
     def _before_step(self) -> None:
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        counted = [p.grad for p in self.module.parameters() if p.grad is not None and self._counted_here(p)]
-        squares = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-        for g in counted:
-            squares += g.detach().float().pow(2).sum()
+        from model.moe import is_expert_param
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        squares = torch.zeros(2, dtype=torch.float32, device=grads[0].device if grads else "cpu")  # dense, experts
+        for p in params:
+            if self._counted_here(p):
+                squares[int(is_expert_param(p))] += p.grad.detach().float().pow(2).sum()
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.mpu.get_model_parallel_group())
-        norm = math.sqrt(squares.item())
+        dense, experts = squares.unbind()
+        if self.ep_group is not None:
+            experts = experts.clone().reshape(1)
+            dist.all_reduce(experts, op=dist.ReduceOp.SUM, group=self.ep_group)
+        norm = math.sqrt((dense + experts.sum()).item())
         self.value = norm
         if self.grad_clip > 0:
             coef = self.grad_clip / (norm + 1e-6)  # torch's and DeepSpeed's clip_grad_norm_ rule

@@ -1,0 +1,53 @@
+"""Layout parity for the mixture of experts (issue 26; docs/design.md contract 18): recipes/moe-tiny.yaml
+(every block MoE: 8 experts, 2 per token, one shared expert, Qwen3's q/k norm; clipping active) gives
+the same losses, gradient norms, validation losses and router losses (load-balancing and z-loss),
+fp32, relative difference <= 1e-5 per step, at (tp, pp, dp, ep) = (1,1,2,2), (2,2,2,2), (1,2,4,4),
+(1,2,2,2) and, with sequence parallelism, (2,1,4,2), as at (1,1,1); the expert load of every block
+(assignments per expert per step) is the same integer count; and ZB-H1, whose W passes defer the
+experts' weight gradients too, is 1F1B to the bit at (1,2,2,2). The runs are the session's parity
+runs (conftest.py: parity_runs, tags "moe" and "ep<N>")."""
+import pytest
+
+from conftest import STEPS
+
+RTOL = 1e-5
+REFERENCE = (1, 1, 1, "moe")
+LAYOUTS = [(1, 1, 2, "moe", "ep2"), (2, 2, 2, "moe", "ep2"), (1, 2, 4, "moe", "ep4"), (1, 2, 2, "moe", "ep2"),
+           (2, 1, 4, "moe", "sp", "ep2")]
+KEYS = ("loss", "grad_norm", "val_loss", "aux_loss", "z_loss")
+
+
+def _id(layout) -> str:
+    return "-".join(map(str, layout))
+
+
+@pytest.mark.slow
+def test_moe_reference_learns_with_clipping_and_balances(parity_runs):
+    ref = parity_runs[REFERENCE]["metrics"]
+    assert len(ref) == STEPS and ref[-1]["loss"] < ref[0]["loss"] - 0.05, [m["loss"] for m in ref]
+    assert sum(m["grad_norm"] > 0.5 for m in ref) >= 3  # clipping acts
+    for m in ref:  # 2 assignments per token over 8 experts: a balanced router scores k = 2
+        assert 1.9 < m["aux_loss"] < 2.5 and m["z_loss"] > 0, m
+        assert set(m["expert_load"]) == {"0", "1", "2", "3"}
+        assert all(sum(load) == 16 * 32 * 2 for load in m["expert_load"].values())  # every assignment, once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_id)
+def test_moe_layout_matches_single_process(parity_runs, layout):
+    ref, got = parity_runs[REFERENCE]["metrics"], parity_runs[layout]["metrics"]
+    assert len(got) == len(ref) == STEPS
+    for r, g in zip(ref, got):
+        for key in KEYS:
+            assert (key in g) == (key in r), (layout, r["step"], key)
+            if key in r:
+                assert abs(g[key] - r[key]) <= RTOL * abs(r[key]), (layout, r["step"], key, g[key], r[key])
+        assert g["expert_load"] == r["expert_load"], (layout, r["step"])
+
+
+@pytest.mark.slow
+def test_moe_zero_bubble_is_bitwise_1f1b(parity_runs):
+    zb, one_f_one_b = parity_runs[(1, 2, 2, "moe", "ep2", "zb-h1")], parity_runs[(1, 2, 2, "moe", "ep2")]
+    assert "schedule zb-h1" in zb["stdout"]
+    assert [(m["loss"], m["grad_norm"], m["aux_loss"], m.get("val_loss")) for m in zb["metrics"]] == \
+        [(m["loss"], m["grad_norm"], m["aux_loss"], m.get("val_loss")) for m in one_f_one_b["metrics"]]
