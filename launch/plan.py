@@ -4,7 +4,8 @@
       --gpus 128 --tp 4 --pp 4 --micro-batch 8 --global-batch 256 --gpu-memory 80
   python launch/plan.py --recipe recipes/demo.yaml --gpus 8 --tp 2 --pp 2
   python launch/plan.py --recipe recipes/llama3.2-1b-32k.yaml --gpus 8 --cp 4 --tp 2   # context parallel
-  python launch/plan.py ... --search          # every valid layout, fastest first
+  python launch/plan.py --recipe recipes/mixtral-8x7b.yaml --gpus 64 --tp 4 --pp 2 --ep 8   # experts over 8 ranks
+  python launch/plan.py ... --search          # every valid layout (and ep), fastest first
   python launch/plan.py ... --plot plan.png   # device grid + 1F1B schedule
   python launch/plan.py ... --partition blocks  # stages cut by block count (default: balanced)
   python launch/plan.py ... --schedule zb-h1 --plot zb.png  # the zero-bubble schedule, drawn
@@ -45,6 +46,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     lay.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     lay.add_argument("--cp", type=int, help="context-parallel degree: each rank holds seq/cp tokens of every "
                                             "sequence (default: the recipe's train.cp, else 1)")
+    lay.add_argument("--ep", type=int, help="expert-parallel degree: each MoE block's experts split over ep ranks of "
+                                            "the dp x cp data axis (default: the recipe's train.ep, else 1)")
     lay.add_argument("--micro-batch", type=int, help="samples per micro-batch per replica (default: recipe's, else 1)")
     lay.add_argument("--global-batch", type=int, help="samples per step (default: recipe's, else 1536 as GPT-3)")
     lay.add_argument("--zero", type=int, choices=[0, 1], help="ZeRO stage (default: recipe's, else 1)")
@@ -72,7 +75,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     hw.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak reached (default 0.5)")
     out = p.add_argument_group("output")
     out.add_argument("--search", action="store_true",
-                     help="rank every valid layout for --gpus (ignores --tp, --cp, --pp, --micro-batch)")
+                     help="rank every valid layout for --gpus (ignores --tp, --cp, --pp, --ep, --micro-batch)")
     out.add_argument("--top", type=int, default=10, help="layouts --search shows (default 10)")
     out.add_argument("--json", action="store_true", help="one JSON object instead of text")
     out.add_argument("--plot", type=Path, metavar="FILE.png", help="draw the device grid and 1F1B schedule")

@@ -2,7 +2,8 @@
 step, with its calls, elements and bytes, as launch/instruments/comm_counter.py measures it, so a
 measurement can be checked to the byte. Any ModelConfig the repository builds (parameter counts
 from launch/analysis/formulas.py), with or without sequence parallelism, at any context-parallel
-degree (the Ulysses all-to-alls, Jacobs et al. 2023 [J23], issue 25).
+degree (the Ulysses all-to-alls, Jacobs et al. 2023 [J23], issue 25), with experts at any expert-parallel
+degree (the token all-to-alls of model/moe.py, issue 26: launch/analysis/experts.py).
 
 Payload = what this rank hands to the call (all-gather: its own shard). Each term beyond the
 leading ones of docs/design.md (Formulas), and what is not counted: docs/planner-and-metrics.md,
@@ -10,7 +11,7 @@ Communication counts.
 """
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from launch.analysis import formulas
+from launch.analysis import experts, formulas
 from launch.analysis.partition import blocks_per_stage, stage_partition
 from launch.analysis.memory_formulas import cp_kv_heads_per_rank
 from launch.config.layout import Layout
@@ -57,10 +58,11 @@ def zero1_gather_elements(group_params: int, dp: int) -> int:
 
 def sequence_parallel_params(config: ModelConfig, blocks: int, first: bool, last: bool) -> Tuple[int, int]:
     """(parameters, elements) of a stage's replicated parameters that see one sequence chunk under
-    SP: per block the norms' weights (and LayerNorm biases) and the row-parallel biases, ln_f on
+    SP: per block the norms' weights (and LayerNorm biases, Qwen3's q/k norms) and the row-parallel biases, ln_f on
     the last stage, learned positions on the first; each is all-reduced once per step."""
     per_norm = 2 if config.norm == "layernorm" else 1
-    calls = blocks * (2 * per_norm + (2 if config.bias else 0)) + (per_norm if last else 0)
+    qk_norms = 2 if config.qk_norm == "head" else 0  # Qwen3's q/k norm weights, replicated (model/llama.py)
+    calls = blocks * (2 * per_norm + (2 if config.bias else 0) + qk_norms) + (per_norm if last else 0)
     elements = blocks * formulas.block_vector_params(config)[1] + (formulas.norm_params(config) if last else 0)
     if first and config.position == "learned":
         calls, elements = calls + 1, elements + config.seq_len * config.n_embd
@@ -122,6 +124,12 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
     # The run's stage boundaries (launch/analysis/partition.py: with_stage_boundaries), else DeepSpeed's type:Block.
     cut = list(layout.parts) or stage_partition(config, p, "blocks")
     blocks = _blocks(config, p, cut)[stage]
+    moe_blocks = len(experts.moe_block_indices(config, experts.stage_block_indices(config, cut, stage)))
+    # An MoE block's MLP (model/moe.py) reduces once after the combine, as a dense MLP's row-parallel
+    # linear; its shared experts' MLP adds a dense MLP's collectives; its combine weights (b, s, k)
+    # cross TP as the tokens do (copied in, their partial gradients summed).
+    shared = moe_blocks if config.moe.enabled and config.moe.shared_experts else 0
+    weights = b * s * config.moe.experts_per_token  # one (b, s, k) tensor of combine weights
     activation = b * s * h  # one (b, s, h) stage tensor
     out: Dict[Key, Volume] = {}
 
@@ -131,21 +139,31 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
 
     sp = config.sequence_parallel and t > 1
     if sp:
-        gathers = m * (6 * blocks + first + last)
-        scatters = m * (4 * blocks + first + last)
-        add("sp-gather", "tp", "all_gather_single", gathers, gathers * activation // t,
-            gathers * activation // t * element_bytes)
-        add("sp-scatter", "tp", "reduce_scatter_single", scatters, scatters * activation,
-            scatters * activation * element_bytes)
+        # A dense MLP gathers 3 times and scatters twice; an MoE MLP gathers its tokens and its output's
+        # gradient, scatters the reverse, and gathers its combine weights (scattering their gradient)
+        # and its chosen experts (int64, no gradient): the shared experts add a dense MLP's.
+        gathers = m * (6 * blocks - moe_blocks + 3 * shared + first + last)
+        scatters = m * (4 * blocks + 2 * shared + first + last)
+        routing = m * moe_blocks * weights // t  # each rank's chunk of the (b, s, k) weights or experts
+        add("sp-gather", "tp", "all_gather_single", gathers + 2 * m * moe_blocks,
+            gathers * activation // t + 2 * routing,
+            (gathers * activation // t + routing) * element_bytes + routing * experts.INDEX_BYTES)
+        add("sp-scatter", "tp", "reduce_scatter_single", scatters + m * moe_blocks,
+            scatters * activation + m * moe_blocks * weights,
+            (scatters * activation + m * moe_blocks * weights) * element_bytes)
         if last:
             add("tp-loss", "tp", "all_reduce", 3 * m, 3 * m * b * s, 3 * m * b * s * LOSS_BYTES)
         calls, elements = sequence_parallel_params(config, blocks, first, last)
+        # The router (E x h) of each MoE block sees this rank's chunk too.
+        calls, elements = calls + moe_blocks, elements + moe_blocks * experts.router_params(config)
         add("tied-grads", "tp", "all_reduce", calls, elements, elements * element_bytes)
     elif t > 1:
-        forward = m * (2 * blocks + first)  # the attention's and MLP's row-parallel outputs per block; the embedding
-        backward = m * (2 * blocks + last)  # their column-parallel inputs' grads per block; the head's input grad
+        forward = m * (2 * blocks + shared + first)  # row-parallel outputs per block (+ shared experts'); the embedding
+        backward = m * (2 * blocks + shared + last)  # column-parallel inputs' grads per block; the head's input grad
+        routing = m * moe_blocks  # the combine weights' gradient, (b, s, k), per MoE block
         add("tp-forward", "tp", "all_reduce", forward, forward * activation, forward * activation * element_bytes)
-        add("tp-backward", "tp", "all_reduce", backward, backward * activation, backward * activation * element_bytes)
+        add("tp-backward", "tp", "all_reduce", backward + routing, backward * activation + routing * weights,
+            (backward * activation + routing * weights) * element_bytes)
         if last:
             add("tp-loss", "tp", "all_reduce", 3 * m, 3 * m * b * s, 3 * m * b * s * LOSS_BYTES)
     if t > 1:
@@ -181,11 +199,25 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
             wte = formulas.embedding_params_per_rank(config.vocab_size, h, t, config.vocab_pad_multiple)
             add("tied-grads", "pp", "all_reduce", 1, wte, wte * element_bytes)
 
-    local = formulas.model_stage_params_per_rank(config, t, p, stage, cut)
-    add("dp-grads", "dp" if d > 1 else "self", "all_reduce", 1, local, local * element_bytes)
+    if t > 1 and config.qk_norm == "projection":  # OLMoE's q/k norm: the sum of squares over TP, each way
+        rows = m * blocks * 2 * b * s  # (b, s, 1) fp32 per norm, two norms per block
+        add("tp-qk-norm", "tp", "all_reduce", 2 * m * blocks * 2, 2 * rows, 2 * rows * LOSS_BYTES)
+
+    ep = layout.ep
+    local = formulas.model_stage_params_per_rank(config, t, p, stage, cut, ep)
+    routed = experts.stage_expert_params_per_rank(config, t, ep, cut, stage)  # reduced over dp x cp / ep ranks
+    d_expert = d // ep
+    add("dp-grads", "dp" if d > 1 else "self", "all_reduce", 1, local - routed, (local - routed) * element_bytes)
+    if routed:  # the experts' gradients: a reduction of their own (merged with the other where both span the same role)
+        key = ("dp-grads", "dp" if d_expert > 1 else "self", "all_reduce")
+        calls, elements, nbytes = out.get(key, (0, 0, 0))
+        out[key] = (calls + 1, elements + routed, nbytes + routed * element_bytes)
     if d > 1:
         vectors = stage_vector_params_per_rank(config, t, p, stage, cut)
-        groups = [zero1_gather_elements(n, d) for n in (local - vectors, vectors) if n]
+        groups = [zero1_gather_elements(n, d) for n in (local - routed - vectors, vectors) if n]
+        if routed and d_expert > 1:
+            groups.append(zero1_gather_elements(routed, d_expert))
         add("dp-params", "dp", "all_gather_into_tensor", len(groups), sum(groups), sum(groups) * element_bytes)
     out.update(cp_comm_per_rank_per_step(config, t, cp, b, m, blocks, element_bytes))
+    out.update(experts.ep_comm_per_rank_per_step(config, ep, cp, b, m, moe_blocks, element_bytes))
     return out

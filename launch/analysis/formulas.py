@@ -12,8 +12,9 @@ Pure functions of the model dimensions and the layout, shared by the planner
 Symbols: l layers, h hidden, a heads, s sequence, V vocabulary, b micro-batch, B global batch,
 t tp, p pp, d dp, m micro-batches per pipeline per step. Bytes assume bf16/fp16 mixed precision.
 """
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from launch.analysis import experts
 from model.config import ModelConfig, padded_vocab_size
 from model.layer_table import pipeline_layers
 
@@ -93,51 +94,78 @@ def stage_params_per_rank(n_layer: int, hidden: int, vocab: int, seq_len: int, t
 # switches, from a resolved ModelConfig (`ModelConfig.resolved()`, vocab_size set). For GPT-2
 # they return exactly what the closed forms do (tests/test_llama_formulas.py).
 
-def block_matmul_params(m: ModelConfig) -> int:
+def block_matmul_params(m: ModelConfig, layer_index: Optional[int] = None, active: bool = False) -> int:
     """Weights of one block's matrices: q and o (h x a*d each), k and v (h x kv*d each), and the
-    MLP's up and down (h x f each) plus gate with SwiGLU. GPT-2: 4h^2 + 8h^2 = 12h^2."""
-    h, attention = m.n_embd, m.n_head * m.head_dim
-    kv = m.n_kv_head * m.head_dim
-    return h * (2 * attention + 2 * kv) + (3 if m.mlp == "swiglu" else 2) * h * m.ffn_hidden_size
+    MLP's up and down (h x f each) plus gate with SwiGLU; in an MoE block (issue 26) the router, the
+    routed experts (all E, or with `active` the k a token uses) and the shared experts instead of
+    the MLP (launch/analysis/experts.py). `layer_index` None: the model's typical block, MoE when
+    it has experts. GPT-2: 4h^2 + 8h^2 = 12h^2."""
+    return experts.attention_matmul_params(m) + experts.mlp_matmul_params(m, layer_index, active)
 
 
 def block_vector_params(m: ModelConfig) -> Tuple[int, int]:
     """(split over TP, replicated) vectors of one block: column-parallel biases (q, k, v, gate,
-    up); row-parallel biases (o, down) and the two norms (2h each for LayerNorm, h for RMSNorm)."""
+    up) and OLMoE's q/k norms over the whole projections (split over TP as their rows); row-parallel
+    biases (o, down), the two norms (2h each for LayerNorm, h for RMSNorm) and Qwen3's per-head q/k
+    norms (d each, shared by the heads)."""
     h, f = m.n_embd, m.ffn_hidden_size
     column = (m.n_head + 2 * m.n_kv_head) * m.head_dim + (2 if m.mlp == "swiglu" else 1) * f if m.bias else 0
     row = 2 * h if m.bias else 0
-    return column, row + 2 * norm_params(m)
+    qk_column = (m.n_head + m.n_kv_head) * m.head_dim if m.qk_norm == "projection" else 0
+    qk_replicated = 2 * m.head_dim if m.qk_norm == "head" else 0
+    return column + qk_column, row + 2 * norm_params(m) + qk_replicated
 
 
 def norm_params(m: ModelConfig) -> int:
     return 2 * m.n_embd if m.norm == "layernorm" else m.n_embd
 
 
-def model_params(m: ModelConfig) -> int:
-    """Every parameter of the model (unpadded vocabulary, a tied head counted once): the token
-    embedding, a separate head, the position table, the blocks and the final norm."""
-    column, replicated = block_vector_params(m)
+def _embedding_and_edge_params(m: ModelConfig) -> int:
+    """The token embedding, a separate head, the position table and the final norm."""
     embeddings = m.vocab_size * m.n_embd * (1 if m.tie_embeddings else 2)
     positions = m.seq_len * m.n_embd if m.position == "learned" else 0
-    return embeddings + positions + m.n_layer * (block_matmul_params(m) + column + replicated) + norm_params(m)
+    return embeddings + positions + norm_params(m)
 
 
-def model_block_params_per_rank(m: ModelConfig, tp: int) -> int:
+def model_params(m: ModelConfig, active: bool = False) -> int:
+    """Every parameter of the model (unpadded vocabulary, a tied head counted once): the token
+    embedding, a separate head, the position table, the blocks and the final norm. With experts
+    (issue 26) every expert counts; `active`: the parameters one token uses, the k routed experts
+    of each MoE block (plus its router and shared experts) instead of all E."""
+    column, replicated = block_vector_params(m)
+    if not m.moe.enabled:  # every block the same
+        return _embedding_and_edge_params(m) + m.n_layer * (block_matmul_params(m) + column + replicated)
+    return _embedding_and_edge_params(m) + sum(block_matmul_params(m, i, active) + column + replicated
+                                               for i in range(m.n_layer))
+
+
+def model_params_active(m: ModelConfig) -> int:
+    """The parameters one token passes through: `model_params` with k routed experts per MoE block."""
+    return model_params(m, active=True)
+
+
+def model_block_params_per_rank(m: ModelConfig, tp: int, layer_index: Optional[int] = None, ep: int = 1) -> int:
     """A block on one TP rank: matrices and column-parallel biases split over t (k and v too
     when tp > n_kv_head: each rank holds its share of a key/value head's rows); row-parallel
-    biases and norms replicated."""
+    biases and norms replicated. An MoE block: the shared experts split over t as a dense MLP, the
+    router replicated, this rank's E/ep experts each split over t."""
     column, replicated = block_vector_params(m)
-    return (block_matmul_params(m) + column) // tp + replicated
+    split, router, local_experts = experts.mlp_params_per_rank(m, layer_index, tp, ep)
+    return (experts.attention_matmul_params(m) + split + column) // tp + replicated + router + local_experts
 
 
-def model_stage_params_per_rank(m: ModelConfig, tp: int, pp: int, stage: int, parts: Sequence[int]) -> int:
-    """`stage_params_per_rank` for any architecture: the stage's layers from the model's table."""
+def model_stage_params_per_rank(m: ModelConfig, tp: int, pp: int, stage: int, parts: Sequence[int],
+                                ep: int = 1) -> int:
+    """`stage_params_per_rank` for any architecture: the stage's layers from the model's table;
+    with experts, each block by its index (MoE or dense) and E/ep experts per rank."""
     assert len(parts) == pp + 1, f"{pp} stages need {pp + 1} boundaries, got {parts}"
     names = layer_kinds(m)
     held = names[parts[stage]:parts[stage + 1]]
     vocab = embedding_params_per_rank(m.vocab_size, m.n_embd, tp, m.vocab_pad_multiple)
-    count = held.count("block") * model_block_params_per_rank(m, tp)
+    if m.moe.enabled:
+        count = sum(model_block_params_per_rank(m, tp, i, ep) for i in experts.stage_block_indices(m, parts, stage))
+    else:
+        count = held.count("block") * model_block_params_per_rank(m, tp)
     count += vocab * (("embed" in held or "head" in held) + ("lm_head" in held))
     count += m.seq_len * m.n_embd if "wpe" in held else 0
     count += norm_params(m) if "ln_f" in held else 0
@@ -148,20 +176,26 @@ def model_flops_per_step_of(m: ModelConfig, global_batch: int, seq_len: int, rec
     """`model_flops_per_step` for any architecture: 2 FLOPs per matrix weight per token (q, k, v,
     o, gate, up, down: GQA and SwiGLU change these counts), 4*s*a*d per token for QK^T and @V
     (all query heads, whatever n_kv_head), 2hV for the head; backward twice the forward. In the
-    closed form's shape, so GPT-2 (block matrices 12h^2) gives its float exactly."""
+    closed form's shape, so GPT-2 (block matrices 12h^2) gives its float exactly. With experts
+    (issue 26) the active weights: each MoE block's router, k routed experts and shared experts."""
     B, s, l, h, V = global_batch, seq_len, m.n_layer, m.n_embd, m.vocab_size
-    blocks = block_matmul_params(m) / (12 * h ** 2)
+    if m.moe.enabled:  # the blocks' mean active matrices (MoE and dense blocks differ when moe_every > 1)
+        blocks = sum(block_matmul_params(m, i, active=True) for i in range(l)) / (l * 12 * h ** 2)
+    else:
+        blocks = block_matmul_params(m) / (12 * h ** 2)
     core = s / (6 * h) * (m.n_head * m.head_dim / h)  # s/(6h) when a*d = h, as in every preset
     if recompute:
         return 96 * B * s * l * h ** 2 * (blocks + core + V / (16 * l * h))
     return 72 * B * s * l * h ** 2 * (blocks + core + V / (12 * l * h))
 
 
-def model_layer_flops_per_microbatch(m: ModelConfig, micro_batch: int, seq_len: int, recompute: bool = False) -> int:
+def model_layer_flops_per_microbatch(m: ModelConfig, micro_batch: int, seq_len: int, recompute: bool = False,
+                                     layer_index: Optional[int] = None) -> int:
     """`layer_flops_per_microbatch` for any architecture: 3 x (2 b s W + 4 b s^2 a d), W the
-    block's matrix weights; 4 x with full recompute. GPT-2: 72bsh^2 + 12bs^2h."""
+    block's matrix weights (an MoE block's active ones: router, k experts, shared experts); 4 x
+    with full recompute. GPT-2: 72bsh^2 + 12bs^2h."""
     b, s = micro_batch, seq_len
-    forward = 2 * b * s * block_matmul_params(m) + 4 * b * s * s * m.n_head * m.head_dim
+    forward = 2 * b * s * block_matmul_params(m, layer_index, active=True) + 4 * b * s * s * m.n_head * m.head_dim
     return (4 if recompute else 3) * forward
 
 

@@ -7,8 +7,9 @@ symbols as in launch/analysis/formulas.py: [K22] Korthikanti et al. 2022, [R20] 
 al. 2020 (ZeRO), [N21] Narayanan et al. 2021, [J23] Jacobs et al. 2023 (DeepSpeed-Ulysses);
 s sequence, b micro-batch, h hidden, a heads, t tp, cp the context-parallel degree.
 """
-from typing import Dict
+from typing import Dict, Optional
 
+from launch.analysis.experts import is_moe_block, moe_mlp_activation_bytes, moe_weight_grad_stash_bytes
 from launch.analysis.formulas import ACTIVATION_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 from model.config import ModelConfig, padded_vocab_size
 
@@ -82,7 +83,8 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
                                      recompute: bool = False, sequence_parallel: bool = False,
                                      selective: bool = False, element_bytes: int = ACTIVATION_BYTES,
                                      mask_bytes: int = 1, layernorm_stat_bytes: int = 0,
-                                     fused_attention: bool = False, cp: int = 1) -> float:
+                                     fused_attention: bool = False, cp: int = 1,
+                                     layer_index: Optional[int] = None, ep: int = 1) -> float:
     """`activation_bytes_per_layer` (K22's tensor-by-tensor count) for any architecture; equal to
     it for GPT-2. Per s*b*h, E = element_bytes, M = mask_bytes:
       replicated over TP, split by SP: norm inputs 2E, inputs of the q/k/v and first MLP
@@ -107,7 +109,10 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
     1/cp, but the math path's scores are (a/(t*cp)) x s x s (the core's s stays s), the fused
     path keeps its output apart from the o_proj input (E*a*d/h more), K and V hold
     `cp_kv_heads_per_rank` heads of s tokens (at least one: replicated where t*cp > kv), and RoPE's
-    tables cover the whole sequence's positions."""
+    tables cover the whole sequence's positions.
+    Mixture of experts (issue 26): an MoE block (block `layer_index`; None: MoE when the model has
+    experts) keeps its router's, routed rows' and shared experts' tensors instead of the MLP's
+    (experts.moe_mlp_activation_bytes: the n*b tokens every TP rank routes, E/ep experts per rank)."""
     s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
     n = s / cp  # this CP rank's tokens (all of them at cp = 1)
     E, M = element_bytes, mask_bytes
@@ -124,7 +129,8 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
     # K and V, (b, heads, s, d) each after the exchange; at cp = 1 TP's count, kv*d/t per token.
     kv_per_rank = kv / t if cp == 1 else cp_kv_heads_per_rank(kv, t, cp)
     keys_and_values = 2 * E * kv_per_rank * d * s * b
-    mlp = (4 if m.mlp == "swiglu" else 2) * E * f / h
+    moe = is_moe_block(m, layer_index)
+    mlp = 0 if moe else (4 if m.mlp == "swiglu" else 2) * E * f / h
     if selective:
         core = 0
     elif fused_attention:
@@ -135,8 +141,9 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
         core = (2 * E + M) * a * s / h  # the scores of each local query row over all s keys
     stats = 2 * (1 if rms else 2) * layernorm_stat_bytes * n * b  # two norms per block
     rope = 2 * s * d * E if m.position == "rope" else 0
+    routed = moe_mlp_activation_bytes(m, n * b, t, sp > 1, E, ep) if moe else 0
     return n * b * h * (replicated / sp + (queries_and_output + mlp) / t + core / t) + keys_and_values \
-        + stats / sp + rope
+        + stats / sp + rope + routed
 
 
 def cp_kv_heads_per_rank(n_kv_head: int, tp: int, cp: int) -> int:
@@ -148,7 +155,8 @@ def cp_kv_heads_per_rank(n_kv_head: int, tp: int, cp: int) -> int:
 
 
 def weight_grad_stash_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1,
-                                      sequence_parallel: bool = False, element_bytes: int = ACTIVATION_BYTES) -> float:
+                                      sequence_parallel: bool = False, element_bytes: int = ACTIVATION_BYTES,
+                                      layer_index: Optional[int] = None) -> float:
     """What ZB-H1 keeps of one block per micro-batch from its B pass to its W pass
     (model/weight_grad.py): each deferred linear's input and output gradient, per TP rank.
     Per token, with d the head size, f the MLP width and h_in = h/t under sequence parallelism
@@ -157,13 +165,19 @@ def weight_grad_stash_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch:
       output gradients: q, k, v (a*d + 2*kv*d)/t, o_proj h (the row-parallel output gradient is
                whole on every rank), the first MLP projection(s) f/t (two with SwiGLU), down h.
     When tp > n_kv_head the fused q/k/v weight is built from its gathered key/value rows, not the
-    parameter itself: its gradient is computed at once (model/llama.py)."""
+    parameter itself: its gradient is computed at once (model/llama.py).
+    An MoE block (issue 26) stashes its router's, experts' and shared experts' instead of the MLP's
+    (experts.moe_weight_grad_stash_bytes)."""
     s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
     d, kv, f = m.head_dim, m.n_kv_head, m.ffn_hidden_size
     h_in = h / t if sequence_parallel else h
     qkv_input, qkv_grads = h_in, (a * d + 2 * kv * d) / t
     if t > kv:
         qkv_input, qkv_grads = 0, 0
+    if is_moe_block(m, layer_index):
+        attention = qkv_input + a * d / t + qkv_grads + h
+        return element_bytes * s * b * attention + moe_weight_grad_stash_bytes(m, s * b, t, sequence_parallel,
+                                                                               element_bytes)
     inputs = qkv_input + h_in + a * d / t + f / t
     grads = qkv_grads + h + (2 if m.mlp == "swiglu" else 1) * f / t + h
     return element_bytes * s * b * (inputs + grads)

@@ -17,6 +17,7 @@ from launch.config.layout import Layout, check_partition
 from launch.config.recipe import PARTITION_RULES, Recipe
 from launch.errors import ConfigError
 from model.config import ModelConfig
+from model.layer_table import pipeline_layers
 
 Partition = Union[str, Sequence[int]]
 DEFAULT = "balanced"
@@ -42,13 +43,19 @@ def layer_flops(model: ModelConfig, micro_batch: int = 1, seq_len: Optional[int]
     """(forward, backward) FLOPs of each pipeline layer for one micro-batch: blocks by
     formulas.model_layer_flops_per_microbatch (backward twice the forward, plus the forward again
     with full recompute), the head by formulas.logits_flops_per_microbatch (never recomputed),
-    0 for the embeddings and the final norm. `model` is resolved (vocab_size set)."""
+    0 for the embeddings and the final norm; with experts each block by its index (an MoE block
+    counts its active weights, a dense one its MLP). `model` is resolved (vocab_size set)."""
     s = seq_len or model.seq_len
-    block = formulas.model_layer_flops_per_microbatch(model, micro_batch, s, recompute)
-    block_forward = formulas.model_layer_flops_per_microbatch(model, micro_batch, s) // 3
+
+    def block(index: Optional[int]) -> Tuple[int, int]:
+        both = formulas.model_layer_flops_per_microbatch(model, micro_batch, s, recompute, index)
+        forward = formulas.model_layer_flops_per_microbatch(model, micro_batch, s, layer_index=index) // 3
+        return forward, both - forward
     head = formulas.logits_flops_per_microbatch(micro_batch, s, model.n_embd, model.vocab_size)
-    costs = {"block": (block_forward, block - block_forward), "head": (head // 3, head - head // 3)}
+    costs = {"block": block(None), "head": (head // 3, head - head // 3)}
     costs["lm_head"] = costs["head"]
+    if model.moe.enabled and model.moe.moe_every > 1:  # MoE and dense blocks differ
+        return [block(i) if kind == "block" else costs.get(kind, (0, 0)) for kind, i in pipeline_layers(model)]
     return [costs.get(kind, (0, 0)) for kind in _layer_kinds(model)]
 
 
@@ -77,13 +84,13 @@ def stage_weight_grad_flops(model: ModelConfig, parts: Sequence[int], micro_batc
                             seq_len: Optional[int] = None) -> List[int]:
     """The part of each stage's backward FLOPs that computes weight gradients, 2 FLOPs per matrix
     weight per token (ZB-H1's W pass, launch/analysis/zero_bubble_schedule.py): a block's matrices, the head
-    (whose FLOPs are 6bshV: a third each for forward, input and weight gradients)."""
+    (whose FLOPs are 6bshV: a third each for forward, input and weight gradients); an MoE block's
+    active matrices (router, k experts, shared experts)."""
     s = seq_len or model.seq_len
-    costs = {"block": 2 * micro_batch * s * formulas.block_matmul_params(model),
-             "head": formulas.logits_flops_per_microbatch(micro_batch, s, model.n_embd, model.vocab_size) // 3}
-    costs["lm_head"] = costs["head"]
-    kinds = _layer_kinds(model)
-    return [sum(costs.get(kind, 0) for kind in kinds[parts[k]:parts[k + 1]]) for k in range(len(parts) - 1)]
+    head = formulas.logits_flops_per_microbatch(micro_batch, s, model.n_embd, model.vocab_size) // 3
+    costs = [2 * micro_batch * s * formulas.block_matmul_params(model, i, active=True) if kind == "block"
+             else head if kind in ("head", "lm_head") else 0 for kind, i in pipeline_layers(model)]
+    return [sum(costs[parts[k]:parts[k + 1]]) for k in range(len(parts) - 1)]
 
 
 def stage_flops(model: ModelConfig, parts: Sequence[int], micro_batch: int, seq_len: Optional[int] = None,

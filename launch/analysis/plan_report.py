@@ -60,6 +60,7 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
     # train.cp arrives with the run's recipe fields (issue 25); a recipe without it plans cp = 1.
     recipe_cp = rt.cp if rt else None
     setup = Setup(gpus=args.gpus, tp=args.tp, pp=args.pp, cp=pick(args.cp, recipe_cp, 1),
+                  ep=pick(args.ep, rt.ep if rt else None, 1),
                   micro_batch=pick(args.micro_batch, rt and rt.micro_batch_size, 1),
                   global_batch=pick(args.global_batch, rt and rt.global_batch_size, 1536),
                   zero=pick(args.zero, rt and rt.zero_stage, 1), recompute=recompute,
@@ -107,6 +108,10 @@ def warnings(plan: Dict[str, Any], model: ModelConfig, setup: Setup, hw: Hardwar
         out.append(f"CP groups of {setup.cp} (strided by tp {setup.tp}) span nodes of {hw.gpus_per_node} GPUs: "
                    f"8 all-to-alls per block per micro-batch cross the inter-node network; keep tp*cp <= "
                    f"{hw.gpus_per_node} and raise --pp instead")
+    if setup.ep > 1 and not plan["groups_within_node"]["ep"]:
+        out.append(f"EP groups of {setup.ep} (ranks tp {setup.tp} apart) span nodes of {hw.gpus_per_node} GPUs: the "
+                   f"routed tokens' all-to-alls (3 forward, 2 backward per MoE block per micro-batch) cross the "
+                   f"inter-node network; tp*ep <= {hw.gpus_per_node} keeps them in a node (--search weighs both)")
     kv = model.resolved().n_kv_head
     if setup.cp > 1 and setup.tp * setup.cp > kv:
         out.append(f"tp*cp = {setup.tp}*{setup.cp} = {setup.tp * setup.cp} exceeds the {kv} key/value heads: "
@@ -163,6 +168,26 @@ def _stage_lines(plan: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _moe_lines(plan: Dict[str, Any], model: ModelConfig, where: Dict[str, str]) -> Dict[str, List[str]]:
+    """The report's lines about the experts (issue 26), by place: none for a dense model."""
+    moe = model.resolved().moe
+    if not moe.enabled:
+        return {"model": [], "roles": [], "memory": []}
+    e, E, k, n = plan["ep"], moe.num_experts, moe.experts_per_token, sum(plan["moe_blocks_per_stage"])
+    mem = plan["memory_per_stage_bytes"][plan["memory_fullest_stage"]]
+    shared = f", {moe.shared_experts} shared" if moe.shared_experts else ""
+    return {"model": [f"Experts: {E} per MoE block ({n} of {model.n_layer} blocks), top-{k}, width "
+                      f"{model.resolved().expert_ffn_hidden_size}{shared}: {_count(plan['params_active'])} parameters "
+                      f"active per token; ep {e}: {E // e} expert{'s' * (E // e > 1)} per rank"],
+            "roles": [f"{'EP':<5}{e:>5}  {f'the {E} experts of each MoE block':<44}"
+                      f"{plan['comm_bytes_per_step']['ep'] / 1e9:.1f} GB all-to-all (counts, then b*s*k*h/cp routed rows "
+                      f"out and back: 3 forward, 2 backward per MoE block per micro-batch), {where['ep']}",
+                      f"{'':12}groups: {_groups(plan['groups']['ep'])}"],
+            "memory": [f"  {'of which routed-expert states':<32}{mem['expert_states'] / GIB:7.1f} GiB   ({E // e} of {E} per "
+                       f"MoE block, 1/{plan['tp']} of each; ZeRO-1 over dp x cp / ep = "
+                       f"{plan['dp'] * plan['cp'] // e})"]}
+
+
 def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[str]) -> str:
     t, c, p, d = plan["tp"], plan["cp"], plan["pp"], plan["dp"]
     m, b = plan["microbatches_per_pipeline"], plan["micro_batch"]
@@ -176,6 +201,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
     gib = lambda x: f"{x / GIB:7.1f} GiB"  # noqa: E731
     total_label = f"total (zero {plan['zero']}, recompute {plan['recompute']})"
     precision = plan["precision"]
+    moe = _moe_lines(plan, model, where)
     gradients_label = ("gradients (fp32 + bf16 .grad)" if precision == "bf16" and plan["zero"] == 1
                        else f"gradients ({precision})")
     lines = [
@@ -183,6 +209,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"vocab {model.vocab_size} (padded {plan['padded_vocab']}): {_count(plan['params_total'])} parameters "
         + (f"(formula {_count(plan['params_formula'])})" if model.arch == "gpt2"
            else f"({model.arch}: GPT-2's closed form would say {_count(plan['params_formula'])})"),
+        *moe["model"],
         f"Layout: {plan['gpus']} GPUs = tp {t} x cp {c} x pp {p} x dp {d}; {t * c * p} GPUs per replica, "
         f"{hw.gpus_per_node} per node",
         "",
@@ -195,6 +222,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"{comm['cp'] / 1e9:.1f} GB all-to-all (8 per block per micro-batch, b*s*h/(tp*cp) each "
         f"with all heads), {where['cp']}",
         f"{'':12}groups: {_groups(plan['groups']['cp'])}",
+        *moe["roles"],
         f"{'PP':<5}{p:>5}  {f'the {model.n_layer} blocks into {p} stages':<44}"
         f"{comm['pp'] / 1e9:.1f} GB each way per boundary (b*s*h per micro-batch), {where['pp']}",
         f"{'':12}groups: {_groups(plan['groups']['pp'])}",
@@ -230,11 +258,12 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
            f"micro-batch{'es' * (deferred > 1)} of linear inputs and output gradients)"] if deferred else []),
         f"  {total_label:<32}{gib(plan['memory_per_device_bytes'])}"
         + (f" of {hw.memory_bytes / GIB:g} GiB" if hw.memory_bytes else ""),
+        *moe["memory"],
         "",
         f"model FLOPs per step: {plan['model_flops_per_step']:.3e} "
         f"(executed with full recompute: {plan['model_flops_per_step_recompute']:.3e})",
         f"estimated step: {time['step']:.2f} s (compute {time['compute']:.2f}, bubble {time['bubble']:.2f}, "
-        f"tp {time['tp']:.2f}, cp {time['cp']:.2f}, pp {time['pp']:.2f}, dp {time['dp']:.2f}), MFU {plan['mfu_estimate']:.0%} "
+        f"tp {time['tp']:.2f}, cp {time['cp']:.2f}, " + (f"ep {time['ep']:.2f}, " if moe["roles"] else "") + f"pp {time['pp']:.2f}, dp {time['dp']:.2f}), MFU {plan['mfu_estimate']:.0%} "
         f"at {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s",
     ]
     lines += [""] + [f"warning: {w}" for w in notes] if notes else []
@@ -243,14 +272,16 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
 
 def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setup, hw: Hardware) -> str:
     budget = f"{hw.memory_bytes / GIB:g} GiB" if hw.memory_bytes else "none"
+    moe = any(sum(r["moe_blocks_per_stage"]) for r in plans[:1])  # an ep column for a model with experts
+    ep_column = lambda r: f"{r['ep']:>3} " if moe else ""  # noqa: E731
     lines = [f"{len(plans)} of {valid} valid layouts fit for {setup.gpus} GPUs, global batch {setup.global_batch}, "
              f"{setup.precision}, zero {setup.zero}, recompute {setup.recompute}, memory budget {budget}; "
              f"cost model: {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s, "
              f"{hw.intra_node_bw / 1e9:.0f} GB/s in node, {hw.inter_node_bw / 1e9:.0f} GB/s across",
-             f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'micro':>5} {'m':>4} {'bubble':>7} {'GiB':>6} "
-             f"{'step s':>8} {'MFU':>4}  why (share of step time)"]
+             f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {ep_column({'ep': 'ep'})}{'micro':>5} {'m':>4} "
+             f"{'bubble':>7} {'GiB':>6} {'step s':>8} {'MFU':>4}  why (share of step time)"]
     for i, r in enumerate(plans[:top], 1):
-        lines.append(f"{i:>3} {r['tp']:>3} {r['cp']:>3} {r['pp']:>3} {r['dp']:>4} {r['micro_batch']:>5} "
+        lines.append(f"{i:>3} {r['tp']:>3} {r['cp']:>3} {r['pp']:>3} {r['dp']:>4} {ep_column(r)}{r['micro_batch']:>5} "
                      f"{r['microbatches_per_pipeline']:>4} {r['bubble_fraction']:>7.1%} "
                      f"{r['memory_per_device_bytes'] / GIB:>6.1f} {r['step_time_s']:>8.2f} "
                      f"{r['mfu_estimate']:>4.0%}  {why(r)}")

@@ -9,14 +9,18 @@ schedule (1F1B or ZB-H1) simulated over the engine's own instruction streams wit
 then the DP gradient all-reduce, not overlapped. Context parallelism (cp, issue 25) splits every
 micro-batch's tokens over cp ranks: each rank computes 1/(tp*cp) of a stage's FLOPs, its TP and
 PP traffic is its s/cp tokens', its attention adds the Ulysses all-to-alls, and the gradient
-all-reduce runs over DeepSpeed's data axis, dp x cp ranks. It ignores latency, overlap and small
+all-reduce runs over DeepSpeed's data axis, dp x cp ranks. Expert parallelism (ep, issue 26) splits
+each MoE block's experts over ep ranks of that axis: a rank computes the same share of the FLOPs
+(its experts receive, on average, as many rows as it routes), adds the all-to-alls that carry the
+rows to their experts and back, and reduces its experts' gradients over the dp x cp / ep ranks that
+hold the same experts. It ignores latency, overlap and small
 micro-batches' lower efficiency: it ranks layouts, it does not promise a time
 (docs/planner-and-metrics.md, "--search and the cost model")."""
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from launch.analysis import engine_memory, formulas, memory_formulas
+from launch.analysis import engine_memory, experts, formulas, memory_formulas
 from launch.analysis import partition as partition_rules
 from launch.analysis.context_parallel import cp_bytes_per_step
 from launch.config.layout import Layout, check_and_derive_layout
@@ -70,11 +74,19 @@ class Setup:
     cp: int = 1
     """Context-parallel degree (issue 25): each rank holds s/cp tokens of every sequence; the
     replicas are dp = gpus / (tp * cp * pp), DeepSpeed's data axis dp * cp ranks."""
+    ep: int = 1
+    """Expert-parallel degree (issue 26): each MoE block's experts split over ep ranks of the data
+    axis; ZeRO-1 splits the experts' optimizer state over the dp * cp / ep ranks that hold them."""
 
     @property
     def data_axis(self) -> int:
         """DeepSpeed's data axis, dp * cp ranks: ZeRO-1 and the gradient all-reduce span it."""
         return self.gpus // (self.tp * self.pp)
+
+    @property
+    def expert_data_axis(self) -> int:
+        """The ranks holding the same experts, dp * cp / ep: their gradients' all-reduce and ZeRO-1 span it."""
+        return self.data_axis // self.ep
 
     @property
     def full_recompute(self) -> bool:
@@ -119,33 +131,39 @@ def check_setup(model: ModelConfig, setup: Setup) -> Layout:
     check_precision(setup)
     recipe = Recipe(model=model,
                     train=TrainSection(micro_batch_size=setup.micro_batch, global_batch_size=setup.global_batch,
-                                       precision=setup.precision, zero_stage=setup.zero, cp=setup.cp,
+                                       precision=setup.precision, zero_stage=setup.zero, cp=setup.cp, ep=setup.ep,
                                        partition=setup.partition if isinstance(setup.partition, str)
                                        else list(setup.partition)))
     return check_and_derive_layout(recipe, setup.gpus, setup.tp, setup.pp, on_cpu=False)  # its dp: the replicas
 
 
-def rank_groups(tp: int, pp: int, dp: int, cp: int = 1) -> Dict[str, List[List[int]]]:
+def rank_groups(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> Dict[str, List[List[int]]]:
     """Global ranks of every TP, CP, PP and DP group, from the topology the training run builds:
     DeepSpeed's data axis holds dp x cp ranks, CP fastest (data index = dp_rank * cp + cp_rank,
-    issue 25); "data" is that axis (ZeRO-1, the gradient all-reduce), "dp" the replicas."""
-    from model.parallel_state import build_topology, context_parallel_groups  # imports DeepSpeed: only when asked
+    issue 25); "data" is that axis (ZeRO-1, the gradient all-reduce), "dp" the replicas; "ep" the
+    expert-parallel groups (runs of ep ranks of the data axis, issue 26), "expert_data" the ranks
+    holding the same experts."""
+    from model.parallel_state import (build_topology, context_parallel_groups,  # imports DeepSpeed: only when asked
+                                      expert_data_parallel_groups, expert_parallel_groups)
     topology = build_topology(tp, pp, dp, cp)
     data = topology.get_axis_comm_lists("data")
     return {"tp": topology.get_axis_comm_lists("model"), "cp": sorted(context_parallel_groups(topology, cp)),
             "pp": topology.get_axis_comm_lists("pipe"),
-            "dp": sorted(axis[c::cp] for axis in data for c in range(cp)), "data": data}
+            "dp": sorted(axis[c::cp] for axis in data for c in range(cp)), "data": data,
+            "ep": sorted(expert_parallel_groups(topology, ep)),
+            "expert_data": sorted(expert_data_parallel_groups(topology, ep))}
 
 
 def within_node(groups: List[List[int]], gpus_per_node: int) -> bool:
     return all(len({rank // gpus_per_node for rank in group}) == 1 for group in groups)
 
 
-def stage_groups(model: ModelConfig, tp: int, pp: int, stage: int, parts: List[int]) -> Tuple[int, int]:
+def stage_groups(model: ModelConfig, tp: int, pp: int, stage: int, parts: List[int], ep: int = 1) -> Tuple[int, int]:
     """(matrices, vectors) one rank of `stage` holds: the optimizer's two parameter groups
-    (weight-decayed matrices and embeddings; biases and norms), each flattened apart by ZeRO-1."""
+    (weight-decayed matrices and embeddings; biases and norms), each flattened apart by ZeRO-1.
+    The matrices include this rank's E/ep experts per MoE block (experts.stage_expert_params_per_rank)."""
     from launch.analysis.comm_formulas import stage_vector_params_per_rank  # imports the model: only when planning
-    params = formulas.model_stage_params_per_rank(model, tp, pp, stage, parts)
+    params = formulas.model_stage_params_per_rank(model, tp, pp, stage, parts, ep)
     vectors = stage_vector_params_per_rank(model, tp, pp, stage, parts)
     return params - vectors, vectors
 
@@ -159,44 +177,69 @@ def params_with_bf16_grad(model: ModelConfig, setup: Setup, stage: int, blocks: 
         return None
     from model.llama import kv_replicas  # imports the model: only when planning
     positions = model.seq_len * model.n_embd if model.position == "learned" and stage == 0 else 0
-    shared_kv_heads = model.arch == "llama" and kv_replicas(model.n_kv_head, setup.tp) > 1
+    shared_kv_heads = model.llama_layout and kv_replicas(model.n_kv_head, setup.tp) > 1
     qkv = (model.n_head + 2 * model.n_kv_head) * model.head_dim * model.n_embd // setup.tp if shared_kv_heads else 0
     return vectors + positions + blocks * qkv
 
 
-def activation_bytes_per_block(model: ModelConfig, setup: Setup, recompute: str) -> float:
+def activation_bytes_per_block(model: ModelConfig, setup: Setup, recompute: str, layer_index: Optional[int] = None
+                               ) -> float:
     """What one block keeps for backward on a GPU, per micro-batch and TP rank: elements in the
     run's precision, fused (flash) attention with no s x s scores, dropout masks (1 byte) only
-    with dropout, the norms' fp32 statistics, sequence parallelism as the recipe sets it."""
+    with dropout, the norms' fp32 statistics, sequence parallelism as the recipe sets it; an MoE
+    block (block `layer_index`, None: MoE when the model has experts) its routed rows instead of the MLP's."""
     return memory_formulas.model_activation_bytes_per_layer(
         model, model.seq_len, setup.micro_batch, setup.tp, recompute=recompute == "full",
         sequence_parallel=model.sequence_parallel and setup.tp > 1, selective=recompute == "selective",
         element_bytes=engine_memory.ELEMENT_BYTES[setup.precision], mask_bytes=1 if model.dropout > 0 else 0,
-        layernorm_stat_bytes=4, fused_attention=True, cp=setup.cp)
+        layernorm_stat_bytes=4, fused_attention=True, cp=setup.cp, layer_index=layer_index, ep=setup.ep)
 
 
-def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, blocks: int,
-                  groups: Tuple[int, int]) -> Dict[str, int]:
+def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, indices: List[int],
+                  groups: Tuple[int, int], expert_params: int = 0) -> Dict[str, int]:
+    """Bytes one rank of `stage` (blocks `indices`) holds at its peak. `groups`: its (matrices,
+    vectors); `expert_params` of those matrices are its routed experts (issue 26), whose ZeRO-1
+    group is partitioned over the dp / ep ranks that hold the same experts, the rest over dp."""
     arch = model.resolved()
-    states = lambda zero: engine_memory.model_state_bytes_per_rank(  # noqa: E731
-        setup.precision, zero, dp, *groups, reduce_bucket_elements=setup.reduce_bucket_elements,
-        params_with_grad=params_with_bf16_grad(arch, dataclasses.replace(setup, zero=zero), stage, blocks, groups[1]))
-    chosen = states(setup.zero)
+    blocks = len(indices)
+
+    def states(zero: int) -> Tuple[Dict[str, int], Dict[str, int]]:
+        """(the dense parameters' states, the experts')"""
+        with_grad = params_with_bf16_grad(arch, dataclasses.replace(setup, zero=zero), stage, blocks, groups[1])
+        dense = engine_memory.model_state_bytes_per_rank(
+            setup.precision, zero, dp, groups[0] - expert_params, groups[1],
+            reduce_bucket_elements=setup.reduce_bucket_elements, params_with_grad=with_grad)
+        if not expert_params:
+            return dense, {key: 0 for key in dense}
+        # The experts' own flat group: no vectors, no second reduce bucket; fused into the fp32 buffer as matrices.
+        routed = engine_memory.model_state_bytes_per_rank(
+            setup.precision, zero, dp // setup.ep, expert_params, 0, reduce_bucket_elements=0,
+            params_with_grad=None if with_grad is None else 0)
+        return dense, routed
+
+    dense_states, expert_states = states(setup.zero)
+    chosen = {key: dense_states[key] + expert_states[key] for key in dense_states}
     inflight = memory_formulas.inflight_microbatches(setup.pp, m, stage)  # micro-batches alive at the peak
     b, s, t = setup.micro_batch, model.seq_len // setup.cp, setup.tp  # this rank's tokens
     element = engine_memory.ELEMENT_BYTES[setup.precision]
+    moe_blocks = len(experts.moe_block_indices(arch, indices))
+    kinds = [(blocks - moe_blocks, next((i for i in indices if not experts.is_moe_block(arch, i)), None)),
+             (moe_blocks, next((i for i in indices if experts.is_moe_block(arch, i)), None))]
     # ZB-H1: each stage keeps some micro-batches' weight-gradient inputs between their B and W
     # passes (launch/analysis/zero_bubble_schedule.py), the last stage the output layer's too.
     from launch.analysis.zero_bubble_schedule import deferred_microbatches, runs_zero_bubble  # imports DeepSpeed
     stash, deferred = 0.0, 0
     if runs_zero_bubble(setup.schedule, setup.pp):
         deferred = deferred_microbatches(stage, m)
-        stash = blocks * memory_formulas.weight_grad_stash_bytes_per_layer(arch, s, b, t, element_bytes=element)
+        stash = sum(n * memory_formulas.weight_grad_stash_bytes_per_layer(arch, s, b, t, element_bytes=element,
+                                                                          layer_index=i) for n, i in kinds if n)
         stash += memory_formulas.head_weight_grad_stash_bytes(arch, s, b, t, element) if stage == setup.pp - 1 else 0
         stash *= deferred
-    activations = {mode: activation_bytes_per_block(arch, setup, mode) * blocks * inflight
+    activations = {mode: sum(n * activation_bytes_per_block(arch, setup, mode, i) for n, i in kinds if n) * inflight
                    for mode in ("none", "selective", "full")}
-    out = {**chosen, "optimizer_zero1": states(1)["optimizer"],
+    zero1 = states(1)
+    out = {**chosen, "optimizer_zero1": zero1[0]["optimizer"] + zero1[1]["optimizer"],
+           "expert_states": sum(expert_states.values()),
            "activations": activations[setup.recompute], "activations_no_recompute": activations["none"],
            "activations_selective": activations["selective"], "activations_recompute": activations["full"],
            "weight_grad_stash": stash, "weight_grad_stash_microbatches": deferred}
@@ -206,12 +249,13 @@ def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int,
 
 def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: List[int],
                        flops: List[Tuple[int, int]], weight_flops: List[int], dp: int, m: int,
-                       dp_bytes: int,
-                       bandwidth: Dict[str, float]) -> Tuple[Dict[str, float], Dict[str, List[float]]]:
+                       dp_bytes: int, bandwidth: Dict[str, float], moe_blocks: Optional[List[int]] = None,
+                       expert_dp_bytes: int = 0) -> Tuple[Dict[str, float], Dict[str, List[float]]]:
     """(seconds per step and its parts, per-stage forward, backward and weight-gradient seconds of
     one micro-batch) by the cost model of the module docstring; `flops`: each stage's (forward,
     backward) FLOPs, `weight_flops` the weight-gradient part of the backward, `dp_bytes` what the
-    fullest stage's rank hands to the DP gradient all-reduce."""
+    fullest stage's rank hands to the DP gradient all-reduce; `moe_blocks` each stage's MoE blocks,
+    `expert_dp_bytes` what it hands to its experts' gradient all-reduce (dp x cp / ep ranks)."""
     from launch.analysis.pipeline_chart import idle_fraction  # matplotlib: only when planning
     from launch.analysis.schedule_sim import simulate_schedule
     b, s, h, t, p, c = setup.micro_batch, model.seq_len // setup.cp, model.n_embd, setup.tp, setup.pp, setup.cp
@@ -219,10 +263,18 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     pp_comm = 2 * formulas.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0
     # An all-to-all keeps 1/cp of what each rank hands it and sends the rest.
     cp_bytes_per_block = cp_bytes_per_step(model, setup.tp, c, b, setup.precision, setup.recompute, 1, 1) * (c - 1) / c
+    moe_blocks = moe_blocks or [0] * p
+    arch = model.resolved()
+    # An MoE block's shared experts add a dense MLP's two all-reduces (three with full recompute): half the block's.
+    shared_tp_bytes = tp_bytes_per_block / 2 if arch.moe.enabled and arch.moe.shared_experts else 0.0
+    ep_bytes_per_block = experts.ep_bytes_per_step(arch, setup.ep, c, b, 1, 1, engine_memory.ELEMENT_BYTES[
+        setup.precision], setup.recompute) * (setup.ep - 1) / setup.ep  # all-to-all: 1/ep stays on the rank
     compute = [(forward + backward) / (t * c) / (hw.peak_flops * hw.efficiency) for forward, backward in flops]
-    tp_comm = [n * tp_bytes_per_block / bandwidth["tp"] for n in blocks]
+    tp_comm = [(n * tp_bytes_per_block + n_moe * shared_tp_bytes) / bandwidth["tp"]
+               for n, n_moe in zip(blocks, moe_blocks)]
     cp_comm = [n * cp_bytes_per_block / bandwidth["cp"] for n in blocks]
-    slot = [compute[k] + tp_comm[k] + cp_comm[k] + pp_comm for k in range(p)]
+    ep_comm = [n * ep_bytes_per_block / bandwidth["ep"] for n in moe_blocks]
+    slot = [compute[k] + tp_comm[k] + cp_comm[k] + ep_comm[k] + pp_comm for k in range(p)]
     forward = [slot[k] * flops[k][0] / sum(flops[k]) for k in range(p)]
     weight = [slot[k] * weight_flops[k] / sum(flops[k]) for k in range(p)]
     stages = {"forward_s": forward, "backward_s": [slot[k] - forward[k] for k in range(p)], "weight_s": weight,
@@ -233,9 +285,10 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     stages["bubble_fraction"] = idle_fraction(events) if p > 1 else 0.0
     slowest = max(range(p), key=lambda k: slot[k])
     dp_comm = formulas.ring_allreduce_factor(setup.data_axis) * dp_bytes / bandwidth["data"]
+    dp_comm += formulas.ring_allreduce_factor(setup.expert_data_axis) * expert_dp_bytes / bandwidth["expert_data"]
     # The slowest stage works m slots; the rest of the simulated span it waits: the bubble.
-    parts = {"compute": m * compute[slowest], "tp": m * tp_comm[slowest], "cp": m * cp_comm[slowest], "pp": m * pp_comm,
-             "bubble": max(span - m * slot[slowest], 0.0), "dp": dp_comm}
+    parts = {"compute": m * compute[slowest], "tp": m * tp_comm[slowest], "cp": m * cp_comm[slowest],
+             "ep": m * ep_comm[slowest], "pp": m * pp_comm, "bubble": max(span - m * slot[slowest], 0.0), "dp": dp_comm}
     return dict(parts, step=sum(parts.values())), stages
 
 
@@ -244,30 +297,44 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     layout = check_setup(model, setup)
     arch = model.resolved()  # every architecture switch set (GQA, SwiGLU, untied head, RoPE change the counts)
     l, h, s, V = model.n_layer, model.n_embd, model.seq_len, model.vocab_size
-    t, p, d, m, b, c = setup.tp, setup.pp, layout.dp, layout.grad_accum_steps, setup.micro_batch, setup.cp
+    t, p, d, m, b, c, e = setup.tp, setup.pp, layout.dp, layout.grad_accum_steps, setup.micro_batch, setup.cp, setup.ep
     # Cut as the run cuts (partition.with_stage_boundaries): only full recompute changes the FLOPs.
     parts = partition_rules.stage_partition(arch, p, setup.partition, s, setup.full_recompute)
     blocks = partition_rules.blocks_per_stage(arch, parts)
     stage_flops = partition_rules.stage_flops(arch, parts, b, s, setup.full_recompute)
-    params = [formulas.model_stage_params_per_rank(arch, t, p, k, parts) for k in range(p)]
-    groups_of = [stage_groups(arch, t, p, k, parts) for k in range(p)]
+    params = [formulas.model_stage_params_per_rank(arch, t, p, k, parts, e) for k in range(p)]
+    groups_of = [stage_groups(arch, t, p, k, parts, e) for k in range(p)]
+    indices = [experts.stage_block_indices(arch, parts, k) for k in range(p)]
+    moe_blocks = [len(experts.moe_block_indices(arch, i)) for i in indices]
+    # Each rank's routed experts (issue 26): their ZeRO-1 group and gradient all-reduce span dp x cp / ep ranks.
+    expert_params = [experts.stage_expert_params_per_rank(arch, t, e, parts, k) for k in range(p)]
     # ZeRO-1 and the gradient all-reduce span DeepSpeed's data axis: dp x cp ranks.
-    memory = [_stage_memory(model, setup, d * c, m, k, blocks[k], groups_of[k]) for k in range(p)]
-    dp_bytes = max(engine_memory.dp_allreduce_bytes(setup.precision, setup.zero, d * c, *g,
-                                                    setup.communication_data_type) for g in groups_of)
+    memory = [_stage_memory(model, setup, d * c, m, k, indices[k], groups_of[k], expert_params[k]) for k in range(p)]
+    dense_dp = [engine_memory.dp_allreduce_bytes(setup.precision, setup.zero, d * c, g[0] - x, g[1],
+                                                 setup.communication_data_type) for g, x in zip(groups_of, expert_params)]
+    expert_dp = [engine_memory.dp_allreduce_bytes(setup.precision, setup.zero, d * c // e, x, 0,
+                                                  setup.communication_data_type) if x else 0 for x in expert_params]
+    dp_stage = max(range(p), key=lambda k: dense_dp[k] + expert_dp[k])
+    dp_bytes, expert_dp_bytes = dense_dp[dp_stage], expert_dp[dp_stage]
     fullest = max(range(p), key=lambda k: memory[k]["total"])
-    groups = rank_groups(t, p, d, c)
+    groups = rank_groups(t, p, d, c, e)
     intra = {dim: within_node(groups[dim], hw.gpus_per_node) for dim in groups}
     bandwidth = {dim: hw.intra_node_bw if intra[dim] else hw.inter_node_bw for dim in groups}
     weight_flops = partition_rules.stage_weight_grad_flops(arch, parts, b, s)
-    time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, weight_flops, d, m, dp_bytes, bandwidth)
+    time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, weight_flops, d, m, dp_bytes, bandwidth,
+                                      moe_blocks, expert_dp_bytes)
     flops = formulas.model_flops_per_step_of(arch, setup.global_batch, s)
+    element = engine_memory.ELEMENT_BYTES[setup.precision]
     return {
-        "gpus": setup.gpus, "tp": t, "cp": c, "pp": p, "dp": d, "micro_batch": b, "global_batch": setup.global_batch,
+        "gpus": setup.gpus, "tp": t, "cp": c, "pp": p, "dp": d, "ep": e, "micro_batch": b,
+        "global_batch": setup.global_batch,
         "zero": setup.zero, "recompute": setup.recompute, "precision": setup.precision,
         "padded_vocab": formulas.padded_vocab_size(V, t, model.vocab_pad_multiple),
         # The closed form [N21] is GPT-2's: for another architecture it is a reference point only.
         "params_total": formulas.model_params(arch), "params_formula": formulas.params_formula(l, h, V, s),
+        # Per token: each MoE block's router, k routed experts and shared experts (the FLOPs' weights).
+        "params_active": formulas.model_params_active(arch),
+        "moe_blocks_per_stage": moe_blocks, "expert_params_per_stage": expert_params,
         "partition": setup.partition if isinstance(setup.partition, str) else list(setup.partition),
         "stage_parts": parts, "blocks_per_stage": blocks, "layers_per_stage": max(blocks),
         "stage_flops_per_microbatch": [forward + backward for forward, backward in stage_flops],
@@ -287,8 +354,9 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
             "tp": (formulas.tp_allreduce_bytes_per_step(b, s // c, h, max(blocks), m, setup.full_recompute)
                    + formulas.kv_gather_bytes_per_step(arch, t, max(blocks), m, setup.full_recompute)) if t > 1 else 0,
             "cp": cp_bytes_per_step(model, t, c, b, setup.precision, setup.recompute, max(blocks), m),
+            "ep": experts.ep_bytes_per_step(arch, e, c, b, m, max(moe_blocks), element, setup.recompute),
             "pp": formulas.pp_p2p_bytes_per_step(b, s // c, h, m) if p > 1 else 0,
-            "dp": dp_bytes if d * c > 1 else 0},
+            "dp": (dp_bytes if d * c > 1 else 0) + (expert_dp_bytes if d * c // e > 1 else 0)},
         "dp_allreduce_dtype": setup.communication_data_type or engine_memory.reduce_dtype(setup.precision),
         "groups": groups, "groups_within_node": intra,
         "step_time_s": time["step"], "step_time_parts_s": time,
@@ -301,8 +369,10 @@ def divisors(n: int) -> List[int]:
 
 
 def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any]]:
-    """Every valid (tp, cp, pp, dp, micro-batch) for setup's GPUs and global batch, the rest of
-    `setup` kept, fastest first; `fits` says whether it fits hw.memory_bytes."""
+    """Every valid (tp, cp, pp, dp, micro-batch) for setup's GPUs and global batch, and for a model with
+    experts every ep among the divisors of dp x cp that divide E (issue 26), the rest of `setup` kept,
+    fastest first; `fits` says whether it fits hw.memory_bytes."""
+    experts_count = model.resolved().moe.num_experts
     gpus, global_batch = setup.gpus, setup.global_batch
     found = []
     for tp in divisors(gpus):
@@ -311,13 +381,16 @@ def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any
                 dp = gpus // (tp * cp * pp)
                 if global_batch % dp != 0:
                     continue
+                eps = [ep for ep in divisors(dp * cp) if experts_count % ep == 0] if experts_count else [1]
                 for b in divisors(global_batch // dp):
-                    try:
-                        plan = estimate_plan(model, dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, micro_batch=b), hw)
-                    except ConfigError:  # heads not divisible by tp*cp, fewer layers than stages, ...
-                        continue
-                    plan["fits"] = hw.memory_bytes is None or plan["memory_per_device_bytes"] <= hw.memory_bytes
-                    found.append(plan)
+                    for ep in eps:
+                        try:
+                            plan = estimate_plan(model, dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, ep=ep,
+                                                                            micro_batch=b), hw)
+                        except ConfigError:  # heads not divisible by tp*cp, fewer layers than stages, ...
+                            continue
+                        plan["fits"] = hw.memory_bytes is None or plan["memory_per_device_bytes"] <= hw.memory_bytes
+                        found.append(plan)
     found.sort(key=lambda r: (r["step_time_s"], r["memory_per_device_bytes"]))
     return found
 
@@ -325,11 +398,11 @@ def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any
 def why(plan: Dict[str, Any]) -> str:
     """The step-time shares besides compute, largest first, and the memory: why it ranks there."""
     parts = plan["step_time_parts_s"]
-    shares = sorted(((parts[k] / parts["step"], k) for k in ("bubble", "tp", "cp", "pp", "dp")
+    shares = sorted(((parts[k] / parts["step"], k) for k in ("bubble", "tp", "cp", "ep", "pp", "dp")
                      if parts[k] >= 0.005 * parts["step"]),
                     reverse=True)
     where = {k: "in node" if plan["groups_within_node"][g] else "across nodes"
-             for k, g in (("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "data"))}
+             for k, g in (("tp", "tp"), ("cp", "cp"), ("ep", "ep"), ("pp", "pp"), ("dp", "data"))}
     text = [f"{k} {share:.0%}" + ("" if k == "bubble" else f" {where[k]}") for share, k in shares]
     text.append(f"{plan['memory_per_device_bytes'] / GIB:.0f} GiB")
     return ", ".join(text) if shares else "no bubble or communication, " + text[-1]
