@@ -240,6 +240,7 @@ def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int,
     zero1 = states(1)
     out = {**chosen, "optimizer_zero1": zero1[0]["optimizer"] + zero1[1]["optimizer"],
            "expert_states": sum(expert_states.values()),
+           **{f"expert_{key}": expert_states[key] for key in ("weights", "gradients", "optimizer")},
            "activations": activations[setup.recompute], "activations_no_recompute": activations["none"],
            "activations_selective": activations["selective"], "activations_recompute": activations["full"],
            "weight_grad_stash": stash, "weight_grad_stash_microbatches": deferred}
