@@ -80,24 +80,52 @@ def route(logits: torch.Tensor, k: int, router: str, norm_topk_prob: bool
     return weights, experts, probs
 
 
+def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM (`functional.grouped_mm`, one kernel for all experts) runs these
+    operands: it exists in this torch, its rows are 16-byte aligned, and on a GPU the device has
+    it (compute capability 8.0 and later); otherwise one GEMM per expert."""
+    if not hasattr(functional, "grouped_mm"):
+        return False
+    if any(n * x.element_size() % 16 for n in weight.shape[1:]):
+        return False
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0)
+
+
 class _GroupedLinear(torch.autograd.Function):
     """Y_g = X_g W_g^T for each expert g's consecutive rows: X (M, in) in groups of `sizes`,
     W (E_local, out, in) -> (M, out). The weight gradient G_g^T X_g of every expert may be deferred
-    to ZB-H1's W pass or added into the fp32 main gradient (model/weight_grad.py), as a linear's."""
+    to ZB-H1's W pass or added into the fp32 main gradient (model/weight_grad.py), as a linear's.
+    One grouped GEMM per product where torch has it (`grouped_mm_fits`), else a GEMM per expert."""
 
     @staticmethod
     def forward(ctx, x, weight, sizes):
         ctx.save_for_backward(x, weight)
-        ctx.sizes = sizes
+        ctx.sizes, ctx.grouped = sizes, grouped_mm_fits(x, weight)
+        if ctx.grouped:
+            offsets = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
+            ctx.offsets = offsets
+            return functional.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
         return torch.cat([functional.linear(x_g, w_g) for x_g, w_g in zip(x.split(sizes), weight)])
 
     @staticmethod
     def backward(ctx, grad):  # grad: (M, out)
         x, weight = ctx.saved_tensors
-        sizes = ctx.sizes
-        grad_x = torch.cat([g.matmul(w_g) for g, w_g in zip(grad.split(sizes), weight)])  # (M, in)
+        sizes, grouped = ctx.sizes, ctx.grouped
+        grad = grad.contiguous()
+        if grouped:
+            grad_x = functional.grouped_mm(grad, weight, offs=ctx.offsets)  # (M, in)
+        else:
+            grad_x = torch.cat([g.matmul(w_g) for g, w_g in zip(grad.split(sizes), weight)])
 
-        def weight_grad(main):  # (E_local, out, in), or added into main; an expert without tokens: zero
+        def weight_grad(main):  # (E_local, out, in), or added into main; an expert without rows: zero
+            if grouped:  # G^T X per group: the rows (dim K of the product) cut at the offsets
+                if main is None:
+                    return functional.grouped_mm(grad.t(), x, offs=ctx.offsets)
+                if main.is_cuda:
+                    main.add_(functional.grouped_mm(grad.t(), x, offs=ctx.offsets, out_dtype=main.dtype))
+                else:  # CPU: the operands in fp32, where a bf16 product is exact (add_product_into's rule)
+                    main.add_(functional.grouped_mm(grad.t().to(main.dtype), x.to(main.dtype), offs=ctx.offsets))
+                return None
             pairs = zip(grad.split(sizes), x.split(sizes))
             if main is not None:
                 for e, (g, x_g) in enumerate(pairs):

@@ -23,7 +23,8 @@ from model.config import GPTConfig
 from model.convert import split, split_experts
 from model.gpt import init_generator
 from model.layers import allreduce_sequence_parallel_grads
-from model.moe import MoEMLP, route
+from model import moe as moe_module
+from model.moe import MoEMLP, grouped_linear, grouped_mm_fits, route
 from model.parallel_state import init_parallel_state
 
 B, T = 2, 8
@@ -144,6 +145,32 @@ def test_the_router_losses_enter_backward_with_the_set_scale():
         grads.append(moe.router.weight.grad.clone())
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[1], 0.25 * grads[0], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-mm", "gemm-per-expert"])
+def test_grouped_linear_matches_a_linear_per_expert(monkeypatch, grouped):
+    """Both ways of running the experts (torch's grouped GEMM where it fits, one GEMM per expert
+    otherwise) against functional.linear per expert under autograd; a group of no rows included,
+    and the weight gradient added into an fp32 main gradient (bf16 gradient-accumulation fusion)."""
+    x, weight = _randn(12, 16, seed=1), _randn(4, 8, 16, seed=2)
+    assert grouped_mm_fits(x, weight)  # 16-byte rows: this torch's CPU grouped GEMM takes them
+    if not grouped:
+        monkeypatch.setattr(moe_module, "grouped_mm_fits", lambda *args: False)
+    sizes, probe = [3, 0, 5, 4], _randn(12, 8, seed=3)
+    x_ours, w_ours = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    (grouped_linear(x_ours, w_ours, sizes) * probe).sum().backward()
+    x_ref, w_ref = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    y_ref = torch.cat([functional.linear(x_g, w_g) for x_g, w_g in zip(x_ref.split(sizes), w_ref)])
+    (y_ref * probe).sum().backward()
+    torch.testing.assert_close(x_ours.grad, x_ref.grad)
+    torch.testing.assert_close(w_ours.grad, w_ref.grad)
+    assert w_ours.grad[1].abs().max() == 0
+    main = torch.ones_like(weight)  # a main gradient: added into, no .grad
+    w_main = weight.clone().requires_grad_()
+    w_main.main_grad = main
+    (grouped_linear(x.clone(), w_main, sizes) * probe).sum().backward()
+    assert w_main.grad is None
+    torch.testing.assert_close(main, 1 + w_ref.grad)
 
 
 def test_evaluation_records_nothing():
