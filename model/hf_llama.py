@@ -12,7 +12,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-from model.config import GPTConfig
+from model.config import LLAMA3_SCALING_KEYS, GPTConfig
 from model.llama import gate_up_sections, qkv_sections
 
 # (our name inside blocks.{i}, transformers' inside model.layers.{i}): one parameter each.
@@ -25,7 +25,7 @@ LLAMA_FUSED = (("attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_
 
 def llama_incompatibilities(config: GPTConfig) -> List[str]:
     """Switches LlamaForCausalLM cannot express, as `model.key=value` items (empty: exportable)."""
-    wanted = dict(arch="llama", position="rope", norm="rmsnorm", mlp="swiglu")
+    wanted = dict(arch="llama", position="rope", norm="rmsnorm", mlp="swiglu", qk_norm=None)
     return [f"model.{key}={getattr(config, key)!r}" for key, value in wanted.items() if getattr(config, key) != value]
 
 
@@ -34,6 +34,14 @@ def rope_parameters(config: GPTConfig) -> Dict:
     if config.rope_scaling is None:
         return {"rope_type": "default", "rope_theta": config.rope_theta}
     return {"rope_type": "llama3", "rope_theta": config.rope_theta, **config.rope_scaling}
+
+
+def llama3_scaling(rope: Mapping) -> Optional[Dict[str, float]]:
+    """Our model.rope_scaling of transformers' rope_parameters: Llama 3's four numbers, or None."""
+    if rope.get("rope_type") != "llama3":
+        return None
+    return {key: float(rope[key]) if key != "original_max_position_embeddings" else int(rope[key])
+            for key in LLAMA3_SCALING_KEYS}
 
 
 def llama_config_kwargs(config: GPTConfig, rope_theta: Optional[float] = None) -> Dict:

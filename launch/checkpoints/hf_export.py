@@ -1,6 +1,7 @@
 """A checkpoint as a transformers model directory (GPT2LMHeadModel for arch gpt2,
-LlamaForCausalLM for arch llama): read DeepSpeed's per-layer weight files (one per pipeline layer
-and TP rank) one layer at a time, merge its TP shards with model/convert.py, strip the vocab
+LlamaForCausalLM for arch llama, MixtralForCausalLM, Qwen3MoeForCausalLM or OlmoeForCausalLM for a
+mixture of experts, model/hf_moe.py): read DeepSpeed's per-layer weight files (one per pipeline
+layer and TP rank) one layer at a time, merge its TP shards with model/convert.py, strip the vocab
 padding, and write it into safetensors shards (with their index when there are several); then
 config (the tokenizer's real BOS and EOS ids), generation config and tokenizer.
 One process, no DeepSpeed engine, no torch.distributed; only model weights, never optimizer state;
@@ -54,11 +55,12 @@ def _checkpoint_layers(load: Path):
 
 
 def _read_layer(files: List[Path]):
-    """One pipeline layer's state dict on each TP rank. DeepSpeed writes each layer file with
-    torch.save(module.state_dict()): a plain dict of tensors, so the safe unpickler
-    (weights_only) reads it and no code in the file runs."""
-    import torch
-    return [torch.load(path, map_location="cpu", weights_only=True) for path in files]
+    """One pipeline layer's state dict on each TP rank, every expert of an MoE layer included
+    (launch/checkpoints/store.py: read_layer_files, the one reader of a checkpoint's layers). DeepSpeed
+    writes each layer file with torch.save(module.state_dict()): a plain dict of tensors, so the
+    safe unpickler (weights_only) reads it and no code in the file runs."""
+    from launch.checkpoints.store import read_layer_files
+    return read_layer_files(files)
 
 
 def read_checkpoint_weights(load: Path):
@@ -72,16 +74,14 @@ def read_checkpoint_weights(load: Path):
 
 def hf_tensors(layers: Dict[int, List[Path]], config: GPTConfig) -> Iterator[Tuple[str, "torch.Tensor"]]:
     """(transformers name, full tensor) of every weight, one pipeline layer read at a time:
-    TP shards merged, vocab padding stripped, GPT-2's linears transposed to Conv1D (in, out)."""
+    TP shards merged, vocab padding stripped, GPT-2's linears transposed to Conv1D (in, out),
+    fused tensors cut into their parts, experts into one tensor per expert and projection."""
     from model.convert import merge_layer_states
-    from model.hf_shards import hf_sources
+    from model.hf_shards import hf_sources, stored_tensors
     sources = hf_sources(config)
     for layer, files in sorted(layers.items()):
         for name, full in merge_layer_states({layer: _read_layer(files)}, config, config.vocab_size).items():
-            source = sources[name]
-            parts = full.split(source.rows) if source.rows else (full,)  # a fused tensor: its parts by rows
-            for theirs, part in zip(source.names, parts):
-                yield theirs, part.t().contiguous() if source.conv1d else part.contiguous()
+            yield from stored_tensors(sources[name], full)
 
 
 def dense_gpt(config: GPTConfig, dense):
@@ -119,7 +119,10 @@ def check_exportable(config: GPTConfig) -> None:
     """A ConfigError naming the switches the target transformers class cannot express."""
     from model.hf_gpt2 import gpt2_incompatibilities
     from model.hf_llama import llama_incompatibilities
-    if config.arch == "llama":
+    if config.moe.enabled:  # the family of its arch (arch llama: of its q/k norm), model/hf_moe.py
+        from model.hf_moe import family_of, moe_incompatibilities
+        problems, target = moe_incompatibilities(config), family_of(config).model_class
+    elif config.arch == "llama":
         problems, target = llama_incompatibilities(config), "LlamaForCausalLM (RoPE, RMSNorm, SwiGLU)"
     else:
         problems = gpt2_incompatibilities(config)
@@ -130,9 +133,13 @@ def check_exportable(config: GPTConfig) -> None:
 
 
 def hf_config(config: GPTConfig, tokenizer):
-    """The transformers config of our architecture (GPT-2 or Llama) with the tokenizer's real
-    BOS and EOS ids (GPT2Config's default 50256 would lie outside a smaller vocabulary)."""
+    """The transformers config of our architecture (GPT-2, Llama or a mixture-of-experts family)
+    with the tokenizer's real BOS and EOS ids (GPT2Config's default 50256 would lie outside a
+    smaller vocabulary)."""
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    if config.moe.enabled:
+        from model.hf_moe import hf_config as moe_hf_config
+        return moe_hf_config(config, **ids)
     if config.arch == "llama":
         from transformers import LlamaConfig
 

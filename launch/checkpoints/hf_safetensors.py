@@ -1,9 +1,10 @@
 """Transformers weights in safetensors: read this rank's shards lazily (`--init-from-hf`), and
-write an export shard by shard (issue 24, item 7).
+write an export shard by shard (issue 24, item 7; the experts of a mixture of experts, issue 26).
 
 Each parameter of the local stage gets its plan (model/hf_shards.py: which stored tensors and
 which slices of them); each piece is read with safetensors' `get_slice(name)[index]` straight
-into the parameter, so a rank holds its own shard plus one piece at a time, never the model.
+into its place in the parameter, so a rank holds its own shard plus one piece at a time, never
+the model; of an expert weight it reads its EP rank's experts only, each's TP slice.
 The files are opened with safetensors' `pread` backend: bytes are read, not memory-mapped, so
 pages of tensors other ranks hold never count in this rank's memory.
 
@@ -77,45 +78,49 @@ def stored_shapes(weight_map: Dict[str, Path]) -> Dict[str, Tuple[int, ...]]:
 
 
 def load_hf_shards_into(module: torch.nn.Module, source: str, config: GPTConfig, pipeline: bool, tp_rank: int,
-                        tp_size: int) -> None:
+                        tp_size: int, *, ep_rank: int = 0, ep_size: int = 1) -> None:
     """Copy this rank's shard of every parameter of `module` (a PipelineModule stage when
-    `pipeline`, else a dense GPT holding TP shards) from the safetensors of `source`, in place."""
+    `pipeline`, else a dense GPT holding TP shards, and of a mixture of experts the experts of EP
+    rank `ep_rank` of `ep_size`) from the safetensors of `source`, in place. Experts are read from
+    one tensor per expert (save_pretrained's and the hub's format) or from transformers' fused
+    (E, ., .) tensors (save_pretrained(save_original_format=False)), whichever the files hold."""
     import torch
     from safetensors import safe_open
 
     from model.convert import dense_name
     from model.hf_shards import hf_sources, shard_plan
     weight_map = safetensors_weight_map(source)
-    shapes, sources = stored_shapes(weight_map), hf_sources(config)
+    shapes = stored_shapes(weight_map)
+    fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in shapes)
+    sources = hf_sources(config, fused_experts=fused)
     plans = {}
     for name, param in module.named_parameters():
         key = dense_name(name, config) if pipeline else name
         source_of = sources.get(key)
         missing = [n for n in (source_of.names if source_of else [key]) if n not in shapes]
         if source_of is None or missing:
-            raise KeyError(f"no weights for {key} (parameter {name}) in {source}: {missing or 'no source'}")
+            raise KeyError(f"no weights for {key} (parameter {name}) in {source}: {missing[:4] or 'no source'}")
         plan = shard_plan(key, source_of, {n: shapes[n] for n in source_of.names}, tp_rank, tp_size,
-                          config.padded_vocab_size(tp_size))
+                          config.padded_vocab_size(tp_size), ep_rank=ep_rank, ep_size=ep_size, config=config)
         if plan.shape != tuple(param.shape):
-            raise ValueError(f"{key}: the weights give a shard of {plan.shape} on tp rank {tp_rank} of {tp_size}, "
-                             f"the model has {tuple(param.shape)}")
+            raise ValueError(f"{key}: the weights give a shard of {plan.shape} on tp rank {tp_rank} of {tp_size}"
+                             f"{f' and ep rank {ep_rank} of {ep_size}' if ep_size > 1 else ''}, the model has "
+                             f"{tuple(param.shape)}")
         plans[name] = (param, plan)
-    # One file open at a time; within it, each piece read and copied to its rows before the next.
+    # One file open at a time; within it, each piece read and copied to its place before the next.
     destinations: Dict[str, List[Tuple[torch.Tensor, object, bool]]] = {}
     with torch.no_grad():
         for param, plan in plans.values():
-            offset = 0
             for piece in plan.pieces:
-                destinations.setdefault(piece.name, []).append((param[offset:offset + piece.rows], piece,
-                                                                plan.transpose))
-                offset += piece.rows
-            param[offset:].zero_()  # vocab padding rows, zeros as at init (contract 4)
+                destinations.setdefault(piece.name, []).append((param[piece.at], piece, plan.transpose))
+            if plan.padding is not None:
+                param[plan.padding:].zero_()  # vocab padding rows, zeros as at init (contract 4)
         for path, names in _by_file(weight_map, destinations).items():
             with safe_open(str(path), framework="pt", backend="pread") as f:
                 for name in names:
-                    for rows, piece, transpose in destinations[name]:
+                    for place, piece, transpose in destinations[name]:
                         value = f.get_slice(name)[piece.index]
-                        rows.copy_(value.t() if transpose else value)  # Conv1D (in, out) -> ours (out, in)
+                        place.copy_(value.t() if transpose else value)  # Conv1D (in, out) -> ours (out, in)
 
 
 def write_safetensors(out: Path, tensors: Iterable[Tuple[str, torch.Tensor]], max_shard_bytes: int) -> torch.dtype:

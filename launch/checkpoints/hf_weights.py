@@ -1,20 +1,21 @@
-"""`--init-from-hf DIR_OR_NAME`: start from GPT-2- or Llama-format (transformers) weights at any layout.
+"""`--init-from-hf DIR_OR_NAME`: start from GPT-2-, Llama-, Mixtral-, Qwen3-MoE- or OLMoE-format
+(transformers) weights at any layout.
 
 Two halves, because bad input must fail before any process group or engine starts:
 `check_hf_source` reads only config.json (and the safetensors headers' names) and compares it
 with the recipe's model; `init_from_hf` runs after `build_pipeline` and overwrites each local
 parameter with this rank's shard of the weights (split by `model/convert.py`'s rules), so the
-first step trains exactly those weights whatever (tp, pp, dp) is. Each rank reads only the
-slices it holds, lazily from safetensors (launch/checkpoints/hf_safetensors.py). Nothing from
+first step trains exactly those weights whatever (tp, pp, dp, ep) is. Each rank reads only the
+slices it holds, lazily from safetensors (launch/checkpoints/hf_safetensors.py): of a mixture of
+experts, only its EP rank's experts. Nothing from
 the source executes code: the model class is fixed by the config's model_type (never
 trust_remote_code) and weights are safetensors.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
 from launch.errors import ConfigError
-from model.config import LLAMA3_SCALING_KEYS
 from model.gpt import GPTConfig
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
@@ -40,8 +41,12 @@ _REQUIREMENTS: List[Tuple[str, Callable[[GPTConfig], Tuple[Any, ...]], str]] = [
 
 
 def read_hf_config(source: str):
-    """The GPT2Config or LlamaConfig of a model directory or hub id (config.json only, no weights)."""
+    """The GPT2Config, LlamaConfig, MixtralConfig, Qwen3MoeConfig or OlmoeConfig of a model
+    directory or hub id (config.json only, no weights)."""
+    import transformers
     from transformers import GPT2Config, LlamaConfig
+
+    from model.hf_moe import MODEL_TYPES
 
     from data.hub import hub_errors_only
     try:
@@ -57,33 +62,32 @@ def read_hf_config(source: str):
     # GPT2Config.from_pretrained would read any model type's config.json (with a warning).
     if raw.get("model_type") == "llama":
         return LlamaConfig.from_dict(raw)
+    if raw.get("model_type") in MODEL_TYPES:
+        return getattr(transformers, MODEL_TYPES[raw["model_type"]].config_class).from_dict(raw)
     if raw.get("model_type") != "gpt2":
-        raise ConfigError(f"--init-from-hf {source!r} is a {raw.get('model_type')!r} model, not GPT-2 or Llama "
-                          f"(model_type 'gpt2' or 'llama'); only those formats can be imported")
+        known = ", ".join(repr(t) for t in ("gpt2", "llama", *MODEL_TYPES))
+        raise ConfigError(f"--init-from-hf {source!r} is a {raw.get('model_type')!r} model, not GPT-2, Llama, "
+                          f"Mixtral, Qwen3-MoE or OLMoE (model_type {known}); only those formats can be imported")
     return GPT2Config.from_dict(raw)
 
 
 def hf_model_fields(hf) -> Dict[str, Any]:
     """The recipe's `model:` fields that a transformers config fixes (its weights' shape and
     the switches that change what they compute)."""
+    from model.hf_llama import llama3_scaling
+    from model.hf_moe import MODEL_TYPES, moe_model_fields
     if hf.model_type == "gpt2":
         return dict(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, seq_len=hf.n_positions,
                     vocab_size=hf.vocab_size)
+    if hf.model_type in MODEL_TYPES:  # the mixture-of-experts families: `moe` a mapping of model.moe's fields
+        return moe_model_fields(hf)
     rope = hf.rope_parameters or {}
     return dict(arch="llama", max_positions=hf.max_position_embeddings, n_layer=hf.num_hidden_layers,
                 n_head=hf.num_attention_heads, n_embd=hf.hidden_size,
                 n_kv_head=hf.num_key_value_heads, ffn_hidden_size=hf.intermediate_size, vocab_size=hf.vocab_size,
-                rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling=_llama3_scaling(rope),
+                rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling=llama3_scaling(rope),
                 norm_eps=hf.rms_norm_eps,
                 tie_embeddings=hf.tie_word_embeddings, bias=hf.attention_bias)
-
-
-def _llama3_scaling(rope: Dict[str, Any]) -> Optional[Dict[str, float]]:
-    """Our model.rope_scaling of transformers' rope_parameters: Llama 3's four numbers, or None."""
-    if rope.get("rope_type") != "llama3":
-        return None
-    return {key: float(rope[key]) if key != "original_max_position_embeddings" else int(rope[key])
-            for key in LLAMA3_SCALING_KEYS}
 
 
 def _llama_problems(hf, config: GPTConfig) -> List[str]:
@@ -96,9 +100,11 @@ def _llama_problems(hf, config: GPTConfig) -> List[str]:
         problems.append(f"max_position_embeddings={built} where this run's model is built for "
                         f"{config.position_range} positions; set model.max_positions={built}")
     for key, have, want in (("position", config.position, "rope"), ("norm", config.norm, "rmsnorm"),
-                            ("mlp", config.mlp, "swiglu")):
+                            ("mlp", config.mlp, "swiglu"), ("qk_norm", config.qk_norm, None),
+                            ("moe.num_experts", config.moe.num_experts, 0)):
         if have != want:
-            problems.append(f"a Llama model where this run's model has model.{key}={have!r}; set model.{key}={want}")
+            problems.append(f"a Llama model where this run's model has model.{key}={have!r}; set model.{key}="
+                            f"{'null' if want is None else want}")
     rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
     rope_type = "default" if rope_type == "llama3" else rope_type  # Llama 3's: compared as model.rope_scaling
     extras = [("hidden_act", hf.hidden_act, "silu", "our SwiGLU uses SiLU"),
@@ -120,8 +126,9 @@ def check_hf_source(source: str, config: GPTConfig, resuming: bool) -> None:
 
 
 def _check_config(source: str, hf, config: GPTConfig) -> None:
-    if hf.model_type == "llama":
-        problems = _llama_problems(hf, config)
+    from model.hf_moe import MODEL_TYPES, moe_import_problems
+    if hf.model_type in ("llama", *MODEL_TYPES):
+        problems = _llama_problems(hf, config) if hf.model_type == "llama" else moe_import_problems(hf, config)
         if problems:
             raise ConfigError(f"--init-from-hf {source!r} has {problems[0]}")
         return
@@ -138,15 +145,19 @@ def _check_config(source: str, hf, config: GPTConfig) -> None:
 
 
 def hf_dense_state_dict(source: str, config: GPTConfig):
-    """GPT-2 or Llama weights of `source` as a dense state dict of our model (model/convert.py
-    names): the whole model through transformers, for tests and small models; training reads
-    lazily (`init_from_hf`)."""
+    """GPT-2, Llama or mixture-of-experts weights of `source` as a dense state dict of our model
+    (model/convert.py names, all experts): the whole model through transformers, for tests and
+    small models; training reads lazily (`init_from_hf`)."""
     from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
     from data.hub import hub_errors_only
     from model.convert import from_gpt2_state_dict
     from model.hf_llama import from_llama_state_dict
+    from model.hf_moe import from_moe_state_dict, hf_model_class
     with hub_errors_only():
+        if config.moe.enabled:
+            hf = hf_model_class(config).from_pretrained(source, weights_only=True, dtype="float32")
+            return from_moe_state_dict(hf.state_dict(), config)
         if config.arch == "llama":
             hf = LlamaForCausalLM.from_pretrained(source, weights_only=True, dtype="float32")
             return from_llama_state_dict(hf.state_dict(), config)
@@ -158,6 +169,8 @@ def init_from_hf(pipe: PipelineModule, source: str, config: GPTConfig, state: Pa
     """Overwrite the local stage's parameters of `pipe` with this rank's shards of `source`.
 
     Call before `deepspeed.initialize`, so the optimizer (and ZeRO's fp32 master copy) start
-    from these weights. Each rank reads only its stage's tensors and its TP slices of them."""
+    from these weights. Each rank reads only its stage's tensors and its TP slices of them (of a
+    mixture of experts, its EP rank's experts only)."""
     from launch.checkpoints.hf_safetensors import load_hf_shards_into
-    load_hf_shards_into(pipe, source, config, True, state.tp_rank, state.tp_size)
+    load_hf_shards_into(pipe, source, config, True, state.tp_rank, state.tp_size, ep_rank=state.ep_rank,
+                        ep_size=state.ep_size)
