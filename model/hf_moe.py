@@ -73,25 +73,24 @@ def has_dense_blocks(config: GPTConfig) -> bool:
 def moe_incompatibilities(config: GPTConfig) -> List[str]:
     """What the model's transformers family cannot express, as `model.key=value (why)` items
     (empty: exportable)."""
-    family = family_of(config)
-    name, moe = family.model_class, config.moe
-    problems = [f"model.{key}={getattr(config, key)!r} ({name} has {want})"
+    family, moe = family_of(config), config.moe
+    problems = [f"model.{key}={getattr(config, key)!r} (it has {want})"
                 for key, want in (("position", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu"))
                 if getattr(config, key) != want]
     if config.qk_norm != family.qk_norm:
-        problems.append(f"model.qk_norm={config.qk_norm!r} ({name}'s q/k norm is {family.qk_norm!r})")
+        problems.append(f"model.qk_norm={config.qk_norm!r} (its q/k norm is {family.qk_norm!r})")
     if moe.shared_experts:
-        problems.append(f"model.moe.shared_experts={moe.shared_experts} ({name} has no shared experts)")
+        problems.append(f"model.moe.shared_experts={moe.shared_experts} (it has no shared experts)")
     if family.renormalises and not renormalised(moe):
-        problems.append(f"model.moe.norm_topk_prob={moe.norm_topk_prob!r} ({name} renormalises the top-k "
-                        f"router weights)")
+        problems.append(f"model.moe.norm_topk_prob={moe.norm_topk_prob!r} (it renormalises the top-k router "
+                        f"weights)")
     if moe.moe_every != 1 and not family.dense_blocks:
-        problems.append(f"model.moe.moe_every={moe.moe_every} ({name} has experts in every block)")
+        problems.append(f"model.moe.moe_every={moe.moe_every} (it has experts in every block)")
     if config.bias and (not family.attention_bias or has_dense_blocks(config)):
         which = "MLP biases" if family.attention_bias else "biases"
-        problems.append(f"model.bias=True ({name} has no {which})")
+        problems.append(f"model.bias=True (it has no {which})")
     if not family.head_size and config.head_dim * config.n_head != config.n_embd:
-        problems.append(f"model.head_size={config.head_size} ({name}'s head size is hidden_size / "
+        problems.append(f"model.head_size={config.head_size} (its head size is hidden_size / "
                         f"num_attention_heads)")
     return problems
 

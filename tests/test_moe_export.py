@@ -372,7 +372,8 @@ def _refusal(config: GPTConfig) -> str:
 
 def test_export_refuses_shared_experts_in_one_line_with_exit_2(tmp_path, monkeypatch, capsys):
     config = dataclasses.replace(CASES["qwen3_moe"], moe=dataclasses.replace(CASES["qwen3_moe"].moe, shared_experts=1))
-    assert "model.moe.shared_experts=1 (Qwen3MoeForCausalLM has no shared experts)" in _refusal(config)
+    assert _refusal(config).startswith("Qwen3MoeForCausalLM cannot express the checkpoint's model: "
+                                       "model.moe.shared_experts=1 (it has no shared experts)")
     # Through launch/export_hf.py: the checkpoint reader stubbed with this model; exit 2, one line.
     monkeypatch.setattr(hf_export, "_checkpoint_layers", lambda load: (None, config, {}))
     assert export_hf.main(["--load", str(tmp_path / "ck"), "--out", str(tmp_path / "out")]) == 2

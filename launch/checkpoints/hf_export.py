@@ -122,7 +122,11 @@ def check_exportable(config: GPTConfig) -> None:
     if config.moe.enabled:  # the family of its arch (arch llama: of its q/k norm), model/hf_moe.py
         from model.hf_moe import family_of, moe_incompatibilities
         problems, target = moe_incompatibilities(config), family_of(config).model_class
-    elif config.arch == "llama":
+        if problems:
+            raise ConfigError(f"{target} cannot express the checkpoint's model: {', '.join(problems)}; only "
+                              f"models it can express export")
+        return
+    if config.arch == "llama":
         problems, target = llama_incompatibilities(config), "LlamaForCausalLM (RoPE, RMSNorm, SwiGLU)"
     else:
         problems = gpt2_incompatibilities(config)
