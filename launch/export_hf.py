@@ -1,4 +1,5 @@
-"""Export a checkpoint as a transformers model directory (GPT-2, or Llama for `arch: llama`):
+"""Export a checkpoint as a transformers model directory (GPT-2; Llama for `arch: llama`; Mixtral,
+Qwen3-MoE or OLMoE for a mixture of experts, docs/checkpoints.md):
 `python launch/export_hf.py --load CKPT --out DIR [--tokenizer NAME_OR_PATH]`.
 
 Reads DeepSpeed's per-layer weight files of the checkpoint (one per pipeline layer and TP
