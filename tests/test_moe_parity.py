@@ -51,3 +51,12 @@ def test_moe_zero_bubble_is_bitwise_1f1b(parity_runs):
     assert "schedule zb-h1" in zb["stdout"]
     assert [(m["loss"], m["grad_norm"], m["aux_loss"], m.get("val_loss")) for m in zb["metrics"]] == \
         [(m["loss"], m["grad_norm"], m["aux_loss"], m.get("val_loss")) for m in one_f_one_b["metrics"]]
+
+
+@pytest.mark.slow
+def test_role_map_shows_the_expert_parallel_groups(parity_runs):
+    """EP groups are runs of ep ranks along each data axis (TP ranks adjacent, so a data axis
+    strides by tp): at tp 2, dp 4, ep 2 the axes [0, 2, 4, 6] and [1, 3, 5, 7] split in two."""
+    out = parity_runs[(2, 1, 4, "moe", "sp", "ep2")]["stdout"]
+    assert "DP groups  (split the data, all-reduce grads): [0, 2, 4, 6] [1, 3, 5, 7]" in out
+    assert "EP groups  (split the experts, all-to-all tokens): [0, 2] [4, 6] [1, 3] [5, 7]" in out

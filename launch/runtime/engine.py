@@ -36,7 +36,8 @@ def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config:
              if cp > 1 else "")
           + f"  pipelines  (split the layers, stage 0 first): {groups(state.pipelines)}\n"
           f"  DP groups  (split the data, all-reduce grads" + (f" over dp x cp" if cp > 1 else "") + "): "
-          f"{groups(state.dp_groups)}")
+          f"{groups(state.dp_groups)}"
+          + (f"\n  EP groups  (split the experts, all-to-all tokens): {groups(state.ep_groups)}" if layout.ep > 1 else ""))
     for stage, contents in stage_contents(pipe, config):
         print(f"  stage {stage}: {contents} | {flops[stage] / sum(flops):.0%} of the predicted compute")
     b, seq_len = layout.micro_batch_size, recipe.seq_len
