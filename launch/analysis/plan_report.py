@@ -228,7 +228,8 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"{'':12}groups: {_groups(plan['groups']['pp'])}",
         f"{'DP':<5}{d:>5}  {f'the batch into {d} replicas':<44}"
         f"{comm['dp'] / 1e9:.1f} GB all-reduced (the local gradients, {plan['dp_allreduce_dtype']}"
-        + (f", over dp x cp = {d * c} ranks" if c > 1 else "") + f"), {where['data']}",
+        + (f", over dp x cp = {d * c} ranks" if c > 1 else "")
+        + (f"; the experts' over dp x cp / ep = {d * c // plan['ep']}" if moe["roles"] else "") + f"), {where['data']}",
         f"{'':12}groups: {_groups(plan['groups']['dp'])}",
         "",
         f"dp = {plan['gpus']} / (tp {t} * " + (f"cp {c} * " if c > 1 else "") + f"pp {p}) = {d}",
