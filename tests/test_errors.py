@@ -64,6 +64,27 @@ CASES = [
      ["sequence length 30", "cp*tp = 2*2 = 4 (sequence parallel)"]),
     (2, ["--recipe", "recipes/llama-tiny.yaml", "--cp", "2", "--set", "model.n_head=12", "--set", "model.n_embd=96",
          "--set", "model.n_kv_head=3"], ["n_kv_head=3", "tp*cp = 1*2 = 2"]),
+    # Mixture of experts (issue 26): ep against the data-parallel ranks and the experts, k, options it cannot use.
+    (4, ["--recipe", "recipes/moe-tiny.yaml", "--pp", "2", "--ep", "4"], ["--ep 4", "2 data-parallel ranks"]),
+    (6, ["--recipe", "recipes/moe-tiny.yaml", "--ep", "3", "--set", "train.global_batch_size=12"],
+     ["model.moe.num_experts=8", "--ep 3"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.experts_per_token=9"],
+     ["experts_per_token=9", "num_experts=8"]),
+    (2, ["--ep", "2"], ["--ep 2", "num_experts=0"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--ep", "0"], ["--ep 0", ">= 1"]),
+    (2, ["--recipe", "recipes/moe-tiny.yaml", "--tp", "2", "--set", "model.moe.expert_ffn_hidden_size=33"],
+     ["expert_ffn_hidden_size=33", "--tp 2"]),
+    (1, ["--set", "model.moe.num_experts=4"], ["model.moe.num_experts=4", "model.arch=gpt2"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.mlp=gelu"], ["model.mlp='gelu'", "SwiGLU"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.num_experts=0"],
+     ["model.arch=qwen3_moe", "num_experts=0"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.router=topk_softmax",
+         "--set", "model.moe.norm_topk_prob=false"], ["router=topk_softmax", "norm_topk_prob=false"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.router=top2"], ["model.moe.router='top2'"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.capacity=1.25"],
+     ["unknown recipe key model.moe.capacity", "model.moe.num_experts"]),
+    (4, ["--recipe", "recipes/moe-tiny.yaml", "--tp", "4", "--set", "model.qk_norm=projection"],
+     ["qk_norm=projection", "n_kv_head=2", "--tp 4"]),
 ]
 
 
