@@ -83,8 +83,11 @@ def route(logits: torch.Tensor, k: int, router: str, norm_topk_prob: bool
 def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM (`functional.grouped_mm`, one kernel for all experts) runs these
     operands: it exists in this torch, its rows are 16-byte aligned, and on a GPU the device has
-    it (compute capability 8.0 and later); otherwise one GEMM per expert."""
+    it (compute capability 8.0 and later); otherwise one GEMM per expert. Inside a compiled block
+    (train.compile) the compiler takes it in bf16 only."""
     if not hasattr(functional, "grouped_mm"):
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
         return False
     if any(n * x.element_size() % 16 for n in weight.shape[1:]):
         return False
