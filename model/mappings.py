@@ -14,8 +14,9 @@ whole sequence of a head shard, and back (`all_to_all_sequence_to_heads`,
 (B, heads, T, d); CP rank r holds tokens [r T/cp, (r+1) T/cp) and heads [r H/cp, (r+1) H/cp).
 
 Expert parallelism (issue 26) sends each token to the ranks of its experts and back: an all-to-all
-of rows with variable split sizes over the EP group (`all_to_all_tokens`), the sizes exchanged
-first (`exchange_counts`); the backward is the same exchange with the sizes swapped.
+of rows with variable split sizes over the EP group (`all_to_all_to_experts`, and
+`all_to_all_from_experts` for the return; each is the other's backward), the sizes exchanged
+first (`exchange_counts`).
 
 Three tiers, as in Megatron core: a private helper that does the communication, a private
 autograd Function whose forward and backward are one line each, and a public wrapper whose
@@ -150,7 +151,7 @@ def _all_to_all_rows(x: torch.Tensor, output_splits: List[int], input_splits: Li
 
 def exchange_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
     """(ep, n) integer counts, row j for rank j -> (ep, n): row i is what rank i has for this rank.
-    No autograd: the split sizes an `all_to_all_tokens` needs, sent before the rows."""
+    No autograd: the split sizes `all_to_all_to_experts` needs, sent before the rows."""
     if group is None:
         return counts
     out = torch.empty_like(counts)
@@ -264,7 +265,18 @@ class _AllReduceSum(torch.autograd.Function):
         return _all_reduce(grad.clone(), ctx.group), None
 
 
-class _AllToAllTokens(torch.autograd.Function):
+class _TokensToExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all_rows(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all_rows(grad, ctx.splits[1], ctx.splits[0], ctx.group), None, None, None
+
+
+class _TokensFromExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, output_splits, input_splits, group):
         ctx.splits, ctx.group = (output_splits, input_splits), group
@@ -334,14 +346,21 @@ def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group is None else _AllReduceSum.apply(x, group)
 
 
-def all_to_all_tokens(x: torch.Tensor, output_splits: List[int], input_splits: List[int],
-                      ep_group: Group) -> torch.Tensor:
-    """forward: rows to ranks, (sum(input_splits), h) -> (sum(output_splits), h): input_splits[j]
-    consecutive rows go to EP rank j, output_splits[i] rows arrive from rank i, in rank order;
-    backward: the gradient rows go back the same way (the sizes swapped).
+def all_to_all_to_experts(x: torch.Tensor, output_splits: List[int], input_splits: List[int],
+                          ep_group: Group) -> torch.Tensor:
+    """forward: token rows to their experts' ranks, (sum(input_splits), h) -> (sum(output_splits), h):
+    input_splits[j] consecutive rows go to EP rank j, output_splits[i] rows arrive from rank i, in
+    rank order; backward: the rows' gradients go back the same way (the sizes swapped).
 
     A permutation of rows across ranks, no sums: forward and backward are exact."""
-    return x if ep_group is None else _AllToAllTokens.apply(x, output_splits, input_splits, ep_group)
+    return x if ep_group is None else _TokensToExperts.apply(x, output_splits, input_splits, ep_group)
+
+
+def all_to_all_from_experts(x: torch.Tensor, output_splits: List[int], input_splits: List[int],
+                            ep_group: Group) -> torch.Tensor:
+    """forward: the experts' output rows back to their tokens' ranks (the inverse of
+    `all_to_all_to_experts`, whose splits it takes swapped); backward: their gradients to the experts."""
+    return x if ep_group is None else _TokensFromExperts.apply(x, output_splits, input_splits, ep_group)
 
 
 def all_gather_context(x: torch.Tensor, cp_group: Group) -> torch.Tensor:

@@ -30,7 +30,8 @@ from torch.nn import functional
 from model.config import GPTConfig
 from model.layers import group_rank, group_size, mark_sequence_parallel, split_rows
 from model.llama import LlamaMLP
-from model.mappings import (Group, all_gather_sequence, all_to_all_tokens, copy_to_tp_region, exchange_counts,
+from model.mappings import (Group, all_gather_sequence, all_to_all_from_experts,
+                            all_to_all_to_experts, copy_to_tp_region, exchange_counts,
                             gather_from_sequence_parallel_region, reduce_from_tp_region,
                             reduce_scatter_to_sequence_parallel_region)
 from model.moe_losses import MoEStatistics, add_to_backward, router_losses
@@ -276,10 +277,10 @@ class MoEMLP(nn.Module):
         send = counts.view(self.ep_size, self.local_experts)  # row j: for EP rank j's experts
         received = exchange_counts(send, self.ep_group)  # row i: from EP rank i, per local expert
         send_rows, received_rows = send.sum(1).tolist(), received.sum(1).tolist()
-        rows = all_to_all_tokens(routed, received_rows, send_rows, self.ep_group)  # source-major, then expert
+        rows = all_to_all_to_experts(routed, received_rows, send_rows, self.ep_group)  # source-major, then expert
         # Regroup by local expert (source order within): each expert's rows consecutive.
         row_expert = torch.arange(self.local_experts, device=rows.device).repeat(self.ep_size)
         by_expert = torch.argsort(row_expert.repeat_interleave(received.reshape(-1)), stable=True)
         out = self.experts(rows[by_expert], received.sum(0).tolist())
         out = out[torch.argsort(by_expert)]  # source-major again
-        return all_to_all_tokens(out, send_rows, received_rows, self.ep_group)
+        return all_to_all_from_experts(out, send_rows, received_rows, self.ep_group)

@@ -6,7 +6,7 @@ code and DeepSpeed 0.19.8 (deepspeed.comm looks them up at call time) go through
 `engine.train_batch`. Each call is recorded under (phase, purpose, role, op) with its calls,
 elements and bytes: phase "step k" or "after step k" (nothing before the first step); purpose from
 the calling function (PURPOSES, else "bookkeeping: <caller>"); role the group's axis in the
-topology (tp, dp, pp, pp-p2p, world, self; cp for context parallelism's calls); payload the tensor this rank hands to the call. Each
+topology (tp, dp, pp, pp-p2p, world, self; cp and ep for context and expert parallelism's calls); payload the tensor this rank hands to the call. Each
 rank writes OUT_DIR/rank{R}.json after every step; a measurement tool, not for production."""
 from __future__ import annotations
 
@@ -68,6 +68,12 @@ PURPOSES = {
     "_SequenceToHeads.backward": "cp-backward",
     "_HeadsToSequence.backward": "cp-backward",
     "all_gather_context": "cp-segments",  # the document mask's segment ids of the whole sequence
+    # Expert parallelism (model/moe.py): the counts, the rows to the experts' ranks and back, both directions.
+    "exchange_counts": "ep-counts",
+    "_TokensToExperts.forward": "ep-dispatch",
+    "_TokensToExperts.backward": "ep-dispatch",
+    "_TokensFromExperts.forward": "ep-combine",
+    "_TokensFromExperts.backward": "ep-combine",
 }
 BOOKKEEPING = "bookkeeping: "
 _COMM_LAYERS = ("torch/distributed/", "deepspeed/comm/", "launch/instruments/comm_counter.py")
@@ -127,9 +133,9 @@ class CommCounter:
             group = bound.arguments.get("group")
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
                 range(dist.get_world_size()))
-            # A CP group lies inside DeepSpeed's data axis (model/parallel_state.py), and at dp = 1 it
-            # is that axis: name it by what the call is for, as the planner does.
-            role = "cp" if purpose.startswith("cp-") else self.role(ranks)
+            # CP and EP groups lie inside DeepSpeed's data axis (model/parallel_state.py), and at dp = 1
+            # may be that axis: name them by what the call is for, as the planner does.
+            role = purpose[:2] if purpose.startswith(("cp-", "ep-")) else self.role(ranks)
         entry = self.counts[self.phase][(purpose, role, op)]
         entry[0] += 1
         entry[1] += elements
