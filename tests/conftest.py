@@ -89,13 +89,16 @@ class ParityRuns:
                          for arg in ("--set", f"train.recompute={tag}")]
             precision = run_precision(layout)
             wandb = ["--wandb", "offline"] if layout == (1, 1, 2) else []
+            # Expert-parallel MoE runs also count their collectives (tests/test_moe_comm.py reads them).
+            comm = ["--comm-counts", str(tmp / "comm")] if "moe" in layout and expert_parallel_size(layout) > 1 else []
             recipe = LLAMA_TINY if "llama" in layout else MOE_TINY if "moe" in layout else TINY
             cp, ep = context_parallel_size(layout), expert_parallel_size(layout)
             context = (["--cp", str(cp)] if cp > 1 else []) + (["--ep", str(ep)] if ep > 1 else [])
             proc = launch_forked(tp * cp * pp * dp, ["--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
                                          "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
                                          "--save", str(tmp / "ck"), "--save-every", str(SAVE_AT)]
-                          + context + sp + docmask + compiled + schedule + recompute + precision_args(precision) + wandb,
+                          + context + sp + docmask + compiled + schedule + recompute + precision_args(precision) + wandb
+                          + comm,
                                  env=dict(precision_env(precision), WANDB_DIR=str(tmp)), acceptance=True)
             assert proc.returncode == 0, f"layout {layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             self.done[layout] = {"metrics": read_metrics(tmp / "metrics.jsonl"), "dir": tmp, "stdout": proc.stdout,
