@@ -209,7 +209,8 @@ def test_all_to_all_volume_follows_the_dispatch_protocol(ep, cp, micro_batch):
     assert step[("ep-dispatch", "ep", "all_to_all_single")] == (2 * m * blocks, 2 * m * blocks * tokens * 2 * 32,
                                                                 2 * m * blocks * tokens * 2 * 32 * 2)
     recomputed = experts.ep_comm_by_pass(config, ep, cp, micro_batch, m, blocks, 2, "full")
-    assert recomputed[("forward", "ep-counts")][0] == 2 * m * blocks and recomputed[("backward", "ep-dispatch")][0] == m * blocks
+    assert recomputed[("forward", "ep-counts")][0] == 2 * m * blocks
+    assert recomputed[("backward", "ep-dispatch")][0] == m * blocks
     assert experts.ep_comm_by_pass(config, 1, cp, micro_batch, m, blocks, 2) == {}
     # In the step's communication: comm_formulas and the plan's bytes.
     layout = Layout(world_size=8 * cp, tp=1, pp=1, dp=8, cp=cp, ep=ep, micro_batch_size=micro_batch,
@@ -317,7 +318,8 @@ def test_the_recipes_comments_state_the_planners_numbers(name, capsys):
     text = (REPO / recipe).read_text()
     assert yaml.safe_load(text)["train"]["ep"] == load_recipe(REPO / recipe, []).train.ep > 1
     command = re.search(r"python launch/plan.py (.*)", text).group(1).split()
-    total, active = (int(n.replace(",", "")) for n in re.search(r"# ([\d,]+) parameters, ([\d,]+) active", text).groups())
+    counts = re.search(r"# ([\d,]+) parameters, ([\d,]+) active", text).groups()
+    total, active = (int(n.replace(",", "")) for n in counts)
     memory = re.search(r"#\s+([\d.]+) GiB per GPU of 80 \(routed-expert states ([\d.]+) GiB", text)
     assert main(command) == 0
     out = capsys.readouterr().out

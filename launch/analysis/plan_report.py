@@ -180,11 +180,11 @@ def _moe_lines(plan: Dict[str, Any], model: ModelConfig, where: Dict[str, str]) 
                       f"{model.resolved().expert_ffn_hidden_size}{shared}: {_count(plan['params_active'])} parameters "
                       f"active per token; ep {e}: {E // e} expert{'s' * (E // e > 1)} per rank"],
             "roles": [f"{'EP':<5}{e:>5}  {f'the {E} experts of each MoE block':<44}"
-                      f"{plan['comm_bytes_per_step']['ep'] / 1e9:.1f} GB all-to-all (counts, then b*s*k*h/cp routed rows "
-                      f"out and back: 3 forward, 2 backward per MoE block per micro-batch), {where['ep']}",
+                      f"{plan['comm_bytes_per_step']['ep'] / 1e9:.1f} GB all-to-all (counts, then b*s*k*h/cp routed "
+                      f"rows out and back: 3 forward, 2 backward per MoE block per micro-batch), {where['ep']}",
                       f"{'':12}groups: {_groups(plan['groups']['ep'])}"],
-            "memory": [f"  {'of which routed-expert states':<32}{mem['expert_states'] / GIB:7.1f} GiB   ({E // e} of {E} per "
-                       f"MoE block, 1/{plan['tp']} of each; ZeRO-1 over dp x cp / ep = "
+            "memory": [f"  {'of which routed-expert states':<32}{mem['expert_states'] / GIB:7.1f} GiB   "
+                       f"({E // e} of {E} per MoE block, 1/{plan['tp']} of each; ZeRO-1 over dp x cp / ep = "
                        f"{plan['dp'] * plan['cp'] // e})"]}
 
 
@@ -264,7 +264,8 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"model FLOPs per step: {plan['model_flops_per_step']:.3e} "
         f"(executed with full recompute: {plan['model_flops_per_step_recompute']:.3e})",
         f"estimated step: {time['step']:.2f} s (compute {time['compute']:.2f}, bubble {time['bubble']:.2f}, "
-        f"tp {time['tp']:.2f}, cp {time['cp']:.2f}, " + (f"ep {time['ep']:.2f}, " if moe["roles"] else "") + f"pp {time['pp']:.2f}, dp {time['dp']:.2f}), MFU {plan['mfu_estimate']:.0%} "
+        f"tp {time['tp']:.2f}, cp {time['cp']:.2f}, " + (f"ep {time['ep']:.2f}, " if moe["roles"] else "")
+        + f"pp {time['pp']:.2f}, dp {time['dp']:.2f}), MFU {plan['mfu_estimate']:.0%} "
         f"at {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s",
     ]
     lines += [""] + [f"warning: {w}" for w in notes] if notes else []

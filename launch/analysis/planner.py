@@ -311,10 +311,10 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     expert_params = [experts.stage_expert_params_per_rank(arch, t, e, parts, k) for k in range(p)]
     # ZeRO-1 and the gradient all-reduce span DeepSpeed's data axis: dp x cp ranks.
     memory = [_stage_memory(model, setup, d * c, m, k, indices[k], groups_of[k], expert_params[k]) for k in range(p)]
-    dense_dp = [engine_memory.dp_allreduce_bytes(setup.precision, setup.zero, d * c, g[0] - x, g[1],
-                                                 setup.communication_data_type) for g, x in zip(groups_of, expert_params)]
-    expert_dp = [engine_memory.dp_allreduce_bytes(setup.precision, setup.zero, d * c // e, x, 0,
-                                                  setup.communication_data_type) if x else 0 for x in expert_params]
+    reduced = lambda ranks, matrices, vectors: engine_memory.dp_allreduce_bytes(  # noqa: E731
+        setup.precision, setup.zero, ranks, matrices, vectors, setup.communication_data_type)
+    dense_dp = [reduced(d * c, g[0] - x, g[1]) for g, x in zip(groups_of, expert_params)]
+    expert_dp = [reduced(d * c // e, x, 0) if x else 0 for x in expert_params]
     dp_stage = max(range(p), key=lambda k: dense_dp[k] + expert_dp[k])
     dp_bytes, expert_dp_bytes = dense_dp[dp_stage], expert_dp[dp_stage]
     fullest = max(range(p), key=lambda k: memory[k]["total"])
