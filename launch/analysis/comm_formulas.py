@@ -166,6 +166,9 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
             (backward * activation + routing * weights) * element_bytes)
         if last:
             add("tp-loss", "tp", "all_reduce", 3 * m, 3 * m * b * s, 3 * m * b * s * LOSS_BYTES)
+        if config.qk_norm == "head":  # Qwen3's q/k norm weights: replicated, each rank's heads' gradient summed once
+            qk = 2 * blocks * config.head_dim
+            add("tied-grads", "tp", "all_reduce", 2 * blocks, qk, qk * element_bytes)
     if t > 1:
         # Shared key/value heads: the gather hands this rank's 1/t shard, the reduce-scatter the whole gradient.
         per_block, gathered = kv_gathered_elements(config, t)
