@@ -25,7 +25,7 @@ from model.layer_table import pipeline_layers
 Key = Tuple[str, str, str]  # (purpose, role, op), as in launch/instruments/comm_counter.py
 Volume = Tuple[int, int, int]  # (calls, elements, bytes)
 
-EP_ALL_TO_ALL = "all_to_all_single"  # model/mappings.py: exchange_counts and all_to_all_tokens
+EP_ALL_TO_ALL = "all_to_all_single"  # model/mappings.py: exchange_counts, all_to_all_to_experts and _from_experts
 COUNT_BYTES = 8  # the counts exchanged before the rows are int64 (torch.bincount)
 INDEX_BYTES = 8  # int64 indices (the routing's sorts and gathers) kept for backward
 FP32 = 4

@@ -68,6 +68,9 @@ PURPOSES = {
     "_SequenceToHeads.backward": "cp-backward",
     "_HeadsToSequence.backward": "cp-backward",
     "all_gather_context": "cp-segments",  # the document mask's segment ids of the whole sequence
+    # OLMoE's q/k norm over the whole projection: the sum of squares over TP, both directions (model/llama.py).
+    "_AllReduceSum.forward": "tp-qk-norm",
+    "_AllReduceSum.backward": "tp-qk-norm",
     # Expert parallelism (model/moe.py): the counts, the rows to the experts' ranks and back, both directions.
     "exchange_counts": "ep-counts",
     "_TokensToExperts.forward": "ep-dispatch",
