@@ -143,10 +143,12 @@ def refuse_unfused_llama(ref: CheckpointRef) -> None:
 
 
 def same_layout(saved: Dict[str, Any], layout: Dict[str, Any]) -> bool:
-    """Same (tp, pp, dp) and the same stage boundaries: DeepSpeed's own loader restores each rank's
-    flat ZeRO-1 partition, which holds the parameters of that rank's layers, so another cut of the
-    pipeline at the same layout re-shards too."""
-    return (all(saved[k] == layout[k] for k in ("tp", "pp", "dp")) and saved.get("cp", 1) == layout.get("cp", 1)
+    """Same (tp, pp, dp, cp, ep) and the same stage boundaries: DeepSpeed's own loader restores each
+    rank's flat ZeRO-1 partition, which holds the parameters of that rank's layers (and, with
+    experts, its EP rank's experts), so another cut of the pipeline at the same layout re-shards too.
+    A checkpoint saved before cp or ep existed has 1."""
+    return (all(saved[k] == layout[k] for k in ("tp", "pp", "dp"))
+            and all(saved.get(k, 1) == layout.get(k, 1) for k in ("cp", "ep"))
             and list(saved.get("parts", ())) == list(layout.get("parts", ())))
 
 
@@ -184,8 +186,10 @@ def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Di
         raise ConfigError(f"checkpoint {ref.path} has train.zero_stage={stages[0]}, this run {stages[1]}: "
                           f"the optimizer state is stored per ZeRO stage; resume with --set train.zero_stage={stages[0]}")
     if not same_layout(saved, layout) and stages[1] != 1:
-        raise ConfigError(f"checkpoint {ref.path} was saved at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "
+        eps = (saved.get("ep", 1), layout.get("ep", 1))
+        ep = [f" ep={e}" if eps != (1, 1) else "" for e in eps]
+        raise ConfigError(f"checkpoint {ref.path} was saved at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}{ep[0]} "
                           f"with train.zero_stage={stages[0]}, this run is tp={layout['tp']} pp={layout['pp']} "
-                          f"dp={layout['dp']}, stage boundaries {list(saved['parts'])} and this run "
+                          f"dp={layout['dp']}{ep[1]}, stage boundaries {list(saved['parts'])} and this run "
                           f"{list(layout.get('parts', ()))}: a change of layout re-shards ZeRO-1 state only; resume at "
                           f"the saved layout (and its cut: --set train.partition=[blocks per stage])")
