@@ -5,17 +5,23 @@ located through their `param_slice_mappings`), only the fragments of its own par
 parameter at a time; merges the saved TP shards and cuts its own with model/convert.py's rules;
 and writes the fp32 master weight, Adam's moments and step, the lr, the LR schedule and the
 engine's step counters into the new engine. Why this way, its memory bound and its limits (ZeRO-1
-only, RNG states not carried): docs/checkpoints.md, "Resuming at another layout"."""
+only, RNG states not carried): docs/checkpoints.md, "Resuming at another layout".
+
+Experts (a mixture-of-experts model) re-shard over (tp, ep) too: ZeRO-1 partitions an expert
+parameter over its expert-data-parallel group (the data indices d with d % ep = r hold EP rank
+r's experts), so EP rank r's shard is read from those files only; the EP ranks' experts are
+stacked along dim 0 (model/convert.py: merge_experts) and each rank reads only the saved EP ranks
+that hold its own experts (docs/checkpoints.md, "Mixture of experts")."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Set, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
 
 from model.config import ModelConfig
-from model.convert import dense_name, merge, split
+from model.convert import dense_name, merge, merge_experts, rule_for, split
 from model.parallel_state import ParallelState, build_topology
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
@@ -72,11 +78,13 @@ class _SavedSlice:
                            for d in range(dp)]
         self.fragments = [_index_fragments(optim) for optim in self.partitions]
 
-    def shard(self, name: str) -> Dict[str, torch.Tensor]:
+    def shard(self, name: str, data_indices: Optional[Iterable[int]] = None) -> Dict[str, torch.Tensor]:
         """{fp32, exp_avg, exp_avg_sq} of pipeline parameter `name` on this slice: its fragments,
-        in dp-partition order, make its flattened shard (a new tensor; the files stay untouched)."""
+        in dp-partition order, make its flattened shard (a new tensor; the files stay untouched).
+        `data_indices`: the partition files to read (an expert parameter's: its EP rank's); default all."""
         pieces: Dict[str, List[torch.Tensor]] = {key: [] for key in (FP32,) + MOMENTS}
-        for optim, fragments in zip(self.partitions, self.fragments):
+        indices = range(len(self.partitions)) if data_indices is None else data_indices
+        for optim, fragments in ((self.partitions[d], self.fragments[d]) for d in indices):
             if name not in fragments:
                 continue
             g, address = fragments[name]
@@ -93,17 +101,21 @@ class _SavedSlice:
 
 
 def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: ModelConfig, vocab_size: int,
-                        wanted: Iterable[str]) -> Iterator[Tuple[str, Dict[str, torch.Tensor]]]:
+                        wanted: Iterable[str], experts: Optional[range] = None
+                        ) -> Iterator[Tuple[str, Dict[str, torch.Tensor]]]:
     """(dense name, {fp32, exp_avg, exp_avg_sq}) for each dense parameter name in `wanted`: the
-    full (TP-merged, real-vocabulary) fp32 weight and Adam moments, one parameter at a time.
+    full (TP-merged, real-vocabulary) fp32 weight and Adam moments, one parameter at a time. An
+    expert parameter's hold the experts `experts` (global ids along dim 0; default all E).
 
     Memory: only one parameter's full tensors exist at a time (the caller drops them before the
     next), and a saved stage's files are open only while its parameters are read; each file is
-    opened once per reading rank, and stages that hold none of `wanted` are never opened."""
+    opened once per reading rank, and stages that hold none of `wanted` are never opened. Of an
+    expert parameter only the saved EP ranks holding wanted experts are read."""
     tp, pp = saved_layout["tp"], saved_layout["pp"]
     # DeepSpeed's data axis, over which the ZeRO-1 files are partitioned, held dp x cp ranks
     # (model/parallel_state.py); the weights themselves do not depend on cp.
     dp = saved_layout["dp"] * saved_layout.get("cp", 1)
+    ep = saved_layout.get("ep", 1)
     wanted = set(wanted)
     mp_ranks = slice_ranks(tp, pp, dp)
     done: Set[str] = set()
@@ -118,14 +130,35 @@ def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: ModelC
             continue  # nothing of this stage is needed here: its files are never opened
         slices = [_SavedSlice(ckpt, mp_ranks[stage, r], dp) for r in range(tp)]
         for name, dense in names.items():
-            shards = [s.shard(name) for s in slices]
-            yield dense, {key: merge(dense, [shard[key] for shard in shards], vocab_size, layers)
-                          for key in (FP32,) + MOMENTS}
+            if rule_for(dense, layers).experts:
+                yield dense, _expert_state(slices, name, dense, ep, dp, experts, vocab_size, layers)
+            else:
+                shards = [s.shard(name) for s in slices]
+                yield dense, {key: merge(dense, [shard[key] for shard in shards], vocab_size, layers)
+                              for key in (FP32,) + MOMENTS}
             done.add(dense)
         del slices  # unmap this stage's files before the next stage's
     missing = wanted - done
     if missing:
         raise ValueError(f"{ckpt} holds no optimizer state for {sorted(missing)[:4]}")
+
+
+def _expert_state(slices: List[_SavedSlice], name: str, dense: str, ep: int, dp: int, experts: Optional[range],
+                  vocab_size: int, layers: ModelConfig) -> Dict[str, torch.Tensor]:
+    """{fp32, exp_avg, exp_avg_sq} of the experts `experts` (default all) of expert parameter `name`:
+    each saved EP rank r holding some of them is read from its expert-data-parallel partitions (the
+    data indices r, r + ep, ...), TP-merged; the EP ranks' experts stacked, then cut to `experts`."""
+    local = slices[0].shapes[name][0]  # E/ep experts per saved EP rank
+    wanted = experts if experts is not None else range(local * ep)
+    ranks = [r for r in range(ep) if r * local < wanted.stop and wanted.start < (r + 1) * local]
+    per_rank = []
+    for r in ranks:
+        shards = [s.shard(name, range(r, dp, ep)) for s in slices]
+        per_rank.append({key: merge(dense, [shard[key] for shard in shards], vocab_size, layers)
+                         for key in (FP32,) + MOMENTS})
+    start = wanted.start - ranks[0] * local
+    return {key: merge_experts(dense, [part[key] for part in per_rank])[start:start + len(wanted)].clone()
+            for key in (FP32,) + MOMENTS}
 
 
 def _rank_independent_state(ckpt: Path) -> dict:
@@ -143,6 +176,14 @@ def _init_adam_state(optimizer, step: torch.Tensor) -> None:
     optimizer._lazy_init_hp_params_optimizer_state()
 
 
+def _saved_group(group: dict, saved_groups: List[dict]) -> dict:
+    """The saved param group of the same kind as `group`: expert or not, the same weight decay (the
+    same index at the same layout; a stage without experts saves no expert groups); else the first."""
+    def kind(g: dict):
+        return bool(g.get("moe", False)), g.get("weight_decay")
+    return next((saved for saved in saved_groups if kind(saved) == kind(group)), saved_groups[0])
+
+
 @torch.no_grad()
 def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, int], state: ParallelState,
                    layers: ModelConfig, vocab_size: int, padded_vocab_size: int) -> None:
@@ -156,11 +197,14 @@ def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, i
     common = _rank_independent_state(ckpt)
     base = common["base_optimizer_state"]
     _init_adam_state(engine.optimizer, base["state"][0]["step"])
-    for group, saved_group in zip(engine.optimizer.optimizer.param_groups, base["param_groups"]):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})  # lr, betas, ...
+    for group in engine.optimizer.optimizer.param_groups:  # lr, betas, ...; not the group's identity
+        group.update({k: v for k, v in _saved_group(group, base["param_groups"]).items()
+                      if k not in ("params", "name", "moe")})
     if getattr(engine.optimizer, "dynamic_loss_scale", False) and getattr(common.get("loss_scaler"), "dynamic", False):
         engine.optimizer.loss_scaler = common["loss_scaler"]  # fp16: the scale found so far, and its counters
-    for dense, full in iter_training_state(ckpt, saved_layout, layers, vocab_size, params):
+    local = layers.moe.num_experts // state.ep_size  # this rank's experts, [ep_rank * local, ...)
+    experts = range(state.ep_rank * local, (state.ep_rank + 1) * local) if layers.moe.enabled else None
+    for dense, full in iter_training_state(ckpt, saved_layout, layers, vocab_size, params, experts):
         param = params[dense]
         shards = {key: split(dense, tensor, state.tp_rank, state.tp_size, padded_vocab_size, layers)
                   for key, tensor in full.items()}
