@@ -173,16 +173,16 @@ def merge_layer_states(layer_states: Mapping[int, List[StateDict]], layers: Mode
 
 @torch.no_grad()
 def load_dense_into(module: nn.Module, dense: StateDict, layers: Optional[ModelConfig], tp_rank: int, tp_size: int,
-                    padded_vocab_size: int) -> None:
+                    padded_vocab_size: int, ep_rank: int = 0, ep_size: int = 1) -> None:
     """Copy this rank's shard of every parameter of `module` (a PipelineModule stage when
     `layers` is given, else a dense GPT, whose own config then gives the model's shape) from the
-    dense state dict, in place."""
+    dense state dict, in place; expert weights: EP rank `ep_rank`'s experts of `ep_size`, then their TP shard."""
     config = layers if layers is not None else module.config
     for name, param in module.named_parameters():
         key = dense_name(name, layers) if layers is not None else name
         if key not in dense:
             raise KeyError(f"no weights for {key} (parameter {name})")
-        shard = split(key, dense[key], tp_rank, tp_size, padded_vocab_size, config)
+        shard = split(key, split_experts(key, dense[key], ep_rank, ep_size), tp_rank, tp_size, padded_vocab_size, config)
         if shard.shape != param.shape:
             raise ValueError(f"{key}: the weights give a shard of {tuple(shard.shape)} on tp rank {tp_rank} "
                              f"of {tp_size}, the model has {tuple(param.shape)}")

@@ -68,8 +68,9 @@ def evaluation_recipe(args: argparse.Namespace) -> Recipe:
         weights = as_overrides({"model": shape}, "")
     # The weights' shape first, the user's --set last: a --set model.* that contradicts the
     # weights is caught below instead of silently ignored.
-    cp = [] if getattr(args, "cp", None) is None else [f"train.cp={args.cp}"]  # any cp: weights do not depend on it
-    recipe = load_recipe(args.recipe or DEFAULT_RECIPE, weights + args.overrides + cp)
+    # Any cp and ep: the weights do not depend on them (a checkpoint's experts are re-split, as its TP shards).
+    layout = [f"train.{key}={getattr(args, key)}" for key in ("cp", "ep") if getattr(args, key, None) is not None]
+    recipe = load_recipe(args.recipe or DEFAULT_RECIPE, weights + args.overrides + layout)
     for key, value in shape.items():
         if getattr(recipe.model, key) != value:
             raise ConfigError(f"model.{key}={getattr(recipe.model, key)!r} but the weights have {value!r}: "
@@ -85,8 +86,9 @@ def load_weights(pipe: PipelineModule, args: argparse.Namespace, config: GPTConf
         return
     from launch.checkpoints.hf_export import read_checkpoint_weights
     from model.convert import load_dense_into
-    _, _, dense = read_checkpoint_weights(args.load)
-    load_dense_into(pipe, dense, config, state.tp_rank, state.tp_size, config.padded_vocab_size(state.tp_size))
+    _, _, dense = read_checkpoint_weights(args.load)  # every expert included (store.read_layer_files)
+    load_dense_into(pipe, dense, config, state.tp_rank, state.tp_size, config.padded_vocab_size(state.tp_size),
+                    state.ep_rank, state.ep_size)
 
 
 def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
@@ -103,7 +105,11 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
     from model.pipe import build_pipeline
 
     start_rank(layout.world_size, recipe.train.dist_timeout_s)
-    state = init_parallel_state(layout.tp, layout.pp, layout.cp)
+    experts = recipe.model.moe.enabled
+    state = init_parallel_state(layout.tp, layout.pp, layout.cp, layout.ep, experts=experts)
+    if experts:  # as the training engine: DeepSpeed's expert groups from our topology (launch/runtime/experts.py)
+        from launch.runtime.experts import register_expert_groups
+        register_expert_groups(state)
     config = recipe.gpt_config(job.vocab_size, data.tokenizer.eos_token_id)
     pipe = build_pipeline(config, state, parts=layout.parts or None)
     load_weights(pipe, args, config, state)
@@ -131,7 +137,8 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
         result["loss_by_source"] = by_source
     if is_logging_rank(state.global_rank):
         print(f"loss {loss:.6f} ppl {result['ppl']:.4f} ({n_batches} global batches of {result['data']} data, "
-              f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp={layout.dp})", flush=True)
+              f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp={layout.dp}"
+              + (f" ep={layout.ep}" if experts else "") + ")", flush=True)
         for label, source_loss in (by_source or {}).items():
             print(f"  {label}: loss {source_loss:.6f} ppl {math.exp(min(source_loss, 50.0)):.4f}", flush=True)
         if args.json_out is not None:
