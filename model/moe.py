@@ -35,7 +35,7 @@ from model.mappings import (Group, all_gather_sequence, all_to_all_from_experts,
                             gather_from_sequence_parallel_region, reduce_from_tp_region,
                             reduce_scatter_to_sequence_parallel_region)
 from model.moe_losses import MoEStatistics, add_to_backward, router_losses
-from model.weight_grad import add_product_into, linear, weight_grad_now_or_later
+from model.weight_grad import DeferrableLinear, add_product_into, weight_grad_now_or_later
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -184,7 +184,11 @@ class ExpertMLPs(nn.Module):
 
 
 class Router(nn.Module):
-    """logits = x W_r^T, (N, h) -> (N, E); W_r (E, h) replicated over TP, drawn from the block's generator."""
+    """logits = x W_r^T, (..., h) -> (..., E); W_r (E, h) replicated over TP, drawn from the block's generator.
+
+    Always through the deferrable linear (model/weight_grad.py), in 1F1B too: for so few output rows
+    functional.linear's own backward orders the weight gradient's GEMM differently (measured: 1e-11
+    apart on CPU), and ZB-H1, which defers it, would no longer be 1F1B to the bit."""
 
     def __init__(self, config: GPTConfig, generator: torch.Generator):
         super().__init__()
@@ -192,7 +196,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(full)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return linear(tokens, self.weight)
+        return DeferrableLinear.apply(tokens, self.weight, None)
 
 
 class MoEMLP(nn.Module):
@@ -228,7 +232,7 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T_local, h = x.shape
-        logits = self.router(x.reshape(-1, h))  # (B*T_local, E): this rank's tokens (its SP chunk)
+        logits = self.router(x).reshape(-1, self.num_experts)  # (B*T_local, E): this rank's tokens (its SP chunk)
         weights, experts, probs = route(logits, self.k, self.router_kind, self.norm_topk_prob)
         losses = None
         if torch.is_grad_enabled():  # training (a recomputed forward included), not evaluation
