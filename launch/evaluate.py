@@ -26,6 +26,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
     p.add_argument("--cp", type=int, help="context-parallel size (default: the recipe's train.cp)")
+    p.add_argument("--ep", type=int, help="expert-parallel size of a mixture of experts (default: the recipe's train.ep)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set data.val_fraction=0.05 (repeatable)")
     p.add_argument("--batches", type=int, help="global batches to evaluate (default: train.eval_batches)")

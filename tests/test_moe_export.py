@@ -430,3 +430,41 @@ def test_an_evaluation_takes_the_model_from_config_json(tmp_path):
 def test_a_dense_llama_export_refuses_a_qk_norm():
     config = GPTConfig(**{**BASE, "arch": "llama", "qk_norm": "head", "moe": None})
     assert "model.qk_norm='head'" in _refusal(config)
+
+
+@pytest.mark.slow
+def test_trained_ep2_checkpoint_exports_and_comes_back(tmp_path):
+    """moe-tiny without its shared expert (Qwen3-MoE has none) trained at (tp, pp, dp, ep) = (1,1,2,2),
+    exported by launch/export_hf.py from a checkpoint whose experts two EP ranks saved: transformers'
+    Qwen3MoeForCausalLM gives our loss within 1e-5; a run started from that export at (2,1,2,2) with
+    a learning rate far below one ulp exports back the same bits (ours -> transformers -> ours)."""
+    from safetensors.torch import load_file
+    from torch.nn import functional
+    from transformers import AutoModelForCausalLM
+
+    from launcher import MOE_TINY, REPO, launch_forked, read_metrics
+    no_shared = ["--set", "model.moe.shared_experts=0", "--set", "train.eval_every=0"]
+    proc = launch_forked(2, ["--recipe", str(MOE_TINY), "--ep", "2", "--steps", "2", "--save", str(tmp_path / "ck")]
+                         + no_shared)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert export_hf.main(["--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
+    assert '"model_type": "qwen3_moe"' in (tmp_path / "hf" / "config.json").read_text()
+
+    _, config, dense = hf_export.read_checkpoint_weights(tmp_path / "ck")
+    ours = hf_export.dense_gpt(config, {**dense})
+    ids = torch.randint(0, config.vocab_size, (4, config.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        losses = [functional.cross_entropy(logits.reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1)).item()
+                  for logits in (ours(ids[:, :-1])[..., :config.vocab_size], hf(ids[:, :-1]).logits)]
+    assert abs(losses[1] - losses[0]) <= 1e-5 * losses[0], losses
+
+    metrics = tmp_path / "m.jsonl"
+    proc = launch_forked(4, ["--recipe", str(MOE_TINY), "--tp", "2", "--ep", "2", "--steps", "1", "--init-from-hf",
+                             str(tmp_path / "hf"), "--set", "train.lr=1e-30", "--save", str(tmp_path / "ck2"),
+                             "--metrics-out", str(metrics)] + no_shared)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(read_metrics(metrics)) == 1
+    assert export_hf.main(["--load", str(tmp_path / "ck2"), "--out", str(tmp_path / "hf2")]) == 0
+    before, after = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
+    assert before.keys() == after.keys() and [k for k in before if not torch.equal(before[k], after[k])] == []

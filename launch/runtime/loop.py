@@ -56,7 +56,9 @@ def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout
         saved = resume_from.meta["layout"]
         print(f"resumed from {resume_from.path} at step {step} ({samples} samples consumed)"
               + ("" if same_layout(saved, vars(layout)) else
-                 f", re-sharded from tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "
+                 f", re-sharded from tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}"
+                 + (f" cp={saved.get('cp', 1)}" if layout.cp > 1 or saved.get("cp", 1) > 1 else "")
+                 + (f" ep={saved.get('ep', 1)}" if layout.ep > 1 or saved.get("ep", 1) > 1 else "") + " "
                  f"(stage boundaries {list(saved['parts'])} -> {list(layout.parts)})"), flush=True)
     return step + 1, samples
 
