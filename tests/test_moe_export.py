@@ -135,7 +135,7 @@ def _expert_loads(ours: GPT, ids: torch.Tensor):
 
     def hook(index):
         def record(module, inputs, logits):
-            chosen = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :module_k]
+            chosen = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :module_k]
             loads[index] = torch.bincount(chosen.reshape(-1), minlength=logits.size(-1))
         return record
 
