@@ -107,9 +107,10 @@ def add_to_backward(y: torch.Tensor, loss: torch.Tensor, statistics: MoEStatisti
 
 
 def stage_statistics(module: torch.nn.Module) -> Optional[MoEStatistics]:
-    """The MoEStatistics the MoE blocks of `module` share, or None without MoE blocks."""
-    from model.moe import MoEMLP
-    return next((m.statistics for m in module.modules() if isinstance(m, MoEMLP)), None)
+    """The MoEStatistics the MoE blocks of `module` share (model/moe.py: MoEMLP.statistics), or None
+    without MoE blocks."""
+    return next((m.statistics for m in module.modules() if isinstance(getattr(m, "statistics", None), MoEStatistics)),
+                None)
 
 
 def loss_summary(records: torch.Tensor, moe_blocks: List[int]) -> Dict[str, object]:

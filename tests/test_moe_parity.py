@@ -26,6 +26,10 @@ def test_moe_reference_learns_with_clipping_and_balances(parity_runs):
     ref = parity_runs[REFERENCE]["metrics"]
     assert len(ref) == STEPS and ref[-1]["loss"] < ref[0]["loss"] - 0.05, [m["loss"] for m in ref]
     assert sum(m["grad_norm"] > 0.5 for m in ref) >= 3  # clipping acts
+    # Every block's 8 experts (3 x 64 x 32 weights each); a token passes through 2 of them.
+    total = 797_376  # launch/plan.py --recipe recipes/moe-tiny.yaml (vocabulary 4096)
+    active = total - 4 * (8 - 2) * 3 * 64 * 32
+    assert f"summary: {total:,} parameters ({active:,} active per token)" in parity_runs[REFERENCE]["stdout"]
     for m in ref:  # 2 assignments per token over 8 experts: a balanced router scores k = 2
         assert 1.9 < m["aux_loss"] < 2.5 and m["z_loss"] > 0, m
         assert set(m["expert_load"]) == {"0", "1", "2", "3"}

@@ -100,11 +100,17 @@ class RunArithmetic:
     peak_flops: Optional[float]
     """Per device; None where unknown (CPU): MFU is then null."""
     peak_source: str
+    active_params: Optional[int] = None
+    """A mixture of experts: the parameters one token passes through (k routed experts, shared
+    experts, router: formulas.model_params_active); None for a dense model."""
 
     def summary(self) -> str:
         l, p, m = self.layout, self.layout.pp, self.layout.grad_accum_steps
         cp = f"cp {l.cp} x " if l.cp > 1 else ""
-        return (f"summary: {self.params:,} parameters; world {l.world_size} = tp {l.tp} x {cp}pp {p} x dp {l.dp}\n"
+        active = f" ({self.active_params:,} active per token)" if self.active_params is not None else ""
+        ep = f", ep {l.ep}" if l.ep > 1 else ""
+        return (f"summary: {self.params:,} parameters{active}; world {l.world_size} = tp {l.tp} x {cp}pp {p} x dp "
+                f"{l.dp}{ep}\n"
                 f"  per step: {m} micro-batches of {l.micro_batch_size} per pipeline x dp {l.dp} = "
                 f"{l.global_batch_size} samples = {self.tokens_per_step:,} tokens; {self.total_steps} steps\n"
                 f"  1F1B bubble predicted (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {self.bubble_fraction:.1%}\n"
@@ -131,7 +137,8 @@ def run_arithmetic(config: GPTConfig, layout: Layout, seq_len: int, total_steps:
         tokens_per_step=layout.global_batch_size * seq_len,
         model_flops_per_step=formulas.model_flops_per_step_of(config, layout.global_batch_size, seq_len),
         bubble_fraction=formulas.bubble_fraction(layout.pp, layout.grad_accum_steps),
-        peak_flops=peak, peak_source=source)
+        peak_flops=peak, peak_source=source,
+        active_params=formulas.model_params_active(config) if config.moe.enabled else None)
 
 
 # ---------------------------------------------------------------- read on every rank
