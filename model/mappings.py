@@ -277,6 +277,8 @@ class _TokensToExperts(torch.autograd.Function):
 
 
 class _TokensFromExperts(torch.autograd.Function):
+    # The same exchange as _TokensToExperts (each is the other's backward): a class of its own so that
+    # --comm-counts (launch/instruments/comm_counter.py) tells the return from the dispatch.
     @staticmethod
     def forward(ctx, x, output_splits, input_splits, group):
         ctx.splits, ctx.group = (output_splits, input_splits), group
