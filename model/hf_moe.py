@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from model.config import GPTConfig
-from model.hf_shards import Source, dense_tensor, stored_tensors
+from model.hf_source import Source, dense_tensor, stored_tensors
 from model.moe_config import MoEConfig
 
 

@@ -198,7 +198,8 @@ def _engine_body(tp, pp, cp, ep, sequence_parallel):
 
 @pytest.mark.parametrize("tp,pp,cp,ep,sequence_parallel", [
     (1, 2, 1, 2, False),  # dp 2, experts over both data ranks, two stages
-    (2, 1, 2, 2, True),   # tp 2 with sequence-parallel chunks, cp 2 (each records the micro-batch), ep over cp
+    # tp 2 with sequence-parallel chunks, cp 2 (each records the micro-batch), ep over cp; slow: the fast tier's budget
+    pytest.param(2, 1, 2, 2, True, marks=pytest.mark.slow),
 ], ids=["pp2-dp2-ep2", "tp2-sp-cp2-ep2"])
 def test_step_record_counts_every_micro_batch_once_under_full_recompute(tp, pp, cp, ep, sequence_parallel):
     run_distributed(_engine_body, 4, tp, pp, cp, ep, sequence_parallel)
@@ -222,6 +223,7 @@ def written_run_file(path, timeout_s: float = 30.0) -> bytes:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # wandb's offline writer takes seconds to start and finish: the fast tier's budget
 def test_wandb_offline_charts_each_blocks_imbalance_and_the_router_losses(tmp_path, monkeypatch):
     """MetricsLogger with wandb offline, given a step record with the MoE metrics of the in-process
     model: the run file holds expert_load_max_over_mean/block<i> of each MoE block with its value,
