@@ -16,6 +16,7 @@ from model.weight_grad import WEIGHT_GRADS
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny.yaml"
 
 
+@pytest.mark.slow  # a cold inductor compile, about 30 s: the fast tier's budget (the engine test below is slow too)
 def test_compiled_blocks_defer_their_weight_gradients():
     """With `train.compile` and no full recompute a block's first forward runs outside any B pass,
     where AOT autograd traces its backward: the deferral must still be decided when B runs. Two
