@@ -131,15 +131,18 @@ def _files(directory: Path) -> dict:
     return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(directory.rglob("*")) if f.is_file()}
 
 
+FROZEN_HEARTBEAT_S = 12  # six missed beats (every 2 s); shorter than the runs' 60 s default to keep the suite short
+
+
 def _freeze_one_rank(tmp_path, frozen: int):
     """A tp=2 pp=2 job, its collectives allowed 600 s, with rank `frozen` SIGSTOPped after step 3:
     its silence stalls the others inside a collective as a frozen GPU peer does on NCCL. Every
-    other rank must exit within train.heartbeat_timeout_s (20) + 15 s; resumed by SIGCONT, the
+    other rank must exit within train.heartbeat_timeout_s (12) + 15 s; resumed by SIGCONT, the
     frozen rank must leave without writing a metric or a checkpoint file. Returns the job's
     output, its metrics file and checkpoint directory."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     job = _start(4, ["--tp", "2", "--pp", "2", "--steps", "1000", "--save", str(ck), "--save-every", "2",
-                     "--metrics-out", str(metrics), "--set", "train.heartbeat_timeout_s=20",
+                     "--metrics-out", str(metrics), "--set", f"train.heartbeat_timeout_s={FROZEN_HEARTBEAT_S}",
                      "--set", "train.dist_timeout_s=600"])
     try:
         assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
@@ -148,7 +151,8 @@ def _freeze_one_rank(tmp_path, frozen: int):
         ranks[frozen].suspend()  # SIGSTOP
         frozen_at = time.monotonic()
         others = [p for r, p in enumerate(ranks) if r != frozen]
-        assert _wait_for(lambda: all(_gone(p) for p in others), timeout=20 + 15), "survivors still running"
+        assert _wait_for(lambda: all(_gone(p) for p in others), timeout=FROZEN_HEARTBEAT_S + 15), \
+            "survivors still running"
         print(f"the other ranks exited {time.monotonic() - frozen_at:.1f} s after rank {frozen} froze")
         before = _files(tmp_path)
         ranks[frozen].resume()  # SIGCONT

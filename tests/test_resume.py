@@ -26,7 +26,9 @@ def _resume(checkpoint, layout, metrics, extra=(), env=None, cp=1):
     return proc.stdout
 
 
-@pytest.mark.parametrize("layout", [REFERENCE] + LAYOUTS, ids=layout_id)
+# Every parity layout but the 16-rank (4,4,1), whose resume costs the suite 13 s and adds no path that
+# (2,2,2) (tp, pp and dp together) and the fault soak's (1,2,1) do not resume bit for bit already.
+@pytest.mark.parametrize("layout", [REFERENCE] + [layout for layout in LAYOUTS if layout != (4, 4, 1)], ids=layout_id)
 def test_resume_continues_bitwise(parity_runs, tmp_path, layout):
     run = parity_runs[layout]
     # The interrupted run's file, with steps 4-5 it trained after the checkpoint marked stale (loss
