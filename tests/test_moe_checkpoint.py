@@ -1,7 +1,7 @@
 """Checkpoints of mixture-of-experts runs (issue 26; docs/checkpoints.md, "Mixture of experts").
 
 Every expert is saved once per TP rank, by the first EP group, into `experts/` files named by the
-global expert ids they hold (launch/checkpoints/store.py); the layer files hold the rest. In
+global expert ids they hold (launch/checkpoints/expert_files.py); the layer files hold the rest. In
 process (fast): a save at (tp,pp,dp,ep) = (1,1,2,2) holds every expert, and resumes bit for bit
 at its layout, at ZeRO-1 and ZeRO-0; loaded at (2,1,1), each rank's weights, fp32 masters and
 Adam moments are the saved ones re-split, experts moved with their moments. Launched
@@ -70,7 +70,7 @@ def _save_and_resume_body(root: Path, zero_stage: int):
     weights, bit for bit. ZeRO-1 also records each rank's fp32 masters and moments at the save."""
     import torch.distributed as dist
 
-    from launch.checkpoints import store
+    from launch.checkpoints import expert_files, store
     from launch.checkpoints.locate import find_checkpoint
     from launch.runtime.run_inputs import resolved_recipe_dict
     recipe, layout, state, config, engine = _moe_engine(1, 2, zero_stage)
@@ -126,7 +126,7 @@ def test_zero0_keeps_every_ep_ranks_optimizer_state(tmp_path):
 def _reshard_body(root: Path, tp: int):
     """Load the (1,1,2,ep2) checkpoint at (tp,1,1,ep1): every parameter's weight, fp32 master and
     moments are the saved ones (EP rank 0's experts, then EP rank 1's), cut for this TP rank."""
-    from launch.checkpoints import store
+    from launch.checkpoints import expert_files, store
     from launch.checkpoints.locate import find_checkpoint
     from model.convert import dense_name, merge, merge_experts, rule_for, split
     recipe, layout, state, config, engine = _moe_engine(tp, 1)
@@ -147,7 +147,7 @@ def _reshard_body(root: Path, tp: int):
             if key == "fp32":
                 assert torch.equal(params[name].detach(), want), name  # the model's weight too
     # The checkpoint's one reader (export, evaluation) gives every expert, at tp 1 as saved.
-    layer = store.read_layer_files([ref.path / "layer_03-model_00-model_states.pt"])[0]
+    layer = expert_files.read_layer_files([ref.path / "layer_03-model_00-model_states.pt"])[0]
     experts = torch.cat([s["3.mlp.experts.gate_up_proj"]["fp32"] for s in saved])
     assert torch.equal(layer["mlp.experts.gate_up_proj"], experts) and "mlp.router.weight" in layer
 

@@ -59,7 +59,7 @@ def _read_layer(files: List[Path]):
     (launch/checkpoints/store.py: read_layer_files, the one reader of a checkpoint's layers). DeepSpeed
     writes each layer file with torch.save(module.state_dict()): a plain dict of tensors, so the
     safe unpickler (weights_only) reads it and no code in the file runs."""
-    from launch.checkpoints.store import read_layer_files
+    from launch.checkpoints.expert_files import read_layer_files
     return read_layer_files(files)
 
 

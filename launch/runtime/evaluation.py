@@ -86,7 +86,7 @@ def load_weights(pipe: PipelineModule, args: argparse.Namespace, config: GPTConf
         return
     from launch.checkpoints.hf_export import read_checkpoint_weights
     from model.convert import load_dense_into
-    _, _, dense = read_checkpoint_weights(args.load)  # every expert included (store.read_layer_files)
+    _, _, dense = read_checkpoint_weights(args.load)  # every expert included (expert_files.read_layer_files)
     load_dense_into(pipe, dense, config, state.tp_rank, state.tp_size, config.padded_vocab_size(state.tp_size),
                     state.ep_rank, state.ep_size)
 
