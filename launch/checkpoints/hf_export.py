@@ -8,10 +8,10 @@ One process, no DeepSpeed engine, no torch.distributed; only model weights, neve
 at most one layer and one shard in memory, never the whole model (issue 24)."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
+from launch.checkpoints.expert_files import LAYER_FILE
 from launch.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
@@ -19,8 +19,6 @@ if TYPE_CHECKING:  # annotations only: no import cost at run time
 
     from model.config import GPTConfig
 
-# DeepSpeed's name for the weights of pipeline layer XX on TP rank YY (PipelineModule.ckpt_layer_path).
-LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 DEFAULT_SHARD_BYTES = 2 << 30  # the largest safetensors file the export writes (a whole model below it)
 
 
