@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
-from launch.checkpoints.expert_files import LAYER_FILE
 from launch.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
@@ -33,6 +32,7 @@ def _checkpoint_layers(load: Path):
     from launch.checkpoints.locate import find_checkpoint
     from model.layer_table import pipeline_layers
 
+    from launch.checkpoints.expert_files import LAYER_FILE  # torch: imported once a checkpoint is read
     ref = find_checkpoint(load)  # a complete checkpoint whose files have their recorded sizes
     config = checkpoint_gpt_config(ref.meta["recipe"])
     tp = ref.meta["layout"]["tp"]
@@ -54,7 +54,7 @@ def _checkpoint_layers(load: Path):
 
 def _read_layer(files: List[Path]):
     """One pipeline layer's state dict on each TP rank, every expert of an MoE layer included
-    (launch/checkpoints/store.py: read_layer_files, the one reader of a checkpoint's layers). DeepSpeed
+    (launch/checkpoints/expert_files.py: read_layer_files, the one reader of a checkpoint's layers). DeepSpeed
     writes each layer file with torch.save(module.state_dict()): a plain dict of tensors, so the
     safe unpickler (weights_only) reads it and no code in the file runs."""
     from launch.checkpoints.expert_files import read_layer_files
