@@ -41,17 +41,6 @@ def gate_up_sections(config, width: Optional[int] = None) -> Tuple[int, int]:
     return width, width
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 class ProjectionRMSNorm(nn.Module):
     """RMSNorm over a whole q or k projection whose heads are split over TP (OLMoE's q_norm and
     k_norm): the mean of squares is over all heads (an all-reduce of the TP ranks' sums, forward and
@@ -106,8 +95,8 @@ class GroupedQueryAttention(nn.Module):
         if config.qk_norm == "head":  # Qwen3: one (d,) weight each for q and k, shared by the heads
             self.q_norm, self.k_norm = RMSNorm(d, eps=config.norm_eps), RMSNorm(d, eps=config.norm_eps)
             # Replicated, but each TP rank normalises only its heads: the gradients summed over TP once
-            # per step, as sequence-parallel weights' are (model/layers.py); a key/value head that
-            # `replicas` ranks share enters that sum once per rank, so each rank passes 1/replicas of it.
+            # per step, as sequence-parallel weights' are (model/layers.py). A key/value head that
+            # `replicas` ranks share gets from each only its query heads' part of dL/dk: the sum is whole.
             mark_sequence_parallel(self.q_norm.weight, tp_group)
             mark_sequence_parallel(self.k_norm.weight, tp_group)
         elif config.qk_norm == "projection":  # OLMoE: over the whole projections (n_kv_head % tp == 0: layout check)
@@ -119,10 +108,9 @@ class GroupedQueryAttention(nn.Module):
         if self.qk_norm == "projection":
             return self.q_norm(q), self.k_norm(k)
         B, T, _ = q.shape
-        k_weight = _ScaleGrad.apply(self.k_norm.weight, 1.0 / self.replicas) if self.replicas > 1 else self.k_norm.weight
         q = self.q_norm(q.view(B, T, -1, self.head_dim)).view(B, T, -1)
-        k = k_weight * functional.rms_norm(k.view(B, T, -1, self.head_dim), (self.head_dim,), None, self.k_norm.eps)
-        return q, k.view(B, T, -1)
+        k = self.k_norm(k.view(B, T, -1, self.head_dim)).view(B, T, -1)
+        return q, k
 
     def _with_shared_kv_head(self, param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """This rank's [Q_r; K_j; V_j] rows of the fused weight or bias (replicas > 1): its own Q

@@ -5,7 +5,8 @@ independent references:
 - the tensor-parallel model at tp=2 and tp=4 with n_kv_head=2 (tp=4: two ranks share each key/value
   head) and n_kv_head=1, with and without sequence parallelism, against the dense model: step-0
   weights, loss, every gradient shard, and the gradient norm counted DeepSpeed's way (a shard on
-  every TP rank, a replicated parameter once);
+  every TP rank, a replicated parameter once); with Qwen3's per-head q/k norm at tp=2 over one
+  shared key/value head, and OLMoE's norm over the whole projection at tp=2 with SP;
 - the DeepSpeed pipeline (tp=2, pp=2, SP, multi-query, untied head as its own stage layer)
   against the dense model: loss and the gradient of one SGD step;
 - the recipe checks: one-line errors that name the values and the fix.
@@ -129,6 +130,8 @@ def _tp_body():
     for changes in (dict(), dict(sequence_parallel=True, recompute_attention=True), dict(n_kv_head=1),
                     dict(n_kv_head=1, sequence_parallel=True, tie_embeddings=True, bias=True)):
         _tp_matches_dense(dataclasses.replace(LLAMA, **seq, **changes))
+    if LLAMA.n_kv_head % tp == 0:  # OLMoE's q/k norm over TP-split heads (whole key/value heads per rank: the layout's rule)
+        _tp_matches_dense(dataclasses.replace(LLAMA, **seq, qk_norm="projection", sequence_parallel=True))
     # Switches mixed into the gpt2 module layout: RoPE, RMSNorm, an untied head, no biases.
     _tp_matches_dense(GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=97, vocab_pad_multiple=8, seed=3,
                                 position="rope", norm="rmsnorm", tie_embeddings=False, bias=False,
@@ -143,6 +146,8 @@ def test_tensor_parallel_llama_matches_dense(tp):
 
 def _shared_kv_head_body():
     _tp_matches_dense(dataclasses.replace(LLAMA, n_kv_head=1, seq_len=8))
+    # Qwen3's per-head q/k norm: the shared head's key-norm gradient is summed over the ranks sharing it.
+    _tp_matches_dense(dataclasses.replace(LLAMA, n_kv_head=1, seq_len=8, qk_norm="head"))
 
 
 def test_tensor_parallel_llama_with_a_shared_kv_head_matches_dense():
