@@ -26,6 +26,7 @@ from model.layer_table import layer_name, pipeline_layers
 from model.layers import sequence_parallel_params
 from model.context_parallel import token_weighted_mean
 from model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
+from model.moe import expert_group_name
 from model.moe_losses import MoEStatistics
 from model.parallel_state import ParallelState
 
@@ -150,7 +151,7 @@ class ExpertParallelMarker(MoE):
         torch.nn.Module.__init__(self)  # not MoE.__init__, which would build DeepSpeed's own experts
         self.num_experts, self.ep_size = num_experts, ep_size
         self.num_local_experts = num_experts // ep_size
-        self.expert_group_name = f"ep_size_{ep_size}"
+        self.expert_group_name = expert_group_name(ep_size)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """The engine's call to create the groups: the run registered its own already."""

@@ -32,16 +32,15 @@ def register_expert_groups(state: ParallelState) -> None:
     from deepspeed.utils import groups
 
     from model.moe import expert_group_name
-    from model.parallel_state import expert_data_parallel_groups, expert_parallel_groups
+    from model.parallel_state import expert_data_parallel_groups
 
     rank, name = dist.get_rank(), expert_group_name(state.ep_size)
-    ep_lists = expert_parallel_groups(state.topology, state.ep_size)
     if state.ep_size > 1:
         ep_group = state.ep_group
     else:  # new_group is collective over the world: every rank makes every singleton, in order
         ep_group = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
     groups._EXPERT_PARALLEL_GROUP[name] = ep_group
-    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = _own_ranks(ep_lists, rank)
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = _own_ranks(state.ep_groups, rank)
     groups._EXPERT_DATA_PARALLEL_GROUP[name] = state.expert_dp_group
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = _own_ranks(
         expert_data_parallel_groups(state.topology, state.ep_size), rank)
