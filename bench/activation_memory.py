@@ -36,12 +36,13 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor], parameters: Iter
 
 def block_saved_bytes(seq_len: int, batch: int, hidden: int, heads: int, dropout: float,
                       sequence_parallel: bool, recompute: str, state) -> int:
-    """One Block of model/gpt.py on this TP rank, its input a (B, T, h) activation that needs a
+    """One Block of model/transformer/block.py on this TP rank, its input a (B, T, h) activation that needs a
     gradient ((B, T/t, h) with sequence parallelism), wrapped as the pipeline wraps it."""
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
-    from model.gpt import Block, GPTConfig
-    from model.pipe import tp_dropout_rng, seed_dropout_rngs
+    from model.config import GPTConfig
+    from model.transformer.block import Block
+    from model.gpt.pipe import seed_dropout_rngs, tp_dropout_rng
 
     config = GPTConfig(n_layer=1, n_head=heads, n_embd=hidden, seq_len=seq_len, vocab_size=64,
                        dropout=dropout, sequence_parallel=sequence_parallel,
@@ -62,7 +63,7 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from launch.runtime.distributed import init_distributed, shut_down_distributed
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
     init_distributed(600, dist_backend="gloo", verbose=False)
     state = init_parallel_state(world, 1)
     for sp in (False, True):

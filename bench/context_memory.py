@@ -33,7 +33,7 @@ def _rank(rank: int, cp: int, port: int, seq_len: int, batch: int, results) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=cp)
     torch.set_num_threads(1)
-    from model.gpt import Block
+    from model.transformer.block import Block
     group = dist.new_group(list(range(cp))) if cp > 1 else None
     measured = {}
     for name, config, selective in configs(seq_len):

@@ -23,8 +23,8 @@ from data.builtin import builtin_corpus, load_tokenizer
 from data.run import prepare_run_data
 from data.spec import DataSpec
 from launch.config.recipe import load_recipe
-from model.gpt import GPT
-from model.loss import vocab_parallel_cross_entropy
+from model.gpt.model import GPT
+from model.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 REPO = Path(__file__).resolve().parent.parent
 

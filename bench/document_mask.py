@@ -1,7 +1,7 @@
 """The document mask (`data.document_mask`): what building its BlockMask costs, and the step time
 against plain causal attention.
 
-Mask build (first): the BlockMask of the flex_attention path (model/documents.py, built from the
+Mask build (first): the BlockMask of the flex_attention path (model/transformer/documents.py, built from the
 document starts) for real windows of the recipe's data at --mask-batch x --mask-seq-len (8 x 8192;
 target: peak memory under 64 MiB), and, for comparison at --old-batch x --old-seq-len (1 x 4096),
 torch's uncompiled create_block_mask of the same rule (the code before issue 24) and the boolean
@@ -12,13 +12,13 @@ per stage in training.
 
 Step time: the CPU demo shape (recipes/demo.yaml: 4 x 128, 4 heads) at sequence 1024 by default.
 
-Both models are model/pipe.py's PipelineModule at tp=pp=dp=1 in a DeepSpeed engine configured by
+Both models are model/gpt/pipe.py's PipelineModule at tp=pp=dp=1 in a DeepSpeed engine configured by
 launch/runtime/ds_config.py (AdamW, ZeRO-1, clipping), stepped with `train_batch` on the same
 windows of the recipe's data (real documents, so the windows hold real boundaries), alternating
 repetitions. Other jobs on a shared machine only ever add time, by 2x and more, so the ratio is
 that of the fastest repetition of each (the least disturbed); the median of the per-repetition
 ratios (the two measured back to back) is printed too. Target: at most 1.3 at sequence 1024. It prints
-which attention kernel the masked model runs (model/documents.py: flex_attention on CUDA without
+which attention kernel the masked model runs (model/transformer/documents.py: flex_attention on CUDA without
 dropout, else SDPA with one boolean (B, 1, T, T) mask per micro-batch).
 
     python bench/document_mask.py [--recipe recipes/demo.yaml] [--seq-len 1024] [--batch 4]
@@ -51,7 +51,7 @@ def load(args, document_mask: bool):
 
 def stepper(args, document_mask: bool, windows: torch.Tensor, eos: int, vocab: int):
     from launch.runtime.engine import build_engine
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
 
     recipe, layout = load(args, document_mask)
     engine, _ = build_engine(recipe, layout, init_parallel_state(1, 1), recipe.gpt_config(vocab, eos))
@@ -117,7 +117,7 @@ def old_block_mask(segments: torch.Tensor) -> Any:
 
 def mask_build_report(args, device: torch.device) -> Dict[str, Any]:
     from launch.runtime.run_inputs import load_run_data
-    from model.documents import block_document_mask, dense_document_mask, document_ids
+    from model.transformer.documents import block_document_mask, dense_document_mask, document_ids
 
     def segments(batch: int, seq_len: int) -> Tuple[torch.Tensor, float]:
         recipe, layout = load(argparse.Namespace(**(vars(args) | {"seq_len": seq_len, "batch": batch})), True)
@@ -167,7 +167,7 @@ def main() -> None:
 
     from launch.runtime.distributed import init_distributed
     from launch.runtime.run_inputs import load_run_data
-    from model.documents import uses_flex_attention
+    from model.transformer.documents import uses_flex_attention
     init_distributed(600, verbose=False)
     device = torch.device(get_accelerator().device_name(0))
     masks = mask_build_report(args, device)

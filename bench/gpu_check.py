@@ -21,7 +21,7 @@
 5. zb-h1: train.schedule=zb-h1 against 1f1b at pp = 2 (2 devices), the GPT-2 124M recipe in
    fp32, 8 micro-batches of 4: losses and gradient norms identical to the bit, the step-time ratio.
 6. grad-accum-fusion: the bf16 weight-gradient GEMM that adds into the fp32 main gradient
-   (model/weight_grad.py add_product_into, train.grad_accum_fusion) at Llama-2-7B's MLP shape
+   (model/parallel/weight_grad.py add_product_into, train.grad_accum_fusion) at Llama-2-7B's MLP shape
    (4096 x 11008 weight, 8192 tokens): which GEMM path this torch build takes, its error against
    an fp32 GEMM of the same bf16 operands, and its time against the unfused bf16 GEMM, cast and add.
 A check the machine cannot run (zb-h1 on one device) is a row marked skipped, with the reason.
@@ -144,7 +144,7 @@ def grad_accum_fusion(on_cpu: bool) -> list:
     """The fused weight-gradient GEMM against an fp32 reference, and its time against the path
     without fusion (a bf16 product, cast to fp32 and added: DeepSpeed's per-micro-batch work)."""
     import torch
-    from model.weight_grad import add_product_into, mixed_gemm_path
+    from model.parallel.weight_grad import add_product_into, mixed_gemm_path
     device = torch.device("cpu" if on_cpu else "cuda")
     out, tokens, inner = (256, 512, 1024) if on_cpu else (11008, 8192, 4096)  # (out, N) @ (N, in)
     left = torch.randn(out, tokens, device=device).bfloat16()

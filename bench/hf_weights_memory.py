@@ -56,9 +56,9 @@ def worker(args) -> None:
     from launch.checkpoints.hf_weights import read_hf_config
     from launch.runtime.distributed import start_rank
     from model.config import GPTConfig
-    from model.convert import load_dense_into
-    from model.parallel_state import init_parallel_state
-    from model.pipe import build_pipeline
+    from model.hf.convert import load_dense_into
+    from model.parallel.state import init_parallel_state
+    from model.gpt.pipe import build_pipeline
     after_imports = status_kib("VmRSS") * 1024
     start_rank(int(os.environ["WORLD_SIZE"]), 600)
     state = init_parallel_state(args.tp, args.pp)

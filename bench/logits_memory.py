@@ -6,7 +6,7 @@
   memory profiler; the peak of live bytes above the step's start and what the step leaves
   allocated (docs/performance.md, "Padded-vocabulary logits").
 - `--loss`: the vocab-parallel cross-entropy alone, forward + backward as the pipeline's loss runs
-  it (model/pipe.py: make_loss_fn), at tp = 1 and 2 (gloo processes): the chunked loss against
+  it (model/gpt/pipe.py: make_loss_fn), at tp = 1 and 2 (gloo processes): the chunked loss against
   the loss before chunking (a copy below); peak live bytes above the given logits, and the bytes
   held from forward to backward (docs/performance.md, "Cross-entropy at a large vocabulary").
 
@@ -29,7 +29,7 @@ def _before_logits(self, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _before_loss_fn(state):
-    from model.loss import vocab_parallel_cross_entropy
+    from model.parallel.cross_entropy import vocab_parallel_cross_entropy
 
     def loss_fn(logits, labels):  # the logits stay alive in DeepSpeed's buffer
         return vocab_parallel_cross_entropy(logits, labels, state.tp_group).mean()
@@ -40,18 +40,18 @@ def step_memory(args, before: bool) -> dict:
     """Peak live CPU bytes above the start of one `train_batch`, and the bytes it leaves."""
     import deepspeed
 
-    import model.layers
-    import model.pipe
-    from model.gpt import GPTConfig
-    from model.parallel_state import init_parallel_state
+    import model.gpt.pipe
+    import model.parallel.vocab_embedding
+    from model.config import GPTConfig
+    from model.parallel.state import init_parallel_state
 
-    saved = model.layers.VocabParallelEmbedding.logits, model.pipe.make_loss_fn
+    saved = model.parallel.vocab_embedding.VocabParallelEmbedding.logits, model.gpt.pipe.make_loss_fn
     if before:
-        model.layers.VocabParallelEmbedding.logits, model.pipe.make_loss_fn = _before_logits, _before_loss_fn
+        model.parallel.vocab_embedding.VocabParallelEmbedding.logits, model.gpt.pipe.make_loss_fn = _before_logits, _before_loss_fn
     try:
         config = GPTConfig(n_layer=1, n_head=4, n_embd=args.hidden, seq_len=args.seq_len,
                            vocab_size=args.vocab, vocab_pad_multiple=128)
-        pipe = model.pipe.build_pipeline(config, init_parallel_state(1, 1))
+        pipe = model.gpt.pipe.build_pipeline(config, init_parallel_state(1, 1))
         engine, _, _, _ = deepspeed.initialize(
             model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0),
             config={"train_batch_size": args.micro * args.micro_batches,
@@ -69,11 +69,11 @@ def step_memory(args, before: bool) -> dict:
             peak = max(peak, live)
         return {"peak": peak, "left": live, "logits": args.micro * args.seq_len * config.padded_vocab_size(1) * 4}
     finally:
-        model.layers.VocabParallelEmbedding.logits, model.pipe.make_loss_fn = saved
+        model.parallel.vocab_embedding.VocabParallelEmbedding.logits, model.gpt.pipe.make_loss_fn = saved
 
 
 class _BeforeCrossEntropy(torch.autograd.Function):
-    """model/loss.py before chunking (f027bef): an fp32 copy of the logits, the fp32 softmax saved
+    """model/parallel/cross_entropy.py before chunking (f027bef): an fp32 copy of the logits, the fp32 softmax saved
     for backward, and in bf16 a gradient copy; its loss_fn then freed the consumed logits."""
 
     @staticmethod
@@ -112,7 +112,7 @@ def _loss_before(logits, target, group):
 
 
 def _loss_after(logits, target, group, consume=True):
-    from model.loss import vocab_parallel_cross_entropy
+    from model.parallel.cross_entropy import vocab_parallel_cross_entropy
     loss = vocab_parallel_cross_entropy(logits, target, group, consume_logits=consume).mean()
     if consume:
         logits.data = logits.new_empty(0)
@@ -191,7 +191,7 @@ def _loss_rank(rank, world, port, args, out):
 def loss_main(args) -> int:
     import torch.multiprocessing as mp
     from launch.runtime.distributed import free_port
-    from model.loss import CHUNK_BYTES
+    from model.parallel.cross_entropy import CHUNK_BYTES
     manager = mp.Manager()
     out = manager.dict()
     for tp in args.tp:

@@ -73,7 +73,7 @@ def measure(ckpt: Path) -> dict:
     from launch.config.recipe import load_recipe
     from launch.runtime.distributed import init_distributed
     from launch.runtime.engine import build_engine
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
 
     meta = json.loads((ckpt / "complete.json").read_text())
     model = meta["recipe"]["model"]

@@ -8,13 +8,13 @@ transformers' MixtralForCausalLM of the same shape (its default experts implemen
 the Switch load-balancing loss (weight MOE_AUX_COEF), neither a z-loss. The run checks that both
 have the same number of parameters.
 
-Ours: model/pipe.py's PipelineModule at tp=pp=dp=1 in a DeepSpeed engine configured by
+Ours: model/gpt/pipe.py's PipelineModule at tp=pp=dp=1 in a DeepSpeed engine configured by
 launch/runtime/ds_config.py (AdamW, ZeRO-1, clipping, the recipe's precision) and `train_batch`.
 Peer: `GPT2LMHeadModel` (or `LlamaForCausalLM`) of the same dimensions in a plain PyTorch loop: torch AdamW with the
 same hyper-parameters and weight-decay groups, the same clipping, batch and sequence length;
 bf16 runs it under autocast with fp32 weights (DeepSpeed keeps fp32 master weights too).
 Same random token batches, alternating repetitions, median. Runs on the GPU when one is present.
-Ours runs twice, eager and with each block compiled (`train.compile`, model/compiled.py), in two
+Ours runs twice, eager and with each block compiled (`train.compile`, model/gpt/compiled.py), in two
 engines of the same seed; `--no-compile` leaves the compiled one out, and so does a machine where
 the compiler cannot run (launch/runtime/compiler.py says why in one line).
 
@@ -70,7 +70,7 @@ def batches(args, device: str):
 def our_stepper(args, precision: str, arch: str, compiled: bool = False):
     from launch.config.layout import check_and_derive_layout
     from launch.runtime.engine import build_engine
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
 
     recipe = recipe_for(args, precision, arch)
     layout = check_and_derive_layout(recipe, 1, 1, 1, on_cpu=True)
@@ -92,7 +92,7 @@ def peer_model(args, arch: str):
     if arch == "moe":
         from transformers import MixtralConfig, MixtralForCausalLM
 
-        from model.hf_llama import llama_config_kwargs
+        from model.hf.llama import llama_config_kwargs
         config = recipe_for(args, "fp32", arch).gpt_config(VOCAB)
         kwargs = llama_config_kwargs(config)
         for key in ("attention_bias", "mlp_bias"):  # Mixtral has neither (nor have we: arch mixtral, bias off)
@@ -104,7 +104,7 @@ def peer_model(args, arch: str):
     if arch == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from model.hf_llama import llama_config_kwargs
+        from model.hf.llama import llama_config_kwargs
         return LlamaForCausalLM(LlamaConfig(**llama_config_kwargs(recipe_for(args, "fp32", arch).gpt_config(VOCAB))))
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=args.seq_len, n_embd=args.hidden,

@@ -3,7 +3,7 @@ Qwen3-MoE or OLMoE for a mixture of experts, docs/checkpoints.md):
 `python launch/export_hf.py --load CKPT --out DIR [--tokenizer NAME_OR_PATH]`.
 
 Reads DeepSpeed's per-layer weight files of the checkpoint (one per pipeline layer and TP
-rank), merges the TP shards and the pipeline stages with `model/convert.py`, strips the vocab
+rank), merges the TP shards and the pipeline stages with `model/hf/convert.py`, strips the vocab
 padding and writes `config.json`, `model.safetensors`, `generation_config.json` and the
 tokenizer, so `AutoModelForCausalLM.from_pretrained(DIR)` and `pipeline("text-generation",
 model=DIR)` work. One process, no DeepSpeed engine, no torch.distributed: any layout exports

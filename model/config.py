@@ -105,7 +105,7 @@ class ModelConfig:
     rope_theta: Optional[float] = None
     """RoPE base (10000 in Llama 1/2 and TinyLlama, 500000 in Llama 3)."""
     rope_scaling: Optional[Dict[str, float]] = None
-    """Llama 3's RoPE frequency scaling (transformers' rope_type llama3, model/rotary.py): a mapping
+    """Llama 3's RoPE frequency scaling (transformers' rope_type llama3, model/transformer/rotary.py): a mapping
     of factor, low_freq_factor, high_freq_factor and original_max_position_embeddings (Llama 3.1
     and 3.2: 8 or 32, 1, 4, 8192). null: unscaled, as in every preset."""
     norm: Optional[str] = None
@@ -251,7 +251,7 @@ class GPTConfig(ModelConfig):
     """Selective recompute: rerun the attention core in backward instead of storing it (K22 sec. 5)."""
     document_mask: bool = False
     """Attend only within documents, positions restarting at each (the recipe's data.document_mask;
-    model/documents.py)."""
+    model/transformer/documents.py)."""
     eos_token_id: Optional[int] = None
     """The token that starts each document under `document_mask` (the tokenizer's EOS, data/tokens.py)."""
 

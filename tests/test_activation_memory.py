@@ -10,7 +10,7 @@ import torch.distributed as dist
 from bench.activation_memory import MODES, block_saved_bytes
 from distributed import run_distributed, uses_deepspeed
 from launch.analysis.memory_formulas import activation_bytes_per_layer
-from model.parallel_state import init_parallel_state
+from model.parallel.state import init_parallel_state
 
 S, B, H, A = 16, 2, 32, 4
 FP32 = dict(element_bytes=4, mask_bytes=4, layernorm_stat_bytes=4)

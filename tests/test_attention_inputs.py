@@ -1,5 +1,5 @@
 """RoPE's cos/sin tables and the document mask are built once per micro-batch per stage and shared by
-its blocks (model/attention_inputs.py, issue 24), counted with torch's profiler against the kernels
+its blocks (model/transformer/attention_inputs.py, issue 24), counted with torch's profiler against the kernels
 of one build of the tables (`rope_cos_sin` run alone), not a hard-coded number: a 2-block Llama
 forward computes the cos and sin kernels of one build, where each block used to build its own. A
 micro-batch's entry dies with its segment tensor, so nothing outlives it. That DeepSpeed's full
@@ -14,8 +14,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from model.config import GPTConfig
-from model.gpt import GPT
-from model.rotary import rope_cos_sin
+from model.gpt.model import GPT
+from model.transformer.rotary import rope_cos_sin
 
 EOS = 0
 LLAMA = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=32,

@@ -251,7 +251,7 @@ def _durable_and_safe_body(root: Path):
     from launch.config.recipe import load_recipe
     from launch.runtime.engine import build_engine
     from launch.runtime.run_inputs import resolved_recipe_dict
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
 
     recipe = load_recipe(TINY, [])
     layout = check_and_derive_layout(recipe, 2, 1, 2, True)

@@ -20,7 +20,8 @@ from launch.analysis.comm_formulas import comm_per_rank_per_step, cp_comm_per_ra
 from launch.config.layout import Layout
 from launch.config.recipe import load_recipe
 from launcher import LLAMA_TINY, TINY, launch_forked
-from model.gpt import GPT, GPTConfig
+from model.config import GPTConfig
+from model.gpt.model import GPT
 
 # id -> (recipe, --set overrides, (tp, pp, dp), the purposes that must appear)
 RUNS = {

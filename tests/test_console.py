@@ -7,7 +7,7 @@ from launcher import TINY, launch
 
 pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/test_parity.py)
 # DeepSpeed's PipelineModule prints these on rank 0; the role map says the same. (Its listing of the
-# cut, "stage=0 layers=", is gone: model/pipe.py sets the cut itself, launch/analysis/partition.py.)
+# cut, "stage=0 layers=", is gone: model/gpt/pipe.py sets the cut itself, launch/analysis/partition.py.)
 DEEPSPEED_PRINTS = ["SEED_LAYERS=", "Using topology:"]
 NOISE = DEEPSPEED_PRINTS + [message for _, message, _ in KNOWN_NOISE]
 

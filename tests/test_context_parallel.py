@@ -1,5 +1,5 @@
-"""Context parallelism's model side (DeepSpeed-Ulysses, Jacobs et al. 2023; model/mappings.py,
-model/attention.py) against dense references, on CPU processes over gloo (no DeepSpeed engine):
+"""Context parallelism's model side (DeepSpeed-Ulysses, Jacobs et al. 2023; model/parallel/mappings.py,
+model/transformer/attention.py) against dense references, on CPU processes over gloo (no DeepSpeed engine):
 
 - the two all-to-alls, forward and gradient, against slicing the full tensor (the dense map is
   the identity on the whole tensor, its gradient the probe);
@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from model.attention import check_context_heads, kv_copies
 from model.config import GPTConfig
-from model.convert import split
-from model.documents import document_ids, full_sequence_segments
-from model.gpt import Block
-from model.layers import allreduce_sequence_parallel_grads
-from model.mappings import all_to_all_heads_to_sequence, all_to_all_sequence_to_heads
+from model.hf.convert import split
+from model.parallel.all_to_all import all_to_all_heads_to_sequence, all_to_all_sequence_to_heads
+from model.parallel.layers import allreduce_sequence_parallel_grads
+from model.transformer.attention import check_context_heads, kv_copies
+from model.transformer.block import Block
+from model.transformer.documents import document_ids, full_sequence_segments
 
 EOS = 0
 GPT2 = GPTConfig(n_layer=2, n_head=8, n_embd=32, seq_len=16, vocab_size=97, seed=3)
@@ -141,7 +141,7 @@ def _check_block(config: GPTConfig, tp_group, cp_group, tp_rank: int, cp_rank: i
     torch.testing.assert_close(x_local.grad, local(x_dense.grad), rtol=1e-5, atol=1e-6,
                                msg=lambda m: f"{name} dL/dx: {m}")
 
-    allreduce_sequence_parallel_grads(block, tp_group)  # SP's TP sum (model/layers.py)
+    allreduce_sequence_parallel_grads(block, tp_group)  # SP's TP sum (model/parallel/layers.py)
     dense_params = dict(dense.named_parameters())
     for param_name, param in block.named_parameters():
         grad = param.grad.clone()

@@ -12,11 +12,12 @@ import torch.distributed as dist
 from torch.nn import functional
 
 from distributed import run_distributed
-from model.context_parallel import sequence_shard, token_weighted_mean
-from model.documents import document_ids, full_sequence_segments
-from model.gpt import GPTConfig, PositionEmbedding, TokenEmbedding
-from model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
-from model.parallel_state import build_topology, context_parallel_groups
+from model.config import GPTConfig
+from model.gpt.model import PositionEmbedding, TokenEmbedding
+from model.parallel.context_parallel import sequence_shard, token_weighted_mean
+from model.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from model.parallel.state import build_topology, context_parallel_groups
+from model.transformer.documents import document_ids, full_sequence_segments
 
 EOS = 7
 CONFIG = dict(vocab_size=64, n_layer=1, n_head=4, n_embd=16, seq_len=16, dropout=0.0, seed=3)
@@ -48,7 +49,7 @@ def _check(name, got, want, atol=1e-6):
 
 def _cp_body():
     """2 ranks, one CP group of the whole world."""
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
     state = init_parallel_state(1, 1, 2)
     rank, cp = state.cp_rank, state.cp_size
     assert (state.dp_rank, state.dp_size, cp, rank) == (0, 1, 2, dist.get_rank())

@@ -19,7 +19,7 @@ from launch.config.layout import Layout
 from launch.config.recipe import load_recipe
 from launch.errors import ConfigError
 from launch.plan import main
-from model.gpt import GPTConfig
+from model.config import GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
 S, B = 32, 2
@@ -30,7 +30,7 @@ CONFIGS = {"gpt2": GPTConfig(arch="gpt2", n_layer=1, n_head=4, n_embd=32, seq_le
 
 def _saved_block_bytes(config: GPTConfig) -> int:
     from bench.activation_memory import saved_activation_bytes
-    from model.gpt import Block
+    from model.transformer.block import Block
     block = Block(config, 0, None).train()
     x = torch.randn(B, config.seq_len, config.n_embd, requires_grad=True)
     return saved_activation_bytes(lambda: block(x), block.parameters())

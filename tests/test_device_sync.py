@@ -56,7 +56,7 @@ def _one_step_on_a_recording_accelerator():
     from data.pipeline import on_device
     from launch.config.recipe import load_recipe
     from launch.runtime import loop
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
 
     events, copies = [], []
     set_accelerator(recording_accelerator(events, copies))

@@ -1,4 +1,4 @@
-"""The document mask (`data.document_mask`, model/documents.py) against an independent reference:
+"""The document mask (`data.document_mask`, model/transformer/documents.py) against an independent reference:
 each document of a packed window gives, token for token, the losses it has when the model runs on
 it alone from position 0 with plain causal attention (no mask; fp32, relative 1e-5).
 
@@ -26,11 +26,12 @@ import torch
 
 from distributed import run_distributed, sgd_engine, uses_deepspeed
 from model.config import GPTConfig
-from model.convert import dense_name, split
-from model.documents import block_document_mask, dense_document_mask, document_ids, document_positions
-from model.gpt import GPT, Block
-from model.loss import vocab_parallel_cross_entropy
-from model.parallel_state import init_parallel_state
+from model.gpt.model import GPT
+from model.hf.convert import dense_name, split
+from model.parallel.cross_entropy import vocab_parallel_cross_entropy
+from model.parallel.state import init_parallel_state
+from model.transformer.block import Block
+from model.transformer.documents import block_document_mask, dense_document_mask, document_ids, document_positions
 
 RTOL = 1e-5
 EOS = 0
@@ -163,9 +164,9 @@ def test_flex_attention_path_matches_each_document_alone(monkeypatch):
     """The GPU path, compiled flex_attention with the BlockMask from boundaries, run on CPU: torch
     2.13's flex_attention has a forward only there (it refuses inputs that need grad), so this is
     the dense Llama model in no_grad on the same windows, against each document alone."""
-    import model.attention_inputs
+    import model.transformer.attention_inputs
     config = dataclasses.replace(LLAMA, n_embd=64)  # head_dim 16: flex's CPU kernel wants at least 16
-    monkeypatch.setattr(model.attention_inputs, "uses_flex_attention", lambda device, dropout: True)
+    monkeypatch.setattr(model.transformer.attention_inputs, "uses_flex_attention", lambda device, dropout: True)
     windows = _windows(config)
     masked, plain = GPT(_masked(config)).eval(), GPT(config).eval()
     from torch.nn.attention.flex_attention import BlockMask

@@ -1,4 +1,4 @@
-"""Dropout masks per rank (model/pipe.py: seed_dropout_rngs), read from the masks themselves.
+"""Dropout masks per rank (model/gpt/pipe.py: seed_dropout_rngs), read from the masks themselves.
 
 On CPU every dropout mask is drawn by one `aten.bernoulli_` (nn.Dropout, and the attention
 probabilities inside scaled_dot_product_attention's math path); a dispatch mode records each
@@ -24,9 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import REFERENCE
 from distributed import run_distributed, uses_deepspeed
 from launcher import TINY, launch_forked, read_metrics
-from model.gpt import GPTConfig
-from model.parallel_state import init_parallel_state
-from model.pipe import build_pipeline, seed_dropout_rngs
+from model.config import GPTConfig
+from model.gpt.pipe import build_pipeline, seed_dropout_rngs
+from model.parallel.state import init_parallel_state
 
 P = 0.5
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=4, seed=5,
@@ -90,7 +90,7 @@ def _assert_independent(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert _agreement(a, b) < 0.75, (what, _agreement(a, b))
 
 
-# Pipeline layer i + 2 is block i (model/pipe.py: layer_specs); layer 1 adds wpe and drops out.
+# Pipeline layer i + 2 is block i (model/gpt/pipe.py: layer_specs); layer 1 adds wpe and drops out.
 EMBED, ATTN = "1.drop", "{}.attn"
 RESIDUAL = ("{}.attn.resid_dropout", "{}.mlp.dropout")
 

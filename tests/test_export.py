@@ -16,18 +16,18 @@ from torch.nn import functional
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, pipeline
 
-import model.gpt
-import model.layers
+from fake_groups import fake_groups
 from launch import evaluate, export_hf, train
 from launch.checkpoints import hf_export
 from launch.config.layout import check_and_derive_layout
 from launch.config.recipe import load_recipe
 from launch.runtime.run_inputs import load_run_data
 from launcher import REPO, TINY, launch_forked, read_metrics
-from model.convert import (from_gpt2_state_dict, load_dense_into, merge, rule_for, split)
-from model.gpt import GPT, GPTConfig
-from model.hf_gpt2 import gpt2_config_kwargs, to_gpt2_state_dict
-from model.loss import vocab_parallel_cross_entropy
+from model.config import GPTConfig
+from model.gpt.model import GPT
+from model.hf.convert import from_gpt2_state_dict, load_dense_into, merge, rule_for, split
+from model.hf.gpt2 import gpt2_config_kwargs, to_gpt2_state_dict
+from model.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 VOCAB = ["--set", "model.vocab_size=4100", "--set", "model.vocab_pad_multiple=8"]
 REL = 1e-5
@@ -42,9 +42,7 @@ def _close(a: float, b: float) -> bool:
 def _tp_model(config: GPTConfig, tp: int, rank: int, monkeypatch) -> GPT:
     """The GPT the layers build on TP rank `rank` of `tp` (no process group: only the
     constructors run, and they ask the group for nothing but its size and rank)."""
-    monkeypatch.setattr(model.layers, "group_size", lambda g: 1 if g is None else tp)
-    monkeypatch.setattr(model.gpt, "group_size", lambda g: 1 if g is None else tp)
-    monkeypatch.setattr(model.layers, "group_rank", lambda g: 0 if g is None else rank)
+    fake_groups(monkeypatch, size=lambda g: 1 if g is None else tp, rank=lambda g: 0 if g is None else rank)
     return GPT(config, tp_group="fake-tp-group")
 
 

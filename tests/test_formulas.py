@@ -5,8 +5,10 @@ import torch
 
 from flop_count import counted_flops
 from launch.analysis import formulas, memory_formulas, partition
+from model.config import GPTConfig
 from model.config import ModelConfig
-from model.gpt import GPT, Block, GPTConfig
+from model.gpt.model import GPT
+from model.transformer.block import Block
 
 # Narayanan et al. 2021, table 1: (published billions, layers, hidden, heads); V=51200, s=2048.
 NARAYANAN_TABLE_1 = [(1.7, 24, 2304, 24), (3.6, 30, 3072, 32), (7.5, 36, 4096, 32), (18.4, 40, 6144, 48),
@@ -61,7 +63,7 @@ def test_partition_follows_deepspeed_type_block():
 
 @pytest.mark.parametrize("pad_multiple", [1, 4])
 def test_parameter_counts_are_the_built_models(pad_multiple):
-    """torch counts the parameters of model/gpt.py's GPT: params_exact is it (unpadded vocabulary);
+    """torch counts the parameters of model/gpt/model.py's GPT: params_exact is it (unpadded vocabulary);
     the one-stage, one-rank count of the planner includes the padded rows (101 -> 104)."""
     config = GPTConfig(n_layer=3, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=pad_multiple)
     built = sum(p.numel() for p in GPT(config).parameters())

@@ -4,9 +4,10 @@ import torch
 from torch.nn import functional
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from model.gpt import GPT, GPTConfig
-from model.hf_gpt2 import gpt2_config_kwargs, to_gpt2_state_dict
-from model.loss import vocab_parallel_cross_entropy
+from model.config import GPTConfig
+from model.gpt.model import GPT
+from model.hf.gpt2 import gpt2_config_kwargs, to_gpt2_state_dict
+from model.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
 def test_dense_gpt_matches_transformers_gpt2():

@@ -25,7 +25,7 @@ from launch.config.layout import check_and_derive_layout
 from launch.config.recipe import load_recipe
 from launch.runtime.run_inputs import check_vocab
 from model.config import GPTConfig, padded_vocab_size
-from model.gpt import GPT
+from model.gpt.model import GPT
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -49,7 +49,7 @@ def _train(tp: int, pp: int, overrides: list, steps: int):
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.engine import build_engine
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
 
     dp = dist.get_world_size() // (tp * pp)
     recipe = load_recipe(TINY, [f"train.micro_batch_size={MICRO_BATCH}", f"train.global_batch_size={MICRO_BATCH * 2 * dp}"]
@@ -139,8 +139,9 @@ def _every_path_adds_into_main_grad(arch: str, tp_group=None, sequence_parallel:
     within the bf16 rounding of each micro-batch's gradient; the padded vocabulary rows stay zero.
     Key/value weights gathered from other TP ranks (tp > n_kv_head) are the exception: their
     gradient flows back through the gather into `.grad`, and their `main_grad` stays zero."""
-    from model.gpt import GPT, GPTConfig
-    from model.loss import vocab_parallel_cross_entropy
+    from model.config import GPTConfig
+    from model.gpt.model import GPT
+    from model.parallel.cross_entropy import vocab_parallel_cross_entropy
 
     config = GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=4, seed=3,
                        arch=arch, sequence_parallel=sequence_parallel, **({"n_kv_head": n_kv_head} if arch == "llama" else {}))
@@ -179,7 +180,7 @@ def test_every_layer_adds_its_weight_gradient_into_main_grad(arch):
 
 
 def _every_path_at_tp2():
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
     group = init_parallel_state(2, 1).tp_group
     for arch, n_kv_head in (("gpt2", 2), ("llama", 2), ("llama", 1)):
         for sequence_parallel in (False, True):
@@ -197,7 +198,7 @@ def test_mixed_gemm_falls_back_to_what_this_torch_can_run():
     torch build accepts: the probe takes the first way that runs and gives the right sum. On CPU
     neither dtype overload exists (CUDA only), so the probe must fall through to the last way, and
     that way must add the product exactly as an fp32 GEMM of the same bf16 operands does."""
-    from model.weight_grad import _MIXED_GEMMS, mixed_gemm_path
+    from model.parallel.weight_grad import _MIXED_GEMMS, mixed_gemm_path
     path = mixed_gemm_path(torch.device("cpu"))
     assert path == list(_MIXED_GEMMS)[-1]
     a = torch.randn(8, 16).bfloat16()

@@ -17,8 +17,8 @@ GRAD_CLIP = 0.1  # below the first step's norm, so clipping acts
 
 def _dense_shard(full: torch.Tensor, name: str, group, padded_vocab: int) -> torch.Tensor:
     """This TP rank's part of a dense parameter or gradient, by the export's split rules."""
-    from model.convert import rule_for
-    from model.layers import shard_rows
+    from model.hf.convert import rule_for
+    from model.parallel.layers import shard_rows
     rule = rule_for(name)
     if rule.dim is None:
         return full
@@ -34,10 +34,10 @@ def _zero0_norm_is_the_dense_norm():
     from launch.runtime.engine import build_engine
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
-    from model.convert import dense_name
-    from model.gpt import GPT
-    from model.loss import vocab_parallel_cross_entropy
-    from model.parallel_state import init_parallel_state
+    from model.hf.convert import dense_name
+    from model.gpt.model import GPT
+    from model.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from model.parallel.state import init_parallel_state
 
     recipe = load_recipe(TINY, ["train.zero_stage=0", f"train.grad_clip={GRAD_CLIP}"])
     layout = check_and_derive_layout(recipe, dist.get_world_size(), TP, PP, True)

@@ -1,4 +1,4 @@
-"""`--init-from-hf` reads each rank's shards lazily from safetensors (model/hf_shards.py,
+"""`--init-from-hf` reads each rank's shards lazily from safetensors (model/hf/shards.py,
 launch/checkpoints/hf_safetensors.py): on every TP rank at tp 1, 2 and 4, for GPT-2 (tied head,
 Conv1D weights, fused QKV), Llama with a tied and an untied head (grouped-query heads shared by
 two ranks at tp 4), from one file and from a sharded directory with its index, every parameter
@@ -10,17 +10,15 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-import model.gpt
-import model.layers
-import model.llama
+from fake_groups import fake_groups
 from launch.checkpoints.hf_safetensors import load_hf_shards_into
 from launch.checkpoints.hf_weights import check_hf_source, hf_dense_state_dict
 from launch.errors import ConfigError
 from model.config import GPTConfig
-from model.convert import split
-from model.gpt import GPT
-from model.hf_gpt2 import gpt2_config_kwargs
-from model.hf_llama import llama_config_kwargs
+from model.gpt.model import GPT
+from model.hf.convert import split
+from model.hf.gpt2 import gpt2_config_kwargs
+from model.hf.llama import llama_config_kwargs
 
 GPT2 = GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=8, vocab_size=97, vocab_pad_multiple=8, seed=3)
 LLAMA = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=8,
@@ -30,10 +28,7 @@ CASES = {"gpt2": GPT2, "llama-untied": LLAMA, "llama-tied": dataclasses.replace(
 
 def _tp_model(config: GPTConfig, tp: int, rank: int, monkeypatch) -> GPT:
     """The model the layers build on TP rank `rank` of `tp` (constructors only: no process group)."""
-    for module in (model.layers, model.gpt, model.llama):
-        monkeypatch.setattr(module, "group_size", lambda g: 1 if g is None else tp)
-    for module in (model.layers, model.llama):
-        monkeypatch.setattr(module, "group_rank", lambda g: 0 if g is None else rank)
+    fake_groups(monkeypatch, size=lambda g: 1 if g is None else tp, rank=lambda g: 0 if g is None else rank)
     return GPT(config, tp_group="fake-tp-group" if tp > 1 else None)
 
 
@@ -87,7 +82,7 @@ def test_the_export_writes_shards_and_an_index_transformers_loads(tmp_path):
     so does the lazy reader, through the index."""
     from launch.checkpoints.hf_export import hf_config
     from launch.checkpoints.hf_safetensors import write_safetensors
-    from model.hf_llama import to_llama_state_dict
+    from model.hf.llama import to_llama_state_dict
 
     config = CASES["llama-untied"]
     dense = {k: v.detach() for k, v in GPT(config).named_parameters()}

@@ -1,16 +1,22 @@
 """The import graph of model/, data/, launch/ and bench/, read with ast (function-local and
-TYPE_CHECKING imports included): no cycle, model/ and data/ never import launch/, and launch/
-follows its layers (docs/design.md, Layers of launch/)."""
+TYPE_CHECKING imports included): no cycle, model/ and data/ never import launch/, and model/ and
+launch/ each follow their layers (model/__init__.py; docs/design.md, Layers of launch/)."""
 import ast
 from pathlib import Path
 from typing import Dict, List, Optional, Set
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("model", "data", "launch", "bench")
-# launch/'s layers, lowest first: a module may import its own subpackage and the layers below,
-# never a sibling of its own layer or anything above. Entry points are launch/*.py.
-LAYERS = (("launch.errors",), ("launch.config",), ("launch.analysis",),
-          ("launch.instruments", "launch.checkpoints"), ("launch.runtime",))
+# Each package's layers, lowest first: a module may import its own subpackage and the layers
+# below, never a sibling of its own layer or anything above. launch/'s entry points are launch/*.py.
+LAYERS = {
+    "model": (("model.parallel",), ("model.moe_config",), ("model.config",), ("model.transformer",),
+              ("model.gpt",), ("model.hf",)),
+    "launch": (("launch.errors",), ("launch.config",), ("launch.analysis",),
+               ("launch.instruments", "launch.checkpoints"), ("launch.runtime",)),
+}
 
 
 def module_names() -> Dict[str, Path]:
@@ -82,18 +88,21 @@ def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
 
 
 def layer_of(name: str) -> Optional[int]:
-    """The layer index of a launch/ module; len(LAYERS) for an entry point; None outside launch/."""
-    if name != "launch" and not name.startswith("launch."):
+    """The layer index of a module of a layered package; len(its layers) for a module in none of
+    them (launch/'s entry points, model/__init__); None outside the layered packages."""
+    layers = LAYERS.get(name.split(".")[0])
+    if layers is None:
         return None
-    for index, layer in enumerate(LAYERS):
+    for index, layer in enumerate(layers):
         if any(name == prefix or name.startswith(prefix + ".") for prefix in layer):
             return index
-    return len(LAYERS)
+    return len(layers)
 
 
 def home_of(name: str) -> str:
-    """The subpackage (or module) of launch/ that `name` belongs to."""
-    return next((p for layer in LAYERS for p in layer if name == p or name.startswith(p + ".")), name)
+    """The subpackage (or module) of its layered package that `name` belongs to."""
+    layers = LAYERS.get(name.split(".")[0], ())
+    return next((p for layer in layers for p in layer if name == p or name.startswith(p + ".")), name)
 
 
 def test_no_import_cycle():
@@ -107,16 +116,25 @@ def test_model_and_data_never_import_launch():
     assert not bad, "model/ and data/ import launch/: " + ", ".join(sorted(bad))
 
 
-def test_launch_follows_its_layers():
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_package_follows_its_layers(package):
     bad = []
     for a, targets in import_graph().items():
         for b in targets:
+            if a.split(".")[0] != package or b.split(".")[0] != package:
+                continue
             la, lb = layer_of(a), layer_of(b)
-            if la is None or lb is None or home_of(a) == home_of(b):
+            if home_of(a) == home_of(b):
                 continue
             if lb >= la:  # upward, or sideways between the siblings of one layer
                 bad.append(f"{a} (layer {la}) -> {b} (layer {lb})")
-    assert not bad, "launch/ imports against its layers:\n" + "\n".join(sorted(bad))
+    assert not bad, f"{package}/ imports against its layers:\n" + "\n".join(sorted(bad))
+
+
+def test_every_model_module_has_a_layer():
+    """A new subpackage of model/ must be given its place (else it would sit above every layer)."""
+    loose = [name for name in module_names() if name.startswith("model.") and layer_of(name) == len(LAYERS["model"])]
+    assert not loose, f"model/ modules in no layer of LAYERS['model']: {loose}"
 
 
 def test_the_graph_is_read():

@@ -1,4 +1,4 @@
-"""The Llama family (model/llama.py, model/rotary.py, RMSNorm, the untied head) against
+"""The Llama family (model/transformer/llama.py, model/transformer/rotary.py, RMSNorm, the untied head) against
 independent references:
 - our dense model against transformers' LlamaForCausalLM built from the same weights (logits and
   loss, fp32, within 1e-5), grouped-query and multi-query, tied and untied, with and without biases;
@@ -24,13 +24,13 @@ from launch.config.recipe import load_recipe
 from launch.errors import ConfigError
 from launch.runtime.run_inputs import resolved_recipe_dict
 from model.config import GPTConfig, ModelConfig, llama_ffn_hidden_size
-from model.convert import dense_name, rule_for, split
-from model.gpt import GPT
-from model.hf_llama import llama_config_kwargs, to_llama_state_dict
-from model.layer_table import pipeline_layers
-from model.layers import allreduce_sequence_parallel_grads
-from model.loss import vocab_parallel_cross_entropy
-from model.parallel_state import init_parallel_state
+from model.gpt.layer_table import pipeline_layers
+from model.gpt.model import GPT
+from model.hf.convert import dense_name, rule_for, split
+from model.hf.llama import llama_config_kwargs, to_llama_state_dict
+from model.parallel.cross_entropy import vocab_parallel_cross_entropy
+from model.parallel.layers import allreduce_sequence_parallel_grads
+from model.parallel.state import init_parallel_state
 
 LLAMA = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=16,
                   vocab_size=97, vocab_pad_multiple=8, seed=3)
@@ -115,7 +115,7 @@ def _tp_matches_dense(config: GPTConfig):
     losses = [_loss(dense, ids), _loss(tp_model, ids, group)]
     for loss in losses:
         loss.backward()
-    allreduce_sequence_parallel_grads(tp_model, group)  # the once-per-step sum (model/layers.py)
+    allreduce_sequence_parallel_grads(tp_model, group)  # the once-per-step sum (model/parallel/layers.py)
     assert abs(losses[1].item() - losses[0].item()) <= 1e-5 * losses[0].item(), [x.item() for x in losses]
     for name, param in tp_model.named_parameters():
         want = _dense_shard(dense_params[name].grad, name, group, config)
@@ -152,7 +152,7 @@ def _shared_kv_head_body():
 
 def test_tensor_parallel_llama_with_a_shared_kv_head_matches_dense():
     """The fast tier's check of contract 5's one exception: at tp=2 > n_kv_head=1 both ranks use
-    the one key/value head, each storing half its rows (model/llama.py)."""
+    the one key/value head, each storing half its rows (model/transformer/llama.py)."""
     run_distributed(_shared_kv_head_body, 2)
 
 

@@ -1,4 +1,4 @@
-"""Llama checkpoints in and out of transformers (model/hf_llama.py, launch/checkpoints/hf_export.py,
+"""Llama checkpoints in and out of transformers (model/hf/llama.py, launch/checkpoints/hf_export.py,
 launch/checkpoints/hf_weights.py):
 - the split/merge rule table agrees with the shards the layers build at tp=2 and tp=4, also for
   key/value heads shared by two ranks (n_kv_head=2 at tp=4) and multi-query;
@@ -18,18 +18,16 @@ import pytest
 import torch
 from torch.nn import functional
 
-import model.gpt
-import model.layers
-import model.llama
+from fake_groups import fake_groups
 from launch import export_hf
 from launch.checkpoints import hf_export
 from launch.checkpoints.hf_weights import check_hf_source, hf_dense_state_dict
 from launch.errors import ConfigError
 from launcher import LLAMA_TINY, REPO, launch_forked, read_metrics
 from model.config import GPTConfig
-from model.convert import load_dense_into, merge, rule_for, split
-from model.gpt import GPT
-from model.hf_llama import from_llama_state_dict, llama_config_kwargs, to_llama_state_dict
+from model.gpt.model import GPT
+from model.hf.convert import load_dense_into, merge, rule_for, split
+from model.hf.llama import from_llama_state_dict, llama_config_kwargs, to_llama_state_dict
 
 LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=4)
 CONFIG = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=8,
@@ -39,10 +37,7 @@ REL = 1e-5
 
 def _tp_model(config: GPTConfig, tp: int, rank: int, monkeypatch) -> GPT:
     """The model the layers build on TP rank `rank` of `tp` (constructors only: no process group)."""
-    for module in (model.layers, model.gpt, model.llama):
-        monkeypatch.setattr(module, "group_size", lambda g: 1 if g is None else tp)
-    for module in (model.layers, model.llama):
-        monkeypatch.setattr(module, "group_rank", lambda g: 0 if g is None else rank)
+    fake_groups(monkeypatch, size=lambda g: 1 if g is None else tp, rank=lambda g: 0 if g is None else rank)
     return GPT(config, tp_group="fake-tp-group")
 
 
@@ -211,7 +206,7 @@ def test_llama_tiny_exports_imports_and_exports_back(tmp_path):
 def test_gpt2_weights_need_the_gpt2_switches(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from model.hf_gpt2 import gpt2_config_kwargs
+    from model.hf.gpt2 import gpt2_config_kwargs
     config = GPTConfig(n_layer=1, n_head=4, n_embd=32, seq_len=8, vocab_size=97)
     GPT2LMHeadModel(GPT2Config(**gpt2_config_kwargs(config))).save_pretrained(tmp_path)
     check_hf_source(str(tmp_path), config, resuming=False)

@@ -15,7 +15,7 @@ from launch.analysis.planner import GPUS, Hardware, Setup, estimate_plan
 from launch.config.layout import check_and_derive_layout
 from launch.config.recipe import load_recipe
 from model.config import GPTConfig, ModelConfig
-from model.gpt import GPT
+from model.gpt.model import GPT
 
 REPO = Path(__file__).resolve().parent.parent
 # (recipe, published parameters: the model cards / config.json, as transformers counts them)
@@ -26,7 +26,7 @@ PUBLISHED = [("tinyllama-1.1b", 1_100_048_384), ("llama3.2-1b", 1_235_814_400), 
 def test_planner_parameters_equal_transformers_on_meta(name, published):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from model.hf_llama import llama_config_kwargs
+    from model.hf.llama import llama_config_kwargs
     recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", [])
     config = GPTConfig(**dataclasses.asdict(recipe.model))
     with torch.device("meta"):
@@ -89,7 +89,7 @@ def test_general_formulas_are_gpt2_closed_forms_for_gpt2(l, h, a, V, s):
 
 def _saved_block_bytes(config: GPTConfig, batch: int, dtype: torch.dtype = torch.float32) -> int:
     from bench.activation_memory import saved_activation_bytes
-    from model.gpt import Block
+    from model.transformer.block import Block
     block = Block(config, 0, None).train().to(dtype)
     x = torch.randn(batch, config.seq_len, config.n_embd, requires_grad=True, dtype=dtype)
     return saved_activation_bytes(lambda: block(x), block.parameters())

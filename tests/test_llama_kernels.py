@@ -14,9 +14,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from model.config import GPTConfig
-from model.gpt import Block
-from model.hf_llama import fused_parts, llama_config_kwargs, name_pairs
-from model.norms import RMSNorm
+from model.hf.llama import fused_parts, llama_config_kwargs, name_pairs
+from model.transformer.block import Block
+from model.transformer.norms import RMSNorm
 
 CONFIG = GPTConfig(arch="llama", n_layer=1, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden_size=48, seq_len=16,
                    vocab_size=97, seed=3)

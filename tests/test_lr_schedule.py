@@ -63,7 +63,7 @@ def _engine_lrs_follow_the_formula():
     from launch.runtime.engine import build_engine
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
 
     recipe = load_recipe(TINY, [f"train.steps={STEPS}", f"train.warmup_steps={WARMUP}", f"train.lr={PEAK}",
                                 f"train.min_lr_ratio={MIN_RATIO}", "train.global_batch_size=2",

@@ -16,7 +16,8 @@ from launch.config.layout import Layout
 from launch.errors import ConfigError
 from launch.instruments import metrics
 from launcher import TINY, launch, read_metrics
-from model.gpt import GPT, GPTConfig
+from model.config import GPTConfig
+from model.gpt.model import GPT
 
 # recipes/tiny.yaml at dp=2: 4 layers, hidden 64, seq 32, micro 2, global 16; 3 steps show every
 # property below (a first step, the ones after it, the last with its "eta 0s").
@@ -29,7 +30,7 @@ OLD_KEYS = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "elapse
 
 @functools.cache  # one count per test session: the FLOP counter takes seconds to start
 def built_tiny_model():
-    """The tiny recipe's model as model/gpt.py builds it, its parameters as torch counts them, and
+    """The tiny recipe's model as model/transformer/block.py builds it, its parameters as torch counts them, and
     the FLOPs torch counts in one step: a forward and backward of one sample, times the batch."""
     model = GPT(TINY_MODEL)
     one_sample = counted_flops(model, torch.zeros(1, SEQ, dtype=torch.long))

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (model/moe.py) against dense references, in process and on gloo processes:
+"""The mixture-of-experts MLP (model/transformer/moe.py) against dense references, in process and on gloo processes:
 
 - routing: the k largest logits, ties to the lower expert (the same choice at every layout), and the
   weights of both routers against their definitions;
@@ -20,12 +20,12 @@ from torch.nn import functional
 
 from distributed import run_distributed
 from model.config import GPTConfig
-from model.convert import split, split_experts
-from model.gpt import init_generator
-from model.layers import allreduce_sequence_parallel_grads
-from model import moe as moe_module
-from model.moe import MoEMLP, grouped_linear, grouped_mm_fits, route
-from model.parallel_state import init_parallel_state
+from model.hf.convert import split, split_experts
+from model.parallel.layers import allreduce_sequence_parallel_grads
+from model.parallel.state import init_parallel_state
+from model.transformer import moe as moe_module
+from model.transformer.block import init_generator
+from model.transformer.moe import MoEMLP, grouped_linear, grouped_mm_fits, route
 
 B, T = 2, 8
 DEAD = 3  # the expert no token reaches (its router row points away from every input)
@@ -230,7 +230,7 @@ def _sharded_body(tp: int, ep: int, sp: bool, shared: int):
         grad = p.grad.clone()
         expert = getattr(p, "allreduce", True) is False
         dist.all_reduce(grad, group=state.expert_dp_group if expert else data_group)
-        dense_name = f"blocks.0.mlp.{name}"  # model/convert.py's rules are keyed by the dense GPT's names
+        dense_name = f"blocks.0.mlp.{name}"  # model/hf/convert.py's rules are keyed by the dense GPT's names
         want = split(dense_name, split_experts(dense_name, reference[name], state.ep_rank, ep), state.tp_rank, tp,
                      config.padded_vocab_size(tp), config)
         torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6, msg=f"{name} on rank {state.global_rank}")

@@ -33,7 +33,7 @@ def _moe_engine(tp: int, ep: int, zero_stage: int = 1):
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.engine import build_engine
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
     recipe = load_recipe(MOE_TINY, [f"train.ep={ep}", f"train.zero_stage={zero_stage}"])
     layout = check_and_derive_layout(recipe, dist.get_world_size(), tp, 1, True)
     state = init_parallel_state(tp, 1, 1, ep, experts=True)
@@ -128,7 +128,7 @@ def _reshard_body(root: Path, tp: int):
     moments are the saved ones (EP rank 0's experts, then EP rank 1's), cut for this TP rank."""
     from launch.checkpoints import expert_files, store
     from launch.checkpoints.locate import find_checkpoint
-    from model.convert import dense_name, merge, merge_experts, rule_for, split
+    from model.hf.convert import dense_name, merge, merge_experts, rule_for, split
     recipe, layout, state, config, engine = _moe_engine(tp, 1)
     ref = find_checkpoint(root)
     assert store.load(engine, ref, vars(layout), state, config)["step"] == 1

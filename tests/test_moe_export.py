@@ -1,4 +1,4 @@
-"""Mixture-of-experts models in and out of transformers (model/hf_moe.py, model/hf_shards.py,
+"""Mixture-of-experts models in and out of transformers (model/hf/moe.py, model/hf/shards.py,
 launch/checkpoints/hf_export.py, hf_weights.py, hf_safetensors.py), for MixtralForCausalLM,
 Qwen3MoeForCausalLM (per-head q/k norm; a head size other than n_embd / n_head; dense blocks between
 the MoE ones, decoder_sparse_step 2) and OlmoeForCausalLM (q/k norm over the whole projections,
@@ -22,11 +22,8 @@ import json
 import pytest
 import torch
 
-import model.gpt
-import model.layers
-import model.llama
-import model.moe
 from distributed import run_distributed, uses_deepspeed
+from fake_groups import fake_groups
 from launch import export_hf
 from launch.checkpoints import hf_export
 from launch.checkpoints.hf_export import check_exportable, hf_config
@@ -34,9 +31,9 @@ from launch.checkpoints.hf_safetensors import load_hf_shards_into, write_safeten
 from launch.checkpoints.hf_weights import check_hf_source, hf_dense_state_dict, hf_model_fields, read_hf_config
 from launch.errors import ConfigError
 from model.config import GPTConfig
-from model.convert import split, split_experts
-from model.gpt import GPT
-from model.hf_moe import MoEFields, hf_model_class, moe_config_kwargs, to_moe_state_dict
+from model.gpt.model import GPT
+from model.hf.convert import split, split_experts
+from model.hf.moe import MoEFields, hf_model_class, moe_config_kwargs, to_moe_state_dict
 from model.moe_config import MoEConfig
 
 V, T = 97, 16
@@ -151,7 +148,8 @@ def _expert_loads(ours: GPT, ids: torch.Tensor):
 
 def _export_dir(ours: GPT, path) -> str:
     """Our weights written as launch/checkpoints/hf_export.py writes them (files, then config)."""
-    from model.hf_shards import hf_sources, stored_tensors
+    from model.hf.shards import hf_sources
+    from model.hf.source import stored_tensors
     config = ours.config
     dense = {k: v.detach() for k, v in ours.named_parameters()}
     sources = hf_sources(config)
@@ -240,8 +238,8 @@ def test_export_merges_the_tp_shards_of_a_checkpoints_layer_files(case, tmp_path
     import dataclasses as dc
 
     from model.config import ModelConfig
-    from model.convert import load_dense_into
-    from model.layer_table import dense_prefix, pipeline_layers
+    from model.hf.convert import load_dense_into
+    from model.gpt.layer_table import dense_prefix, pipeline_layers
     config, tp = CASES[case], 2
     ours = _random_ours(config)
     dense = {k: v.detach() for k, v in ours.named_parameters()}
@@ -276,9 +274,7 @@ def test_export_merges_the_tp_shards_of_a_checkpoints_layer_files(case, tmp_path
 def _fake_groups(tp: int, tp_rank: int, ep: int, ep_rank: int, monkeypatch) -> None:
     """The layers' constructors on TP rank tp_rank of tp and EP rank ep_rank of ep, no process group."""
     sizes, ranks = {"tp": tp, "ep": ep, None: 1}, {"tp": tp_rank, "ep": ep_rank, None: 0}
-    for module in (model.layers, model.gpt, model.llama, model.moe):
-        monkeypatch.setattr(module, "group_size", lambda g: sizes[g], raising=False)
-        monkeypatch.setattr(module, "group_rank", lambda g: ranks[g], raising=False)
+    fake_groups(monkeypatch, size=lambda g: sizes[g], rank=lambda g: ranks[g])
 
 
 def _saved_hf(config: GPTConfig, path, fused: bool) -> str:
@@ -312,9 +308,9 @@ def test_each_rank_reads_the_split_of_its_experts(case, fused, tmp_path, monkeyp
 @uses_deepspeed
 def _pipeline_body(source: str, config: GPTConfig, tp: int, ep: int) -> None:
     from launch.checkpoints.hf_weights import init_from_hf
-    from model.convert import dense_name
-    from model.parallel_state import init_parallel_state
-    from model.pipe import build_pipeline
+    from model.hf.convert import dense_name
+    from model.parallel.state import init_parallel_state
+    from model.gpt.pipe import build_pipeline
     state = init_parallel_state(tp, 1, 1, ep, experts=True)
     pipe = build_pipeline(config, state)
     with torch.no_grad():

@@ -1,9 +1,9 @@
-"""The mixture-of-experts metrics (launch/instruments/moe_metrics.py, model/moe_losses.py) against a
+"""The mixture-of-experts metrics (launch/instruments/moe_metrics.py, model/transformer/moe_losses.py) against a
 direct count of the router's choices: every MoE block's input is captured by a forward hook, and
 the router's logits, softmax, top-k, load-balancing loss (transformers' own function) and z-loss are
 recomputed from it and the router's weight with plain torch ops, micro-batch by micro-batch.
 
-- In process: the dense GPT of model/gpt.py (blocks 1 and 3 of 4 MoE), several micro-batches with
+- In process: the dense GPT of model/gpt/model.py (blocks 1 and 3 of 4 MoE), several micro-batches with
   gradients, its records through `loss_summary`; nothing recorded under no_grad (evaluation).
 - On 4 gloo processes, the run's engine (tests/distributed.py) under full recompute, whose
   checkpointed forward runs under no_grad and again with gradients in backward: each micro-batch is
@@ -21,10 +21,11 @@ import torch.distributed as dist
 from torch.nn import functional
 
 from distributed import run_distributed, sgd_engine, uses_deepspeed
-from model.gpt import GPT, GPTConfig
-from model.moe import MoEMLP
+from model.config import GPTConfig
+from model.gpt.model import GPT
 from model.moe_config import MoEConfig
-from model.moe_losses import loss_summary
+from model.transformer.moe import MoEMLP
+from model.transformer.moe_losses import loss_summary
 
 E, K = 8, 2
 # recipes/moe-tiny.yaml's model at a smaller vocabulary and sequence: qwen3_moe, a shared expert.
@@ -158,9 +159,9 @@ def _engine_body(tp, pp, cp, ep, sequence_parallel):
     """One step of N_MICRO micro-batches under full recompute, then moe_step_record against the
     count over every rank's hooked inputs; then an evaluation that records nothing."""
     from launch.instruments.moe_metrics import moe_step_record
-    from model.context_parallel import sequence_shards
-    from model.moe_losses import stage_statistics
-    from model.parallel_state import init_parallel_state
+    from model.parallel.context_parallel import sequence_shards
+    from model.transformer.moe_losses import stage_statistics
+    from model.parallel.state import init_parallel_state
     config = dataclasses.replace(CONFIG, sequence_parallel=sequence_parallel)
     state = init_parallel_state(tp, pp, cp, ep, experts=True)
     engine = sgd_engine(config, state, MICRO, N_MICRO, full_recompute=True)

@@ -21,8 +21,9 @@ from launch.analysis.comm_formulas import comm_per_rank_per_step
 from launch.config.layout import Layout
 from launch.config.recipe import load_recipe
 from launch.plan import main
-from model.gpt import GPT, GPTConfig
-from model.moe import is_expert_param, route
+from model.config import GPTConfig
+from model.gpt.model import GPT
+from model.transformer.moe import is_expert_param, route
 
 REPO = Path(__file__).resolve().parent.parent
 # name: (recipe, published total, published active in billions, to 0.1B as published)
@@ -129,7 +130,7 @@ def test_moe_block_activations_are_what_autograd_saves(moe, dtype):
     tensors (the routed rows, the experts' SwiGLU, indices, the router's fp32 tensors, the shared
     experts) equals the bytes autograd saves, to the byte."""
     from bench.activation_memory import saved_activation_bytes
-    from model.gpt import Block
+    from model.transformer.block import Block
     config = GPTConfig(arch="mixtral", n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=50, dropout=0.0,
                        moe=dict(dict(aux_loss_coef=0.01), **moe))
     torch.manual_seed(0)
@@ -224,9 +225,9 @@ def _measured_all_to_alls(tp: int, ep: int, sp: bool, queue_path: str):
     """On each rank: one MoEMLP's forward and backward at (tp, ep), recording what it hands
     dist.all_to_all_single, in order, per pass; written to queue_path.rank{R}.json."""
     import contextlib
-    from model.gpt import init_generator
-    from model.moe import MoEMLP
-    from model.parallel_state import init_parallel_state
+    from model.transformer.block import init_generator
+    from model.transformer.moe import MoEMLP
+    from model.parallel.state import init_parallel_state
     state = init_parallel_state(tp, 1, 1, ep, experts=True)
     config = dataclasses.replace(ALL_TO_ALL_CONFIG, sequence_parallel=sp)
     moe = MoEMLP(config, 0, state.tp_group, init_generator(config, 0), contextlib.nullcontext, ep_group=state.ep_group)
@@ -255,7 +256,7 @@ ALL_TO_ALL_CONFIG = GPTConfig(arch="qwen3_moe", n_layer=2, n_head=4, n_kv_head=2
 
 @pytest.mark.parametrize("tp,ep,sp", [(1, 4, False), (2, 2, True)], ids=["tp1-ep4", "tp2-ep2-sp"])
 def test_moe_mlp_hands_the_all_to_alls_the_formula_counts(tp, ep, sp, tmp_path):
-    """MoEMLP (model/moe.py) on 4 gloo processes: in forward one int64 count exchange then two row
+    """MoEMLP (model/transformer/moe.py) on 4 gloo processes: in forward one int64 count exchange then two row
     exchanges, in backward two, of the sizes ep_comm_by_pass gives (b x seq tokens of the replica
     on every TP rank, SP included): the counts, the forward dispatch and the backward combine on
     every rank; the forward combine and the backward dispatch summed over each EP group."""

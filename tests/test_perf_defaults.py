@@ -11,8 +11,9 @@ from torch.nn import functional
 from distributed import run_distributed, uses_deepspeed
 from launcher import TINY
 from launch.config.recipe import Recipe
-from model.gpt import GPT, GPTConfig
-from model.loss import vocab_parallel_cross_entropy
+from model.config import GPTConfig
+from model.gpt.model import GPT
+from model.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
 def profiled_ops(fn) -> list:
@@ -33,7 +34,7 @@ def _default_zero_stage_step(precision: str):
     from launch.runtime.engine import build_engine
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
 
     recipe = load_recipe(TINY, [f"train.zero_stage={Recipe().train.zero_stage}", f"train.precision={precision}"])
     layout = check_and_derive_layout(recipe, 2, 1, 1, True)

@@ -1,4 +1,4 @@
-"""The DeepSpeed pipeline model against its sequential form: the dense GPT of model/gpt.py run
+"""The DeepSpeed pipeline model against its sequential form: the dense GPT of model/gpt/model.py run
 in one process. Same loss through `eval_batch`, and the same gradient (one SGD step of lr 1
 applied by the engine), shard by shard, including the tied embedding whose gradient
 DeepSpeed sums over the first and last stage. With sequence parallelism too: stage-to-stage
@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed, sgd_engine, uses_deepspeed
-from model.convert import dense_name
-from model.gpt import GPT, GPTConfig
-from model.layers import shard_rows
-from model.loss import vocab_parallel_cross_entropy
-from model.parallel_state import init_parallel_state
+from model.config import GPTConfig
+from model.gpt.model import GPT
+from model.hf.convert import dense_name
+from model.parallel.cross_entropy import vocab_parallel_cross_entropy
+from model.parallel.layers import shard_rows
+from model.parallel.state import init_parallel_state
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=4, seed=5)
 MICRO, N_MICRO = 2, 3

@@ -19,10 +19,10 @@ from launch.analysis import formulas, partition
 from launch.analysis.pipeline_chart import COLOURS, idle_fraction
 from launch.analysis.schedule_sim import simulate_schedule
 from launch.plan import main
+from model.config import GPTConfig
 from model.config import ModelConfig
-from model.gpt import GPTConfig
-from model.parallel_state import init_parallel_state
-from model.pipe import build_pipeline
+from model.gpt.pipe import build_pipeline
+from model.parallel.state import init_parallel_state
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = ["--layers", "72", "--hidden", "10240", "--heads", "80", "--seq-len", "2048", "--vocab", "51200",
@@ -232,8 +232,8 @@ def test_built_layer_specs_follow_the_layer_table(config, kinds, specs):
     """The planner's layer kinds and the specs DeepSpeed builds, layer by layer, against the table
     written out here: (module, tie key, block index); the tied head is the embedding under the
     same key with a forward that returns (B, T, V_pad) logits."""
-    from model.parallel_state import single_process_state
-    from model.pipe import layer_specs
+    from model.parallel.state import single_process_state
+    from model.gpt.pipe import layer_specs
     assert formulas.layer_kinds(config) == kinds
     built = layer_specs(config, single_process_state())
 

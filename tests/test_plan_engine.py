@@ -86,7 +86,7 @@ def _engine_holds_the_planned_bytes():
     from launch.config.recipe import load_recipe
     from launch.instruments.comm_counter import CommCounter
     from launch.runtime.engine import build_engine
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
 
     gpu = GPUS["H100"]
     for recipe_path, overrides, tp, pp in LAYOUTS:

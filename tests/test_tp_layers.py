@@ -8,13 +8,14 @@ import torch.distributed as dist
 from torch.nn import functional
 
 from distributed import run_distributed
-from model.convert import rule_for
-from model.gpt import GPT, GPTConfig
+from model.config import GPTConfig
 from model.config import padded_vocab_size
-from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, allreduce_sequence_parallel_grads,
-                          shard_rows)
-from model.loss import vocab_parallel_cross_entropy
-from model.mappings import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
+from model.gpt.model import GPT
+from model.hf.convert import rule_for
+from model.parallel.cross_entropy import vocab_parallel_cross_entropy
+from model.parallel.layers import ColumnParallelLinear, RowParallelLinear, allreduce_sequence_parallel_grads, shard_rows
+from model.parallel.mappings import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
+from model.parallel.vocab_embedding import VocabParallelEmbedding
 
 ATOL = 1e-5
 
@@ -197,7 +198,7 @@ def _sequence_parallel_gpt_body():
               for model, g in ((dense, None), (sp, group))]
     for loss in losses:
         loss.backward()
-    allreduce_sequence_parallel_grads(sp, group)  # the once-per-step sum (model/layers.py)
+    allreduce_sequence_parallel_grads(sp, group)  # the once-per-step sum (model/parallel/layers.py)
     _check("SP GPT loss", losses[1].detach(), losses[0].detach())
     dense_params = dict(dense.named_parameters())
     for name, param in sp.named_parameters():

@@ -16,9 +16,10 @@ from launch.analysis import formulas, memory_formulas
 from launch.analysis.pipeline_chart import COLOURS, idle_fraction
 from launch.analysis.schedule_sim import instruction_streams, simulate_schedule
 from launch.analysis.zero_bubble_schedule import BackwardInputPass, WeightPass, ZeroBubbleH1Schedule
-from model.gpt import GPT, GPTConfig
-from model.loss import vocab_parallel_cross_entropy
-from model.weight_grad import WEIGHT_GRADS
+from model.config import GPTConfig
+from model.gpt.model import GPT
+from model.parallel.cross_entropy import vocab_parallel_cross_entropy
+from model.parallel.weight_grad import WEIGHT_GRADS
 
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny.yaml"
 DEMO = TINY.parent / "demo.yaml"
@@ -138,7 +139,7 @@ def test_held_memory_is_the_formula(arch):
 
 
 def _held_bytes_at_tp2():
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
     group = init_parallel_state(2, 1).tp_group
     for arch, sp, kv in [("gpt2", False, 4), ("gpt2", True, 4), ("llama", True, 2), ("llama", False, 1),
                          ("llama", True, 1)]:
@@ -162,7 +163,7 @@ def _train(schedule_name: str, tp: int, pp: int, overrides: list, steps: int):
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.engine import build_engine
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
 
     recipe = load_recipe(TINY, [f"train.schedule={schedule_name}"] + overrides)
     layout = check_and_derive_layout(recipe, dist.get_world_size(), tp, pp, True)

@@ -9,9 +9,10 @@ import torch
 from deepspeed.runtime.pipe import schedule
 
 from distributed import run_distributed, uses_deepspeed
-from model.gpt import GPT, GPTConfig
-from model.loss import vocab_parallel_cross_entropy
-from model.weight_grad import WEIGHT_GRADS
+from model.config import GPTConfig
+from model.gpt.model import GPT
+from model.parallel.cross_entropy import vocab_parallel_cross_entropy
+from model.parallel.weight_grad import WEIGHT_GRADS
 
 TINY = Path(__file__).resolve().parent.parent / "recipes" / "tiny.yaml"
 
@@ -28,7 +29,7 @@ def test_compiled_blocks_defer_their_weight_gradients():
 
     from torch._dynamo.utils import counters
 
-    from model.compiled import compile_blocks
+    from model.gpt.compiled import compile_blocks
 
     config = GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=101, vocab_pad_multiple=4, seed=3)
     eager = GPT(config, None)
@@ -70,7 +71,7 @@ def _zero_bubble_engine(compiled: bool = False):
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.engine import build_engine
-    from model.parallel_state import init_parallel_state
+    from model.parallel.state import init_parallel_state
 
     recipe = load_recipe(TINY, ["train.schedule=zb-h1"])
     layout = check_and_derive_layout(recipe, dist.get_world_size(), 1, 2, True)

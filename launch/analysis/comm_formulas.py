@@ -3,7 +3,7 @@ step, with its calls, elements and bytes, as launch/instruments/comm_counter.py 
 measurement can be checked to the byte. Any ModelConfig the repository builds (parameter counts
 from launch/analysis/formulas.py), with or without sequence parallelism, at any context-parallel
 degree (the Ulysses all-to-alls, Jacobs et al. 2023 [J23], issue 25), with experts at any expert-parallel
-degree (the token all-to-alls of model/moe.py, issue 26: launch/analysis/experts.py).
+degree (the token all-to-alls of model/transformer/moe.py, issue 26: launch/analysis/experts.py).
 
 Payload = what this rank hands to the call (all-gather: its own shard). Each term beyond the
 leading ones of docs/design.md (Formulas), and what is not counted: docs/planner-and-metrics.md,
@@ -12,12 +12,12 @@ Communication counts.
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from launch.analysis import experts, formulas
-from launch.analysis.partition import blocks_per_stage, stage_partition
 from launch.analysis.memory_formulas import cp_kv_heads_per_rank
+from launch.analysis.partition import blocks_per_stage, stage_partition
 from launch.config.layout import Layout
+from model.config import GPTConfig
 from model.config import ModelConfig
-from model.gpt import GPTConfig
-from model.llama import kv_replicas
+from model.transformer.llama import kv_replicas
 
 Key = Tuple[str, str, str]  # (purpose, role, op), as in launch/instruments/comm_counter.py
 Volume = Tuple[int, int, int]  # (calls, elements, bytes)
@@ -26,7 +26,7 @@ SHAPE_HEADER_ELEMENTS, SHAPE_HEADER_BYTES = 256, 4  # DeepSpeed TENSOR_META_SIZE
 PARTITION_HEADER_BYTES = 8  # int64: PartitionedTensor.to_meta()
 ZERO_ALIGNMENT = 2  # DeepSpeed nccl_start_alignment_factor: groups padded to a multiple of 2*d
 LOSS_BYTES = 4  # the cross-entropy reduces in fp32 whatever the precision
-CP_ALL_TO_ALL = "all_to_all_single"  # torch's call under DeepSpeed-Ulysses' exchange (and model/mappings.py's)
+CP_ALL_TO_ALL = "all_to_all_single"  # torch's call under DeepSpeed-Ulysses' exchange (and model/parallel/mappings.py's)
 
 
 def partition_header_elements(tp: int) -> int:
@@ -61,7 +61,7 @@ def sequence_parallel_params(config: ModelConfig, blocks: int, first: bool, last
     SP: per block the norms' weights (and LayerNorm biases, Qwen3's q/k norms) and the row-parallel biases, ln_f on
     the last stage, learned positions on the first; each is all-reduced once per step."""
     per_norm = 2 if config.norm == "layernorm" else 1
-    qk_norms = 2 if config.qk_norm == "head" else 0  # Qwen3's q/k norm weights, replicated (model/llama.py)
+    qk_norms = 2 if config.qk_norm == "head" else 0  # Qwen3's q/k norm weights, replicated (model/transformer/llama.py)
     calls = blocks * (2 * per_norm + (2 if config.bias else 0) + qk_norms) + (per_norm if last else 0)
     elements = blocks * formulas.block_vector_params(config)[1] + (formulas.norm_params(config) if last else 0)
     if first and config.position == "learned":
@@ -71,7 +71,7 @@ def sequence_parallel_params(config: ModelConfig, blocks: int, first: bool, last
 
 def kv_gathered_elements(config: ModelConfig, tp: int) -> Tuple[int, int]:
     """(calls, elements of the whole tensors) gathered per block per micro-batch when TP ranks share
-    a key/value head (model/llama.py `kv_replicas` > 1): the K and V rows of the fused qkv_proj
+    a key/value head (model/transformer/llama.py `kv_replicas` > 1): the K and V rows of the fused qkv_proj
     weight, 2*n_kv_head*d of them, in one call, and of its bias if any in another; (0, 0) when
     every rank holds whole heads of its own."""
     if kv_replicas(config.n_kv_head, tp) == 1:
@@ -125,7 +125,7 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
     cut = list(layout.parts) or stage_partition(config, p, "blocks")
     blocks = _blocks(config, p, cut)[stage]
     moe_blocks = len(experts.moe_block_indices(config, experts.stage_block_indices(config, cut, stage)))
-    # An MoE block's MLP (model/moe.py) reduces once after the combine, as a dense MLP's row-parallel
+    # An MoE block's MLP (model/transformer/moe.py) reduces once after the combine, as a dense MLP's row-parallel
     # linear; its shared experts' MLP adds a dense MLP's collectives; its combine weights (b, s, k)
     # cross TP as the tokens do (copied in, their partial gradients summed).
     shared = moe_blocks if config.moe.enabled and config.moe.shared_experts else 0
@@ -178,7 +178,7 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
 
     if p > 1:
         shard = activation // t  # each TP rank's part of a stage tensor (all of it at t = 1)
-        partitioned = t > 1 and not sp  # DeepSpeed's pipe_partitioned (model/pipe.py: pipeline_config)
+        partitioned = t > 1 and not sp  # DeepSpeed's pipe_partitioned (model/gpt/pipe.py: pipeline_config)
         header = partition_header_elements(t) if partitioned else 0
         calls = m * (2 if partitioned else 1)  # header + shard, or the tensor (SP: this rank's chunk)
         message = (calls, m * (shard + header), m * (shard * element_bytes + header * PARTITION_HEADER_BYTES))

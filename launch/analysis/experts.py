@@ -1,4 +1,4 @@
-"""Mixture of experts in the planner (issue 26): what an MoE block (model/moe.py) holds, computes,
+"""Mixture of experts in the planner (issue 26): what an MoE block (model/transformer/moe.py) holds, computes,
 keeps for backward and sends, for launch/analysis/formulas.py, memory_formulas.py, comm_formulas.py
 and planner.py.
 
@@ -20,12 +20,12 @@ No torch here: only the model's config.
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from model.config import ModelConfig
-from model.layer_table import pipeline_layers
+from model.gpt.layer_table import pipeline_layers
 
 Key = Tuple[str, str, str]  # (purpose, role, op), as in launch/instruments/comm_counter.py
 Volume = Tuple[int, int, int]  # (calls, elements, bytes)
 
-EP_ALL_TO_ALL = "all_to_all_single"  # model/mappings.py: exchange_counts, all_to_all_to_experts and _from_experts
+EP_ALL_TO_ALL = "all_to_all_single"  # model/parallel/mappings.py: exchange_counts, all_to_all_to_experts and _from_experts
 COUNT_BYTES = 8  # the counts exchanged before the rows are int64 (torch.bincount)
 INDEX_BYTES = 8  # int64 indices (the routing's sorts and gathers) kept for backward
 FP32 = 4
@@ -87,7 +87,7 @@ def mlp_params_per_rank(m: ModelConfig, layer_index: Optional[int], tp: int, ep:
 
 
 def stage_block_indices(m: ModelConfig, parts: Sequence[int], stage: int) -> List[int]:
-    """The block indices stage `stage` holds in the cut `parts` (model/layer_table.py's order)."""
+    """The block indices stage `stage` holds in the cut `parts` (model/gpt/layer_table.py's order)."""
     return [i for kind, i in pipeline_layers(m)[parts[stage]:parts[stage + 1]] if kind == "block"]
 
 
@@ -101,7 +101,7 @@ def stage_expert_params_per_rank(m: ModelConfig, tp: int, ep: int, parts: Sequen
 
 def moe_mlp_activation_bytes(m: ModelConfig, tokens: float, tp: int, sequence_parallel: bool,
                              element_bytes: int, ep: int = 1) -> float:
-    """What an MoE block's MLP keeps for backward on one rank per micro-batch (model/moe.py), for
+    """What an MoE block's MLP keeps for backward on one rank per micro-batch (model/transformer/moe.py), for
     `tokens` = b * seq / cp tokens routed per rank (every TP rank routes all of them: these terms do
     not fall under sequence parallelism; the router's do, it runs on the rank's chunk). Per token:
       routed rows   in the activation dtype: the k rows each token sends into its experts' gate_up
@@ -138,7 +138,7 @@ def moe_mlp_activation_bytes(m: ModelConfig, tokens: float, tp: int, sequence_pa
 def moe_weight_grad_stash_bytes(m: ModelConfig, tokens: float, tp: int, sequence_parallel: bool,
                                 element_bytes: int) -> float:
     """ZB-H1's stash of an MoE block's MLP per micro-batch (the linears' inputs and output gradients
-    from the B pass to the W pass, model/weight_grad.py): the router's input (this rank's chunk
+    from the B pass to the W pass, model/parallel/weight_grad.py): the router's input (this rank's chunk
     under SP) and logits' gradient (E); per routed row the gate_up input h and output gradient
     2 f_e / t, the down input f_e / t and output gradient h; the shared experts as a dense MLP."""
     h, t, k, E = m.n_embd, tp, m.moe.experts_per_token, m.moe.num_experts

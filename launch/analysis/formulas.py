@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from launch.analysis import experts
 from model.config import ModelConfig, padded_vocab_size
-from model.layer_table import pipeline_layers
+from model.gpt.layer_table import pipeline_layers
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, without sparsity).
 PEAK_FLOPS_BF16: Dict[str, float] = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -61,7 +61,7 @@ def embedding_params_per_rank(vocab: int, hidden: int, tp: int, pad_multiple: in
 
 
 def layer_kinds(model: ModelConfig) -> List[str]:
-    """The kind of each layer of a resolved config, from the layer table (model/layer_table.py):
+    """The kind of each layer of a resolved config, from the layer table (model/gpt/layer_table.py):
     [embed, wpe, block..., ln_f, head] for GPT-2, [embed, block..., ln_f, lm_head] for Llama."""
     return [kind for kind, _ in pipeline_layers(model)]
 
@@ -251,7 +251,7 @@ def tp_allreduce_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, lay
 
 def kv_gather_bytes_per_step(m: ModelConfig, tp: int, layers: int, microbatches: int,
                               recompute: bool = False) -> int:
-    """What GQA adds to one TP rank's traffic when tp > n_kv_head (model/llama.py): per block
+    """What GQA adds to one TP rank's traffic when tp > n_kv_head (model/transformer/llama.py): per block
     per micro-batch, the K and V rows of the fused qkv_proj all-gathered in forward (again with
     recompute) and their gradients reduce-scattered in backward: the gathered size is 2*kv*d*h
     (+ 2*kv*d with biases) elements. Zero when n_kv_head divides by tp (each rank holds its own heads)."""

@@ -88,7 +88,7 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
     """`activation_bytes_per_layer` (K22's tensor-by-tensor count) for any architecture; equal to
     it for GPT-2. Per s*b*h, E = element_bytes, M = mask_bytes:
       replicated over TP, split by SP: norm inputs 2E, inputs of the q/k/v and first MLP
-        projections 2E, two dropout masks 2M; RMSNorm (model/norms.py, transformers' formula)
+        projections 2E, two dropout masks 2M; RMSNorm (model/transformer/norms.py, transformers' formula)
         keeps its input in fp32 (2*4 for the two norms, whatever E: in bf16 that is a copy) and
         its normalised output before the weight, 2E;
       split by TP: Q E*a*d/h, K and V E*kv*d/h each (SDPA's math path, CPU with dropout, expands
@@ -99,7 +99,7 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
         scores (CPU with dropout). `fused_attention` (flash SDPA: the GPU path, and CPU's without
         dropout) stores no scores, only an fp32 logsumexp per row and head, 4*a/h: its output,
         laid out (b, s, a, d), is the o_proj input already counted (the transpose before o_proj
-        copies nothing). Selective recompute (model/attention.py checkpoints the whole core, its
+        copies nothing). Selective recompute (model/transformer/attention.py checkpoints the whole core, its
         inputs q, k, v already counted) stores neither;
     Per token: `layernorm_stat_bytes` for each LayerNorm's mean and 1/std, or each RMSNorm's 1/rms.
     RoPE adds its cos and sin tables, 2*s*d*E per block (independent of b).
@@ -120,7 +120,7 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
     if recompute:
         return E * n * b * h / sp
     rms = m.norm == "rmsnorm"
-    # RMSNorm (model/norms.py) keeps its input as an fp32 copy, 4 bytes whatever E, and its
+    # RMSNorm (model/transformer/norms.py) keeps its input as an fp32 copy, 4 bytes whatever E, and its
     # normalised output before the weight, E.
     norm_inputs = 2 * 4 if rms else 2 * E
     replicated = norm_inputs + 2 * E + 2 * M + (2 * E if rms else 0)
@@ -158,14 +158,14 @@ def weight_grad_stash_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch:
                                       sequence_parallel: bool = False, element_bytes: int = ACTIVATION_BYTES,
                                       layer_index: Optional[int] = None) -> float:
     """What ZB-H1 keeps of one block per micro-batch from its B pass to its W pass
-    (model/weight_grad.py): each deferred linear's input and output gradient, per TP rank.
+    (model/parallel/weight_grad.py): each deferred linear's input and output gradient, per TP rank.
     Per token, with d the head size, f the MLP width and h_in = h/t under sequence parallelism
     (each rank keeps its sequence chunk of a column-parallel input), else h:
       inputs:  attention input h_in, MLP input h_in, o_proj input a*d/t, down-projection input f/t;
       output gradients: q, k, v (a*d + 2*kv*d)/t, o_proj h (the row-parallel output gradient is
                whole on every rank), the first MLP projection(s) f/t (two with SwiGLU), down h.
     When tp > n_kv_head the fused q/k/v weight is built from its gathered key/value rows, not the
-    parameter itself: its gradient is computed at once (model/llama.py).
+    parameter itself: its gradient is computed at once (model/transformer/llama.py).
     An MoE block (issue 26) stashes its router's, experts' and shared experts' instead of the MLP's
     (experts.moe_weight_grad_stash_bytes)."""
     s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp

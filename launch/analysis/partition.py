@@ -1,5 +1,5 @@
 """Where the pipeline is cut into stages: the one partition function of the training run
-(launch/runtime/engine.py hands its boundaries to model/pipe.py), the planner, the memory and
+(launch/runtime/engine.py hands its boundaries to model/gpt/pipe.py), the planner, the memory and
 communication formulas and the tests, so that predictions and the real PipelineModule agree.
 
 `train.partition`: `balanced` (default) minimises the largest stage's forward + backward FLOPs
@@ -7,7 +7,7 @@ per micro-batch (`layer_flops`: blocks and the output head; the embeddings and t
 cost 0); `blocks` spreads blocks evenly, as DeepSpeed's "type:Block"; a list gives the blocks per
 stage. Every rule cuts just before a block (or after the last), so the embeddings stay on the
 first stage and the final norm and head on the last. The result is DeepSpeed's `parts`: stage k
-holds layers parts[k]:parts[k+1] of model/pipe.py's table (docs/planner-and-metrics.md)."""
+holds layers parts[k]:parts[k+1] of model/gpt/pipe.py's table (docs/planner-and-metrics.md)."""
 import dataclasses
 import functools
 from typing import List, Optional, Sequence, Tuple, Union
@@ -17,7 +17,7 @@ from launch.config.layout import Layout, check_partition
 from launch.config.recipe import PARTITION_RULES, Recipe
 from launch.errors import ConfigError
 from model.config import ModelConfig
-from model.layer_table import pipeline_layers
+from model.gpt.layer_table import pipeline_layers
 
 Partition = Union[str, Sequence[int]]
 DEFAULT = "balanced"

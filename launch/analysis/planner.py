@@ -143,8 +143,8 @@ def rank_groups(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> Dict[str
     issue 25); "data" is that axis (ZeRO-1, the gradient all-reduce), "dp" the replicas; "ep" the
     expert-parallel groups (runs of ep ranks of the data axis, issue 26), "expert_data" the ranks
     holding the same experts."""
-    from model.parallel_state import (build_topology, context_parallel_groups,  # imports DeepSpeed: only when asked
-                                      expert_data_parallel_groups, expert_parallel_groups)
+    from model.parallel.state import (build_topology, context_parallel_groups, expert_data_parallel_groups,
+                                      expert_parallel_groups)
     topology = build_topology(tp, pp, dp, cp)
     data = topology.get_axis_comm_lists("data")
     return {"tp": topology.get_axis_comm_lists("model"), "cp": sorted(context_parallel_groups(topology, cp)),
@@ -175,7 +175,7 @@ def params_with_bf16_grad(model: ModelConfig, setup: Setup, stage: int, blocks: 
     from the gathered heads, not the parameter). None: every parameter has one (no fusion)."""
     if not (setup.grad_accum_fusion and engine_memory.uses_bf16_optimizer(setup.precision, setup.zero)):
         return None
-    from model.llama import kv_replicas  # imports the model: only when planning
+    from model.transformer.llama import kv_replicas  # imports the model: only when planning
     positions = model.seq_len * model.n_embd if model.position == "learned" and stage == 0 else 0
     shared_kv_heads = model.llama_layout and kv_replicas(model.n_kv_head, setup.tp) > 1
     qkv = (model.n_head + 2 * model.n_kv_head) * model.head_dim * model.n_embd // setup.tp if shared_kv_heads else 0

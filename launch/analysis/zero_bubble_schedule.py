@@ -4,7 +4,7 @@ pipeline engine: the schedule class, its two instructions and its two rules, for
 
 1F1B's backward of a micro-batch is one pass, B+W: the input gradients the previous stage waits
 for and the weight gradients nothing waits for. ZB-H1 splits it: `BackwardInputPass` (B) runs the
-engine's own backward while our linears defer their weight gradients (model/weight_grad.py), and
+engine's own backward while our linears defer their weight gradients (model/parallel/weight_grad.py), and
 `WeightPass` (W) computes the oldest deferred micro-batch's weight gradients later, where 1F1B
 would wait for a gradient from the next stage.
 

@@ -1,6 +1,6 @@
 """The expert weights of a mixture-of-experts checkpoint (issue 26; docs/checkpoints.md).
 
-DeepSpeed's engine takes a model with experts (model/pipe.py's ExpertParallelMarker) down its MoE
+DeepSpeed's engine takes a model with experts (model/gpt/pipe.py's ExpertParallelMarker) down its MoE
 checkpoint path, which writes no pipeline layer files, and its pipeline module writes the layer
 files of data-parallel rank 0 only, which holds 1/ep of the experts. So the save and the load run
 DeepSpeed's dense pipeline path with the expert weights kept out of the layer files
@@ -33,7 +33,7 @@ EXPERT_FILE = re.compile(r"layer_(\d+)-model_(\d+)-experts_(\d+)-(\d+)\.pt")
 def expert_file_name(layer: int, tp_rank: int, first: int, last: int) -> str:
     """The file of pipeline layer `layer`'s experts `first`..`last` (global ids, both included) on
     TP rank `tp_rank`: {layer-relative name: tensor of those experts}, with the names and the TP
-    shards of the layer's parameters (model/moe.py: "mlp.experts.gate_up_proj" (n, 2f/tp, h) and
+    shards of the layer's parameters (model/transformer/moe.py: "mlp.experts.gate_up_proj" (n, 2f/tp, h) and
     "mlp.experts.down_proj" (n, h, f/tp), n = last - first + 1 = E/ep)."""
     return f"layer_{layer:02d}-model_{tp_rank:02d}-experts_{first}-{last}.pt"
 
@@ -45,7 +45,7 @@ def has_experts(engine: PipelineEngine) -> bool:
 
 def _stage_experts(engine: PipelineEngine) -> Dict[int, Dict[str, torch.Tensor]]:
     """{pipeline layer index: {layer-relative name: expert parameter}} of this rank's stage."""
-    from model.moe import is_expert_param
+    from model.transformer.moe import is_expert_param
     module = engine.module
     stage: Dict[int, Dict[str, torch.Tensor]] = {}
     for local, layer in enumerate(module.forward_funcs):
@@ -58,7 +58,7 @@ def _stage_experts(engine: PipelineEngine) -> Dict[int, Dict[str, torch.Tensor]]
 
 def _expert_coordinate(engine: PipelineEngine, ep: int) -> Tuple[int, int, bool]:
     """(TP rank, EP rank, whether this rank writes its experts): EP groups are runs of ep data
-    indices (model/parallel_state.py), so the first run, data index < ep, holds every expert once."""
+    indices (model/parallel/state.py), so the first run, data index < ep, holds every expert once."""
     coord = engine.module._topo.get_coord(dist.get_rank())
     return coord.model, coord.data % ep, coord.data < ep
 
@@ -69,7 +69,7 @@ def experts_apart(engine: PipelineEngine) -> Iterator[None]:
     experts: DeepSpeed's MoE path off, the expert parameters left out of the layer files it writes,
     and filled with their own values when it loads them (strict loading stays on for the rest);
     `save_experts` and `load_experts` handle the experts."""
-    from model.moe import is_expert_param
+    from model.transformer.moe import is_expert_param
     handles = []
     for module in engine.module.modules():
         names = [name for name, p in module.named_parameters(recurse=False) if is_expert_param(p)]
@@ -170,7 +170,7 @@ def read_layer_files(files: List[Path]) -> List[Dict[str, torch.Tensor]]:
     """One pipeline layer's state dict on each TP rank (its layer files `files`, in TP-rank order,
     as DeepSpeed names them), expert weights included: those of every expert, from the tag's
     `experts/` files whatever ep saved them. So each state dict is that of the layer at ep = 1, and
-    model/convert.py's `merge_layer_states` merges them into the layer's full dense weights: the
+    model/hf/convert.py's `merge_layer_states` merges them into the layer's full dense weights: the
     one reader of a checkpoint's weights (export, evaluation). Read with weights_only=True: a
     layer file is DeepSpeed's torch.save(module.state_dict()), plain tensors."""
     states = []

@@ -1,7 +1,7 @@
 """A checkpoint as a transformers model directory (GPT2LMHeadModel for arch gpt2,
 LlamaForCausalLM for arch llama, MixtralForCausalLM, Qwen3MoeForCausalLM or OlmoeForCausalLM for a
-mixture of experts, model/hf_moe.py): read DeepSpeed's per-layer weight files (one per pipeline
-layer and TP rank) one layer at a time, merge its TP shards with model/convert.py, strip the vocab
+mixture of experts, model/hf/moe.py): read DeepSpeed's per-layer weight files (one per pipeline
+layer and TP rank) one layer at a time, merge its TP shards with model/hf/convert.py, strip the vocab
 padding, and write it into safetensors shards (with their index when there are several); then
 config (the tokenizer's real BOS and EOS ids), generation config and tokenizer.
 One process, no DeepSpeed engine, no torch.distributed; only model weights, never optimizer state;
@@ -30,7 +30,7 @@ def checkpoint_gpt_config(recipe: Dict[str, Any]):
 def _checkpoint_layers(load: Path):
     """(CheckpointRef, GPTConfig, {saved pipeline layer: [its file on TP rank 0, 1, ...]}) of `--load`."""
     from launch.checkpoints.locate import find_checkpoint
-    from model.layer_table import pipeline_layers
+    from model.gpt.layer_table import pipeline_layers
 
     from launch.checkpoints.expert_files import LAYER_FILE  # torch: imported once a checkpoint is read
     ref = find_checkpoint(load)  # a complete checkpoint whose files have their recorded sizes
@@ -64,7 +64,7 @@ def _read_layer(files: List[Path]):
 def read_checkpoint_weights(load: Path):
     """(CheckpointRef, GPTConfig, dense state dict with the real vocabulary) of `--load`: the
     whole model in this process (evaluation and tests; the export goes layer by layer)."""
-    from model.convert import merge_layer_states
+    from model.hf.convert import merge_layer_states
     ref, config, layers = _checkpoint_layers(load)
     layer_states = {layer: _read_layer(files) for layer, files in layers.items()}
     return ref, config, merge_layer_states(layer_states, config, config.vocab_size)
@@ -74,8 +74,9 @@ def hf_tensors(layers: Dict[int, List[Path]], config: GPTConfig) -> Iterator[Tup
     """(transformers name, full tensor) of every weight, one pipeline layer read at a time:
     TP shards merged, vocab padding stripped, GPT-2's linears transposed to Conv1D (in, out),
     fused tensors cut into their parts, experts into one tensor per expert and projection."""
-    from model.convert import merge_layer_states
-    from model.hf_shards import hf_sources, stored_tensors
+    from model.hf.convert import merge_layer_states
+    from model.hf.shards import hf_sources
+    from model.hf.source import stored_tensors
     sources = hf_sources(config)
     for layer, files in sorted(layers.items()):
         for name, full in merge_layer_states({layer: _read_layer(files)}, config, config.vocab_size).items():
@@ -84,8 +85,8 @@ def hf_tensors(layers: Dict[int, List[Path]], config: GPTConfig) -> Iterator[Tup
 
 def dense_gpt(config: GPTConfig, dense):
     """Our dense GPT (tp_group None, one stage) holding the given weights."""
-    from model.convert import load_dense_into
-    from model.gpt import GPT
+    from model.hf.convert import load_dense_into
+    from model.gpt.model import GPT
     model = GPT(config)
     load_dense_into(model, dense, None, 0, 1, config.padded_vocab_size(1))
     return model.eval()
@@ -115,10 +116,10 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 
 def check_exportable(config: GPTConfig) -> None:
     """A ConfigError naming the switches the target transformers class cannot express."""
-    from model.hf_gpt2 import gpt2_incompatibilities
-    from model.hf_llama import llama_incompatibilities
-    if config.moe.enabled:  # the family of its arch (arch llama: of its q/k norm), model/hf_moe.py
-        from model.hf_moe import family_of, moe_incompatibilities
+    from model.hf.gpt2 import gpt2_incompatibilities
+    from model.hf.llama import llama_incompatibilities
+    if config.moe.enabled:  # the family of its arch (arch llama: of its q/k norm), model/hf/moe.py
+        from model.hf.moe import family_of, moe_incompatibilities
         problems, target = moe_incompatibilities(config), family_of(config).model_class
         if problems:
             raise ConfigError(f"{target} cannot express the checkpoint's model: {', '.join(problems)}; only "
@@ -140,16 +141,16 @@ def hf_config(config: GPTConfig, tokenizer):
     smaller vocabulary)."""
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     if config.moe.enabled:
-        from model.hf_moe import hf_config as moe_hf_config
+        from model.hf.moe import hf_config as moe_hf_config
         return moe_hf_config(config, **ids)
     if config.arch == "llama":
         from transformers import LlamaConfig
 
-        from model.hf_llama import llama_config_kwargs
+        from model.hf.llama import llama_config_kwargs
         return LlamaConfig(**llama_config_kwargs(config), **ids)
     from transformers import GPT2Config
 
-    from model.hf_gpt2 import gpt2_config_kwargs
+    from model.hf.gpt2 import gpt2_config_kwargs
     return GPT2Config(**gpt2_config_kwargs(config), **ids)
 
 

@@ -1,7 +1,7 @@
 """Transformers weights in safetensors: read this rank's shards lazily (`--init-from-hf`), and
 write an export shard by shard (issue 24, item 7; the experts of a mixture of experts, issue 26).
 
-Each parameter of the local stage gets its plan (model/hf_shards.py: which stored tensors and
+Each parameter of the local stage gets its plan (model/hf/shards.py: which stored tensors and
 which slices of them); each piece is read with safetensors' `get_slice(name)[index]` straight
 into its place in the parameter, so a rank holds its own shard plus one piece at a time, never
 the model; of an expert weight it reads its EP rank's experts only, each's TP slice.
@@ -87,8 +87,8 @@ def load_hf_shards_into(module: torch.nn.Module, source: str, config: GPTConfig,
     import torch
     from safetensors import safe_open
 
-    from model.convert import dense_name
-    from model.hf_shards import hf_sources, shard_plan
+    from model.hf.convert import dense_name
+    from model.hf.shards import hf_sources, shard_plan
     weight_map = safetensors_weight_map(source)
     shapes = stored_shapes(weight_map)
     fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in shapes)

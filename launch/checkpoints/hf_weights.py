@@ -4,7 +4,7 @@
 Two halves, because bad input must fail before any process group or engine starts:
 `check_hf_source` reads only config.json (and the safetensors headers' names) and compares it
 with the recipe's model; `init_from_hf` runs after `build_pipeline` and overwrites each local
-parameter with this rank's shard of the weights (split by `model/convert.py`'s rules), so the
+parameter with this rank's shard of the weights (split by `model/hf/convert.py`'s rules), so the
 first step trains exactly those weights whatever (tp, pp, dp, ep) is. Each rank reads only the
 slices it holds, lazily from safetensors (launch/checkpoints/hf_safetensors.py): of a mixture of
 experts, only its EP rank's experts. Nothing from
@@ -16,11 +16,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
 from launch.errors import ConfigError
-from model.gpt import GPTConfig
+from model.config import GPTConfig
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.pipe import PipelineModule
-    from model.parallel_state import ParallelState
+    from model.parallel.state import ParallelState
 
 # (GPT2Config attribute, the values our model computes the same function with, the fix):
 # every field that changes what the weights compute; dropout does not, and the recipe sets it.
@@ -46,7 +46,7 @@ def read_hf_config(source: str):
     import transformers
     from transformers import GPT2Config, LlamaConfig
 
-    from model.hf_moe import MODEL_TYPES
+    from model.hf.moe import MODEL_TYPES
 
     from data.hub import hub_errors_only
     try:
@@ -74,8 +74,8 @@ def read_hf_config(source: str):
 def hf_model_fields(hf) -> Dict[str, Any]:
     """The recipe's `model:` fields that a transformers config fixes (its weights' shape and
     the switches that change what they compute)."""
-    from model.hf_llama import llama3_scaling
-    from model.hf_moe import MODEL_TYPES, moe_model_fields
+    from model.hf.llama import llama3_scaling
+    from model.hf.moe import MODEL_TYPES, moe_model_fields
     if hf.model_type == "gpt2":
         return dict(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, seq_len=hf.n_positions,
                     vocab_size=hf.vocab_size)
@@ -126,13 +126,13 @@ def check_hf_source(source: str, config: GPTConfig, resuming: bool) -> None:
 
 
 def _check_config(source: str, hf, config: GPTConfig) -> None:
-    from model.hf_moe import MODEL_TYPES, moe_import_problems
+    from model.hf.moe import MODEL_TYPES, moe_import_problems
     if hf.model_type in ("llama", *MODEL_TYPES):
         problems = _llama_problems(hf, config) if hf.model_type == "llama" else moe_import_problems(hf, config)
         if problems:
             raise ConfigError(f"--init-from-hf {source!r} has {problems[0]}")
         return
-    from model.hf_gpt2 import gpt2_incompatibilities
+    from model.hf.gpt2 import gpt2_incompatibilities
     problems = gpt2_incompatibilities(config)
     if problems:
         raise ConfigError(f"--init-from-hf {source!r} is a GPT-2 model, this run's model has {problems[0]}; "
@@ -146,14 +146,14 @@ def _check_config(source: str, hf, config: GPTConfig) -> None:
 
 def hf_dense_state_dict(source: str, config: GPTConfig):
     """GPT-2, Llama or mixture-of-experts weights of `source` as a dense state dict of our model
-    (model/convert.py names, all experts): the whole model through transformers, for tests and
+    (model/hf/convert.py names, all experts): the whole model through transformers, for tests and
     small models; training reads lazily (`init_from_hf`)."""
     from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
     from data.hub import hub_errors_only
-    from model.convert import from_gpt2_state_dict
-    from model.hf_llama import from_llama_state_dict
-    from model.hf_moe import from_moe_state_dict, hf_model_class
+    from model.hf.convert import from_gpt2_state_dict
+    from model.hf.llama import from_llama_state_dict
+    from model.hf.moe import from_moe_state_dict, hf_model_class
     with hub_errors_only():
         if config.moe.enabled:
             hf = hf_model_class(config).from_pretrained(source, weights_only=True, dtype="float32")

@@ -2,7 +2,7 @@
 
 Every rank reads, from the saved ZeRO-1 files (`[bf16_]zero_pp_rank_D_mp_rank_M_optim_states.pt`,
 located through their `param_slice_mappings`), only the fragments of its own parameters, one
-parameter at a time; merges the saved TP shards and cuts its own with model/convert.py's rules;
+parameter at a time; merges the saved TP shards and cuts its own with model/hf/convert.py's rules;
 and writes the fp32 master weight, Adam's moments and step, the lr, the LR schedule and the
 engine's step counters into the new engine. Why this way, its memory bound and its limits (ZeRO-1
 only, RNG states not carried): docs/checkpoints.md, "Resuming at another layout".
@@ -10,7 +10,7 @@ only, RNG states not carried): docs/checkpoints.md, "Resuming at another layout"
 Experts (a mixture-of-experts model) re-shard over (tp, ep) too: ZeRO-1 partitions an expert
 parameter over its expert-data-parallel group (the data indices d with d % ep = r hold EP rank
 r's experts), so EP rank r's shard is read from those files only; the EP ranks' experts are
-stacked along dim 0 (model/convert.py: merge_experts) and each rank reads only the saved EP ranks
+stacked along dim 0 (model/hf/convert.py: merge_experts) and each rank reads only the saved EP ranks
 that hold its own experts (docs/checkpoints.md, "Mixture of experts")."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from model.config import ModelConfig
-from model.convert import dense_name, merge, merge_experts, rule_for, split
-from model.parallel_state import ParallelState, build_topology
+from model.hf.convert import dense_name, merge, merge_experts, rule_for, split
+from model.parallel.state import ParallelState, build_topology
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -113,7 +113,7 @@ def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: ModelC
     expert parameter only the saved EP ranks holding wanted experts are read."""
     tp, pp = saved_layout["tp"], saved_layout["pp"]
     # DeepSpeed's data axis, over which the ZeRO-1 files are partitioned, held dp x cp ranks
-    # (model/parallel_state.py); the weights themselves do not depend on cp.
+    # (model/parallel/state.py); the weights themselves do not depend on cp.
     dp = saved_layout["dp"] * saved_layout.get("cp", 1)
     ep = saved_layout.get("ep", 1)
     wanted = set(wanted)

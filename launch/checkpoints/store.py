@@ -36,7 +36,7 @@ from launch.errors import ConfigError
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from model.config import GPTConfig
-    from model.parallel_state import ParallelState
+    from model.parallel.state import ParallelState
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -184,7 +184,7 @@ def load(engine: PipelineEngine, ref: CheckpointRef, layout: Dict[str, int], sta
     experts included (fp32 rounding)."""
     if not same_layout(ref.meta["layout"], layout):
         from launch.checkpoints.reshard import load_resharded
-        from model.pipe import seed_dropout_rngs
+        from model.gpt.pipe import seed_dropout_rngs
         load_resharded(engine, ref.path, ref.meta["layout"], state, config, config.vocab_size,
                        config.padded_vocab_size(state.tp_size))
         # No saved RNG state fits this layout's ranks: new streams, not step 1's masks again.

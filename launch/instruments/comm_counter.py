@@ -25,7 +25,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-    from model.parallel_state import ParallelState
+    from model.parallel.state import ParallelState
     from types import FrameType
 
 # Function -> the argument holding the payload: what this rank hands to the collective.
@@ -35,7 +35,7 @@ PAYLOAD_ARGUMENT = {
     "reduce_scatter": "input_list", "reduce_scatter_tensor": "input",
     "all_gather_single": "input_tensor", "reduce_scatter_single": "input",  # torch 2.13's names of the two above
     "send": "tensor", "recv": "tensor", "isend": "tensor", "irecv": "tensor",
-    "all_to_all_single": "input",  # context parallelism's exchanges (model/mappings.py)
+    "all_to_all_single": "input",  # context parallelism's exchanges (model/parallel/mappings.py)
 }
 POINT_TO_POINT = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
 
@@ -45,10 +45,10 @@ PURPOSES = {
     "_ReduceFromTP.forward": "tp-forward",  # row-parallel outputs, the embedding
     "_CopyToTP.backward": "tp-backward",  # input grads of column-parallel layers and the head
     "_GatherFromTP.forward": "tp-gather",
-    "_GatherRowsFromTP.forward": "tp-kv-gather",  # key/value heads shared by TP ranks (model/llama.py)
+    "_GatherRowsFromTP.forward": "tp-kv-gather",  # key/value heads shared by TP ranks (model/transformer/llama.py)
     "_GatherRowsFromTP.backward": "tp-kv-grads",  # their gradients, reduce-scattered
     "_VocabParallelCrossEntropy.forward": "tp-loss",  # max, sum-exp, target logit
-    "all_gather_sequence": "sp-gather",  # sequence parallelism (model/mappings.py), both directions
+    "all_gather_sequence": "sp-gather",  # sequence parallelism (model/parallel/mappings.py), both directions
     "reduce_scatter_sequence": "sp-scatter",
     "PipelineEngine._send_tensor_meta": "pp-shape",
     "PipelineEngine._recv_tensor_meta": "pp-shape",
@@ -68,10 +68,10 @@ PURPOSES = {
     "_SequenceToHeads.backward": "cp-backward",
     "_HeadsToSequence.backward": "cp-backward",
     "all_gather_context": "cp-segments",  # the document mask's segment ids of the whole sequence
-    # OLMoE's q/k norm over the whole projection: the sum of squares over TP, both directions (model/llama.py).
+    # OLMoE's q/k norm over the whole projection: the sum of squares over TP, both directions (model/transformer/llama.py).
     "_AllReduceSum.forward": "tp-qk-norm",
     "_AllReduceSum.backward": "tp-qk-norm",
-    # Expert parallelism (model/moe.py): the counts, the rows to the experts' ranks and back, both directions.
+    # Expert parallelism (model/transformer/moe.py): the counts, the rows to the experts' ranks and back, both directions.
     "exchange_counts": "ep-counts",
     "_TokensToExperts.forward": "ep-dispatch",
     "_TokensToExperts.backward": "ep-dispatch",
@@ -136,7 +136,7 @@ class CommCounter:
             group = bound.arguments.get("group")
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
                 range(dist.get_world_size()))
-            # CP and EP groups lie inside DeepSpeed's data axis (model/parallel_state.py), and at dp = 1
+            # CP and EP groups lie inside DeepSpeed's data axis (model/parallel/state.py), and at dp = 1
             # may be that axis: name them by what the call is for, as the planner does.
             role = purpose[:2] if purpose.startswith(("cp-", "ep-")) else self.role(ranks)
         entry = self.counts[self.phase][(purpose, role, op)]

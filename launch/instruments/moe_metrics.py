@@ -2,7 +2,7 @@
 load-balancing and z-losses, and how many assignments each expert of each MoE block received.
 
 Each MoE block records every training micro-batch's values once, already summed over the ranks
-that hold parts of that micro-batch (model/moe_losses.py). Here the step's records are summed over
+that hold parts of that micro-batch (model/transformer/moe_losses.py). Here the step's records are summed over
 the ranks holding other micro-batches (DeepSpeed's data axis, dp x cp: each CP rank of a replica
 recorded the same micro-batch, so the sum is divided by cp) and over the pipeline stages (each
 holds its own blocks)."""
@@ -22,7 +22,7 @@ def moe_step_record(engine: PipelineEngine, config: GPTConfig, cp_size: int) -> 
     """aux_loss, z_loss, expert_load_max_over_mean (the largest over the MoE blocks) and expert_load
     (per MoE block, the assignments each expert received this step); {} for a dense model.
     Collective over the world: every rank calls it after each step."""
-    from model.moe_losses import loss_summary, stage_statistics
+    from model.transformer.moe_losses import loss_summary, stage_statistics
     if not config.moe.enabled:
         return {}
     statistics = stage_statistics(engine.module)  # None on a stage without MoE blocks (moe_every > 1)

@@ -6,12 +6,12 @@ from typing import Any, Dict
 
 from launch.config.layout import Layout
 from launch.config.recipe import Recipe, deep_merge
-from model.pipe import pipeline_config
+from model.gpt.pipe import pipeline_config
 
 
 def batch_config(layout: Layout) -> Dict[str, int]:
     """DeepSpeed's three batch keys, from the layout that derived and checked them. DeepSpeed's
-    data axis holds dp x cp ranks (model/parallel_state.py) and it checks train_batch_size =
+    data axis holds dp x cp ranks (model/parallel/state.py) and it checks train_batch_size =
     micro x accumulation x that axis: each CP rank's shards of a replica's b samples count as its
     b, so its train_batch_size is B x cp, with the same B samples (issue 25)."""
     return {"train_batch_size": layout.global_batch_size * layout.cp,

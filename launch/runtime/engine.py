@@ -11,7 +11,7 @@ from launch.config.recipe import Recipe
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     import torch
     from model.config import GPTConfig
-    from model.parallel_state import ParallelState
+    from model.parallel.state import ParallelState
 
 
 def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config: GPTConfig,
@@ -20,7 +20,7 @@ def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config:
     (launch/analysis/partition.py), the activations' shape and the schedule."""
     from launch.analysis.partition import stage_flops
     from launch.analysis.zero_bubble_schedule import runs_zero_bubble
-    from model.pipe import stage_contents
+    from model.gpt.pipe import stage_contents
 
     def groups(lists):
         return " ".join(str(g) for g in lists)
@@ -79,9 +79,9 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     from launch.runtime.lr_schedule import warmup_cosine
     from launch.runtime.main_grad import attach_main_grads
     from launch.runtime.zero_bubble import use_zero_bubble_schedule
-    from model.compiled import compile_blocks
-    from model.pipe import build_pipeline
-    from model.weight_grad import WEIGHT_GRADS
+    from model.gpt.compiled import compile_blocks
+    from model.gpt.pipe import build_pipeline
+    from model.parallel.weight_grad import WEIGHT_GRADS
 
     train_cfg = recipe.train
     zero_bubble = runs_zero_bubble(train_cfg.schedule, layout.pp)  # at pp = 1 there is no bubble: 1F1B runs

@@ -3,7 +3,7 @@ weights) at any layout, through the training pipeline code (`build_pipeline`, `e
 
 The weights decide the model's shape (the checkpoint's recipe, or the transformers config); the recipe
 decides the data and the batch. A checkpoint's shards are merged and re-split for this layout
-(model/convert.py), so every layout gives the same numbers. The data: the first n global batches
+(model/hf/convert.py), so every layout gives the same numbers. The data: the first n global batches
 of the validation windows, or of the training stream when the recipe holds out no validation data.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from model.config import SHAPE_FIELDS
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.pipe import PipelineModule
     from model.config import GPTConfig
-    from model.parallel_state import ParallelState
+    from model.parallel.state import ParallelState
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +85,7 @@ def load_weights(pipe: PipelineModule, args: argparse.Namespace, config: GPTConf
         init_from_hf(pipe, args.init_from_hf, config, state)
         return
     from launch.checkpoints.hf_export import read_checkpoint_weights
-    from model.convert import load_dense_into
+    from model.hf.convert import load_dense_into
     _, _, dense = read_checkpoint_weights(args.load)  # every expert included (expert_files.read_layer_files)
     load_dense_into(pipe, dense, config, state.tp_rank, state.tp_size, config.padded_vocab_size(state.tp_size),
                     state.ep_rank, state.ep_size)
@@ -100,9 +100,9 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
     from launch.instruments.metrics import is_logging_rank
     from launch.runtime.distributed import shut_down_distributed, start_rank
     from launch.runtime.ds_config import evaluation_config
-    from model.context_parallel import sequence_shards
-    from model.parallel_state import init_parallel_state
-    from model.pipe import build_pipeline
+    from model.parallel.context_parallel import sequence_shards
+    from model.parallel.state import init_parallel_state
+    from model.gpt.pipe import build_pipeline
 
     start_rank(layout.world_size, recipe.train.dist_timeout_s)
     experts = recipe.model.moe.enabled

@@ -1,8 +1,8 @@
 """Expert parallelism in DeepSpeed's engine (issue 26; docs/design.md contract 18).
 
 DeepSpeed knows mixture-of-experts parameters by two marks (moe/experts.py): `allreduce = False` and
-`group_name = "ep_size_<ep>"` (model/moe.py sets both), and treats them only when its engine finds a
-`deepspeed.moe.layer.MoE` module (model/pipe.py adds a parameterless one). Then:
+`group_name = "ep_size_<ep>"` (model/transformer/moe.py sets both), and treats them only when its engine finds a
+`deepspeed.moe.layer.MoE` module (model/gpt/pipe.py adds a parameterless one). Then:
 - the gradient reduction sums an expert parameter over its expert-data-parallel group (the ranks that
   hold the same experts) and divides by the whole data axis, dp x cp, as for every parameter
   (engine.py `_reduce_expert_gradients`, and the ZeRO-1 optimizer's own reduction);
@@ -11,7 +11,7 @@ DeepSpeed knows mixture-of-experts parameters by two marks (moe/experts.py): `al
 - the gradient norm sums the expert parameters' squares over the expert-parallel group too, so each
   expert counts once.
 DeepSpeed would build those groups itself with its own rank order; `register_expert_groups` gives it
-ours instead, cut from the run's one topology (model/parallel_state.py, contract 1).
+ours instead, cut from the run's one topology (model/parallel/state.py, contract 1).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:  # annotations only
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from launch.config.layout import Layout
-    from model.parallel_state import ParallelState
+    from model.parallel.state import ParallelState
 
 
 def register_expert_groups(state: ParallelState) -> None:
@@ -31,8 +31,8 @@ def register_expert_groups(state: ParallelState) -> None:
     calls it, before `deepspeed.initialize`. At ep = 1 each rank is its own EP group."""
     from deepspeed.utils import groups
 
-    from model.moe import expert_group_name
-    from model.parallel_state import expert_data_parallel_groups
+    from model.transformer.moe import expert_group_name
+    from model.parallel.state import expert_data_parallel_groups
 
     rank, name = dist.get_rank(), expert_group_name(state.ep_size)
     if state.ep_size > 1:
@@ -58,11 +58,11 @@ def expert_param_groups(param_groups: List[dict]) -> List[dict]:
 
 
 def set_router_loss_scale(engine: PipelineEngine, layout: Layout) -> None:
-    """Before a step: the gradient the router losses enter backward with (model/moe_losses.py),
+    """Before a step: the gradient the router losses enter backward with (model/transformer/moe_losses.py),
     DeepSpeed's scale of the main loss: 1 / gradient-accumulation steps, times the fp16 loss scale,
     times cp (DeepSpeed averages over dp x cp ranks, a CP rank holding 1/cp of a replica's tokens)."""
     from launch.instruments.metrics import loss_scale
-    from model.moe_losses import stage_statistics
+    from model.transformer.moe_losses import stage_statistics
     statistics = stage_statistics(engine.module)
     if statistics is not None:
         statistics.backward_scale = layout.cp * loss_scale(engine) / layout.grad_accum_steps

@@ -10,7 +10,7 @@ the norm with ZeRO-1's counting rule and clips with it:
 - a replicated one counts on TP rank 0 of each stage only;
 - a pipeline-replicated copy (`ds_pipe_replicated`: the tied embedding's second stage) not at all;
 then the squares are summed over the model-parallel group (every TP rank of every stage). An expert
-parameter of a mixture of experts (model/moe.py) holds different experts on the ranks of its
+parameter of a mixture of experts (model/transformer/moe.py) holds different experts on the ranks of its
 expert-parallel group: its squares are summed over that group too, so each expert counts once.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Zero0GradNorm:
         return getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0
 
     def _before_step(self) -> None:
-        from model.moe import is_expert_param
+        from model.transformer.moe import is_expert_param
         params = [p for p in self.module.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         squares = torch.zeros(2, dtype=torch.float32, device=grads[0].device if grads else "cpu")  # dense, experts

@@ -17,14 +17,14 @@ if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from launch.checkpoints.locate import CheckpointRef
     from model.config import GPTConfig
-    from model.parallel_state import ParallelState
+    from model.parallel.state import ParallelState
 
 
 def validation_loss(engine: PipelineEngine, data: SourceData, state: ParallelState, layout: Layout,
                     eval_batches: int, device: torch.device) -> float:
     """Mean validation loss over the same global batches at every call, via `eval_batch`."""
     from data.pipeline import on_device
-    from model.context_parallel import sequence_shards
+    from model.parallel.context_parallel import sequence_shards
     n = data.eval_global_batches(eval_batches)
     batches = sequence_shards(on_device(data.val_batches(state.dp_rank, layout.dp, n), device),
                               state.cp_rank, state.cp_size)
@@ -94,8 +94,8 @@ def run_training(job: TrainingJob) -> None:
     from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
     from launch.runtime.signals import StopRequest
     from launch.runtime.zero_bubble import check_weight_passes_ran
-    from model.context_parallel import sequence_shards
-    from model.parallel_state import init_parallel_state
+    from model.parallel.context_parallel import sequence_shards
+    from model.parallel.state import init_parallel_state
 
     args, recipe, layout, data, resume_from = job.args, job.recipe, job.layout, job.data, job.resume_from
     train_cfg = recipe.train

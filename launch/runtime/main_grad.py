@@ -6,7 +6,7 @@ and the optimizer then casts it to fp32 and adds it into its fp32 gradient buffe
 passes over every parameter per micro-batch (tests/test_grad_accum_fusion.py counts them). With
 it, every parameter gets `main_grad`, its fp32 gradient: a view of the optimizer's flat buffer,
 shaped like the parameter. Our linears' weight-gradient GEMMs add into it, and the token
-embedding's lookup scatters into it (model/weight_grad.py: eagerly, in ZB-H1's W pass, under
+embedding's lookup scatters into it (model/parallel/weight_grad.py: eagerly, in ZB-H1's W pass, under
 recompute, the tied output layer, with sequence parallelism), leaving `.grad` None, which the
 optimizer's per-micro-batch `update_hp_grads` skips. The other gradients (biases, norms, learned
 positions) still come through `.grad` and are added into the same buffer as before, so the buffer

@@ -1,6 +1,6 @@
 """ZB-H1 on one DeepSpeed pipeline engine: the handlers of the B and W instructions of
 launch/analysis/zero_bubble_schedule.py (B runs the engine's backward with the linears' weight
-gradients deferred, model/weight_grad.py; W computes the oldest deferred micro-batch's), and the
+gradients deferred, model/parallel/weight_grad.py; W computes the oldest deferred micro-batch's), and the
 engine's train schedule swapped for ZeroBubbleH1Schedule.
 
 Every hook is a private member of DeepSpeed's engine or BF16 optimizer. On a DeepSpeed that lacks
@@ -19,7 +19,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from launch.analysis.zero_bubble_schedule import BackwardInputPass, WeightPass, ZeroBubbleH1Schedule
 from launch.errors import ConfigError
 from launch.runtime.main_grad import accumulates_into_main_grads
-from model.weight_grad import WEIGHT_GRADS
+from model.parallel.weight_grad import WEIGHT_GRADS
 
 # DeepSpeed's instructions whose handlers ours wrap (`use_zero_bubble_schedule`)
 REPLACED_INSTRUCTIONS = (schedule.BackwardPass, schedule.RecvGrad, schedule.ReduceTiedGrads)

@@ -7,7 +7,7 @@ traces and where it breaks the graph (the same results either way): docs/configu
 "Compiled blocks"."""
 import torch.nn as nn
 
-from model.gpt import Block
+from model.transformer.block import Block
 
 
 def compile_blocks(module: nn.Module) -> int:

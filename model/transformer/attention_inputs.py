@@ -1,6 +1,6 @@
 """What every attention core of one pipeline stage needs for one micro-batch, built once and shared
 by the stage's blocks (issue 24): RoPE's cos/sin for the positions in use and, with the document
-mask, the mask (model/documents.py). Before, each block rebuilt the cos/sin tables in every call
+mask, the mask (model/transformer/documents.py). Before, each block rebuilt the cos/sin tables in every call
 and in every recompute.
 
 - Positions 0..T-1 (no document mask): the tables depend on (T, device, dtype) alone, so one pair
@@ -23,10 +23,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from model.config import GPTConfig
-from model.documents import (block_document_mask, dense_document_mask, document_positions, full_sequence_segments,
-                             uses_flex_attention)
-from model.mappings import Group
-from model.rotary import at_positions, rope_cos_sin
+from model.parallel.mappings import Group
+from model.transformer.documents import (block_document_mask, dense_document_mask, document_positions,
+                                         full_sequence_segments, uses_flex_attention)
+from model.transformer.rotary import at_positions, rope_cos_sin
 
 
 @dataclass

@@ -2,7 +2,7 @@
 earlier tokens of its own document, and positions restart at 0 at each document start. Each EOS
 starts the next document, as a BOS would; no loss is masked. The (B, T) segment ids travel with
 the hidden states (only tensors cross stages, docs/design.md contract 7); each stage derives the
-positions and one mask per micro-batch from them (model/attention_inputs.py). Kernels:
+positions and one mask per micro-batch from them (model/transformer/attention_inputs.py). Kernels:
 flex_attention with a BlockMask on CUDA with dropout 0, else SDPA with a boolean (B, 1, T, T) mask
 (`document_attention`). Why each choice: docs/data.md, "Documents in a window"."""
 from typing import Any, Tuple
@@ -10,7 +10,8 @@ from typing import Any, Tuple
 import torch
 from torch.nn import functional
 
-from model.mappings import Group, all_gather_context
+from model.parallel.all_to_all import all_gather_context
+from model.parallel.mappings import Group
 
 _compiled_flex_attention = None
 

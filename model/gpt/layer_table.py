@@ -1,6 +1,6 @@
 """The model's layers in order, one table (`pipeline_layers`) read by every user of layer
-indices: the dense GPT (model/gpt.py) builds and runs its modules in this order, the pipeline
-(model/pipe.py) makes one LayerSpec per entry, and stage names, checkpoint conversion, export
+indices: the dense GPT (model/gpt/model.py) builds and runs its modules in this order, the pipeline
+(model/gpt/pipe.py) makes one LayerSpec per entry, and stage names, checkpoint conversion, export
 and the planner index it. No torch here: the planner reads it without starting torch.
 
 GPT-2's table:
@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 from model.config import ModelConfig
 
-# kind -> (readable name, prefix of its parameters in the dense GPT of model/gpt.py). The tied
+# kind -> (readable name, prefix of its parameters in the dense GPT of model/gpt/model.py). The tied
 # head is the embedding's module again: the same parameters, saved once by DeepSpeed (layer 0).
 LAYER_KINDS = {"embed": ("embed (tied)", "embed"), "wpe": ("wpe", "pos"), "block": ("block {i}", "blocks.{i}"),
                "ln_f": ("ln_f", "ln_f"), "head": ("lm_head (tied embed)", "embed"), "lm_head": ("lm_head", "lm_head")}

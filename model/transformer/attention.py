@@ -1,7 +1,7 @@
-"""The attention core shared by GPT-2's attention (model/gpt.py) and the Llama family's
-(model/llama.py), after their projections: RoPE on q and k (positions 0..T-1, or restarting at
+"""The attention core shared by GPT-2's attention (model/transformer/block.py) and the Llama family's
+(model/transformer/llama.py), after their projections: RoPE on q and k (positions 0..T-1, or restarting at
 each document under the document mask; the tables and the mask come built once per micro-batch
-per stage, model/attention_inputs.py), causal or document-masked scaled-dot-product attention,
+per stage, model/transformer/attention_inputs.py), causal or document-masked scaled-dot-product attention,
 its dropout under the per-TP-rank RNG, and selective recompute (Korthikanti et al. 2022 sec. 5).
 
 With context parallelism (`cp_group`, DeepSpeed-Ulysses: Jacobs et al. 2023) q, k and v arrive as
@@ -19,11 +19,12 @@ import torch.utils.checkpoint
 from torch.nn import functional
 
 from model.config import GPTConfig
-from model.attention_inputs import AttentionInputs, causal_inputs
-from model.documents import document_attention
-from model.layers import group_size
-from model.mappings import Group, all_to_all_heads_to_sequence, all_to_all_sequence_to_heads
-from model.rotary import apply_rope
+from model.parallel.all_to_all import all_to_all_heads_to_sequence, all_to_all_sequence_to_heads
+from model.parallel.layers import group_size
+from model.parallel.mappings import Group
+from model.transformer.attention_inputs import AttentionInputs, causal_inputs
+from model.transformer.documents import document_attention
+from model.transformer.rotary import apply_rope
 
 
 def check_context_heads(n_head: int, tp_size: int, cp_size: int) -> None:
@@ -92,7 +93,7 @@ class AttentionCore:
             return self._core(q, k, v, mask, dropout_p)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float) -> torch.Tensor:
-        if mask is not None:  # the document mask (model/documents.py)
+        if mask is not None:  # the document mask (model/transformer/documents.py)
             return document_attention(q, k, v, mask, dropout_p, enable_gqa=self.enable_gqa)
         return functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
                                                        enable_gqa=self.enable_gqa)

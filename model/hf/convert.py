@@ -1,5 +1,5 @@
 """Full weights <-> tensor-parallel shards, by parameter name; and the name maps between our
-pipeline layers, our dense GPT (`model/gpt.py`, tp=1, one stage) and GPT-2 (transformers).
+pipeline layers, our dense GPT (`model/gpt/model.py`, tp=1, one stage) and GPT-2 (transformers).
 
 Used by export (merge the shards of a checkpoint), by `--init-from-hf` and by evaluation at
 any layout (split full weights for this rank). No DeepSpeed engine, no files, no CLI.
@@ -8,7 +8,7 @@ A dense state dict here is keyed by our dense GPT's names (`embed.wte.weight`, `
 `blocks.3.attn.c_attn.weight`, `ln_f.bias`) and holds the *real* vocabulary only: padding rows
 depend on tp and `vocab_pad_multiple`, so they are stripped on merge and re-added on split.
 
-Expert weights of a mixture-of-experts block (model/moe.py: `blocks.3.mlp.experts.gate_up_proj`,
+Expert weights of a mixture-of-experts block (model/transformer/moe.py: `blocks.3.mlp.experts.gate_up_proj`,
 (E, 2f, h), and `...down_proj`, (E, h, f), dense) are split over EP along dim 0, whole experts per
 rank (`split_experts`, `merge_experts`), and each expert over TP like the dense MLP's weights.
 """
@@ -19,10 +19,10 @@ import torch
 import torch.nn as nn
 
 from model.config import ModelConfig
-from model.hf_gpt2 import gpt2_name_pairs
-from model.layer_table import dense_prefix, pipeline_layers
-from model.layers import split_rows
-from model.llama import gate_up_sections, qkv_sections
+from model.gpt.layer_table import dense_prefix, pipeline_layers
+from model.hf.gpt2 import gpt2_name_pairs
+from model.parallel.layers import split_rows
+from model.transformer.llama import gate_up_sections, qkv_sections
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -50,7 +50,7 @@ class Rule:
 
 REPLICATED = Rule(None)
 # The one table: name suffix -> rule; it mirrors the `partition_dim` / `partition_stride`
-# attributes that model/layers.py puts on each parameter (tests/test_export.py checks both agree).
+# attributes that model/parallel/layers.py puts on each parameter (tests/test_export.py checks both agree).
 # Anything not listed is replicated: LayerNorms, wpe, and the row-parallel biases (added after
 # the all-reduce).
 RULES: Dict[str, Rule] = {
@@ -61,7 +61,7 @@ RULES: Dict[str, Rule] = {
     "mlp.c_fc.bias": Rule(0),
     "attn.c_proj.weight": Rule(1),         # RowParallelLinear: input columns
     "mlp.c_proj.weight": Rule(1),
-    # The Llama family (model/llama.py): the fused projections split each part's rows on its
+    # The Llama family (model/transformer/llama.py): the fused projections split each part's rows on its
     # own, K and V too (also when tp exceeds n_kv_head: each rank then holds part of a head).
     "lm_head.weight": Rule(0, vocab=True),  # LMHead, the untied output head: vocab rows
     **{f"attn.qkv_proj.{kind}": Rule(0, sections=qkv_sections) for kind in ("weight", "bias")},
@@ -69,7 +69,7 @@ RULES: Dict[str, Rule] = {
     **{f"mlp.up_proj.{kind}": Rule(0) for kind in ("weight", "bias")},  # the GELU MLP's, unfused
     "attn.o_proj.weight": Rule(1),
     "mlp.down_proj.weight": Rule(1),
-    # Mixture of experts (model/moe.py): each expert's [G; U] rows and down columns, as the dense MLP's
+    # Mixture of experts (model/transformer/moe.py): each expert's [G; U] rows and down columns, as the dense MLP's
     # (the shared experts are a dense MLP: the two rules above; the router is replicated).
     "mlp.experts.gate_up_proj": Rule(1, experts=True, sections=lambda m: gate_up_sections(m, m.expert_ffn_hidden_size)),
     "mlp.experts.down_proj": Rule(2, experts=True),
@@ -154,7 +154,7 @@ def merge_experts(name: str, per_ep_rank: List[torch.Tensor]) -> torch.Tensor:
 def dense_name(pipe_name: str, layers: ModelConfig) -> str:
     """A PipelineModule parameter name ("tied_modules.embed.wte.weight", "1.wpe",
     "5.attn.c_attn.weight") or a layer-file key prefixed by its layer index ("0.wte.weight")
-    -> the dense GPT name, through the layer table (model/layer_table.py) of the resolved config `layers`."""
+    -> the dense GPT name, through the layer table (model/gpt/layer_table.py) of the resolved config `layers`."""
     if pipe_name.startswith("tied_modules.embed."):
         return "embed." + pipe_name[len("tied_modules.embed."):]
     index_text, rest = pipe_name.split(".", 1)

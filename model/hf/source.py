@@ -1,7 +1,7 @@
 """What transformers tensors one of our dense parameters is made of (`Source`), and the two ways
 between them: the stored tensors of a full dense tensor (`stored_tensors`, export) and the full
 tensor from the stored ones (`dense_tensor`, import). A leaf module: the families' name maps
-(model/hf_llama.py, model/hf_moe.py) build Sources, model/hf_shards.py plans each rank's reads."""
+(model/hf/llama.py, model/hf/moe.py) build Sources, model/hf/shards.py plans each rank's reads."""
 from dataclasses import dataclass
 from typing import Callable, Iterator, Tuple
 

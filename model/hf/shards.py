@@ -5,18 +5,18 @@ so that no rank materialises a tensor it does not hold (issue 24: 2.3x the fp32 
 A plan is "this rank's tensor = these pieces, each a slice of a stored tensor written to a place
 of this rank's tensor, then zero rows (vocab padding)"; each piece is (transformers name, a slice
 in its stored layout, where it goes), transposed first where GPT-2's Conv1D stores (in, out). It
-follows model/convert.py's rules (`rule_for`), so `split(name, split_experts(name, dense[name],
+follows model/hf/convert.py's rules (`rule_for`), so `split(name, split_experts(name, dense[name],
 ...), ...)` of the whole tensor gives the same values (tests/test_hf_shards.py,
 tests/test_moe_export.py). The expert weights of a mixture-of-experts block are read for this
 rank's experts only (EP rank r of ep: experts [r E/ep, (r+1) E/ep)), and of each its TP shard.
 No files, no reading here.
 """
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 from model.config import GPTConfig
-from model.convert import rule_for
-from model.hf_source import Source, dense_tensor, stored_tensors  # noqa: F401 (re-exported)
+from model.hf.convert import rule_for
+from model.hf.source import Source
 
 Index = Tuple[Union[int, slice], ...]
 
@@ -38,18 +38,18 @@ class ShardPlan:
 
 def hf_sources(config: GPTConfig, fused_experts: bool = False) -> Dict[str, Source]:
     """Our dense name -> its transformers source, for GPT-2, Llama or a mixture-of-experts family
-    (model/hf_moe.py; `fused_experts`: the experts as transformers holds them in memory, one
+    (model/hf/moe.py; `fused_experts`: the experts as transformers holds them in memory, one
     (E, ., .) tensor, else one tensor per expert as save_pretrained and the hub store them)."""
     if config.moe.enabled:
-        from model.hf_moe import moe_sources
+        from model.hf.moe import moe_sources
         return moe_sources(config, fused_experts)
     if config.arch == "llama":
-        from model.hf_llama import fused_parts, name_pairs
+        from model.hf.llama import fused_parts, name_pairs
         sources = {ours: Source((theirs,)) for ours, theirs in name_pairs(config)}
         sources.update({ours: Source(tuple(name for name, _ in parts), rows=tuple(rows for _, rows in parts))
                         for ours, parts in fused_parts(config)})
         return sources
-    from model.hf_gpt2 import gpt2_name_pairs
+    from model.hf.gpt2 import gpt2_name_pairs
     return {ours: Source((theirs,), conv1d) for ours, theirs, conv1d in gpt2_name_pairs(config.n_layer)}
 
 
@@ -111,9 +111,9 @@ def _expert_plan(dense_name: str, source: Source, ours: Mapping[str, Tuple[int, 
 def shard_plan(dense_name: str, source: Source, stored_shapes: Mapping[str, Sequence[int]], tp_rank: int,
                tp_size: int, padded_vocab_size: int, *, ep_rank: int = 0, ep_size: int = 1,
                config: Optional[GPTConfig] = None) -> ShardPlan:
-    """The pieces of `dense_name`'s shard on `tp_rank` of `tp_size` (model/convert.py's `split`),
+    """The pieces of `dense_name`'s shard on `tp_rank` of `tp_size` (model/hf/convert.py's `split`),
     and for an expert weight on `ep_rank` of `ep_size` (`split_experts` first); `config` tells the
-    q/k norms' rule (model/convert.py: rule_for) and the fused blocks' rows."""
+    q/k norms' rule (model/hf/convert.py: rule_for) and the fused blocks' rows."""
     rule = rule_for(dense_name, config)
     ours = {name: tuple(shape)[::-1] if source.conv1d else tuple(shape) for name, shape in stored_shapes.items()}
     if rule.experts:

@@ -3,7 +3,7 @@
 q, k and v are one column-parallel GEMM (`qkv_proj`, rows [Q; K; V]) and gate and up another
 (`gate_up_proj`, rows [G; U]): each part of the fused weight is split over tp on its own, so
 rank r's rows are [Q_r; K_r; V_r] and [G_r; U_r] and one GEMM gives it its heads and its MLP
-columns (issue 24; export splits them into transformers' q/k/v and gate/up, model/hf_llama.py).
+columns (issue 24; export splits them into transformers' q/k/v and gate/up, model/hf/llama.py).
 K and V are a plain row split over tp: at tp > n_kv_head the ranks that share a key/value head
 each store a true shard of its rows, all-gathered in forward and reduce-scattered in backward,
 so the gradient norm, the optimizer and checkpoints treat it as any column-parallel weight
@@ -15,13 +15,13 @@ import torch
 import torch.nn as nn
 from torch.nn import functional
 
-from model.attention import AttentionCore, check_context_heads
-from model.attention_inputs import AttentionInputs
 from model.config import GPTConfig
-from model.layers import (ColumnParallelLinear, RowParallelLinear, column_parallel_projections, group_rank, group_size,
-                          mark_sequence_parallel)
-from model.mappings import Group, all_reduce_sum, gather_rows_from_tp_region
-from model.norms import RMSNorm
+from model.parallel.layers import (ColumnParallelLinear, RowParallelLinear, column_parallel_projections, group_rank,
+                                   group_size, mark_sequence_parallel)
+from model.parallel.mappings import Group, all_reduce_sum, gather_rows_from_tp_region
+from model.transformer.attention import AttentionCore, check_context_heads
+from model.transformer.attention_inputs import AttentionInputs
+from model.transformer.norms import RMSNorm
 
 
 def kv_replicas(n_kv_head: int, tp_size: int) -> int:
@@ -62,7 +62,7 @@ class ProjectionRMSNorm(nn.Module):
 class GroupedQueryAttention(nn.Module):
     """Causal self-attention with n_kv_head key/value heads shared by groups of query heads. With
     `cp_group` the core exchanges sequence shards for head shards around attention, copying
-    key/value heads where tp x cp exceeds them (model/attention.py)."""
+    key/value heads where tp x cp exceeds them (model/transformer/attention.py)."""
 
     def __init__(self, config: GPTConfig, tp_group: Group, generator: torch.Generator,
                  dropout_rng: Callable[[], ContextManager],
@@ -95,7 +95,7 @@ class GroupedQueryAttention(nn.Module):
         if config.qk_norm == "head":  # Qwen3: one (d,) weight each for q and k, shared by the heads
             self.q_norm, self.k_norm = RMSNorm(d, eps=config.norm_eps), RMSNorm(d, eps=config.norm_eps)
             # Replicated, but each TP rank normalises only its heads: the gradients summed over TP once
-            # per step, as sequence-parallel weights' are (model/layers.py). A key/value head that
+            # per step, as sequence-parallel weights' are (model/parallel/layers.py). A key/value head that
             # `replicas` ranks share gets from each only its query heads' part of dL/dk: the sum is whole.
             mark_sequence_parallel(self.q_norm.weight, tp_group)
             mark_sequence_parallel(self.k_norm.weight, tp_group)

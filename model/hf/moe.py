@@ -1,10 +1,10 @@
 """Name and config maps between our mixture-of-experts models (the Llama layout with `model.moe`;
-model/moe.py) and transformers' MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM.
+model/transformer/moe.py) and transformers' MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM.
 
 The family is the model's `arch` (mixtral, qwen3_moe, olmoe); an `arch: llama` model with experts
 is exported as the family whose q/k norm it has (none: Mixtral, per head: Qwen3-MoE, over the whole
 projection: OLMoE), when that family can express the rest. Attention and norms map as for Llama
-(model/hf_llama.py: q/k/v stacked by rows in `qkv_proj`), plus q_norm and k_norm; the router is
+(model/hf/llama.py: q/k/v stacked by rows in `qkv_proj`), plus q_norm and k_norm; the router is
 the family's `gate`. Our expert weights are transformers' in-memory layout already:
 `experts.gate_up_proj` (E, 2f, h), each expert's rows [gate; up], and `experts.down_proj` (E, h, f).
 On disk (save_pretrained, the hub) transformers stores one tensor per expert and projection
@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from model.config import GPTConfig
-from model.hf_source import Source, dense_tensor, stored_tensors
+from model.hf.source import Source, dense_tensor, stored_tensors
 from model.moe_config import MoEConfig
 
 
@@ -33,7 +33,7 @@ class Family:
     model_type: str  # transformers' config.json model_type
     model_class: str  # transformers' class names
     config_class: str
-    qk_norm: Optional[str]  # the q/k norm it has (model/llama.py)
+    qk_norm: Optional[str]  # the q/k norm it has (model/transformer/llama.py)
     moe_prefix: str  # the MoE block's module on disk, inside model.layers.{i}
     expert_names: Tuple[str, str, str]  # gate, up, down of one expert on disk
     renormalises: Optional[bool] = None  # the top-k weights always (True), or as norm_topk_prob says (None)
@@ -97,7 +97,7 @@ def moe_incompatibilities(config: GPTConfig) -> List[str]:
 
 def moe_config_kwargs(config: GPTConfig) -> Dict[str, Any]:
     """Keyword arguments of the family's transformers config for the same model."""
-    from model.hf_llama import rope_parameters
+    from model.hf.llama import rope_parameters
     family, moe = family_of(config), config.moe
     kwargs = dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, num_hidden_layers=config.n_layer,
                   num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_head, hidden_act="silu",
@@ -134,10 +134,10 @@ def hf_model_class(config: GPTConfig):
 # ------------------------------------------------------------------ names
 
 def moe_sources(config: GPTConfig, fused_experts: bool = False) -> Dict[str, Source]:
-    """Our dense name -> the transformers tensors it is made of (model/hf_shards.py: Source), in
+    """Our dense name -> the transformers tensors it is made of (model/hf/shards.py: Source), in
     model order. `fused_experts`: transformers' in-memory names (`mlp.gate`, one (E, ., .) tensor
     per expert weight); else its on-disk format, one tensor per expert and projection."""
-    from model.llama import qkv_sections
+    from model.transformer.llama import qkv_sections
     family, moe = family_of(config), config.moe
     kinds = ("weight", "bias") if config.bias else ("weight",)
     f, E = config.expert_ffn_hidden_size, moe.num_experts
@@ -177,7 +177,7 @@ def moe_sources(config: GPTConfig, fused_experts: bool = False) -> Dict[str, Sou
 
 
 def to_moe_state_dict(dense: Mapping[str, Any], config: GPTConfig, fused_experts: bool = False) -> Dict[str, Any]:
-    """Our dense state dict (model/convert.py names, all experts) -> the family's tensors: its
+    """Our dense state dict (model/hf/convert.py names, all experts) -> the family's tensors: its
     on-disk names, or with `fused_experts` the names of its module's state_dict (which
     `load_state_dict` takes). The vocabulary padding rows are stripped."""
     out = {}
@@ -217,7 +217,7 @@ class MoEFields(dict):
 def moe_model_fields(hf) -> Dict[str, Any]:
     """The recipe's `model:` fields a Mixtral, Qwen3-MoE or OLMoE config fixes (the weights'
     shapes and what they compute); training-only settings (the aux loss weight) stay the recipe's."""
-    from model.hf_llama import llama3_scaling
+    from model.hf.llama import llama3_scaling
     family = MODEL_TYPES[hf.model_type]
     rope = hf.rope_parameters or {}
     heads, hidden = hf.num_attention_heads, hf.hidden_size

@@ -58,5 +58,5 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def at_positions(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(T, d) tables -> (B, 1, T, d): the rows of each token's (B, T) position (positions that
-    restart at every document, model/documents.py), broadcast over the heads."""
+    restart at every document, model/transformer/documents.py), broadcast over the heads."""
     return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)

@@ -7,8 +7,9 @@ from typing import Dict, Iterator, List, Tuple
 
 import torch
 
+from model.config import GPTConfig
 from model.config import preset_values
-from model.gpt import GPT, GPTConfig
+from model.gpt.model import GPT
 
 GPT2_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 

@@ -1,18 +1,18 @@
 """The run side of context parallelism (issue 25; Jacobs et al. 2023, DeepSpeed-Ulysses): which
 tokens a CP rank holds and the token-weighted loss over the CP group. The attention's
-all-to-alls live in model/mappings.py, the whole sequence's document ids in model/documents.py.
+all-to-alls live in model/parallel/mappings.py, the whole sequence's document ids in model/transformer/documents.py.
 
 CP rank r of a replica holds the contiguous tokens [r T/cp, (r+1) T/cp) of every sequence of the
 replica's micro-batches, inputs and labels alike. Everything outside attention (embeddings, norms,
 MLP, loss) runs on those local tokens; what depends on a token's place in the whole sequence
-(learned positions, document positions) is computed from the global index (model/gpt.py).
+(learned positions, document positions) is computed from the global index (model/transformer/block.py).
 """
 from typing import Iterator, Tuple
 
 import torch
 import torch.distributed as dist
 
-from model.mappings import Group
+from model.parallel.mappings import Group
 
 
 def sequence_shard(x: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The router's auxiliary losses and statistics (model/moe.py), over each micro-batch's whole token set.
+"""The router's auxiliary losses and statistics (model/transformer/moe.py), over each micro-batch's whole token set.
 
 - Load balancing (Switch Transformer, Fedus et al. 2022, eq. 4, in transformers' normalisation):
   E * sum_e f_e * P_e, with f_e the number of assignments to expert e over the number of tokens (the
@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from model.mappings import Group
+from model.parallel.mappings import Group
 
 
 class MoEStatistics:
@@ -107,7 +107,7 @@ def add_to_backward(y: torch.Tensor, loss: torch.Tensor, statistics: MoEStatisti
 
 
 def stage_statistics(module: torch.nn.Module) -> Optional[MoEStatistics]:
-    """The MoEStatistics the MoE blocks of `module` share (model/moe.py: MoEMLP.statistics), or None
+    """The MoEStatistics the MoE blocks of `module` share (model/transformer/moe.py: MoEMLP.statistics), or None
     without MoE blocks."""
     return next((m.statistics for m in module.modules() if isinstance(getattr(m, "statistics", None), MoEStatistics)),
                 None)

@@ -10,10 +10,10 @@ Parallelism (docs/design.md contract 18):
   under SP, this rank's (B, T/t, h) chunk, whose choices are all-gathered.
 - EP splits the E experts over the ep ranks of an EP group (ep_rank r: experts [r E/ep, (r+1) E/ep)):
   the assignments are sorted by expert, their counts exchanged, the token rows sent to their
-  experts' ranks by an all-to-all and the outputs brought back by a second (model/mappings.py).
+  experts' ranks by an all-to-all and the outputs brought back by a second (model/parallel/mappings.py).
 - The auxiliary losses (load balancing, z-loss) are computed over each micro-batch's whole token
   set, whatever the shards, and enter the backward where they arise (`add_to_backward`), so their
-  gradients reach this stage's router without crossing the pipeline (model/moe_losses.py).
+  gradients reach this stage's router without crossing the pipeline (model/transformer/moe_losses.py).
 
 Exactness: routing ties go to the lower expert index (a stable sort), every gather and scatter is
 a permutation or an expand (deterministic backward), and the k outputs of a token are summed in
@@ -28,14 +28,14 @@ import torch.nn as nn
 from torch.nn import functional
 
 from model.config import GPTConfig
-from model.layers import group_rank, group_size, mark_sequence_parallel, split_rows
-from model.llama import LlamaMLP
-from model.mappings import (Group, all_gather_sequence, all_to_all_from_experts,
-                            all_to_all_to_experts, copy_to_tp_region, exchange_counts,
-                            gather_from_sequence_parallel_region, reduce_from_tp_region,
-                            reduce_scatter_to_sequence_parallel_region)
-from model.moe_losses import MoEStatistics, add_to_backward, router_losses
-from model.weight_grad import DeferrableLinear, add_product_into, weight_grad_now_or_later
+from model.parallel.all_to_all import all_to_all_from_experts, all_to_all_to_experts, exchange_counts
+from model.parallel.layers import group_rank, group_size, mark_sequence_parallel, split_rows
+from model.parallel.mappings import (Group, all_gather_sequence, copy_to_tp_region,
+                                     gather_from_sequence_parallel_region, reduce_from_tp_region,
+                                     reduce_scatter_to_sequence_parallel_region)
+from model.parallel.weight_grad import DeferrableLinear, add_product_into, weight_grad_now_or_later
+from model.transformer.llama import LlamaMLP
+from model.transformer.moe_losses import MoEStatistics, add_to_backward, router_losses
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -98,7 +98,7 @@ def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class _GroupedLinear(torch.autograd.Function):
     """Y_g = X_g W_g^T for each expert g's consecutive rows: X (M, in) in groups of `sizes`,
     W (E_local, out, in) -> (M, out). The weight gradient G_g^T X_g of every expert may be deferred
-    to ZB-H1's W pass or added into the fp32 main gradient (model/weight_grad.py), as a linear's.
+    to ZB-H1's W pass or added into the fp32 main gradient (model/parallel/weight_grad.py), as a linear's.
     One grouped GEMM per product where torch has it (`grouped_mm_fits`), else a GEMM per expert."""
 
     @staticmethod
@@ -186,7 +186,7 @@ class ExpertMLPs(nn.Module):
 class Router(nn.Module):
     """logits = x W_r^T, (..., h) -> (..., E); W_r (E, h) replicated over TP, drawn from the block's generator.
 
-    Always through the deferrable linear (model/weight_grad.py), in 1F1B too: for so few output rows
+    Always through the deferrable linear (model/parallel/weight_grad.py), in 1F1B too: for so few output rows
     functional.linear's own backward orders the weight gradient's GEMM differently (measured: 1e-11
     apart on CPU), and ZB-H1, which defers it, would no longer be 1F1B to the bit."""
 
@@ -201,7 +201,7 @@ class Router(nn.Module):
 
 class MoEMLP(nn.Module):
     """The MLP of an MoE block: routed experts (TP x EP), plus shared experts every token passes
-    through (a SwiGLU of width shared_experts * f, model/llama.py's LlamaMLP). (B, T, h), or
+    through (a SwiGLU of width shared_experts * f, model/transformer/llama.py's LlamaMLP). (B, T, h), or
     (B, T/t, h) under SP, -> the same shape (T: this CP rank's tokens)."""
 
     def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group, generator: torch.Generator,

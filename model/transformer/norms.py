@@ -1,21 +1,21 @@
 """The norms of a block and of the final layer: GPT-2's LayerNorm and Llama's RMSNorm, replicated
 over TP. Under sequence parallelism each TP rank normalises its own (B, T/t, h) chunk, so the
-weights are marked sequence-parallel (model/layers.py) and their gradients summed over TP once
+weights are marked sequence-parallel (model/parallel/layers.py) and their gradients summed over TP once
 per step.
 """
 import torch
 import torch.nn as nn
 from torch.nn import functional
 
-from model.layers import mark_sequence_parallel
-from model.mappings import Group
+from model.parallel.layers import mark_sequence_parallel
+from model.parallel.mappings import Group
 
 
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm whose weight and bias are marked sequence-parallel when
     `sequence_parallel_group` is given: each TP rank normalises only its (B, T/t, h) chunk, so
     its gradient of the replicated weight covers T/t positions until the once-per-step sum over
-    TP (model/layers.py). The parameters stay replicated (counted once in the gradient norm)."""
+    TP (model/parallel/layers.py). The parameters stay replicated (counted once in the gradient norm)."""
 
     def __init__(self, normalized_shape: int, sequence_parallel_group: Group = None, eps: float = 1e-5):
         super().__init__(normalized_shape, eps=eps)

@@ -1,11 +1,11 @@
 """Name map between our dense model with `arch: llama` (tp=1, one stage) and transformers'
 LlamaForCausalLM.
 
-Both store nn.Linear (out, in) weights and the same RoPE layout (rotate_half, model/rotary.py),
+Both store nn.Linear (out, in) weights and the same RoPE layout (rotate_half, model/transformer/rotary.py),
 so the map is a rename, no transpose and no permutation of q/k rows, except that our fused
 projections are transformers' tensors stacked by rows: `attn.qkv_proj` is [q_proj; k_proj;
 v_proj] and `mlp.gate_up_proj` is [gate_proj; up_proj] (`fused_parts`; each TP rank's shard
-takes its rows of each part, model/hf_shards.py). The vocabulary padding rows are stripped. Used by
+takes its rows of each part, model/hf/shards.py). The vocabulary padding rows are stripped. Used by
 export, `--init-from-hf` and the tests.
 """
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 
 from model.config import LLAMA3_SCALING_KEYS, GPTConfig
-from model.llama import gate_up_sections, qkv_sections
+from model.transformer.llama import gate_up_sections, qkv_sections
 
 # (our name inside blocks.{i}, transformers' inside model.layers.{i}): one parameter each.
 LLAMA_BLOCK_NAMES = (("ln_1.weight", "input_layernorm.weight"), ("ln_2.weight", "post_attention_layernorm.weight"),
@@ -90,7 +90,7 @@ def fused_parts(config: GPTConfig) -> Iterator[Tuple[str, List[Tuple[str, int]]]
 
 
 def to_llama_state_dict(dense: Mapping[str, torch.Tensor], config: GPTConfig) -> Dict[str, torch.Tensor]:
-    """Our dense state dict (real vocabulary, model/convert.py names) -> LlamaForCausalLM's."""
+    """Our dense state dict (real vocabulary, model/hf/convert.py names) -> LlamaForCausalLM's."""
     out = {theirs: dense[ours][: config.vocab_size] if ours in ("embed.wte.weight", "lm_head.weight") else dense[ours]
            for ours, theirs in name_pairs(config)}
     for ours, parts in fused_parts(config):

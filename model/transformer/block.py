@@ -1,14 +1,14 @@
-"""GPT-2 architecture (Radford et al. 2019) on tensor-parallel layers, and the Llama family's
-switches (model/config.py, model/llama.py); no DeepSpeed here.
+"""The transformer block (pre-norm: x + attn(ln_1(x)), then x + mlp(ln_2(x))) and GPT-2's attention
+and MLP (Radford et al. 2019) on tensor-parallel layers; with `arch: llama` and the MoE archs the
+block holds model/transformer/llama.py's attention and MLP or model/transformer/moe.py's experts.
+No DeepSpeed here; the whole model is model/gpt/model.py.
 
-Learned positions, pre-LayerNorm blocks, GELU MLP of 4*n_embd, causal scaled-dot-product
-attention with the heads split across TP, input embedding tied to the output head; names follow
-GPT-2 / nanoGPT (`wte`, `wpe`, `ln_f`, `c_attn`, `c_proj`, `c_fc`), so export is a rename. With
-`arch: llama` the blocks hold model/llama.py's attention and MLP, and the switches choose the
-positions, the norm and a tied or separate head (`LMHead`). Each module seeds its own full-size
-init from (seed, module index): the weights do not depend on which stage or TP rank builds them.
-`sequence_parallel` and `recompute_attention` change memory, never the maths (Korthikanti et al.
-2022; docs/design.md, "Activation memory")."""
+GPT-2: pre-LayerNorm blocks, GELU MLP of 4*n_embd, causal scaled-dot-product attention with the
+heads split across TP; names follow GPT-2 / nanoGPT (`c_attn`, `c_proj`, `c_fc`, `ln_1`, `ln_2`),
+so export is a rename. Each module seeds its own full-size init from (seed, module index): the
+weights do not depend on which stage or TP rank builds them. `sequence_parallel` and
+`recompute_attention` change memory, never the maths (Korthikanti et al. 2022; docs/design.md,
+"Activation memory")."""
 import contextlib
 import math
 from typing import Callable, ContextManager, Optional, Tuple, Union
@@ -17,18 +17,15 @@ import torch
 import torch.nn as nn
 from torch.nn import functional
 
-from model.attention import AttentionCore, check_context_heads
 from model.config import GPTConfig
-from model.attention_inputs import AttentionInputs, StageAttentionInputs
-from model.documents import document_ids, document_positions, full_sequence_segments
-from model.layer_table import dense_prefix, pipeline_layers
-from model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                          group_rank, group_size, mark_sequence_parallel)
-from model.llama import GroupedQueryAttention, LlamaMLP
-from model.mappings import Group
-from model.moe import MoEMLP
-from model.moe_losses import MoEStatistics
-from model.norms import LayerNorm, RMSNorm
+from model.parallel.layers import ColumnParallelLinear, RowParallelLinear, group_size
+from model.parallel.mappings import Group
+from model.transformer.attention import AttentionCore, check_context_heads
+from model.transformer.attention_inputs import AttentionInputs, StageAttentionInputs
+from model.transformer.llama import GroupedQueryAttention, LlamaMLP
+from model.transformer.moe import MoEMLP
+from model.transformer.moe_losses import MoEStatistics
+from model.transformer.norms import LayerNorm, RMSNorm
 
 # Generator streams: blocks use their index; the embeddings and the head use ids no block can have.
 WTE_STREAM, WPE_STREAM, HEAD_STREAM = -1, -2, -3
@@ -60,7 +57,7 @@ class CausalSelfAttention(nn.Module):
     """Heads split across TP: c_attn is column-parallel (whole heads per rank, stride 3 over
     [Q; K; V]), c_proj row-parallel; one all-reduce in forward, one in backward (with sequence
     parallelism an all-gather before c_attn and a reduce-scatter after c_proj instead). With
-    `cp_group` the core exchanges sequence shards for head shards around attention (model/attention.py)."""
+    `cp_group` the core exchanges sequence shards for head shards around attention (model/transformer/attention.py)."""
 
     def __init__(self, config: GPTConfig, tp_group: Group, generator: torch.Generator,
                  dropout_rng: Callable[[], ContextManager],
@@ -126,26 +123,26 @@ def query_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 Carried = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 """What flows between the layers: the hidden states, or with the document mask (hidden states,
-(B, T) segment ids) until the last block (model/documents.py)."""
+(B, T) segment ids) until the last block (model/transformer/documents.py)."""
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). GPT-2's attention
-    and MLP for arch gpt2, model/llama.py's for arch llama; ln_1 and ln_2 as `config.norm` says.
+    and MLP for arch gpt2, model/transformer/llama.py's for arch llama; ln_1 and ln_2 as `config.norm` says.
 
-    `dropout_rng` enters the per-TP-rank dropout RNG (model/pipe.py); the dense reference
+    `dropout_rng` enters the per-TP-rank dropout RNG (model/gpt/pipe.py); the dense reference
     leaves it a no-op. With the document mask a block takes (hidden, segment ids) and passes the
     segment ids on, except the last block, whose output is the hidden states alone (ln_f and
     the head are unchanged). `attention_inputs` (RoPE's tables, the document mask) is built once
-    per micro-batch and shared by the blocks of one stage (model/attention_inputs.py).
+    per micro-batch and shared by the blocks of one stage (model/transformer/attention_inputs.py).
 
     With `cp_group` (context parallelism) the input is this CP rank's contiguous shard of the
     sequence, (B, T/cp, h) (rank r: tokens [r T/cp, (r+1) T/cp)), and so are the segment ids
     (`document_ids` of its shard of the ids); everything but the attention core runs on these
-    tokens, the core on the whole sequence of its heads (model/attention.py).
+    tokens, the core on the whole sequence of its heads (model/transformer/attention.py).
 
     In a mixture-of-experts model (`config.moe`) the MLP of every moe_every-th block is an MoEMLP
-    (model/moe.py), its experts split over `ep_group`; the stage's blocks share `moe_statistics`."""
+    (model/transformer/moe.py), its experts split over `ep_group`; the stage's blocks share `moe_statistics`."""
 
     def __init__(self, config: GPTConfig, layer_index: int, tp_group: Group,
                  dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext,
@@ -178,112 +175,3 @@ class Block(nn.Module):
         hidden = hidden + self.attn(self.ln_1(hidden), inputs)
         hidden = hidden + self.mlp(self.ln_2(hidden))
         return hidden if self.last or not self.document_mask else (hidden, segments)
-
-
-class TokenEmbedding(nn.Module):
-    """wte: vocab-parallel token embedding; also the output head when `tie_embeddings`."""
-
-    def __init__(self, config: GPTConfig, tp_group: Group):
-        super().__init__()
-        self.wte = VocabParallelEmbedding(config.vocab_size, config.padded_vocab_size(group_size(tp_group)),
-                                          config.n_embd, tp_group, init_generator(config, WTE_STREAM),
-                                          config.init_std, sequence_parallel=config.sequence_parallel)
-        self.document_eos = config.eos_token_id if config.document_mask else None
-
-    def forward(self, ids: torch.Tensor) -> Carried:  # (B, T) -> (B, T, h); (B, T/t, h) with SP
-        """With the document mask also the (B, T) segment ids, full length on every TP rank. Under
-        CP ids are this rank's (B, T/cp) tokens and the segment ids are counted inside the shard;
-        who needs the whole sequence's makes them (model/documents.py: full_sequence_segments)."""
-        if self.document_eos is None:
-            return self.wte(ids)
-        return self.wte(ids), document_ids(ids, self.document_eos)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, h) or (B, T/t, h) -> (B, T, V_pad/p)
-        return self.wte.logits(hidden)
-
-
-class LMHead(VocabParallelEmbedding):
-    """The output head of a model with untied embeddings: its own vocab-parallel (V_pad/p, h)
-    weight, drawn N(0, init_std) from its own stream; forward is the logits.
-    (B, T, h) or (B, T/t, h) with SP -> (B, T, V_pad/p)."""
-
-    def __init__(self, config: GPTConfig, tp_group: Group):
-        super().__init__(config.vocab_size, config.padded_vocab_size(group_size(tp_group)), config.n_embd,
-                         tp_group, init_generator(config, HEAD_STREAM), config.init_std,
-                         sequence_parallel=config.sequence_parallel)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits(hidden)
-
-
-class PositionEmbedding(nn.Module):
-    """Adds wpe (replicated) and applies embedding dropout; positions derived here, so only the
-    hidden states cross pipeline stages (docs/design.md contract 7). With sequence parallelism the
-    input is TP rank r's chunk, positions [r*T/t, (r+1)*T/t). Under context parallelism these are
-    offsets inside CP rank c's shard, which starts at c*T/cp: every token takes the row of its
-    global position (issue 25)."""
-
-    def __init__(self, config: GPTConfig, tp_group: Group = None,
-                 dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext, cp_group: Group = None):
-        super().__init__()
-        self.cp_group = cp_group
-        full = torch.empty(config.seq_len, config.n_embd)
-        self.wpe = nn.Parameter(full.normal_(0.0, config.init_std,
-                                             generator=init_generator(config, WPE_STREAM)))
-        self.drop = nn.Dropout(config.dropout)
-        self.sp_group = config.sequence_parallel_group(tp_group)
-        mark_sequence_parallel(self.wpe, self.sp_group)  # each rank's gradient reaches only its rows
-        self.dropout_rng = sequence_dropout_rng(config, tp_group, dropout_rng)
-
-    def forward(self, x: Carried) -> Carried:  # (B, T, h) -> (B, T, h); SP: (B, T/t, h)
-        """With the document mask x is (token embeddings, segment ids): each token takes the row
-        of its position inside its document, and the segment ids pass on."""
-        tok_emb, segments = x if isinstance(x, tuple) else (x, None)
-        T_local = tok_emb.size(1)
-        T_shard = T_local * group_size(self.sp_group)  # this CP rank's tokens: T/cp
-        start = group_rank(self.cp_group) * T_shard + group_rank(self.sp_group) * T_local
-        if segments is None:
-            pos_emb = self.wpe[start:start + T_local]
-        else:  # segments: (B, T/cp) under CP, made the whole sequence's (B, T)
-            positions = document_positions(full_sequence_segments(segments, self.cp_group))
-            pos_emb = self.wpe[positions[:, start:start + T_local]]  # (B, T_local, h)
-        with self.dropout_rng():
-            out = self.drop(tok_emb + pos_emb)
-        return out if segments is None else (out, segments)
-
-
-class GPT(nn.Module):
-    """The whole model on one pipeline stage: the dense reference for tests and evaluation.
-
-    Its modules are built and run in the order of the layer table (model/layer_table.py), the
-    order in which `model/pipe.py` splits the same modules into stages.
-    """
-
-    def __init__(self, config: GPTConfig, tp_group: Optional[Group] = None, ep_group: Optional[Group] = None):
-        super().__init__()
-        self.config = config
-        self.tp_group = tp_group
-        self.layer_table = pipeline_layers(config)
-        attention_inputs = StageAttentionInputs(config)
-        self.moe_statistics = MoEStatistics(config) if config.moe.enabled else None
-        for kind, i in self.layer_table:  # each module at its dense name (LAYER_KINDS), in the table's order
-            if kind == "embed":
-                self.embed = TokenEmbedding(config, tp_group)
-            elif kind == "wpe":
-                self.pos = PositionEmbedding(config, tp_group)
-            elif kind == "block":
-                if i == 0:
-                    self.blocks = nn.ModuleList()
-                self.blocks.append(Block(config, i, tp_group, attention_inputs=attention_inputs, ep_group=ep_group,
-                                         moe_statistics=self.moe_statistics))
-            elif kind == "ln_f":
-                self.ln_f = make_norm(config, tp_group)
-            elif kind == "lm_head":
-                self.lm_head = LMHead(config, tp_group)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """(B, T) ids -> (B, T, V_pad/p) vocab-sharded logits: each layer of the table in turn."""
-        x = ids
-        for kind, i in self.layer_table:
-            x = self.embed.logits(x) if kind == "head" else self.get_submodule(dense_prefix(kind, i))(x)
-        return x

@@ -1,12 +1,12 @@
-"""The GPT of `model/gpt.py` as a DeepSpeed `PipelineModule` (Huang et al. 2019; Narayanan 2021).
+"""The GPT of `model/gpt/model.py` as a DeepSpeed `PipelineModule` (Huang et al. 2019; Narayanan 2021).
 
-One LayerSpec per entry of the layer table (model/layer_table.py): the embedding is a
+One LayerSpec per entry of the layer table (model/gpt/layer_table.py): the embedding is a
 TiedLayerSpec('embed') when the head is tied, and the tied head the same TiedLayerSpec with
 forward_fn = logits; an untied head is a LayerSpec(LMHead). DeepSpeed builds only the local
 stage's layers; when tied, it ties shard k of the embedding on the first stage to shard k on the
 last stage and all-reduces their gradients (docs/design.md contract 6).
 Only the hidden states cross stage boundaries (with the document mask, a tuple of them and the
-(B, T) segment ids: model/documents.py); positions and the mask are derived inside (contract 7).
+(B, T) segment ids: model/transformer/documents.py); positions and the mask are derived inside (contract 7).
 With sequence parallelism they are (B, T/t, h): TP rank r of a stage sends its own sequence
 chunk to TP rank r of the next stage (DeepSpeed's p2p groups pair the same model-parallel
 coordinate; see `pipeline_config` for what must be switched off).
@@ -20,15 +20,17 @@ from deepspeed.moe.layer import MoE
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
-from model.attention_inputs import StageAttentionInputs
-from model.gpt import Block, GPTConfig, LMHead, PositionEmbedding, TokenEmbedding, norm_class
-from model.layer_table import layer_name, pipeline_layers
-from model.layers import sequence_parallel_params
-from model.context_parallel import token_weighted_mean
-from model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
-from model.moe import expert_group_name
-from model.moe_losses import MoEStatistics
-from model.parallel_state import ParallelState
+from model.config import GPTConfig
+from model.gpt.layer_table import layer_name, pipeline_layers
+from model.gpt.model import LMHead, PositionEmbedding, TokenEmbedding
+from model.parallel.context_parallel import token_weighted_mean
+from model.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from model.parallel.layers import sequence_parallel_params
+from model.parallel.state import ParallelState
+from model.transformer.attention_inputs import StageAttentionInputs
+from model.transformer.block import Block, norm_class
+from model.transformer.moe import expert_group_name
+from model.transformer.moe_losses import MoEStatistics
 
 TP_DROPOUT_RNG = "tp-sharded-dropout"
 
@@ -101,7 +103,7 @@ def layer_spec(kind: str, block: Optional[int], config: GPTConfig, state: Parall
 
 def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
     # One cache of RoPE's tables and the document mask for all blocks: DeepSpeed builds only this stage's
-    # layers. Likewise one record of the router statistics for the stage's MoE blocks (model/moe_losses.py).
+    # layers. Likewise one record of the router statistics for the stage's MoE blocks (model/transformer/moe_losses.py).
     attention_inputs = StageAttentionInputs(config)
     moe_statistics = MoEStatistics(config) if config.moe.enabled else None
     return [layer_spec(kind, block, config, state, attention_inputs, moe_statistics)
@@ -124,7 +126,7 @@ def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor],
         token_loss = vocab_parallel_cross_entropy(logits, labels, state.tp_group, consume_logits=True)
         logits.data = logits.new_empty(0)
         # Under CP, (B, T/cp) tokens here: weighted over the CP group so that DeepSpeed's average
-        # over dp x cp is the mean over the whole sequences' tokens (model/context_parallel.py).
+        # over dp x cp is the mean over the whole sequences' tokens (model/parallel/context_parallel.py).
         return token_weighted_mean(token_loss, labels != IGNORE_INDEX, state.cp_group)
     return loss_fn
 
@@ -145,7 +147,7 @@ def pipeline_config(sequence_parallel: bool) -> Dict[str, Any]:
 class ExpertParallelMarker(MoE):
     """What tells DeepSpeed's engine that the model has experts (it looks for a `deepspeed.moe.layer.MoE`
     module, then reduces, partitions and norms the expert parameters by their groups: see
-    launch/runtime/experts.py). No parameters and never called: our MoE blocks are model/moe.py's."""
+    launch/runtime/experts.py). No parameters and never called: our MoE blocks are model/transformer/moe.py's."""
 
     def __init__(self, num_experts: int, ep_size: int):
         torch.nn.Module.__init__(self)  # not MoE.__init__, which would build DeepSpeed's own experts
@@ -162,7 +164,7 @@ class ExpertParallelMarker(MoE):
 
 class GPTPipelineModule(PipelineModule):
     """DeepSpeed's PipelineModule, plus stage boundaries given by the caller (`parts`, instead of
-    a DeepSpeed partition method) and the sequence-parallel gradient sum (model/layers.py).
+    a DeepSpeed partition method) and the sequence-parallel gradient sum (model/parallel/layers.py).
 
     After the last micro-batch's backward and before the data-parallel reduction and the
     optimizer step, DeepSpeed's pipeline engine all-reduces the gradient of every weight
