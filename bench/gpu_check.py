@@ -34,7 +34,7 @@ initialisation; document-mask 2 runs of 8 steps of 2.7e13 FLOPs in fp32 (1 s), 1
 flex_attention's compilation; grad-accum-fusion 22 GEMMs of 7.4e11 FLOPs, under 5 s: about 4.5
 minutes. With 2 GPUs, parity 90 s and zb-h1 2 runs of
 8 steps of 2.8e13 FLOPs in fp32 on 2 devices (0.6 s), 70 s: about 6.5 minutes.
-With --cpu every check runs at toy sizes (tests/test_gpu_check.py runs the document-mask and
+With --cpu every check runs at toy sizes (tests/analysis/test_gpu_check.py runs the document-mask and
 zb-h1 checks so at --devices 1).
 """
 import argparse

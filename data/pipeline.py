@@ -39,7 +39,7 @@ def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]
     unchanged, and nothing is fetched ahead, so the source's position (a checkpoint's
     data_state) stays exactly what was trained. Pinning goes through DeepSpeed's accelerator
     (on CPU it pins nothing and the copy to the CPU returns the tensor itself), so a test's
-    accelerator sees the same calls a GPU gets (tests/test_device_sync.py, issue 24)."""
+    accelerator sees the same calls a GPU gets (tests/runtime/test_device_sync.py, issue 24)."""
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
     return ((accelerator.pin_memory(x).to(device, non_blocking=True),

@@ -4,18 +4,18 @@ from pathlib import Path
 
 import pytest
 
-import launcher
-from forked import stop_rank_server
-from launcher import LLAMA_TINY, MOE_TINY, TINY, launch_forked, read_metrics, refuse_in_fast_tier
+from helpers import launcher
+from helpers.forked import stop_rank_server
+from helpers.launcher import LLAMA_TINY, MOE_TINY, TINY, launch_forked, read_metrics, refuse_in_fast_tier
 
 # The layouts of the acceptance test (docs/design.md, The acceptance test): every one trains the same model.
 REFERENCE = (1, 1, 1)
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 4, 1)]
 # Sequence parallelism on: with pipeline stages (its chunks cross stage boundaries whole) and at
-# tp=4. The Llama family runs the same layouts (tests/test_llama_parity.py).
+# tp=4. The Llama family runs the same layouts (tests/e2e/test_llama_parity.py).
 SP_LAYOUTS = [(2, 2, 2, "sp"), (4, 1, 1, "sp")]
 # Context parallelism (issue 25), tag "cp<N>": as (tp, cp, pp, dp) = (1,2,1,1), (2,2,1,1), (1,2,2,1),
-# (1,2,1,2) and (2,2,2,1) with SP; the Llama family adds the document mask (tests/test_llama_parity.py).
+# (1,2,1,2) and (2,2,2,1) with SP; the Llama family adds the document mask (tests/e2e/test_llama_parity.py).
 CP_LAYOUTS = [(1, 1, 1, "cp2"), (2, 1, 1, "cp2"), (1, 2, 1, "cp2"), (1, 1, 2, "cp2"), (2, 2, 1, "sp", "cp2")]
 # The fast tier's only launches (docs/testing.md, The fast tier): (2,2,2) has every kind of
 # parallelism; (1,1,1) is its reference, and its checkpoints serve the fast checkpoint tests.
@@ -89,7 +89,7 @@ class ParityRuns:
                          for arg in ("--set", f"train.recompute={tag}")]
             precision = run_precision(layout)
             wandb = ["--wandb", "offline"] if layout == (1, 1, 2) else []
-            # Expert-parallel MoE runs also count their collectives (tests/test_moe_comm.py reads them).
+            # Expert-parallel MoE runs also count their collectives (tests/e2e/test_moe_comm.py reads them).
             comm = ["--comm-counts", str(tmp / "comm")] if "moe" in layout and expert_parallel_size(layout) > 1 else []
             recipe = LLAMA_TINY if "llama" in layout else MOE_TINY if "moe" in layout else TINY
             cp, ep = context_parallel_size(layout), expert_parallel_size(layout)
@@ -141,7 +141,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionfinish(session):
-    stop_rank_server()  # tests/rank_server.py, if a test started it
+    stop_rank_server()  # tests/helpers/rank_server.py, if a test started it
 
 
 @pytest.fixture

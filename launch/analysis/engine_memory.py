@@ -1,6 +1,6 @@
 """The model states DeepSpeed 0.19.8's engine allocates on one rank, per precision and ZeRO stage,
 and the bytes its data-parallel gradient all-reduce moves: what the planner counts, checked
-against the tensors a real engine holds (tests/test_plan_engine.py).
+against the tensors a real engine holds (tests/analysis/test_plan_engine.py).
 
 The ZeRO paper's 16 bytes per parameter (memory_formulas.model_state_bytes, [R20] sec. 3.1) leave
 out what this engine adds. Which optimizer wraps AdamW follows the engine's own choice

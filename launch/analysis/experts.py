@@ -118,7 +118,7 @@ def moe_mlp_activation_bytes(m: ModelConfig, tokens: float, tp: int, sequence_pa
                     the first is the logsumexp's and the second the combine's: no copies);
       shared experts  their SwiGLU's four tensors of width s f_e / t, as a dense MLP's;
     and per block the losses' E shares and their 2E + 2 totals (fp32). The MLP's input is the
-    block's, counted with the norm outputs (memory_formulas). tests/test_moe_plan.py holds this to
+    block's, counted with the norm outputs (memory_formulas). tests/analysis/test_moe_plan.py holds this to
     what autograd saves for an MoE block (tp = ep = 1)."""
     moe = m.moe
     h, t, k, E = m.n_embd, tp, moe.experts_per_token, moe.num_experts

@@ -92,7 +92,7 @@ def stage_params_per_rank(n_layer: int, hidden: int, vocab: int, seq_len: int, t
 # ---------------------------------------------------------------- any architecture (model/config.py)
 # The functions above are GPT-2's closed forms; these count the same things for any preset and
 # switches, from a resolved ModelConfig (`ModelConfig.resolved()`, vocab_size set). For GPT-2
-# they return exactly what the closed forms do (tests/test_llama_formulas.py).
+# they return exactly what the closed forms do (tests/analysis/test_llama_formulas.py).
 
 def block_matmul_params(m: ModelConfig, layer_index: Optional[int] = None, active: bool = False) -> int:
     """Weights of one block's matrices: q and o (h x a*d each), k and v (h x kv*d each), and the

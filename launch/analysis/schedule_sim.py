@@ -9,7 +9,7 @@ and take no time. The result is a list of events (stage, kind, micro-batch, star
 launch/analysis/pipeline_chart.py to draw and `idle_fraction` to measure.
 
 With equal stages this gives 1F1B's bubble (p-1)/(m+p-1) (Narayanan et al. 2021) and, when
-T_F = T_B = T_W, ZB-H1's (p-1)(T_F+T_B-T_W) (Qi et al. 2023, sec. 3.1): tests/test_zero_bubble.py.
+T_F = T_B = T_W, ZB-H1's (p-1)(T_F+T_B-T_W) (Qi et al. 2023, sec. 3.1): tests/model/test_zero_bubble.py.
 """
 import os
 from typing import Dict, List, Sequence, Union

@@ -16,7 +16,7 @@ KNOWN_NOISE = [
     (UserWarning, "c10d::broadcast_: an autograd kernel was not registered",
      "DeepSpeed's PipelineModule._synchronize_tied_weights broadcasts the tied embedding weight "
      "outside no_grad, once per rank at start-up and after each step. The weight stays a leaf and "
-     "its gradient is right: tests/test_pipeline.py compares the tied embedding's gradient, summed "
+     "its gradient is right: tests/model/test_pipeline.py compares the tied embedding's gradient, summed "
      "over the first and last stage, with the single-process model's."),
     (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated",
      "DeepSpeed 0.19.8 (deepspeed/comm/torch.py) calls torch's all_gather_into_tensor, which torch "

@@ -3,7 +3,7 @@ DeepSpeed's BF16 optimizer, `train.grad_accum_fusion` (docs/design.md contract 8
 
 Without it, every micro-batch's backward zeroes each parameter's bf16 `.grad` and adds into it,
 and the optimizer then casts it to fp32 and adds it into its fp32 gradient buffer: element-wise
-passes over every parameter per micro-batch (tests/test_grad_accum_fusion.py counts them). With
+passes over every parameter per micro-batch (tests/model/test_grad_accum_fusion.py counts them). With
 it, every parameter gets `main_grad`, its fp32 gradient: a view of the optimizer's flat buffer,
 shaped like the parameter. Our linears' weight-gradient GEMMs add into it, and the token
 embedding's lookup scatters into it (model/parallel/weight_grad.py: eagerly, in ZB-H1's W pass, under

@@ -50,7 +50,7 @@ class Rule:
 
 REPLICATED = Rule(None)
 # The one table: name suffix -> rule; it mirrors the `partition_dim` / `partition_stride`
-# attributes that model/parallel/layers.py puts on each parameter (tests/test_export.py checks both agree).
+# attributes that model/parallel/layers.py puts on each parameter (tests/checkpoints/test_export.py checks both agree).
 # Anything not listed is replicated: LayerNorms, wpe, and the row-parallel biases (added after
 # the all-reduce).
 RULES: Dict[str, Rule] = {

@@ -6,8 +6,8 @@ A plan is "this rank's tensor = these pieces, each a slice of a stored tensor wr
 of this rank's tensor, then zero rows (vocab padding)"; each piece is (transformers name, a slice
 in its stored layout, where it goes), transposed first where GPT-2's Conv1D stores (in, out). It
 follows model/hf/convert.py's rules (`rule_for`), so `split(name, split_experts(name, dense[name],
-...), ...)` of the whole tensor gives the same values (tests/test_hf_shards.py,
-tests/test_moe_export.py). The expert weights of a mixture-of-experts block are read for this
+...), ...)` of the whole tensor gives the same values (tests/checkpoints/test_hf_shards.py,
+tests/checkpoints/test_moe_export.py). The expert weights of a mixture-of-experts block are read for this
 rank's experts only (EP rank r of ep: experts [r E/ep, (r+1) E/ep)), and of each its TP shard.
 No files, no reading here.
 """

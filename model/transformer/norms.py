@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
     The normalisation is `F.rms_norm` without a weight (one fused kernel on GPUs, issue 24) and
     the weight a separate multiply: F.rms_norm with the weight multiplies it in fp32 before
     rounding to bf16, transformers after, so only this split gives transformers' numbers
-    (tests/test_llama.py compares both in fp32 and bf16)."""
+    (tests/model/test_llama.py compares both in fp32 and bf16)."""
 
     def __init__(self, normalized_shape: int, sequence_parallel_group: Group = None, eps: float = 1e-5):
         super().__init__()

@@ -1,0 +1,322 @@
+"""Checkpoints: clear one-line errors for bad or damaged checkpoints and for a resume that
+changes the model's shape, durable saves (fsync before `latest` moves), loads with
+weights_only=True through DeepSpeed's own loader, `--keep-last` along the run's history and a
+resume from an older tag. (Kills, signals and a dead rank: tests/e2e/test_checkpoint_crashes.py;
+bitwise resume at every parity layout and at another layout: tests/e2e/test_resume.py.)"""
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REFERENCE, SAVE_AT, STEPS
+from helpers.distributed import run_distributed, uses_deepspeed
+from helpers.launcher import TINY, launch_forked, read_metrics
+from launch.train import main
+
+
+def test_bad_checkpoints_are_one_line_errors(parity_runs, tmp_path, monkeypatch, capsys):
+    ck = _copy_checkpoints(parity_runs, tmp_path)  # steps 3 and 5 (latest)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cases = [
+        (["--load", str(tmp_path / "nope")], ["no such directory"]),
+        (["--load", str(tmp_path / "empty")], ["is empty"]),
+        (["--load", str(tmp_path / "other")], ["no complete checkpoint"]),
+        (["--load", str(ck), "--set", "model.n_embd=32"], ["model.n_embd=64", "32"]),
+        (["--load", str(ck), "--steps", str(STEPS)], [f"step {STEPS}", "nothing to train"]),
+        (["--load", str(ck), "--set", "train.zero_stage=0"], ["train.zero_stage=1", "this run 0"]),
+        (["--save-every", "2"], ["need --save"]),
+    ]
+    for argv, words in cases:
+        assert main(["--recipe", str(TINY), "--steps", str(STEPS + 2)] + argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), (argv, err)
+    layer = next((ck / f"step{STEPS:08d}").glob("layer_02-*"))
+    layer.write_bytes(layer.read_bytes()[:100])  # truncated, as by a full disk
+    assert main(["--recipe", str(TINY), "--steps", str(STEPS + 2), "--load", str(ck)]) == 2
+    err = capsys.readouterr().err
+    assert "is damaged" in err and layer.name in err
+    meta = json.loads((ck / f"step{STEPS:08d}" / "complete.json").read_text())
+    assert meta["step"] == STEPS and meta["recipe"]["model"]["vocab_size"] == 4096
+
+
+def test_one_command_line_starts_a_run_and_resumes_it(parity_runs, tmp_path, capsys):
+    """`--save DIR --load DIR`, as a scheduler reruns it after a preemption: DIR missing, empty or
+    holding only a save cut short starts at step 1 with one line; with a checkpoint it resumes
+    from DIR's latest; a --load of its own that holds nothing stays an error (a typo)."""
+    from launch.checkpoints.locate import find_resume_point
+    from launch.errors import ConfigError
+    cut_short = tmp_path / "cut"
+    (cut_short / "step00000002").mkdir(parents=True)  # the first run killed during its first save
+    for fresh in (tmp_path / "missing", tmp_path / "empty", cut_short):
+        if fresh.name == "empty":
+            fresh.mkdir()
+        assert find_resume_point(fresh, fresh, is_writer=True) is None
+        assert capsys.readouterr().out == (f"--load {fresh}: no checkpoint there yet; starting at step 1 (rerun the "
+                                           f"same command to resume from its checkpoints)\n")
+    assert find_resume_point(tmp_path / "empty", tmp_path / "empty", is_writer=False) is None
+    assert capsys.readouterr().out == ""  # one line for the job: the writer's
+    ck = _copy_checkpoints(parity_runs, tmp_path)
+    assert find_resume_point(ck, ck, is_writer=True).meta["step"] == STEPS
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
+    for load, save, words in ((tmp_path / "other", tmp_path / "other", "no complete checkpoint"),
+                              (tmp_path / "missing", tmp_path / "elsewhere", "no such directory")):
+        with pytest.raises(ConfigError, match=words):
+            find_resume_point(load, save, is_writer=True)
+
+
+def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
+    """SP leaves every weight's shape and shard alone: a checkpoint saved without it (or before
+    the key existed) resumes with it; a different n_embd is still refused."""
+    from launch.checkpoints.locate import CheckpointRef, check_compatible
+    from launch.config.recipe import Recipe
+    from launch.errors import ConfigError
+    layout = {"tp": 2, "pp": 2, "dp": 1}
+    saved = Recipe().to_dict()
+    del saved["model"]["sequence_parallel"]  # a checkpoint from before the switch
+    ref = CheckpointRef(tmp_path, "step00000005", {"recipe": saved, "layout": layout})
+    now = Recipe()
+    now.model.sequence_parallel = True
+    check_compatible(ref, now.to_dict(), layout)
+    now.model.n_embd = 64
+    with pytest.raises(ConfigError, match="model.n_embd=768"):
+        check_compatible(ref, now.to_dict(), layout)
+
+
+def test_llama_checkpoint_with_separate_projections_is_refused_in_one_line(tmp_path):
+    """A Llama checkpoint saved before q/k/v and gate/up were fused (complete.json without the
+    mark) names weights the model no longer has: one line saying how to carry them over, before
+    any engine; a GPT-2 checkpoint without the mark and a marked Llama one pass."""
+    from launch.checkpoints.locate import FUSED_LLAMA, find_checkpoint
+    from launch.config.recipe import load_recipe
+    from launch.errors import ConfigError
+    from helpers.launcher import LLAMA_TINY
+    for name, recipe, marked, refused in (("old-llama", LLAMA_TINY, False, True), ("llama", LLAMA_TINY, True, False),
+                                          ("gpt2", TINY, False, False)):
+        tag = tmp_path / name / "step00000005"
+        tag.mkdir(parents=True)
+        meta = {"step": 5, "samples": 80, "layout": {"tp": 1, "pp": 1, "dp": 1, "parts": [0, 6]},
+                "recipe": load_recipe(recipe, []).to_dict(), "files": {}, **({FUSED_LLAMA: True} if marked else {})}
+        (tag / "complete.json").write_text(json.dumps(meta))
+        if not refused:
+            find_checkpoint(tag)
+            continue
+        with pytest.raises(ConfigError) as error:
+            find_checkpoint(tag)
+        message = str(error.value)
+        assert "separate q/k/v (and gate/up) projections" in message and "--init-from-hf" in message and "\n" not in message
+
+
+def _copy_checkpoints(parity_runs, tmp_path) -> Path:
+    """A private copy of the (1,1,1) parity run's save directory: step 3 and step 5 (latest)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(parity_runs[REFERENCE]["dir"] / "ck", ck)
+    return ck
+
+
+def _one_line_error(argv, capsys, *words):
+    assert main(["--recipe", str(TINY), "--steps", str(STEPS + 2)] + argv) == 2, argv
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), (argv, err)
+
+
+def test_unreadable_manifest_or_latest_is_an_error_not_an_older_checkpoint(parity_runs, tmp_path, monkeypatch,
+                                                                           capsys):
+    """A complete.json that exists but cannot be read, a `latest` that names no complete
+    checkpoint, or no `latest` at all: one-line errors, never a quiet resume from step 3. And a
+    changed global batch is refused before the sampler's assert."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ck = _copy_checkpoints(parity_runs, tmp_path)
+    manifest = ck / "step00000005" / "complete.json"
+    good = manifest.read_text()
+    _one_line_error(["--load", str(ck), "--set", "train.global_batch_size=32"], capsys,
+                    "train.global_batch_size=16", "this run 32", "--set train.global_batch_size=16")
+    manifest.write_text(good[:len(good) // 2])  # cut short
+    _one_line_error(["--load", str(ck)], capsys, "step00000005", "unreadable complete.json", "JSONDecodeError")
+    _one_line_error(["--load", str(ck / "step00000005")], capsys, "unreadable complete.json")
+    manifest.write_text(json.dumps({"step": 5}))  # parses, but is not a manifest
+    _one_line_error(["--load", str(ck)], capsys, "unreadable complete.json", "no samples, layout, recipe, files")
+    manifest.unlink()
+    manifest.mkdir()  # reading it is an OSError
+    _one_line_error(["--load", str(ck)], capsys, "unreadable complete.json", "IsADirectoryError")
+    manifest.rmdir()
+    _one_line_error(["--load", str(ck)], capsys, "latest names 'step00000005'", "not a complete checkpoint")
+    (ck / "latest").unlink()
+    _one_line_error(["--load", str(ck)], capsys, "no latest file", "step00000003", f"--load {ck / 'step00000003'}")
+
+
+def _manifest(tag_dir: Path, parent):
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "weights.pt").write_bytes(b"w")
+    (tag_dir / "complete.json").write_text(json.dumps({"step": int(tag_dir.name[4:]), "parent": parent}))
+
+
+def test_keep_last_follows_the_history_not_the_names(tmp_path):
+    """--keep-last 2 after a save at step 5 whose history is 5 <- 4 <- 2: step 2 goes; step 1 (an
+    earlier run: step 2 has no parent) and step 3 (not in the chain) stay, where sorting by name
+    would delete steps 1-3."""
+    from launch.checkpoints import store as checkpoint
+    for step, parent in [(1, None), (2, None), (3, "step00000002"), (4, "step00000002"), (5, "step00000004")]:
+        _manifest(tmp_path / f"step{step:08d}", parent)
+    (tmp_path / "latest").write_text("step00000005")
+    assert [p.name for p in checkpoint.history(tmp_path, "step00000005")] == \
+        ["step00000005", "step00000004", "step00000002"]
+    checkpoint._prune_in_background(tmp_path, "step00000005", keep_last=2)
+    checkpoint._pruning.join()
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        ["latest", "step00000001", "step00000003", "step00000004", "step00000005"]
+
+
+def test_prepare_save_dir_moves_later_tags_aside(tmp_path, capsys):
+    """Resumed at step 2 into a directory holding steps 1-5 (4 incomplete): 3, 4 and 5 move into
+    one abandoned-<time> directory and `latest` names step 2. A fresh run moves everything and
+    removes `latest`; a non-writer rank touches nothing."""
+    from launch.checkpoints.locate import CheckpointRef
+    from launch.checkpoints.store import prepare_save_dir
+    for step in (1, 2, 3, 5):
+        _manifest(tmp_path / f"step{step:08d}", None)
+    (tmp_path / "step00000004").mkdir()  # a save cut short
+    (tmp_path / "latest").write_text("step00000005")
+    ref = CheckpointRef(tmp_path, "step00000002", {"step": 2})
+    prepare_save_dir(tmp_path, ref, is_writer=False)
+    assert (tmp_path / "step00000005").is_dir()
+    prepare_save_dir(tmp_path, ref, is_writer=True)
+    aside, = tmp_path.glob("abandoned-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step00000003", "step00000004", "step00000005"]
+    assert (aside / "step00000005" / "complete.json").exists()
+    assert sorted(p.name for p in tmp_path.glob("step*")) == ["step00000001", "step00000002"]
+    assert (tmp_path / "latest").read_text() == "step00000002"
+    assert str(aside) in capsys.readouterr().out
+    prepare_save_dir(tmp_path, None, is_writer=True)
+    assert not list(tmp_path.glob("step*")) and not (tmp_path / "latest").exists()
+    assert len(list(tmp_path.glob("abandoned-*"))) == 2
+
+
+@pytest.mark.slow
+def test_resume_from_an_older_tag_keeps_this_runs_history(parity_runs, tmp_path):
+    """Resume the (1,1,1) parity run from step 3 into its own save directory, which holds its
+    step 5 (latest), with --save-every 1 --keep-last 2. The old step 5 moves aside (before, the
+    new step 4 overwrote nothing and --keep-last sorted by name); the new run saves 4 and 5,
+    prunes step 3 (its parent, the third newest of its history), and its steps 4-5 and final
+    weights are the uninterrupted run's, bit for bit."""
+    ck, metrics = _copy_checkpoints(parity_runs, tmp_path), tmp_path / "m.jsonl"
+    proc = launch_forked(1, ["--recipe", str(TINY), "--steps", str(STEPS), "--load", str(ck / f"step{SAVE_AT:08d}"),
+                      "--save", str(ck), "--save-every", "1", "--keep-last", "2", "--metrics-out", str(metrics)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    aside, = ck.glob("abandoned-*")
+    assert [p.name for p in aside.iterdir()] == ["step00000005"] and str(aside) in proc.stdout
+    assert sorted(p.name for p in ck.glob("step*")) == ["step00000004", "step00000005"]
+    assert (ck / "latest").read_text() == "step00000005"
+    parents = {t: json.loads((ck / t / "complete.json").read_text())["parent"]
+               for t in ("step00000004", "step00000005")}
+    assert parents == {"step00000004": "step00000003", "step00000005": "step00000004"}
+    full = parity_runs[REFERENCE]["metrics"]
+    assert [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(metrics)] == \
+        [(m["step"], m["loss"], m["grad_norm"]) for m in full[SAVE_AT:]]
+    for new in sorted((ck / "step00000005").glob("layer_*")):
+        a, b = torch.load(new, weights_only=True), torch.load(aside / "step00000005" / new.name, weights_only=True)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), new.name
+
+
+class _Exploit:
+    """A pickled call: unpickling it with weights_only=False creates the file `marker`."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+@uses_deepspeed
+def _durable_and_safe_body(root: Path):
+    """Save a real 2-stage engine while recording every fsync and rename; resume from it through
+    DeepSpeed's loader (same step again: same loss, bit for bit); then load a copy whose
+    model-state files carry a pickled call: refused on every rank, and nothing ran."""
+    import torch.distributed as dist
+
+    from launch.checkpoints import store as checkpoint
+    from launch.checkpoints.locate import CheckpointRef, find_checkpoint
+    from launch.checkpoints.safe_io import UnsafeCheckpoint
+    from launch.config.layout import check_and_derive_layout
+    from launch.config.recipe import load_recipe
+    from launch.runtime.engine import build_engine
+    from launch.runtime.run_inputs import resolved_recipe_dict
+    from model.parallel.state import init_parallel_state
+
+    recipe = load_recipe(TINY, [])
+    layout = check_and_derive_layout(recipe, 2, 1, 2, True)
+    state = init_parallel_state(1, 2)
+    config = recipe.gpt_config(4096)
+    engine, _ = build_engine(recipe, layout, state, config)
+    tokens = torch.randint(0, 4096, (64, 2, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
+
+    def batches(step):
+        return iter([(t[:, :-1], t[:, 1:]) for t in tokens[(step - 1) * 8:step * 8]])
+    engine.train_batch(batches(1))
+
+    events, fsync, replace = [], os.fsync, os.replace
+    os.fsync = lambda fd: (events.append((time.monotonic_ns(), "fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                           fsync(fd))[1]
+    os.replace = lambda a, b: (events.append((time.monotonic_ns(), "replace", str(b))), replace(a, b))[1]
+    try:
+        checkpoint.save(engine, root, 1, 16, resolved_recipe_dict(recipe, 4096), vars(layout), 0,
+                        is_writer=dist.get_rank() == 0)
+    finally:
+        os.fsync, os.replace = fsync, replace
+    (root.parent / f"events{dist.get_rank()}.json").write_text(json.dumps(events))
+    dist.barrier()  # the writer has committed
+
+    loss = engine.train_batch(batches(2)).item()
+    after = [p.detach().clone() for p in engine.module.parameters()]
+    ref = find_checkpoint(root)
+    assert checkpoint.load(engine, ref, vars(layout), state, config)["step"] == 1
+    assert engine.train_batch(batches(2)).item() == loss  # the weights of step 1
+    assert all(torch.equal(a, p) for a, p in zip(after, engine.module.parameters()))  # Adam's state too
+
+    poisoned = root.parent / "poisoned"
+    if dist.get_rank() == 0:
+        shutil.copytree(root, poisoned)
+        for model_states in sorted((poisoned / ref.tag).glob("mp_rank_*_model_states.pt")):
+            torch.save(dict(torch.load(model_states, weights_only=False), note=_Exploit(str(root.parent / "ran"))),
+                       model_states)
+    dist.barrier()
+    with pytest.raises(UnsafeCheckpoint, match="refused to load checkpoint file .*mp_rank_0.*Unsupported global"):
+        checkpoint.load(engine, CheckpointRef(poisoned, ref.tag, ref.meta), vars(layout), state, config)
+    assert not (root.parent / "ran").exists()
+
+
+def test_save_is_durable_and_every_load_is_weights_only(tmp_path):
+    """Every file of the checkpoint is fsynced (by the rank that wrote it) before the writer
+    renames complete.json into place; the directories are fsynced and `latest` moves last.
+    Loading goes through DeepSpeed's own loader with weights_only=True: a normal resume is
+    bitwise, a file with a pickled call is refused, and the same file run through torch's
+    default unpickler (weights_only=False) does run the call."""
+    root = tmp_path / "ck"
+    run_distributed(_durable_and_safe_body, 2, root)
+    writer = json.loads((tmp_path / "events0.json").read_text())
+    other = json.loads((tmp_path / "events1.json").read_text())
+    tag = root / "step00000001"
+    manifest = json.loads((tag / "complete.json").read_text())
+    fsynced = {path for _, kind, path in writer + other if kind == "fsync"}
+    assert {str(tag / name) for name in manifest["files"]} <= fsynced, fsynced
+    assert any("rank_1.pt" in path for _, kind, path in other if kind == "fsync")
+    commit = next(t for t, kind, path in writer if kind == "replace" and path == str(tag / "complete.json"))
+    latest = next(t for t, kind, path in writer if kind == "replace" and path == str(root / "latest"))
+    files = {str(tag / name) for name in manifest["files"]}
+    assert all(t < commit for t, kind, path in writer + other if kind == "fsync" and path in files)
+    assert any(kind == "fsync" and path == str(tag) and t < commit for t, kind, path in writer)
+    assert any(kind == "fsync" and path == str(root) and commit < t < latest for t, kind, path in writer)
+    assert writer[-1][1:] == ["fsync", str(root)] and writer[-2][1:] == ["replace", str(root / "latest")]
+    # The payload is live: torch's default unpickler runs it.
+    torch.load(next((tmp_path / "poisoned" / "step00000001").glob("mp_rank_00_*")), weights_only=False)
+    assert (tmp_path / "ran").exists()

@@ -1,0 +1,264 @@
+"""Checkpoints under real failures, through DeepSpeed's launcher on CPU: a SIGKILL while a
+checkpoint is being written leaves `latest` on a complete one; SIGTERM (preemption) makes every
+rank finish the step, save together and exit 0, and the run resumes; a second signal exits at
+once; a dead rank makes the survivor fail its next collective with one line instead of hanging.
+(Bad checkpoints, durability, --keep-last: tests/checkpoints/test_checkpoint.py.)"""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launch.runtime.distributed import free_port, launcher_command
+from helpers.launcher import REPO, TINY, launch_forked, read_metrics
+
+
+def _train(n, tmp_path, name, extra, check=True):
+    out = tmp_path / f"{name}.jsonl"
+    proc = launch_forked(n, ["--recipe", str(TINY), "--metrics-out", str(out)] + extra)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, out
+
+
+def _training_pids(launcher: subprocess.Popen):
+    """The launch/train.py ranks under a DeepSpeed launcher (the launcher passes each its
+    --local_rank; the launcher processes carry the script path too), in rank order."""
+    def local_rank(p):
+        try:
+            args = [a for a in p.cmdline() if a.startswith("--local_rank=")]
+        except psutil.Error:  # exited (a zombie has no command line): not a running rank
+            return None
+        return int(args[0].split("=")[1]) if args else None
+    ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True) if local_rank(p) is not None]
+    return sorted(ranks, key=local_rank)
+
+
+def _start(n, args):
+    cmd = launcher_command(n, REPO / "launch" / "train.py") + ["--recipe", str(TINY)] + args
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(predicate, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _kill_while_saving(ck: Path) -> bool:
+    """Run with a save every step and SIGKILL every rank as soon as a checkpoint directory
+    exists without complete.json. True if the kill landed mid-save (a fast save can finish
+    between the check and the kill; the caller retries)."""
+    # A wider model makes each save take longer, so the kill lands inside one.
+    job = _start(2, ["--pp", "2", "--steps", "100", "--save", str(ck), "--save-every", "1",
+                     "--set", "model.n_embd=256"])
+
+    def saving_now():
+        return (ck / "latest").exists() and any(not (d / "complete.json").exists() for d in ck.glob("step*"))
+    assert _wait_for(saving_now), job.communicate()[0][-3000:]
+    for p in _training_pids(job):
+        p.kill()
+    job.wait(timeout=120)
+    latest = (ck / "latest").read_text()
+    assert (ck / latest / "complete.json").exists()  # whatever the timing: latest is complete
+    incomplete = [d.name for d in ck.glob("step*") if not (d / "complete.json").exists()]
+    assert all(name > latest for name in incomplete)
+    return bool(incomplete)
+
+
+@pytest.mark.slow
+def test_kill_during_save_keeps_latest_complete(tmp_path):
+    """SIGKILL every rank while a checkpoint is being written: `latest` still names a complete
+    checkpoint, and --load resumes from it."""
+    for attempt in range(3):
+        ck = tmp_path / f"ck{attempt}"
+        if _kill_while_saving(ck):
+            break
+    else:
+        pytest.fail("three kills all landed between saves")
+    step = int((ck / "latest").read_text()[len("step"):])
+    _train(2, tmp_path, "after", ["--pp", "2", "--steps", str(step + 1), "--load", str(ck),
+                                  "--set", "model.n_embd=256"])
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
+    """SIGTERM to one rank: every rank finishes the step, saves together, exits 0."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    job = _start(2, ["--pp", "2", "--steps", "1000", "--save", str(ck), "--metrics-out", str(metrics)])
+    assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
+    _training_pids(job)[0].send_signal(signal.SIGTERM)
+    out, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, out[-3000:]
+    assert "SIGTERM received" in out and "stopped by signal after step" in out
+    steps = [m["step"] for m in read_metrics(metrics)]
+    latest = (ck / "latest").read_text()
+    assert latest == f"step{steps[-1]:08d}" and (ck / latest / "complete.json").exists()
+    _train(2, tmp_path, "m", ["--pp", "2", "--steps", str(steps[-1] + 2), "--load", str(ck)])
+    assert [m["step"] for m in read_metrics(metrics)] == list(range(1, steps[-1] + 3))
+
+
+@pytest.mark.slow
+def test_second_signal_exits_at_once(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    job = _start(1, ["--steps", "1000", "--set", "train.global_batch_size=512", "--save", str(tmp_path / "ck"),
+                     "--metrics-out", str(metrics)])
+    assert _wait_for(lambda: metrics.exists() and metrics.read_text().strip())
+    rank0 = _training_pids(job)[0]
+    rank0.send_signal(signal.SIGTERM)
+    time.sleep(1.0)  # two signals in a row coalesce into one Python-level handler call
+    rank0.send_signal(signal.SIGTERM)
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped by signal" not in out
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE  # exited; the launcher reaps it within a second
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _files(directory: Path) -> dict:
+    return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+FROZEN_HEARTBEAT_S = 12  # six missed beats (every 2 s); shorter than the runs' 60 s default to keep the suite short
+
+
+def _freeze_one_rank(tmp_path, frozen: int):
+    """A tp=2 pp=2 job, its collectives allowed 600 s, with rank `frozen` SIGSTOPped after step 3:
+    its silence stalls the others inside a collective as a frozen GPU peer does on NCCL. Every
+    other rank must exit within train.heartbeat_timeout_s (12) + 15 s; resumed by SIGCONT, the
+    frozen rank must leave without writing a metric or a checkpoint file. Returns the job's
+    output, its metrics file and checkpoint directory."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    job = _start(4, ["--tp", "2", "--pp", "2", "--steps", "1000", "--save", str(ck), "--save-every", "2",
+                     "--metrics-out", str(metrics), "--set", f"train.heartbeat_timeout_s={FROZEN_HEARTBEAT_S}",
+                     "--set", "train.dist_timeout_s=600"])
+    try:
+        assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+        time.sleep(2.5)  # a heartbeat (every 2 s) after step 3: the line must name a step >= 3
+        ranks = _training_pids(job)
+        ranks[frozen].suspend()  # SIGSTOP
+        frozen_at = time.monotonic()
+        others = [p for r, p in enumerate(ranks) if r != frozen]
+        assert _wait_for(lambda: all(_gone(p) for p in others), timeout=FROZEN_HEARTBEAT_S + 15), \
+            "survivors still running"
+        print(f"the other ranks exited {time.monotonic() - frozen_at:.1f} s after rank {frozen} froze")
+        before = _files(tmp_path)
+        ranks[frozen].resume()  # SIGCONT
+        assert _wait_for(lambda: _gone(ranks[frozen]), timeout=15), f"rank {frozen} still running after SIGCONT"
+        after = _files(tmp_path)
+        assert set(after) == set(before)  # no file created once the job had ended
+        # A rank frozen inside a save's write finishes that write when resumed, before its watcher
+        # sees the gap in its clock: only a file of a cut-short save (no complete.json) may change,
+        # never the metrics, `latest` or a complete checkpoint.
+        changed = [Path(f) for f in after if after[f] != before[f]]
+        assert all(f.parent.name.startswith("step") and not (f.parent / "complete.json").exists()
+                   for f in changed), changed
+        out, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:  # a failed check: leave nothing running (the frozen rank included)
+            for p in _training_pids(job) + [psutil.Process(job.pid)]:
+                p.kill()
+            job.wait(timeout=30)
+    assert job.returncode != 0, out[-3000:]
+    print("\n".join(line for line in out.splitlines() if line.startswith("error: ")))
+    latest = (ck / "latest").read_text()
+    assert (ck / latest / "complete.json").exists()  # the resume point a requeued job starts from
+    return out, metrics
+
+
+def _steps_named(lines, marker: str, last_logged: int) -> None:
+    for line in lines:
+        step = int(line.split(marker)[1].split(";")[0].split()[0])
+        assert 3 <= step <= last_logged, (line, last_logged)
+
+
+@pytest.mark.slow
+def test_frozen_rank_is_named_and_every_other_rank_exits(tmp_path):
+    """Rank 1 frozen: each other rank names it, its host and its last completed step."""
+    out, metrics = _freeze_one_rank(tmp_path, 1)
+    lost = [line for line in out.splitlines() if "stopping: rank 1 failed: lost: no heartbeat for" in line]
+    assert sorted(line.split()[2] for line in lost) == ["0:", "2:", "3:"], out[-3000:]
+    assert all(line.endswith("(noticed by rank 0)") for line in lost), lost
+    _steps_named(lost, "last completed step ", read_metrics(metrics)[-1]["step"])
+
+
+@pytest.mark.slow
+def test_frozen_rank_0_is_named_as_the_lost_store(tmp_path):
+    """Rank 0 frozen: it hosts the rendezvous store, so the others find the store silent and each
+    says rank 0 is lost."""
+    out, metrics = _freeze_one_rank(tmp_path, 0)
+    lost = [line for line in out.splitlines() if "stopping: rank 0 lost: the rendezvous store it hosts" in line
+            and "did not answer" in line]
+    assert sorted(line.split()[2] for line in lost) == ["1:", "2:", "3:"], out[-3000:]
+    # rank 0 writes the metrics: frozen between a step's end and its record, it logged one step
+    # fewer than the others completed
+    _steps_named(lost, "last completed step here: ", read_metrics(metrics)[-1]["step"] + 1)
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_peer_is_frozen_leaves_after_the_grace(tmp_path):
+    """SIGTERM to rank 0 while rank 1 is frozen (its step can never end; heartbeats and
+    collectives allowed longer than the test): rank 0 leaves without a save within
+    train.stop_grace_s (5) + 15 s, with one line, exit 128+15; `latest` stays complete."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    job = _start(2, ["--pp", "2", "--steps", "1000", "--save", str(ck), "--save-every", "2",
+                     "--metrics-out", str(metrics), "--set", "train.stop_grace_s=5",
+                     "--set", "train.heartbeat_timeout_s=600", "--set", "train.dist_timeout_s=600"])
+    ranks = []
+    try:
+        assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+        ranks = _training_pids(job)
+        ranks[1].suspend()
+        time.sleep(1.0)  # rank 0 is now waiting for rank 1 inside the step
+        ranks[0].send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+        assert _wait_for(lambda: _gone(ranks[0]), timeout=5 + 15), "rank 0 still running"
+        seconds = time.monotonic() - signalled_at
+        print(f"rank 0 left {seconds:.1f} s after SIGTERM")
+        assert seconds >= 5.0
+    finally:
+        (ranks[1] if ranks else job).kill()  # frozen: the launcher would wait 30 s for it
+        out, _ = job.communicate(timeout=60)
+    assert "rank 0: SIGTERM received; saving after this step" in out, out[-3000:]
+    assert ("error: rank 0: the step did not end within train.stop_grace_s=5 s of the SIGTERM; leaving without "
+            "saving (the last complete checkpoint stays the resume point)") in out, out[-3000:]
+    assert "stopped by signal" not in out
+    latest = (ck / "latest").read_text()
+    assert (ck / latest / "complete.json").exists()
+
+
+@pytest.mark.slow
+def test_dead_rank_makes_the_others_exit_with_an_error(tmp_path):
+    """Without a launcher to clean up (as on another node), a killed rank makes the survivor
+    fail its next collective with a clear error instead of hanging: within the heartbeat bound,
+    the collective timeout set so high that the test cannot pass on it."""
+    port, metrics = free_port(), tmp_path / "m.jsonl"
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "launch/train.py", "--recipe", str(TINY), "--pp", "2",
+                                       "--steps", "1000", "--set", "train.dist_timeout_s=600",
+                                       "--set", "train.heartbeat_timeout_s=20",
+                                       "--metrics-out", str(metrics)],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
+    procs[1].kill()
+    start = time.time()
+    _, err = procs[0].communicate(timeout=120)
+    assert procs[0].returncode == 1 and time.time() - start < 20 + 15
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: "), err[-3000:]
+    assert "a peer rank probably died" in lines[0], lines  # launch/runtime/failure.py: a lost connection

@@ -1,0 +1,261 @@
+"""Bad input: one line naming the values and the fix, exit code 2, no traceback, before any
+process group or engine starts, and nothing already written is touched."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch.train import main
+from helpers.launcher import REPO, TINY, launch
+
+CASES = [
+    # (world size, argv, words the message must contain)
+    (6, ["--tp", "4"], ["world size 6", "tp*pp = 4*1 = 4"]),
+    (3, ["--tp", "3"], ["n_head=4", "--tp 3"]),
+    (1, ["--set", "model.n_embd=66"], ["n_embd=66", "n_head=4"]),
+    (1, ["--set", "model.vocab_size=100"], ["vocab_size=100", "4096"]),
+    (1, ["--set", "model.vocab_pad_multiple=0"], ["vocab_pad_multiple=0"]),
+    (8, ["--pp", "8"], ["n_layer=4", "8 pipeline stages"]),
+    (2, ["--set", "train.global_batch_size=15"], ["global_batch_size=15", "2*2 = 4"]),
+    (4, ["--pp", "2", "--set", "train.zero_stage=2"], ["zero_stage=2", "--pp 2"]),
+    (1, ["--set", "train.zero_stage=3"], ["zero_stage=3", "stage 0 or 1"]),
+    (1, ["--set", "model.n_head=0"], ["model.n_head=0", ">= 1"]),
+    (1, ["--set", "train.learning_rate=1e-3"], ["unknown recipe key train.learning_rate", "train.lr"]),
+    (1, ["--set", "train.steps=ten"], ["train.steps='ten'", "expected int"]),
+    (1, ["--set", "deepspeed.train_batch_size=64"], ["deepspeed.train_batch_size", "global_batch_size"]),
+    (1, ["--recipe", "recipes/nope.yaml"], ["recipes/nope.yaml", "not found"]),
+    (2, ["--tp", "2", "--set", "model.sequence_parallel=true", "--set", "data.seq_len=31"],
+     ["model.sequence_parallel", "--tp 2", "sequence length 31"]),
+    (4, ["--tp", "2", "--pp", "2", "--set", "model.sequence_parallel=true",
+         "--set", "deepspeed.pipeline.pipe_partitioned=true"], ["deepspeed.pipeline.pipe_partitioned=true", "--tp 2"]),
+    (1, ["--set", "train.recompute=partial"], ["train.recompute='partial'", "none, selective, full"]),
+    (1, ["--set", "train.recompute=selective", "--set", "train.activation_checkpoint_interval=2"],
+     ["recompute=selective", "activation_checkpoint_interval=2"]),
+    (1, ["--tp", "two"], ["--tp", "'two'"]),
+    (1, ["--set", "data.tokenizer=/no/such/tokenizer"], ["data.tokenizer='/no/such/tokenizer'"]),
+    (1, ["--set", "data.name=/no/such/corpus"], ["data.name='/no/such/corpus'"]),
+    (1, ["--set", "wandb.name=[oops"], ["--set 'wandb.name=[oops'", "not valid YAML", "quote it"]),
+    (1, ["--set", "train.dist_timeout_s=0"], ["train.dist_timeout_s=0", ">= 1"]),
+    (1, ["--set", "train.heartbeat_timeout_s=2"], ["train.heartbeat_timeout_s=2", "heartbeat interval, 2 s"]),
+    (1, ["--set", "train.stop_grace_s=0"], ["train.stop_grace_s=0", "> 0"]),
+    (1, ["--set", "wandb.mode=cloud"], ["wandb.mode='cloud'", "online, offline, disabled"]),
+    (1, ["--set", "train.zero_stage=0", "--set", "train.precision=bf16"], ["zero_stage=0", "bf16", "zero_stage=1"]),
+    (1, ["--set", "train.partition=even"], ["train.partition='even'", "balanced, blocks", "[3, 1]"]),
+    (2, ["--pp", "2", "--set", "train.partition=[3, 2]"], ["train.partition=[3, 2]", "--pp 2", "n_layer=4",
+                                                           "summing to 4"]),
+    (2, ["--pp", "2", "--set", "train.partition=[4]"], ["train.partition=[4]", "give 2 numbers"]),
+    (2, ["--pp", "2", "--set", "train.partition=[0, 4]"], ["train.partition=[0, 4]", "each >= 1 (the last may be 0)"]),
+    (1, ["--set", "train.partition=3"], ["train.partition=3", "expected str or List[int]"]),
+    (2, ["--pp", "2", "--set", "train.schedule=zb-h1", "--set", "train.precision=bf16",
+         "--set", "deepspeed.bf16.immediate_grad_update=true"],
+     ["deepspeed.bf16.immediate_grad_update=true", "zb-h1 --pp 2", "dropped"]),
+    (2, ["--pp", "2", "--set", "train.schedule=zb-h1", "--set", "deepspeed.bfloat16.immediate_grad_update=true"],
+     ["deepspeed.bfloat16.immediate_grad_update=true", "zb-h1 --pp 2"]),
+    # Context parallelism (issue 25): the world, the heads, the sequence (with SP: x tp), the key/value heads.
+    (3, ["--cp", "2"], ["world size 3", "tp*cp*pp = 1*2*1 = 2"]),
+    (1, ["--cp", "0"], ["--cp 0", ">= 1"]),
+    (6, ["--cp", "3"], ["n_head=4", "tp*cp = 1*3 = 3"]),
+    (8, ["--tp", "2", "--cp", "4"], ["n_head=4", "tp*cp = 2*4 = 8"]),
+    (2, ["--cp", "2", "--set", "data.seq_len=31"], ["sequence length 31", "--cp 2", "multiple of 2"]),
+    (4, ["--tp", "2", "--cp", "2", "--set", "model.sequence_parallel=true", "--set", "data.seq_len=30"],
+     ["sequence length 30", "cp*tp = 2*2 = 4 (sequence parallel)"]),
+    (2, ["--recipe", "recipes/llama-tiny.yaml", "--cp", "2", "--set", "model.n_head=12", "--set", "model.n_embd=96",
+         "--set", "model.n_kv_head=3"], ["n_kv_head=3", "tp*cp = 1*2 = 2"]),
+    # Mixture of experts (issue 26): ep against the data-parallel ranks and the experts, k, options it cannot use.
+    (4, ["--recipe", "recipes/moe-tiny.yaml", "--pp", "2", "--ep", "4"], ["--ep 4", "2 data-parallel ranks"]),
+    (6, ["--recipe", "recipes/moe-tiny.yaml", "--ep", "3", "--set", "train.global_batch_size=12"],
+     ["model.moe.num_experts=8", "--ep 3"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.experts_per_token=9"],
+     ["experts_per_token=9", "num_experts=8"]),
+    (2, ["--ep", "2"], ["--ep 2", "num_experts=0"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--ep", "0"], ["--ep 0", ">= 1"]),
+    (2, ["--recipe", "recipes/moe-tiny.yaml", "--tp", "2", "--set", "model.moe.expert_ffn_hidden_size=33"],
+     ["expert_ffn_hidden_size=33", "--tp 2"]),
+    (1, ["--set", "model.moe.num_experts=4"], ["model.moe.num_experts=4", "model.arch=gpt2"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.mlp=gelu"], ["model.mlp='gelu'", "SwiGLU"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.num_experts=0"],
+     ["model.arch=qwen3_moe", "num_experts=0"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.router=topk_softmax",
+         "--set", "model.moe.norm_topk_prob=false"], ["router=topk_softmax", "norm_topk_prob=false"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.router=top2"], ["model.moe.router='top2'"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.capacity=1.25"],
+     ["unknown recipe key model.moe.capacity", "model.moe.num_experts"]),
+    (4, ["--recipe", "recipes/moe-tiny.yaml", "--tp", "4", "--set", "model.qk_norm=projection"],
+     ["qk_norm=projection", "n_kv_head=2", "--tp 4"]),
+]
+
+
+@pytest.mark.parametrize("world_size,argv,words", CASES, ids=[" ".join(c[1]) for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(world_size, argv, words, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("earlier run\n")
+    recipe = [] if "--recipe" in argv else ["--recipe", str(TINY)]
+    assert main(recipe + argv + ["--metrics-out", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for word in words:
+        assert word in err, (word, err)
+    assert metrics.read_text() == "earlier run\n"
+
+
+def test_plain_process_prints_only_the_error():
+    proc = subprocess.run([sys.executable, "launch/train.py", "--recipe", str(TINY), "--set", "train.lr=fast"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr == "error: train.lr='fast' has the wrong type: expected float\n"
+
+
+@pytest.mark.slow
+def test_cpu_launcher_default_says_how_to_start_16_processes():
+    """On CPU `deepspeed launch/train.py --tp 4 --pp 4` starts one process: say --num_gpus 16."""
+    proc = launch(None, ["--tp", "4", "--pp", "4", "--recipe", str(TINY)])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "is not divisible by tp*pp = 4*4 = 16" in proc.stderr
+    assert "deepspeed --num_gpus 16 launch/train.py --tp 4 --pp 4" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def _one_line_exit_2(argv, capsys, *words):
+    assert main(["--recipe", str(TINY)] + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for word in words:
+        assert word in err, (word, err)
+    return err
+
+
+@pytest.mark.parametrize("flag", ["--metrics-out", "--save", "--timeline", "--comm-counts"])
+def test_unwritable_output_path_is_refused_before_start(flag, tmp_path, monkeypatch, capsys):
+    """A path under a regular file cannot be created, whoever runs (root included)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _one_line_exit_2([flag, str(blocker / "out")], capsys, flag, str(blocker))
+
+
+@pytest.mark.parametrize("name,value", [("GPT3D_PEAK_TFLOPS", "fast"), ("GPT3D_PEAK_TFLOPS", "-5"),
+                                        ("GPT3D_FAULT_INJECT", "1"), ("GPT3D_CACHE_LOCK_TIMEOUT_S", "0")])
+def test_malformed_environment_override(name, value, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv(name, value)
+    _one_line_exit_2([], capsys, f"{name}={value!r}")
+
+
+def test_wandb_online_without_api_key_is_refused_before_start(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no entry for api.wandb.ai
+    (tmp_path / "netrc").write_text("machine example.com login u password p\n")
+    _one_line_exit_2(["--wandb", "online"], capsys, "--wandb online", "WANDB_API_KEY", "wandb login")
+    # with a netrc entry, the check lets it through (to wandb itself, not run here)
+    from launch.runtime.preflight import wandb_api_key_present
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password 0123456789abcdef\n")
+    assert wandb_api_key_present()
+
+
+def test_tokenizer_without_eos_is_refused_before_tokenizing(tmp_path, monkeypatch, capsys):
+    from data.builtin import load_tokenizer
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    tokenizer = load_tokenizer("builtin")
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(tmp_path / "no-eos")
+    _one_line_exit_2(["--set", f"data.tokenizer={tmp_path / 'no-eos'}"], capsys, "no EOS token",
+                     f"data.tokenizer='{tmp_path / 'no-eos'}'")
+
+
+def test_data_cache_lock_gives_up_naming_the_holder(tmp_path, monkeypatch, capsys):
+    """A builder that hangs (here: one that sleeps) holds the lock of the builtin corpus; a run
+    that needs the same file gives up after GPT3D_CACHE_LOCK_TIMEOUT_S with the holder's pid."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path))
+    monkeypatch.setenv("GPT3D_CACHE_LOCK_TIMEOUT_S", "1")
+    hang = ("import time; from data.builtin import python_version; "
+            "from data.cache import build_once, default_cache_dir; "
+            "build_once(default_cache_dir() / f'builtin-corpus-py{python_version()}', lambda tmp: time.sleep(120))")
+    holder = subprocess.Popen([sys.executable, "-c", hang], env=dict(os.environ))
+    try:
+        lock = None
+        for _ in range(600):  # until the holder has the lock and wrote its name
+            locks = [p for p in tmp_path.glob(".builtin-corpus-*.lock") if p.read_text()]
+            if locks:
+                lock = locks[0]
+                break
+            time.sleep(0.1)
+        assert lock is not None, "the holder never took the lock"
+        start = time.monotonic()
+        err = _one_line_exit_2([], capsys, f"pid {holder.pid} on host {socket.gethostname()}", str(lock),
+                               "GPT3D_CACHE_LOCK_TIMEOUT_S")
+        assert time.monotonic() - start < 30, err
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("supported", [False, True], ids=["unsupported", "supported"])
+def test_fp16_where_the_accelerator_has_none_is_refused_before_start(supported, monkeypatch, capsys):
+    """The accelerator's own capability answer decides, whatever this machine's is (tests/helpers/fp16_on_cpu
+    lifts it for fp16 runs): refused where it says no, accepted where it says yes."""
+    from deepspeed.accelerator import get_accelerator
+
+    from launch.runtime.distributed import check_precision_supported
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: supported)
+    if supported:
+        check_precision_supported("fp16")
+    else:
+        _one_line_exit_2(["--set", "train.precision=fp16"], capsys, "train.precision=fp16", "fp32 or bf16")
+
+
+def test_immediate_grad_update_is_refused_only_under_zero_bubble():
+    """The same key at pp = 1 (1F1B runs), with 1F1B, and set to false passes the layout's checks."""
+    from launch.config.layout import check_and_derive_layout
+    from launch.config.recipe import load_recipe
+    immediate = "deepspeed.bf16.immediate_grad_update"
+    for pp, overrides in [(1, ["train.schedule=zb-h1", f"{immediate}=true"]),
+                          (2, ["train.schedule=1f1b", f"{immediate}=true"]),
+                          (2, ["train.schedule=zb-h1", f"{immediate}=false"])]:
+        check_and_derive_layout(load_recipe(TINY, overrides), 2, 1, pp, True)
+
+
+def _train_batch_with_an_inline_schedule(self, data_iter=None):
+    from deepspeed.runtime.pipe.schedule import TrainSchedule
+    self._exec_schedule(TrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id))
+
+
+@pytest.mark.parametrize("owner,member,replacement", [
+    ("PipelineEngine", "_train_schedule", None),
+    ("PipelineEngine", "train_batch", _train_batch_with_an_inline_schedule),
+    ("PipelineEngine", "_exec_backward_pass", None),
+    ("BF16_Optimizer", "update_hp_grads", None),
+], ids=["no-_train_schedule", "inline-schedule", "no-_exec_backward_pass", "no-update_hp_grads"])
+def test_deepspeed_without_a_zero_bubble_hook_is_refused_before_start(owner, member, replacement, monkeypatch,
+                                                                       capsys):
+    """A DeepSpeed lacking one of the private members ZB-H1 overrides, or whose engine builds its
+    train schedule inline (train_batch never calls `_train_schedule`), would run 1F1B under the
+    name zb-h1: refused before any process group starts, naming the version and the hook."""
+    import deepspeed
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    cls = {"PipelineEngine": PipelineEngine, "BF16_Optimizer": BF16_Optimizer}[owner]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if replacement is None:
+        monkeypatch.delattr(cls, member)
+    else:
+        monkeypatch.setattr(cls, member, replacement)
+    # Unrefused, the run would start: fail here instead of in a rank's one-line exit (os._exit)
+    monkeypatch.setattr("launch.runtime.loop.run_training", lambda job: pytest.fail("training started"))
+    hook = "PipelineEngine._train_schedule" if member == "train_batch" else f"{owner}.{member}"
+    _one_line_exit_2(["--pp", "2", "--set", "train.schedule=zb-h1"], capsys, f"DeepSpeed {deepspeed.__version__}",
+                     hook, "train.schedule=1f1b")

@@ -1,0 +1,225 @@
+"""A rank that falls silent, checked in process (forked processes on one TCPStore, no launcher):
+a peer whose heartbeat stops is declared lost, a frozen store means rank 0 is lost, and a stop
+request leaves after train.stop_grace_s when the step never ends (launch/runtime/failure.py,
+launch/runtime/signals.py). The launched frozen-rank tests are in tests/e2e/test_checkpoint_crashes.py."""
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+def _blocked_rank(grace_s: float, ready: Path, out: Path) -> None:
+    """A forked child: a StopRequest, then a wait that never ends in C++ code (the store's, as a
+    collective with a frozen peer waits), where no Python signal handler can run. Never returns."""
+    try:
+        _redirect_output(out)
+        from datetime import timedelta
+        import torch.distributed as dist
+        from launch.runtime.signals import StopRequest
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(hours=1))
+        StopRequest("cpu", 3, grace_s)
+        ready.touch()
+        store.wait(["never set"])
+    finally:
+        os._exit(99)
+
+
+def _signal_blocked_rank(tmp_path, grace_s: float, signals: int, limit_s: float):
+    """(exit code, seconds from the first signal to the exit, output) of a _blocked_rank sent
+    SIGTERM `signals` times, 0.5 s apart; an AssertionError if it runs for limit_s after the first."""
+    ready, out = tmp_path / "ready", tmp_path / "out"
+    pid = os.fork()
+    if pid == 0:
+        _blocked_rank(grace_s, ready, out)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), out.read_text() if out.exists() else "no output"
+        start = time.monotonic()
+        for i in range(signals):
+            if i:
+                time.sleep(0.5)
+            os.kill(pid, signal.SIGTERM)
+        while time.monotonic() < start + limit_s:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status), time.monotonic() - start, out.read_text()
+            time.sleep(0.05)
+        raise AssertionError(f"still running {limit_s} s after SIGTERM: {out.read_text()}")
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def test_stop_request_leaves_without_a_save_when_the_step_never_ends(tmp_path):
+    """SIGTERM while the main thread waits forever (a peer frozen inside a collective): the rank
+    says so and exits 128+15 once train.stop_grace_s has passed, not before, without a save."""
+    code, seconds, out = _signal_blocked_rank(tmp_path, grace_s=2.0, signals=1, limit_s=12)
+    assert code == 128 + signal.SIGTERM, out
+    assert 2.0 <= seconds < 5.0, seconds
+    assert "rank 3: SIGTERM received; saving after this step" in out
+    lines = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert lines == ["error: rank 3: the step did not end within train.stop_grace_s=2 s of the SIGTERM; leaving "
+                     "without saving (the last complete checkpoint stays the resume point)"], out
+
+
+def test_second_signal_leaves_at_once_while_the_step_never_ends(tmp_path):
+    code, seconds, out = _signal_blocked_rank(tmp_path, grace_s=60.0, signals=2, limit_s=10)
+    assert code == 128 + signal.SIGTERM, out
+    assert seconds < 3.0, seconds
+    assert "error: " not in out, out
+
+
+def _redirect_output(out: Path) -> None:
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.stderr = open(fd, "w", buffering=1)  # pytest's capture replaced both
+
+
+def _watchers_one_falls_silent(silent: Path, out: Path) -> None:
+    """A forked child: the watchers of ranks 0 and 1 of a world of 2 on one store, live for 5 s
+    (longer than their 3 s timeout), then rank 1's stops beating, as a frozen process's does.
+    Rank 0's must exit 1; never returns."""
+    try:
+        _redirect_output(out)
+        from datetime import timedelta
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0")
+        from launch.runtime.failure import FailureWatcher
+        rank0 = FailureWatcher(0, 2, heartbeat_timeout_s=3)
+        rank1 = FailureWatcher(1, 2, heartbeat_timeout_s=3)
+        rank0.completed(6)
+        rank1.completed(7)
+        time.sleep(5)
+        rank1.stop()
+        silent.touch()
+        time.sleep(30)
+    finally:
+        os._exit(99)
+
+
+def test_a_rank_whose_heartbeat_stops_is_declared_lost():
+    """Live heartbeats keep a rank alive past the timeout; once they stop, its watcher (the
+    ring's predecessor) names it, its host and its last completed step, and exits 1 within the
+    timeout plus a heartbeat interval and a poll."""
+    import socket
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        silent, out = Path(tmp) / "silent", Path(tmp) / "out"
+        pid = os.fork()
+        if pid == 0:
+            _watchers_one_falls_silent(silent, out)
+        try:
+            code = _exit_code(pid, limit_s=60)
+            exited = time.time()
+            text = out.read_text()
+            assert silent.exists(), text  # not declared lost while it was beating
+            seconds = exited - silent.stat().st_mtime
+            assert code == 1, text
+            # Not before the timeout after the last beat, which came up to one heartbeat interval (2 s)
+            # before the beats stopped (measured once: declared lost 2.06 s after the stop, "no heartbeat
+            # for 4 s"); after it, within an interval and a poll, plus 3 s for a loaded CI machine.
+            assert 3.0 - 2.0 <= seconds < 10.0, (seconds, text)
+            lines = [line for line in text.splitlines() if line.startswith("error: ")]
+            assert len(lines) == 1, text
+            assert lines[0].startswith("error: rank 0: stopping: rank 1 failed: lost: no heartbeat for "), lines
+            assert (f"from host {socket.gethostname()}, last completed step 7; killed, frozen or cut off "
+                    f"(noticed by rank 0)") in lines[0], lines
+        finally:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _store_host(port_file: Path) -> None:
+    """A forked child: the rendezvous store, as rank 0 hosts it; never returns (killed by the test)."""
+    try:
+        from datetime import timedelta
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        port_file.write_text(str(store.port))
+        time.sleep(120)
+    finally:
+        os._exit(99)
+
+
+def _watchers_of(port: int, ready: Path, out: Path) -> None:
+    """A forked child: the watchers of ranks 1 and 2 of a world of 3 whose rank 0 hosts the store
+    at `port`; never returns."""
+    try:
+        _redirect_output(out)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1")
+        from launch.runtime.failure import FailureWatcher
+        watchers = [FailureWatcher(rank, 3, heartbeat_timeout_s=3) for rank in (1, 2)]
+        watchers[0].completed(4)
+        ready.touch()
+        time.sleep(60)
+    finally:
+        os._exit(99)
+
+
+def _fork(fn, *args) -> int:
+    pid = os.fork()
+    if pid == 0:
+        fn(*args)
+    return pid
+
+
+def test_a_frozen_store_means_rank_0_is_lost(tmp_path):
+    """Rank 0 frozen (its store with it): the other ranks' watchers exit 1 within the heartbeat
+    timeout plus a request's timeout and a poll, naming rank 0, the store's address and their
+    last completed step. (Rank 0's heartbeat is never written here: the store's silence, not a
+    stale heartbeat, must be what they report.)"""
+    port_file, ready, out = tmp_path / "port", tmp_path / "ready", tmp_path / "out"
+    host = _fork(_store_host, port_file)
+    watchers = None
+    try:
+        assert _wait_for_file(port_file)
+        port = int(port_file.read_text())
+        watchers = _fork(_watchers_of, port, ready, out)
+        assert _wait_for_file(ready), out.read_text()
+        os.kill(host, signal.SIGSTOP)  # the store stops answering, as it does when rank 0 is frozen
+        frozen_at = time.monotonic()
+        code = _exit_code(watchers, limit_s=20)
+        seconds = time.monotonic() - frozen_at
+        text = out.read_text()
+        assert code == 1, text
+        assert 3.0 <= seconds < 3 + 1 + 1 + 3 + 2, (seconds, text)  # + 2 s for a loaded CI machine
+        lines = [line for line in text.splitlines() if line.startswith("error: ")]
+        assert len(lines) == 1, text
+        assert lines[0].startswith(f"error: rank 1: stopping: rank 0 lost: the rendezvous store it hosts "
+                                   f"(127.0.0.1:{port}) did not answer for "), lines
+        assert lines[0].endswith("see its log; last completed step here: 4"), lines
+    finally:
+        for pid in (host, watchers):
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+
+
+def _wait_for_file(path: Path, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.exists()
+
+
+def _exit_code(pid: int, limit_s: float):
+    """The exit code of child `pid` once it exits, None if it still runs after limit_s."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    return None

@@ -1,0 +1,53 @@
+"""Stragglers named (issue 23): the rule against hand-made step times, and a launched run in
+which GPT3D_SLOW_INJECT slows one rank's passes."""
+import pytest
+
+from launch.instruments.stragglers import FACTOR, STREAK, StragglerWatch
+from helpers.launcher import TINY, launch_forked, read_metrics
+
+
+def test_a_rank_slow_for_five_steps_in_a_row_is_named_once():
+    # 4 ranks: stage 0 = ranks 0, 1; stage 1 = ranks 2, 3 (the last stage's head makes it slower)
+    watch = StragglerWatch(stages=[0, 0, 1, 1], hosts=["a", "a", "b", "b"])
+    normal = [1.0, 1.0, 3.0, 3.0]
+    lines = []
+    for step in range(1, 4):
+        lines += watch.observe(step, normal)
+    assert lines == []  # stage 1 is 3x stage 0, but its ranks agree with each other
+    slow = [1.0, 1.0, 3.0, 3.0 * FACTOR * 1.01]
+    for step in range(4, 4 + STREAK - 1):
+        lines += watch.observe(step, slow)
+    lines += watch.observe(99, [1.0, 1.0, 3.0, 3.0])  # one normal step ends the spell
+    for step in range(100, 100 + STREAK - 1):
+        lines += watch.observe(step, slow)
+    assert lines == []  # never five in a row
+    lines += watch.observe(200, slow)
+    lines += watch.observe(201, slow)  # still slow: no second line for the same spell
+    assert len(lines) == 1 and lines[0].startswith("warning: rank 3 on b is a straggler"), lines
+    assert "4.545 s" in lines[0] and "median 3.000 s" in lines[0] and "step 200" in lines[0], lines[0]
+    assert StragglerWatch(stages=[0, 1], hosts=["a", "a"]).observe(1, [1.0, 100.0]) == []  # no peers: not judged
+
+
+@pytest.mark.slow
+def test_a_slowed_rank_is_named_and_its_step_times_recorded(tmp_path):
+    """dp=2: rank 1's first pass of each step sleeps 0.4 s longer; its compute time per step is
+    recorded for every rank, and one line names it at the fifth step."""
+    out = tmp_path / "m.jsonl"
+    proc = launch_forked(2, ["--recipe", str(TINY), "--steps", "7", "--set", "train.eval_every=0",
+                             "--metrics-out", str(out)], env={"GPT3D_SLOW_INJECT": "1:0.4"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(out)
+    for r in records:
+        fast, slow = r["compute_s_by_rank"]
+        assert slow >= 0.4 > fast > 0 and fast < r["step_time_s"], r["compute_s_by_rank"]
+    named = [line for line in proc.stdout.splitlines() if "straggler" in line]
+    assert len(named) == 1 and named[0].startswith("warning: rank 1 on ") and "at step 5," in named[0], named
+
+
+def test_a_balanced_run_names_no_straggler(parity_runs):
+    """The (2,2,2) acceptance run (two stages of four ranks each, none slowed): no line, and every
+    record holds each rank's compute time, a part of its step."""
+    run = parity_runs[(2, 2, 2)]
+    assert "straggler" not in run["stdout"] + run["stderr"]
+    for r in run["metrics"]:
+        assert len(r["compute_s_by_rank"]) == 8 and all(0 < t < r["step_time_s"] for t in r["compute_s_by_rank"]), r
