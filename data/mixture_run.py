@@ -16,8 +16,8 @@ from transformers import PreTrainedTokenizerBase
 
 from data.mixture import Interleave, MixtureBatches, SourceReader, merge_mixture_states, mixture_states_from, source_seed
 from data.mixture_spec import MixSource, parse_mixture
-from data.pipeline import (Batch, RunData, SourceData, check_streams, first_windows, read_ahead_steps,
-                           stream_sources)
+from data.pipeline import Batch, RunData, SourceData
+from data.prepare_source import check_streams, first_windows, read_ahead_steps, stream_sources
 from data.spec import DataError, DataSpec
 from data.streaming import gathered_states, positions_of_units
 from data.windows import CachedStreams, cached_validation_windows, prepare_streams, windows

@@ -1,34 +1,22 @@
 """One source's data (SourceData), map-style (cached, memory-mapped windows) or streaming, and
 what the training loop sees of a run's data (RunData, which a mixture implements too:
 data/mixture_run.py): train micro-batches from any position, validation batches, the copy to
-the device and TP sharing.
-
-`prepare_source_data` runs before any process group starts and checks, in both modes, that the
-training data holds at least one global batch and the validation data `eval_batches` of them,
-so that a run never stops at its first step or its first evaluation. Validation is windows in
-memory (map-style: the cached stream; streaming: the first eval_batches * B windows of the
-held-out documents, read once and cached), evaluated the same way in both modes.
+the device and TP sharing. The checks and caches that build a SourceData before the run:
+data/prepare_source.py.
 """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from data.sampler import micro_batches
-from data.builtin import BUILTIN
-from data.files import resolve_files
-from data.sources import in_memory_split, saved_dataset_dir
 from data.spec import DataError, DataSpec
-from data.streaming import (START, Batch, StreamingBatches, StreamSource, StreamState, gather_data_state,
-                            packed_windows, positions_of_units, states_from, stream_documents, stream_units,
-                            stream_windows)
-from data.tokens import longest_token_bytes, tokenize_batch
-from data.units import DatasetUnits, FileUnits, UnitSource
-from data.windows import cached_validation_windows, prepare_streams, windows
+from data.streaming import (Batch, StreamingBatches, StreamSource, StreamState, gather_data_state,
+                            positions_of_units, states_from, stream_windows)
 
 
 def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]:
@@ -217,143 +205,3 @@ class SourceData(RunData):
 
     def validation_losses(self, loss_of: Callable[["SourceData"], float]) -> Tuple[float, None]:
         return loss_of(self), None
-
-
-def default_read_ahead_steps(streamed: List[DataSpec], global_batch_size: int) -> int:
-    """ceil(max over the streamed sources of shuffle_buffer x streams / B), at least 1. A rank
-    refills all its streams' shuffle blocks in one burst, whose windows feed this many steps (a
-    mixture's source with a share w of the batch refills 1/w times as rarely, but its burst is
-    the same size); queued this far ahead, the read-ahead thread does the burst while the trainer
-    uses the steps before it."""
-    return max([1] + [-(-s.shuffle_buffer * s.streams // global_batch_size) for s in streamed])
-
-
-def read_ahead_steps(spec: DataSpec, streamed: List[DataSpec], global_batch_size: int) -> int:
-    """data.read_ahead_steps, or its default (null) for these streamed sources."""
-    return spec.read_ahead_steps if spec.read_ahead_steps is not None else \
-        default_read_ahead_steps(streamed, global_batch_size)
-
-
-def unit_source(spec: DataSpec, split: str) -> UnitSource:
-    """The units of one split: row ranges of a dataset in memory (`builtin`, a save_to_disk
-    directory), else the files `data.name` names (data/files.py)."""
-    if spec.name == BUILTIN or saved_dataset_dir(spec.name):
-        return DatasetUnits(in_memory_split(spec, split), spec.text_field, spec.name)
-    units = FileUnits(resolve_files(spec.name, spec.config, split, spec.revision), spec.text_field, spec.unit_bytes)
-    if not units.units:
-        raise DataError(f"data.name={units.label!r} split {split!r} is empty")
-    return units
-
-
-def stream_sources(spec: DataSpec) -> Tuple[StreamSource, Optional[StreamSource]]:
-    """The training units and the validation ones (None without validation): the val split's
-    units, or the training split's held-out units (data/units.py), which never train."""
-    train = unit_source(spec, spec.split)
-    if not train.units:
-        raise DataError(f"data.name={spec.name!r} split {spec.split!r} is empty")
-    if spec.val_split is not None:
-        val = unit_source(spec, spec.val_split)
-        return StreamSource(train, train.units), StreamSource(val, val.units)
-    kept, held = train.held_out(spec.val_fraction)
-    return StreamSource(train, kept), (StreamSource(train, held) if held else None)
-
-
-def first_windows(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int, n: int) -> np.ndarray:
-    """Up to `n` windows of one pass over `source`'s units in index order (a single stream):
-    reads units only until it has them."""
-    docs = stream_documents(source, 0, 1, seed=0, shuffle=False, start=START, epochs=1)
-    found: List[np.ndarray] = []
-    for _, w in packed_windows(docs, tokenizer, seq_len + 1):
-        if w is None:
-            break
-        found.append(w)
-        if len(found) == n:
-            break
-    return np.stack(found) if found else np.empty((0, seq_len + 1), dtype=np.int64)
-
-
-def _stream_tokens(source: StreamSource, stream: int, n_streams: int, seed: int, shuffle: bool,
-                   tokenizer: PreTrainedTokenizerBase, need: int) -> Tuple[int, bool]:
-    """(tokens of the stream's epoch-0 documents, read to the end?), reading only until `need`."""
-    tokens, batch = 0, []
-    docs = stream_documents(source, stream, n_streams, seed, shuffle, START, epochs=1)
-    for _, text in docs:
-        if text:
-            batch.append(text)
-        if batch and (len(batch) == 256 or not text):  # a batch, a unit's end (UNIT_END) or the epoch's
-            tokens += sum(len(ids) for ids in tokenize_batch(batch, tokenizer))
-            batch = []
-            if tokens >= need:
-                return tokens, False
-    return tokens, True
-
-
-def check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
-                  global_batch_size: int, windows_per_stream: Optional[int] = None) -> Optional[int]:
-    """Every stream holds a global batch's share (B/S windows; or `windows_per_stream`, a mixture's
-    source, which repeats) in its units of epoch 0. A stream whose units' text (from parquet
-    footers) must hold that many tokens even at the tokenizer's longest token passes unread;
-    the others are read until shown, or to their end. Returns the windows per epoch when every
-    stream was read to its end (the data is that small), else None."""
-    S, window = spec.streams, seq_len + 1
-    if global_batch_size % S:
-        raise DataError(f"data.streams={S} must divide train.global_batch_size={global_batch_size}: every stream "
-                        f"gives B/streams windows to each step")
-    n_units = len(source.units)
-    if n_units < S:
-        raise DataError(f"data.name={spec.name!r} (streaming) has {n_units} training unit(s), fewer than "
-                        f"data.streams={S}: each stream reads whole units (parquet row groups, "
-                        f"data.unit_bytes of a line file); lower data.streams, or use more or smaller units")
-    share = windows_per_stream or global_batch_size // S
-    need, longest = share * window, longest_token_bytes(tokenizer)
-    per_stream, all_read = [], True
-    for t in range(S):
-        mine = [source.units[i] for i in stream_units(n_units, t, S, seed, 0, spec.shuffle)]
-        if all(u.text_bytes >= 0 for u in mine) and sum(u.text_bytes for u in mine) >= need * longest:
-            all_read = False
-            continue
-        tokens, to_end = _stream_tokens(source, t, S, seed, spec.shuffle, tokenizer, need)
-        all_read &= to_end
-        per_stream.append(tokens)
-        if tokens < need:
-            raise DataError(f"data.name={spec.name!r} (streaming): stream {t} of data.streams={S} holds "
-                            f"{tokens // window} windows of seq_len+1 = {window} tokens per epoch, fewer than "
-                            + (f"its share of one global batch ({global_batch_size}/{S} = {share}); "
-                               if windows_per_stream is None else f"{share} (no complete window); ")
-                            + "lower data.streams, train.global_batch_size or data.seq_len, or use more data")
-    return sum(t // window for t in per_stream) if all_read else None  # each stream packs its own documents
-
-
-def prepare_source_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
-                        global_batch_size: int, micro_batch_size: int, evaluate: bool,
-                        eval_batches: int = 1) -> SourceData:
-    """Check one source's data against the run and build (or reuse) its cache; raises DataError."""
-    if evaluate and spec.val_split is None and spec.val_fraction <= 0:
-        raise DataError("train.eval_every > 0 needs validation data: set data.val_split or data.val_fraction "
-                        "(or train.eval_every=0)")
-    data = SourceData(spec=spec, tokenizer=tokenizer, seq_len=seq_len, seed=seed,
-                      global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
-    window, need_val = seq_len + 1, eval_batches * global_batch_size
-    if spec.streaming:
-        train, val = stream_sources(spec)  # one listing of the units for both checks
-        check_streams(spec, train, tokenizer, seq_len, seed, global_batch_size)
-        data.train_stream, data.read_ahead_steps = train, read_ahead_steps(spec, [spec], global_batch_size)
-        if val is not None:
-            data.val_windows = cached_validation_windows(
-                spec, tokenizer, seq_len, need_val, lambda: first_windows(val, tokenizer, seq_len, need_val),
-                val.reader.fingerprint())
-    else:
-        streams = prepare_streams(spec, tokenizer)
-        data.train_windows = windows(streams.train, seq_len)
-        if len(data.train_windows) < global_batch_size:
-            raise DataError(f"data.name={spec.name!r} gives {len(streams.train)} training tokens = "
-                            f"{len(data.train_windows)} windows of seq_len+1 = {window}, fewer than one global batch "
-                            f"({global_batch_size}); lower train.global_batch_size or data.seq_len, or use more data")
-        if streams.val is not None:
-            data.val_windows = windows(streams.val, seq_len)
-    if evaluate and (data.val_windows is None or len(data.val_windows) < need_val):
-        found = 0 if data.val_windows is None else len(data.val_windows)
-        raise DataError(f"the validation data gives {found} windows of seq_len+1 = {window} tokens, fewer than "
-                        f"train.eval_batches x global batch = {eval_batches} x {global_batch_size} = {need_val}; "
-                        f"raise data.val_fraction, lower train.eval_batches, or set train.eval_every=0")
-    return data

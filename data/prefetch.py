@@ -4,7 +4,7 @@ Streaming reads and tokenizes in bursts: every stream refills its shuffle block 
 windows) at once, and the streams of a rank refill at the same step, every shuffle_buffer x
 streams / global_batch_size steps. Run inline, the burst sits inside the engine's call for that
 step's first micro-batch. Here a worker thread runs the iterator up to `depth` items ahead (by
-default the steps between two refills, data/pipeline.py: default_read_ahead_steps), so a burst
+default the steps between two refills, data/prepare_source.py: default_read_ahead_steps), so a burst
 overlaps the steps that the blocks before it feed, and the engine's call returns at once when
 the data keeps up (pyarrow and fsspec release the GIL while reading, the Rust tokenizer while
 tokenizing). The items carry whatever position they need: the consumer, not the worker, decides

@@ -6,7 +6,8 @@ data section against the run, before any process group starts, and gives its Run
 from transformers import PreTrainedTokenizerBase
 
 from data.mixture_run import prepare_mixture
-from data.pipeline import RunData, prepare_source_data
+from data.pipeline import RunData
+from data.prepare_source import prepare_source_data
 from data.spec import DataSpec
 
 

@@ -140,7 +140,7 @@ def shuffled_windows(packed: Iterator[Tuple[Position, Optional[np.ndarray]]], bl
                 yield pending[j], (first, taken)
             pending = []
         if w is None:
-            if in_epoch == 0:  # data/pipeline.py checks this before training; a changed source can still
+            if in_epoch == 0:  # data/prepare_source.py checks this before training; a changed source can still
                 raise DataError(f"streaming stream {stream} holds no complete window in epoch {pos[0]}")
             in_epoch = 0
 

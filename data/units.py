@@ -51,7 +51,7 @@ class Unit:
     """Bytes [start, stop) of the file (parquet: the text column's chunk), or rows (in memory)."""
     text_bytes: int = -1
     """At least this many bytes of text (parquet, from the footer), -1 when unknown: lets the
-    start-up check pass a large corpus without reading it (data/pipeline.py: check_streams)."""
+    start-up check pass a large corpus without reading it (data/prepare_source.py: check_streams)."""
 
 
 def unit_hash(identity: str) -> float:

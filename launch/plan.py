@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from launch.analysis.plan_report import plan_output, plot
-from launch.analysis.planner import GPUS
+from launch.analysis.plan_setup import GPUS
 from launch.config.recipe import PRECISIONS, RECOMPUTE_MODES, SCHEDULES
 from launch.errors import ConfigError, report_bad_input
 from launch.runtime.cli import OneLineErrorParser

@@ -1,5 +1,6 @@
-"""What launch/plan.py prints: the model and layout resolved from flags and recipe, the plan (or
-the search's ranking) as text or JSON, its warnings, and the device-grid / 1F1B chart."""
+"""What launch/plan.py prints: the plan (or the search's ranking) of the model and layout that
+plan_args.py resolves from its flags and recipe, as text or JSON, its warnings, and the device-grid /
+1F1B chart."""
 import argparse
 import dataclasses
 import json
@@ -7,15 +8,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from launch.analysis import formulas
-from launch.analysis.engine_memory import REDUCE_BUCKET_ELEMENTS
-from launch.analysis.partition import DEFAULT, parse_partition
-from launch.analysis.planner import GIB, GPUS, Hardware, Setup, check_precision, estimate_plan, search, why
+from launch.analysis.plan_args import resolve
+from launch.analysis.plan_setup import GIB, Hardware, Setup, check_precision
+from launch.analysis.planner import estimate_plan, search, why
 from model.config import ModelConfig
-from launch.config.recipe import RECOMPUTE_MODES, load_recipe
+from launch.config.recipe import RECOMPUTE_MODES
 from launch.errors import ConfigError
-
-GPT3 = {"layers": 96, "hidden": 12288, "seq_len": 2048, "vocab": 51200}
-GPT3_HEAD_DIM = 128
 
 
 def _edge_layers(model: ModelConfig) -> str:
@@ -25,68 +23,6 @@ def _edge_layers(model: ModelConfig) -> str:
     first = [names[k] for k in kinds[:kinds.index("block")]]
     last = [names[k] for k in kinds[len(kinds) - kinds[::-1].index("block"):]]
     return f"{', '.join(first)} on the first stage; {', '.join(last)} on the last"
-
-
-def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
-    """(ModelConfig, Setup, Hardware) from flags > recipe > GPT-3 defaults."""
-    rm = rt = None
-    if args.recipe is not None:
-        recipe = load_recipe(args.recipe, [])
-        rm, rt = recipe.model, recipe.train
-
-    def pick(flag: Any, from_recipe: Any, default: Any) -> Any:
-        return flag if flag is not None else from_recipe if from_recipe is not None else default
-
-    hidden = pick(args.hidden, rm and rm.n_embd, GPT3["hidden"])
-    vocab = pick(args.vocab, rm and rm.vocab_size, None)
-    if vocab is None and rm is not None:  # the recipe takes the tokenizer's vocabulary
-        if recipe.data.tokenizer != "builtin":
-            raise ConfigError(f"recipe {str(args.recipe)!r} has model.vocab_size=null (the tokenizer's, "
-                              f"{recipe.data.tokenizer!r}); pass --vocab N")
-        from data.builtin import BUILTIN_VOCAB_SIZE  # slow import, only when needed
-        vocab = BUILTIN_VOCAB_SIZE
-    # The recipe's architecture switches (arch, n_kv_head, mlp, ...) carry over; flags set the dims.
-    model = dataclasses.replace(rm or ModelConfig(), n_layer=pick(args.layers, rm and rm.n_layer, GPT3["layers"]),
-                                n_embd=hidden, n_head=pick(args.heads, rm and rm.n_head, max(1, hidden // GPT3_HEAD_DIM)),
-                                seq_len=pick(args.seq_len, rm and rm.seq_len, GPT3["seq_len"]),
-                                vocab_size=vocab if vocab is not None else GPT3["vocab"],
-                                vocab_pad_multiple=pick(args.vocab_pad_multiple, rm and rm.vocab_pad_multiple, 1))
-    recompute = args.recompute or (rt.recompute_mode if rt else "none")
-    ds_settings = recipe.deepspeed if rm is not None else {}  # the recipe's own DeepSpeed settings
-    comm_dtype = ds_settings.get("communication_data_type")
-    if comm_dtype not in (None, "fp32", "bf16", "fp16"):
-        raise ConfigError(f"deepspeed.communication_data_type={comm_dtype!r} must be fp32, bf16 or fp16")
-    cut = parse_partition(args.partition) if args.partition is not None else rt.partition if rt else DEFAULT
-    # train.cp arrives with the run's recipe fields (issue 25); a recipe without it plans cp = 1.
-    recipe_cp = rt.cp if rt else None
-    setup = Setup(gpus=args.gpus, tp=args.tp, pp=args.pp, cp=pick(args.cp, recipe_cp, 1),
-                  ep=pick(args.ep, rt.ep if rt else None, 1),
-                  micro_batch=pick(args.micro_batch, rt and rt.micro_batch_size, 1),
-                  global_batch=pick(args.global_batch, rt and rt.global_batch_size, 1536),
-                  zero=pick(args.zero, rt and rt.zero_stage, 1), recompute=recompute,
-                  partition=cut if isinstance(cut, str) else tuple(cut),
-                  schedule=args.schedule or (rt.schedule if rt else "1f1b"),
-                  precision=args.precision or (rt.precision if rt else "bf16"), communication_data_type=comm_dtype,
-                  reduce_bucket_elements=int(ds_settings.get("zero_optimization", {}).get(
-                      "reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)),
-                  grad_accum_fusion=rt.grad_accum_fusion if rt else True)
-    gpu = GPUS[args.gpu]
-    memory = args.gpu_memory if args.gpu_memory is not None else (gpu.memory_gib if args.search else None)
-    for name, value in [("--gpu-memory", memory), ("--peak-tflops", args.peak_tflops),
-                        ("--intra-node-gbps", args.intra_node_gbps), ("--inter-node-gbps", args.inter_node_gbps),
-                        ("--gpus-per-node", args.gpus_per_node), ("--top", args.top)]:
-        if value is not None and value <= 0:
-            raise ConfigError(f"{name} {value} must be > 0")
-    if args.plot is not None and not args.plot.parent.is_dir():
-        raise ConfigError(f"--plot {str(args.plot)!r}: folder {str(args.plot.parent)!r} does not exist")
-    if not 0 < args.efficiency <= 1:
-        raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]")
-    hardware = Hardware(peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else gpu.peak_flops,
-                        intra_node_bw=args.intra_node_gbps * 1e9 if args.intra_node_gbps else gpu.intra_node_bw,
-                        inter_node_bw=args.inter_node_gbps * 1e9 if args.inter_node_gbps else gpu.inter_node_bw,
-                        gpus_per_node=args.gpus_per_node, efficiency=args.efficiency,
-                        memory_bytes=memory * GIB if memory is not None else None)
-    return model, setup, hardware
 
 
 def warnings(plan: Dict[str, Any], model: ModelConfig, setup: Setup, hw: Hardware) -> List[str]:

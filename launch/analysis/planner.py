@@ -1,6 +1,6 @@
 """Evaluate one 3D layout (every number launch/plan.py prints) and rank layouts by a stated cost
 model. The formulas live in launch/analysis/formulas.py and memory_formulas.py; the layout rules
-are launch/config/layout.py's.
+are launch/config/layout.py's, checked on a candidate (`Setup`, `Hardware`) in plan_setup.py.
 
 Cost model of one optimizer step (`estimate_step_time`), per device: each stage's time per
 micro-batch (its FLOPs at a stated efficiency of peak, its TP all-reduces and one activation and
@@ -17,145 +17,14 @@ hold the same experts. It ignores latency, overlap and small
 micro-batches' lower efficiency: it ranks layouts, it does not promise a time
 (docs/planner-and-metrics.md, "--search and the cost model")."""
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 from launch.analysis import engine_memory, experts, formulas, memory_formulas
 from launch.analysis import partition as partition_rules
 from launch.analysis.context_parallel import cp_bytes_per_step
-from launch.config.layout import Layout, check_and_derive_layout
-from launch.config.recipe import Recipe, TrainSection
+from launch.analysis.plan_setup import GIB, Hardware, Setup, check_setup, rank_groups, within_node
 from launch.errors import ConfigError
 from model.config import ModelConfig
-
-GIB = 2 ** 30
-
-
-@dataclass(frozen=True)
-class GPU:
-    peak_flops: float
-    """Dense bf16 FLOP/s (formulas.PEAK_FLOPS_BF16)."""
-    memory_gib: float
-    intra_node_bw: float
-    """Bytes/s per GPU, one direction, inside a node (NVLink 4: 900 GB/s both ways; NVLink 3: 600)."""
-    inter_node_bw: float
-    """Bytes/s per GPU, one direction, across nodes (one 400 Gb/s NDR or 200 Gb/s HDR NIC per GPU)."""
-
-
-GPUS: Dict[str, GPU] = {"H100": GPU(formulas.PEAK_FLOPS_BF16["H100"], 80, 450e9, 50e9),
-                        "H200": GPU(formulas.PEAK_FLOPS_BF16["H200"], 141, 450e9, 50e9),
-                        "A100": GPU(formulas.PEAK_FLOPS_BF16["A100"], 80, 300e9, 25e9)}
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One candidate layout and batch."""
-    gpus: int
-    tp: int
-    pp: int
-    micro_batch: int
-    global_batch: int
-    zero: int = 1
-    recompute: str = "none"
-    """train.recompute: none, selective (the attention core) or full (whole blocks)."""
-    partition: Union[str, Tuple[int, ...]] = partition_rules.DEFAULT
-    """train.partition: balanced, blocks or blocks per stage (launch/analysis/partition.py)."""
-    schedule: str = "1f1b"
-    """train.schedule: 1f1b or zb-h1 (launch/analysis/zero_bubble_schedule.py)."""
-    precision: str = "bf16"
-    """train.precision: fp32, bf16 or fp16; decides DeepSpeed's optimizer and its buffers
-    (launch/analysis/engine_memory.py) and the bytes of every activation."""
-    communication_data_type: Optional[str] = None
-    """The recipe's deepspeed.communication_data_type: the DP all-reduce's dtype (None: engine_memory.reduce_dtype)."""
-    reduce_bucket_elements: int = engine_memory.REDUCE_BUCKET_ELEMENTS
-    """The recipe's deepspeed.zero_optimization.reduce_bucket_size (ZeRO-1's bucket, fp32 and fp16)."""
-    grad_accum_fusion: bool = True
-    """train.grad_accum_fusion: in bf16 the weight matrices' gradients go straight into the fp32 buffer."""
-    cp: int = 1
-    """Context-parallel degree (issue 25): each rank holds s/cp tokens of every sequence; the
-    replicas are dp = gpus / (tp * cp * pp), DeepSpeed's data axis dp * cp ranks."""
-    ep: int = 1
-    """Expert-parallel degree (issue 26): each MoE block's experts split over ep ranks of the data
-    axis; ZeRO-1 splits the experts' optimizer state over the dp * cp / ep ranks that hold them."""
-
-    @property
-    def data_axis(self) -> int:
-        """DeepSpeed's data axis, dp * cp ranks: ZeRO-1 and the gradient all-reduce span it."""
-        return self.gpus // (self.tp * self.pp)
-
-    @property
-    def expert_data_axis(self) -> int:
-        """The ranks holding the same experts, dp * cp / ep: their gradients' all-reduce and ZeRO-1 span it."""
-        return self.data_axis // self.ep
-
-    @property
-    def full_recompute(self) -> bool:
-        return self.recompute == "full"
-
-
-@dataclass(frozen=True)
-class Hardware:
-    peak_flops: float
-    intra_node_bw: float
-    inter_node_bw: float
-    gpus_per_node: int = 8
-    efficiency: float = 0.5
-    """Fraction of peak the matmuls reach ([N21] reports 44-52% end to end)."""
-    memory_bytes: Optional[float] = None
-    """Per-device budget; None checks nothing."""
-
-
-def check_precision(setup: Setup) -> None:
-    """The one precision rule of every layout, named by the planner's flags (docs/design.md contract 8)."""
-    if setup.precision == "bf16" and setup.zero == 0:
-        raise ConfigError("--zero 0 with bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 path with fp32 gradient "
-                          "accumulation (docs/design.md contract 8); use --zero 1, or --precision fp32")
-
-
-def check_setup(model: ModelConfig, setup: Setup) -> Layout:
-    """The training script's own layout rules (check_and_derive_layout), on a recipe of these dims."""
-    # Checked first, so that the message names the planner's flag rather than the recipe key.
-    for flag, value in [("--gpus", setup.gpus), ("--layers", model.n_layer), ("--hidden", model.n_embd),
-                        ("--heads", model.n_head), ("--seq-len", model.seq_len), ("--vocab", model.vocab_size),
-                        ("--vocab-pad-multiple", model.vocab_pad_multiple),
-                        ("--micro-batch", setup.micro_batch), ("--global-batch", setup.global_batch)]:
-        if value < 1:
-            raise ConfigError(f"{flag} {value} must be >= 1")
-    if setup.cp < 1:
-        raise ConfigError(f"--cp {setup.cp} must be >= 1")
-    per_replica = setup.tp * setup.cp * setup.pp
-    if setup.tp >= 1 and setup.pp >= 1 and setup.gpus % per_replica != 0:
-        raise ConfigError(f"--gpus {setup.gpus} is not divisible by tp*cp*pp = {setup.tp}*{setup.cp}*{setup.pp} = "
-                          f"{per_replica}; use a multiple of {per_replica} GPUs, or a tp*cp*pp that divides "
-                          f"{setup.gpus}")
-    check_precision(setup)
-    recipe = Recipe(model=model,
-                    train=TrainSection(micro_batch_size=setup.micro_batch, global_batch_size=setup.global_batch,
-                                       precision=setup.precision, zero_stage=setup.zero, cp=setup.cp, ep=setup.ep,
-                                       partition=setup.partition if isinstance(setup.partition, str)
-                                       else list(setup.partition)))
-    return check_and_derive_layout(recipe, setup.gpus, setup.tp, setup.pp, on_cpu=False)  # its dp: the replicas
-
-
-def rank_groups(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> Dict[str, List[List[int]]]:
-    """Global ranks of every TP, CP, PP and DP group, from the topology the training run builds:
-    DeepSpeed's data axis holds dp x cp ranks, CP fastest (data index = dp_rank * cp + cp_rank,
-    issue 25); "data" is that axis (ZeRO-1, the gradient all-reduce), "dp" the replicas; "ep" the
-    expert-parallel groups (runs of ep ranks of the data axis, issue 26), "expert_data" the ranks
-    holding the same experts."""
-    from model.parallel.state import (build_topology, context_parallel_groups, expert_data_parallel_groups,
-                                      expert_parallel_groups)
-    topology = build_topology(tp, pp, dp, cp)
-    data = topology.get_axis_comm_lists("data")
-    return {"tp": topology.get_axis_comm_lists("model"), "cp": sorted(context_parallel_groups(topology, cp)),
-            "pp": topology.get_axis_comm_lists("pipe"),
-            "dp": sorted(axis[c::cp] for axis in data for c in range(cp)), "data": data,
-            "ep": sorted(expert_parallel_groups(topology, ep)),
-            "expert_data": sorted(expert_data_parallel_groups(topology, ep))}
-
-
-def within_node(groups: List[List[int]], gpus_per_node: int) -> bool:
-    return all(len({rank // gpus_per_node for rank in group}) == 1 for group in groups)
 
 
 def stage_groups(model: ModelConfig, tp: int, pp: int, stage: int, parts: List[int], ep: int = 1) -> Tuple[int, int]:

@@ -14,7 +14,7 @@ import yaml
 
 from launch.analysis import memory_formulas
 from launch.analysis.comm_formulas import comm_per_rank_per_step, cp_all_to_all_elements, cp_comm_per_rank_per_step
-from launch.analysis.planner import Setup, check_setup, rank_groups
+from launch.analysis.plan_setup import Setup, check_setup, rank_groups
 from launch.config.layout import Layout
 from launch.config.recipe import load_recipe
 from launch.errors import ConfigError

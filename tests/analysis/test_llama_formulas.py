@@ -11,7 +11,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from launch.analysis import formulas, memory_formulas, partition
-from launch.analysis.planner import GPUS, Hardware, Setup, estimate_plan
+from launch.analysis.plan_setup import GPUS, Hardware, Setup
+from launch.analysis.planner import estimate_plan
 from launch.config.layout import check_and_derive_layout
 from launch.config.recipe import load_recipe
 from model.config import GPTConfig, ModelConfig

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from data.pipeline import default_read_ahead_steps
+from data.prepare_source import default_read_ahead_steps
 from data.spec import DataSpec
 from data.streaming import START, StreamingBatches
 

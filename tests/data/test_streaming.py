@@ -83,7 +83,7 @@ def test_validation_holds_out_whole_units_that_never_train(corpus, server, token
 
 def test_units_read_every_document_once(corpus, server, tokenizer, stream_cache):
     """Against pyarrow's reading of the whole files and Python's reading of the lines."""
-    from data.pipeline import unit_source
+    from data.prepare_source import unit_source
     texts = document_texts(N_DOCS)
     for name, unit_bytes in ((corpus / "part*.parquet", 1), (f"{server.url}/part*.parquet", 1),
                              (corpus / "all.jsonl", 1000), (f"{server.url}/all.jsonl", 777),
@@ -125,7 +125,7 @@ def test_resume_from_a_position_is_exact_at_any_dp(corpus, tokenizer, stream_cac
 def test_each_window_starts_where_its_position_says(corpus, tokenizer, stream_cache):
     """The position a resume reopens: epoch e, the k-th unit of the stream's list, row r, token t,
     is the window's first token (the row read here by pyarrow from the whole file)."""
-    from data.pipeline import stream_sources
+    from data.prepare_source import stream_sources
     from data.streaming import START, packed_windows, stream_documents, stream_units
     source, _ = stream_sources(_spec(corpus / "part*.parquet"))
     docs = stream_documents(source, 1, 2, seed=0, shuffle=True, start=START, epochs=1)
