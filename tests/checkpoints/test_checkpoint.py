@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REFERENCE, SAVE_AT, STEPS
+from helpers.parity_runs import REFERENCE, SAVE_AT, STEPS
 from helpers.distributed import run_distributed, uses_deepspeed
 from helpers.launcher import TINY, launch_forked, read_metrics
 from launch.train import main

@@ -73,6 +73,7 @@ def _kill_while_saving(ck: Path) -> bool:
     return bool(incomplete)
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_kill_during_save_keeps_latest_complete(tmp_path):
     """SIGKILL every rank while a checkpoint is being written: `latest` still names a complete
@@ -88,6 +89,7 @@ def test_kill_during_save_keeps_latest_complete(tmp_path):
                                   "--set", "model.n_embd=256"])
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     """SIGTERM to one rank: every rank finishes the step, saves together, exits 0."""
@@ -105,6 +107,7 @@ def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     assert [m["step"] for m in read_metrics(metrics)] == list(range(1, steps[-1] + 3))
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_second_signal_exits_at_once(tmp_path):
     metrics = tmp_path / "m.jsonl"
@@ -184,6 +187,7 @@ def _steps_named(lines, marker: str, last_logged: int) -> None:
         assert 3 <= step <= last_logged, (line, last_logged)
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_frozen_rank_is_named_and_every_other_rank_exits(tmp_path):
     """Rank 1 frozen: each other rank names it, its host and its last completed step."""
@@ -194,6 +198,7 @@ def test_frozen_rank_is_named_and_every_other_rank_exits(tmp_path):
     _steps_named(lost, "last completed step ", read_metrics(metrics)[-1]["step"])
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_frozen_rank_0_is_named_as_the_lost_store(tmp_path):
     """Rank 0 frozen: it hosts the rendezvous store, so the others find the store silent and each
@@ -207,6 +212,7 @@ def test_frozen_rank_0_is_named_as_the_lost_store(tmp_path):
     _steps_named(lost, "last completed step here: ", read_metrics(metrics)[-1]["step"] + 1)
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_sigterm_while_a_peer_is_frozen_leaves_after_the_grace(tmp_path):
     """SIGTERM to rank 0 while rank 1 is frozen (its step can never end; heartbeats and
@@ -239,6 +245,7 @@ def test_sigterm_while_a_peer_is_frozen_leaves_after_the_grace(tmp_path):
     assert (ck / latest / "complete.json").exists()
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_dead_rank_makes_the_others_exit_with_an_error(tmp_path):
     """Without a launcher to clean up (as on another node), a killed rank makes the survivor

@@ -7,11 +7,12 @@ equal the uninterrupted parity run's, bit for bit. Marked slow (two 2-process la
 
 import pytest
 
-from conftest import STEPS
+from helpers.parity_runs import STEPS
 
 from bench import fault_soak
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_fault_soak_one_freeze(parity_runs, tmp_path):
     run = parity_runs[(1, 2, 1)]

@@ -18,7 +18,7 @@ unmasked Llama model is also checked against transformers and the dense model in
 the per-token losses of the masked (2,2,2) SP run in tests/model/test_document_mask.py."""
 import pytest
 
-from conftest import LAYOUTS as GPT2_LAYOUTS, SAVE_AT, SP_LAYOUTS as GPT2_SP_LAYOUTS
+from helpers.parity_runs import LAYOUTS as GPT2_LAYOUTS, SAVE_AT, SP_LAYOUTS as GPT2_SP_LAYOUTS
 from helpers.launcher import LLAMA_TINY, launch_forked, read_metrics
 
 RTOL = 1e-5

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import STEPS, expert_parallel_size
+from helpers.parity_runs import STEPS, expert_parallel_size
 from launch.analysis.experts import ep_comm_per_rank_per_step
 from launch.config.recipe import load_recipe
 from helpers.launcher import MOE_TINY

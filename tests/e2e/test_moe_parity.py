@@ -8,7 +8,7 @@ experts' weight gradients too, is 1F1B to the bit at (1,2,2,2). The runs are the
 runs (conftest.py: parity_runs, tags "moe" and "ep<N>")."""
 import pytest
 
-from conftest import STEPS
+from helpers.parity_runs import STEPS
 
 RTOL = 1e-5
 REFERENCE = (1, 1, 1, "moe")

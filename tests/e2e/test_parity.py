@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from conftest import ACCEPTANCE_RUNS, CP_LAYOUTS, LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
+from helpers.parity_runs import ACCEPTANCE_RUNS, CP_LAYOUTS, LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
 from helpers.launcher import TINY, launch_forked, read_metrics
 
 RTOL = 1e-5

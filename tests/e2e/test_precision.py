@@ -9,7 +9,7 @@ continues with the saved scale and its growth counter, and the same losses withi
 """
 import pytest
 
-from conftest import (REFERENCE, SAVE_AT, STEPS, layout_id, precision_args, precision_env)
+from helpers.parity_runs import (REFERENCE, SAVE_AT, STEPS, layout_id, precision_args, precision_env)
 from helpers.launcher import TINY, launch_forked, read_metrics
 
 pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/e2e/test_parity.py)

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import LAYOUTS, REFERENCE, SAVE_AT, STEPS, layout_id
+from helpers.parity_runs import LAYOUTS, REFERENCE, SAVE_AT, STEPS, layout_id
 from helpers.launcher import TINY, launch_forked, read_metrics
 
 pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/e2e/test_parity.py)

@@ -6,7 +6,7 @@ single-process run (DeepSpeed's ZeRO-1 norm and clipping: an independent impleme
 layout with both TP shards and two stages, clipping active."""
 import pytest
 
-from conftest import REFERENCE, STEPS
+from helpers.parity_runs import REFERENCE, STEPS
 from helpers.launcher import TINY, launch_forked, read_metrics
 
 pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/e2e/test_parity.py)

@@ -13,7 +13,7 @@ import stat
 
 import pytest
 
-from conftest import REFERENCE, STEPS
+from helpers.parity_runs import REFERENCE, STEPS
 from launch.runtime.compiler import blocks_to_compile, compile_unavailable, cpp_compiler_candidates
 from helpers.launcher import TINY, launch_forked, read_metrics
 

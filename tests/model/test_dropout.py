@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import REFERENCE
+from helpers.parity_runs import REFERENCE
 from helpers.distributed import run_distributed, uses_deepspeed
 from helpers.launcher import TINY, launch_forked, read_metrics
 from model.config import GPTConfig

@@ -26,6 +26,7 @@ def _error_lines(stderr: str):
     return [line for line in stderr.splitlines() if line.startswith("error: ")]
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_wandb_online_without_api_key_stops_before_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
@@ -42,6 +43,7 @@ def test_wandb_online_without_api_key_stops_before_start(tmp_path):
     assert "--wandb online" in lines[0] and "WANDB_API_KEY" in lines[0], lines
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_exception_on_one_rank_stops_all_ranks_with_one_line_each(tmp_path):
     """Rank 3 (last stage, TP rank 1) raises before step 2, while the others are already in the
@@ -68,12 +70,13 @@ def test_exception_on_one_rank_stops_all_ranks_with_one_line_each(tmp_path):
         assert by_rank[rank].startswith(f"error: rank {rank}: stopping: rank 3 failed: {cause}"), by_rank[rank]
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_threads_per_rank_from_deepspeed_launcher_environment(tmp_path):
     """DeepSpeed's launcher exports LOCAL_SIZE, not LOCAL_WORLD_SIZE: the ranks of a node share
     its cores by that count, not by the world size (which spans every node)."""
     from launch.runtime.distributed import threads_per_rank
-    cmd = launcher_command(2, REPO / "tests" / "dump_env.py") + [str(tmp_path)]
+    cmd = launcher_command(2, REPO / "tests" / "helpers" / "dump_env.py") + [str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     env = json.loads((tmp_path / "env1.json").read_text())

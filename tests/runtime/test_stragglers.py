@@ -28,6 +28,7 @@ def test_a_rank_slow_for_five_steps_in_a_row_is_named_once():
     assert StragglerWatch(stages=[0, 1], hosts=["a", "a"]).observe(1, [1.0, 100.0]) == []  # no peers: not judged
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_a_slowed_rank_is_named_and_its_step_times_recorded(tmp_path):
     """dp=2: rank 1's first pass of each step sleeps 0.4 s longer; its compute time per step is
