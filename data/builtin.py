@@ -49,7 +49,15 @@ def _module_docstrings() -> List[str]:
 
 def _build_corpus(out_dir: Path) -> None:
     texts = [topics[k] for k in sorted(topics)] + _module_docstrings()
-    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(out_dir))
+    # Saving ~700 rows takes milliseconds: its progress bar would only stand before a run's first
+    # line (or before a one-line error, on a fresh machine).
+    shown = not datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()
+    try:
+        datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(out_dir))
+    finally:
+        if shown:
+            datasets.utils.enable_progress_bars()
 
 
 def python_version() -> str:
