@@ -10,7 +10,7 @@ from helpers import launcher
 from helpers.forked import stop_rank_server
 from helpers.launcher import refuse_in_fast_tier
 from helpers.parity_runs import ParityRuns
-from helpers.scheduling import WaitingApartScheduling, order_for_workers
+from helpers.scheduling import WAITING_WORKER, WaitingApartScheduling, order_for_workers
 
 
 @pytest.fixture(scope="session")
@@ -61,6 +61,15 @@ def stream_cache(tmp_path, monkeypatch):
 @pytest.hookimpl(tryfirst=True)  # before xdist tags the groups
 def pytest_collection_modifyitems(items):
     order_for_workers(items)
+
+
+def pytest_configure(config):
+    """A computing worker (and every rank it starts) yields the CPU to the waiting worker, whose
+    tests measure time (heartbeat bounds, step times): they see an unloaded machine, and the
+    computing workers lose only the little CPU the waiting tests use."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None and worker != WAITING_WORKER:
+        os.nice(10)
 
 
 def pytest_xdist_make_scheduler(config, log):

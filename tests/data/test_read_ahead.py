@@ -25,6 +25,7 @@ def batches(read_ahead_steps):
     return StreamingBatches(slow_stream, 1, B, MICRO, 0, 1, 0, {}, read_ahead_steps)
 
 
+@pytest.mark.waits  # sleeps against sleeps: timed on the waiting worker
 def test_reading_ahead_hides_the_reader_behind_a_slower_trainer():
     inline = batches(0)
     drawn_inline = [next(inline)[0] for _ in range(STEPS * B // MICRO)]
@@ -68,6 +69,7 @@ def waits_per_step(read_ahead_steps, steps=3 * BLOCK // B):
     return waits
 
 
+@pytest.mark.waits
 @pytest.mark.slow  # 5 s of sleeps: the fast tier keeps the one-step test above
 def test_the_default_read_ahead_spreads_a_block_refill():
     """One step ahead cannot hide a refill that costs 4 steps' reading; the default depth (the

@@ -5,7 +5,8 @@ Each test module is one unit of work, sent whole to one worker, so a module's fi
 several tests read) are built once. A test marked `waits` mostly waits (on a heartbeat timeout, a
 signal's grace, DeepSpeed's launcher): it is a unit of its own, and the first worker, gw0, takes
 those while the other two take the modules that compute, so the waiting happens beside the
-computing instead of after it. A worker that runs out of its kind of work helps with the other.
+computing instead of after it; the computing workers run at a lower priority (tests/conftest.py),
+so the waiting tests' time bounds hold. A worker that runs out of its kind of work helps with the other.
 Modules are sent largest first (xdist's own heuristic), each module's tests in their own order."""
 from collections import Counter
 from typing import List
