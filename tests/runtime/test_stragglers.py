@@ -32,8 +32,8 @@ def test_a_rank_slow_for_five_steps_in_a_row_is_named_once():
 @pytest.mark.slow
 def test_a_slowed_rank_is_named_and_its_step_times_recorded(tmp_path):
     """dp=2: rank 1's first pass of each step sleeps 1 s longer; its compute time per step is
-    recorded for every rank, and one line names it at the fifth step. (1 s, not less: on the
-    loaded machine of the parallel suite the tiny model's own step took up to 0.45 s.)"""
+    recorded for every rank, and one line names it at the fifth step. (1 s, not less: on a loaded
+    machine the tiny model's own step took up to 1.2 s.)"""
     out = tmp_path / "m.jsonl"
     proc = launch_forked(2, ["--recipe", str(TINY), "--steps", "7", "--set", "train.eval_every=0",
                              "--metrics-out", str(out)], env={"GPT3D_SLOW_INJECT": "1:1.0"})
@@ -41,7 +41,9 @@ def test_a_slowed_rank_is_named_and_its_step_times_recorded(tmp_path):
     records = read_metrics(out)
     for r in records:
         fast, slow = r["compute_s_by_rank"]
-        assert slow >= 1.0 > fast > 0 and fast < r["step_time_s"], r["compute_s_by_rank"]
+        # The sleep is in rank 1's compute time and not in rank 0's (compared with each other:
+        # a loaded machine stretches both ranks' own compute alike).
+        assert slow >= 1.0 and slow - fast > 0.5 and 0 < fast < r["step_time_s"], r["compute_s_by_rank"]
     named = [line for line in proc.stdout.splitlines() if "straggler" in line]
     assert len(named) == 1 and named[0].startswith("warning: rank 1 on ") and "at step 5," in named[0], named
 
