@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 ROUTERS = ("softmax_topk", "topk_softmax")
+ROUTER_DTYPES = ("fp32", "activations")
 MOE_SWITCHES = ("router", "norm_topk_prob")
 """The switches of this section an `arch` preset fills when the recipe leaves them null."""
 
@@ -31,6 +32,10 @@ class MoEConfig:
     norm_topk_prob: Optional[bool] = None
     """softmax_topk: divide the k chosen probabilities by their sum (Mixtral, Qwen3-30B-A3B: true;
     OLMoE: false). null: the arch preset's."""
+    router_dtype: str = "fp32"
+    """fp32: the router's logits GEMM (its input and weight cast, not the stored weight), softmax,
+    top-k and losses in fp32, whatever the activations' dtype (Megatron-LM's --moe-router-dtype fp32);
+    activations: the GEMM in the activations' dtype (bf16 logits tie at the k-th place for some tokens)."""
     moe_every: int = 1
     """Block i (from 0) is an MoE block when (i + 1) % moe_every == 0 (Qwen3-MoE's
     decoder_sparse_step): 1 makes every block MoE, 2 every second one; the others keep the dense MLP."""
@@ -68,6 +73,8 @@ class MoEConfig:
                              f"model.moe.moe_every={self.moe_every} >= 1")
         if self.router not in ROUTERS:
             raise ValueError(f"model.moe.router={self.router!r} is not one of {', '.join(ROUTERS)}")
+        if self.router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"model.moe.router_dtype={self.router_dtype!r} is not one of {', '.join(ROUTER_DTYPES)}")
         if self.router == "topk_softmax" and self.norm_topk_prob is False:
             raise ValueError("model.moe.router=topk_softmax with model.moe.norm_topk_prob=false: a softmax over "
                              "the k chosen logits always sums to 1; use router=softmax_topk for unnormalised weights")

@@ -26,7 +26,7 @@ Key = Tuple[str, str, str]  # (purpose, role, op), as in launch/instruments/comm
 Volume = Tuple[int, int, int]  # (calls, elements, bytes)
 
 EP_ALL_TO_ALL = "all_to_all_single"  # model/parallel/mappings.py: exchange_counts, all_to_all_to_experts and _from_experts
-COUNT_BYTES = 8  # the counts exchanged before the rows are int64 (torch.bincount)
+COUNT_BYTES = 8  # the counts exchanged before the rows are int64 (model/transformer/moe_losses.py: count_assignments)
 INDEX_BYTES = 8  # int64 indices (the routing's sorts and gathers) kept for backward
 FP32 = 4
 
@@ -114,8 +114,9 @@ def moe_mlp_activation_bytes(m: ModelConfig, tokens: float, tp: int, sequence_pa
       router        fp32: the softmax probabilities (E); with the router losses (aux or z coefficient
                     > 0) the logits' copy the logsumexp keeps (E) and its output (1); the chosen
                     probabilities and their sum when renormalised (k + 1); topk_softmax instead the
-                    logits' copy its gather keeps and its softmax over the k (E + k; in an fp32 run
-                    the first is the logsumexp's and the second the combine's: no copies);
+                    logits' copy its gather keeps and its softmax over the k (E + k; with fp32
+                    logits, an fp32 run's or router_dtype fp32's, the first is the logsumexp's, no
+                    copy, and in an fp32 run the second is the combine's);
       shared experts  their SwiGLU's four tensors of width s f_e / t, as a dense MLP's;
     and per block the losses' E shares and their 2E + 2 totals (fp32). The MLP's input is the
     block's, counted with the norm outputs (memory_formulas). tests/analysis/test_moe_plan.py holds this to
@@ -126,7 +127,8 @@ def moe_mlp_activation_bytes(m: ModelConfig, tokens: float, tp: int, sequence_pa
     losses = moe.aux_loss_coef > 0 or moe.z_loss_coef > 0
     routed = element_bytes * (2 * k * h + 4 * k * f / t + k) + INDEX_BYTES * (k * (4 if ep > 1 else 2) + E)
     if moe.router == "topk_softmax":  # fp32: .float() and .to() copy nothing, the storages are shared
-        chosen = (0 if losses else E) if element_bytes == FP32 else E + k
+        fp32_logits = element_bytes == FP32 or moe.router_dtype == "fp32"
+        chosen = (0 if losses and fp32_logits else E) + (0 if element_bytes == FP32 else k)
     else:
         chosen = k + 1 if moe.norm_topk_prob else 0
     router = FP32 * (E + (E + 1 if losses else 0) + chosen)
@@ -139,14 +141,16 @@ def moe_weight_grad_stash_bytes(m: ModelConfig, tokens: float, tp: int, sequence
                                 element_bytes: int) -> float:
     """ZB-H1's stash of an MoE block's MLP per micro-batch (the linears' inputs and output gradients
     from the B pass to the W pass, model/parallel/weight_grad.py): the router's input (this rank's chunk
-    under SP) and logits' gradient (E); per routed row the gate_up input h and output gradient
-    2 f_e / t, the down input f_e / t and output gradient h; the shared experts as a dense MLP."""
+    under SP) and logits' gradient (E, fp32 with router_dtype fp32); per routed row the gate_up input
+    h and output gradient 2 f_e / t, the down input f_e / t and output gradient h; the shared experts
+    as a dense MLP."""
     h, t, k, E = m.n_embd, tp, m.moe.experts_per_token, m.moe.num_experts
     f, shared = m.expert_ffn_hidden_size, m.moe.shared_experts * m.expert_ffn_hidden_size
     h_in = h / t if sequence_parallel else h
     routed = k * (h + 2 * f / t + f / t + h)
     shared_mlp = (h_in + shared / t + 2 * shared / t + h) if shared else 0
-    return element_bytes * tokens * (h_in + E + routed + shared_mlp)
+    logits_grad = FP32 if m.moe.router_dtype == "fp32" else element_bytes
+    return element_bytes * tokens * (h_in + routed + shared_mlp) + logits_grad * tokens * E
 
 
 # ---------------------------------------------------------------- expert-parallel all-to-alls

@@ -32,11 +32,17 @@ def main_grads(weights: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
     return [getattr(weight, "main_grad", None) for weight in weights]
 
 
+def runs_cuda_kernels(tensor: torch.Tensor) -> bool:
+    """Whether ops on `tensor` take the CUDA branches: on a GPU, or on the meta device, whose kernels
+    check dtypes and shapes as CUDA's do (tests/model/test_cuda_contracts.py runs those branches on CPU)."""
+    return tensor.device.type in ("cuda", "meta")
+
+
 def add_product_into(main: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
     """main += left @ right, (out, N) @ (N, in) -> (out, in), with `main` an fp32 main gradient and
     the operands bf16: the GEMM accumulates into `main` itself (Megatron's gradient-accumulation
     fusion), with no bf16 product, no cast and no separate add over the weight's elements."""
-    if main.is_cuda and left.dtype != main.dtype:
+    if runs_cuda_kernels(main) and left.dtype != main.dtype:
         _MIXED_GEMMS[mixed_gemm_path(main.device)](main, left, right)
     else:  # no mixed-dtype addmm on CPU: the operands (activation-sized) cast to fp32, where bf16 is
         # exact, so this is the CUDA kernel's fp32 sum of exact products, up to summation order
@@ -55,18 +61,25 @@ _MIXED_GEMMS = {
 _CHOSEN_PATH = {}
 
 
+def runs_right(add: Callable[[], object], main: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether `add()` runs in this torch build and leaves `want` in `main`; on the meta device,
+    which holds no values, whether it runs (its dtype and shape checks pass)."""
+    try:
+        add()
+    except (RuntimeError, TypeError):  # an overload or kernel this build does not have
+        return False
+    return main.device.type == "meta" or torch.equal(main, want)
+
+
 def mixed_gemm_path(device: torch.device) -> str:
     """The first of `_MIXED_GEMMS` this torch runs correctly on `device`, tried once on a 2 x 2
     product (bench/gpu_check.py reports which, and its error against an fp32 GEMM)."""
     if device.type not in _CHOSEN_PATH:
         a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=torch.bfloat16)
+        want = torch.tensor([[8.0, 11.0], [16.0, 23.0]], device=device)
         for name, add in _MIXED_GEMMS.items():
             main = torch.ones(2, 2, device=device)
-            try:
-                add(main, a, a)
-            except (RuntimeError, TypeError):  # an overload this build does not have
-                continue
-            if torch.equal(main, torch.tensor([[8.0, 11.0], [16.0, 23.0]], device=device)):
+            if runs_right(lambda: add(main, a, a), main, want):
                 _CHOSEN_PATH[device.type] = name
                 break
         else:
@@ -169,27 +182,33 @@ class DeferrableLinear(torch.autograd.Function):
     """functional.linear (x (..., in), W (out, in), b (out,) -> (..., out)) whose weight
     gradient may be deferred. Forward and both gradients are computed with the calls autograd
     uses for functional.linear (addmm/mm on the flattened input; dL/dW as (X^T G)^T), so the
-    numbers are the same to the bit as functional.linear's, deferred or not."""
+    numbers are the same to the bit as functional.linear's, deferred or not.
+
+    `dtype` (the MoE router's fp32): x and W are cast to it for the products (the stored ones are
+    not), the output is in it, and the gradients come back in x's and W's own dtypes."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, dtype=None):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.dtype = bias is not None, dtype
+        if dtype is not None:  # a no-op where they are in it already
+            x, weight = x.to(dtype), weight.to(dtype)
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx, grad):  # grad: (..., out)
+    def backward(ctx, grad):  # grad: (..., out), in ctx.dtype if set
         x, weight = ctx.saved_tensors
+        dtype = ctx.dtype or weight.dtype
         grad_2d = grad.reshape(-1, grad.size(-1))  # (N, out)
-        grad_x = grad.matmul(weight)  # (..., in)
+        grad_x = grad.matmul(weight.to(dtype)).to(x.dtype)  # (..., in)
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
 
         def weight_grad(main):  # (out, in), or added into main
-            x_2d = x.reshape(-1, x.size(-1))  # (N, in)
+            x_2d = x.reshape(-1, x.size(-1)).to(ctx.dtype or x.dtype)  # (N, in); cast here: a deferred W holds x
             if main is None:
-                return x_2d.t().mm(grad_2d).t()
+                return x_2d.t().mm(grad_2d).t().to(weight.dtype)
             add_product_into(main, grad_2d.t(), x_2d)
-        return grad_x, weight_grad_now_or_later(weight, weight_grad, holds=(x, grad)), grad_bias
+        return grad_x, weight_grad_now_or_later(weight, weight_grad, holds=(x, grad)), grad_bias, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

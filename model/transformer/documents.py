@@ -47,8 +47,9 @@ def document_positions(segments: torch.Tensor) -> torch.Tensor:
 
 def uses_flex_attention(device: torch.device, dropout: float) -> bool:
     """The kernel choice (module docstring): flex_attention on CUDA without dropout, else SDPA with a
-    mask. (On CPU torch 2.13's flex_attention has a forward only: it refuses inputs that need grad.)"""
-    return device.type == "cuda" and dropout == 0.0
+    mask. (On CPU torch 2.13's flex_attention has a forward only: it refuses inputs that need grad.)
+    The meta device counts as CUDA: tests/model/test_cuda_contracts.py checks the CUDA path there."""
+    return device.type in ("cuda", "meta") and dropout == 0.0
 
 
 def dense_document_mask(segments: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ slot order, so every layout computes the same sums up to the rounding of its mat
 """
 import dataclasses
 import math
-from typing import Callable, ContextManager, List, Optional, Tuple
+from typing import Callable, ContextManager, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -33,9 +33,10 @@ from model.parallel.layers import group_rank, group_size, mark_sequence_parallel
 from model.parallel.mappings import (Group, all_gather_sequence, copy_to_tp_region,
                                      gather_from_sequence_parallel_region, reduce_from_tp_region,
                                      reduce_scatter_to_sequence_parallel_region)
-from model.parallel.weight_grad import DeferrableLinear, add_product_into, weight_grad_now_or_later
+from model.parallel.weight_grad import DeferrableLinear
+from model.transformer.grouped_gemm import ExpertRows, expert_rows, grouped_linear
 from model.transformer.llama import LlamaMLP
-from model.transformer.moe_losses import MoEStatistics, add_to_backward, router_losses
+from model.transformer.moe_losses import MoEStatistics, add_to_backward, count_assignments, router_losses
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -81,72 +82,6 @@ def route(logits: torch.Tensor, k: int, router: str, norm_topk_prob: bool
     return weights, experts, probs
 
 
-def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM (`functional.grouped_mm`, one kernel for all experts) runs these
-    operands: it exists in this torch, its rows are 16-byte aligned, and on a GPU the device has
-    it (compute capability 8.0 and later); otherwise one GEMM per expert. Inside a compiled block
-    (train.compile) the compiler takes it in bf16 only."""
-    if not hasattr(functional, "grouped_mm"):
-        return False
-    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
-        return False
-    if any(n * x.element_size() % 16 for n in weight.shape[1:]):
-        return False
-    return not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0)
-
-
-class _GroupedLinear(torch.autograd.Function):
-    """Y_g = X_g W_g^T for each expert g's consecutive rows: X (M, in) in groups of `sizes`,
-    W (E_local, out, in) -> (M, out). The weight gradient G_g^T X_g of every expert may be deferred
-    to ZB-H1's W pass or added into the fp32 main gradient (model/parallel/weight_grad.py), as a linear's.
-    One grouped GEMM per product where torch has it (`grouped_mm_fits`), else a GEMM per expert."""
-
-    @staticmethod
-    def forward(ctx, x, weight, sizes):
-        ctx.save_for_backward(x, weight)
-        ctx.sizes, ctx.grouped = sizes, grouped_mm_fits(x, weight)
-        if ctx.grouped:
-            offsets = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
-            ctx.offsets = offsets
-            return functional.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-        return torch.cat([functional.linear(x_g, w_g) for x_g, w_g in zip(x.split(sizes), weight)])
-
-    @staticmethod
-    def backward(ctx, grad):  # grad: (M, out)
-        x, weight = ctx.saved_tensors
-        sizes, grouped = ctx.sizes, ctx.grouped
-        grad = grad.contiguous()
-        if grouped:
-            grad_x = functional.grouped_mm(grad, weight, offs=ctx.offsets)  # (M, in)
-        else:
-            grad_x = torch.cat([g.matmul(w_g) for g, w_g in zip(grad.split(sizes), weight)])
-
-        def weight_grad(main):  # (E_local, out, in), or added into main; an expert without rows: zero
-            if grouped:  # G^T X per group: the rows (dim K of the product) cut at the offsets
-                if main is None:
-                    return functional.grouped_mm(grad.t(), x, offs=ctx.offsets)
-                if main.is_cuda:
-                    main.add_(functional.grouped_mm(grad.t(), x, offs=ctx.offsets, out_dtype=main.dtype))
-                else:  # CPU: the operands in fp32, where a bf16 product is exact (add_product_into's rule)
-                    main.add_(functional.grouped_mm(grad.t().to(main.dtype), x.to(main.dtype), offs=ctx.offsets))
-                return None
-            pairs = zip(grad.split(sizes), x.split(sizes))
-            if main is not None:
-                for e, (g, x_g) in enumerate(pairs):
-                    add_product_into(main[e], g.t(), x_g)
-                return None
-            out = torch.empty_like(weight)
-            for e, (g, x_g) in enumerate(pairs):
-                torch.mm(g.t(), x_g, out=out[e])
-            return out
-        return grad_x, weight_grad_now_or_later(weight, weight_grad, holds=(x, grad)), None
-
-
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, sizes: List[int]) -> torch.Tensor:
-    """(M, in) rows in groups of `sizes`, (E_local, out, in) -> (M, out): each group through its expert."""
-    return _GroupedLinear.apply(x, weight, sizes)
-
-
 class ExpertMLPs(nn.Module):
     """This rank's E/ep experts, each down(silu(gate(x)) * up(x)) of width f, TP-split as the dense
     SwiGLU MLP: gate_up_proj (E/ep, 2f/t, h) holds rank r's [G_r; U_r] rows of every expert,
@@ -177,14 +112,19 @@ class ExpertMLPs(nn.Module):
             mark_expert(param, ep_size)
         self.gate_up_proj.partition_sections = (f, f)
 
-    def forward(self, x: torch.Tensor, sizes: List[int]) -> torch.Tensor:
-        """(M, h) rows grouped by local expert, `sizes` rows each -> (M, h) partial sums over TP."""
-        gate, up = grouped_linear(x, self.gate_up_proj, sizes).chunk(2, dim=-1)  # (M, f/t) each
-        return grouped_linear(functional.silu(gate) * up, self.down_proj, sizes)
+    def forward(self, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+        """(M, h) rows grouped by local expert (`rows`: how many each) -> (M, h) partial sums over TP."""
+        gate, up = grouped_linear(x, self.gate_up_proj, rows).chunk(2, dim=-1)  # (M, f/t) each
+        return grouped_linear(functional.silu(gate) * up, self.down_proj, rows)
 
 
 class Router(nn.Module):
     """logits = x W_r^T, (..., h) -> (..., E); W_r (E, h) replicated over TP, drawn from the block's generator.
+
+    model.moe.router_dtype fp32 (the default): x and W_r cast to fp32 for the GEMM (the stored weight
+    keeps its dtype), so the logits, and after them the softmax, top-k and router losses, are fp32:
+    bf16 logits tie at the k-th place for some tokens of every batch (issue 33: 5.8-7.2% at E = 128,
+    k = 8), and ties go to the lower expert. `activations`: the GEMM in x's dtype, upcast after it.
 
     Always through the deferrable linear (model/parallel/weight_grad.py), in 1F1B too: for so few output rows
     functional.linear's own backward orders the weight gradient's GEMM differently (measured: 1e-11
@@ -194,9 +134,10 @@ class Router(nn.Module):
         super().__init__()
         full = torch.empty(config.moe.num_experts, config.n_embd).normal_(0.0, config.init_std, generator=generator)
         self.weight = nn.Parameter(full)
+        self.dtype = torch.float32 if config.moe.router_dtype == "fp32" else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return DeferrableLinear.apply(tokens, self.weight, None)
+        return DeferrableLinear.apply(tokens, self.weight, None, self.dtype)
 
 
 class MoEMLP(nn.Module):
@@ -266,7 +207,7 @@ class MoEMLP(nn.Module):
         N, h = tokens.shape
         assignment_expert = experts.reshape(-1)  # (N*k,): token-major, slot-minor
         by_expert = torch.argsort(assignment_expert, stable=True)  # assignments grouped by expert, in token order
-        counts = torch.bincount(assignment_expert, minlength=self.num_experts)  # (E,)
+        counts = count_assignments(assignment_expert, self.num_experts)  # (E,), on the device
         # expand's backward sums a token's k copies in a fixed order; the index is a permutation
         routed = tokens.unsqueeze(1).expand(N, self.k, h).reshape(N * self.k, h)[by_expert]  # (N*k, h)
         out = self._through_experts(routed, counts)  # (N*k, h), by expert
@@ -275,16 +216,26 @@ class MoEMLP(nn.Module):
 
     def _through_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """(N*k, h) rows sorted by expert, (E,) rows per expert -> their experts' outputs, same order.
-        Across EP: counts first, then the rows to their experts' ranks, the outputs back."""
+        Across EP: counts first, then the rows to their experts' ranks, the outputs back.
+
+        One host sync per block (a .tolist()): the all-to-all's split sizes and the GEMMs per expert
+        need the counts on the host. Everything else stays on the device: the counts themselves (a
+        scatter-add, not bincount, which reads min and max on the host), the grouped GEMM's offsets
+        (a cumsum) and the regrouping after the all-to-all (its output size known)."""
         if self.ep_group is None:
-            return self.experts(routed, counts.tolist())
-        send = counts.view(self.ep_size, self.local_experts)  # row j: for EP rank j's experts
-        received = exchange_counts(send, self.ep_group)  # row i: from EP rank i, per local expert
-        send_rows, received_rows = send.sum(1).tolist(), received.sum(1).tolist()
+            return self.experts(routed, expert_rows(counts, counts.tolist()))
+        E_local = self.local_experts
+        send = counts.view(self.ep_size, E_local)  # row j: for EP rank j's experts
+        received = exchange_counts(send, self.ep_group)  # (ep, E_local) row i: from EP rank i, per local expert
+        on_host = torch.cat([send.sum(1), received.reshape(-1)]).tolist()  # the one sync
+        send_rows, received_host = on_host[:self.ep_size], on_host[self.ep_size:]
+        received_rows = [sum(received_host[i * E_local:(i + 1) * E_local]) for i in range(self.ep_size)]
+        sizes = [sum(received_host[e::E_local]) for e in range(E_local)]
         rows = all_to_all_to_experts(routed, received_rows, send_rows, self.ep_group)  # source-major, then expert
         # Regroup by local expert (source order within): each expert's rows consecutive.
-        row_expert = torch.arange(self.local_experts, device=rows.device).repeat(self.ep_size)
-        by_expert = torch.argsort(row_expert.repeat_interleave(received.reshape(-1)), stable=True)
-        out = self.experts(rows[by_expert], received.sum(0).tolist())
+        row_expert = torch.arange(E_local, device=rows.device).repeat(self.ep_size)
+        row_expert = row_expert.repeat_interleave(received.reshape(-1), output_size=sum(received_rows))
+        by_expert = torch.argsort(row_expert, stable=True)
+        out = self.experts(rows[by_expert], expert_rows(received.sum(0), sizes))
         out = out[torch.argsort(by_expert)]  # source-major again
         return all_to_all_from_experts(out, send_rows, received_rows, self.ep_group)

@@ -56,6 +56,13 @@ class MoEStatistics:
         return taken
 
 
+def count_assignments(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(...) expert indices -> (E,) int64 assignments per expert, without a host sync: a scatter-add
+    (exact: integers), where CUDA's bincount would read the indices' min and max on the host."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def _sum_over(x: torch.Tensor, groups: List[Group]) -> torch.Tensor:
     for group in groups:
         if group is not None:
@@ -73,7 +80,7 @@ def router_losses(logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tens
     E = logits.size(1)
     lse_squared = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()  # this rank's tokens
     prob_sum = probs.sum(dim=0)  # (E,)
-    counts = torch.bincount(experts.reshape(-1), minlength=E).to(probs.dtype)
+    counts = count_assignments(experts, E).to(probs.dtype)
     totals = torch.cat([counts, prob_sum.detach(), lse_squared.detach().view(1),
                         torch.full((1,), float(logits.size(0)), dtype=probs.dtype, device=probs.device)])
     totals = _sum_over(totals, [sequence_group, cp_group])  # the micro-batch's tokens

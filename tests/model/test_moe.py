@@ -23,9 +23,10 @@ from model.config import GPTConfig
 from model.hf.convert import split, split_experts
 from model.parallel.layers import allreduce_sequence_parallel_grads
 from model.parallel.state import init_parallel_state
-from model.transformer import moe as moe_module
+from model.transformer import grouped_gemm
 from model.transformer.block import init_generator
-from model.transformer.moe import MoEMLP, grouped_linear, grouped_mm_fits, route
+from model.transformer.grouped_gemm import expert_rows, grouped_linear, grouped_mm_fits
+from model.transformer.moe import MoEMLP, Router, route
 
 B, T = 2, 8
 DEAD = 3  # the expert no token reaches (its router row points away from every input)
@@ -107,6 +108,40 @@ def test_router_weights_follow_their_definitions():
     torch.testing.assert_close(mixtral, normalised)
 
 
+def test_an_fp32_router_picks_the_fp32_experts_where_bf16_logits_tie():
+    """bf16 activations and router weight, 128 experts, top-8, Gaussian tokens: bf16 logits tie at
+    the k-th place for some tokens (issue 33: 5.8-7.2%; ties go to the lower expert), fp32 logits of
+    the same bf16 values for none. router_dtype fp32 picks the experts of the fp32 reference; the
+    router in the activations' dtype picks others for some tokens."""
+    E, k, h = 128, 8, 256
+    x = _randn(4096, h, seed=11).bfloat16()
+    picked, tie_rate = {}, {}
+    for router_dtype in ("fp32", "activations"):
+        moe = dataclasses.replace(CONFIG.moe, num_experts=E, experts_per_token=k, router_dtype=router_dtype)
+        router = Router(dataclasses.replace(CONFIG, n_embd=h, moe=moe), init_generator(CONFIG, 0)).bfloat16()
+        logits = router(x)
+        assert logits.dtype == (torch.float32 if router_dtype == "fp32" else torch.bfloat16)
+        top = torch.sort(logits.float(), dim=-1, descending=True).values
+        tie_rate[router_dtype] = (top[:, k - 1] == top[:, k]).float().mean().item()
+        picked[router_dtype] = route(logits, k, "softmax_topk", True)[1].sort(dim=-1).values
+    reference = torch.topk(functional.linear(x.float(), router.weight.float()), k).indices.sort(dim=-1).values
+    assert tie_rate["fp32"] == 0 and tie_rate["activations"] > 0.01, tie_rate
+    assert torch.equal(picked["fp32"], reference)
+    assert (picked["activations"] != reference).any(dim=-1).float().mean() > 0.01
+
+
+def test_fp32_runs_do_not_depend_on_the_router_dtype():
+    """In fp32 the router computed in fp32 already: both settings give the same numbers, to the bit."""
+    results = []
+    for router_dtype in ("fp32", "activations"):
+        moe = _build(dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, router_dtype=router_dtype)))
+        x = _inputs(0).requires_grad_()
+        y = moe(x)
+        (y * _randn(*x.shape, seed=7)).sum().backward()
+        results.append([y, x.grad] + [p.grad for p in moe.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 @pytest.mark.parametrize("shared", [0, 1], ids=["routed", "shared-expert"])
 def test_moe_matches_every_expert_on_every_token_masked(shared):
     config = dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, shared_experts=shared))
@@ -155,10 +190,11 @@ def test_grouped_linear_matches_a_linear_per_expert(monkeypatch, grouped):
     x, weight = _randn(12, 16, seed=1), _randn(4, 8, 16, seed=2)
     assert grouped_mm_fits(x, weight)  # 16-byte rows: this torch's CPU grouped GEMM takes them
     if not grouped:
-        monkeypatch.setattr(moe_module, "grouped_mm_fits", lambda *args: False)
+        monkeypatch.setattr(grouped_gemm, "grouped_mm_fits", lambda *args: False)
     sizes, probe = [3, 0, 5, 4], _randn(12, 8, seed=3)
+    rows = expert_rows(torch.tensor(sizes), sizes)
     x_ours, w_ours = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    (grouped_linear(x_ours, w_ours, sizes) * probe).sum().backward()
+    (grouped_linear(x_ours, w_ours, rows) * probe).sum().backward()
     x_ref, w_ref = x.clone().requires_grad_(), weight.clone().requires_grad_()
     y_ref = torch.cat([functional.linear(x_g, w_g) for x_g, w_g in zip(x_ref.split(sizes), w_ref)])
     (y_ref * probe).sum().backward()
@@ -168,7 +204,7 @@ def test_grouped_linear_matches_a_linear_per_expert(monkeypatch, grouped):
     main = torch.ones_like(weight)  # a main gradient: added into, no .grad
     w_main = weight.clone().requires_grad_()
     w_main.main_grad = main
-    (grouped_linear(x.clone(), w_main, sizes) * probe).sum().backward()
+    (grouped_linear(x.clone(), w_main, rows) * probe).sum().backward()
     assert w_main.grad is None
     torch.testing.assert_close(main, 1 + w_ref.grad)
 

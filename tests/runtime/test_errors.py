@@ -81,6 +81,8 @@ CASES = [
     (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.router=topk_softmax",
          "--set", "model.moe.norm_topk_prob=false"], ["router=topk_softmax", "norm_topk_prob=false"]),
     (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.router=top2"], ["model.moe.router='top2'"]),
+    (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.router_dtype=bf16"],
+     ["model.moe.router_dtype='bf16'", "fp32, activations"]),
     (1, ["--recipe", "recipes/moe-tiny.yaml", "--set", "model.moe.capacity=1.25"],
      ["unknown recipe key model.moe.capacity", "model.moe.num_experts"]),
     (4, ["--recipe", "recipes/moe-tiny.yaml", "--tp", "4", "--set", "model.qk_norm=projection"],
