@@ -6,7 +6,7 @@
   memory profiler; the peak of live bytes above the step's start and what the step leaves
   allocated (docs/performance.md, "Padded-vocabulary logits").
 - `--loss`: the vocab-parallel cross-entropy alone, forward + backward as the pipeline's loss runs
-  it (model/gpt/pipe.py: make_loss_fn), at tp = 1 and 2 (gloo processes): the chunked loss against
+  it (model/gpt/pipe.py: TokenMeanLoss), at tp = 1 and 2 (gloo processes): the chunked loss against
   the loss before chunking (a copy below); peak live bytes above the given logits, and the bytes
   held from forward to backward (docs/performance.md, "Cross-entropy at a large vocabulary").
 
@@ -45,9 +45,9 @@ def step_memory(args, before: bool) -> dict:
     from model.config import GPTConfig
     from model.parallel.state import init_parallel_state
 
-    saved = model.parallel.vocab_embedding.VocabParallelEmbedding.logits, model.gpt.pipe.make_loss_fn
+    saved = model.parallel.vocab_embedding.VocabParallelEmbedding.logits, model.gpt.pipe.TokenMeanLoss
     if before:
-        model.parallel.vocab_embedding.VocabParallelEmbedding.logits, model.gpt.pipe.make_loss_fn = _before_logits, _before_loss_fn
+        model.parallel.vocab_embedding.VocabParallelEmbedding.logits, model.gpt.pipe.TokenMeanLoss = _before_logits, _before_loss_fn
     try:
         config = GPTConfig(n_layer=1, n_head=4, n_embd=args.hidden, seq_len=args.seq_len,
                            vocab_size=args.vocab, vocab_pad_multiple=128)
@@ -69,7 +69,7 @@ def step_memory(args, before: bool) -> dict:
             peak = max(peak, live)
         return {"peak": peak, "left": live, "logits": args.micro * args.seq_len * config.padded_vocab_size(1) * 4}
     finally:
-        model.parallel.vocab_embedding.VocabParallelEmbedding.logits, model.gpt.pipe.make_loss_fn = saved
+        model.parallel.vocab_embedding.VocabParallelEmbedding.logits, model.gpt.pipe.TokenMeanLoss = saved
 
 
 class _BeforeCrossEntropy(torch.autograd.Function):

@@ -100,6 +100,7 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
     from launch.instruments.metrics import is_logging_rank
     from launch.runtime.distributed import shut_down_distributed, start_rank
     from launch.runtime.ds_config import evaluation_config
+    from launch.runtime.step_tokens import count_step_tokens
     from model.parallel.context_parallel import sequence_shards
     from model.parallel.state import init_parallel_state
     from model.gpt.pipe import build_pipeline
@@ -121,8 +122,10 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
     def mean_loss(batches) -> float:
         # One eval_batch is one global batch (grad_accum_steps micro-batches per pipeline), averaged
         # over micro-batches and dp ranks by DeepSpeed and broadcast to every stage.
+        # Each a mean over the global batch's counted tokens (launch/runtime/step_tokens.py).
         batches = sequence_shards(batches, state.cp_rank, state.cp_size)  # each CP rank its tokens
-        return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n_batches)) / n_batches
+        return sum(engine.eval_batch(data_iter=count_step_tokens(engine, batches, layout.grad_accum_steps)).item()
+                   for _ in range(n_batches)) / n_batches
 
     if on_validation:  # a mixture: each source's own loss, then their weighted mean
         loss, by_source = data.validation_losses(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Tuple
 
 from launch.config.layout import Layout
 from launch.runtime.run_inputs import resolved_recipe_dict
@@ -24,11 +24,13 @@ def validation_loss(engine: PipelineEngine, data: SourceData, state: ParallelSta
                     eval_batches: int, device: torch.device) -> float:
     """Mean validation loss over the same global batches at every call, via `eval_batch`."""
     from data.pipeline import on_device
+    from launch.runtime.step_tokens import count_step_tokens
     from model.parallel.context_parallel import sequence_shards
     n = data.eval_global_batches(eval_batches)
     batches = sequence_shards(on_device(data.val_batches(state.dp_rank, layout.dp, n), device),
                               state.cp_rank, state.cp_size)
-    return sum(engine.eval_batch(data_iter=batches).item() for _ in range(n)) / n
+    return sum(engine.eval_batch(data_iter=count_step_tokens(engine, batches, layout.grad_accum_steps)).item()
+               for _ in range(n)) / n
 
 
 def validation_record(engine: PipelineEngine, data: RunData, state: ParallelState, layout: Layout,
@@ -63,13 +65,15 @@ def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout
     return step + 1, samples
 
 
-def timed_train_batch(engine: PipelineEngine, feed) -> Tuple[torch.Tensor, float]:
-    """(loss, seconds) of one `train_batch`. The clock stops when the device is done, optimizer
-    step included: on a GPU `train_batch` returns with kernels still queued (the pp=1 optimizer
-    step runs asynchronously), so without the sync a step would be timed at its launch."""
+def timed_train_batch(engine: PipelineEngine, draw_step: Callable[[], Iterator]) -> Tuple[torch.Tensor, float]:
+    """(loss, seconds) of one `train_batch` on the feed `draw_step()` returns (which may draw the
+    step's micro-batches now: launch/runtime/step_tokens.py), the draw included. The clock stops
+    when the device is done, optimizer step included: on a GPU `train_batch` returns with kernels
+    still queued (the pp=1 optimizer step runs asynchronously), so without the sync a step would be
+    timed at its launch."""
     from launch.instruments.metrics import synchronize_device
     start = time.perf_counter()
-    loss = engine.train_batch(data_iter=feed)
+    loss = engine.train_batch(data_iter=draw_step())
     synchronize_device()
     return loss, time.perf_counter() - start
 
@@ -93,6 +97,7 @@ def run_training(job: TrainingJob) -> None:
     from launch.runtime.engine import build_engine, print_role_map
     from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
     from launch.runtime.signals import StopRequest
+    from launch.runtime.step_tokens import count_step_tokens
     from launch.runtime.zero_bubble import check_weight_passes_ran
     from model.parallel.context_parallel import sequence_shards
     from model.parallel.state import init_parallel_state
@@ -147,7 +152,8 @@ def run_training(job: TrainingJob) -> None:
         waited_before = getattr(batches, "waited_s", 0.0)  # streamed data times its draws (data/streaming.py)
         compute_clock.start_step()
         set_router_loss_scale(engine, layout)  # the fp16 loss scale may have changed after the last step
-        loss, seconds = timed_train_batch(engine, feed)
+        # The step's loss is its mean over every counted token (model/gpt/pipe.py: TokenMeanLoss).
+        loss, seconds = timed_train_batch(engine, lambda: count_step_tokens(engine, feed, layout.grad_accum_steps))
         if step == first_step and runs_zero_bubble(train_cfg.schedule, layout.pp):
             check_weight_passes_ran(engine)  # the hooks took: W passes computed weight gradients
         watcher.completed(step)  # the heartbeat names it if this rank is lost later

@@ -13,7 +13,7 @@ coordinate; see `pipeline_config` for what must be switched off).
 """
 import contextlib
 import hashlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.moe.layer import MoE
@@ -110,25 +110,42 @@ def layer_specs(config: GPTConfig, state: ParallelState) -> List[LayerSpec]:
             for kind, block in pipeline_layers(config)]
 
 
-def make_loss_fn(state: ParallelState) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss of one micro-batch over its counted tokens (labels other than
-        IGNORE_INDEX, as F.cross_entropy's mean): (B, T, V_pad/tp), (B, T) -> scalar; (B, T/cp, ...)
-        under CP.
+class TokenMeanLoss:
+    """The pipeline's loss_fn: the step's loss is the mean next-token loss over every counted token
+    of the step (labels other than IGNORE_INDEX), across its micro-batches, DP replicas and CP shards,
+    so the objective does not depend on the micro-batch size or on how many tokens each micro-batch
+    counts (issue 33; Megatron-LM's calculate_per_token_loss).
 
-        The loss keeps the logits (its own alias of their memory) and writes its gradient into
-        them in backward; nothing else reads them again (the head's backward needs its input and
-        weight, not its output). DeepSpeed's last stage still holds the logits tensor in
-        `pipe_buffers['outputs']` until that buffer's next forward (its `_exec_backward_pass`
-        returns before clearing it on the last stage), so that tensor is emptied here: its
-        memory then lives exactly as long as the loss's backward and the head's gradient need it,
-        instead of being carried, one finished micro-batch's (B, T, V/p), into the next forward."""
-        token_loss = vocab_parallel_cross_entropy(logits, labels, state.tp_group, consume_logits=True)
+    DeepSpeed divides each micro-batch's loss by the gradient-accumulation steps m and averages the
+    gradients (and the reported loss) over its data axis, dp x cp ranks. A micro-batch therefore
+    returns its sum of token losses over `tokens_per_share` = N / (m x dp x cp), N the step's
+    counted tokens, which the run sets before each step (launch/runtime/step_tokens.py): the m x dp
+    x cp shares then average to sum / N. A micro-batch without counted tokens returns 0, not NaN.
+    Without it (a caller that drives the engine itself), each micro-batch is its own mean over its
+    counted tokens (model/parallel/context_parallel.py: token_weighted_mean).
+
+    The loss keeps the logits (its own alias of their memory) and writes its gradient into them in
+    backward; nothing else reads them again (the head's backward needs its input and weight, not its
+    output). DeepSpeed's last stage still holds the logits tensor in `pipe_buffers['outputs']` until
+    that buffer's next forward (its `_exec_backward_pass` returns before clearing it on the last
+    stage), so that tensor is emptied here: its memory then lives exactly as long as the loss's
+    backward and the head's gradient need it, instead of being carried, one finished micro-batch's
+    (B, T, V/p), into the next forward."""
+
+    def __init__(self, state: ParallelState) -> None:
+        self.state = state
+        self.tokens_per_share: Optional[torch.Tensor] = None
+        """0-d fp32 on the device, N / (m x dp x cp), or None: each micro-batch its own mean."""
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(B, T, V_pad/tp), (B, T) -> scalar; (B, T/cp, ...) under CP."""
+        token_loss = vocab_parallel_cross_entropy(logits, labels, self.state.tp_group, consume_logits=True)
         logits.data = logits.new_empty(0)
+        if self.tokens_per_share is not None:
+            return token_loss.sum() / self.tokens_per_share
         # Under CP, (B, T/cp) tokens here: weighted over the CP group so that DeepSpeed's average
         # over dp x cp is the mean over the whole sequences' tokens (model/parallel/context_parallel.py).
-        return token_weighted_mean(token_loss, labels != IGNORE_INDEX, state.cp_group)
-    return loss_fn
+        return token_weighted_mean(token_loss, labels != IGNORE_INDEX, self.state.cp_group)
 
 
 def pipeline_config(sequence_parallel: bool) -> Dict[str, Any]:
@@ -209,7 +226,7 @@ def build_pipeline(config: GPTConfig, state: ParallelState, activation_checkpoin
     return GPTPipelineModule(tp_group=state.tp_group, parts=parts, experts=experts,
                              layers=layer_specs(config, state),
                              topology=state.topology,
-                             loss_fn=make_loss_fn(state),
+                             loss_fn=TokenMeanLoss(state),
                              partition_method="type:Block",
                              activation_checkpoint_interval=activation_checkpoint_interval,
                              # Without it DeepSpeed would checkpoint the embedding layers too (contract 9).

@@ -64,7 +64,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0)
 
         # The logits are saved as an alias (not through save_for_backward) so that a caller that
-        # consumes them can drop its own reference's memory (model/gpt/pipe.py: make_loss_fn).
+        # consumes them can drop its own reference's memory (model/gpt/pipe.py: TokenMeanLoss).
         ctx.logits, ctx.version = flat.detach(), logits._version
         ctx.save_for_backward(logits_max, sum_exp, local_target, outside, ignored)
         ctx.chunk, ctx.consume, ctx.shape = chunk, consume_logits, logits.shape

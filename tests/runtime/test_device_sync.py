@@ -76,7 +76,7 @@ def _one_step_on_a_recording_accelerator():
             drawn.append((x, y))
             yield x, y
 
-    loss, seconds = loop.timed_train_batch(engine, drawing(on_device(iter(host), device)))
+    loss, seconds = loop.timed_train_batch(engine, lambda: drawing(on_device(iter(host), device)))
 
     # The clock stops after the device is done: the step's last compute (the optimizer step,
     # asynchronous on a GPU), then the sync, then the clock.
