@@ -9,6 +9,8 @@ from typing import Any, Dict, Optional
 
 ROUTERS = ("softmax_topk", "topk_softmax")
 ROUTER_DTYPES = ("fp32", "activations")
+BALANCES = ("aux_loss", "bias", "none")
+BALANCE_SCOPES = ("micro_batch", "global_batch")
 MOE_SWITCHES = ("router", "norm_topk_prob")
 """The switches of this section an `arch` preset fills when the recipe leaves them null."""
 
@@ -39,9 +41,25 @@ class MoEConfig:
     moe_every: int = 1
     """Block i (from 0) is an MoE block when (i + 1) % moe_every == 0 (Qwen3-MoE's
     decoder_sparse_step): 1 makes every block MoE, 2 every second one; the others keep the dense MLP."""
+    balance: str = "aux_loss"
+    """How the experts' load is kept even (docs/architectures.md, "Load balancing"). aux_loss: the
+    load-balancing loss below; bias: DeepSeek-V3's auxiliary-loss-free balancing (Liu et al. 2024,
+    sec. 2.1.2): a per-expert bias added to the router probabilities for the top-k choice only (the
+    weights stay the probabilities), moved by bias_update_rate after each step, up for the experts that
+    received fewer than the mean assignments of the step and down for the others; none: neither."""
+    balance_scope: str = "micro_batch"
+    """balance=aux_loss: over which tokens f_e is counted. micro_batch: each micro-batch's own (Switch,
+    Mixtral, OLMoE); global_batch: a whole step's global batch, across micro-batches and DP (Qiu et
+    al. 2025, Qwen3), which lets single micro-batches specialise. A step's counts are complete only
+    after its last forward, and 1F1B runs backward passes before that, so the step uses the previous
+    step's counts (the first step: uniform, so no balancing gradient); this is the same at every
+    layout and micro-batch size, where Megatron-LM's running average over the micro-batches seen so
+    far is not."""
+    bias_update_rate: float = 0.001
+    """balance=bias: the bias update speed gamma (DeepSeek-V3: 0.001 for most of its training)."""
     aux_loss_coef: float = 0.01
-    """Weight of the load-balancing loss (Switch Transformer, Fedus et al. 2022, eq. 4, in transformers'
-    normalisation: E * sum_e f_e * P_e, f_e the share of the k assignments per token that go to expert e,
+    """balance=aux_loss: weight of the load-balancing loss (Switch Transformer, Fedus et al. 2022, eq. 4,
+    in transformers' normalisation: E * sum_e f_e * P_e, f_e the share of the k assignments per token that go to expert e,
     so a balanced router scores k), averaged over the MoE blocks. Mixtral 0.02, OLMoE 0.01, Qwen3 0.001."""
     z_loss_coef: float = 0.0
     """Weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5: the mean squared logsumexp of the
@@ -78,6 +96,16 @@ class MoEConfig:
         if self.router == "topk_softmax" and self.norm_topk_prob is False:
             raise ValueError("model.moe.router=topk_softmax with model.moe.norm_topk_prob=false: a softmax over "
                              "the k chosen logits always sums to 1; use router=softmax_topk for unnormalised weights")
+        if self.balance not in BALANCES:
+            raise ValueError(f"model.moe.balance={self.balance!r} is not one of {', '.join(BALANCES)}")
+        if self.balance_scope not in BALANCE_SCOPES:
+            raise ValueError(f"model.moe.balance_scope={self.balance_scope!r} is not one of {', '.join(BALANCE_SCOPES)}")
+        if self.balance_scope == "global_batch" and self.balance != "aux_loss":
+            raise ValueError(f"model.moe.balance_scope=global_batch counts the load-balancing loss over the global "
+                             f"batch, but model.moe.balance={self.balance!r} has no such loss; set balance=aux_loss "
+                             f"or balance_scope=micro_batch")
+        if self.bias_update_rate < 0:
+            raise ValueError(f"model.moe.bias_update_rate={self.bias_update_rate} must be >= 0")
         if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
             raise ValueError(f"model.moe.aux_loss_coef={self.aux_loss_coef} and model.moe.z_loss_coef="
                              f"{self.z_loss_coef} must be >= 0")

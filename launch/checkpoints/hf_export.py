@@ -77,10 +77,12 @@ def hf_tensors(layers: Dict[int, List[Path]], config: GPTConfig) -> Iterator[Tup
     from model.hf.convert import merge_layer_states
     from model.hf.shards import hf_sources
     from model.hf.source import stored_tensors
+    from model.transformer.moe import BALANCE_STATE
     sources = hf_sources(config)
     for layer, files in sorted(layers.items()):
         for name, full in merge_layer_states({layer: _read_layer(files)}, config, config.vocab_size).items():
-            yield from stored_tensors(sources[name], full)
+            if name.rsplit(".", 1)[-1] not in BALANCE_STATE:  # training state, no part of the exported model
+                yield from stored_tensors(sources[name], full)
 
 
 def dense_gpt(config: GPTConfig, dense):

@@ -184,6 +184,17 @@ def _saved_group(group: dict, saved_groups: List[dict]) -> dict:
     return next((saved for saved in saved_groups if kind(saved) == kind(group)), saved_groups[0])
 
 
+def _load_balance_state(module: nn.Module, ckpt: Path) -> None:
+    """The MoE routers' balancing state (model/transformer/moe_balance.py): buffers, replicated over
+    TP, EP and DP, so read from the layer's own file of TP rank 0 (DeepSpeed's module.state_dict(),
+    keyed by the global layer index at every layout)."""
+    from model.transformer.moe import BALANCE_STATE
+    for name, buffer in module.named_buffers():
+        layer, key = name.split(".", 1)
+        if key.rsplit(".", 1)[-1] in BALANCE_STATE:
+            buffer.copy_(_load_deepspeed_file(ckpt / f"layer_{int(layer):02d}-model_00-model_states.pt")[key])
+
+
 @torch.no_grad()
 def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, int], state: ParallelState,
                    layers: ModelConfig, vocab_size: int, padded_vocab_size: int) -> None:
@@ -217,6 +228,7 @@ def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, i
         param.copy_(shards[FP32].to(param.dtype))  # the training-dtype copy DeepSpeed's step makes
         del full, shards  # before the next parameter is read: one parameter's state at a time
 
+    _load_balance_state(module, ckpt)
     model_states = _load_deepspeed_file(_model_file(ckpt, 0))
     engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
     engine.global_steps = model_states["global_steps"]

@@ -8,7 +8,7 @@ recorded the same micro-batch, so the sum is divided by cp) and over the pipelin
 holds its own blocks)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,21 +18,31 @@ if TYPE_CHECKING:  # annotations only
     from model.config import GPTConfig
 
 
-def moe_step_record(engine: PipelineEngine, config: GPTConfig, cp_size: int) -> Dict[str, Any]:
-    """aux_loss, z_loss, expert_load_max_over_mean (the largest over the MoE blocks) and expert_load
-    (per MoE block, the assignments each expert received this step); {} for a dense model.
-    Collective over the world: every rank calls it after each step."""
-    from model.transformer.moe_losses import loss_summary, stage_statistics
+def gather_step_records(engine: PipelineEngine, config: GPTConfig, cp_size: int) -> Optional[torch.Tensor]:
+    """The step's router records of every block, (n_layer, 3 + E) on the host (moe_losses.py:
+    MoEStatistics), each micro-batch counted once; None for a dense model. Collective over the
+    world: every rank calls it after each step."""
+    from model.transformer.moe_losses import stage_statistics
     if not config.moe.enabled:
-        return {}
+        return None
     statistics = stage_statistics(engine.module)  # None on a stage without MoE blocks (moe_every > 1)
     width = 3 + config.moe.num_experts
     records = statistics.take() if statistics is not None else torch.zeros(config.n_layer, width, dtype=torch.float64)
     records = records.to(engine.device)
     dist.all_reduce(records, group=engine.grid.get_data_parallel_group())
     dist.all_reduce(records, group=engine.grid.get_pipe_parallel_group())
+    return records.cpu() / cp_size
+
+
+def moe_step_record(records: Optional[torch.Tensor], config: GPTConfig) -> Dict[str, Any]:
+    """aux_loss, z_loss, expert_load_max_over_mean (the largest over the MoE blocks) and expert_load
+    (per MoE block, the assignments each expert received this step) from `gather_step_records`;
+    {} for a dense model."""
+    from model.transformer.moe_losses import loss_summary
+    if records is None:
+        return {}
     moe_blocks = [i for i in range(config.n_layer) if config.moe.is_moe_block(i)]
-    return loss_summary(records.cpu() / cp_size, moe_blocks)
+    return loss_summary(records, moe_blocks)
 
 
 def charted_moe_metrics(record: Dict[str, Any]) -> Dict[str, float]:

@@ -15,13 +15,14 @@ ours instead, cut from the run's one topology (model/parallel/state.py, contract
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 import torch.distributed as dist
 
 if TYPE_CHECKING:  # annotations only
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from launch.config.layout import Layout
+    from model.config import GPTConfig
     from model.parallel.state import ParallelState
 
 
@@ -66,3 +67,15 @@ def set_router_loss_scale(engine: PipelineEngine, layout: Layout) -> None:
     statistics = stage_statistics(engine.module)
     if statistics is not None:
         statistics.backward_scale = layout.cp * loss_scale(engine) / layout.grad_accum_steps
+
+
+def after_moe_step(engine: PipelineEngine, config: GPTConfig, layout: Layout) -> Dict[str, Any]:
+    """After each optimizer step: the step's router metrics (launch/instruments/moe_metrics.py), and
+    the routers' balancing state moved from the step's expert load (model/transformer/moe_balance.py).
+    {} for a dense model. Collective over the world: every rank calls it."""
+    from launch.instruments.moe_metrics import gather_step_records, moe_step_record
+    from model.transformer.moe_balance import balance_after_step
+    records = gather_step_records(engine, config, layout.cp)
+    if records is not None:
+        balance_after_step(engine.module, records[:, 3:], config.moe)
+    return moe_step_record(records, config)

@@ -90,9 +90,8 @@ def run_training(job: TrainingJob) -> None:
     from launch.instruments.stragglers import StragglerWatch, gather_seconds, gather_stage_hosts
     from launch.instruments.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak,
                                             run_arithmetic, step_peaks)
-    from launch.instruments.moe_metrics import moe_step_record
     from launch.runtime.distributed import shut_down_distributed, start_rank
-    from launch.runtime.experts import set_router_loss_scale
+    from launch.runtime.experts import after_moe_step, set_router_loss_scale
     from launch.runtime.compiler import blocks_to_compile
     from launch.runtime.engine import build_engine, print_role_map
     from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
@@ -167,7 +166,7 @@ def run_training(job: TrainingJob) -> None:
                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved,
                   "data_wait_s": data_wait, "compute_s_by_rank": compute_by_rank}
-        record.update(moe_step_record(engine, config, layout.cp))  # collective; {} without experts
+        record.update(after_moe_step(engine, config, layout))  # collective; {} without experts
         record.update(data.step_record(samples))
         if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
             record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device))

@@ -23,6 +23,7 @@ from model.gpt.layer_table import dense_prefix, pipeline_layers
 from model.hf.gpt2 import gpt2_name_pairs
 from model.parallel.layers import split_rows
 from model.transformer.llama import gate_up_sections, qkv_sections
+from model.transformer.moe import BALANCE_STATE
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -187,6 +188,10 @@ def load_dense_into(module: nn.Module, dense: StateDict, layers: Optional[ModelC
             raise ValueError(f"{key}: the weights give a shard of {tuple(shard.shape)} on tp rank {tp_rank} "
                              f"of {tp_size}, the model has {tuple(param.shape)}")
         param.copy_(shard)
+    for name, buffer in module.named_buffers():  # the routers' balancing state: replicated, fp32
+        key = dense_name(name, layers) if layers is not None else name
+        if name.rsplit(".", 1)[-1] in BALANCE_STATE and key in dense:  # absent in transformers' weights: a fresh start
+            buffer.copy_(dense[key])
 
 
 # ------------------------------------------------------------------ GPT-2 (transformers) -> dense

@@ -79,6 +79,8 @@ def moe_incompatibilities(config: GPTConfig) -> List[str]:
                 if getattr(config, key) != want]
     if config.qk_norm != family.qk_norm:
         problems.append(f"model.qk_norm={config.qk_norm!r} (its q/k norm is {family.qk_norm!r})")
+    if moe.balance == "bias":
+        problems.append("model.moe.balance='bias' (its router has no per-expert bias)")
     if moe.shared_experts:
         problems.append(f"model.moe.shared_experts={moe.shared_experts} (it has no shared experts)")
     if family.renormalises and not renormalised(moe):

@@ -63,16 +63,19 @@ def expert_generator(config: GPTConfig, layer_index: int, expert: int) -> torch.
     return torch.Generator().manual_seed(config.seed * 1_000_003 + stream + 10)
 
 
-def route(logits: torch.Tensor, k: int, router: str, norm_topk_prob: bool
+def route(logits: torch.Tensor, k: int, router: str, norm_topk_prob: bool, bias: Optional[torch.Tensor] = None
           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(N, E) logits -> (weights (N, k) fp32, experts (N, k) int64, probabilities (N, E) fp32).
 
     The k experts are those of the largest logits, ties to the lower index (a stable sort: the
     same choice at every layout). softmax_topk: their softmax probabilities, divided by their sum
-    with norm_topk_prob; topk_softmax: a softmax over their k logits (the same, up to rounding)."""
+    with norm_topk_prob; topk_softmax: a softmax over their k logits (the same, up to rounding).
+    With `bias` (E,) (model.moe.balance=bias) the k largest probabilities plus bias are chosen, the
+    weights unchanged (DeepSeek-V3's auxiliary-loss-free balancing)."""
     logits = logits.float()
     probs = functional.softmax(logits, dim=-1)
-    experts = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
+    scores = logits if bias is None else probs + bias
+    experts = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
     if router == "topk_softmax":
         weights = functional.softmax(logits.gather(1, experts), dim=-1)
     else:
@@ -118,6 +121,9 @@ class ExpertMLPs(nn.Module):
         return grouped_linear(functional.silu(gate) * up, self.down_proj, rows)
 
 
+BALANCE_STATE = ("expert_bias", "step_load")
+
+
 class Router(nn.Module):
     """logits = x W_r^T, (..., h) -> (..., E); W_r (E, h) replicated over TP, drawn from the block's generator.
 
@@ -128,16 +134,35 @@ class Router(nn.Module):
 
     Always through the deferrable linear (model/parallel/weight_grad.py), in 1F1B too: for so few output rows
     functional.linear's own backward orders the weight gradient's GEMM differently (measured: 1e-11
-    apart on CPU), and ZB-H1, which defers it, would no longer be 1F1B to the bit."""
+    apart on CPU), and ZB-H1, which defers it, would no longer be 1F1B to the bit.
+
+    The balancing state, fp32 buffers saved with the weights (model/transformer/moe_losses.py:
+    balance_after_step updates them after each step, the same on every rank): `expert_bias` (E,)
+    with model.moe.balance=bias; `step_load` (E,), f_e of the last step's global batch, with
+    balance_scope=global_batch (uniform, k/E, before the first step)."""
 
     def __init__(self, config: GPTConfig, generator: torch.Generator):
         super().__init__()
-        full = torch.empty(config.moe.num_experts, config.n_embd).normal_(0.0, config.init_std, generator=generator)
+        moe = config.moe
+        full = torch.empty(moe.num_experts, config.n_embd).normal_(0.0, config.init_std, generator=generator)
         self.weight = nn.Parameter(full)
-        self.dtype = torch.float32 if config.moe.router_dtype == "fp32" else None
+        self.dtype = torch.float32 if moe.router_dtype == "fp32" else None
+        if moe.balance == "bias":
+            self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
+        if moe.balance_scope == "global_batch":
+            self.register_buffer("step_load", torch.full((moe.num_experts,), moe.experts_per_token / moe.num_experts))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return DeferrableLinear.apply(tokens, self.weight, None, self.dtype)
+
+    def _apply(self, fn, recurse=True):
+        """Module.to / .bfloat16 move the balancing state but keep it fp32: a bias moved by 0.001 per
+        step would stall in bf16, whose spacing at 0.05 is 0.0002-0.0005."""
+        kept = {name: buffer for name, buffer in self._buffers.items() if name in BALANCE_STATE}
+        super()._apply(fn, recurse)
+        for name, buffer in kept.items():
+            self._buffers[name] = buffer.to(device=self._buffers[name].device)
+        return self
 
 
 class MoEMLP(nn.Module):
@@ -174,11 +199,13 @@ class MoEMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T_local, h = x.shape
         logits = self.router(x).reshape(-1, self.num_experts)  # (B*T_local, E): this rank's tokens (its SP chunk)
-        weights, experts, probs = route(logits, self.k, self.router_kind, self.norm_topk_prob)
+        weights, experts, probs = route(logits, self.k, self.router_kind, self.norm_topk_prob,
+                                        getattr(self.router, "expert_bias", None))
         losses = None
         if torch.is_grad_enabled():  # training (a recomputed forward included), not evaluation
             losses = router_losses(logits, probs, experts, self.statistics, self.layer_index,
-                                   self.tp_group if self.sequence_parallel else None, self.cp_group)
+                                   self.tp_group if self.sequence_parallel else None, self.cp_group,
+                                   getattr(self.router, "step_load", None))
         weights = weights.to(x.dtype).view(B, T_local, self.k)
         experts = experts.view(B, T_local, self.k)
         if self.sequence_parallel:  # (B, T/t, .) -> (B, T, .): every TP rank runs its expert shards on all tokens

@@ -4,7 +4,9 @@
   E * sum_e f_e * P_e, with f_e the number of assignments to expert e over the number of tokens (the
   f_e sum to k) and P_e the mean router probability of e; averaged over the MoE blocks, times
   model.moe.aux_loss_coef. transformers pools the blocks' counts before the product; here each
-  block is balanced on its own, as Megatron-LM does.
+  block is balanced on its own, as Megatron-LM does. With balance_scope=global_batch f_e is the
+  last step's over the global batch (the router's step_load: model/transformer/moe_balance.py); with
+  balance other than aux_loss the loss is only recorded, not trained on.
 - z-loss (ST-MoE, Zoph et al. 2022, eq. 5): the mean over tokens of logsumexp(logits)^2, averaged
   over the MoE blocks, times model.moe.z_loss_coef.
 
@@ -34,7 +36,9 @@ class MoEStatistics:
     def __init__(self, config) -> None:
         moe = config.moe
         self.num_experts = moe.num_experts
-        self.aux_loss_coef, self.z_loss_coef = moe.aux_loss_coef, moe.z_loss_coef
+        # The load-balancing loss joins the objective with balance=aux_loss only (model/moe_config.py).
+        self.aux_loss_coef = moe.aux_loss_coef if moe.balance == "aux_loss" else 0.0
+        self.z_loss_coef = moe.z_loss_coef
         moe_blocks = [i for i in range(config.n_layer) if moe.is_moe_block(i)]
         self.block_weight = 1.0 / max(1, len(moe_blocks))  # the losses are means over the MoE blocks
         self.backward_scale = 1.0
@@ -71,12 +75,16 @@ def _sum_over(x: torch.Tensor, groups: List[Group]) -> torch.Tensor:
 
 
 def router_losses(logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, statistics: MoEStatistics,
-                  layer_index: int, sequence_group: Group, cp_group: Group) -> Optional[torch.Tensor]:
+                  layer_index: int, sequence_group: Group, cp_group: Group,
+                  step_load: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """This rank's differentiable share of the block's weighted router losses (None when both
     coefficients are 0), and the micro-batch's values recorded in `statistics`.
 
     logits, probs: (N, E) of this rank's tokens; experts: (N, k). `sequence_group`: the TP group
-    when the tokens are sequence-parallel chunks, else None; `cp_group`: the CP group."""
+    when the tokens are sequence-parallel chunks, else None; `cp_group`: the CP group. `step_load`
+    (E,): f_e of the last step's global batch (balance_scope=global_batch), used instead of the
+    micro-batch's own; every micro-batch has the same tokens, so DeepSpeed's mean over the
+    micro-batches and replicas makes P_e the step's mean probability."""
     E = logits.size(1)
     lse_squared = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()  # this rank's tokens
     prob_sum = probs.sum(dim=0)  # (E,)
@@ -85,7 +93,7 @@ def router_losses(logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tens
                         torch.full((1,), float(logits.size(0)), dtype=probs.dtype, device=probs.device)])
     totals = _sum_over(totals, [sequence_group, cp_group])  # the micro-batch's tokens
     counts, total_prob, total_lse_squared, tokens = totals[:E], totals[E:2 * E], totals[2 * E], totals[2 * E + 1]
-    share = counts / tokens  # f_e
+    share = counts / tokens if step_load is None else step_load.to(probs.dtype)  # f_e
     statistics.record(layer_index, aux=E * (share * total_prob).sum() / tokens, z=total_lse_squared / tokens,
                       counts=counts)
     if statistics.aux_loss_coef == 0 and statistics.z_loss_coef == 0:

@@ -367,6 +367,13 @@ def _refusal(config: GPTConfig) -> str:
     return message
 
 
+def test_export_refuses_expert_biases():
+    """balance=bias routes by probability plus a learned per-expert bias: transformers' MoE families
+    route by probability alone, so the exported model would choose other experts."""
+    config = dataclasses.replace(CASES["qwen3_moe"], moe=dataclasses.replace(CASES["qwen3_moe"].moe, balance="bias"))
+    assert "model.moe.balance='bias' (its router has no per-expert bias)" in _refusal(config)
+
+
 def test_export_refuses_shared_experts_in_one_line_with_exit_2(tmp_path, monkeypatch, capsys):
     config = dataclasses.replace(CASES["qwen3_moe"], moe=dataclasses.replace(CASES["qwen3_moe"].moe, shared_experts=1))
     assert _refusal(config).startswith("Qwen3MoeForCausalLM cannot express the checkpoint's model: "

@@ -14,18 +14,11 @@ import math
 
 import pytest
 
-from helpers.parity_runs import ACCEPTANCE_RUNS, CP_LAYOUTS, LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS, layout_id
+from helpers.parity_runs import (ACCEPTANCE_RUNS, BF16_RTOL, CP_LAYOUTS, LAYOUTS, REFERENCE, SP_LAYOUTS, STEPS,
+                                 layout_id)
 from helpers.launcher import TINY, launch_forked, read_metrics
 
 RTOL = 1e-5
-# Measured (docs/performance.md, "Layout parity in bf16 and fp16"; deterministic on one machine):
-# the losses of (2,2,2) within 7.2e-5 of a bf16 (1,1,1), of (1,2,1) within 1.8e-5; gradient norms
-# within 1.7e-4 except step 2 of (2,2,2), 5.2e-3 (step 1: 1.1e-4; likely Adam, which divides each
-# element's update by its own gradient's magnitude, so elements whose gradient is at bf16's rounding
-# noise move by a full lr in a layout-dependent direction, and the next gradient norm shows it). The
-# loss tolerance leaves 14x headroom and is 5x below the smallest change one step makes to the loss
-# here (a layout a step ahead or behind fails); 4x for the norm.
-BF16_RTOL = {"loss": 1e-3, "val_loss": 1e-3, "grad_norm": 2e-2}
 # (2,2,2) with sequence parallelism: DeepSpeed's BF16 optimizer (pp > 1) keeps the gradients in its
 # own fp32 buffers, which the once-per-step TP sum of the sequence-parallel parameters must reach.
 # (tp, pp, dp) = (1,1,1) at cp 2: the fused fp32 accumulation and the fp32 DP all-reduce over DeepSpeed's

@@ -16,7 +16,7 @@ from helpers.distributed import run_distributed, uses_deepspeed
 from launch.analysis.zero_bubble_schedule import BackwardInputPass, WeightPass
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml"
-# tests/e2e/test_parity.py's BF16_RTOL: the layouts' bf16 agreement, for the step after the first update
+# tests/helpers/parity_runs.py's BF16_RTOL: the layouts' bf16 agreement, for the step after the first update
 BF16_RTOL = {"loss": 1e-3, "grad_norm": 2e-2}
 # The first step's gradients differ only by the bf16 rounding of each micro-batch's weight gradient,
 # which the fusion skips: at most bf16's unit roundoff, 2**-9, of each of its terms.

@@ -209,6 +209,62 @@ def test_grouped_linear_matches_a_linear_per_expert(monkeypatch, grouped):
     torch.testing.assert_close(main, 1 + w_ref.grad)
 
 
+def test_expert_biases_change_the_choice_and_not_the_weights():
+    """balance=bias (DeepSeek-V3): the k largest probabilities plus bias are chosen; the weights are
+    the chosen experts' own probabilities, renormalised as without a bias."""
+    logits = _randn(32, 8, seed=4)
+    probs = functional.softmax(logits, dim=-1)
+    bias = torch.tensor([0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.3])
+    weights, experts, _ = route(logits, 2, "softmax_topk", True, bias)
+    expected = torch.topk(probs + bias, 2, dim=-1).indices
+    assert torch.equal(experts, expected) and not torch.equal(experts, torch.topk(logits, 2).indices)
+    chosen = probs.gather(1, expected)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))
+
+
+def test_the_balancing_state_moves_after_a_step():
+    """From a step's assignments per expert: each bias moves by the rate toward the mean load (up for
+    an expert below it, down above, unchanged at it), and balance_scope=global_batch keeps the share
+    k * c_e / sum(c) for the next step's loss; both stay fp32 in a bf16 module."""
+    from model.transformer.moe_balance import balance_after_step
+    load = torch.tensor([[5.0, 1.0, 3.0, 3.0, 0.0, 4.0, 3.0, 5.0]])  # mean 3
+    for balance, scope in (("bias", "micro_batch"), ("aux_loss", "global_batch")):
+        config = dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, balance=balance, balance_scope=scope,
+                                                                     bias_update_rate=0.01))
+        moe = _build(config).bfloat16()
+        balance_after_step(moe, load, config.moe)
+        balance_after_step(moe, load, config.moe)
+        if balance == "bias":
+            assert moe.router.expert_bias.dtype == torch.float32
+            torch.testing.assert_close(moe.router.expert_bias,
+                                       torch.tensor([-0.02, 0.02, 0.0, 0.0, 0.02, -0.02, 0.0, -0.02]))
+        else:
+            assert moe.router.step_load.dtype == torch.float32
+            torch.testing.assert_close(moe.router.step_load, 2 * load[0] / 24)
+
+
+def test_global_batch_balance_takes_f_from_the_last_step():
+    """balance_scope=global_batch: the load-balancing loss is E * sum_e f_e P_e with f the router's
+    step_load (the last step's shares) and P this micro-batch's mean probabilities: its gradient
+    equals autograd's of that formula. Before any step f is uniform (k/E), which gives none."""
+    config = dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, balance_scope="global_batch",
+                                                                 z_loss_coef=0.0))
+    moe, x = _build(config), _inputs(0)
+    for f in (torch.full((8,), 2 / 8), torch.tensor([0.5, 0.1, 0.2, 0.3, 0.0, 0.4, 0.3, 0.2])):
+        moe.router.step_load.copy_(f)
+        moe.zero_grad()
+        (moe(x) * 0.0).sum().backward()
+        weight = moe.router.weight.detach().clone().requires_grad_()
+        probs = functional.softmax(functional.linear(x.reshape(-1, x.size(-1)), weight), dim=-1)
+        aux = 8 * (f * probs.mean(0)).sum() * config.moe.aux_loss_coef / 2  # the mean over n_layer=2 blocks' weight
+        aux.backward()
+        torch.testing.assert_close(moe.router.weight.grad, weight.grad, rtol=1e-5, atol=1e-9)
+    moe.router.step_load.fill_(2 / 8)
+    moe.zero_grad()
+    (moe(x) * 0.0).sum().backward()
+    assert moe.router.weight.grad.abs().max() < 1e-8
+
+
 def test_evaluation_records_nothing():
     moe = _build(CONFIG)
     with torch.no_grad():

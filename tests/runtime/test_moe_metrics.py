@@ -158,7 +158,7 @@ def test_a_uniform_router_scores_k():
 def _engine_body(tp, pp, cp, ep, sequence_parallel):
     """One step of N_MICRO micro-batches under full recompute, then moe_step_record against the
     count over every rank's hooked inputs; then an evaluation that records nothing."""
-    from launch.instruments.moe_metrics import moe_step_record
+    from launch.instruments.moe_metrics import gather_step_records, moe_step_record
     from model.parallel.context_parallel import sequence_shards
     from model.transformer.moe_losses import stage_statistics
     from model.parallel.state import init_parallel_state
@@ -189,7 +189,7 @@ def _engine_body(tp, pp, cp, ep, sequence_parallel):
                        for b in range(config.n_layer)}
     assert totals[..., :E].sum() == state.dp_size * N_MICRO * config.n_layer * MICRO * config.seq_len * K
 
-    record = moe_step_record(engine, config, state.cp_size)  # collective, as the run loop calls it
+    record = moe_step_record(gather_step_records(engine, config, state.cp_size), config)  # collective, as the run's
     assert_summary(record, expected_summary(per_micro_batch))
 
     engine.eval_batch(data_iter=sequence_shards(iter(_batches(200 + state.dp_rank)), state.cp_rank, state.cp_size))
