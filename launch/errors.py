@@ -8,6 +8,11 @@ class ConfigError(Exception):
     """Bad user input: printed as one line, exit code 2, before any heavy work."""
 
 
+class AlreadyFinished(Exception):
+    """Not an error: a rerun (a scheduler's requeue) of a run whose checkpoint is at its last step.
+    Printed as one line, exit code 0."""
+
+
 BAD_INPUT_EXIT = 2
 
 

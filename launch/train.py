@@ -6,11 +6,12 @@ Order of work: parse and validate everything (exit 2 on bad input, launch/runtim
 then start torch.distributed, build the pipeline and DeepSpeed engine, then train
 (launch/runtime/loop.py).
 """
+import os
 import sys
 from typing import List, Optional
 
 from data.spec import DataError
-from launch.errors import ConfigError, report_bad_input
+from launch.errors import AlreadyFinished, ConfigError, report_bad_input
 from launch.runtime.cli import parse_training_args
 
 
@@ -24,6 +25,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         job = prepare_training_job(args)
     except (ConfigError, DataError) as e:
         return report_bad_input(e)
+    except AlreadyFinished as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(e, flush=True)
+        return 0
     try:
         from launch.runtime.loop import run_training
         run_training(job)

@@ -8,9 +8,10 @@ unreadable complete.json or `latest` is an error, never a reason to take an olde
 import dataclasses
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from launch.errors import ConfigError
 from model.config import ARCH_SWITCHES, ModelConfig
@@ -84,12 +85,46 @@ def find_resume_point(load: Path, save: Optional[Path], is_writer: bool) -> Opti
     that holds no checkpoint yet (missing, empty, or only saves cut short and set aside): then the
     run starts at step 1 and says so, so that a scheduler can rerun one command line after a
     preemption or a failure. A `--load` of its own that holds nothing stays an error (a typo)."""
-    if save is not None and load.resolve() == save.resolve() and _no_checkpoint_yet(load):
+    requeued = save is not None and load.resolve() == save.resolve()
+    if requeued and _no_checkpoint_yet(load):
         if is_writer:
             print(f"--load {load}: no checkpoint there yet; starting at step 1 (rerun the same command to "
                   f"resume from its checkpoints)", flush=True)
         return None
+    if requeued and load.is_dir() and not (load / LATEST).exists():
+        newest = _newest_of_one_run(load)
+        if newest is not None:  # a save killed between its complete.json and `latest` (the first one has none)
+            if is_writer:
+                print(f"--load {load}: no {LATEST} file; resuming from {newest}, the newest complete checkpoint, "
+                      f"whose history holds every other one there", flush=True)
+            return find_checkpoint(load / newest)
     return find_checkpoint(load)
+
+
+def history(root: Path, tag: Optional[str]) -> List[Path]:
+    """The tag directories of `tag`'s history in `root`, newest first: each complete.json names
+    its parent. A manifest that cannot be read ends the walk: pruning only deletes what it is sure of."""
+    chain: List[Path] = []
+    while tag is not None and (root / tag / COMPLETE).is_file() and root / tag not in chain:
+        chain.append(root / tag)
+        try:
+            tag = json.loads((root / tag / COMPLETE).read_text()).get("parent")
+        except (OSError, ValueError, AttributeError) as e:
+            print(f"warning: the history of {root / tag} stops there: its {COMPLETE} cannot be read ({e})",
+                  file=sys.stderr, flush=True)
+            break
+    return chain
+
+
+def _newest_of_one_run(root: Path) -> Optional[str]:
+    """The newest complete tag of `root` when every complete tag there lies in its history (the parent
+    chain of the manifests: one run's saves), else None (which continues the run is not recorded)."""
+    complete = sorted(p.name for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None
+                      and (p / COMPLETE).exists())
+    if not complete:
+        return None
+    chain = {p.name for p in history(root, complete[-1])}
+    return complete[-1] if chain >= set(complete) else None
 
 
 def _no_checkpoint_yet(root: Path) -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from launch.checkpoints.expert_files import experts_apart, has_experts, load_experts, save_experts
-from launch.checkpoints.locate import COMPLETE, FUSED_LLAMA, LATEST, CheckpointRef, same_layout, step_of, tag_for
+from launch.checkpoints.locate import (COMPLETE, FUSED_LLAMA, LATEST, CheckpointRef, history, same_layout, step_of,
+                                       tag_for)
 from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
 from launch.errors import ConfigError
 
@@ -147,7 +147,8 @@ def _prune_in_background(root: Path, tag: str, keep_last: int) -> None:
     global _pruning
     if keep_last < 1:
         return
-    for old in history(root, tag)[keep_last:]:
+    # This run's history beyond the newest keep_last, and the tags earlier runs left aside at start.
+    for old in history(root, tag)[keep_last:] + sorted(root.glob("abandoned-*")):
         old.rename(root / f"{PRUNING}{old.name}-{time.time_ns()}")
     if _pruning is not None:
         _pruning.join()
@@ -160,21 +161,6 @@ def _prune_in_background(root: Path, tag: str, keep_last: int) -> None:
 def _delete(directories: List[Path]) -> None:
     for d in directories:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def history(root: Path, tag: str) -> List[Path]:
-    """The tag directories of `tag`'s history in `root`, newest first: each complete.json names
-    its parent. A manifest that cannot be read ends the walk: pruning only deletes what it is sure of."""
-    chain: List[Path] = []
-    while tag is not None and (root / tag / COMPLETE).is_file() and root / tag not in chain:
-        chain.append(root / tag)
-        try:
-            tag = json.loads((root / tag / COMPLETE).read_text()).get("parent")
-        except (OSError, ValueError, AttributeError) as e:
-            print(f"warning: --keep-last stops at {root / tag}: its {COMPLETE} cannot be read ({e})",
-                  file=sys.stderr, flush=True)
-            break
-    return chain
 
 
 def load(engine: PipelineEngine, ref: CheckpointRef, layout: Dict[str, int], state: ParallelState, config: GPTConfig) -> Dict[str, Any]:

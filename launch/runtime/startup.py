@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 from launch.analysis.partition import with_stage_boundaries
 from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe
-from launch.errors import ConfigError
+from launch.errors import AlreadyFinished, ConfigError
 from launch.runtime.cli import training_recipe
 from launch.runtime.distributed import check_precision_supported, ensure_single_process_env, on_cpu
 from launch.runtime.run_inputs import load_run_data, resolved_recipe_dict
@@ -58,6 +58,10 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
         from launch.checkpoints.locate import check_compatible
         check_compatible(resume_from, resolved_recipe_dict(recipe, vocab_size), vars(layout))
         data.check_data_state(resume_from.meta.get("data_state"), resume_from.meta["samples"])
+        if resume_from.meta["step"] >= recipe.train.steps and args.save is not None \
+                and args.load.resolve() == args.save.resolve():  # a requeue after the end: done, not wrong
+            raise AlreadyFinished(f"checkpoint {resume_from.path} is at step {resume_from.meta['step']} of "
+                                  f"--steps {recipe.train.steps}: the run has finished, nothing to do")
         if resume_from.meta["step"] >= recipe.train.steps:
             raise ConfigError(f"checkpoint {resume_from.path} is at step {resume_from.meta['step']}, "
                               f"not before --steps {recipe.train.steps}: nothing to train")

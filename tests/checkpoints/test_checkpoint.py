@@ -73,6 +73,38 @@ def test_one_command_line_starts_a_run_and_resumes_it(parity_runs, tmp_path, cap
             find_resume_point(load, save, is_writer=True)
 
 
+def test_a_requeue_has_no_dead_ends(parity_runs, tmp_path, monkeypatch, capsys):
+    """Issue 35: `--save DIR --load DIR` rerun after a save killed between its complete.json and
+    `latest` resumes the newest complete checkpoint when the manifests' parent chain holds every
+    complete one (the first save has no parent at all), and stays an error when it does not; a
+    rerun after the last step exits 0 with one line, where a --load of another directory is
+    refused (exit 2: nothing to train)."""
+    from launch.checkpoints.locate import find_resume_point
+    from launch.errors import ConfigError
+    ck = _copy_checkpoints(parity_runs, tmp_path)  # step 3 <- step 5, latest: step 5
+    (ck / "latest").unlink()
+    assert find_resume_point(ck, ck, is_writer=True).tag == "step00000005"
+    assert capsys.readouterr().out == (f"--load {ck}: no latest file; resuming from step00000005, the newest "
+                                       f"complete checkpoint, whose history holds every other one there\n")
+    shutil.rmtree(ck / "step00000005")  # the first save, its `latest` never written
+    assert find_resume_point(ck, ck, is_writer=False).tag == "step00000003"
+    foreign = json.loads((ck / "step00000003" / "complete.json").read_text())
+    shutil.copytree(ck / "step00000003", ck / "step00000004")  # a tag of another run: no parent link
+    with pytest.raises(ConfigError, match="no latest file but complete checkpoints"):
+        find_resume_point(ck, ck, is_writer=True)
+    assert foreign["parent"] is None
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    done = _copy_checkpoints(parity_runs, tmp_path / "done")
+    capsys.readouterr()
+    assert main(["--recipe", str(TINY), "--steps", str(STEPS), "--save", str(done), "--load", str(done)]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.splitlines()[-1] == (f"checkpoint {done / f'step{STEPS:08d}'} is at step {STEPS} of "
+                                                  f"--steps {STEPS}: the run has finished, nothing to do"), out
+    _one_line_error(["--load", str(done), "--steps", str(STEPS)], capsys, f"step {STEPS}", "nothing to train")
+
+
 def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
     """SP leaves every weight's shape and shard alone: a checkpoint saved without it (or before
     the key existed) resumes with it; a different n_embd is still refused."""
@@ -163,13 +195,14 @@ def _manifest(tag_dir: Path, parent):
 def test_keep_last_follows_the_history_not_the_names(tmp_path):
     """--keep-last 2 after a save at step 5 whose history is 5 <- 4 <- 2: step 2 goes; step 1 (an
     earlier run: step 2 has no parent) and step 3 (not in the chain) stay, where sorting by name
-    would delete steps 1-3."""
+    would delete steps 1-3. The tags a resume set aside (abandoned-*) go too."""
     from launch.checkpoints import store as checkpoint
     for step, parent in [(1, None), (2, None), (3, "step00000002"), (4, "step00000002"), (5, "step00000004")]:
         _manifest(tmp_path / f"step{step:08d}", parent)
     (tmp_path / "latest").write_text("step00000005")
     assert [p.name for p in checkpoint.history(tmp_path, "step00000005")] == \
         ["step00000005", "step00000004", "step00000002"]
+    (tmp_path / "abandoned-20261202T000000Z" / "step00000009").mkdir(parents=True)  # an earlier run's, set aside
     checkpoint._prune_in_background(tmp_path, "step00000005", keep_last=2)
     checkpoint._pruning.join()
     assert sorted(p.name for p in tmp_path.iterdir()) == \
