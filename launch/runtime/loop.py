@@ -96,7 +96,7 @@ def run_training(job: TrainingJob) -> None:
     from launch.runtime.engine import build_engine, print_role_map
     from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
     from launch.runtime.signals import StopRequest
-    from launch.runtime.step_tokens import count_step_tokens
+    from launch.runtime.step_tokens import RouterTokens, count_step_tokens
     from launch.runtime.zero_bubble import check_weight_passes_ran
     from model.parallel.context_parallel import sequence_shards
     from model.parallel.state import init_parallel_state
@@ -141,6 +141,9 @@ def run_training(job: TrainingJob) -> None:
                                 arithmetic,
                                 resume_after_step=first_step - 1 if resume_from is not None else None,
                                 wandb_run_id=resume_from.meta.get("wandb_run_id") if resume_from is not None else None)
+    # With experts every stage's routers learn which tokens count (launch/runtime/step_tokens.py).
+    routers = (RouterTokens((layout.micro_batch_size, recipe.seq_len // layout.cp), layout.cp)
+               if recipe.model.moe.enabled else None)
     report = data.repeat_report(train_cfg.steps)  # a mixture says once which sources repeat, and how often
     if report is not None and logging_rank:
         print(report, flush=True)
@@ -152,7 +155,8 @@ def run_training(job: TrainingJob) -> None:
         compute_clock.start_step()
         set_router_loss_scale(engine, layout)  # the fp16 loss scale may have changed after the last step
         # The step's loss is its mean over every counted token (model/gpt/pipe.py: TokenMeanLoss).
-        loss, seconds = timed_train_batch(engine, lambda: count_step_tokens(engine, feed, layout.grad_accum_steps))
+        loss, seconds = timed_train_batch(engine, lambda: count_step_tokens(engine, feed, layout.grad_accum_steps,
+                                                                            routers))
         if step == first_step and runs_zero_bubble(train_cfg.schedule, layout.pp):
             check_weight_passes_ran(engine)  # the hooks took: W passes computed weight gradients
         watcher.completed(step)  # the heartbeat names it if this rank is lost later

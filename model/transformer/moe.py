@@ -205,7 +205,7 @@ class MoEMLP(nn.Module):
         if torch.is_grad_enabled():  # training (a recomputed forward included), not evaluation
             losses = router_losses(logits, probs, experts, self.statistics, self.layer_index,
                                    self.tp_group if self.sequence_parallel else None, self.cp_group,
-                                   getattr(self.router, "step_load", None))
+                                   getattr(self.router, "step_load", None), self._counted_tokens(T_local))
         weights = weights.to(x.dtype).view(B, T_local, self.k)
         experts = experts.view(B, T_local, self.k)
         if self.sequence_parallel:  # (B, T/t, .) -> (B, T, .): every TP rank runs its expert shards on all tokens
@@ -227,6 +227,17 @@ class MoEMLP(nn.Module):
             y = add_to_backward(y, losses, self.statistics)
         with self.residual_dropout_rng():
             return self.dropout(y)
+
+    def _counted_tokens(self, T_local: int) -> Optional[torch.Tensor]:
+        """(B*T_local,) bool: which of the tokens this rank routes count (label not -100), from the
+        step's masks the run gave the statistics, (B, T/cp); under SP this TP rank's chunk of them."""
+        counted = self.statistics.counted(self.layer_index)
+        if counted is None:
+            return None
+        if self.sequence_parallel:
+            rank = group_rank(self.tp_group)
+            counted = counted[:, rank * T_local:(rank + 1) * T_local]
+        return counted.reshape(-1)
 
     def _routed(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """(N, h) tokens, (N, k) weights and experts -> (N, h) = sum_j weights[:, j] * expert_j(token),

@@ -46,6 +46,27 @@ class MoEStatistics:
         # Per block (by layer index): [sum of load-balancing losses, sum of z-losses, micro-batches,
         # assignments per expert (E)], summed over the recorded micro-batches; float64: exact counts.
         self.records = torch.zeros(config.n_layer, 3 + moe.num_experts, dtype=torch.float64)
+        self.step_masks: Optional[List[torch.Tensor]] = None
+        """Per micro-batch of the step, (B, T/cp) bool: which of this rank's tokens count (label not
+        -100); None: every token (a caller that drives the engine itself)."""
+        self.step_tokens: Optional[torch.Tensor] = None
+        """0-d fp32: the step's counted tokens per micro-batch and replica, N / (m x dp)."""
+        self._calls: Dict[int, int] = {}
+
+    def start_step(self, masks: List[torch.Tensor], step_tokens: torch.Tensor) -> None:
+        """Before a step (launch/runtime/step_tokens.py): its micro-batches' masks and counted tokens."""
+        self.step_masks, self.step_tokens, self._calls = masks, step_tokens, {}
+
+    @torch.compiler.disable  # Python state that changes per call: dynamo would guard on it and recompile
+    def counted(self, layer_index: int) -> Optional[torch.Tensor]:
+        """The mask of the micro-batch block `layer_index` routes now, or None. A block's router
+        losses run once per micro-batch, in micro-batch order, in 1F1B and ZB-H1 alike (under full
+        recompute in the recomputed forward, the first one being under no_grad)."""
+        if self.step_masks is None:
+            return None
+        call = self._calls.get(layer_index, 0)
+        self._calls[layer_index] = call + 1
+        return self.step_masks[call]
 
     def record(self, layer_index: int, aux: torch.Tensor, z: torch.Tensor, counts: torch.Tensor) -> None:
         """Add one micro-batch's values (0-d tensors and (E,) counts: on the device, no sync)."""
@@ -60,11 +81,13 @@ class MoEStatistics:
         return taken
 
 
-def count_assignments(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+def count_assignments(experts: torch.Tensor, num_experts: int, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(...) expert indices -> (E,) int64 assignments per expert, without a host sync: a scatter-add
-    (exact: integers), where CUDA's bincount would read the indices' min and max on the host."""
+    (exact: integers), where CUDA's bincount would read the indices' min and max on the host. With
+    `weights` (same shape, 0 or 1: which assignments count) the counts are in the weights' dtype."""
     flat = experts.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    ones = torch.ones_like(flat) if weights is None else weights.reshape(-1)
+    return torch.zeros(num_experts, dtype=ones.dtype, device=flat.device).scatter_add_(0, flat, ones)
 
 
 def _sum_over(x: torch.Tensor, groups: List[Group]) -> torch.Tensor:
@@ -76,30 +99,43 @@ def _sum_over(x: torch.Tensor, groups: List[Group]) -> torch.Tensor:
 
 def router_losses(logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, statistics: MoEStatistics,
                   layer_index: int, sequence_group: Group, cp_group: Group,
-                  step_load: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                  step_load: Optional[torch.Tensor] = None, counted: Optional[torch.Tensor] = None
+                  ) -> Optional[torch.Tensor]:
     """This rank's differentiable share of the block's weighted router losses (None when both
     coefficients are 0), and the micro-batch's values recorded in `statistics`.
 
     logits, probs: (N, E) of this rank's tokens; experts: (N, k). `sequence_group`: the TP group
     when the tokens are sequence-parallel chunks, else None; `cp_group`: the CP group. `step_load`
     (E,): f_e of the last step's global batch (balance_scope=global_batch), used instead of the
-    micro-batch's own; every micro-batch has the same tokens, so DeepSpeed's mean over the
-    micro-batches and replicas makes P_e the step's mean probability."""
+    micro-batch's own. `counted` (N,) bool: the tokens whose label is not -100 (None: all); the
+    others are left out of f, P and the z-loss, as transformers leaves out padding.
+
+    The z-loss, and P with step_load, are normalised by the step's counted tokens per micro-batch
+    and replica (`statistics.step_tokens`, when the run set it), so that DeepSpeed's mean over the
+    micro-batches and replicas makes them means over the step's counted tokens; it equals the
+    micro-batch's own count when every micro-batch counts the same."""
     E = logits.size(1)
-    lse_squared = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()  # this rank's tokens
-    prob_sum = probs.sum(dim=0)  # (E,)
-    counts = count_assignments(experts, E).to(probs.dtype)
-    totals = torch.cat([counts, prob_sum.detach(), lse_squared.detach().view(1),
-                        torch.full((1,), float(logits.size(0)), dtype=probs.dtype, device=probs.device)])
+    weight = None if counted is None else counted.to(probs.dtype)  # (N,)
+    lse_squared_per_token = torch.logsumexp(logits.float(), dim=-1).pow(2)
+    lse_squared = (lse_squared_per_token if weight is None else lse_squared_per_token * weight).sum()
+    prob_sum = (probs if weight is None else probs * weight.unsqueeze(1)).sum(dim=0)  # (E,)
+    assignment_weight = None if weight is None else weight.unsqueeze(1).expand_as(experts)
+    counts = count_assignments(experts, E, assignment_weight).to(probs.dtype)
+    tokens_here = (torch.full((1,), float(logits.size(0)), dtype=probs.dtype, device=probs.device)
+                   if weight is None else weight.sum().view(1))
+    totals = torch.cat([counts, prob_sum.detach(), lse_squared.detach().view(1), tokens_here])
     totals = _sum_over(totals, [sequence_group, cp_group])  # the micro-batch's tokens
-    counts, total_prob, total_lse_squared, tokens = totals[:E], totals[E:2 * E], totals[2 * E], totals[2 * E + 1]
+    counts, total_prob, total_lse_squared = totals[:E], totals[E:2 * E], totals[2 * E]
+    tokens = totals[2 * E + 1].clamp(min=1.0)  # a micro-batch without counted tokens: losses 0, not NaN
+    step_tokens = tokens if statistics.step_tokens is None else statistics.step_tokens.clamp(min=1.0)
     share = counts / tokens if step_load is None else step_load.to(probs.dtype)  # f_e
-    statistics.record(layer_index, aux=E * (share * total_prob).sum() / tokens, z=total_lse_squared / tokens,
+    prob_tokens = tokens if step_load is None else step_tokens  # P_e of the micro-batch, or its share of the step's
+    statistics.record(layer_index, aux=E * (share * total_prob).sum() / prob_tokens, z=total_lse_squared / step_tokens,
                       counts=counts)
     if statistics.aux_loss_coef == 0 and statistics.z_loss_coef == 0:
         return None
-    aux = E * (share * prob_sum).sum() / tokens  # this rank's share of the load-balancing loss
-    z = lse_squared / tokens
+    aux = E * (share * prob_sum).sum() / prob_tokens  # this rank's share of the load-balancing loss
+    z = lse_squared / step_tokens
     return statistics.block_weight * (statistics.aux_loss_coef * aux + statistics.z_loss_coef * z)
 
 
