@@ -180,10 +180,11 @@ def run_training(job: TrainingJob) -> None:
             metrics.log(record)
         stopping = stop.agreed()
         if args.save and (stopping or step == train_cfg.steps or (args.save_every and step % args.save_every == 0)):
-            path = store.save(engine, args.save, step, samples, saved_recipe, vars(layout),
-                              args.keep_last, is_writer=logging_rank,
-                              wandb_run_id=metrics.wandb_run_id if metrics is not None else None,
-                              data_state=data.gather_data_state(batches))
+            with stop.saving():  # a stop request's wait pauses: a save never is cut short by it
+                path = store.save(engine, args.save, step, samples, saved_recipe, vars(layout),
+                                  args.keep_last, is_writer=logging_rank,
+                                  wandb_run_id=metrics.wandb_run_id if metrics is not None else None,
+                                  data_state=data.gather_data_state(batches))
             if logging_rank:
                 print(f"saved {path}", flush=True)
         if stopping:

@@ -1,10 +1,19 @@
-"""SIGTERM / SIGINT: finish the current step, save, exit 0; a second signal exits at once; a step
-that has not ended within train.stop_grace_s (a peer frozen or gone) exits without a save.
+"""SIGTERM / SIGINT: finish the current step, save, exit 0; a step that has not ended in time (a
+peer frozen or gone) exits without a save; a later, separate signal exits at once.
 
 Ranks receive signals at different times, or not at all (DeepSpeed's launcher forwards a
 SIGTERM to its children one after the other; SLURM signals every task). So each step the
 ranks agree with one MAX all-reduce of their flags: if any rank was signalled, all stop
 after the same step and save together.
+
+What "in time" and "separate" mean (issue 35: a stop request must not lose a save):
+- Signals within SAME_REQUEST_S of the first are the same request: SLURM signals the launcher and
+  every task at once, and the launcher forwards its own; neither is a second request.
+- The rank waits for the step to end for max(train.stop_grace_s, 2 x the longest step so far,
+  evaluation included, the first step left out: it holds compilation and the data's start): a
+  healthy step longer than the grace still ends and saves. The clock
+  restarts when a step ends, and stops while a save runs (`saving`), so a signal during a
+  periodic save lets that save finish.
 
 A Python signal handler runs only when the main thread runs Python code, never while it waits
 in a collective. So the signals are taken by a thread instead: Python's C-level handler writes
@@ -12,6 +21,7 @@ each signal's number to a wakeup pipe (signal.set_wakeup_fd), which that thread 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -24,6 +34,10 @@ import torch.distributed as dist
 from launch.runtime.failure import say_error
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SAME_REQUEST_S = 2.0
+"""Signals this soon after the first are part of the same stop request."""
+STEP_MARGIN = 2.0
+"""The wait for a step to end is at least this many times the longest step seen."""
 
 
 def _nothing(signum, frame) -> None:
@@ -31,12 +45,19 @@ def _nothing(signum, frame) -> None:
 
 
 class StopRequest:
-    """Create in the main thread (set_wakeup_fd must be called there), once per process."""
+    """Create in the main thread (set_wakeup_fd must be called there), once per process. The run
+    calls `agreed()` after each step (and evaluation), and saves inside `saving()`."""
 
     def __init__(self, device: str, rank: int, grace_s: float):
         self.device, self.rank, self.grace_s = device, rank, grace_s
         self.signalled = False
         self._step_ended = threading.Event()  # set once every rank agreed to stop after a step
+        self._lock = threading.Lock()
+        self._saving = False
+        self._last_step_end = time.monotonic()
+        self._longest_step_s = 0.0
+        self._steps_ended = 0
+        self._deadline = None  # while signalled: when the rank leaves without a save
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)  # the C handler must never block
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
@@ -44,32 +65,70 @@ class StopRequest:
             signal.signal(sig, _nothing)
         threading.Thread(target=self._listen, args=(read_fd,), name="gpt3d-stop-request", daemon=True).start()
 
+    @property
+    def wait_s(self) -> float:
+        """How long a signalled rank waits for the current step to end."""
+        return max(self.grace_s, STEP_MARGIN * self._longest_step_s)
+
     def _listen(self, fd: int) -> None:
-        deadline, first = None, None
+        first, first_at = None, None
         while True:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([fd], [], [], wait)[0]:  # the grace is over
-                if self._step_ended.is_set():  # the save is under way: it is not bounded here
-                    deadline = None
-                    continue
-                say_error(f"the step did not end within train.stop_grace_s={self.grace_s:g} s of the {first.name}; "
-                          f"leaving without saving (the last complete checkpoint stays the resume point)", self.rank)
+            with self._lock:
+                wait = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:  # the wait is over, unless a save or a step end moved it
+                with self._lock:
+                    if self._step_ended.is_set() or self._saving:  # the save is under way: it is not bounded here
+                        self._deadline = None if self._step_ended.is_set() else time.monotonic() + self.wait_s
+                        continue
+                    if time.monotonic() < self._deadline:
+                        continue
+                say_error(f"the step did not end within {self.wait_s:g} s of the {first.name} (train.stop_grace_s="
+                          f"{self.grace_s:g}, or twice the longest step); leaving without saving (the last complete "
+                          f"checkpoint stays the resume point)", self.rank)
                 os._exit(128 + first)
             signum = os.read(fd, 1)[0]
             if signum not in SIGNALS:  # another signal with a Python handler also writes here
                 continue
-            if self.signalled:  # the second signal: no checkpoint, no clean-up
-                os._exit(128 + signum)
-            self.signalled, first = True, signal.Signals(signum)
-            deadline = time.monotonic() + self.grace_s
+            if self.signalled:
+                if time.monotonic() - first_at < SAME_REQUEST_S:  # the same request, forwarded or repeated
+                    continue
+                os._exit(128 + signum)  # a second request: no checkpoint, no clean-up
+            first, first_at = signal.Signals(signum), time.monotonic()
+            with self._lock:
+                self.signalled = True
+                self._deadline = max(first_at, self._last_step_end) + self.wait_s
             print(f"rank {self.rank}: {first.name} received; saving after this step (without a save if it has "
-                  f"not ended within {self.grace_s:g} s; send it again to exit at once)", flush=True)
+                  f"not ended within {self.wait_s:g} s; send it again after {SAME_REQUEST_S:g} s to exit at once)",
+                  flush=True)
 
     def agreed(self) -> bool:
-        """True on every rank once any rank was signalled (a collective: all ranks call it)."""
+        """After each step: True on every rank once any rank was signalled (a collective: all ranks
+        call it). Restarts the clock: the step ended."""
         flag = torch.tensor([1.0 if self.signalled else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stopping = bool(flag.item())
+        with self._lock:
+            now = time.monotonic()
+            if self._steps_ended:  # the first step's time holds compilation and the data's start: not a step's
+                self._longest_step_s = max(self._longest_step_s, now - self._last_step_end)
+            self._steps_ended += 1
+            self._last_step_end = now
+            if self._deadline is not None:
+                self._deadline = now + self.wait_s
         if stopping:
             self._step_ended.set()
         return stopping
+
+    @contextlib.contextmanager
+    def saving(self):
+        """A save runs: no deadline meanwhile; the next step's time starts after it."""
+        with self._lock:
+            self._saving = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._saving = False
+                self._last_step_end = time.monotonic()
+                if self._deadline is not None:
+                    self._deadline = self._last_step_end + self.wait_s

@@ -27,22 +27,23 @@ def _blocked_rank(grace_s: float, ready: Path, out: Path) -> None:
         os._exit(99)
 
 
-def _signal_blocked_rank(tmp_path, grace_s: float, signals: int, limit_s: float):
-    """(exit code, seconds from the first signal to the exit, output) of a _blocked_rank sent
-    SIGTERM `signals` times, 0.5 s apart; an AssertionError if it runs for limit_s after the first."""
+def _run_signalled(tmp_path, child, child_args, signal_gaps_s, limit_s: float):
+    """(exit code, seconds from the first signal to the exit, output) of a forked `child(*child_args,
+    ready, out)` sent SIGTERM once it touched `ready`, then again after each of `signal_gaps_s`; an
+    AssertionError if it runs for limit_s after the first signal."""
     ready, out = tmp_path / "ready", tmp_path / "out"
     pid = os.fork()
     if pid == 0:
-        _blocked_rank(grace_s, ready, out)
+        child(*child_args, ready, out)
     try:
         deadline = time.monotonic() + 60
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ready.exists(), out.read_text() if out.exists() else "no output"
         start = time.monotonic()
-        for i in range(signals):
-            if i:
-                time.sleep(0.5)
+        os.kill(pid, signal.SIGTERM)
+        for gap_s in signal_gaps_s:
+            time.sleep(gap_s)
             os.kill(pid, signal.SIGTERM)
         while time.monotonic() < start + limit_s:
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -60,23 +61,72 @@ def _signal_blocked_rank(tmp_path, grace_s: float, signals: int, limit_s: float)
 
 @pytest.mark.waits
 def test_stop_request_leaves_without_a_save_when_the_step_never_ends(tmp_path):
-    """SIGTERM while the main thread waits forever (a peer frozen inside a collective): the rank
-    says so and exits 128+15 once train.stop_grace_s has passed, not before, without a save."""
-    code, seconds, out = _signal_blocked_rank(tmp_path, grace_s=2.0, signals=1, limit_s=12)
+    """SIGTERM while the main thread waits forever (a peer frozen inside a collective), and again
+    0.5 s later (the same request, as a launcher forwarding it): the rank says so and exits 128+15
+    once train.stop_grace_s has passed, not before, without a save."""
+    code, seconds, out = _run_signalled(tmp_path, _blocked_rank, (2.0,), [0.5], limit_s=12)
     assert code == 128 + signal.SIGTERM, out
     assert 2.0 <= seconds < 5.0, seconds
     assert "rank 3: SIGTERM received; saving after this step" in out
     lines = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert lines == ["error: rank 3: the step did not end within train.stop_grace_s=2 s of the SIGTERM; leaving "
-                     "without saving (the last complete checkpoint stays the resume point)"], out
+    assert lines == ["error: rank 3: the step did not end within 2 s of the SIGTERM (train.stop_grace_s=2, or twice "
+                     "the longest step); leaving without saving (the last complete checkpoint stays the resume "
+                     "point)"], out
 
 
 @pytest.mark.waits
-def test_second_signal_leaves_at_once_while_the_step_never_ends(tmp_path):
-    code, seconds, out = _signal_blocked_rank(tmp_path, grace_s=60.0, signals=2, limit_s=10)
+def test_a_second_request_leaves_at_once_while_the_step_never_ends(tmp_path):
+    """A signal more than SAME_REQUEST_S after the first is a second request: exit at once."""
+    from launch.runtime.signals import SAME_REQUEST_S
+    code, seconds, out = _run_signalled(tmp_path, _blocked_rank, (60.0,), [SAME_REQUEST_S + 0.5], limit_s=10)
     assert code == 128 + signal.SIGTERM, out
-    assert seconds < 3.0, seconds
+    assert seconds < SAME_REQUEST_S + 2.5, seconds
     assert "error: " not in out, out
+
+
+def _steps_of_one_rank(steps, grace_s: float, ready: Path, out: Path) -> None:
+    """A forked child: a one-rank process group and a StopRequest; `steps` is a list of ("step", s)
+    (a step of s seconds, then `agreed`) and ("save", s) (a periodic save of s seconds); `ready` is
+    touched as the item with a third element starts. Once the ranks agreed to stop: a 0.5 s save,
+    the line "saved after the request", exit 0. Never returns."""
+    try:
+        _redirect_output(out)
+        import torch.distributed as dist
+        from launch.runtime.distributed import free_port
+        from launch.runtime.signals import StopRequest
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        stop = StopRequest("cpu", 0, grace_s)
+        for kind, seconds, *mark in steps:
+            if mark:
+                ready.touch()
+            if kind == "save":
+                with stop.saving():
+                    time.sleep(seconds)
+                continue
+            time.sleep(seconds)
+            if stop.agreed():
+                with stop.saving():
+                    time.sleep(0.5)
+                print("saved after the request", flush=True)
+                os._exit(0)
+        print("never stopped", flush=True)
+    finally:
+        os._exit(99)
+
+
+@pytest.mark.waits
+def test_a_stop_request_never_cuts_a_save_or_a_long_step_short(tmp_path):
+    """Issue 35, with train.stop_grace_s=1: SIGTERM twice (0.3 s apart, one request) during a 2.5 s
+    periodic save: the save ends, the next step ends, the run saves and exits 0. And SIGTERM at the
+    start of a 1.5 s step, after steps as long: the wait is twice the longest step, so it saves."""
+    during_save = [("step", 0.2), ("step", 0.2), ("save", 2.5, "signal here"), ("step", 0.2)]
+    code, seconds, out = _run_signalled(tmp_path, _steps_of_one_rank, (during_save, 1.0), [0.3], limit_s=15)
+    assert code == 0 and "saved after the request" in out and "error: " not in out, out
+    assert seconds >= 2.0, seconds  # the save ran on past the grace
+    (tmp_path / "ready").unlink()
+    long_steps = [("step", 1.5), ("step", 1.5), ("step", 1.5, "signal here"), ("step", 1.5)]
+    code, seconds, out = _run_signalled(tmp_path, _steps_of_one_rank, (long_steps, 1.0), [], limit_s=15)
+    assert code == 0 and "saved after the request" in out and "error: " not in out, out
 
 
 def _redirect_output(out: Path) -> None:
