@@ -15,8 +15,16 @@ host" and reads its successor's (rank+1 mod world: O(1) requests and bytes per r
 watches every rank); a count that has not changed for train.heartbeat_timeout_s, by the reader's
 own monotonic clock, is published as that rank's failure. A store that stops answering for as
 long means rank 0, its host, is lost. These threads beat while the main thread waits in a
-collective (the GIL is released there) and stop with the process when it is frozen."""
+collective (the GIL is released there) and stop with the process when it is frozen.
+
+The job, not only its ranks, must end (issue 35): a launcher (DeepSpeed's, per node) waits 30 s
+for a child that ignores its SIGTERM, and a frozen process answers nothing but SIGKILL. So each
+heartbeat also carries the rank's pid and its parent's, and a survivor that learns a rank is lost
+(or that rank 0's store is silent) SIGKILLs it when it is its sibling: on this host, under the same
+parent (the node's launcher, or SLURM's step daemon). Then every process of the node has ended and
+the launcher exits at once. A rank on a lost host is that host's launcher's to end, or gone with it."""
 import os
+import signal
 import socket
 import sys
 import threading
@@ -127,6 +135,7 @@ class FailureWatcher:
         self.host = socket.gethostname()
         self.store = _connect_store(timeout_s=30)  # the main thread's client
         self._ran_at = self._answered_at = time.monotonic()  # the last wake-up; the store's last answer
+        self._rank0_beat: Optional[str] = None  # rank 0's heartbeat, read once: who to end if its store falls silent
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gpt3d-failure-watcher", daemon=True)
         self._thread.start()
@@ -155,7 +164,7 @@ class FailureWatcher:
             if silent_s > self.timeout_s:
                 self._leave(f"{_store_lost()} did not answer for {silent_s:.0f} s "
                             f"(train.heartbeat_timeout_s={self.timeout_s:g}): rank 0 was killed, frozen or cut off, "
-                            f"see its log; last completed step here: {self.step}")
+                            f"see its log; last completed step here: {self.step}", lost=(0, self._rank0_beat))
 
     def _watch(self) -> None:
         store = _connect_store(timeout_s=30)  # a client of its own: no contention with the main thread
@@ -168,7 +177,9 @@ class FailureWatcher:
             try:
                 if now >= next_beat:
                     count += 1
-                    store.set(_beat_key(self.rank), f"{count} {self.step} {self.host}")
+                    store.set(_beat_key(self.rank), f"{count} {self.step} {self.host} {os.getpid()} {os.getppid()}")
+                    if self._rank0_beat is None and self.rank != 0 and store.check([_beat_key(0)]):
+                        self._rank0_beat = store.get(_beat_key(0)).decode()
                     next_beat = now + HEARTBEAT_INTERVAL_S
                     if peer != self.rank:
                         beat = store.get(_beat_key(peer)).decode() if store.check([_beat_key(peer)]) else None
@@ -182,7 +193,7 @@ class FailureWatcher:
                 errors += 1
                 if errors >= _STORE_LOST_POLLS:  # refused or reset: no need to wait for the timeout
                     self._leave(f"{_store_lost()} is gone ({type(e).__name__}): rank 0 probably "
-                                f"died, see its log; last completed step here: {self.step}")
+                                f"died, see its log; last completed step here: {self.step}", lost=(0, self._rank0_beat))
                 continue
             errors = 0
             if published is None:
@@ -196,7 +207,7 @@ class FailureWatcher:
     def _declare_lost(self, store, peer: int, beat: Optional[str], silent_s: float) -> None:
         """Publish that `peer` is lost (unless a cause is already there: then follow that one),
         let the other survivors read it, exit 1."""
-        _, step, host = beat.split(" ", 2) if beat is not None else ("", "none", "unknown (no heartbeat yet)")
+        _, step, host = beat.split()[:3] if beat is not None else ("", "none", "unknown (no heartbeat yet)")
         mine = (f"rank {peer}: lost: no heartbeat for {silent_s:.0f} s (train.heartbeat_timeout_s={self.timeout_s:g}) "
                 f"from host {host}, last completed step {step}; killed, frozen or cut off (noticed by rank {self.rank})")
         with _report_lock:
@@ -204,6 +215,7 @@ class FailureWatcher:
             if published != mine:
                 self._follow(store, published)
             say_error(f"stopping: rank {peer} failed:{mine.split(':', 1)[1]}")
+            self._end_if_sibling(peer, beat)
             self._wait_for(store, lambda: store.add(_ACK, 0) >= self.world_size - 2)  # all but peer and us
             try:
                 store.set(_DONE, "1")
@@ -221,6 +233,13 @@ class FailureWatcher:
                 pass
             rank, cause = published.split(":", 1)
             say_error(f"stopping: {rank} failed:{cause}")
+            if cause.startswith(" lost:"):
+                lost = int(rank.split()[1])
+                try:
+                    self._end_if_sibling(lost, store.get(_beat_key(lost)).decode() if store.check([_beat_key(lost)])
+                                         else None)
+                except Exception:
+                    pass
             if self.rank == 0:
                 self._wait_for(store, lambda: store.check([_DONE]))
             os._exit(1)
@@ -229,14 +248,32 @@ class FailureWatcher:
         self._leave(f"stopping: this process did not run for {gap_s:.0f} s (stopped or starved), longer than "
                     f"train.heartbeat_timeout_s={self.timeout_s:g}: its peers have declared it lost")
 
-    def _leave(self, line: str) -> None:
-        """Say `line` and exit 1, unless the run finished (stop() was called). Another thread may
-        hold the lock inside a store request that never returns: then leave without it."""
+    def _leave(self, line: str, lost: Optional[Tuple[int, Optional[str]]] = None) -> None:
+        """Say `line` and exit 1, unless the run finished (stop() was called); `lost`: (rank, its
+        last heartbeat) of a lost rank to end first if it is a sibling. Another thread may hold the
+        lock inside a store request that never returns: then leave without it."""
         if _report_lock.acquire(timeout=_ACK_WAIT_S + 1) and self._stop.is_set():
             _report_lock.release()
             return
         say_error(line)
+        if lost is not None:
+            self._end_if_sibling(*lost)
         os._exit(1)
+
+    def _end_if_sibling(self, rank: int, beat: Optional[str]) -> None:
+        """SIGKILL lost rank `rank` if its last heartbeat says it runs on this host under this
+        process's parent (a frozen process ignores the launcher's SIGTERM for the 30 s it waits)."""
+        fields = beat.split() if beat is not None else []
+        if len(fields) < 5 or rank == self.rank:
+            return
+        host, pid, parent = fields[2], int(fields[3]), int(fields[4])
+        if host != self.host or parent != os.getppid() or pid == os.getpid():
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        say_error(f"sent SIGKILL to lost rank {rank} (pid {pid} on this host), so that its launcher ends the job")
 
     def fail(self, error: BaseException) -> None:
         """This rank's main thread caught `error`: report it once (or the cause another rank
@@ -251,8 +288,9 @@ class FailureWatcher:
             try:
                 # First report wins: set only if no rank published yet; returns the value now there.
                 published = self.store.compare_set(_KEY, "", mine).decode()
-            except Exception:
-                published = mine  # the store is gone (rank 0 died): our own symptom is all we know
+            except Exception as e:  # the store is gone, so rank 0 is: the cause, of which `error` is a symptom
+                self._leave(f"{_store_lost()} is gone ({type(e).__name__}): rank 0 probably died, see its log; "
+                            f"this rank then failed with {describe(error)}; last completed step here: {self.step}")
             if published != mine:
                 self._follow(self.store, published)
             say_error(mine.split(": ", 1)[1])

@@ -131,19 +131,16 @@ def _gone(p: psutil.Process) -> bool:
         return True
 
 
-def _files(directory: Path) -> dict:
-    return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(directory.rglob("*")) if f.is_file()}
-
-
 FROZEN_HEARTBEAT_S = 12  # six missed beats (every 2 s); shorter than the runs' 60 s default to keep the suite short
 
 
 def _freeze_one_rank(tmp_path, frozen: int):
     """A tp=2 pp=2 job, its collectives allowed 600 s, with rank `frozen` SIGSTOPped after step 3:
     its silence stalls the others inside a collective as a frozen GPU peer does on NCCL. Every
-    other rank must exit within train.heartbeat_timeout_s (12) + 15 s; resumed by SIGCONT, the
-    frozen rank must leave without writing a metric or a checkpoint file. Returns the job's
-    output, its metrics file and checkpoint directory."""
+    other rank must exit within train.heartbeat_timeout_s (12) + 15 s, and a sibling must SIGKILL
+    the frozen one, so that the `deepspeed` command itself ends within the timeout + 10 s (issue 35:
+    its launcher would otherwise wait 30 s for the frozen child). Returns the job's output and its
+    metrics file; the checkpoint directory's `latest` is complete."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     job = _start(4, ["--tp", "2", "--pp", "2", "--steps", "1000", "--save", str(ck), "--save-every", "2",
                      "--metrics-out", str(metrics), "--set", f"train.heartbeat_timeout_s={FROZEN_HEARTBEAT_S}",
@@ -154,28 +151,17 @@ def _freeze_one_rank(tmp_path, frozen: int):
         ranks = _training_pids(job)
         ranks[frozen].suspend()  # SIGSTOP
         frozen_at = time.monotonic()
-        others = [p for r, p in enumerate(ranks) if r != frozen]
-        assert _wait_for(lambda: all(_gone(p) for p in others), timeout=FROZEN_HEARTBEAT_S + 15), \
-            "survivors still running"
-        print(f"the other ranks exited {time.monotonic() - frozen_at:.1f} s after rank {frozen} froze")
-        before = _files(tmp_path)
-        ranks[frozen].resume()  # SIGCONT
-        assert _wait_for(lambda: _gone(ranks[frozen]), timeout=15), f"rank {frozen} still running after SIGCONT"
-        after = _files(tmp_path)
-        assert set(after) == set(before)  # no file created once the job had ended
-        # A rank frozen inside a save's write finishes that write when resumed, before its watcher
-        # sees the gap in its clock: only a file of a cut-short save (no complete.json) may change,
-        # never the metrics, `latest` or a complete checkpoint.
-        changed = [Path(f) for f in after if after[f] != before[f]]
-        assert all(f.parent.name.startswith("step") and not (f.parent / "complete.json").exists()
-                   for f in changed), changed
-        out, _ = job.communicate(timeout=60)
+        out, _ = job.communicate(timeout=FROZEN_HEARTBEAT_S + 10)  # the whole job, launcher included
+        ended_s = time.monotonic() - frozen_at
+        print(f"the job ended {ended_s:.1f} s after rank {frozen} froze")
+        assert all(_gone(p) for p in ranks), "a rank outlived the job"
     finally:
         if job.poll() is None:  # a failed check: leave nothing running (the frozen rank included)
             for p in _training_pids(job) + [psutil.Process(job.pid)]:
                 p.kill()
             job.wait(timeout=30)
     assert job.returncode != 0, out[-3000:]
+    assert f"sent SIGKILL to lost rank {frozen} (pid {ranks[frozen].pid} on this host)" in out, out[-3000:]
     print("\n".join(line for line in out.splitlines() if line.startswith("error: ")))
     latest = (ck / "latest").read_text()
     assert (ck / latest / "complete.json").exists()  # the resume point a requeued job starts from
@@ -203,10 +189,11 @@ def test_frozen_rank_is_named_and_every_other_rank_exits(tmp_path):
 @pytest.mark.slow
 def test_frozen_rank_0_is_named_as_the_lost_store(tmp_path):
     """Rank 0 frozen: it hosts the rendezvous store, so the others find the store silent and each
-    says rank 0 is lost."""
+    says rank 0 is lost; once the first of them has killed rank 0, the others may find the store
+    gone instead of silent (a reset connection), and say that."""
     out, metrics = _freeze_one_rank(tmp_path, 0)
     lost = [line for line in out.splitlines() if "stopping: rank 0 lost: the rendezvous store it hosts" in line
-            and "did not answer" in line]
+            and ("did not answer" in line or "is gone" in line)]
     assert sorted(line.split()[2] for line in lost) == ["1:", "2:", "3:"], out[-3000:]
     # rank 0 writes the metrics: frozen between a step's end and its record, it logged one step
     # fewer than the others completed

@@ -281,3 +281,46 @@ def _exit_code(pid: int, limit_s: float):
             return os.waitstatus_to_exitcode(status)
         time.sleep(0.05)
     return None
+
+
+def _frozen_then_resumed(ready: Path, out: Path) -> None:
+    """A forked child: the watcher of rank 0 of a world of 1 (timeout 3 s) beside a main thread
+    that waits, as in a collective. The parent freezes it (SIGSTOP) for longer than the timeout and
+    resumes it: its peers have declared it lost and left, so it must leave too. Never returns."""
+    try:
+        _redirect_output(out)
+        from datetime import timedelta
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(hours=1))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0")
+        from launch.runtime.failure import FailureWatcher
+        FailureWatcher(0, 1, heartbeat_timeout_s=3)
+        ready.touch()
+        time.sleep(60)
+    finally:
+        os._exit(99)
+
+
+@pytest.mark.waits
+def test_a_resumed_frozen_rank_leaves_with_one_line(tmp_path):
+    """A rank frozen past the timeout and resumed (SIGCONT: a rank on a host whose launcher did not
+    kill it) finds the gap in its own clock and exits 1 at once, saying why."""
+    ready, out = tmp_path / "ready", tmp_path / "out"
+    pid = _fork(_frozen_then_resumed, ready, out)
+    try:
+        assert _wait_for_file(ready), out.read_text()
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(4.5)
+        os.kill(pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        code = _exit_code(pid, limit_s=10)
+        assert code == 1 and time.monotonic() - resumed < 3.0, (code, out.read_text())
+        lines = [line for line in out.read_text().splitlines() if line.startswith("error: ")]
+        assert len(lines) == 1 and "this process did not run for" in lines[0] \
+            and "its peers have declared it lost" in lines[0], lines
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
