@@ -221,6 +221,19 @@ def earlier_records(path: Path, last_step: int) -> List[str]:
     return kept
 
 
+def keep_records_until(path: Path, last_step: int) -> None:
+    """Cut a resumed run's metrics file to its records up to `last_step`, never in place: the kept
+    lines go to a new file, made durable, then renamed over the old one, so a process killed
+    meanwhile leaves the old file whole (issue 35), and the resumed run appends to the new one."""
+    kept = earlier_records(path, last_step)
+    cut = path.with_name(path.name + ".resuming")
+    with open(cut, "w") as f:
+        f.writelines(line + "\n" for line in kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(cut, path)
+
+
 class MetricsLogger:
     """Prints the run's summary once, then one record per step to the file, wandb and console.
 
@@ -238,9 +251,11 @@ class MetricsLogger:
         self.file = None
         if metrics_out is not None:
             metrics_out.parent.mkdir(parents=True, exist_ok=True)
-            kept = earlier_records(metrics_out, resume_after_step) if resume_after_step is not None else []
-            self.file = open(metrics_out, "w")
-            self.file.writelines(line + "\n" for line in kept)
+            if resume_after_step is not None:
+                keep_records_until(metrics_out, resume_after_step)
+                self.file = open(metrics_out, "a")
+            else:
+                self.file = open(metrics_out, "w")
         self.wandb_run = None
         if wandb_mode != "disabled":
             import wandb

@@ -135,6 +135,20 @@ def test_resumed_metrics_file_keeps_the_steps_before_the_checkpoint(tmp_path):
     assert metrics.earlier_records(tmp_path / "missing.jsonl", 2) == []
 
 
+def test_a_resume_never_rewrites_the_metrics_file_in_place(tmp_path):
+    """Issue 35: the kept records go to a new file renamed over the old one, so the old file (here
+    held open, as by a process killed mid-resume, or a reader) keeps every record it had, and the
+    new one holds the kept steps, then the resumed run's."""
+    path = tmp_path / "m.jsonl"
+    old = "".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3))
+    path.write_text(old)
+    with open(path) as held:
+        metrics.keep_records_until(path, 2)
+        assert held.read() == old  # the old file, untouched
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["m.jsonl"]  # no cut file left behind
+
+
 # ---------------------------------------------------------------- a real run
 
 @pytest.fixture(scope="module")
