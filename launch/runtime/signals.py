@@ -27,6 +27,7 @@ import select
 import signal
 import threading
 import time
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,38 @@ SAME_REQUEST_S = 2.0
 """Signals this soon after the first are part of the same stop request."""
 STEP_MARGIN = 2.0
 """The wait for a step to end is at least this many times the longest step seen."""
+
+
+def _parent_of(pid: int) -> Optional[int]:
+    """The parent pid of process `pid` (Linux /proc), None if it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])  # the command may hold spaces and parentheses
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def deepspeed_runner() -> Optional[Tuple[int, int]]:
+    """(launcher pid, runner pid) when this rank was started by DeepSpeed's per-node launcher
+    (deepspeed.launcher.launch, started by the `deepspeed` command); else None."""
+    launcher = os.getppid()
+    try:
+        with open(f"/proc/{launcher}/cmdline", "rb") as f:
+            started_by_deepspeed = b"deepspeed.launcher.launch" in f.read()
+    except OSError:
+        return None
+    runner = _parent_of(launcher)
+    return (launcher, runner) if started_by_deepspeed and runner is not None else None
+
+
+def _watch_runner(rank: int, launcher: int, runner: int) -> None:
+    """A SIGTERM to the `deepspeed` command on one machine ends only that command: it forwards
+    nothing, and its launcher and the ranks run on (issue 35). So each rank checks once a second
+    that the launcher's parent is still the runner, and stops as on SIGTERM when it is not."""
+    while _parent_of(launcher) == runner:
+        time.sleep(1.0)
+    print(f"rank {rank}: the deepspeed command (pid {runner}) is gone; stopping as on SIGTERM", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _nothing(signum, frame) -> None:
@@ -64,6 +97,9 @@ class StopRequest:
         for sig in SIGNALS:
             signal.signal(sig, _nothing)
         threading.Thread(target=self._listen, args=(read_fd,), name="gpt3d-stop-request", daemon=True).start()
+        runner = deepspeed_runner()
+        if runner is not None:
+            threading.Thread(target=_watch_runner, args=(rank, *runner), name="gpt3d-runner-watch", daemon=True).start()
 
     @property
     def wait_s(self) -> float:

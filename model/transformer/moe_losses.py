@@ -126,7 +126,7 @@ def router_losses(logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tens
     totals = torch.cat([counts, prob_sum.detach(), lse_squared.detach().view(1), tokens_here])
     totals = _sum_over(totals, [sequence_group, cp_group])  # the micro-batch's tokens
     counts, total_prob, total_lse_squared = totals[:E], totals[E:2 * E], totals[2 * E]
-    tokens = totals[2 * E + 1].clamp(min=1.0)  # a micro-batch without counted tokens: losses 0, not NaN
+    tokens = totals[2 * E + 1].clamp_(min=1.0)  # a micro-batch without counted tokens: losses 0, not NaN
     step_tokens = tokens if statistics.step_tokens is None else statistics.step_tokens.clamp(min=1.0)
     share = counts / tokens if step_load is None else step_load.to(probs.dtype)  # f_e
     prob_tokens = tokens if step_load is None else step_tokens  # P_e of the micro-batch, or its share of the step's
