@@ -127,8 +127,11 @@ class ParityRuns:
                      for arg in ("--set", f"train.recompute={tag}")]
         precision = run_precision(layout)
         wandb = ["--wandb", "offline"] if layout == (1, 1, 2) else []
-        # Expert-parallel MoE runs also count their collectives (tests/e2e/test_moe_comm.py reads them).
-        comm = ["--comm-counts", str(tmp / "comm")] if "moe" in layout and expert_parallel_size(layout) > 1 else []
+        # Expert-parallel MoE runs also count their collectives (tests/e2e/test_moe_comm.py reads them);
+        # not those with other tags (balancing, precision, context parallelism), which no test counts.
+        counted = "moe" in layout and expert_parallel_size(layout) > 1 and \
+            all(tag == "moe" or tag.startswith("ep") or tag in ("sp", "zb-h1") for tag in layout[3:])
+        comm = ["--comm-counts", str(tmp / "comm")] if counted else []
         recipe = LLAMA_TINY if "llama" in layout else MOE_TINY if "moe" in layout else TINY
         cp, ep = context_parallel_size(layout), expert_parallel_size(layout)
         context = (["--cp", str(cp)] if cp > 1 else []) + (["--ep", str(ep)] if ep > 1 else [])

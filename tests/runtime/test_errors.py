@@ -27,6 +27,7 @@ CASES = [
     (1, ["--set", "train.steps=ten"], ["train.steps='ten'", "expected int"]),
     (1, ["--set", "deepspeed.train_batch_size=64"], ["deepspeed.train_batch_size", "global_batch_size"]),
     (1, ["--recipe", "recipes/nope.yaml"], ["recipes/nope.yaml", "not found"]),
+    (1, ["--set", "data.seq_len=64"], ["data.seq_len=64", "model.seq_len=32"]),
     (2, ["--tp", "2", "--set", "model.sequence_parallel=true", "--set", "data.seq_len=31"],
      ["model.sequence_parallel", "--tp 2", "sequence length 31"]),
     (4, ["--tp", "2", "--pp", "2", "--set", "model.sequence_parallel=true",
