@@ -93,7 +93,8 @@ def gone(p: psutil.Process) -> bool:
 
 def hit(job: subprocess.Popen, victim: psutil.Process, kind: str) -> None:
     """Deliver fault `kind` to `victim`; for a freeze, wait until every other rank has left (by
-    the heartbeat), then let the frozen one run again to see it was declared lost."""
+    the heartbeat), then let the frozen one run again to see it was declared lost (unless a
+    sibling on its host killed it, so that the launcher could end the job)."""
     if kind == "kill":
         victim.kill()
     elif kind == "term":
@@ -108,7 +109,10 @@ def hit(job: subprocess.Popen, victim: psutil.Process, kind: str) -> None:
                 victim.resume()
                 raise RuntimeError(f"the other ranks did not leave within {HEARTBEAT_TIMEOUT_S + 60} s of a freeze")
             time.sleep(0.1)
-        victim.resume()
+        try:  # a sibling on its host has usually killed it already (launch/runtime/failure.py)
+            victim.resume()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def fault_once(run_dir: Path, steps: int, planned: int, rank: int, fraction: float,

@@ -14,7 +14,7 @@ from launch.analysis.pipeline_chart import COLOURS
 from launch.analysis.schedule_sim import simulate_schedule
 from launch.instruments.timeline import install_timeline_recorder, measured_bubble, stage_busy_seconds
 from launch.runtime.distributed import free_port
-from helpers.launcher import TINY, launch
+from helpers.launcher import TINY, launch_forked
 
 
 # ---------------------------------------------------------------- the bubble arithmetic
@@ -139,7 +139,7 @@ def test_timeline_of_a_pp2_run(tmp_path):
     chart read back as pixels shows 2 panels of 2 stage rows, each with forward, B and W boxes, and
     as much idle as the printed bubble says."""
     png = tmp_path / "timeline.png"
-    proc = launch(2, ["--recipe", str(TINY), "--pp", "2", "--steps", "3", "--set", "train.eval_every=0",
+    proc = launch_forked(2, ["--recipe", str(TINY), "--pp", "2", "--steps", "3", "--set", "train.eval_every=0",
                       "--set", "train.schedule=zb-h1", "--timeline", str(png), "--timeline-steps", "2"])
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     # tiny.yaml at pp=2: m = 16 / 2 = 8 micro-batches, (2-1)/(8+2-1) = 11.1%.
