@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -281,11 +280,10 @@ class MetricsLogger:
             self.file.flush()
         if self.wandb_run is not None:  # wandb charts numbers; a null MFU is left out
             charted = {k: v for k, v in record.items()
-                       if k not in ("step", "compute_s_by_rank", "expert_load") and v is not None}
+                       if k not in ("step", "compute_s", "compute_s_by_rank", "expert_load") and v is not None}
             charted.update(charted_moe_metrics(record))  # each MoE block's load imbalance
-            if "compute_s_by_rank" in record:  # a thousand ranks are a thousand series: their max and median
-                charted.update(compute_s_max=max(record["compute_s_by_rank"]),
-                               compute_s_median=statistics.median(record["compute_s_by_rank"]))
+            if "compute_s" in record:  # a thousand ranks are a thousand series: their max and median
+                charted.update(compute_s_max=record["compute_s"]["max"], compute_s_median=record["compute_s"]["median"])
             self.wandb_run.log(charted, step=record["step"])
         print(self.progress_line(record), flush=True)
 

@@ -36,6 +36,18 @@ class StragglerWatch:
         return lines
 
 
+def summarise_seconds(seconds: Sequence[float], stages: Sequence[int]) -> Dict[str, object]:
+    """A step's per-rank seconds as a metrics record keeps them at any world size (issue 35: at
+    4,096 ranks the list would be most of the record): the largest, the median and the rank with
+    the largest, over all ranks and over each pipeline stage's ranks."""
+    def summary(ranks: List[int]) -> Dict[str, object]:
+        slowest = max(ranks, key=lambda r: seconds[r])
+        return {"max": seconds[slowest], "median": statistics.median(seconds[r] for r in ranks),
+                "slowest_rank": slowest}
+    by_stage = [summary([r for r, s in enumerate(stages) if s == stage]) for stage in sorted(set(stages))]
+    return dict(summary(list(range(len(seconds)))), by_stage=by_stage)
+
+
 def gather_seconds(seconds: float, device) -> List[float]:
     """Every rank's `seconds`, in rank order: one all-gather of a float per rank (collective)."""
     import torch

@@ -42,6 +42,9 @@ def parse_training_args(argv: Optional[List[str]], description: str = "") -> arg
                    help="draw the measured pipeline schedule (per-stage forward/backward times) of a few steps")
     p.add_argument("--timeline-steps", type=int, default=3, metavar="N",
                    help="steps --timeline records, after one warm-up step (default: %(default)s)")
+    p.add_argument("--metrics-per-rank", action="store_true",
+                   help="also write every rank's compute seconds per step (compute_s_by_rank) to --metrics-out; "
+                   "by default a record keeps their max, median and slowest rank, overall and per stage")
     p.add_argument("--comm-counts", type=Path, metavar="DIR",
                    help="count each collective's bytes per step into DIR/rank{R}.json (bench/comm_volume.py)")
     p.add_argument("--verbose", action="store_true",

@@ -87,7 +87,7 @@ def run_training(job: TrainingJob) -> None:
     from launch.checkpoints import store
     from launch.instruments.comm_counter import install_comm_counter
     from launch.instruments.compute_clock import install_compute_clock
-    from launch.instruments.stragglers import StragglerWatch, gather_seconds, gather_stage_hosts
+    from launch.instruments.stragglers import StragglerWatch, gather_seconds, gather_stage_hosts, summarise_seconds
     from launch.instruments.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak,
                                             run_arithmetic, step_peaks)
     from launch.runtime.distributed import shut_down_distributed, start_rank
@@ -169,7 +169,9 @@ def run_training(job: TrainingJob) -> None:
                   "lr": lr, "loss_scale": loss_scale(engine), "tokens": step * tokens_per_step,
                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved,
-                  "data_wait_s": data_wait, "compute_s_by_rank": compute_by_rank}
+                  "data_wait_s": data_wait, "compute_s": summarise_seconds(compute_by_rank, stragglers.stages)}
+        if args.metrics_per_rank:
+            record["compute_s_by_rank"] = compute_by_rank
         record.update(after_moe_step(engine, config, layout))  # collective; {} without experts
         record.update(data.step_record(samples))
         if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
