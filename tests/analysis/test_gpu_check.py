@@ -77,28 +77,26 @@ def assert_table_is_the_json(table, report):
                                        row["note"], paths, f"{row['wall_s']:.0f} / {row['budget_s']:.0f} s"], line
 
 
-@pytest.mark.slow  # four checks' processes, three training runs through launch/train.py (about 40 s)
+@pytest.mark.slow  # three checks' processes, one training run through launch/train.py
 def test_a_failing_check_is_one_row_and_the_table_and_json_keep_every_check(tmp_path):
     """parity's runs fail at their first step (the training loop's own fault hook, as a crashing
     GPU run would): that check is one ERROR row with train.py's one-line cause, and its log keeps
-    the traceback; the document-mask, zb-h1 and fusion checks after it still run, pass (or are
-    skipped, with the reason), and every row is printed as the JSON holds it; exit 1. (The MoE row
-    is the dense rows' code on recipes/qwen3-30b-a3b.yaml's shape; its CPU run takes 25 s more, so
-    it is left to `python bench/gpu_check.py --cpu --devices 1`.)"""
-    checks = ["parity", "document-mask", "zb-h1", "grad-accum-fusion"]
+    the traceback; the zb-h1 and fusion checks after it still run (zb-h1 skipped, with the reason),
+    and every row is printed as the JSON holds it; exit 1. (The throughput and document-mask rows
+    train for tens of seconds each on CPU: they are left to `python bench/gpu_check.py --cpu
+    --devices 1`; what the document-mask row compares, flex against causal attention on one
+    document, is tests/model/test_document_mask.py's subject.)"""
+    checks = ["parity", "zb-h1", "grad-accum-fusion"]
     code, table, report = run_gpu_check(tmp_path, "--checks", ",".join(checks), "--fail-row", "parity")
     rows = report["rows"]
     assert code == 1 and report["exit_code"] == 1 and report["complete"], (code, report)
     assert [r["check"] for r in rows] == checks
-    assert [r["status"] for r in rows] == ["ERROR", "ok", "skipped", "ok"]
+    assert [r["status"] for r in rows] == ["ERROR", "skipped", "ok"]
     failed = rows[0]
     assert failed["note"].startswith("RunFailed: tiny at tp=1 pp=1 exited 1: error: rank 0: RuntimeError: fault "
                                      "injected by GPT3D_FAULT_INJECT=0:1 before step 1"), failed
     assert "Traceback" in (tmp_path / "gpu_check-logs" / "parity.log").read_text()
-    mask = rows[1]
-    loss, grad_norm = map(float, re.fullmatch(r"max rel. diff loss (\S+), grad norm (\S+)", mask["measured"]).groups())
-    assert max(loss, grad_norm) <= gpu_check_rows.BF16_BAR and mask["bar"] == "<= 5e-03", mask
-    assert rows[2]["note"] == "needs 2 devices, 1 here", rows[2]
+    assert rows[1]["note"] == "needs 2 devices, 1 here", rows[1]
     # On CPU no bf16 product is added into an fp32 gradient by a GPU kernel: neither probe ran.
     assert all(r["gemm_paths"] == {"fusion": [], "grouped": []} for r in rows), rows
     assert all(r["wall_s"] <= r["budget_s"] == gpu_check.CPU_BUDGET_S for r in rows), rows
