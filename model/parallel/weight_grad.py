@@ -16,7 +16,7 @@ there by the weight-gradient GEMM itself (`add_product_into`), in B or in W, and
 no bf16 gradient to allocate, zero, cast and add into fp32 after every micro-batch."""
 import contextlib
 from collections import deque
-from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,20 +71,27 @@ def runs_right(add: Callable[[], object], main: torch.Tensor, want: torch.Tensor
     return main.device.type == "meta" or torch.equal(main, want)
 
 
+def first_that_runs_right(ways: Dict[str, Callable], trial: Callable[[str, Callable], bool], device: torch.device,
+                          what: str) -> str:
+    """The name of the first of `ways` whose `trial(name, way)` holds (runs_right on a small product,
+    whose expected sums may depend on the way); a RuntimeError naming `what` when none does."""
+    for name, way in ways.items():
+        if trial(name, way):
+            return name
+    raise RuntimeError(f"no way to add {what} into an fp32 gradient on {device}: set train.grad_accum_fusion: false")
+
+
 def mixed_gemm_path(device: torch.device) -> str:
     """The first of `_MIXED_GEMMS` this torch runs correctly on `device`, tried once on a 2 x 2
     product (bench/gpu_check.py reports which, and its error against an fp32 GEMM)."""
     if device.type not in _CHOSEN_PATH:
         a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=torch.bfloat16)
         want = torch.tensor([[8.0, 11.0], [16.0, 23.0]], device=device)
-        for name, add in _MIXED_GEMMS.items():
+
+        def trial(name: str, add: Callable) -> bool:
             main = torch.ones(2, 2, device=device)
-            if runs_right(lambda: add(main, a, a), main, want):
-                _CHOSEN_PATH[device.type] = name
-                break
-        else:
-            raise RuntimeError(f"no way to add a bf16 product into an fp32 gradient on {device}: "
-                               "set train.grad_accum_fusion: false")
+            return runs_right(lambda: add(main, a, a), main, want)
+        _CHOSEN_PATH[device.type] = first_that_runs_right(_MIXED_GEMMS, trial, device, "a bf16 product")
     return _CHOSEN_PATH[device.type]
 
 

@@ -6,12 +6,13 @@ gradient-accumulation fusion, model/parallel/weight_grad.py), as a linear's.
 The CUDA branches are chosen by `runs_cuda_kernels`, which takes the meta device for CUDA: its kernels
 check dtypes and shapes as CUDA's do, so tests/model/test_cuda_contracts.py runs them on CPU.
 """
-from typing import List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 from torch.nn import functional
 
-from model.parallel.weight_grad import add_product_into, runs_cuda_kernels, runs_right, weight_grad_now_or_later
+from model.parallel.weight_grad import (add_product_into, first_that_runs_right, runs_cuda_kernels, runs_right,
+                                        weight_grad_now_or_later)
 
 
 class ExpertRows(NamedTuple):
@@ -78,14 +79,12 @@ def grouped_gemm_path(device: torch.device) -> str:
         wants = {"gemm-per-expert": exact, "grouped-bf16-then-add": exact.bfloat16().float()}
         grad, x = grad.bfloat16().to(device), x.bfloat16().to(device)
         offsets = torch.tensor([8, 16], dtype=torch.int32, device=device)
-        for name, add in _GROUPED_MIXED_GEMMS.items():
+
+        def trial(name: str, add: Callable) -> bool:
             main = torch.zeros(2, 8, 8, device=device)
-            if runs_right(lambda: add(main, grad.t(), x, offsets, [8, 8]), main, wants[name].to(device)):
-                _CHOSEN_GROUPED_PATH[device.type] = name
-                break
-        else:
-            raise RuntimeError(f"no way to add bf16 expert products into an fp32 gradient on {device}: "
-                               "set train.grad_accum_fusion: false")
+            return runs_right(lambda: add(main, grad.t(), x, offsets, [8, 8]), main, wants[name].to(device))
+        _CHOSEN_GROUPED_PATH[device.type] = first_that_runs_right(_GROUPED_MIXED_GEMMS, trial, device,
+                                                                  "bf16 expert products")
     return _CHOSEN_GROUPED_PATH[device.type]
 
 

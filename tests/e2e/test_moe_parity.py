@@ -12,8 +12,6 @@ balance_scope=global_batch (f counted over the previous step's global batch), ea
 (tp, cp, pp, dp, ep) = (1,2,1,1,2) as at (1,1,1), with a resume of the bias run at that layout
 (the biases are read back from the checkpoint); and bf16 with the gradient-accumulation fusion at
 (1,2,2,2) within bf16's tolerance of a bf16 (1,1,1)."""
-import json
-
 import pytest
 
 from helpers.launcher import MOE_TINY, launch_forked, read_metrics
@@ -28,6 +26,17 @@ KEYS = ("loss", "grad_norm", "val_loss", "aux_loss", "z_loss")
 
 def _id(layout) -> str:
     return "-".join(map(str, layout))
+
+
+def assert_same_steps(ref, got, where) -> None:
+    """Step by step: each of KEYS present in both or neither and within RTOL, the expert load the
+    same integer counts."""
+    for r, g in zip(ref, got):
+        for key in KEYS:
+            assert (key in g) == (key in r), (where, r["step"], key)
+            if key in r:
+                assert abs(g[key] - r[key]) <= RTOL * abs(r[key]), (where, r["step"], key, g[key], r[key])
+        assert g["expert_load"] == r["expert_load"], (where, r["step"])
 
 
 @pytest.mark.slow
@@ -50,12 +59,7 @@ def test_moe_reference_learns_with_clipping_and_balances(parity_runs):
 def test_moe_layout_matches_single_process(parity_runs, layout):
     ref, got = parity_runs[REFERENCE]["metrics"], parity_runs[layout]["metrics"]
     assert len(got) == len(ref) == STEPS
-    for r, g in zip(ref, got):
-        for key in KEYS:
-            assert (key in g) == (key in r), (layout, r["step"], key)
-            if key in r:
-                assert abs(g[key] - r[key]) <= RTOL * abs(r[key]), (layout, r["step"], key, g[key], r[key])
-        assert g["expert_load"] == r["expert_load"], (layout, r["step"])
+    assert_same_steps(ref, got, layout)
 
 
 @pytest.mark.slow
@@ -81,14 +85,9 @@ def test_moe_balancing_option_matches_single_process_at_cp2_ep2(parity_runs, tag
     ref = parity_runs[(1, 1, 1, "moe", tag)]["metrics"]
     got = parity_runs[(1, 1, 1, "moe", "cp2", "ep2", tag)]["metrics"]
     assert len(got) == len(ref) == STEPS
-    for r, g in zip(ref, got):
-        for key in KEYS:
-            assert (key in g) == (key in r), (tag, r["step"], key)
-            if key in r:
-                assert abs(g[key] - r[key]) <= RTOL * abs(r[key]), (tag, r["step"], key, g[key], r[key])
-        assert g["expert_load"] == r["expert_load"], (tag, r["step"])
-    # The option acts: from step 2 on (after the first update of the state), training differs from
-    # the recipe's per-micro-batch load-balancing loss.
+    assert_same_steps(ref, got, tag)
+    # The option acts: the first step's choices are the recipe's own, and from step 3 on (its state
+    # moved after steps 1 and 2) the losses differ from the per-micro-batch load-balancing loss's.
     plain = parity_runs[REFERENCE]["metrics"]
     assert ref[0]["expert_load"] == plain[0]["expert_load"]
     assert all(r["loss"] != p["loss"] for r, p in zip(ref[2:], plain[2:])), (tag, ref, plain)
@@ -107,13 +106,8 @@ def test_moe_expert_biases_resume_at_another_layout(parity_runs, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "re-sharded" in proc.stdout
     resumed = {m["step"]: m for m in read_metrics(metrics)}
-    for r in saved["metrics"][SAVE_AT:]:
-        g = resumed[r["step"]]
-        for key in KEYS:
-            assert (key in g) == (key in r), (r["step"], key)
-            if key in r:
-                assert abs(g[key] - r[key]) <= RTOL * abs(r[key]), (r["step"], key, json.dumps(g), json.dumps(r))
-        assert g["expert_load"] == r["expert_load"], r["step"]
+    uninterrupted = saved["metrics"][SAVE_AT:]
+    assert_same_steps(uninterrupted, [resumed[r["step"]] for r in uninterrupted], "resumed at cp 2, ep 2")
 
 
 @pytest.mark.slow

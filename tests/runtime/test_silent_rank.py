@@ -52,11 +52,7 @@ def _run_signalled(tmp_path, child, child_args, signal_gaps_s, limit_s: float):
             time.sleep(0.05)
         raise AssertionError(f"still running {limit_s} s after SIGTERM: {out.read_text()}")
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        _end(pid)
 
 
 @pytest.mark.waits
@@ -260,11 +256,7 @@ def test_a_frozen_store_means_rank_0_is_lost(tmp_path):
     finally:
         for pid in (host, watchers):
             if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError):
-                    pass
+                _end(pid)
 
 
 def _wait_for_file(path: Path, timeout: float = 60) -> bool:
@@ -272,6 +264,15 @@ def _wait_for_file(path: Path, timeout: float = 60) -> bool:
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     return path.exists()
+
+
+def _end(pid: int) -> None:
+    """SIGKILL a forked child and reap it, if it has not exited and been reaped already."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
 
 
 def _exit_code(pid: int, limit_s: float):
@@ -321,8 +322,4 @@ def test_a_resumed_frozen_rank_leaves_with_one_line(tmp_path):
         assert len(lines) == 1 and "this process did not run for" in lines[0] \
             and "its peers have declared it lost" in lines[0], lines
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        _end(pid)
