@@ -11,6 +11,7 @@ Also the command line of DeepSpeed's launcher on a free port, for the tests and 
 """
 import importlib
 import os
+import random
 import socket
 import sys
 from datetime import timedelta
@@ -87,10 +88,33 @@ def ensure_single_process_env() -> None:
 
 def free_port() -> int:
     """A TCP port unused on this host now: several launches in a row, and other jobs beside them,
-    each get their own instead of everyone's 29500."""
-    with socket.socket() as s:
+    each get their own instead of everyone's 29500.
+
+    Drawn at random below the kernel's ephemeral range, not with bind(port 0): a port from that
+    range, once closed here, can be handed to any outgoing connection (gloo opens many) before the
+    store binds it, and the run dies with EADDRINUSE (seen in CI with two test workers)."""
+    ephemeral_low = _ephemeral_port_range()[0]
+    draw = random.Random()  # its own seed from the OS: forked workers must not share a sequence
+    for _ in range(64):
+        port = draw.randrange(min(20000, ephemeral_low - 1024), ephemeral_low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:  # every draw taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_port_range() -> tuple:
+    """Linux's ip_local_port_range (IANA's 49152-65535 elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def launcher_command(num_procs: Optional[int], script: Path) -> List[str]:
