@@ -2,6 +2,10 @@
 report it (one line, exit code 2). The lowest layer of launch/ (docs/design.md, Layers of launch/)."""
 import os
 import sys
+from pathlib import Path
+from typing import Optional
+
+_REPO = str(Path(__file__).resolve().parents[1])  # launch/errors.py
 
 
 class ConfigError(Exception):
@@ -21,3 +25,12 @@ def report_bad_input(error: Exception) -> int:
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {error}", file=sys.stderr)
     return BAD_INPUT_EXIT
+
+
+def our_file(filename: str) -> Optional[str]:
+    """`filename` relative to the repository when it is this repository's code, else None (a
+    virtual environment inside the checkout, as CI makes one, is not ours)."""
+    if not filename.startswith(_REPO + os.sep):
+        return None
+    relative = os.path.relpath(filename, _REPO)
+    return None if "site-packages" in relative.split(os.sep) else relative

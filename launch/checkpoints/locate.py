@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from launch.errors import ConfigError
+from launch.runtime.hang_watchdog import HANG_STACKS
 from model.config import ARCH_SWITCHES, ModelConfig
 
 COMPLETE = "complete.json"
@@ -128,10 +129,11 @@ def _newest_of_one_run(root: Path) -> Optional[str]:
 
 
 def _no_checkpoint_yet(root: Path) -> bool:
-    """Missing, or a directory of only unfinished tag directories and abandoned-* ones."""
+    """Missing, or a directory of only unfinished tag directories, abandoned-* ones and the hang
+    watchdog's stacks (a run that hung before its first save is requeued as a fresh one)."""
     if not root.exists():
         return True
-    return root.is_dir() and all(p.is_dir() and (p.name.startswith("abandoned-") or
+    return root.is_dir() and all(p.is_dir() and (p.name.startswith("abandoned-") or p.name == HANG_STACKS or
                                                  (step_of(p.name) is not None and not (p / COMPLETE).exists()))
                                  for p in root.iterdir())
 

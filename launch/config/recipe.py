@@ -25,6 +25,8 @@ PARTITION_RULES = ("balanced", "blocks")  # launch/analysis/partition.py
 WANDB_MODES = ("online", "offline", "disabled")
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 HEARTBEAT_INTERVAL_S = 2.0
+MIN_HANG_BOUND_S = 5.0
+"""The shortest train.hang_timeout_s / first_step_timeout_s: a few heartbeats and store polls."""
 """Each rank's failure watcher writes its heartbeat and reads its successor's this often
 (launch/runtime/failure.py); train.heartbeat_timeout_s must be above it."""
 
@@ -88,6 +90,13 @@ class TrainSection:
     heartbeat_timeout_s: float = 60.0
     """A rank whose heartbeat (every 2 s, launch/runtime/failure.py) has not advanced this long is
     declared lost and every rank exits; a store that does not answer this long means rank 0 is lost."""
+    hang_timeout_s: float = 0.0
+    """A step that has not ended after this many seconds is a hang: every rank writes its stacks,
+    one line names the ranks not where the others are, the job ends (launch/runtime/hang_watchdog.py).
+    0: 10x the median step (evaluation included, saves not), at least 120 s. Below dist_timeout_s."""
+    first_step_timeout_s: float = 0.0
+    """The same bound for the first step of each start, which also compiles and starts the data;
+    0: 0.8 x dist_timeout_s (480 s by default)."""
     stop_grace_s: float = 30.0
     """After SIGTERM/SIGINT a rank saves when the current step ends; if it has not ended within
     this many seconds, the rank leaves without saving (the last complete checkpoint resumes)."""
@@ -134,6 +143,16 @@ class TrainSection:
         if not self.heartbeat_timeout_s > HEARTBEAT_INTERVAL_S:
             raise ConfigError(f"train.heartbeat_timeout_s={self.heartbeat_timeout_s:g} must be above the heartbeat "
                               f"interval, {HEARTBEAT_INTERVAL_S:g} s (default 60)")
+        for name in ("hang_timeout_s", "first_step_timeout_s"):  # 0: derived (hang_watchdog.py)
+            bound = getattr(self, name)
+            if bound != 0 and not MIN_HANG_BOUND_S <= bound < self.dist_timeout_s:
+                raise ConfigError(f"train.{name}={bound:g} must be 0 (derived), or at least {MIN_HANG_BOUND_S:g} s and "
+                                  f"below train.dist_timeout_s={self.dist_timeout_s}: the collective timeout would "
+                                  f"end the job first, without stacks")
+        if self.first_step_timeout_s and self.first_step_timeout_s < self.hang_timeout_s:
+            raise ConfigError(f"train.first_step_timeout_s={self.first_step_timeout_s:g} must be at least "
+                              f"train.hang_timeout_s={self.hang_timeout_s:g}: the first step also compiles "
+                              f"and starts the data")
         if not self.stop_grace_s > 0:
             raise ConfigError(f"train.stop_grace_s={self.stop_grace_s:g} must be > 0 (seconds a stop request waits "
                               f"for the current step to end; default 30)")

@@ -181,21 +181,6 @@ def local_step_memory_peak() -> Tuple[int, Optional[int]]:
     return int(accelerator.max_memory_allocated()), int(accelerator.max_memory_reserved())
 
 
-def step_peaks(data_wait_s: float) -> Tuple[int, Optional[int], float]:
-    """The largest per-rank (allocated bytes, reserved bytes, seconds waited on data) of the step
-    over all ranks: one MAX all-reduce, so every rank must call it. The slowest reader sets the
-    step's pace; ranks that read nothing (TP peers, middle stages) give 0."""
-    import torch
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-    allocated, reserved = local_step_memory_peak()
-    peaks = torch.tensor([allocated, -1 if reserved is None else reserved, round(data_wait_s * 1e6)],
-                         dtype=torch.int64, device=get_accelerator().current_device_name())
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    allocated, reserved, waited_us = (int(v) for v in peaks.tolist())
-    return allocated, None if reserved < 0 else reserved, waited_us / 1e6
-
-
 def synchronize_device() -> None:
     """Wait for the device's queued work, so that a clock read after it includes that work
     (the pp=1 optimizer step runs asynchronously after `train_batch` returns on a GPU)."""

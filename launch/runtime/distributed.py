@@ -55,6 +55,31 @@ def start_rank(world_size: int, timeout_s: int) -> None:
     init_distributed(timeout_s)
 
 
+STORE_CLIENTS_PER_RANK = 2
+"""Connections each rank keeps to the rendezvous store in rank 0's process: the process group's
+and the failure watcher's (launch/runtime/failure.py)."""
+_FILES_BESIDE_THE_STORE = 1024  # rank 0's own files, libraries and communication sockets
+
+
+def ensure_open_file_limit(world_size: int, rank: int) -> None:
+    """Rank 0's process holds one socket per store client: 8,192 at 4,096 ranks, above the common
+    default limit of 1,024 open files (issue 35). Raise its soft limit to what that needs, up to
+    the hard limit; a hard limit below it is refused in one line, before the run starts."""
+    import resource
+    if rank != 0:
+        return
+    needed = STORE_CLIENTS_PER_RANK * world_size + _FILES_BESIDE_THE_STORE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise ConfigError(f"{world_size} ranks keep {STORE_CLIENTS_PER_RANK * world_size} connections to the "
+                          f"store in rank 0's process, which needs an open-file limit of at least {needed}; its "
+                          f"hard limit is {hard}: raise it on rank 0's node (ulimit -n {needed}, or LimitNOFILE / "
+                          f"limits.conf / SLURM's PropagateResourceLimits)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
 def shut_down_distributed() -> None:
     """Tear the process groups down while every rank is still here: left to interpreter exit,
     gloo's threads were sometimes destroyed while joinable ("terminate called without an

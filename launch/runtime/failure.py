@@ -7,7 +7,8 @@ TCPStore, independent of the communication backend), prints its line and exits 1
 thread on every rank polls that key and exits 1 with "stopping: rank Q failed: <cause>", even
 while its main thread is stuck in a collective. The first report wins (a peer's symptom never
 hides the cause); a failing rank 0 waits until the others have read it; a vanished store is
-reported as such. Test hook: GPT3D_FAULT_INJECT="RANK:STEP" raises before that optimizer step.
+reported as such. Test hook: GPT3D_FAULT_INJECT="RANK:STEP" raises before that optimizer step
+(":hang" appended: sleeps there for ever, for launch/runtime/hang_watchdog.py).
 
 A rank that dies or freezes without a word (SIGKILL, OOM kill, SIGSTOP, a lost node) is found
 by heartbeats in the same store: every HEARTBEAT_INTERVAL_S each watcher writes "count step
@@ -31,11 +32,11 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Optional, Tuple
 
 from launch.config.recipe import HEARTBEAT_INTERVAL_S
-from launch.errors import ConfigError
+from launch.errors import ConfigError, our_file
+from launch.runtime.hang_watchdog import HangWatchdog
 
 FAULT_ENV = "GPT3D_FAULT_INJECT"
 TRACEBACK_ENV = "GPT3D_TRACEBACK"
@@ -45,7 +46,6 @@ _KEY, _ACK, _DONE = "gpt3d/failure", "gpt3d/failure_ack", "gpt3d/failure_done"
 _POLL_S = 1.0  # one small store request per rank per second, also at a thousand ranks
 _ACK_WAIT_S = 5.0  # the longest a failing rank waits for the others to read its cause
 _STORE_LOST_POLLS = 5  # consecutive store errors (not silence: that is timed) before rank 0 is lost
-_REPO = str(Path(__file__).resolve().parents[2])  # the repository root: launch/runtime/failure.py
 # What a collective or the store says when the rank at the other end is gone (gloo, NCCL's
 # watchdog, TCPStore). Only these get the "peer" hint, and never a message naming a CUDA error:
 # "CUDA error: the launch timed out" is this rank's own kernel, not a lost peer.
@@ -56,21 +56,31 @@ _report_lock = threading.RLock()  # one line per process: the first reporter exi
 _watcher: Optional["FailureWatcher"] = None  # this process's, once torch.distributed is up
 
 
-def fault_injection() -> Optional[Tuple[int, int]]:
-    """(rank, step) from GPT3D_FAULT_INJECT, None when unset; a ConfigError when malformed."""
+def fault_injection() -> Optional[Tuple[int, int, str]]:
+    """(rank, step, kind) from GPT3D_FAULT_INJECT="RANK:STEP[:hang]", None when unset; a
+    ConfigError when malformed. kind "raise" (the default) raises, "hang" sleeps for ever."""
     value = os.environ.get(FAULT_ENV)
     if not value:
         return None
+    parts = value.split(":")
     try:
-        rank, step = (int(part) for part in value.split(":"))
-    except ValueError:
-        raise ConfigError(f"{FAULT_ENV}={value!r} must be RANK:STEP (a test hook, e.g. 1:2)") from None
-    return rank, step
+        rank, step = int(parts[0]), int(parts[1])
+        kind = parts[2] if len(parts) == 3 else "raise"
+        if len(parts) not in (2, 3) or kind not in ("raise", "hang"):
+            raise ValueError
+    except (ValueError, IndexError):
+        raise ConfigError(f"{FAULT_ENV}={value!r} must be RANK:STEP or RANK:STEP:hang "
+                          f"(a test hook, e.g. 1:2)") from None
+    return rank, step, kind
 
 
-def maybe_inject_fault(fault: Optional[Tuple[int, int]], rank: int, step: int) -> None:
-    if fault == (rank, step):
-        raise RuntimeError(f"fault injected by {FAULT_ENV}={rank}:{step} before step {step}")
+def maybe_inject_fault(fault: Optional[Tuple[int, int, str]], rank: int, step: int) -> None:
+    if fault is None or fault[:2] != (rank, step):
+        return
+    if fault[2] == "hang":  # the heartbeat thread beats on: only the hang watchdog can see this
+        while True:
+            time.sleep(3600)
+    raise RuntimeError(f"fault injected by {FAULT_ENV}={rank}:{step} before step {step}")
 
 
 def describe(error: BaseException) -> str:
@@ -81,12 +91,11 @@ def describe(error: BaseException) -> str:
     if len(message) > 400:
         message = message[:400] + "..."
     frames = traceback.extract_tb(error.__traceback__)
-    ours = [f for f in frames if f.filename.startswith(_REPO)]
+    ours = [f for f in frames if our_file(f.filename) is not None]
     where = ""
     if ours or frames:
         frame = (ours or frames)[-1]
-        name = os.path.relpath(frame.filename, _REPO) if frame.filename.startswith(_REPO) else frame.filename
-        where = f" (at {name}:{frame.lineno} in {frame.name})"
+        where = f" (at {our_file(frame.filename) or frame.filename}:{frame.lineno} in {frame.name})"
     lowered = message.lower()
     peer = any(symptom in lowered for symptom in _PEER_LOST) and not any(local in lowered for local in _LOCAL)
     hint = "; a peer rank probably died or hung, see its line and the launcher's" if peer else ""
@@ -127,14 +136,16 @@ class FailureWatcher:
     work done, still watched), `stop()`, then the final barrier (after which rank 0 may exit and
     its store go away: no watcher may poll any more)."""
 
-    def __init__(self, rank: int, world_size: int, heartbeat_timeout_s: float = 60.0):
+    def __init__(self, rank: int, world_size: int, heartbeat_timeout_s: float = 60.0,
+                 hang: Optional[HangWatchdog] = None):
         global _watcher
         _watcher = self
-        self.rank, self.world_size, self.timeout_s = rank, world_size, heartbeat_timeout_s
+        self.rank, self.world_size, self.timeout_s, self.hang = rank, world_size, heartbeat_timeout_s, hang
         self.step = 0  # the last completed step, as the heartbeat reports it
         self.host = socket.gethostname()
-        self.store = _connect_store(timeout_s=30)  # the main thread's client
-        self._ran_at = self._answered_at = time.monotonic()  # the last wake-up; the store's last answer
+        self.store = _main_thread_store()
+        self._client: Optional[_TimedClient] = None  # the watcher thread's, once connected
+        self._ran_at = time.monotonic()  # the last wake-up of either thread
         self._rank0_beat: Optional[str] = None  # rank 0's heartbeat, read once: who to end if its store falls silent
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gpt3d-failure-watcher", daemon=True)
@@ -160,14 +171,37 @@ class FailureWatcher:
     def _time_the_store(self) -> None:
         while not self._stop.wait(_POLL_S):
             self._woke()
-            silent_s = time.monotonic() - self._answered_at
+            asking_since = self._client.asking_since if self._client is not None else None
+            silent_s = time.monotonic() - asking_since if asking_since is not None else 0.0
             if silent_s > self.timeout_s:
-                self._leave(f"{_store_lost()} did not answer for {silent_s:.0f} s "
+                self._leave(f"{_store_lost()} did not answer a request for {silent_s:.0f} s "
                             f"(train.heartbeat_timeout_s={self.timeout_s:g}): rank 0 was killed, frozen or cut off, "
                             f"see its log; last completed step here: {self.step}", lost=(0, self._rank0_beat))
 
     def _watch(self) -> None:
-        store = _connect_store(timeout_s=30)  # a client of its own: no contention with the main thread
+        """The thread's body; it never ends silently: an error of its own ends the rank, with a line."""
+        try:
+            self._watch_until_stopped(self._connect())
+        except Exception as e:
+            self._leave(f"stopping: this rank's failure watcher failed, so the rank can no longer be watched: "
+                        f"{describe(e)}")
+
+    def _connect(self) -> "_TimedClient":
+        """A store client of the watcher's own (the main thread's waits on the process group's
+        client must not delay a heartbeat), retried for up to the heartbeat timeout."""
+        first = time.monotonic()
+        while True:
+            try:
+                self._client = _TimedClient(_connect_store(timeout_s=min(30.0, self.timeout_s)))
+                return self._client
+            except Exception as e:
+                if time.monotonic() - first > self.timeout_s:
+                    self._leave(f"{_store_lost()} refused this rank's watcher for {time.monotonic() - first:.0f} s "
+                                f"({type(e).__name__}): rank 0 died, or its process ran out of open files "
+                                f"(see its log and `ulimit -n`)", lost=(0, None))
+                time.sleep(_POLL_S)
+
+    def _watch_until_stopped(self, store: "_TimedClient") -> None:
         peer = (self.rank + 1) % self.world_size
         seen, seen_at = None, time.monotonic()  # the peer's heartbeat count, when it last changed
         next_beat, count, errors = 0.0, 0, 0
@@ -188,7 +222,8 @@ class FailureWatcher:
                         elif now - seen_at > self.timeout_s:
                             self._declare_lost(store, peer, beat, now - seen_at)
                 published = store.get(_KEY).decode() if store.check([_KEY]) else None
-                self._answered_at = time.monotonic()
+                if published is None and self.hang is not None:
+                    self.hang.poll(store, lambda line: self._publish(store, line, self.world_size - 1))
             except Exception as e:  # the store's host (rank 0) is gone, or the network is
                 errors += 1
                 if errors >= _STORE_LOST_POLLS:  # refused or reset: no need to wait for the timeout
@@ -200,6 +235,8 @@ class FailureWatcher:
                 continue
             if published.startswith(f"rank {self.rank}: lost:"):  # slow or resumed: the others have left
                 self._leave(f"stopping: the other ranks declared this rank lost:{published.split(':', 2)[2]}")
+            if published.startswith(f"rank {self.rank}: hang:"):  # its main thread will not get to it
+                self._leave(f"stopping: rank {self.rank} failed:{published.split(':', 1)[1]}")
             if published.startswith(f"rank {self.rank}:"):  # our own report: the main thread is on it
                 return
             self._follow(store, published)
@@ -210,13 +247,19 @@ class FailureWatcher:
         _, step, host = beat.split()[:3] if beat is not None else ("", "none", "unknown (no heartbeat yet)")
         mine = (f"rank {peer}: lost: no heartbeat for {silent_s:.0f} s (train.heartbeat_timeout_s={self.timeout_s:g}) "
                 f"from host {host}, last completed step {step}; killed, frozen or cut off (noticed by rank {self.rank})")
+        self._publish(store, mine, self.world_size - 2, before_waiting=lambda: self._end_if_sibling(peer, beat))
+
+    def _publish(self, store, mine: str, readers: int, before_waiting=lambda: None) -> None:
+        """Publish the cause `mine` ("rank Q: ..." or "every rank: ...") unless one is already there
+        (then follow that one), say it, let `readers` other ranks read it, exit 1."""
         with _report_lock:
             published = store.compare_set(_KEY, "", mine).decode()
             if published != mine:
                 self._follow(store, published)
-            say_error(f"stopping: rank {peer} failed:{mine.split(':', 1)[1]}")
-            self._end_if_sibling(peer, beat)
-            self._wait_for(store, lambda: store.add(_ACK, 0) >= self.world_size - 2)  # all but peer and us
+            who, cause = mine.split(":", 1)
+            say_error(f"stopping: {who} failed:{cause}")
+            before_waiting()
+            self._wait_for(store, lambda: store.add(_ACK, 0) >= readers)
             try:
                 store.set(_DONE, "1")
             except Exception:
@@ -310,6 +353,40 @@ class FailureWatcher:
                 time.sleep(0.1)
         except Exception:
             pass
+
+
+class _TimedClient:
+    """A store client that knows since when its current request waits: a store silent for the
+    heartbeat timeout on one request means rank 0 is lost (issue 35: timed per request, where a
+    clock per poll of five requests declared a merely slow store lost early, with a wrong "for N s")."""
+
+    def __init__(self, store):
+        self._store, self.asking_since = store, None
+
+    def __getattr__(self, name: str):
+        request = getattr(self._store, name)
+
+        def timed(*args):
+            self.asking_since = time.monotonic()
+            try:
+                return request(*args)
+            finally:
+                self.asking_since = None
+        return timed
+
+
+def _main_thread_store():
+    """The process group's own client of the rendezvous store, not a new connection: rank 0's
+    process holds one socket per client, so each rank keeps two (this one and the watcher's), and
+    launch/runtime/distributed.py checks rank 0's open-file limit for them. A new client where no
+    process group is up (the tests' bare watchers)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return _connect_store(timeout_s=30)
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):  # torch adds a prefix per group; our keys have none
+        store = store.underlying_store
+    return store
 
 
 def _store_lost() -> str:

@@ -87,14 +87,16 @@ def run_training(job: TrainingJob) -> None:
     from launch.checkpoints import store
     from launch.instruments.comm_counter import install_comm_counter
     from launch.instruments.compute_clock import install_compute_clock
-    from launch.instruments.stragglers import StragglerWatch, gather_seconds, gather_stage_hosts, summarise_seconds
+    from launch.instruments.stragglers import (StragglerWatch, gather_rank_roles, gather_step_numbers, in_pass_group,
+                                               slowest_data_reader, summarise_seconds)
     from launch.instruments.metrics import (MetricsLogger, is_logging_rank, loss_scale, reset_step_memory_peak,
-                                            run_arithmetic, step_peaks)
+                                            run_arithmetic, local_step_memory_peak)
     from launch.runtime.distributed import shut_down_distributed, start_rank
     from launch.runtime.experts import after_moe_step, set_router_loss_scale
     from launch.runtime.compiler import blocks_to_compile
     from launch.runtime.engine import build_engine, print_role_map
     from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
+    from launch.runtime.hang_watchdog import HangWatchdog, stacks_dir
     from launch.runtime.signals import StopRequest
     from launch.runtime.step_tokens import RouterTokens, count_step_tokens
     from launch.runtime.zero_bubble import check_weight_passes_ran
@@ -104,8 +106,10 @@ def run_training(job: TrainingJob) -> None:
     args, recipe, layout, data, resume_from = job.args, job.recipe, job.layout, job.data, job.resume_from
     train_cfg = recipe.train
     start_rank(layout.world_size, train_cfg.dist_timeout_s)
-    # One rank fails or falls silent: all stop.
-    watcher = FailureWatcher(int(os.environ["RANK"]), layout.world_size, train_cfg.heartbeat_timeout_s)
+    # One rank fails, falls silent or hangs: all stop.
+    hang = HangWatchdog(int(os.environ["RANK"]), layout.world_size, stacks_dir(args.save, args.metrics_out),
+                        train_cfg.hang_timeout_s, train_cfg.first_step_timeout_s or 0.8 * train_cfg.dist_timeout_s)
+    watcher = FailureWatcher(int(os.environ["RANK"]), layout.world_size, train_cfg.heartbeat_timeout_s, hang)
     fault = fault_injection()  # a test hook, None unless GPT3D_FAULT_INJECT is set
     state = init_parallel_state(layout.tp, layout.pp, layout.cp, layout.ep, experts=recipe.model.moe.enabled)
     logging_rank = is_logging_rank(state.global_rank)
@@ -117,7 +121,8 @@ def run_training(job: TrainingJob) -> None:
         print_role_map(recipe, layout, state, config, engine.module)
     install_comm_counter(engine, state, args.comm_counts)  # does nothing without --comm-counts
     compute_clock = install_compute_clock(engine, state.global_rank)
-    stragglers = StragglerWatch(**gather_stage_hosts(state.pp_rank))
+    stragglers = StragglerWatch(**gather_rank_roles(state.pp_rank, in_pass_group(state)),
+                                group_kind="tensor/context/expert-parallel" if layout.ep > 1 else "tensor/context-parallel")
     timeline = None
     if args.timeline is not None:
         from launch.instruments.timeline import install_timeline_recorder
@@ -147,6 +152,7 @@ def run_training(job: TrainingJob) -> None:
     report = data.repeat_report(train_cfg.steps)  # a mixture says once which sources repeat, and how often
     if report is not None and logging_rank:
         print(report, flush=True)
+    hang.start()  # from here a step that never ends is found (saves and the start-up before not timed)
     for step in range(first_step, train_cfg.steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
         maybe_inject_fault(fault, state.global_rank, step)
@@ -160,39 +166,44 @@ def run_training(job: TrainingJob) -> None:
         if step == first_step and runs_zero_bubble(train_cfg.schedule, layout.pp):
             check_weight_passes_ran(engine)  # the hooks took: W passes computed weight gradients
         watcher.completed(step)  # the heartbeat names it if this rank is lost later
-        peak_allocated, peak_reserved, data_wait = step_peaks(  # a MAX all-reduce: every rank calls it
-            getattr(batches, "waited_s", 0.0) - waited_before)
-        compute_by_rank = gather_seconds(compute_clock.take(), device)  # an all-gather: every rank calls it
+        numbers = gather_step_numbers(compute_clock.take(), getattr(batches, "waited_s", 0.0) - waited_before,
+                                      *local_step_memory_peak(), device)  # an all-gather: every rank calls it
+        peak_allocated, peak_reserved = numbers.peak_allocated, numbers.peak_reserved
+        compute_by_rank = numbers.compute_s
+        reader = slowest_data_reader(numbers.data_wait_s)
         samples += layout.global_batch_size
         grad_norm = own_grad_norm.value if own_grad_norm is not None else engine.get_global_grad_norm()
         record = {"step": step, "samples": samples, "loss": loss.item(), "grad_norm": float(grad_norm),
                   "lr": lr, "loss_scale": loss_scale(engine), "tokens": step * tokens_per_step,
                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved,
-                  "data_wait_s": data_wait, "compute_s": summarise_seconds(compute_by_rank, stragglers.stages)}
+                  "data_wait_s": reader["seconds"], "data_wait_rank": reader["rank"],
+                  "compute_s": summarise_seconds(compute_by_rank, stragglers.stages)}
         if args.metrics_per_rank:
-            record["compute_s_by_rank"] = compute_by_rank
+            record["compute_s_by_rank"] = compute_by_rank.tolist()
         record.update(after_moe_step(engine, config, layout))  # collective; {} without experts
         record.update(data.step_record(samples))
         if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
             record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device))
         if metrics is not None:
-            for line in stragglers.observe(step, compute_by_rank):
+            for line in stragglers.observe(step, compute_by_rank, numbers.data_wait_s, seconds):
                 print(line, flush=True)
             metrics.log(record)
         stopping = stop.agreed()
         if args.save and (stopping or step == train_cfg.steps or (args.save_every and step % args.save_every == 0)):
-            with stop.saving():  # a stop request's wait pauses: a save never is cut short by it
+            with stop.saving(), hang.paused():  # neither a stop request's wait nor the hang clock cut a save short
                 path = store.save(engine, args.save, step, samples, saved_recipe, vars(layout),
                                   args.keep_last, is_writer=logging_rank,
                                   wandb_run_id=metrics.wandb_run_id if metrics is not None else None,
                                   data_state=data.gather_data_state(batches))
             if logging_rank:
                 print(f"saved {path}", flush=True)
+        hang.step_ended()
         if stopping:
             if logging_rank:
                 print(f"stopped by signal after step {step}", flush=True)
             break
+    hang.finished()
     if timeline is not None:
         timeline.draw(args.timeline, logging_rank)  # collective: every rank gathers
     if metrics is not None:

@@ -12,7 +12,8 @@ from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe
 from launch.errors import AlreadyFinished, ConfigError
 from launch.runtime.cli import training_recipe
-from launch.runtime.distributed import check_precision_supported, ensure_single_process_env, on_cpu
+from launch.runtime.distributed import (check_precision_supported, ensure_open_file_limit,
+                                        ensure_single_process_env, on_cpu)
 from launch.runtime.run_inputs import load_run_data, resolved_recipe_dict
 
 if TYPE_CHECKING:  # annotations only: data/pipeline.py imports torch
@@ -39,6 +40,7 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     ensure_single_process_env()
     layout = check_and_derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
     check_precision_supported(recipe.train.precision)
+    ensure_open_file_limit(layout.world_size, int(os.environ["RANK"]))
     if recipe.train.schedule == "zb-h1" and layout.pp > 1:  # runs_zero_bubble, without importing DeepSpeed here
         from launch.runtime.zero_bubble import check_deepspeed_hooks
         check_deepspeed_hooks(layout.pp)

@@ -229,9 +229,9 @@ def _fork(fn, *args) -> int:
 
 @pytest.mark.waits
 def test_a_frozen_store_means_rank_0_is_lost(tmp_path):
-    """Rank 0 frozen (its store with it): the other ranks' watchers exit 1 within the heartbeat
-    timeout plus a request's timeout and a poll, naming rank 0, the store's address and their
-    last completed step. (Rank 0's heartbeat is never written here: the store's silence, not a
+    """A slow store is not a lost one; rank 0 frozen (its store with it) is: the other ranks' watchers
+    exit 1 within the heartbeat timeout plus a request's timeout and a poll, naming rank 0, the
+    store's address and their last completed step. (Rank 0's heartbeat is never written here: the store's silence, not a
     stale heartbeat, must be what they report.)"""
     port_file, ready, out = tmp_path / "port", tmp_path / "ready", tmp_path / "out"
     host = _fork(_store_host, port_file)
@@ -241,6 +241,19 @@ def test_a_frozen_store_means_rank_0_is_lost(tmp_path):
         port = int(port_file.read_text())
         watchers = _fork(_watchers_of, port, ready, out)
         assert _wait_for_file(ready), out.read_text()
+        # First slow, not gone: each request answered within 1.5 s, a poll's five requests in up to
+        # ~5 s, longer than the 3 s timeout. Timed per request, the store is not declared lost.
+        # Rank 0's heartbeat goes on meanwhile (written here: this test has no rank 0 watcher).
+        from datetime import timedelta
+        import torch.distributed as dist
+        rank0 = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+        for beat in range(4):
+            rank0.set("gpt3d/heartbeat/0", f"{beat} 4 elsewhere 1 1")
+            os.kill(host, signal.SIGSTOP)
+            time.sleep(1.5)
+            os.kill(host, signal.SIGCONT)
+            time.sleep(0.2)
+        assert _exit_code(watchers, limit_s=0.1) is None, out.read_text()
         os.kill(host, signal.SIGSTOP)  # the store stops answering, as it does when rank 0 is frozen
         frozen_at = time.monotonic()
         code = _exit_code(watchers, limit_s=20)
@@ -251,7 +264,7 @@ def test_a_frozen_store_means_rank_0_is_lost(tmp_path):
         lines = [line for line in text.splitlines() if line.startswith("error: ")]
         assert len(lines) == 1, text
         assert lines[0].startswith(f"error: rank 1: stopping: rank 0 lost: the rendezvous store it hosts "
-                                   f"(127.0.0.1:{port}) did not answer for "), lines
+                                   f"(127.0.0.1:{port}) did not answer a request for "), lines
         assert lines[0].endswith("see its log; last completed step here: 4"), lines
     finally:
         for pid in (host, watchers):

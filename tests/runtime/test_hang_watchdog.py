@@ -1,0 +1,171 @@
+"""The hang watchdog (issue 35 item 2): a rank that sleeps inside its step with its heartbeat
+healthy ends the job within the bound, every rank's stacks are written, and one line names the
+rank that is not in the collective the others wait in. And what each rank costs rank 0's store:
+two connections (item 6), which is what the open-file check counts."""
+import base64
+import os
+import pickle
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.forked import run_forked
+from helpers.launcher import TINY, launch_forked
+from launch.runtime.distributed import STORE_CLIENTS_PER_RANK, ensure_open_file_limit, free_port
+from launch.runtime.hang_watchdog import hang_line
+from launch.errors import ConfigError
+
+BOUND_S = 3.0
+
+
+def _steps_until_one_rank_hangs(stacks: str, hung_rank: int, hung_step: int) -> None:
+    """A rank's training loop in miniature: each step one all-reduce; rank `hung_rank` sleeps
+    for ever before step `hung_step` (the training loop's fault hook)."""
+    import torch
+    import torch.distributed as dist
+    from launch.runtime.failure import FailureWatcher, maybe_inject_fault
+    from launch.runtime.hang_watchdog import HangWatchdog
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hang = HangWatchdog(rank, world, Path(stacks), hang_timeout_s=BOUND_S, first_step_timeout_s=60)
+    FailureWatcher(rank, world, heartbeat_timeout_s=60, hang=hang)
+    hang.start()
+    for step in range(1, 1000):
+        maybe_inject_fault((hung_rank, hung_step, "hang"), rank, step)
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.2)
+        hang.step_ended()
+
+
+def _run_ranks(fn, world: int, *args, timeout: int = 60):
+    call = base64.b64encode(pickle.dumps((fn, args))).decode()
+    began = time.monotonic()
+    reply, _, stderr = run_forked({"call": call, "world": world, "port": free_port()}, timeout)
+    return reply, stderr, time.monotonic() - began
+
+
+@pytest.mark.waits
+def test_a_rank_sleeping_in_its_step_is_named_and_every_rank_leaves_its_stacks(tmp_path):
+    reply, stderr, seconds = _run_ranks(_steps_until_one_rank_hangs, 3, str(tmp_path), 1, 3)
+    assert not reply["timed_out"] and reply["returncode"] == 1, stderr[-3000:]
+    # Two steps of 0.2 s, the bound, a poll, the gather, and the ranks' start (forked, a few s).
+    assert seconds < 3 * 0.2 + BOUND_S + 15, seconds
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert sorted(":".join(line.split(":")[:2]) for line in lines) == ["error: rank 0", "error: rank 1", "error: rank 2"], stderr
+    named = lines[0].split("stopping: ", 1)[1]
+    assert all(line.endswith(named) for line in lines), lines  # one cause, said by every rank
+    assert re.match(r"rank 1 failed: hang: no step ended for [345] s \(bound 3 s", named), named
+    assert "rank 1 at launch/runtime/failure.py:" in named and "in maybe_inject_fault" in named, named
+    assert "while 2 other ranks wait in torch.distributed.all_reduce (from tests/runtime/test_hang_watchdog.py:" in named
+    assert named.endswith(f"every rank's stacks are in {tmp_path}/rank-*.txt"), named
+    stacks = {r: (tmp_path / f"rank-{r:05d}.txt").read_text() for r in range(3)}
+    assert "in maybe_inject_fault" in stacks[1] and "in all_reduce" not in stacks[1], stacks[1]
+    for r in (0, 2):
+        assert "in all_reduce" in stacks[r] and "_steps_until_one_rank_hangs" in stacks[r], stacks[r]
+        assert "gpt3d-failure-watcher" in stacks[r] or "Thread 0x" in stacks[r], stacks[r]  # every thread
+
+
+@pytest.mark.waits
+@pytest.mark.slow
+def test_a_training_run_with_a_hung_rank_ends_with_its_name_and_keeps_its_saves(tmp_path):
+    """launch/train.py at dp 2, a save every 2 steps (the clock pauses in it), rank 1 asleep
+    before step 3 with its heartbeat beating: the job exits 1 within the 5 s bound and a few polls,
+    every rank names rank 1, the stacks lie in the save directory, step 2's checkpoint is kept."""
+    save = tmp_path / "ckpt"
+    began = time.monotonic()
+    proc = launch_forked(2, ["--recipe", str(TINY), "--steps", "6", "--set", "train.eval_every=0",
+                             "--set", "train.hang_timeout_s=5", "--save", str(save), "--save-every", "2"],
+                         env={"GPT3D_FAULT_INJECT": "1:3:hang"}, timeout=300)
+    seconds = time.monotonic() - began
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 2 and all("stopping: rank 1 failed: hang: no step ended for " in line for line in lines), lines
+    assert re.search(r"no step ended for [5-9] s \(bound 5 s", lines[0]), lines
+    assert "rank 1 at launch/runtime/failure.py:" in lines[0] and "while 1 other rank waits in torch.distributed." \
+        in lines[0], lines
+    assert sorted(p.name for p in (save / "hang-stacks").iterdir()) == ["rank-00000.txt", "rank-00001.txt"]
+    assert (save / "latest").read_text().strip().endswith("2"), list(save.iterdir())
+    print(f"hang: the job ended {seconds:.1f} s after its start; {lines[0]}")
+
+
+def test_the_line_names_who_is_not_where_the_others_are(tmp_path):
+    wait = "in torch.distributed.all_reduce (from launch/runtime/loop.py:170)"
+    recv = "in torch.distributed.recv (from deepspeed p2p)"
+    outside = "at model/gpt/pipe.py:40 in forward"
+    line = hang_line({0: wait, 1: outside, 2: wait, 3: wait}, 4, 61.2, 60, tmp_path)
+    assert line == (f"rank 1: hang: no step ended for 61 s (bound 60 s, train.hang_timeout_s / "
+                    f"train.first_step_timeout_s); rank 1 {outside}, while 3 other ranks wait {wait}; "
+                    f"every rank's stacks are in {tmp_path}/rank-*.txt")
+    # Every rank in collectives, one in another than the rest: that one (it moved on, or never came).
+    line = hang_line({0: wait, 1: wait, 2: recv}, 3, 61, 60, tmp_path)
+    assert line.startswith("rank 2: hang:") and f"rank 2 {recv}, while 2 other ranks wait {wait};" in line, line
+    # All in the same collective: nobody to name.
+    line = hang_line({0: wait, 1: wait}, 2, 61, 60, tmp_path)
+    assert line.startswith("every rank: hang:") and f"all 2 ranks wait {wait}: a hung collective" in line, line
+    # A rank whose watcher gave no position is named too.
+    line = hang_line({0: wait, 2: wait}, 3, 61, 60, tmp_path)
+    assert line.startswith("rank 1: hang:") and "rank 1 gave no position" in line, line
+
+
+def _store_sockets(port: int) -> int:
+    """This process's TCP connections to `port` (its store clients), from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the listing's own descriptor, closed since
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            remote_port, state, inode = int(fields[2].rsplit(":", 1)[1], 16), fields[3], fields[9]
+            count += remote_port == port and state == "01" and inode in inodes  # 01: established
+    return count
+
+
+def _count_store_connections() -> None:
+    import torch.distributed as dist
+    from launch.runtime.failure import FailureWatcher
+    port = int(os.environ["MASTER_PORT"])
+    watcher = FailureWatcher(dist.get_rank(), dist.get_world_size(), heartbeat_timeout_s=60)
+    deadline = time.monotonic() + 20
+    while watcher._client is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    connections = _store_sockets(port)
+    watcher.stop()
+    assert connections == STORE_CLIENTS_PER_RANK, (dist.get_rank(), connections)
+
+
+def test_each_rank_holds_the_store_connections_rank_0s_limit_is_checked_for():
+    """Counted in the kernel's socket table of each of 3 ranks in a real process group with its
+    failure watcher running (the process group's client, the watcher's: the main thread reuses the
+    first)."""
+    reply, stderr, _ = _run_ranks(_count_store_connections, 3)
+    assert reply["returncode"] == 0, stderr[-3000:]
+
+
+def _limits_checked(world: int, soft: int, hard: int):
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        ensure_open_file_limit(world, rank=0)
+    except ConfigError as e:
+        return str(e)
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def test_rank_0_raises_its_open_file_limit_or_names_the_one_needed():
+    """In a forked child (the limits are the process's): the soft limit is raised to what the
+    store's clients need when the hard limit allows, else one line names both."""
+    import multiprocessing
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        needed = STORE_CLIENTS_PER_RANK * 1000
+        raised = pool.apply(_limits_checked, (1000, 256, 8192))
+        assert raised[1] == 8192 and needed < raised[0] <= 8192, raised
+        refused = pool.apply(_limits_checked, (4096, 256, 4096))
+        assert isinstance(refused, str) and "4096 ranks" in refused and "ulimit -n" in refused, refused
+        assert pool.apply(_limits_checked, (4, 2048, 4096)) == (2048, 4096)  # enough already: untouched
