@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from launch.errors import ConfigError
-from launch.runtime.hang_watchdog import HANG_STACKS
 from model.config import ARCH_SWITCHES, ModelConfig
 
 COMPLETE = "complete.json"
@@ -126,6 +125,10 @@ def _newest_of_one_run(root: Path) -> Optional[str]:
         return None
     chain = {p.name for p in history(root, complete[-1])}
     return complete[-1] if chain >= set(complete) else None
+
+
+HANG_STACKS = "hang-stacks"
+"""Where launch/runtime/hang_watchdog.py writes every rank's stacks, beside the checkpoints."""
 
 
 def _no_checkpoint_yet(root: Path) -> bool:

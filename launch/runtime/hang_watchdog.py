@@ -35,12 +35,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from launch.checkpoints.locate import HANG_STACKS
 from launch.errors import our_file
 
 HANG_FACTOR, HANG_FLOOR_S = 10.0, 120.0
 GATHER_S = 10.0  # how long the composer waits for every rank's position
 _POSITION, _REPORTED = "gpt3d/hang/position/", "gpt3d/hang/reported"
-HANG_STACKS = "hang-stacks"  # the stacks' directory, beside the run
 _NAMED_AT_MOST = 8  # ranks named in the line; the stacks files hold the rest
 
 
