@@ -11,8 +11,9 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+from data.fingerprint import fingerprint_changes
 from launch.errors import ConfigError
 from model.config import ARCH_SWITCHES, ModelConfig
 
@@ -169,6 +170,25 @@ def _locate(load: Path) -> CheckpointRef:
         raise ConfigError(f"--load {str(load)!r} holds no complete checkpoint (no {COMPLETE}); "
                           f"it is not a checkpoint directory or every save in it was interrupted")
     raise ConfigError(f"--load {str(load)!r} is empty: no checkpoint to resume from")
+
+
+def data_position(ref: CheckpointRef, fingerprint: Dict[str, Any], restart: bool) -> Tuple[Optional[dict], int]:
+    """(the streams' saved position or None, the samples trained before the current data order
+    began) to continue from `ref`. Its data fingerprint (data/fingerprint.py) must equal this
+    run's, else the position would re-deal the samples: refused in one line naming what changed.
+    `restart` (--restart-data) starts the data order again at the resume step instead."""
+    samples = ref.meta["samples"]
+    if restart:
+        return None, samples
+    saved = ref.meta.get("data_fingerprint")  # absent in checkpoints saved before issue 34
+    changes = fingerprint_changes(saved, fingerprint) if saved is not None else []
+    if changes:
+        more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
+        raise ConfigError(f"checkpoint {ref.path} was saved with other data: {'; '.join(changes[:3])}{more}; "
+                          f"its data position would deal other samples (some trained twice, others never): resume "
+                          f"with the data it was saved with, or pass --restart-data to start the data order again "
+                          f"at step {ref.meta['step'] + 1}")
+    return ref.meta.get("data_state"), ref.meta.get("data_origin_samples", 0)
 
 
 def refuse_unfused_llama(ref: CheckpointRef) -> None:

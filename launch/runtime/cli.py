@@ -36,6 +36,9 @@ def parse_training_args(argv: Optional[List[str]], description: str = "") -> arg
     p.add_argument("--keep-last", type=int, default=0, metavar="K", help="keep only the K newest checkpoints")
     p.add_argument("--load", type=Path, help="resume: a save directory (its latest complete checkpoint) or one "
                    "checkpoint directory; --steps stays the run's total")
+    p.add_argument("--restart-data", action="store_true",
+                   help="with --load: start the data order again at the resume step instead of continuing it "
+                        "(needed when the data changed since the checkpoint: files, streams, shuffle_buffer...)")
     p.add_argument("--init-from-hf", metavar="DIR_OR_NAME",
                    help="start from GPT-2- or Llama-format (transformers) weights of the recipe's model shape")
     p.add_argument("--timeline", type=Path, metavar="FILE.png",

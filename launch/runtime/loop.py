@@ -131,8 +131,9 @@ def run_training(job: TrainingJob) -> None:
     first_step, samples = restore(engine, resume_from, layout, state, config, logging_rank)
 
     saved_recipe = resolved_recipe_dict(recipe, job.vocab_size)
-    batches = data.train_batches(state.dp_rank, layout.dp, start_sample=samples,
-                                 data_state=resume_from.meta.get("data_state") if resume_from is not None else None)
+    # The data's own position: samples since its order began (not the run's, after --restart-data).
+    batches = data.train_batches(state.dp_rank, layout.dp, start_sample=samples - job.data_origin_samples,
+                                 data_state=job.data_state)
     device = torch.device(get_accelerator().current_device_name())
     # The CP ranks of a replica drew the same samples (same dp rank); each keeps its sequence shard.
     feed = sequence_shards(data.feed(batches, state.tp_group, device), state.cp_rank, state.cp_size)
@@ -182,7 +183,7 @@ def run_training(job: TrainingJob) -> None:
         if args.metrics_per_rank:
             record["compute_s_by_rank"] = compute_by_rank.tolist()
         record.update(after_moe_step(engine, config, layout))  # collective; {} without experts
-        record.update(data.step_record(samples))
+        record.update(data.step_record(samples - job.data_origin_samples))
         if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
             record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device))
         if metrics is not None:
@@ -195,7 +196,9 @@ def run_training(job: TrainingJob) -> None:
                 path = store.save(engine, args.save, step, samples, saved_recipe, vars(layout),
                                   args.keep_last, is_writer=logging_rank,
                                   wandb_run_id=metrics.wandb_run_id if metrics is not None else None,
-                                  data_state=data.gather_data_state(batches))
+                                  data_state=data.gather_data_state(batches),
+                                  data_identity={"data_fingerprint": job.data_fingerprint,
+                                                 "data_origin_samples": job.data_origin_samples})
             if logging_rank:
                 print(f"saved {path}", flush=True)
         hang.step_ended()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
+from data.fingerprint import data_fingerprint
 from launch.analysis.partition import with_stage_boundaries
 from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe
@@ -32,6 +33,12 @@ class TrainingJob:
     vocab_size: int
     resume_from: Optional[CheckpointRef] = None
     """The checkpoint to resume from, or None."""
+    data_fingerprint: Dict[str, Any]
+    """What decides the samples of each step (data/fingerprint.py), saved with every checkpoint."""
+    data_state: Optional[dict] = None
+    """The streams' position to continue from (None: fresh, cached data, or --restart-data)."""
+    data_origin_samples: int = 0
+    """Samples trained before the current data order began (a --restart-data resume's)."""
 
 
 def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
@@ -56,10 +63,12 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
         from launch.checkpoints.hf_weights import check_hf_source
         check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size, data.tokenizer.eos_token_id),
                         resuming=resume_from is not None)
+    fingerprint, data_state, origin = data_fingerprint(data), None, 0
     if resume_from is not None:
-        from launch.checkpoints.locate import check_compatible
+        from launch.checkpoints.locate import check_compatible, data_position
         check_compatible(resume_from, resolved_recipe_dict(recipe, vocab_size), vars(layout))
-        data.check_data_state(resume_from.meta.get("data_state"), resume_from.meta["samples"])
+        data_state, origin = data_position(resume_from, fingerprint, args.restart_data)
+        data.check_data_state(data_state, resume_from.meta["samples"] - origin)
         if resume_from.meta["step"] >= recipe.train.steps and args.save is not None \
                 and args.load.resolve() == args.save.resolve():  # a requeue after the end: done, not wrong
             raise AlreadyFinished(f"checkpoint {resume_from.path} is at step {resume_from.meta['step']} of "
@@ -67,8 +76,11 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
         if resume_from.meta["step"] >= recipe.train.steps:
             raise ConfigError(f"checkpoint {resume_from.path} is at step {resume_from.meta['step']}, "
                               f"not before --steps {recipe.train.steps}: nothing to train")
+    elif args.restart_data:
+        raise ConfigError("--restart-data restarts the data order of a resumed run: it needs --load")
     if args.save is not None:  # last: only a run that passed every check moves files
         from launch.checkpoints.store import prepare_save_dir
         prepare_save_dir(args.save, resume_from, is_writer=os.environ["RANK"] == "0")
     return TrainingJob(args=args, recipe=recipe, layout=layout, data=data, vocab_size=vocab_size,
-                       resume_from=resume_from)
+                       resume_from=resume_from, data_fingerprint=fingerprint, data_state=data_state,
+                       data_origin_samples=origin)

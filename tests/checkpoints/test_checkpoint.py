@@ -33,6 +33,11 @@ def test_bad_checkpoints_are_one_line_errors(parity_runs, tmp_path, monkeypatch,
         (["--load", str(ck), "--steps", str(STEPS)], [f"step {STEPS}", "nothing to train"]),
         (["--load", str(ck), "--set", "train.zero_stage=0"], ["train.zero_stage=1", "this run 0"]),
         (["--save-every", "2"], ["need --save"]),
+        # Issue 34 item 5: the data's fingerprint (data/fingerprint.py), cached data here.
+        (["--load", str(ck), "--seed", "7"], ["other data", "train.seed was", "now 7", "--restart-data",
+                                              f"step {STEPS + 1}"]),
+        (["--load", str(ck), "--set", "data.shuffle=false"], ["data.shuffle was True, now False"]),
+        (["--restart-data"], ["--restart-data", "needs --load"]),
     ]
     for argv, words in cases:
         assert main(["--recipe", str(TINY), "--steps", str(STEPS + 2)] + argv) == 2, argv

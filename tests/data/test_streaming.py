@@ -237,7 +237,8 @@ def test_tp_peers_read_once_and_share(corpus, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_streaming_run_over_http_resumes_exactly_and_matches_one_process(corpus, server, tmp_path):
+def test_streaming_run_over_http_resumes_exactly_and_matches_one_process(corpus, server, tmp_path, monkeypatch,
+                                                                        capsys):
     """Through launch/train.py, reading the corpus over HTTP: dp=2 streaming 5 steps with a save
     after step 3; the same run on one process, at tp=2 (TP rank 0 reads, its peer receives) and
     at tp=2 cp=2 (layout parity); dp=2 resumed from step 3 (bit for bit); and a run whose storage fails
@@ -269,6 +270,7 @@ def test_streaming_run_over_http_resumes_exactly_and_matches_one_process(corpus,
         assert (a["loss"], a["grad_norm"], a.get("val_loss")) == (b["loss"], b["grad_norm"], b.get("val_loss"))
     meta = json.loads((tmp_path / "ck" / "step00000003" / "complete.json").read_text())
     assert meta["data_state"]["step"] == 3 and sorted(meta["data_state"]["streams"]) == ["0", "1", "2", "3"]
+    _resume_with_other_data_is_refused(corpus, common, tmp_path, monkeypatch, capsys)
     server.reset()
     server.fail_after = 6  # the start-up reads (footers, validation) succeed, training's fail
     try:
@@ -277,3 +279,37 @@ def test_streaming_run_over_http_resumes_exactly_and_matches_one_process(corpus,
         server.fail_after = None
     errors = [line for line in proc.stderr.splitlines() if "reading bytes" in line]
     assert proc.returncode != 0 and len(errors) == 1 and "500" in errors[0], proc.stderr[-3000:]
+
+
+def _resume_with_other_data_is_refused(corpus, common, tmp_path, monkeypatch, capsys):
+    """Issue 34 item 5: the step-3 checkpoint's data fingerprint against a resume whose data deals
+    other samples: a shuffle block of 16, a revision, a file added to the glob. Each is one line,
+    exit 2, naming the change, before any process starts (launch/train.py's main in this process).
+    --restart-data then trains, its data order begun again at step 4."""
+    from launch.train import main
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the saved layout: only the data differs
+    ck = str(tmp_path / "ck" / "step00000003")
+    added = corpus / "part9.parquet"
+    shutil.copy(corpus / "part0.parquet", added)
+    try:
+        for extra, words in ((["--set", "data.shuffle_buffer=16"], "data.shuffle_buffer was 8, now 16"),
+                             (["--set", "data.revision=v2"], "data.revision was unset, now 'v2'"),
+                             ([], "data.files: 1 added (part9.parquet)")):
+            capsys.readouterr()
+            code = main(common + extra + ["--load", ck])
+            err = capsys.readouterr().err
+            assert code == 2 and err.count("\n") == 1 and words in err and "--restart-data" in err, (extra, err)
+        monkeypatch.delenv("RANK")
+        monkeypatch.delenv("WORLD_SIZE")
+        out = tmp_path / "restarted.jsonl"
+        proc = launch_forked(2, common + ["--load", ck, "--restart-data", "--save", str(tmp_path / "ck2"),
+                                          "--metrics-out", str(out)])
+    finally:
+        added.unlink()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [4, 5]
+    meta = json.loads((tmp_path / "ck2" / "step00000005" / "complete.json").read_text())
+    # The run's samples go on (5 steps of 16); the data's own position counts from step 4 (2 steps).
+    assert meta["samples"] == 5 * 16 and meta["data_origin_samples"] == 3 * 16 and meta["data_state"]["step"] == 2
+    assert [name for name, _ in meta["data_fingerprint"]["data.files"]][-1] == "part9.parquet"
