@@ -19,9 +19,11 @@ import io
 import json
 import math
 import struct
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import datasets
 import pyarrow as pa
@@ -35,6 +37,12 @@ from data.spec import DataError
 UNITS_VERSION = 1  # bump when the cutting rule changes: units (and the cached lists) change with it
 MAX_ROWS_IN_MEMORY, MIN_UNITS_IN_MEMORY = 10_000, 64
 FOOTER_THREADS = 16
+FOOTERS_KEPT = 32
+"""Parquet footers a process keeps (least recently used evicted): a footer of 700 row groups x 10
+columns is ~10 MiB, and a rank touching 2,000 files would otherwise keep them all (issue 34)."""
+MAX_PARQUET_UNIT_BYTES = 2 ** 30
+"""A row group whose text column holds more (uncompressed) is refused: a unit is read, decoded
+and held whole, so one 2 GB row group costs ~14 GB of memory per stream that reads it."""
 TAIL_READ = 64 * 1024
 """How far past a line unit's end one read looks for the end of its last line: at most 1/64 of
 the unit (at least 256 bytes), so the overshoot stays a small share of what the unit reads."""
@@ -148,7 +156,8 @@ class FileUnits(UnitSource):
 
     def __init__(self, files: SourceFiles, text_field: str, unit_bytes: int):
         self.files, self.text_field, self.unit_bytes, self.label = files, text_field, unit_bytes, files.label
-        self._footers: Dict[int, pq.FileMetaData] = {}
+        self._footers: "OrderedDict[int, pq.FileMetaData]" = OrderedDict()  # least recently used first
+        self._footers_lock = threading.Lock()  # footers are read from a thread pool at start-up
         if files.format == "parquet":
             self.units = self._parquet_units()
         elif files.format == "csv":
@@ -169,16 +178,25 @@ class FileUnits(UnitSource):
     # -- parquet --
 
     def footer(self, file: int) -> pq.FileMetaData:
-        """The file's metadata: two range requests (its length, then the footer), once per process."""
-        if file not in self._footers:
-            size = self.files.sizes[file]
-            tail = self.files.read(file, size - 8, size) if size >= 12 else b""
-            if tail[4:] != b"PAR1":
-                raise DataError(f"data.name={self.label!r}: {self.files.names[file]!r} is not a parquet file")
-            length = struct.unpack("<I", tail[:4])[0]
-            footer = self.files.read(file, size - 8 - length, size - 8)
-            self._footers[file] = pq.read_metadata(pa.BufferReader(b"PAR1" + footer + tail))
-        return self._footers[file]
+        """The file's metadata: two range requests (its length, then the footer); the last
+        FOOTERS_KEPT files' are kept. A stream reads its units file after file in the shuffled
+        order, so a footer read again costs two small requests per unit at most."""
+        with self._footers_lock:
+            if file in self._footers:
+                self._footers.move_to_end(file)
+                return self._footers[file]
+        size = self.files.sizes[file]
+        tail = self.files.read(file, size - 8, size) if size >= 12 else b""
+        if tail[4:] != b"PAR1":
+            raise DataError(f"data.name={self.label!r}: {self.files.names[file]!r} is not a parquet file")
+        length = struct.unpack("<I", tail[:4])[0]
+        footer = self.files.read(file, size - 8 - length, size - 8)
+        meta = pq.read_metadata(pa.BufferReader(b"PAR1" + footer + tail))
+        with self._footers_lock:
+            self._footers[file] = meta
+            while len(self._footers) > FOOTERS_KEPT:
+                self._footers.popitem(last=False)
+        return meta
 
     def _text_column(self, file: int) -> int:
         meta = self.footer(file)
@@ -195,6 +213,12 @@ class FileUnits(UnitSource):
             chunk = meta.row_group(g).column(column)
             start = min(chunk.dictionary_page_offset or chunk.data_page_offset, chunk.data_page_offset)
             rows = meta.row_group(g).num_rows
+            if chunk.total_uncompressed_size > MAX_PARQUET_UNIT_BYTES:
+                raise DataError(f"data.name={self.label!r}: {self.files.names[file]!r} row group {g} holds "
+                                f"{chunk.total_uncompressed_size / 2 ** 20:,.0f} MiB of {self.text_field!r}, above the "
+                                f"{MAX_PARQUET_UNIT_BYTES / 2 ** 20:,.0f} MiB a unit may hold (each is read and decoded "
+                                f"whole); rewrite the file with smaller row groups, e.g. pyarrow.parquet.write_table"
+                                f"(table, path, row_group_size=100_000)")
             # the chunk's uncompressed bytes less 4-byte lengths and page headers: a floor of its text
             text = chunk.total_uncompressed_size - 4 * rows - 256 * (1 + chunk.total_uncompressed_size // 65536)
             units.append(Unit(file, g, start, start + chunk.total_compressed_size, max(0, text)))
