@@ -1,17 +1,18 @@
 """One source's data prepared before the run: `prepare_source_data` checks the source against
 the run and gives data/pipeline.py's SourceData, its units listed (`stream_sources`), its streams
-checked (`check_streams`), its validation windows built (`first_windows`) and its read-ahead chosen
+checked (`check_streams`), its validation windows built (`validation_windows_across_units`) and its read-ahead chosen
 (`read_ahead_steps`); a mixture's sources use the same steps (data/mixture_run.py). Separate from
 data/pipeline.py, which holds what the training loop draws from a prepared source: this runs once,
 before any process group starts.
 
 `prepare_source_data` checks, in both modes, that the training data holds at least one global batch
 and the validation data `eval_batches` of them, so that a run never stops at its first step or its
-first evaluation. Validation is windows in memory (map-style: the cached stream; streaming: the
-first eval_batches * B windows of the held-out documents, read once and cached), evaluated the same
-way in both modes.
+first evaluation. Validation is windows in memory (map-style: the cached stream; streaming:
+eval_batches * B windows sampled across the held-out units, `validation_windows_across_units`, read once and
+cached), evaluated the same way in both modes.
 """
-from typing import List, Optional, Tuple
+from itertools import islice, zip_longest
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -21,9 +22,9 @@ from data.files import resolve_files
 from data.pipeline import SourceData
 from data.sources import in_memory_split, saved_dataset_dir
 from data.spec import DataError, DataSpec
-from data.streaming import START, StreamSource, packed_windows, stream_documents, stream_units
+from data.streaming import START, StreamSource, packed_windows, stream_documents, stream_units, unit_order
 from data.tokens import longest_token_bytes, tokenize_batch
-from data.units import DatasetUnits, FileUnits, UnitSource
+from data.units import DatasetUnits, FileUnits, Unit, UnitSource
 from data.windows import cached_validation_windows, prepare_streams, windows
 
 
@@ -66,17 +67,61 @@ def stream_sources(spec: DataSpec) -> Tuple[StreamSource, Optional[StreamSource]
     return StreamSource(train, kept), (StreamSource(train, held) if held else None)
 
 
-def first_windows(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int, n: int) -> np.ndarray:
-    """Up to `n` windows of one pass over `source`'s units in index order (a single stream):
-    reads units only until it has them."""
-    docs = stream_documents(source, 0, 1, seed=0, shuffle=False, start=START, epochs=1)
-    found: List[np.ndarray] = []
+VAL_SEED = 0
+"""The seed of the order in which streaming validation visits the held-out units: a constant, not
+`train.seed`, so that runs with different seeds evaluate on the same windows and their validation
+losses compare. The rest of validation takes no seed either: held-out units and documents are
+chosen by hash (data/units.py, data/sources.py) and validation batches are drawn unshuffled."""
+MAX_VAL_UNITS = 16
+"""How many held-out units streaming validation spreads its windows over, at most (more only when
+these run short). Each unit is read whole (its windows packed from its own documents), so the cap
+bounds the reading done once, at the cache's build: 16 units of data.unit_bytes (32 MiB) or row
+groups, while 16 units drawn at random from the held-out ones land in most of a corpus's files."""
+
+
+def unit_windows(source: StreamSource, unit: Unit, tokenizer: PreTrainedTokenizerBase,
+                 seq_len: int) -> Iterator[np.ndarray]:
+    """The windows of one unit's documents packed on their own (its partial last window dropped),
+    tokenized only as far as they are drawn."""
+    docs = stream_documents(StreamSource(source.reader, [unit]), 0, 1, seed=0, shuffle=False, start=START, epochs=1)
     for _, w in packed_windows(docs, tokenizer, seq_len + 1):
         if w is None:
-            break
-        found.append(w)
-        if len(found) == n:
-            break
+            return
+        yield w
+
+
+def validation_windows_across_units(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int, n: int) -> np.ndarray:
+    """Up to `n` validation windows sampled across `source`'s units (issue 34): in the order
+    `unit_order(units, VAL_SEED)`, the first min(units, MAX_VAL_UNITS) of them give ceil(n / used)
+    windows each (each unit's first windows, its documents packed on their own); when some hold
+    fewer, a second pass takes more from those that hold more, in the same order, and then further
+    units of the order give what is still missing, until `n` or the units run out. Reading the
+    units in file order instead would take every window from the first file(s) (for FineWeb-Edu,
+    sorted by crawl: the oldest dump only). One unit's texts are held at a time; the windows come
+    interleaved (every unit's first, then every unit's second...), so that any whole number of
+    global batches spreads across the units too. Deterministic: the same units and tokenizer give
+    the same windows in every process and run."""
+    order = [source.units[i] for i in unit_order(len(source.units), VAL_SEED, 0, shuffle=True)]
+    used = min(len(order), MAX_VAL_UNITS)
+    taken: List[List[np.ndarray]] = []  # per unit of the order, its windows in unit order
+    if n > 0 and used:
+        share = -(-n // used)
+        for unit in order[:used]:
+            taken.append(list(islice(unit_windows(source, unit, tokenizer, seq_len), share)))
+        missing = n - sum(len(w) for w in taken)
+        for k, unit in enumerate(order[:used]):  # second pass: more from the units that may hold more
+            if missing <= 0:
+                break
+            if len(taken[k]) == share:
+                more = list(islice(unit_windows(source, unit, tokenizer, seq_len), share, share + missing))
+                taken[k] += more
+                missing -= len(more)
+        for unit in order[used:]:  # then further units
+            if missing <= 0:
+                break
+            taken.append(list(islice(unit_windows(source, unit, tokenizer, seq_len), missing)))
+            missing -= len(taken[-1])
+    found = [w for row in zip_longest(*taken) for w in row if w is not None][:n]
     return np.stack(found) if found else np.empty((0, seq_len + 1), dtype=np.int64)
 
 
@@ -148,7 +193,7 @@ def prepare_source_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_
         data.train_stream, data.read_ahead_steps = train, read_ahead_steps(spec, [spec], global_batch_size)
         if val is not None:
             data.val_windows = cached_validation_windows(
-                spec, tokenizer, seq_len, need_val, lambda: first_windows(val, tokenizer, seq_len, need_val),
+                spec, tokenizer, seq_len, need_val, lambda: validation_windows_across_units(val, tokenizer, seq_len, need_val),
                 val.reader.fingerprint())
     else:
         streams = prepare_streams(spec, tokenizer)

@@ -78,13 +78,20 @@ def prepare_streams(spec: DataSpec, tokenizer: PreTrainedTokenizerBase) -> Cache
                          built_here=meta["builder_pid"] == os.getpid())
 
 
+VALIDATION_RULE = 2
+"""In the key of streaming validation's cache: bump when the rule that picks the windows changes
+(2: sampled across the held-out units, data/prepare_source.py's validation_windows_across_units; 1: the first ones
+in file order), so that no run reuses windows picked by another rule."""
+
+
 def cached_validation_windows(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len: int, n_windows: int,
                               build: Callable[[], np.ndarray], source_fingerprint: str) -> np.ndarray:
-    """Streaming validation: the first `n_windows` windows that `build()` packs, built by one
+    """Streaming validation: the `n_windows` windows that `build()` gives, built by one
     process once and then memory-mapped by every process and every later run of the same units
     (`source_fingerprint`, data/units.py), tokenizer and length."""
     def write(tmp: Path) -> None:
         np.save(tmp, build().astype(token_dtype(len(tokenizer))))
 
-    key = f"{cache_key(spec, tokenizer)}-{source_fingerprint.replace(':', '-')}-val-{seq_len + 1}x{n_windows}"
+    key = (f"{cache_key(spec, tokenizer)}-{source_fingerprint.replace(':', '-')}-val{VALIDATION_RULE}-"
+           f"{seq_len + 1}x{n_windows}")
     return np.load(build_once(default_cache_dir() / "data" / f"{key}.npy", write), mmap_mode="r")

@@ -159,7 +159,7 @@ def test_a_resume_fetches_the_same_at_step_3_and_30(corpus, server, tokenizer, s
 
 
 def test_validation_fetches_about_what_its_windows_hold(corpus, server, tokenizer, stream_cache):
-    """Held-out units are read in order until eval_batches global batches are packed: the bytes
+    """Held-out units (up to 16, in a seeded order) are read until eval_batches global batches are packed: the bytes
     fetched are at most 2x those of the units its windows came from, not 1/val_fraction times."""
     layout = ParquetLayout(corpus)
     server.reset()
