@@ -78,6 +78,12 @@ class RangeServer:
                 with open(path, "rb") as f:
                     f.seek(start)
                     body = f.read(end - start)
+                # Counted before the body goes out: a client that has its bytes finds them counted
+                # (counted after, a test's snapshot taken as the client moved on could miss them).
+                with server.lock:
+                    name = str(path.relative_to(server.root.resolve()))
+                    server.sent[name] += len(body)
+                    server.requests.append((name, start, start + len(body)))
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Accept-Ranges", "bytes")
@@ -85,10 +91,6 @@ class RangeServer:
                     self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
                 self.end_headers()
                 self.wfile.write(body)
-                with server.lock:
-                    name = str(path.relative_to(server.root.resolve()))
-                    server.sent[name] += len(body)
-                    server.requests.append((name, start, start + len(body)))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
