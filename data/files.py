@@ -91,12 +91,14 @@ def _expand(fs: fsspec.AbstractFileSystem, path: str, label: str) -> List[str]:
                         f"{shown(str(e).splitlines()[0][:200]) if str(e) else ''}") from None
 
 
-def _hub_files(name: str, config: Optional[str], split: str, revision: Optional[str], label: str) -> List[str]:
-    """The data files `datasets` resolves for a hub id (or a directory of data files) and split."""
+def _hub_files(name: str, config: Optional[str], split: str, revision: Optional[str], label: str,
+               data_files: Optional[dict]) -> List[str]:
+    """The data files `datasets` resolves for a hub id (or a directory of data files) and split:
+    once per process, one listing of the repository (or directory) at `revision`."""
     import datasets
     try:
         with hub_errors_only():
-            builder = datasets.load_dataset_builder(name, config, revision=revision)
+            builder = datasets.load_dataset_builder(name, config, revision=revision, data_files=data_files)
     except Exception as e:
         raise DataError(f"data.name={label!r} (config={config!r}) could not be loaded: {type(e).__name__}: "
                         f"{shown(str(e).splitlines()[0][:200]) if str(e) else ''}") from None
@@ -108,23 +110,36 @@ def _hub_files(name: str, config: Optional[str], split: str, revision: Optional[
     return list(files)
 
 
-def file_urls(name: str, config: Optional[str], split: str, revision: Optional[str], label: str) -> List[str]:
+def file_urls(name: str, config: Optional[str], split: str, revision: Optional[str], label: str,
+              data_files: Optional[dict] = None) -> List[str]:
     """What `name` points at, as file names or globs (local or URLs)."""
-    if is_url(name):
-        if not is_glob(name) and Path(name.split("?")[0]).suffix not in FORMATS:
-            raise DataError(f"data.name={label!r}: name a file or a glob of files ({', '.join(FORMATS)})")
-        return [name]
     path = os.path.expanduser(name)
-    if os.path.isdir(path) or not (name.startswith((".", "/", "~")) or GLOB.search(name) or Path(name).suffix in FORMATS):
-        return _hub_files(path, config, split, revision, label)  # a directory of data files, or a hub id
-    return [path]
+    if not is_url(name) and (os.path.isdir(path) or not (name.startswith((".", "/", "~")) or GLOB.search(name)
+                                                          or Path(name).suffix in FORMATS)):
+        return _hub_files(path, config, split, revision, label, data_files)  # a directory of data files, or a hub id
+    refuse_hub_options(label, config, revision, data_files)
+    if is_url(name) and not is_glob(name) and Path(name.split("?")[0]).suffix not in FORMATS:
+        raise DataError(f"data.name={label!r}: name a file or a glob of files ({', '.join(FORMATS)})")
+    return [name] if is_url(name) else [path]
 
 
-def resolve_files(name: str, config: Optional[str], split: str, revision: Optional[str]) -> SourceFiles:
+def refuse_hub_options(label: str, config: Optional[str], revision: Optional[str], data_files) -> None:
+    """A URL or a local file names its data itself: a hub option there would be ignored (issue 34)."""
+    given = [f"data.{k}={v!r}" for k, v in (("config", config), ("revision", revision), ("data_files", data_files))
+             if v is not None]
+    if given:
+        hint = (" (an hf:// URL pins a revision in its path: hf://datasets/ORG/NAME@REVISION/...)"
+                if label.startswith("hf://") else "")
+        raise DataError(f"{' and '.join(given)} apply to a hub dataset id or a directory of data files; data.name="
+                        f"{label!r} names its files itself: drop {'them' if len(given) > 1 else 'it'}{hint}")
+
+
+def resolve_files(name: str, config: Optional[str], split: str, revision: Optional[str],
+                  data_files: Optional[dict] = None) -> SourceFiles:
     """The files of a streamed source; DataError when there are none or they cannot be listed."""
     label = shown(name)
     paths, fs = [], None
-    for url in file_urls(name, config, split, revision, label):
+    for url in file_urls(name, config, split, revision, label, data_files):
         fs, path = filesystem(url, label)
         paths += _expand(fs, path, label)
     if not paths:

@@ -41,7 +41,8 @@ def data_fingerprint(data) -> Dict[str, Any]:
 def _source(part, prefix: str) -> Dict[str, Any]:
     spec = part.spec
     fields = {f"{prefix}.{name}": getattr(spec, name)
-              for name in ("split", "config", "revision", "text_field", "val_split", "val_fraction", "shuffle")}
+              for name in ("split", "config", "revision", "data_files", "text_field", "val_split", "val_fraction",
+                           "shuffle")}
     if part.streamed:
         files = part.train_stream.reader.files if hasattr(part.train_stream.reader, "files") else None
         fields.update({f"{prefix}.{name}": getattr(spec, name) for name in ("streams", "shuffle_buffer", "unit_bytes")})

@@ -48,7 +48,8 @@ def unit_source(spec: DataSpec, split: str) -> UnitSource:
     directory), else the files `data.name` names (data/files.py)."""
     if spec.name == BUILTIN or saved_dataset_dir(spec.name):
         return DatasetUnits(in_memory_split(spec, split), spec.text_field, spec.name)
-    units = FileUnits(resolve_files(spec.name, spec.config, split, spec.revision), spec.text_field, spec.unit_bytes)
+    units = FileUnits(resolve_files(spec.name, spec.config, split, spec.revision, spec.data_files_by_split()),
+                      spec.text_field, spec.unit_bytes)
     if not units.units:
         raise DataError(f"data.name={units.label!r} split {split!r} is empty")
     return units

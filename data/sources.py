@@ -17,6 +17,7 @@ from typing import List, Optional
 import datasets
 
 from data.builtin import BUILTIN, builtin_corpus, python_version
+from data.files import refuse_hub_options
 from data.hub import hub_errors_only
 from data.spec import DataError, DataSpec
 
@@ -47,16 +48,19 @@ def source_identity(spec: DataSpec) -> list:
     if os.path.isdir(spec.name):
         state = Path(spec.name) / "dataset_info.json"
         return [spec.name, state.stat().st_mtime if state.exists() else None]
-    return [spec.name, spec.config, spec.revision]
+    return [spec.name, spec.config, spec.revision, spec.data_files_by_split()]
 
 
 def _load_split(spec: DataSpec, split: str) -> datasets.Dataset:
     name = os.path.expanduser(spec.name)
     if name == BUILTIN:
+        refuse_hub_options(spec.name, spec.config, spec.revision, spec.data_files)
         if split != "train":
             raise DataError(f"data.name=builtin has only a 'train' split, not {split!r}; use data.val_fraction")
         return builtin_corpus()
     files = local_files(name)
+    if files is not None or os.path.isdir(name):  # our own reading: hub options would be ignored
+        refuse_hub_options(spec.name, spec.config, spec.revision, spec.data_files)
     if files is not None:
         if not files:
             raise DataError(f"data.name={spec.name!r} matches no file")
@@ -87,7 +91,8 @@ def _load_split(spec: DataSpec, split: str) -> datasets.Dataset:
         raise DataError(f"data.name={spec.name!r}: no such file or directory")
     try:
         with hub_errors_only():  # its retry warnings would bury our one-line error
-            return datasets.load_dataset(name, spec.config, split=split, revision=spec.revision)
+            return datasets.load_dataset(name, spec.config, split=split, revision=spec.revision,
+                                         data_files=spec.data_files_by_split())
     except Exception as e:  # the hub raises many types: unknown id, offline, bad config or split
         raise DataError(f"data.name={spec.name!r} (config={spec.config!r}, split={split!r}) could not be "
                         f"loaded: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None

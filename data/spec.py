@@ -5,7 +5,7 @@ loader uses this class as its `data` section.
 """
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 
 class DataError(ValueError):
@@ -24,7 +24,12 @@ class DataSpec:
     split: str = "train"
     """Split to train on."""
     revision: Optional[str] = None
-    """Hub revision (a commit or tag); pins the data and is part of the cache key."""
+    """Hub revision (a commit or tag); pins the data and is part of the cache key. Only for a hub
+    id (or, streaming, a directory of data files): a URL or a file names its data itself."""
+    data_files: Optional[Union[str, List[str], Dict[str, Any]]] = None
+    """A hub id's (or, streaming, a directory's) files to read, as `datasets` takes them: a pattern
+    or list of patterns relative to the dataset's root for the training split (`sample/10BT/*.parquet`),
+    or a mapping split -> patterns. null: the dataset's own files of each split."""
     text_field: str = "text"
     """Column holding the raw text."""
     tokenizer: str = "builtin"
@@ -70,6 +75,12 @@ class DataSpec:
     """Attention within documents only: in a packed window each token attends to the earlier tokens
     of its own document, and positions (learned or RoPE) restart at 0 at each document start. Each
     EOS starts the next document, as a BOS would, so no loss is masked (docs/data.md)."""
+
+    def data_files_by_split(self) -> Optional[Dict[str, Any]]:
+        """`data_files` as `datasets` takes it: patterns alone are the training split's."""
+        if self.data_files is None or isinstance(self.data_files, dict):
+            return self.data_files
+        return {self.split: self.data_files}
 
     def validate(self) -> None:
         """Raise DataError on a value no run can read (the sources of data.mix: data/mixture_spec.py)."""
