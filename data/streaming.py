@@ -51,6 +51,14 @@ def stream_units(n_units: int, stream: int, n_streams: int, seed: int, epoch: in
     return unit_order(n_units, seed, epoch, shuffle)[stream::n_streams]
 
 
+def read_share(n_streams: int, dp: int) -> float:
+    """The most windows any dp rank reads and tokenizes per step, over the windows it trains: the
+    streams its slice of the batch touches (each read whole) x B/S windows, over B/dp. 1 when dp
+    divides S; dp/S when S divides dp (a stream shared by dp/S replicas, each reading all of it)."""
+    touched = max(-(-(r + 1) * n_streams // dp) - (r * n_streams // dp) for r in range(dp))
+    return touched * dp / n_streams
+
+
 UNIT_END = ""
 """The text stream_documents gives after a unit's last document: a consumer that batches
 documents (for the tokenizer) takes what it holds now, so the next unit is read only when its

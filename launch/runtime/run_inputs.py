@@ -1,6 +1,7 @@
 """A run's inputs before any process group starts: the checked tokenizer, the model's vocabulary
 and the run's data (the cache built once, by one process)."""
 import dataclasses
+import os
 from typing import Any, Dict, Tuple
 
 from launch.config.layout import Layout
@@ -50,4 +51,17 @@ def load_run_data(recipe: Recipe, layout: Layout) -> Tuple[Any, int]:
     data = prepare_run_data(recipe.data, tokenizer, recipe.seq_len, recipe.train.seed,
                             layout.global_batch_size, layout.micro_batch_size,
                             evaluate=recipe.train.eval_every > 0, eval_batches=recipe.train.eval_batches)
+    warn_of_shared_streams(data, layout.dp)
     return data, vocab_size
+
+
+def warn_of_shared_streams(data, dp: int) -> None:
+    """One line (rank 0) when a streamed source's data.streams makes ranks read more than they train."""
+    from data.streaming import read_share
+    parts = getattr(data, "parts", [data])
+    for part in parts:
+        share = read_share(part.spec.streams, dp) if part.streamed else 1.0
+        if share > 1 and os.environ.get("RANK", "0") == "0":
+            print(f"warning: data.streams={part.spec.streams} at dp={dp} ({part.spec.name}): a rank reads and "
+                  f"tokenizes up to {share:.1f}x the windows it trains, its streams shared with other replicas; "
+                  f"a data.streams that {dp} divides reads each window once (it changes the data order)", flush=True)

@@ -35,3 +35,36 @@ def test_a_row_group_above_the_cap_is_refused_naming_the_file(corpus, stream_cac
     message = str(refused.value)
     assert "row group 0 holds" in message and "part1" in message and "row_group_size" in message, message
     assert "\n" not in message
+
+
+def _read_share_by_slots(streams: int, dp: int, batch: int) -> float:
+    """The dealing written out slot by slot: slot j of the global batch is stream j // (B/S)'s;
+    rank r trains slots [r B/dp, (r+1) B/dp) and reads every window of each stream it touches."""
+    per_stream, per_rank = batch // streams, batch // dp
+    return max(len({j // per_stream for j in range(r * per_rank, (r + 1) * per_rank)}) * per_stream / per_rank
+               for r in range(dp))
+
+
+def test_the_read_share_is_the_dealing_s():
+    from data.streaming import read_share
+    for batch in (16, 48, 64):
+        for streams in (s for s in range(1, batch + 1) if batch % s == 0):
+            for dp in (d for d in range(1, batch + 1) if batch % d == 0):
+                assert read_share(streams, dp) == _read_share_by_slots(streams, dp, batch), (streams, dp, batch)
+
+
+def test_shared_streams_are_named_at_start_up(corpus, stream_cache, monkeypatch, capsys):
+    """The recipes' 16 streams at 64 replicas would read 4x: one line says so before the start."""
+    from launch.runtime.cli import parse_training_args
+    from launch.runtime.startup import prepare_training_job
+    from helpers.launcher import TINY
+    monkeypatch.setenv("RANK", "0")
+    for world, streams, warned in ((4, 2, "up to 2.0x"), (4, 4, None)):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        prepare_training_job(parse_training_args(
+            ["--recipe", str(TINY), "--set", f"data.name={corpus}/part*.parquet", "--set", "data.streaming=true",
+             "--set", f"data.streams={streams}", "--set", "train.eval_every=0"], ""))
+        out = capsys.readouterr().out
+        lines = [line for line in out.splitlines() if "data.streams=" in line]
+        assert (lines == [] if warned is None else len(lines) == 1 and warned in lines[0]
+                and f"data.streams={streams} at dp={world}" in lines[0]), out
