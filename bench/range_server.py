@@ -23,6 +23,7 @@ class RangeServer:
         self.sent: Dict[str, int] = defaultdict(int)
         self.requests: List[Tuple[str, int, int]] = []  # (path, first byte, end) of every body sent
         self.fail_after: Optional[int] = None
+        self.lookups = 0  # HEAD requests and directory listings: the start-up's questions about files
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -34,6 +35,8 @@ class RangeServer:
                 return path if str(path).startswith(str(server.root.resolve())) and path.exists() else None
 
             def do_HEAD(self):
+                with server.lock:
+                    server.lookups += 1
                 path = self._file()
                 if path is None or path.is_dir():
                     self.send_response(404 if path is None else 200)
@@ -51,6 +54,8 @@ class RangeServer:
                     self.send_error(404)
                     return
                 if path.is_dir():
+                    with server.lock:
+                        server.lookups += 1
                     links = "".join(f'<a href="{html.escape(p.name)}">{html.escape(p.name)}</a>\n'
                                     for p in sorted(path.iterdir()))
                     body = f"<html><body>\n{links}</body></html>".encode()
@@ -101,6 +106,7 @@ class RangeServer:
         with self.lock:
             self.sent.clear()
             self.requests.clear()
+            self.lookups = 0
 
     def total(self) -> int:
         with self.lock:

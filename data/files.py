@@ -10,7 +10,10 @@ Bytes are read with `cat_file(path, start, end)`: a range request over HTTP and 
 never more than asked. Credentials come from each backend's own environment (AWS_*,
 GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN); a URL's user, password and query string are
 removed from every message (`shown`)."""
+import hashlib
+import json
 import os
+import socket
 from concurrent.futures import ThreadPoolExecutor
 import posixpath
 import re
@@ -20,6 +23,7 @@ from typing import List, Optional, Tuple
 
 import fsspec
 
+from data.cache import build_once, default_cache_dir
 from data.hub import hub_errors_only
 from data.spec import DataError
 
@@ -136,11 +140,51 @@ def refuse_hub_options(label: str, config: Optional[str], revision: Optional[str
 
 def resolve_files(name: str, config: Optional[str], split: str, revision: Optional[str],
                   data_files: Optional[dict] = None) -> SourceFiles:
-    """The files of a streamed source; DataError when there are none or they cannot be listed."""
+    """The files of a streamed source; DataError when there are none or they cannot be listed.
+
+    Resolved once per node and launch (issue 34: 1,024 ranks each resolving a hub id and sending
+    a HEAD per file at once): the node's first rank lists the files and asks their sizes, and
+    writes them to the data cache under a key of the source and this launch; its other ranks read
+    that. A launch is its launcher process (the parent: DeepSpeed's per-node launcher, torchrun,
+    SLURM's step daemon, with its start time) and its rendezvous address, so a rerun lists afresh
+    and sees files added since. One process alone on its node resolves for itself."""
     label = shown(name)
-    paths, fs = [], None
+    launch = launch_identity()
+    if launch is None:
+        return _listing(_resolve(name, config, split, revision, data_files, label), label)
+    key = hashlib.sha256(json.dumps([name, config, split, revision, data_files, launch],
+                                    default=str).encode()).hexdigest()[:20]
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(json.dumps(_resolve(name, config, split, revision, data_files, label)))
+
+    path = build_once(default_cache_dir() / "data" / "listings" / f"{key}.json", write)
+    return _listing(json.loads(path.read_text()), label)
+
+
+def launch_identity() -> Optional[list]:
+    """What the ranks of one launch on one node share and another launch does not: the parent
+    process (its pid and start time) and the rendezvous address; None for a process alone on
+    its node (LOCAL_WORLD_SIZE / LOCAL_SIZE 1 or unset)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    if local <= 1:
+        return None
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime
+    except (OSError, IndexError):
+        started = ""
+    return [socket.gethostname(), parent, started, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")]
+
+
+def _resolve(name: str, config: Optional[str], split: str, revision: Optional[str], data_files: Optional[dict],
+             label: str) -> dict:
+    """The listing: the filesystem's URL, and the files' paths, names, sizes, versions and format."""
+    paths, fs_url = [], None
     for url in file_urls(name, config, split, revision, label, data_files):
         fs, path = filesystem(url, label)
+        fs_url = url
         paths += _expand(fs, path, label)
     if not paths:
         raise DataError(f"data.name={label!r} matches no file")
@@ -151,9 +195,15 @@ def resolve_files(name: str, config: Optional[str], split: str, revision: Option
     with ThreadPoolExecutor(INFO_THREADS) as pool:  # one HEAD (or listing lookup) per file, overlapped
         infos = list(pool.map(lambda p: _info(fs, p, label), paths))
     root = posixpath.commonpath([posixpath.dirname(shown(p)) for p in paths])
-    names = [shown(posixpath.relpath(p, root) if root else p) for p in paths]
-    return SourceFiles(fs, paths, names, [size for size, _ in infos], [version for _, version in infos],
-                       FORMATS[suffixes.pop()], label)
+    return {"fs_url": fs_url, "paths": paths, "names": [shown(posixpath.relpath(p, root) if root else p) for p in paths],
+            "sizes": [size for size, _ in infos], "versions": [version for _, version in infos],
+            "format": FORMATS[suffixes.pop()]}
+
+
+def _listing(listing: dict, label: str) -> SourceFiles:
+    fs, _ = filesystem(listing["fs_url"], label)
+    return SourceFiles(fs, listing["paths"], listing["names"], listing["sizes"], listing["versions"],
+                       listing["format"], label)
 
 
 def _info(fs: fsspec.AbstractFileSystem, path: str, label: str) -> Tuple[int, str]:

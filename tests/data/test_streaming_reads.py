@@ -169,3 +169,25 @@ def test_validation_fetches_about_what_its_windows_hold(corpus, server, tokenize
     chunks = sum(end - start for r in server.requests if r in layout.chunks for (_, start, end) in [r])
     assert all(r in layout.chunks or layout.is_footer(*r) for r in server.requests)
     assert chunks <= 2 * layout.bytes_of(val_units), (chunks, layout.bytes_of(val_units))
+
+
+def _resolve_on_each_rank(url: str) -> None:
+    from data.files import resolve_files
+    files = resolve_files(url, None, "train", None)
+    assert files.names == [f"part{f}.parquet" for f in range(N_FILES)], files.names
+
+
+def test_the_files_are_resolved_once_per_node_and_launch(corpus, server, tmp_path, monkeypatch):
+    """Four ranks of one launch (forked, one node) ask the server about the files once between
+    them: one listing and one HEAD per file, not four; a second launch asks again (files may
+    have changed between launches)."""
+    from helpers.distributed import run_distributed
+    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path / "cache"))
+    server.reset()
+    _resolve_on_each_rank(f"{server.url}/part*.parquet")  # one process alone: it asks for itself
+    once = server.lookups
+    assert once >= 1 + N_FILES  # the glob's directory listing, a HEAD per file
+    for launch in (1, 2):
+        server.reset()
+        run_distributed(_resolve_on_each_rank, 4, f"{server.url}/part*.parquet")
+        assert server.lookups == once, (launch, server.lookups)
