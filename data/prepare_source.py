@@ -11,13 +11,17 @@ first evaluation. Validation is windows in memory (map-style: the cached stream;
 eval_batches * B windows sampled across the held-out units, `validation_windows_across_units`, read once and
 cached), evaluated the same way in both modes.
 """
+import hashlib
+import json
 from itertools import islice, zip_longest
+from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from data.builtin import BUILTIN
+from data.cache import build_once, default_cache_dir
 from data.files import resolve_files
 from data.pipeline import SourceData
 from data.sources import in_memory_split, saved_dataset_dir
@@ -25,7 +29,7 @@ from data.spec import DataError, DataSpec
 from data.streaming import START, StreamSource, packed_windows, stream_documents, stream_units, unit_order
 from data.tokens import longest_token_bytes, tokenize_batch
 from data.units import DatasetUnits, FileUnits, Unit, UnitSource
-from data.windows import cached_validation_windows, prepare_streams, windows
+from data.windows import cached_validation_windows, prepare_streams, tokenizer_fingerprint, windows
 
 
 def default_read_ahead_steps(streamed: List[DataSpec], global_batch_size: int) -> int:
@@ -68,6 +72,7 @@ def stream_sources(spec: DataSpec) -> Tuple[StreamSource, Optional[StreamSource]
     return StreamSource(train, kept), (StreamSource(train, held) if held else None)
 
 
+STREAM_CHECK_VERSION = 1  # bump when read_and_check_streams's rule changes: remembered answers change with it
 VAL_SEED = 0
 """The seed of the order in which streaming validation visits the held-out units: a constant, not
 `train.seed`, so that runs with different seeds evaluate on the same windows and their validation
@@ -144,6 +149,24 @@ def _stream_tokens(source: StreamSource, stream: int, n_streams: int, seed: int,
 
 def check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
                   global_batch_size: int, windows_per_stream: Optional[int] = None) -> Optional[int]:
+    """`read_and_check_streams`, done by one process per node and remembered in the data cache
+    under the units and every setting the answer depends on (issue 34: a line format's check reads
+    a whole unit per stream, which every process of every run repeated). A failed check is not
+    remembered: each process raises the same one-line error."""
+    key = hashlib.sha256(json.dumps([STREAM_CHECK_VERSION, source.reader.fingerprint(), len(source.units),
+                                     [source.reader.identity(u) for u in source.units[:1] + source.units[-1:]],
+                                     tokenizer_fingerprint(tokenizer), seq_len, seed, global_batch_size, spec.streams,
+                                     spec.shuffle, windows_per_stream]).encode()).hexdigest()[:20]
+
+    def check(tmp: Path) -> None:
+        tmp.write_text(json.dumps(read_and_check_streams(spec, source, tokenizer, seq_len, seed, global_batch_size,
+                                                         windows_per_stream)))
+
+    return json.loads(build_once(default_cache_dir() / "data" / f"streams-checked-{key}.json", check).read_text())
+
+
+def read_and_check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int,
+                           seed: int, global_batch_size: int, windows_per_stream: Optional[int] = None) -> Optional[int]:
     """Every stream holds a global batch's share (B/S windows; or `windows_per_stream`, a mixture's
     source, which repeats) in its units of epoch 0. A stream whose units' text (from parquet
     footers) must hold that many tokens even at the tokenizer's longest token passes unread;

@@ -37,6 +37,7 @@ from data.spec import DataError
 UNITS_VERSION = 1  # bump when the cutting rule changes: units (and the cached lists) change with it
 MAX_ROWS_IN_MEMORY, MIN_UNITS_IN_MEMORY = 10_000, 64
 FOOTER_THREADS = 16
+FIRST_RECORD_READ = 4096  # bytes of a line file's first read for its first record
 FOOTERS_KEPT = 32
 """Parquet footers a process keeps (least recently used evicted): a footer of 700 row groups x 10
 columns is ~10 MiB, and a rank touching 2,000 files would otherwise keep them all (issue 34)."""
@@ -265,10 +266,10 @@ class FileUnits(UnitSource):
     def _check_first_record(self) -> None:
         """The text field is in the first file's first record (parquet: in every footer), so a
         wrong data.text_field fails at start-up rather than at the first read."""
-        size, end, blob = self.files.sizes[0], 0, b""
-        while b"\n" not in blob and end < size:
-            blob += self.files.read(0, end, min(end + TAIL_READ, size))
-            end += TAIL_READ
+        size, end, blob, step = self.files.sizes[0], 0, b"", FIRST_RECORD_READ
+        while b"\n" not in blob and end < size:  # every process checks: a few KiB each, doubling for a long record
+            blob += self.files.read(0, end, min(end + step, size))
+            end, step = end + step, 2 * step
         first = blob.split(b"\n", 1)[0]
         if self.files.format == "csv":
             columns = pa_csv.read_csv(pa.BufferReader(first + b"\n")).column_names if first.strip() else []

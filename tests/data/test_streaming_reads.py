@@ -191,3 +191,31 @@ def test_the_files_are_resolved_once_per_node_and_launch(corpus, server, tmp_pat
         server.reset()
         run_distributed(_resolve_on_each_rank, 4, f"{server.url}/part*.parquet")
         assert server.lookups == once, (launch, server.lookups)
+
+
+def _prepare_on_each_rank(url: str, unit_bytes: int) -> None:
+    _prepare(_spec(url, unit_bytes=unit_bytes, val_fraction=0.1), load_tokenizer("builtin"), evaluate=True)
+
+
+def test_a_line_sources_start_up_reading_is_done_once_per_node(server, tokenizer, tmp_path, monkeypatch):
+    """A JSON Lines source's start-up reads units (the streams' size check, the validation
+    windows): one process alone fetches some bytes; four ranks of a launch fetch them once between
+    them, not four times; a later run on the same node fetches none (the answers are remembered
+    under the units, the tokenizer and the settings)."""
+    from helpers.distributed import run_distributed
+    url, unit_bytes = f"{server.url}/all.jsonl", 32 * 1024
+    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path / "alone"))
+    server.reset()
+    run_distributed(_prepare_on_each_rank, 1, url, unit_bytes)
+    alone = server.total()
+    assert alone > 4 * unit_bytes, alone  # several units read: a stream's check and the validation windows
+    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path / "node"))
+    fetched = []
+    for run in (1, 2):
+        server.reset()
+        run_distributed(_prepare_on_each_rank, 4, url, unit_bytes)
+        fetched.append(server.total())
+    # Each rank still reads the first record of the file itself (its text field checked): 4 KiB.
+    first_record = 4096
+    assert alone - first_record < fetched[0] <= alone + 3 * first_record and fetched[1] <= 4 * first_record, \
+        (alone, fetched)
