@@ -7,7 +7,7 @@ data/prepare_source.py.
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -34,22 +34,23 @@ def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]
              accelerator.pin_memory(y).to(device, non_blocking=True)) for x, y in batches)
 
 
-def shared_over_tp(batches: Optional[Iterator[Batch]], tp_group, shape: Tuple[int, int],
-                   device: torch.device) -> Iterator[Batch]:
-    """TP rank 0 of a stage reads the micro-batches (`batches`) and broadcasts each to its TP
-    peers, which pass None and read nothing: the TP ranks of a replica train on the same data,
-    so reading and tokenizing it once per replica is enough. Every TP rank of the stage draws
-    its micro-batches at the same point of the same schedule, so the broadcasts pair up."""
+def shared_from_reader(batches: Optional[Iterator[Batch]], groups: List, shape: Tuple[int, int],
+                       device: torch.device) -> Iterator[Batch]:
+    """The replica's reader reads the micro-batches (`batches`) and broadcasts each over every
+    group of `groups` in order; each other rank passes None, reads nothing and receives over its
+    one group (launch/runtime/replica_reader.py). The reader is rank 0 of each group. The ranks of
+    a replica train on the same data, so reading and tokenizing it once per replica is enough."""
     import torch.distributed as dist
-    source = dist.get_global_rank(tp_group, 0)
     while True:
         if batches is not None:
             x, y = next(batches)
         else:
             x = torch.empty(shape, dtype=torch.int64, device=device)
             y = torch.empty(shape, dtype=torch.int64, device=device)
-        dist.broadcast(x, source, group=tp_group)
-        dist.broadcast(y, source, group=tp_group)
+        for group in groups:
+            source = dist.get_global_rank(group, 0)
+            dist.broadcast(x, source, group=group)
+            dist.broadcast(y, source, group=group)
         yield x, y
 
 
@@ -110,16 +111,15 @@ class RunData(ABC):
         """What the run will draw from each source, printed once at the start; None for one source."""
         return None
 
-    def feed(self, batches: Iterator[Batch], tp_group, device: torch.device) -> Iterator[Batch]:
-        """What DeepSpeed's engine draws from: `batches` on the device (`on_device`); when data
-        is streamed at tp > 1, only TP rank 0 of a stage reads and tokenizes them
-        (`shared_over_tp`). `batches` stays the source of the position a checkpoint records."""
-        if not self.streamed or tp_group is None:  # cached: a memory-mapped slice, cheap on every rank
+    def feed(self, batches: Iterator[Batch], groups: List, reads: bool, device: torch.device) -> Iterator[Batch]:
+        """What DeepSpeed's engine draws from: `batches` on the device (`on_device`); over
+        `groups` (streamed data: launch/runtime/replica_reader.py), only the replica's reader
+        (`reads`) reads and tokenizes them, and the others receive them (`shared_from_reader`).
+        `batches` stays the source of the position a checkpoint records."""
+        if not groups:  # cached data (a memory-mapped slice, cheap on every rank), or a replica of one rank
             return on_device(batches, device)
-        import torch.distributed as dist
-        reader = dist.get_rank(tp_group) == 0
-        return shared_over_tp(on_device(batches, device) if reader else None, tp_group,
-                              (self.micro_batch_size, self.seq_len), device)
+        return shared_from_reader(on_device(batches, device) if reads else None, groups,
+                                  (self.micro_batch_size, self.seq_len), device)
 
     def reread_to(self, batches: Iterator[Batch], start_sample: int, dp_size: int) -> Iterator[Batch]:
         """`batches`, opened at sample 0, advanced to `start_sample` by reading (a streamed resume

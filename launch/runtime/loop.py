@@ -97,6 +97,7 @@ def run_training(job: TrainingJob) -> None:
     from launch.runtime.engine import build_engine, print_role_map
     from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
     from launch.runtime.hang_watchdog import HangWatchdog, stacks_dir
+    from launch.runtime.replica_reader import replica_reader_groups
     from launch.runtime.signals import StopRequest
     from launch.runtime.step_tokens import RouterTokens, count_step_tokens
     from launch.runtime.zero_bubble import check_weight_passes_ran
@@ -136,7 +137,9 @@ def run_training(job: TrainingJob) -> None:
                                  data_state=job.data_state)
     device = torch.device(get_accelerator().current_device_name())
     # The CP ranks of a replica drew the same samples (same dp rank); each keeps its sequence shard.
-    feed = sequence_shards(data.feed(batches, state.tp_group, device), state.cp_rank, state.cp_size)
+    # One rank of each replica reads; the others drawing micro-batches receive them (replica_reader.py).
+    feed = sequence_shards(data.feed(batches, *replica_reader_groups(state, data.streamed), device),
+                           state.cp_rank, state.cp_size)
     arithmetic = run_arithmetic(config, layout, recipe.seq_len, train_cfg.steps)  # the run summary prints it
     tokens_per_step = arithmetic.tokens_per_step
     stop = StopRequest(get_accelerator().device_name(), state.global_rank, train_cfg.stop_grace_s)

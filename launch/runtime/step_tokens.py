@@ -44,7 +44,11 @@ def count_step_tokens(engine: PipelineEngine, feed: Iterator[MicroBatch], micro_
     routers get the step's masks. Collective over the data axis (and the pipeline, with `routers`):
     every rank calls it each step."""
     first, last = engine.is_first_stage(), engine.is_last_stage()
-    batches = [next(feed) for _ in range(micro_batches)] if last or (routers is not None and first) else None
+    # At pp > 1 the first stage draws now too: the last stage's micro-batches come from the
+    # replica's reader on the first stage (launch/runtime/replica_reader.py), and the routers
+    # need the first stage's masks.
+    draws_now = last or (first and (routers is not None or engine.num_stages > 1))
+    batches = [next(feed) for _ in range(micro_batches)] if draws_now else None
     if last:
         counted = sum((labels != IGNORE_INDEX).sum(dtype=torch.float64) for _, labels in batches)
         group = engine.grid.get_data_parallel_group()  # dp x cp ranks, all on the last stage

@@ -218,7 +218,7 @@ def _tp_feed_body(corpus_dir: str):
     data = prepare_run_data(_spec(Path(corpus_dir) / "part*.parquet"), tokenizer, seq_len=16, seed=0,
                             global_batch_size=8, micro_batch_size=2, evaluate=False)
     batches = data.train_batches(0, 1)
-    feed = data.feed(batches, dist.group.WORLD, torch.device("cpu"))
+    feed = data.feed(batches, [dist.group.WORLD], dist.get_rank() == 0, torch.device("cpu"))
     got = [next(feed) for _ in range(6)]  # 1.5 steps of 4 micro-batches
     alone = data.train_batches(0, 1)
     for (x, y), (x_ref, y_ref) in zip(got, (next(alone) for _ in range(6))):
@@ -245,22 +245,31 @@ def test_streaming_run_over_http_resumes_exactly_and_matches_one_process(corpus,
     mid-run ends with the reading rank's one line."""
     common = ["--recipe", str(TINY), "--steps", "5", "--set", f"data.name={server.url}/part*.parquet",
               "--set", "data.streaming=true", "--set", "data.streams=4", "--set", "data.shuffle_buffer=8"]
-    runs = {}
+    runs, fetched = {}, {}
     for name, procs, extra in (("dp2", 2, ["--save", str(tmp_path / "ck"), "--save-every", "3"]),
                                ("one", 1, []),
                                ("tp2", 2, ["--tp", "2"]),
                                # Context parallelism: the CP ranks of a replica read the same samples
                                # (each its sequence shard), TP rank 0 of each reading for its TP peer.
                                ("tp2-cp2", 4, ["--tp", "2", "--cp", "2"]),
+                               # One reader per replica (issue 34 item 2): the last stage and the CP
+                               # peers receive the micro-batches from the first stage's reader.
+                               ("pp2-cp2", 4, ["--pp", "2", "--cp", "2"]),
                                ("resumed", 2, ["--load", str(tmp_path / "ck" / "step00000003")])):
         out = tmp_path / f"{name}.jsonl"
+        server.reset()
         proc = launch_forked(procs, common + extra + ["--metrics-out", str(out)])
         assert proc.returncode == 0, (name, proc.stdout[-3000:], proc.stderr[-3000:])
-        runs[name] = read_metrics(out)
+        runs[name], fetched[name] = read_metrics(out), server.total()
     dp2, one, resumed = runs["dp2"], runs["one"], runs["resumed"]
     assert [r["step"] for r in dp2] == [1, 2, 3, 4, 5] and [r["step"] for r in resumed] == [4, 5]
     assert all(0 <= r["data_wait_s"] < r["step_time_s"] for r in dp2)  # a part of the step, measured
-    for other in (dp2, runs["tp2"], runs["tp2-cp2"]):
+    # One replica's 5 steps are read once whatever its layout (after the first run, dp2, the
+    # validation windows and stream checks come from the data cache): before item 2, cp 2 read 2x
+    # and pp 2 x cp 2 4x what one process reads.
+    for name in ("tp2", "tp2-cp2", "pp2-cp2"):
+        assert fetched[name] <= 1.1 * fetched["one"], (name, fetched)
+    for other in (dp2, runs["tp2"], runs["tp2-cp2"], runs["pp2-cp2"]):
         assert len(other) == len(one)
         for a, b in zip(other, one):
             for key in ("loss", "grad_norm", "val_loss"):
