@@ -21,6 +21,8 @@ def read(directory: Path, world: int) -> List[List[dict]]:
 
 def implied_step_time_fits(tokens_per_s: float, tokens: int, seconds: float) -> bool:
     """The step time a logged tokens/s implies for `tokens`, against this clock's `seconds` of the
-    same train_batch: the loop's clock encloses the call (never shorter), and adds little."""
+    same train_batch: the loop's clock encloses the call (never shorter), and adds little: the
+    step's draws and its token-count all-reduce, which took up to 12 ms on a loaded 2-core CI
+    machine against a 63 ms step (a wrong formula, e.g. per rank, would be off 2x)."""
     implied = tokens / tokens_per_s
-    return seconds * (1 - 1e-9) <= implied <= seconds * 1.1 + 0.005
+    return seconds * (1 - 1e-9) <= implied <= seconds * 1.1 + 0.03

@@ -2,16 +2,14 @@
 healthy ends the job within the bound, every rank's stacks are written, and one line names the
 rank that is not in the collective the others wait in. And what each rank costs rank 0's store:
 two connections (item 6), which is what the open-file check counts."""
-import base64
 import os
-import pickle
 import re
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers.forked import run_forked
 from helpers.launcher import TINY, launch_forked
 from launch.runtime.distributed import STORE_CLIENTS_PER_RANK, ensure_open_file_limit, free_port
 from launch.runtime.hang_watchdog import hang_line
@@ -40,17 +38,55 @@ def _steps_until_one_rank_hangs(stacks: str, hung_rank: int, hung_step: int) -> 
         hang.step_ended()
 
 
-def _run_ranks(fn, world: int, *args, timeout: int = 60):
-    call = base64.b64encode(pickle.dumps((fn, args))).decode()
-    began = time.monotonic()
-    reply, _, stderr = run_forked({"call": call, "world": world, "port": free_port()}, timeout)
-    return reply, stderr, time.monotonic() - began
+def _run_ranks(fn, world: int, *args, timeout: float = 60):
+    """fn(*args) on `world` processes forked from this one, in a gloo group on a free port (no rank
+    server to start: these tests time what happens in the ranks); (the first non-zero exit code,
+    or 0; their stderr together). Ranks still running after `timeout` are killed (code None)."""
+    import signal
+    import tempfile
+    port = free_port()
+    err = Path(tempfile.mkdtemp()) / "stderr"
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+                os.dup2(fd, 2)
+                sys.stderr = open(fd, "w", buffering=1)  # pytest's capture replaced it
+                os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                import torch.distributed as dist
+                dist.init_process_group("gloo", rank=rank, world_size=world)
+                fn(*args)
+                code = 0
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    deadline, codes = time.monotonic() + timeout, {}
+    while len(codes) < world and time.monotonic() < deadline:
+        for pid in pids:
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    for pid in pids:
+        if pid not in codes:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            codes[pid] = None
+    failing = [c for c in codes.values() if c != 0]
+    return (failing[0] if failing else 0), err.read_text() if err.exists() else ""
 
 
 @pytest.mark.waits
 def test_a_rank_sleeping_in_its_step_is_named_and_every_rank_leaves_its_stacks(tmp_path):
-    reply, stderr, _ = _run_ranks(_steps_until_one_rank_hangs, 3, str(tmp_path), 1, 3)
-    assert not reply["timed_out"] and reply["returncode"] == 1, stderr[-3000:]
+    code, stderr = _run_ranks(_steps_until_one_rank_hangs, 3, str(tmp_path), 1, 3)
+    assert code == 1, stderr[-3000:]
     # The job ended within the bound (from the last step's end, up to 0.2 s before the hang), a
     # poll, the gather and the ranks' exit: 2 s, plus 4 s for a loaded CI machine.
     seconds = time.time() - float((tmp_path / "hung-at").read_text())
@@ -149,8 +185,8 @@ def test_each_rank_holds_the_store_connections_rank_0s_limit_is_checked_for():
     """Counted in the kernel's socket table of each of 3 ranks in a real process group with its
     failure watcher running (the process group's client, the watcher's: the main thread reuses the
     first)."""
-    reply, stderr, _ = _run_ranks(_count_store_connections, 3)
-    assert reply["returncode"] == 0, stderr[-3000:]
+    code, stderr = _run_ranks(_count_store_connections, 3)
+    assert code == 0, stderr[-3000:]
 
 
 def _limits_checked(world: int, soft: int, hard: int):
