@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from data.mixture import Interleave, MixtureBatches, SourceReader, merge_mixture_states, mixture_states_from, source_seed
 from data.mixture_spec import MixSource, parse_mixture
 from data.pipeline import Batch, RunData, SourceData
-from data.prepare_source import check_streams, validation_windows_across_units, read_ahead_steps, stream_sources
+from data.prepare_source import check_streams, read_ahead_steps, stream_sources, validation_windows_across_units
 from data.spec import DataError, DataSpec
 from data.streaming import gathered_states, positions_of_units
 from data.windows import CachedStreams, cached_validation_windows, prepare_streams, windows
@@ -164,7 +164,8 @@ def prepare_mixture(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len:
                 if val is not None and evaluate:
                     part.val_windows = cached_validation_windows(
                         source.spec, tokenizer, seq_len, need_val,
-                        lambda val=val: validation_windows_across_units(val, tokenizer, seq_len, need_val), val.reader.fingerprint())
+                        lambda val=val: validation_windows_across_units(val, tokenizer, seq_len, need_val),
+                        val.reader.fingerprint())
         else:
             part.train_windows = windows(streams.train, seq_len)
             part.val_windows = windows(streams.val, seq_len) if streams.val is not None else None

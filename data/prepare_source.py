@@ -1,15 +1,15 @@
 """One source's data prepared before the run: `prepare_source_data` checks the source against
 the run and gives data/pipeline.py's SourceData, its units listed (`stream_sources`), its streams
-checked (`check_streams`), its validation windows built (`validation_windows_across_units`) and its read-ahead chosen
-(`read_ahead_steps`); a mixture's sources use the same steps (data/mixture_run.py). Separate from
+checked (`check_streams`), its validation windows built (`validation_windows_across_units`) and its
+read-ahead chosen (`read_ahead_steps`); a mixture's sources use the same steps (data/mixture_run.py). Separate from
 data/pipeline.py, which holds what the training loop draws from a prepared source: this runs once,
 before any process group starts.
 
 `prepare_source_data` checks, in both modes, that the training data holds at least one global batch
 and the validation data `eval_batches` of them, so that a run never stops at its first step or its
 first evaluation. Validation is windows in memory (map-style: the cached stream; streaming:
-eval_batches * B windows sampled across the held-out units, `validation_windows_across_units`, read once and
-cached), evaluated the same way in both modes.
+eval_batches * B windows sampled across the held-out units, `validation_windows_across_units`, read
+once and cached), evaluated the same way in both modes.
 """
 import hashlib
 import json
@@ -96,7 +96,8 @@ def unit_windows(source: StreamSource, unit: Unit, tokenizer: PreTrainedTokenize
         yield w
 
 
-def validation_windows_across_units(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int, n: int) -> np.ndarray:
+def validation_windows_across_units(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int,
+                                    n: int) -> np.ndarray:
     """Up to `n` validation windows sampled across `source`'s units (issue 34): in the order
     `unit_order(units, VAL_SEED)`, the first min(units, MAX_VAL_UNITS) of them give ceil(n / used)
     windows each (each unit's first windows, its documents packed on their own); when some hold
@@ -217,8 +218,8 @@ def prepare_source_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_
         data.train_stream, data.read_ahead_steps = train, read_ahead_steps(spec, [spec], global_batch_size)
         if val is not None:
             data.val_windows = cached_validation_windows(
-                spec, tokenizer, seq_len, need_val, lambda: validation_windows_across_units(val, tokenizer, seq_len, need_val),
-                val.reader.fingerprint())
+                spec, tokenizer, seq_len, need_val,
+                lambda: validation_windows_across_units(val, tokenizer, seq_len, need_val), val.reader.fingerprint())
     else:
         streams = prepare_streams(spec, tokenizer)
         data.train_windows = windows(streams.train, seq_len)

@@ -53,14 +53,13 @@ def source_identity(spec: DataSpec) -> list:
 
 def _load_split(spec: DataSpec, split: str) -> datasets.Dataset:
     name = os.path.expanduser(spec.name)
-    if name == BUILTIN:
+    files = None if name == BUILTIN else local_files(name)
+    if name == BUILTIN or files is not None or os.path.isdir(name):  # our own reading: hub options would be ignored
         refuse_hub_options(spec.name, spec.config, spec.revision, spec.data_files)
+    if name == BUILTIN:
         if split != "train":
             raise DataError(f"data.name=builtin has only a 'train' split, not {split!r}; use data.val_fraction")
         return builtin_corpus()
-    files = local_files(name)
-    if files is not None or os.path.isdir(name):  # our own reading: hub options would be ignored
-        refuse_hub_options(spec.name, spec.config, spec.revision, spec.data_files)
     if files is not None:
         if not files:
             raise DataError(f"data.name={spec.name!r} matches no file")

@@ -25,10 +25,10 @@ PARTITION_RULES = ("balanced", "blocks")  # launch/analysis/partition.py
 WANDB_MODES = ("online", "offline", "disabled")
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 HEARTBEAT_INTERVAL_S = 2.0
-MIN_HANG_BOUND_S = 5.0
-"""The shortest train.hang_timeout_s / first_step_timeout_s: a few heartbeats and store polls."""
 """Each rank's failure watcher writes its heartbeat and reads its successor's this often
 (launch/runtime/failure.py); train.heartbeat_timeout_s must be above it."""
+MIN_HANG_BOUND_S = 5.0
+"""The shortest train.hang_timeout_s / first_step_timeout_s: a few heartbeats and store polls."""
 
 
 @dataclass

@@ -17,10 +17,10 @@ store every second, and runs while the main thread waits):
 1. the rank writes faulthandler's dump of all its threads to STACKS_DIR/rank-RRRRR.txt, and where
    its main thread is (the collective it waits in and the line of ours that called it, or the
    line of ours it is at) under a store key;
-2. rank 0 (or, if rank 0 reports nothing, the lowest rank that did) gathers the positions for up
-   to GATHER_S, names the ranks that are not where the others are (ranks outside any collective
-   first: the others wait for them) and publishes one line through the failure protocol, after
-   which every rank exits 1 with it.
+2. rank 0 (or, if rank 0 publishes nothing within 2 x GATHER_S, the first other rank to claim
+   it) gathers the positions for up to GATHER_S, names the ranks that are not where the others
+   are (ranks outside any collective first: the others wait for them) and publishes one line
+   through the failure protocol, after which every rank exits 1 with it.
 Test hook: GPT3D_FAULT_INJECT="RANK:STEP:hang" makes that rank sleep forever before that step."""
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from launch.errors import our_file
 
 HANG_FACTOR, HANG_FLOOR_S = 10.0, 120.0
 GATHER_S = 10.0  # how long the composer waits for every rank's position
-_POSITION, _REPORTED = "gpt3d/hang/position/", "gpt3d/hang/reported"
+_POSITION, _REPORTED, _COMPOSER = "gpt3d/hang/position/", "gpt3d/hang/reported", "gpt3d/hang/composer"
 _NAMED_AT_MOST = 8  # ranks named in the line; the stacks files hold the rest
 
 
@@ -118,13 +118,13 @@ class HangWatchdog:
             if waited > GATHER_S or int(store.add(_REPORTED, 0)) >= self.world_size:
                 publish(self._line(store))
         elif waited > 2 * GATHER_S:  # rank 0 published nothing: its watcher may be what cannot run
-            positions = self._positions(store)
-            if min(positions) == self.rank:  # the lowest rank that reported composes
-                publish(self._line(store, positions))
+            # One rank claims the line (one request each, where every rank reading every position
+            # each second would be world^2 requests).
+            if store.compare_set(_COMPOSER, "", str(self.rank)).decode() == str(self.rank):
+                publish(self._line(store))
 
-    def _line(self, store, positions: Optional[Dict[int, str]] = None) -> str:
-        return hang_line(positions if positions is not None else self._positions(store), self.world_size,
-                         self.elapsed_s, self.bound_used_s, self.stacks_dir)
+    def _line(self, store) -> str:
+        return hang_line(self._positions(store), self.world_size, self.elapsed_s, self.bound_used_s, self.stacks_dir)
 
     def _report(self, store, overdue_s: float) -> None:
         self.elapsed_s, self.bound_used_s = overdue_s, self.bound_s()

@@ -39,16 +39,14 @@ class RouterTokens:
 def count_step_tokens(engine: PipelineEngine, feed: Iterator[MicroBatch], micro_batches: int,
                       routers: Optional[RouterTokens] = None) -> Iterator[MicroBatch]:
     """The feed of one step (or one evaluated global batch) for `engine.train_batch`/`eval_batch`.
-    On the last stage its m micro-batches are drawn now and the loss's `tokens_per_share` is set; with
-    `routers` (a training step of a model with experts) also on the first stage, and every stage's
-    routers get the step's masks. Collective over the data axis (and the pipeline, with `routers`):
+    On the first and the last stage its m micro-batches are drawn now, and on the last the loss's
+    `tokens_per_share` is set; with `routers` (a training step of a model with experts) every
+    stage's routers get the step's masks. Collective over the data axis (and the pipeline, with `routers`):
     every rank calls it each step."""
     first, last = engine.is_first_stage(), engine.is_last_stage()
-    # At pp > 1 the first stage draws now too: the last stage's micro-batches come from the
-    # replica's reader on the first stage (launch/runtime/replica_reader.py), and the routers
-    # need the first stage's masks.
-    draws_now = last or (first and (routers is not None or engine.num_stages > 1))
-    batches = [next(feed) for _ in range(micro_batches)] if draws_now else None
+    # The first stage draws now too: the last stage's micro-batches come from the replica's reader
+    # on the first stage (launch/runtime/replica_reader.py), and the routers need its masks.
+    batches = [next(feed) for _ in range(micro_batches)] if first or last else None
     if last:
         counted = sum((labels != IGNORE_INDEX).sum(dtype=torch.float64) for _, labels in batches)
         group = engine.grid.get_data_parallel_group()  # dp x cp ranks, all on the last stage
