@@ -4,12 +4,13 @@ rank that is not in the collective the others wait in. And what each rank costs 
 two connections (item 6), which is what the open-file check counts."""
 import os
 import re
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from helpers.children import end, exit_code, fork, redirect_output
+from helpers.distributed import run_body
 from helpers.launcher import TINY, launch_forked
 from launch.runtime.distributed import STORE_CLIENTS_PER_RANK, ensure_open_file_limit, free_port
 from launch.runtime.hang_watchdog import hang_line
@@ -38,48 +39,30 @@ def _steps_until_one_rank_hangs(stacks: str, hung_rank: int, hung_step: int) -> 
         hang.step_ended()
 
 
+def _rank(rank: int, world: int, port: int, err: Path, fn, args) -> None:
+    """A forked child: rank `rank` of a gloo group running fn(*args), its stderr into `err`."""
+    code = 1
+    try:
+        redirect_output(err, stdout=False, append=True)
+        run_body(rank, world, port, fn, args)  # prints a failure
+        code = 0
+    finally:
+        os._exit(code)
+
+
 def _run_ranks(fn, world: int, *args, timeout: float = 60):
     """fn(*args) on `world` processes forked from this one, in a gloo group on a free port (no rank
     server to start: these tests time what happens in the ranks); (the first non-zero exit code,
     or 0; their stderr together). Ranks still running after `timeout` are killed (code None)."""
-    import signal
     import tempfile
-    port = free_port()
-    err = Path(tempfile.mkdtemp()) / "stderr"
-    pids = []
-    for rank in range(world):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-                os.dup2(fd, 2)
-                sys.stderr = open(fd, "w", buffering=1)  # pytest's capture replaced it
-                os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                import torch.distributed as dist
-                dist.init_process_group("gloo", rank=rank, world_size=world)
-                fn(*args)
-                code = 0
-            except BaseException:
-                import traceback
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    deadline, codes = time.monotonic() + timeout, {}
-    while len(codes) < world and time.monotonic() < deadline:
-        for pid in pids:
-            if pid not in codes:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[pid] = os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    for pid in pids:
-        if pid not in codes:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            codes[pid] = None
-    failing = [c for c in codes.values() if c != 0]
+    port, err = free_port(), Path(tempfile.mkdtemp()) / "stderr"
+    pids = [fork(_rank, rank, world, port, err, fn, args) for rank in range(world)]
+    deadline = time.monotonic() + timeout
+    codes = [exit_code(pid, max(0.1, deadline - time.monotonic())) for pid in pids]
+    for pid, code in zip(pids, codes):
+        if code is None:
+            end(pid)
+    failing = [c for c in codes if c != 0]
     return (failing[0] if failing else 0), err.read_text() if err.exists() else ""
 
 

@@ -4,18 +4,19 @@ request leaves after train.stop_grace_s when the step never ends (launch/runtime
 launch/runtime/signals.py). The launched frozen-rank tests are in tests/e2e/test_checkpoint_crashes.py."""
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from helpers.children import end, exit_code, fork, redirect_output, wait_for_file
 
 
 def _blocked_rank(grace_s: float, ready: Path, out: Path) -> None:
     """A forked child: a StopRequest, then a wait that never ends in C++ code (the store's, as a
     collective with a frozen peer waits), where no Python signal handler can run. Never returns."""
     try:
-        _redirect_output(out)
+        redirect_output(out)
         from datetime import timedelta
         import torch.distributed as dist
         from launch.runtime.signals import StopRequest
@@ -52,7 +53,7 @@ def _run_signalled(tmp_path, child, child_args, signal_gaps_s, limit_s: float):
             time.sleep(0.05)
         raise AssertionError(f"still running {limit_s} s after SIGTERM: {out.read_text()}")
     finally:
-        _end(pid)
+        end(pid)
 
 
 @pytest.mark.waits
@@ -88,7 +89,7 @@ def _steps_of_one_rank(steps, grace_s: float, ready: Path, out: Path) -> None:
     touched as the item with a third element starts. Once the ranks agreed to stop: a 0.5 s save,
     the line "saved after the request", exit 0. Never returns."""
     try:
-        _redirect_output(out)
+        redirect_output(out)
         import torch.distributed as dist
         from launch.runtime.distributed import free_port
         from launch.runtime.signals import StopRequest
@@ -127,19 +128,12 @@ def test_a_stop_request_never_cuts_a_save_or_a_long_step_short(tmp_path):
     assert code == 0 and "saved after the request" in out and "error: " not in out, out
 
 
-def _redirect_output(out: Path) -> None:
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.stdout = sys.stderr = open(fd, "w", buffering=1)  # pytest's capture replaced both
-
-
 def _watchers_one_falls_silent(silent: Path, out: Path) -> None:
     """A forked child: the watchers of ranks 0 and 1 of a world of 2 on one store, live for 5 s
     (longer than their 3 s timeout), then rank 1's stops beating, as a frozen process's does.
     Rank 0's must exit 1; never returns."""
     try:
-        _redirect_output(out)
+        redirect_output(out)
         from datetime import timedelta
         import torch.distributed as dist
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
@@ -170,7 +164,7 @@ def test_a_rank_whose_heartbeat_stops_is_declared_lost():
         if pid == 0:
             _watchers_one_falls_silent(silent, out)
         try:
-            code = _exit_code(pid, limit_s=60)
+            code = exit_code(pid, limit_s=60)
             exited = time.time()
             text = out.read_text()
             assert silent.exists(), text  # not declared lost while it was beating
@@ -208,7 +202,7 @@ def _watchers_of(port: int, ready: Path, out: Path) -> None:
     """A forked child: the watchers of ranks 1 and 2 of a world of 3 whose rank 0 hosts the store
     at `port`; never returns."""
     try:
-        _redirect_output(out)
+        redirect_output(out)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1")
         from launch.runtime.failure import FailureWatcher
         watchers = [FailureWatcher(rank, 3, heartbeat_timeout_s=3) for rank in (1, 2)]
@@ -220,13 +214,6 @@ def _watchers_of(port: int, ready: Path, out: Path) -> None:
         os._exit(99)
 
 
-def _fork(fn, *args) -> int:
-    pid = os.fork()
-    if pid == 0:
-        fn(*args)
-    return pid
-
-
 @pytest.mark.waits
 def test_a_frozen_store_means_rank_0_is_lost(tmp_path):
     """A slow store is not a lost one; rank 0 frozen (its store with it) is: the other ranks' watchers
@@ -234,13 +221,13 @@ def test_a_frozen_store_means_rank_0_is_lost(tmp_path):
     store's address and their last completed step. (Rank 0's heartbeat is never written here: the store's silence, not a
     stale heartbeat, must be what they report.)"""
     port_file, ready, out = tmp_path / "port", tmp_path / "ready", tmp_path / "out"
-    host = _fork(_store_host, port_file)
+    host = fork(_store_host, port_file)
     watchers = None
     try:
-        assert _wait_for_file(port_file)
+        assert wait_for_file(port_file)
         port = int(port_file.read_text())
-        watchers = _fork(_watchers_of, port, ready, out)
-        assert _wait_for_file(ready), out.read_text()
+        watchers = fork(_watchers_of, port, ready, out)
+        assert wait_for_file(ready), out.read_text()
         # First slow, not gone: each request answered within 1.5 s, a poll's five requests in up to
         # ~5 s, longer than the 3 s timeout. Timed per request, the store is not declared lost.
         # Rank 0's heartbeat goes on meanwhile (written here: this test has no rank 0 watcher).
@@ -253,10 +240,10 @@ def test_a_frozen_store_means_rank_0_is_lost(tmp_path):
             time.sleep(1.5)
             os.kill(host, signal.SIGCONT)
             time.sleep(0.2)
-        assert _exit_code(watchers, limit_s=0.1) is None, out.read_text()
+        assert exit_code(watchers, limit_s=0.1) is None, out.read_text()
         os.kill(host, signal.SIGSTOP)  # the store stops answering, as it does when rank 0 is frozen
         frozen_at = time.monotonic()
-        code = _exit_code(watchers, limit_s=20)
+        code = exit_code(watchers, limit_s=20)
         seconds = time.monotonic() - frozen_at
         text = out.read_text()
         assert code == 1, text
@@ -269,34 +256,7 @@ def test_a_frozen_store_means_rank_0_is_lost(tmp_path):
     finally:
         for pid in (host, watchers):
             if pid is not None:
-                _end(pid)
-
-
-def _wait_for_file(path: Path, timeout: float = 60) -> bool:
-    deadline = time.monotonic() + timeout
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return path.exists()
-
-
-def _end(pid: int) -> None:
-    """SIGKILL a forked child and reap it, if it has not exited and been reaped already."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass
-
-
-def _exit_code(pid: int, limit_s: float):
-    """The exit code of child `pid` once it exits, None if it still runs after limit_s."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    return None
+                end(pid)
 
 
 def _frozen_then_resumed(ready: Path, out: Path) -> None:
@@ -304,7 +264,7 @@ def _frozen_then_resumed(ready: Path, out: Path) -> None:
     that waits, as in a collective. The parent freezes it (SIGSTOP) for longer than the timeout and
     resumes it: its peers have declared it lost and left, so it must leave too. Never returns."""
     try:
-        _redirect_output(out)
+        redirect_output(out)
         from datetime import timedelta
         import torch.distributed as dist
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(hours=1))
@@ -322,17 +282,17 @@ def test_a_resumed_frozen_rank_leaves_with_one_line(tmp_path):
     """A rank frozen past the timeout and resumed (SIGCONT: a rank on a host whose launcher did not
     kill it) finds the gap in its own clock and exits 1 at once, saying why."""
     ready, out = tmp_path / "ready", tmp_path / "out"
-    pid = _fork(_frozen_then_resumed, ready, out)
+    pid = fork(_frozen_then_resumed, ready, out)
     try:
-        assert _wait_for_file(ready), out.read_text()
+        assert wait_for_file(ready), out.read_text()
         os.kill(pid, signal.SIGSTOP)
         time.sleep(4.5)
         os.kill(pid, signal.SIGCONT)
         resumed = time.monotonic()
-        code = _exit_code(pid, limit_s=10)
+        code = exit_code(pid, limit_s=10)
         assert code == 1 and time.monotonic() - resumed < 3.0, (code, out.read_text())
         lines = [line for line in out.read_text().splitlines() if line.startswith("error: ")]
         assert len(lines) == 1 and "this process did not run for" in lines[0] \
             and "its peers have declared it lost" in lines[0], lines
     finally:
-        _end(pid)
+        end(pid)
