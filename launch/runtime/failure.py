@@ -171,8 +171,7 @@ class FailureWatcher:
     def _time_the_store(self) -> None:
         while not self._stop.wait(_POLL_S):
             self._woke()
-            asking_since = self._client.asking_since if self._client is not None else None
-            silent_s = time.monotonic() - asking_since if asking_since is not None else 0.0
+            silent_s = time.monotonic() - self._client.answered_at if self._client is not None else 0.0
             if silent_s > self.timeout_s:
                 self._leave(f"{_store_lost()} did not answer a request for {silent_s:.0f} s "
                             f"(train.heartbeat_timeout_s={self.timeout_s:g}): rank 0 was killed, frozen or cut off, "
@@ -356,22 +355,22 @@ class FailureWatcher:
 
 
 class _TimedClient:
-    """A store client that knows since when its current request waits: a store silent for the
-    heartbeat timeout on one request means rank 0 is lost (issue 35: timed per request, where a
-    clock per poll of five requests declared a merely slow store lost early, with a wrong "for N s")."""
+    """A store client that knows when the store last answered one of its requests: a store that
+    answers none for the heartbeat timeout means rank 0 is lost (issue 35: timed per request, where
+    a clock per poll of five requests declared a merely slow store lost early, with a wrong "for
+    N s"). A failed request is no answer: a store that went away (rank 0 killed) stays silent
+    from its last answer on, so every survivor leaves at the timeout, not later."""
 
     def __init__(self, store):
-        self._store, self.asking_since = store, None
+        self._store, self.answered_at = store, time.monotonic()
 
     def __getattr__(self, name: str):
         request = getattr(self._store, name)
 
         def timed(*args):
-            self.asking_since = time.monotonic()
-            try:
-                return request(*args)
-            finally:
-                self.asking_since = None
+            answer = request(*args)
+            self.answered_at = time.monotonic()
+            return answer
         return timed
 
 
