@@ -17,7 +17,8 @@ from transformers import PreTrainedTokenizerBase
 from data.mixture import Interleave, MixtureBatches, SourceReader, merge_mixture_states, mixture_states_from, source_seed
 from data.mixture_spec import MixSource, parse_mixture
 from data.pipeline import Batch, RunData, SourceData
-from data.prepare_source import check_streams, read_ahead_steps, stream_sources, validation_windows_across_units
+from data.prepare_source import (check_streams, read_ahead_steps, stream_sources, validation_windows_across_units,
+                                 with_streams)
 from data.spec import DataError, DataSpec
 from data.streaming import gathered_states, positions_of_units
 from data.windows import CachedStreams, cached_validation_windows, prepare_streams, windows
@@ -158,12 +159,12 @@ def prepare_mixture(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len:
         if streams is None:  # streamed: every stream holds a window; validation read once and cached
             with naming(source):
                 train, val = stream_sources(source.spec)
-                part.train_stream = train
-                per_epoch.append(check_streams(source.spec, train, tokenizer, seq_len, part.seed, global_batch_size,
+                part.train_stream, part.spec = train, with_streams(source.spec, train, global_batch_size)
+                per_epoch.append(check_streams(part.spec, train, tokenizer, seq_len, part.seed, global_batch_size,
                                                windows_per_stream=1))
                 if val is not None and evaluate:
                     part.val_windows = cached_validation_windows(
-                        source.spec, tokenizer, seq_len, need_val,
+                        part.spec, tokenizer, seq_len, need_val,
                         lambda val=val: validation_windows_across_units(val, tokenizer, seq_len, need_val),
                         val.reader.fingerprint())
         else:
@@ -183,5 +184,4 @@ def prepare_mixture(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_len:
     return MixtureData(sources=sources, parts=parts, windows_per_epoch=per_epoch, interleave=interleave,
                        tokenizer=tokenizer, seq_len=seq_len, seed=seed, global_batch_size=global_batch_size,
                        micro_batch_size=micro_batch_size,
-                       read_ahead_steps=read_ahead_steps(spec, [s.spec for s in sources if s.spec.streaming],
-                                                         global_batch_size))
+                       read_ahead_steps=read_ahead_steps(spec, [p.spec for p in parts if p.streamed], global_batch_size))

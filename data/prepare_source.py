@@ -11,6 +11,7 @@ first evaluation. Validation is windows in memory (map-style: the cached stream;
 eval_batches * B windows sampled across the held-out units, `validation_windows_across_units`, read
 once and cached), evaluated the same way in both modes.
 """
+import dataclasses
 import hashlib
 import json
 from itertools import islice, zip_longest
@@ -26,7 +27,8 @@ from data.files import resolve_files
 from data.pipeline import SourceData
 from data.sources import in_memory_split, saved_dataset_dir
 from data.spec import DataError, DataSpec
-from data.streaming import START, StreamSource, packed_windows, stream_documents, stream_units, unit_order
+from data.streaming import (START, StreamSource, default_streams, packed_windows, stream_documents, stream_units,
+                            unit_order)
 from data.tokens import longest_token_bytes, tokenize_batch
 from data.units import DatasetUnits, FileUnits, Unit, UnitSource
 from data.windows import cached_validation_windows, prepare_streams, tokenizer_fingerprint, windows
@@ -70,6 +72,14 @@ def stream_sources(spec: DataSpec) -> Tuple[StreamSource, Optional[StreamSource]
         return StreamSource(train, train.units), StreamSource(val, val.units)
     kept, held = train.held_out(spec.val_fraction)
     return StreamSource(train, kept), (StreamSource(train, held) if held else None)
+
+
+def with_streams(spec: DataSpec, train: StreamSource, global_batch_size: int) -> DataSpec:
+    """The spec with data.streams resolved: as the recipe gives it, or (null) data/streaming.py's
+    default_streams for this batch and these training units; never from the layout."""
+    if spec.streams is not None:
+        return spec
+    return dataclasses.replace(spec, streams=default_streams(global_batch_size, len(train.units)))
 
 
 STREAM_CHECK_VERSION = 1  # bump when read_and_check_streams's rule changes: remembered answers change with it
@@ -155,7 +165,7 @@ def check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreTrainedTok
     a whole unit per stream, which every process of every run repeated). A failed check is not
     remembered: each process raises the same one-line error."""
     key = hashlib.sha256(json.dumps([STREAM_CHECK_VERSION, source.reader.fingerprint(), len(source.units),
-                                     [source.reader.identity(u) for u in source.units[:1] + source.units[-1:]],
+                                     [source.reader.identity(source.units[i]) for i in (0, -1)],
                                      tokenizer_fingerprint(tokenizer), seq_len, seed, global_batch_size, spec.streams,
                                      spec.shuffle, windows_per_stream]).encode()).hexdigest()[:20]
 
@@ -186,8 +196,8 @@ def read_and_check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreT
     need, longest = share * window, longest_token_bytes(tokenizer)
     per_stream, all_read = [], True
     for t in range(S):
-        mine = [source.units[i] for i in stream_units(n_units, t, S, seed, 0, spec.shuffle)]
-        if all(u.text_bytes >= 0 for u in mine) and sum(u.text_bytes for u in mine) >= need * longest:
+        text_bytes = source.units.text_bytes()[stream_units(n_units, t, S, seed, 0, spec.shuffle)]
+        if (text_bytes >= 0).all() and text_bytes.sum() >= need * longest:
             all_read = False
             continue
         tokens, to_end = _stream_tokens(source, t, S, seed, spec.shuffle, tokenizer, need)
@@ -214,6 +224,7 @@ def prepare_source_data(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, seq_
     window, need_val = seq_len + 1, eval_batches * global_batch_size
     if spec.streaming:
         train, val = stream_sources(spec)  # one listing of the units for both checks
+        spec = data.spec = with_streams(spec, train, global_batch_size)
         check_streams(spec, train, tokenizer, seq_len, seed, global_batch_size)
         data.train_stream, data.read_ahead_steps = train, read_ahead_steps(spec, [spec], global_batch_size)
         if val is not None:

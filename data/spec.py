@@ -41,17 +41,22 @@ class DataSpec:
     shuffle: bool = True
     """Reshuffle the windows every epoch (map-style) / the shard order every epoch and the
     windows within blocks (streaming)."""
-    shuffle_buffer: int = 1000
+    shuffle_buffer: int = 16
     """Streaming: windows per shuffle block of each stream; a resume re-reads the current block
-    (from the unit where it starts) of each stream it reads."""
-    streams: int = 1
+    (from the unit where it starts) of each stream it reads. With the default streams (one per
+    sample of the global batch) a step's windows already come from B different units: the block
+    only spreads a stream's consecutive windows over steps, and its memory is B/dp blocks per rank."""
+    streams: Optional[int] = None
     """Streaming: logical streams; each epoch's shuffled units are dealt to them in turn (unit j
     to stream j % streams), each packs its own and gives global_batch_size/streams windows to
     every step. Fixed by the recipe, not by dp: the samples of a step are the same at every
-    layout, and a rank reads only the streams its slice of the batch needs."""
-    unit_bytes: int = 32 * 2 ** 20
+    layout, and a rank reads only the streams its slice of the batch needs, which dp must divide.
+    null: the global batch size (every dp divides it), or for a corpus of fewer training units the
+    largest divisor of it they fill (data/streaming.py: default_streams)."""
+    unit_bytes: int = 8 * 2 ** 20
     """Streaming: the size of a unit of a line file (.jsonl, .json, .txt, .md): a byte range,
-    owning the lines that start in it. Parquet files are read by row group, csv files whole."""
+    owning the lines that start in it. Parquet files are read by row group, csv files whole. A
+    stream holds its current unit's text: a rank holds B/dp of them with the default streams."""
     read_ahead_steps: Optional[int] = None
     """Streaming: steps of micro-batches a background thread reads and tokenizes ahead of the
     trainer. null: the steps between two refills of a stream's shuffle block (shuffle_buffer x
@@ -90,6 +95,8 @@ class DataSpec:
         if self.num_proc < 1 or self.shuffle_buffer < 1 or self.unit_bytes < 1:
             raise DataError(f"data.num_proc={self.num_proc}, data.shuffle_buffer={self.shuffle_buffer} and "
                             f"data.unit_bytes={self.unit_bytes} must be >= 1")
+        if self.streams is not None and self.streams < 1:
+            raise DataError(f"data.streams={self.streams} must be >= 1 (or null: one per sample of the global batch)")
         if self.read_ahead_steps is not None and self.read_ahead_steps < 0:
             raise DataError(f"data.read_ahead_steps={self.read_ahead_steps} must be >= 0 (0 reads inline, null: one shuffle block of steps)")
 

@@ -3,13 +3,15 @@ line files), tokenized and packed on the fly in a fixed number of logical stream
 position that resumes by reading one unit per stream (docs/design.md contract 14, issue 22).
 
 Epoch e of the units is a permutation drawn from (seed, e); stream t takes its units t, t + S,
-t + 2S... (S = `data.streams`) and reads only those, so the job reads each unit once per epoch.
+t + 2S... (S = `data.streams`, unset: the global batch size B, `default_streams`) and reads only
+those, so the job reads each unit once per epoch.
 The global batch of step k is stream 0's windows [k*B/S, (k+1)*B/S), then stream 1's, and so
 on, at every layout; dp rank r takes the r-th contiguous 1/dp of it and reads only the streams
 that slice covers. A stream's position (its shuffle block's first position and the windows of
 the block taken) names an epoch, a unit of the stream's list and a row in it, so a resume reads
 from that unit on and never what came before. The shuffle order and the position's fields:
 docs/data.md, "Streaming"."""
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -21,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from data.prefetch import ReadAhead
 from data.spec import DataError
 from data.tokens import document_tokens
-from data.units import Unit, UnitSource
+from data.units import UnitSource, UnitTable, as_table
 
 Position = Tuple[int, int, int, int]  # (epoch, unit in the stream's list of the epoch, row in the unit, token offset)
 START: Position = (0, 0, 0, 0)
@@ -37,18 +39,43 @@ class StreamSource:
     """What the streams of one source read: its units (and how to read them), and the ones they
     deal: the training units, or the validation ones."""
     reader: UnitSource
-    units: List[Unit]
+    units: UnitTable
+
+    def __post_init__(self):
+        self.units = as_table(self.units)
 
 
-def unit_order(n_units: int, seed: int, epoch: int, shuffle: bool) -> List[int]:
-    if not shuffle:
-        return list(range(n_units))
-    return np.random.default_rng([seed, epoch]).permutation(n_units).tolist()
+@functools.lru_cache(maxsize=8)
+def unit_order(n_units: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """Epoch `epoch`'s order of the units, (n_units,) int64, read-only. Kept: a rank's streams all
+    deal from it (1.4M units: 30 ms a permutation, once per epoch instead of once per stream)."""
+    order = np.random.default_rng([seed, epoch]).permutation(n_units) if shuffle else np.arange(n_units)
+    order.flags.writeable = False
+    return order
 
 
-def stream_units(n_units: int, stream: int, n_streams: int, seed: int, epoch: int, shuffle: bool) -> List[int]:
+def stream_units(n_units: int, stream: int, n_streams: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     """The units stream `stream` reads in epoch `epoch`, in order: every S-th of the epoch's order."""
     return unit_order(n_units, seed, epoch, shuffle)[stream::n_streams]
+
+
+def default_streams(global_batch_size: int, n_units: int) -> int:
+    """`data.streams` unset: B, one stream per sample of the global batch. Every dp divides B, so a
+    rank reads only its own B/dp streams whatever the layout, and a step's B windows come from B
+    different units. A corpus of fewer than B training units gets the largest divisor of B it can
+    fill (its replicas may then share streams: data/prepare_source.py warns)."""
+    return max(s for s in range(1, min(global_batch_size, n_units) + 1) if global_batch_size % s == 0)
+
+
+def rank_slots(dp_rank: int, dp_size: int, global_batch_size: int) -> Tuple[int, int]:
+    """The slots [lo, hi) of every global batch that dp rank `dp_rank` trains: its r-th contiguous 1/dp."""
+    return dp_rank * global_batch_size // dp_size, (dp_rank + 1) * global_batch_size // dp_size
+
+
+def streams_of_slots(lo: int, hi: int, global_batch_size: int, n_streams: int) -> range:
+    """The streams a rank holding slots [lo, hi) reads: stream t owns slots [t B/S, (t+1) B/S)."""
+    per = global_batch_size // n_streams
+    return range(lo // per, (hi - 1) // per + 1)
 
 
 def read_share(n_streams: int, dp: int) -> float:
@@ -179,7 +206,7 @@ class StepBatches:
     def __init__(self, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, step: int,
                  read_ahead_steps: int = 0):
         self.global_batch_size, self.micro_batch_size, self.step = global_batch_size, micro_batch_size, step
-        self.lo, self.hi = dp_rank * global_batch_size // dp_size, (dp_rank + 1) * global_batch_size // dp_size
+        self.lo, self.hi = rank_slots(dp_rank, dp_size, global_batch_size)
         produced = self._generate(step)
         per_step = -(-(self.hi - self.lo) // micro_batch_size)
         self._batches = ReadAhead(produced, read_ahead_steps * per_step, f"read-ahead dp{dp_rank}") \
@@ -211,8 +238,8 @@ class StepBatches:
                      ) -> Tuple[Dict[int, StreamState], Dict[int, Iterator[Tuple[np.ndarray, StreamState]]]]:
         """(state, opened stream) of each stream this rank reads: stream t owns the contiguous slots
         [t*B/S, (t+1)*B/S) of every global batch; each opens at its saved state (START when none)."""
-        per = self.global_batch_size // n_streams
-        states = {t: saved.get(t, (START, 0)) for t in range(self.lo // per, (self.hi - 1) // per + 1)}
+        states = {t: saved.get(t, (START, 0))
+                  for t in streams_of_slots(self.lo, self.hi, self.global_batch_size, n_streams)}
         return states, {t: open_stream(t, state) for t, state in states.items()}
 
     def step_windows(self, step: int) -> Tuple[List[np.ndarray], Any]:

@@ -22,10 +22,11 @@ import struct
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
@@ -63,6 +64,38 @@ class Unit:
     start-up check pass a large corpus without reading it (data/prepare_source.py: check_streams)."""
 
 
+class UnitTable(Sequence[Unit]):
+    """A source's units as one (N, 5) int64 array of (file, part, start, stop, text_bytes): 40 B a
+    unit in every process, where a list of Unit objects took ~470 B (issue 34: 1.4M units of a
+    FineWeb-sized corpus cost 640 MiB per process). Indexing gives a Unit; a slice or `take`, a table."""
+
+    def __init__(self, rows: np.ndarray):
+        self.rows = rows.reshape(-1, 5).astype(np.int64, copy=False)  # (N, 5)
+
+    @classmethod
+    def of(cls, units: Iterable[Unit]) -> "UnitTable":
+        return cls(np.array([(u.file, u.part, u.start, u.stop, u.text_bytes) for u in units], dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: Union[int, slice]):
+        if isinstance(i, slice):
+            return UnitTable(self.rows[i])
+        return Unit(*(int(v) for v in self.rows[i]))
+
+    def take(self, indices: np.ndarray) -> "UnitTable":
+        return UnitTable(self.rows[np.asarray(indices, dtype=np.int64)])
+
+    def text_bytes(self) -> np.ndarray:
+        """(N,) each unit's known floor of text bytes, -1 where unknown."""
+        return self.rows[:, 4]
+
+
+def as_table(units: Sequence[Unit]) -> UnitTable:
+    return units if isinstance(units, UnitTable) else UnitTable.of(units)
+
+
 def unit_hash(identity: str) -> float:
     """blake2b of a unit's identity, as a number in [0, 1)."""
     return int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=8).digest(), "big") / 2.0 ** 64
@@ -71,7 +104,8 @@ def unit_hash(identity: str) -> float:
 class UnitSource:
     """A source's units and how to read each one's texts."""
     label: str
-    units: List[Unit]
+    units: Sequence[Unit]
+    """A UnitTable (any sequence of Units for a source of a few)."""
 
     def identity(self, unit: Unit) -> str:
         raise NotImplementedError
@@ -83,19 +117,20 @@ class UnitSource:
     def texts(self, unit: Unit) -> List[Optional[str]]:
         raise NotImplementedError
 
-    def held_out(self, val_fraction: float) -> Tuple[List[Unit], List[Unit]]:
+    def held_out(self, val_fraction: float) -> Tuple[UnitTable, UnitTable]:
         """(training units, held-out units), both in index order: the ceil(f N) units of lowest hash."""
+        table = as_table(self.units)
         if val_fraction <= 0:
-            return list(self.units), []
-        n_held = math.ceil(val_fraction * len(self.units))
-        ranked = sorted(range(len(self.units)), key=lambda i: unit_hash(self.identity(self.units[i])))
-        held = set(ranked[:n_held])
-        if n_held == len(self.units):
+            return table, table[:0]
+        n_held = math.ceil(val_fraction * len(table))
+        hashes = np.fromiter((unit_hash(self.identity(u)) for u in table), dtype=np.float64, count=len(table))
+        held = np.zeros(len(table), dtype=bool)
+        held[np.argsort(hashes, kind="stable")[:n_held]] = True
+        if n_held == len(table):
             raise DataError(f"data.name={self.label!r} (streaming) has {len(self.units)} unit(s), and "
                             f"data.val_fraction={val_fraction} holds out all of them (validation holds out whole "
                             f"units); use more data, a smaller data.unit_bytes or data.val_fraction, or data.val_split")
-        return ([u for i, u in enumerate(self.units) if i not in held],
-                [u for i, u in enumerate(self.units) if i in held])
+        return table.take(np.flatnonzero(~held)), table.take(np.flatnonzero(held))
 
 
 class DatasetUnits(UnitSource):
@@ -105,7 +140,9 @@ class DatasetUnits(UnitSource):
         self.dataset, self.text_field, self.label = dataset.with_format("arrow"), text_field, label
         n = len(dataset)
         rows = max(1, min(MAX_ROWS_IN_MEMORY, math.ceil(n / MIN_UNITS_IN_MEMORY)))
-        self.units = [Unit(0, k, a, min(a + rows, n)) for k, a in enumerate(range(0, n, rows))]
+        starts = np.arange(0, n, rows)
+        self.units = UnitTable(np.stack([np.zeros_like(starts), np.arange(len(starts)), starts,
+                                         np.minimum(starts + rows, n), np.full_like(starts, -1)], axis=1))
 
     def identity(self, unit: Unit) -> str:
         return f"rows {unit.start}-{unit.stop}"
@@ -116,6 +153,16 @@ class DatasetUnits(UnitSource):
 
     def texts(self, unit: Unit) -> List[Optional[str]]:
         return self.dataset[unit.start:unit.stop].column(self.text_field).to_pylist()
+
+
+def line_units(sizes: Sequence[int], unit_bytes: int) -> UnitTable:
+    """Byte ranges of `unit_bytes` of each line file, from the sizes alone."""
+    tables = []
+    for f, size in enumerate(sizes):
+        starts = np.arange(0, size, unit_bytes, dtype=np.int64)
+        tables.append(np.stack([np.full_like(starts, f), np.arange(len(starts)), starts,
+                                np.minimum(starts + unit_bytes, size), np.full_like(starts, -1)], axis=1))
+    return UnitTable(np.concatenate(tables) if tables else np.empty((0, 5), dtype=np.int64))
 
 
 class SparseFile(io.RawIOBase):
@@ -162,10 +209,9 @@ class FileUnits(UnitSource):
         if files.format == "parquet":
             self.units = self._parquet_units()
         elif files.format == "csv":
-            self.units = [Unit(f, 0, 0, size) for f, size in enumerate(files.sizes)]
+            self.units = UnitTable.of(Unit(f, 0, 0, size) for f, size in enumerate(files.sizes))
         else:
-            self.units = [Unit(f, k, a, min(a + unit_bytes, size)) for f, size in enumerate(files.sizes)
-                          for k, a in enumerate(range(0, size, unit_bytes))]
+            self.units = line_units(files.sizes, unit_bytes)
         if files.format in ("json", "csv") and self.units:
             self._check_first_record()
 
@@ -225,17 +271,17 @@ class FileUnits(UnitSource):
             units.append(Unit(file, g, start, start + chunk.total_compressed_size, max(0, text)))
         return units
 
-    def _parquet_units(self) -> List[Unit]:
+    def _parquet_units(self) -> UnitTable:
         """Every file's row groups from its footer, listed once per machine and cached."""
         key = self.fingerprint()
 
         def build(tmp) -> None:
             with ThreadPoolExecutor(FOOTER_THREADS) as pool:  # footers of many files, overlapped
                 per_file = list(pool.map(self._file_units, range(len(self.files.paths))))
-            tmp.write_text(json.dumps([asdict(u) for units in per_file for u in units]))
+            with open(tmp, "wb") as f:
+                np.save(f, UnitTable.of(u for units in per_file for u in units).rows)
 
-        path = build_once(default_cache_dir() / "data" / f"units-{key}.json", build)
-        return [Unit(**u) for u in json.loads(path.read_text())]
+        return UnitTable(np.load(build_once(default_cache_dir() / "data" / f"units-{key}.npy", build)))
 
     def _parquet_texts(self, unit: Unit) -> List[Optional[str]]:
         meta = self.footer(unit.file)

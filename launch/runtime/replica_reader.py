@@ -19,7 +19,27 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, List, Tuple
 
 if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
     from model.parallel.state import ParallelState
+
+
+def replica_readers(topology: PipeModelDataParallelTopology, tp: int, pp: int, dp: int, cp: int
+                    ) -> List[Tuple[int, List[List[int]]]]:
+    """Per data replica, in order: (the rank that reads its data, the rank lists it broadcasts
+    micro-batches over): its first stage's tp x cp ranks, and at pp > 1 itself with the last
+    stage's. Pure: a 1,024-rank job can be dealt in one process (tests/data/test_dealing_at_scale.py)."""
+    readers = []
+    for replica in range(dp):
+        def stage_ranks(pipe: int) -> List[int]:
+            return sorted(topology.get_rank(pipe=pipe, data=replica * cp + c, model=t)
+                          for c in range(cp) for t in range(tp))
+        first = stage_ranks(0)
+        groups = [first] if tp * cp > 1 else []
+        if pp > 1:
+            groups.append([first[0]] + stage_ranks(pp - 1))
+        readers.append((first[0], groups))
+    return readers
 
 
 def replica_reader_groups(state: ParallelState, streamed: bool) -> Tuple[List, bool]:
@@ -27,20 +47,11 @@ def replica_reader_groups(state: ParallelState, streamed: bool) -> Tuple[List, b
     True) where every rank reads for itself: cached data, or a replica of one drawing rank.
     Collective: every rank creates every replica's groups, in the same order."""
     import torch.distributed as dist
-    topology, pp, cp = state.topology, state.pp_size, state.cp_size
-    stage_size = state.tp_size * cp
-    if not streamed or (stage_size == 1 and pp == 1):
+    if not streamed or (state.tp_size * state.cp_size == 1 and state.pp_size == 1):
         return [], True
     me, mine, reads = state.global_rank, [], True
-    for replica in range(state.dp_size):
-        def stage_ranks(pipe: int) -> List[int]:
-            return sorted(topology.get_rank(pipe=pipe, data=replica * cp + c, model=t)
-                          for c in range(cp) for t in range(state.tp_size))
-        first = stage_ranks(0)
-        reader = first[0]
-        groups = [first] if stage_size > 1 else []
-        if pp > 1:
-            groups.append([reader] + stage_ranks(pp - 1))
+    for reader, groups in replica_readers(state.topology, state.tp_size, state.pp_size, state.dp_size,
+                                          state.cp_size):
         for ranks in groups:
             group = dist.new_group(ranks)
             if me in ranks:

@@ -47,6 +47,7 @@ def load_checked_tokenizer(recipe: Recipe) -> Tuple[Any, int]:
 def load_run_data(recipe: Recipe, layout: Layout) -> Tuple[Any, int]:
     """(the run's data, vocabulary size): data/run.py's RunData for this recipe and batch."""
     from data.run import prepare_run_data
+    check_streams_serve_dp(recipe.data, layout.dp, layout.global_batch_size)
     tokenizer, vocab_size = load_checked_tokenizer(recipe)
     data = prepare_run_data(recipe.data, tokenizer, recipe.seq_len, recipe.train.seed,
                             layout.global_batch_size, layout.micro_batch_size,
@@ -55,13 +56,31 @@ def load_run_data(recipe: Recipe, layout: Layout) -> Tuple[Any, int]:
     return data, vocab_size
 
 
+def check_streams_serve_dp(spec, dp: int, global_batch_size: int) -> None:
+    """A streamed source's data.streams that dp does not divide is refused before any reading:
+    replicas would share a stream, and each would read and tokenize it whole to keep its windows
+    (the recipes' old 16 streams at 1,024 replicas: 64x; issue 34). Unset, the streams are the
+    global batch size, which every dp divides."""
+    from data.mixture_spec import parse_mixture
+    specs = [source.spec for source in parse_mixture(spec)] if spec.mix else [spec]
+    for source in specs:
+        if source.streaming and source.streams is not None and source.streams % dp:
+            raise ConfigError(
+                f"data.streams={source.streams} ({source.name}) at dp={dp}: each rank reads only its own streams, "
+                f"so dp must divide them; leave data.streams unset (one stream per sample of the global batch, "
+                f"{global_batch_size}) or set a multiple of {dp} that divides {global_batch_size} (it changes the "
+                f"data order: a resume needs --restart-data)")
+
+
 def warn_of_shared_streams(data, dp: int) -> None:
-    """One line (rank 0) when a streamed source's data.streams makes ranks read more than they train."""
+    """One line (rank 0) when the streams derived for a small corpus (fewer training units than the
+    global batch) make replicas share streams, so that ranks read more than they train."""
     from data.streaming import read_share
     parts = getattr(data, "parts", [data])
     for part in parts:
         share = read_share(part.spec.streams, dp) if part.streamed else 1.0
         if share > 1 and os.environ.get("RANK", "0") == "0":
-            print(f"warning: data.streams={part.spec.streams} at dp={dp} ({part.spec.name}): a rank reads and "
-                  f"tokenizes up to {share:.1f}x the windows it trains, its streams shared with other replicas; "
-                  f"a data.streams that {dp} divides reads each window once (it changes the data order)", flush=True)
+            print(f"warning: data.streams (unset) is {part.spec.streams} for {part.spec.name}, which has fewer "
+                  f"training units than the global batch; at dp={dp} a rank reads and tokenizes up to {share:.1f}x "
+                  f"the windows it trains, its streams shared with other replicas (smaller units, a lower "
+                  f"data.unit_bytes, give more streams)", flush=True)

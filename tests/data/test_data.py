@@ -163,7 +163,8 @@ def test_streaming_yields_the_same_batches_as_map_style(docs, tokenizer, fresh_c
     spec = DataSpec(name=str(paths["jsonl"]), shuffle=False, val_fraction=0.0)
     mapped = prepare_run_data(spec, tokenizer, 31, seed=0, global_batch_size=8, micro_batch_size=2, evaluate=False)
     for unit_bytes in (10 ** 6, 97):  # one unit, and many units cut inside lines
-        streamed = prepare_run_data(DataSpec(**{**spec.__dict__, "streaming": True, "unit_bytes": unit_bytes}),
+        streamed = prepare_run_data(DataSpec(**{**spec.__dict__, "streaming": True, "unit_bytes": unit_bytes,
+                                             "streams": 1}),
                                     tokenizer, 31, seed=0, global_batch_size=8, micro_batch_size=2, evaluate=False)
         for rank in range(2):
             a, b = mapped.train_batches(rank, 2, start_sample=8), streamed.train_batches(rank, 2, start_sample=8)

@@ -1,6 +1,9 @@
 """Bounded memory when streaming parquet (issue 34, item 4): a process keeps at most FOOTERS_KEPT
 footers however many files it reads, and still reads every row group's texts as pyarrow does;
-a row group too large to be one unit is refused in one line naming the file."""
+a row group too large to be one unit is refused in one line naming the file. The streams serve
+every dp (item 1)."""
+import os
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -8,6 +11,7 @@ from data import units
 from data.files import resolve_files
 from data.spec import DataError
 from data.units import FileUnits
+from launch.errors import ConfigError
 from helpers.stream_corpus import write_corpus
 
 N_FILES = 3 * units.FOOTERS_KEPT // 2
@@ -53,18 +57,32 @@ def test_the_read_share_is_the_dealing_s():
                 assert read_share(streams, dp) == _read_share_by_slots(streams, dp, batch), (streams, dp, batch)
 
 
-def test_shared_streams_are_named_at_start_up(corpus, stream_cache, monkeypatch, capsys):
-    """The recipes' 16 streams at 64 replicas would read 4x: one line says so before the start."""
+def _prepare_job(world: int, files: str, *settings: str):
+    from helpers.launcher import TINY
     from launch.runtime.cli import parse_training_args
     from launch.runtime.startup import prepare_training_job
-    from helpers.launcher import TINY
+    os.environ["WORLD_SIZE"] = str(world)
+    return prepare_training_job(parse_training_args(
+        ["--recipe", str(TINY), "--set", f"data.name={files}", "--set", "data.streaming=true",
+         "--set", "train.eval_every=0", *settings], ""))
+
+
+def test_streams_that_dp_does_not_divide_are_refused_and_unset_ones_serve_any_dp(corpus, stream_cache, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """Replicas sharing a stream would each read it whole (the recipes' old 16 streams at 1,024
+    replicas: 64x): a data.streams that dp does not divide is one line before anything is read.
+    Unset, the streams are the global batch (16 here), which every dp divides; a corpus of fewer
+    units than that gets fewer streams, and a line says when replicas then share them."""
     monkeypatch.setenv("RANK", "0")
-    for world, streams, warned in ((4, 2, "up to 2.0x"), (4, 4, None)):
-        monkeypatch.setenv("WORLD_SIZE", str(world))
-        prepare_training_job(parse_training_args(
-            ["--recipe", str(TINY), "--set", f"data.name={corpus}/part*.parquet", "--set", "data.streaming=true",
-             "--set", f"data.streams={streams}", "--set", "train.eval_every=0"], ""))
-        out = capsys.readouterr().out
-        lines = [line for line in out.splitlines() if "data.streams=" in line]
-        assert (lines == [] if warned is None else len(lines) == 1 and warned in lines[0]
-                and f"data.streams={streams} at dp={world}" in lines[0]), out
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError) as refused:
+        _prepare_job(4, f"{corpus}/part*.parquet", "--set", "data.streams=2")
+    message = str(refused.value)
+    assert "data.streams=2" in message and "dp=4" in message and "unset" in message and "\n" not in message
+    assert not (tmp_path / "cache").exists()  # refused before any listing or reading
+    for world in (1, 8):
+        job = _prepare_job(world, f"{corpus}/part*.parquet")
+        assert job.data.spec.streams == 16 and "warning" not in capsys.readouterr().out
+    job = _prepare_job(8, f"{corpus}/part[0-2].parquet")  # 3 files of 2 row groups: 6 units
+    lines = [line for line in capsys.readouterr().out.splitlines() if "data.streams" in line]
+    assert job.data.spec.streams == 4 and len(lines) == 1 and "up to 2.0x" in lines[0], lines

@@ -102,7 +102,7 @@ def _units(sizes_in_order: List[int]) -> StreamSource:
 
 def _per_place(source, tokenizer, windows) -> List[int]:
     """Windows of each unit, by its place in validation_windows_across_units' order."""
-    order = unit_order(len(source.units), VAL_SEED, 0, shuffle=True)
+    order = unit_order(len(source.units), VAL_SEED, 0, shuffle=True).tolist()
     counts = [0] * len(order)
     for w in windows:
         (unit,) = window_ids(tokenizer, [w])  # each unit is packed on its own
