@@ -1,6 +1,6 @@
 """Streaming by units over HTTP (issue 22's "Proof"), each figure against a peer measured in the same run.
 
-    python bench/streaming_data.py [--gb 1.0] [--repeats 3]
+    python bench/streaming_data.py [--gb 1.0] [--repeats 3] [--sections 1,2,3,4,5]
 
 A corpus of about --gb GB of parquet (16 files, row groups of 1,000 documents: the embedded
 corpus's documents, each copy tagged so no two are equal) is written to a temporary directory and
@@ -16,7 +16,18 @@ served by bench/range_server.py (HTTP with Range requests, as a bucket or the hu
 3. Share of step time spent waiting on data, for a stand-in model slower than the loader
    (target: under 2% with read-ahead): the default read-ahead (as deep as the steps between two
    refills of the streams' shuffle blocks: a stream tokenizes a whole block of windows at once,
-   every stream at the same step) against one step ahead and inline reading (0).
+   every stream at the same step) against one step ahead and inline reading (0). Runs 2 for its rate.
+4. Replicas sharing a stream: every dp rank's iterator (dp = 8, 16; global batch 64) built in this
+   process over the server, a few steps of each drawn inline; unit bytes sent to all ranks over
+   the bytes of the distinct units among them, for data.streams=4 (a fixed count below dp, as the
+   recipes' 16 was at dp > 16: a stream shared by dp/4 replicas, each reading it whole) against
+   data.streams unset (one stream per sample: every dp divides it, expected 1.0x); peer:
+   read_share's prediction. On a small corpus of its own (256 row groups of 8 documents), not --gb's.
+5. Start-up at 100,000 units, no I/O: seconds and memory (tracemalloc) of what every process
+   does before step 1: the unit list of 100 line files from their sizes, the held-out units
+   (val_fraction 0.005), and epoch 0 dealt to 1,024 streams (those rank 0 of dp 8 reads, and
+   all); peer: the representation before (a list of Unit objects, the held-out rule ranking a
+   Python list, a permutation per stream).
 
 Repetitions alternate the variants, so drift of a shared machine hits each alike; medians.
 """
@@ -29,9 +40,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -40,6 +53,9 @@ from bench.range_server import RangeServer
 from data.builtin import builtin_corpus, builtin_tokenizer_dir, load_tokenizer
 from data.run import prepare_run_data
 from data.spec import DataSpec
+from data.streaming import rank_slots, read_share, stream_units, streams_of_slots, unit_order
+from data.files import SourceFiles
+from data.units import FileUnits, Unit, UnitSource, line_units, unit_hash
 from launch.runtime.distributed import launcher_command
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,6 +71,11 @@ rate is measured over whole blocks (a shorter span would see only windows alread
 MEASURED_BLOCKS = 2
 PEER_GROUPS = 2  # row groups the raw tokenizer's peer tokenizes: about 1.8M tokens, 2 s
 LAUNCH_TIMEOUT_S = 300
+SECTIONS = (1, 2, 3, 4, 5)
+SHARED_DOCS_PER_GROUP, SHARED_GROUPS = 8, 256  # section 4's corpus: units of ~6 windows, ~6 MB in all
+SHARED_DPS, OLD_STREAMS, SHARED_STEPS, SHARED_SHUFFLE_BUFFER, SHARED_MICRO_BATCH = (8, 16), 4, 4, 4, 4
+STARTUP_FILES, STARTUP_UNITS_PER_FILE, STARTUP_UNIT_BYTES = 100, 1_000, 8 * 2 ** 20  # data.unit_bytes's default
+STARTUP_STREAMS, STARTUP_BATCH, STARTUP_DP, STARTUP_VAL_FRACTION = 1024, 1024, 8, 0.005
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -67,7 +88,13 @@ def parse_args() -> argparse.Namespace:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.0, help="size of the parquet corpus in GB (default 1.0)")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of each rate (default 3)")
+    parser.add_argument("--sections", default=",".join(map(str, SECTIONS)),
+                        help="the sections to run, comma-separated (default all: 1,2,3,4,5; 3 runs 2 too)")
     args = parser.parse_args()
+    given = args.sections.split(",")
+    if not all(k.strip() in {str(n) for n in SECTIONS} for k in given):
+        parser.error(f"--sections {args.sections} must be some of 1,2,3,4,5, comma-separated")
+    args.sections = {int(k) for k in given}
     if not args.gb > 0 or not math.isfinite(args.gb):
         parser.error(f"--gb {args.gb} must be a positive number")
     if args.repeats < 1:
@@ -86,25 +113,27 @@ def tagged_documents(texts: List[str]) -> Iterator[str]:
         copy += 1
 
 
-def write_corpus(root: Path, gb: float, texts: List[str]) -> Dict[str, float]:
+def write_corpus(root: Path, gb: float, texts: List[str], docs_per_group: int = DOCS_PER_GROUP,
+                 min_groups: int = 0) -> Dict[str, float]:
     """FILES parquet files, a row group at a time dealt round-robin (memory stays one row group),
-    until they hold `gb` GB on disk (snappy, pyarrow's defaults, as most published corpora)."""
+    until they hold `gb` GB on disk and `min_groups` row groups (snappy, pyarrow's defaults, as
+    most published corpora)."""
     start = time.perf_counter()
     schema = pa.schema([("text", pa.string())])
     paths = [root / f"part{f:02d}.parquet" for f in range(FILES)]
     writers = [pq.ParquetWriter(p, schema) for p in paths]
     docs, groups, text_bytes = tagged_documents(texts), 0, 0
     try:
-        while groups % FILES or sum(p.stat().st_size for p in paths) < gb * 1e9:
-            batch = [next(docs) for _ in range(DOCS_PER_GROUP)]
+        while groups % FILES or groups < min_groups or sum(p.stat().st_size for p in paths) < gb * 1e9:
+            batch = [next(docs) for _ in range(docs_per_group)]
             text_bytes += sum(len(t.encode()) for t in batch)
-            writers[groups % FILES].write_table(pa.table({"text": batch}, schema=schema), row_group_size=DOCS_PER_GROUP)
+            writers[groups % FILES].write_table(pa.table({"text": batch}, schema=schema), row_group_size=docs_per_group)
             groups += 1
     finally:
         for w in writers:
             w.close()
     return {"bytes": sum(p.stat().st_size for p in paths), "text_bytes": text_bytes, "groups": groups,
-            "docs": groups * DOCS_PER_GROUP, "seconds": time.perf_counter() - start}
+            "docs": groups * docs_per_group, "seconds": time.perf_counter() - start}
 
 
 def footer_bytes(root: Path) -> Dict[str, Tuple[int, int]]:
@@ -351,28 +380,214 @@ def measure_waits(url: str, tokenizer, loader_tokens_per_s: float, repeats: int)
           f"{share[None] / share[0] if share[0] else float('nan'):.3f}")
 
 
+# -- 4. replicas sharing a stream --
+
+def shared_stream_data(url: str, tokenizer, streams: Optional[int]):
+    """Section 4's run data: no validation, a small shuffle block, nothing read ahead of the steps drawn."""
+    spec = DataSpec(name=f"{url}/*.parquet", streaming=True, streams=streams, shuffle_buffer=SHARED_SHUFFLE_BUFFER,
+                    val_fraction=0.0, read_ahead_steps=0)
+    return prepare_run_data(spec, tokenizer, SEQ_LEN, seed=1, global_batch_size=GLOBAL_BATCH,
+                            micro_batch_size=SHARED_MICRO_BATCH, evaluate=False)
+
+
+def job_fetch(data, dp: int, server: RangeServer, layout: Dict[str, Tuple[int, int]]) -> Tuple[int, int, int]:
+    """SHARED_STEPS steps of every one of the dp ranks, drawn in turn: (unit bytes the server sent
+    them all, bytes of the distinct units among them, distinct units); footers left out (this
+    process's ranks share one reader, and its footers)."""
+    server.reset()
+    for rank in range(dp):
+        batches = data.train_batches(rank, dp)
+        for _ in range(SHARED_STEPS * (GLOBAL_BATCH // dp // SHARED_MICRO_BATCH)):
+            next(batches)
+        batches.close()
+    with server.lock:
+        units = [(name, a, b) for name, a, b in server.requests if a < layout[name][1]]
+    distinct = set(units)
+    return sum(b - a for _, a, b in units), sum(b - a for _, a, b in distinct), len(distinct)
+
+
+def measure_shared_streams(work: Path, texts: List[str], tokenizer) -> None:
+    root = work / "corpus-shared"
+    root.mkdir()
+    corpus = write_corpus(root, 0.0, texts, SHARED_DOCS_PER_GROUP, SHARED_GROUPS)
+    server, layout = RangeServer(root), footer_bytes(root)
+    try:
+        runs = {streams: shared_stream_data(server.url, tokenizer, streams) for streams in (OLD_STREAMS, None)}
+        fetched_by = {(streams, dp): job_fetch(data, dp, server, layout)
+                      for streams, data in runs.items() for dp in SHARED_DPS}
+    finally:
+        server.close()
+    print(f"replicas sharing a stream, over HTTP (server and every dp rank's iterator in this process): global batch "
+          f"{GLOBAL_BATCH}, {SHARED_STEPS} steps of every rank drawn inline (read_ahead_steps=0), shuffle blocks of "
+          f"{SHARED_SHUFFLE_BUFFER}; a corpus of {corpus['groups']} row groups of {SHARED_DOCS_PER_GROUP} documents "
+          f"({corpus['bytes'] / 1e6:.1f} MB); unit bytes the server sent to all ranks / bytes of the distinct units "
+          f"among them (footers left out):")
+    for dp in SHARED_DPS:
+        ratio = {}
+        for streams, data in runs.items():
+            sent, distinct, units = fetched_by[streams, dp]
+            ratio[streams] = sent / distinct
+            resolved = data.spec.streams
+            label = (f"data.streams={resolved} (before: each stream read by {dp // resolved} replicas)"
+                     if streams is not None else f"data.streams unset (= {resolved}, the default)")
+            print(f"  dp={dp:2d}, {label}: sent {sent / 1e6:5.2f} MB, {units} distinct units of {distinct / 1e6:5.2f} MB "
+                  f"= {ratio[streams]:.2f}x (read_share({resolved}, {dp}) = {read_share(resolved, dp):.2f})")
+        print(f"  dp={dp:2d}: before / now = {ratio[OLD_STREAMS] / ratio[None]:.2f}")
+
+
+# -- 5. start-up at 100,000 units --
+
+class SizedLineUnits(UnitSource):
+    """The peer's source: a list of Unit objects, identities as FileUnits.identity ("name#part")."""
+
+    def __init__(self, names: List[str], units):
+        self.label, self.names, self.units = "bench", names, units
+
+    def identity(self, unit: Unit) -> str:
+        return f"{self.names[unit.file]}#{unit.part}"
+
+
+def old_unit_list(sizes: List[int], unit_bytes: int) -> List[Unit]:
+    """The units as listed before UnitTable: a Unit object each."""
+    return [Unit(f, k, a, min(a + unit_bytes, size)) for f, size in enumerate(sizes)
+            for k, a in enumerate(range(0, size, unit_bytes))]
+
+
+def old_held_out(source: UnitSource, val_fraction: float) -> Tuple[List[Unit], List[Unit]]:
+    """UnitSource.held_out before numpy: a Python sort of the indices by hash, a set of the held."""
+    units = source.units
+    n_held = math.ceil(val_fraction * len(units))
+    ranked = sorted(range(len(units)), key=lambda i: unit_hash(source.identity(units[i])))
+    held = set(ranked[:n_held])
+    return [u for i, u in enumerate(units) if i not in held], [u for i, u in enumerate(units) if i in held]
+
+
+def new_deal(n_units: int, streams: range) -> list:
+    unit_order.cache_clear()  # a process deals an epoch once: its first stream computes the order
+    return [stream_units(n_units, t, STARTUP_STREAMS, 1, 0, True) for t in streams]
+
+
+def old_deal(n_units: int, streams: range) -> list:
+    """stream_units before: the epoch's permutation computed (and made a list) for every stream."""
+    return [np.random.default_rng([1, 0]).permutation(n_units).tolist()[t::STARTUP_STREAMS] for t in streams]
+
+
+def kept_bytes(dealt: list) -> int:
+    """Bytes the dealt streams keep: each list and its ints (before); each view, and the array
+    under them once (now)."""
+    total, bases = 0, {}
+    for d in dealt:
+        total += sys.getsizeof(d)
+        if isinstance(d, np.ndarray):
+            base = d if d.base is None else d.base
+            bases[id(base)] = base.nbytes
+        else:
+            total += sum(sys.getsizeof(i) for i in d)
+    return total + sum(bases.values())
+
+
+def traced(f, *args) -> Tuple[float, float]:
+    """(peak, held after) MiB of f(*args) by tracemalloc, its result kept until measured."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        result = f(*args)
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    del result
+    return (peak - before) / 2 ** 20, (current - before) / 2 ** 20
+
+
+def measure_startup(repeats: int) -> None:
+    sizes = [STARTUP_UNITS_PER_FILE * STARTUP_UNIT_BYTES - STARTUP_UNIT_BYTES // 2] * STARTUP_FILES  # last unit half
+    names = [f"data/part-{f:05d}.jsonl" for f in range(STARTUP_FILES)]
+    table, listed = line_units(sizes, STARTUP_UNIT_BYTES), old_unit_list(sizes, STARTUP_UNIT_BYTES)
+    assert [tuple(r) for r in table.rows.tolist()] == [(u.file, u.part, u.start, u.stop, u.text_bytes) for u in listed]
+    files = SourceFiles(fs=None, paths=names, names=names, sizes=sizes, versions=[""] * len(names), format="text",
+                        label="bench")  # line files known by their sizes: listing their units reads nothing
+    new_source, old_source = FileUnits(files, "text", STARTUP_UNIT_BYTES), SizedLineUnits(names, listed)
+    assert np.array_equal(new_source.units.rows, table.rows)
+    n_train = len(new_source.held_out(STARTUP_VAL_FRACTION)[0])
+    assert n_train == len(old_held_out(old_source, STARTUP_VAL_FRACTION)[0])
+    rank = streams_of_slots(*rank_slots(0, STARTUP_DP, STARTUP_BATCH), STARTUP_BATCH, STARTUP_STREAMS)
+    every = range(STARTUP_STREAMS)
+    phases = {  # name -> ((now, its args), (before, its args))
+        "unit list from sizes": ((line_units, sizes, STARTUP_UNIT_BYTES), (old_unit_list, sizes, STARTUP_UNIT_BYTES)),
+        f"held_out(val_fraction={STARTUP_VAL_FRACTION})": ((new_source.held_out, STARTUP_VAL_FRACTION),
+                                                          (old_held_out, old_source, STARTUP_VAL_FRACTION)),
+        f"epoch 0 to rank 0 of dp {STARTUP_DP}'s {len(rank)} streams": ((new_deal, n_train, rank),
+                                                                        (old_deal, n_train, rank)),
+        f"epoch 0 to all {STARTUP_STREAMS} streams": ((new_deal, n_train, every), (old_deal, n_train, every)),
+    }
+    seconds: Dict[Tuple[str, int], List[float]] = {(name, k): [] for name in phases for k in (0, 1)}
+    for _ in range(repeats):  # the variants alternate
+        for name, variants in phases.items():
+            for k, (f, *args) in enumerate(variants):
+                seconds[name, k].append(timed(f, *args))
+    memory = {}
+    for name, variants in phases.items():
+        for k, (f, *args) in enumerate(variants):
+            if name.startswith("epoch"):  # tracing 100k ints a stream x 1024 would take minutes
+                memory[name, k] = (traced(f, args[0], args[1][:1])[0], kept_bytes(f(*args)) / 2 ** 20)
+            else:
+                memory[name, k] = traced(f, *args)
+    print(f"start-up at {len(table):,} units, no I/O ({STARTUP_FILES} line files x {STARTUP_UNITS_PER_FILE:,} units of "
+          f"{STARTUP_UNIT_BYTES // 2 ** 20} MiB, identities \"name#part\"; {n_train:,} training units; "
+          f"{STARTUP_STREAMS} streams, global batch {STARTUP_BATCH}): now (UnitTable, numpy, the epoch's order "
+          f"cached) against before (a list of Unit objects, a Python sort, a permutation per stream); seconds: median "
+          f"of {repeats}; memory: tracemalloc peak during it / held after it (dealing: the peak of one stream's "
+          f"dealing, and what the streams keep, measured by size):")
+    total = {k: [0.0, 0.0] for k in (0, 1)}
+    for name in phases:
+        figures = []
+        for k in (0, 1):
+            sec, (peak, held) = statistics.median(seconds[name, k]), memory[name, k]
+            figures.append(f"{'now' if k == 0 else 'before'} {sec:7.3f} s, peak {peak:6.1f} MiB, held {held:6.1f} MiB")
+            if not name.startswith("epoch 0 to all"):
+                total[k][0] += sec
+                total[k][1] += held
+        ratio_s = statistics.median(seconds[name, 0]) / statistics.median(seconds[name, 1])
+        ratio_m = memory[name, 0][1] / memory[name, 1][1]
+        print(f"  {name}: {'; '.join(figures)}; now/before: {ratio_s:.3g}x time, {ratio_m:.3g}x held")
+    print(f"  before step 1 (rank 0 of dp {STARTUP_DP}: the list, held_out, its streams): now {total[0][0]:.3f} s, "
+          f"held {total[0][1]:.1f} MiB; before {total[1][0]:.3f} s, held {total[1][1]:.1f} MiB; now/before: "
+          f"{total[0][0] / total[1][0]:.3f}x time, {total[0][1] / total[1][1]:.3f}x held")
+
+
 def main() -> None:
     args = parse_args()
+    if args.sections == {5}:  # no I/O, no tokenizer
+        measure_startup(args.repeats)
+        return
     tokenizer = load_tokenizer("builtin")  # builds the tokenizer into the default cache if it is not there
     texts = list(builtin_corpus()["text"])
     with tempfile.TemporaryDirectory() as tmp:
         work, root = Path(tmp), Path(tmp) / "corpus"
         root.mkdir()
-        corpus = write_corpus(root, args.gb, texts)
-        print(f"corpus: {corpus['bytes'] / 1e9:.2f} GB of parquet ({corpus['text_bytes'] / 1e9:.2f} GB of text), "
-              f"{FILES} files, {corpus['groups']} row groups of {DOCS_PER_GROUP} documents, {corpus['docs']:,} "
-              f"documents, written in {corpus['seconds']:.1f} s")
-        measure_launches(root, work, corpus["bytes"])
+        if args.sections & {1, 2, 3}:
+            corpus = write_corpus(root, args.gb, texts)
+            print(f"corpus: {corpus['bytes'] / 1e9:.2f} GB of parquet ({corpus['text_bytes'] / 1e9:.2f} GB of text), "
+                  f"{FILES} files, {corpus['groups']} row groups of {DOCS_PER_GROUP} documents, {corpus['docs']:,} "
+                  f"documents, written in {corpus['seconds']:.1f} s")
+        if 1 in args.sections:
+            measure_launches(root, work, corpus["bytes"])
         # this process's own caches (the units list) go to the temporary directory too, not the user's
         os.environ["GPT3D_CACHE"] = str(fresh_cache(work / "cache-bench"))
-        server, url = start_server_process(root)
-        try:
-            peer_texts = pq.ParquetFile(root / "part00.parquet").read_row_groups(range(PEER_GROUPS))["text"]
-            loader = measure_rates(url, tokenizer, peer_texts.to_pylist(), args.repeats)
-            measure_waits(url, tokenizer, loader, args.repeats)
-        finally:
-            server.kill()
-            server.wait()
+        if args.sections & {2, 3}:
+            server, url = start_server_process(root)
+            try:
+                peer_texts = pq.ParquetFile(root / "part00.parquet").read_row_groups(range(PEER_GROUPS))["text"]
+                loader = measure_rates(url, tokenizer, peer_texts.to_pylist(), args.repeats)
+                if 3 in args.sections:
+                    measure_waits(url, tokenizer, loader, args.repeats)
+            finally:
+                server.kill()
+                server.wait()
+        if 4 in args.sections:
+            measure_shared_streams(work, texts, tokenizer)
+    if 5 in args.sections:
+        measure_startup(args.repeats)
 
 
 if __name__ == "__main__":

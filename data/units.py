@@ -66,8 +66,9 @@ class Unit:
 
 class UnitTable(Sequence[Unit]):
     """A source's units as one (N, 5) int64 array of (file, part, start, stop, text_bytes): 40 B a
-    unit in every process, where a list of Unit objects took ~470 B (issue 34: 1.4M units of a
-    FineWeb-sized corpus cost 640 MiB per process). Indexing gives a Unit; a slice or `take`, a table."""
+    unit in every process, where a list of Unit objects took ~210 B (bench/streaming_data.py,
+    section 5) and, read from the cached JSON list, 1.4M units of a FineWeb-sized corpus cost
+    640 MiB per process (issue 34). Indexing gives a Unit; a slice or `take`, a table."""
 
     def __init__(self, rows: np.ndarray):
         self.rows = rows.reshape(-1, 5).astype(np.int64, copy=False)  # (N, 5)
@@ -110,6 +111,10 @@ class UnitSource:
     def identity(self, unit: Unit) -> str:
         raise NotImplementedError
 
+    def identities(self, table: UnitTable) -> List[str]:
+        """`identity` of every unit of the table, in order."""
+        return [self.identity(u) for u in table]
+
     def fingerprint(self) -> str:
         """What changes when the units or their content may: part of the caches' keys."""
         raise NotImplementedError
@@ -123,7 +128,7 @@ class UnitSource:
         if val_fraction <= 0:
             return table, table[:0]
         n_held = math.ceil(val_fraction * len(table))
-        hashes = np.fromiter((unit_hash(self.identity(u)) for u in table), dtype=np.float64, count=len(table))
+        hashes = np.fromiter(map(unit_hash, self.identities(table)), dtype=np.float64, count=len(table))
         held = np.zeros(len(table), dtype=bool)
         held[np.argsort(hashes, kind="stable")[:n_held]] = True
         if n_held == len(table):
@@ -217,6 +222,10 @@ class FileUnits(UnitSource):
 
     def identity(self, unit: Unit) -> str:
         return f"{self.files.names[unit.file]}#{unit.part}"
+
+    def identities(self, table: UnitTable) -> List[str]:
+        names = self.files.names  # from the columns: no Unit object per unit (100k units: 0.3 s of them)
+        return [f"{names[f]}#{part}" for f, part in zip(table.rows[:, 0].tolist(), table.rows[:, 1].tolist())]
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps([UNITS_VERSION, self.files.names, self.files.sizes, self.files.versions,
