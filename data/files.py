@@ -10,21 +10,18 @@ Bytes are read with `cat_file(path, start, end)`: a range request over HTTP and 
 never more than asked. Credentials come from each backend's own environment (AWS_*,
 GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN); a URL's user, password and query string are
 removed from every message (`shown`)."""
-import hashlib
-import json
 import os
-import socket
-from concurrent.futures import ThreadPoolExecutor
 import posixpath
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import fsspec
 
-from data.cache import build_once, default_cache_dir
 from data.hub import hub_errors_only
+from data.job_listing import listed_once_per_job
 from data.spec import DataError
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text", ".md": "text", ".csv": "csv"}
@@ -141,41 +138,12 @@ def refuse_hub_options(label: str, config: Optional[str], revision: Optional[str
 def resolve_files(name: str, config: Optional[str], split: str, revision: Optional[str],
                   data_files: Optional[dict] = None) -> SourceFiles:
     """The files of a streamed source; DataError when there are none or they cannot be listed.
-
-    Resolved once per node and launch (issue 34: 1,024 ranks each resolving a hub id and sending
-    a HEAD per file at once): the node's first rank lists the files and asks their sizes, and
-    writes them to the data cache under a key of the source and this launch; its other ranks read
-    that. A launch is its launcher process (the parent: DeepSpeed's per-node launcher, torchrun,
-    SLURM's step daemon, with its start time) and its rendezvous address, so a rerun lists afresh
-    and sees files added since. One process alone on its node resolves for itself."""
+    Listed once per job, by rank 0 (data/job_listing.py); never cached across runs, so a rerun
+    sees files added since."""
     label = shown(name)
-    launch = launch_identity()
-    if launch is None:
-        return _listing(_resolve(name, config, split, revision, data_files, label), label)
-    key = hashlib.sha256(json.dumps([name, config, split, revision, data_files, launch],
-                                    default=str).encode()).hexdigest()[:20]
-
-    def write(tmp: Path) -> None:
-        tmp.write_text(json.dumps(_resolve(name, config, split, revision, data_files, label)))
-
-    path = build_once(default_cache_dir() / "data" / "listings" / f"{key}.json", write)
-    return _listing(json.loads(path.read_text()), label)
-
-
-def launch_identity() -> Optional[list]:
-    """What the ranks of one launch on one node share and another launch does not: the parent
-    process (its pid and start time) and the rendezvous address; None for a process alone on
-    its node (LOCAL_WORLD_SIZE / LOCAL_SIZE 1 or unset)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
-    if local <= 1:
-        return None
-    parent = os.getppid()
-    try:
-        with open(f"/proc/{parent}/stat") as f:
-            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime
-    except (OSError, IndexError):
-        started = ""
-    return [socket.gethostname(), parent, started, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")]
+    listing = listed_once_per_job([name, config, split, revision, data_files], label,
+                                  lambda: _resolve(name, config, split, revision, data_files, label))
+    return _listing(listing, label)
 
 
 def _resolve(name: str, config: Optional[str], split: str, revision: Optional[str], data_files: Optional[dict],

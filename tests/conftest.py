@@ -53,8 +53,8 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture
 def stream_cache(tmp_path, monkeypatch):
-    """Streaming caches of the test's own: unit lists, stream checks, listings and validation windows built afresh."""
-    for module in ("data.windows", "data.units", "data.prepare_source", "data.files"):
+    """Streaming caches of the test's own: unit lists, stream checks and validation windows built afresh."""
+    for module in ("data.windows", "data.units", "data.prepare_source"):
         monkeypatch.setattr(f"{module}.default_cache_dir", lambda: tmp_path / "cache")
 
 

@@ -46,8 +46,10 @@ def load_checked_tokenizer(recipe: Recipe) -> Tuple[Any, int]:
 
 def load_run_data(recipe: Recipe, layout: Layout) -> Tuple[Any, int]:
     """(the run's data, vocabulary size): data/run.py's RunData for this recipe and batch."""
+    from data.job_listing import set_wait_limit
     from data.run import prepare_run_data
     check_streams_serve_dp(recipe.data, layout.dp, layout.global_batch_size)
+    set_wait_limit(recipe.train.dist_timeout_s)  # ranks wait this long for rank 0's listing of the files
     tokenizer, vocab_size = load_checked_tokenizer(recipe)
     data = prepare_run_data(recipe.data, tokenizer, recipe.seq_len, recipe.train.seed,
                             layout.global_batch_size, layout.micro_batch_size,

@@ -172,16 +172,19 @@ def test_validation_fetches_about_what_its_windows_hold(corpus, server, tokenize
     assert chunks <= 2 * layout.bytes_of(val_units), (chunks, layout.bytes_of(val_units))
 
 
-def _resolve_on_each_rank(url: str) -> None:
+def _resolve_on_each_rank(url: str, own_caches: str = "") -> None:
+    import os
     from data.files import resolve_files
+    if own_caches:  # every rank on a node of its own: no data cache in common
+        os.environ["GPT3D_CACHE"] = f"{own_caches}/node{os.environ['RANK']}"
     files = resolve_files(url, None, "train", None)
     assert files.names == [f"part{f}.parquet" for f in range(N_FILES)], files.names
 
 
-def test_the_files_are_resolved_once_per_node_and_launch(corpus, server, tmp_path, monkeypatch):
-    """Four ranks of one launch (forked, one node) ask the server about the files once between
-    them: one listing and one HEAD per file, not four; a second launch asks again (files may
-    have changed between launches)."""
+def test_the_files_are_resolved_once_per_job(corpus, server, tmp_path, monkeypatch):
+    """Four ranks of one job, each on a node of its own, ask the server about the files once
+    between them (rank 0, through the job's rendezvous store): one listing and one HEAD per file,
+    not four; a second job asks again (files may have changed between runs)."""
     from helpers.distributed import run_distributed
     monkeypatch.setenv("GPT3D_CACHE", str(tmp_path / "cache"))
     server.reset()
@@ -190,8 +193,21 @@ def test_the_files_are_resolved_once_per_node_and_launch(corpus, server, tmp_pat
     assert once >= 1 + N_FILES  # the glob's directory listing, a HEAD per file
     for launch in (1, 2):
         server.reset()
-        run_distributed(_resolve_on_each_rank, 4, f"{server.url}/part*.parquet")
+        run_distributed(_resolve_on_each_rank, 4, f"{server.url}/part*.parquet", str(tmp_path / f"job{launch}"))
         assert server.lookups == once, (launch, server.lookups)
+    server.reset()  # a glob that matches nothing: rank 0's one line, on every rank
+    _refused_on_each_rank(f"{server.url}/nothing*.parquet")
+    alone = server.lookups
+    server.reset()
+    run_distributed(_refused_on_each_rank, 4, f"{server.url}/nothing*.parquet")
+    assert server.lookups == alone, (alone, server.lookups)
+
+
+def _refused_on_each_rank(url: str) -> None:
+    from data.files import resolve_files
+    from data.spec import DataError
+    with pytest.raises(DataError, match="nothing\\*.parquet' matches no file"):
+        resolve_files(url, None, "train", None)
 
 
 def _prepare_on_each_rank(url: str, unit_bytes: int) -> None:
