@@ -122,6 +122,11 @@ class UnitSource:
     def texts(self, unit: Unit) -> List[Optional[str]]:
         raise NotImplementedError
 
+    def head_texts(self, unit: Unit, max_bytes: int) -> Optional[List[Optional[str]]]:
+        """The texts of a unit's first documents, from about its first `max_bytes`; None where a
+        unit cannot be read in part (or is no larger)."""
+        return None
+
     def held_out(self, val_fraction: float) -> Tuple[UnitTable, UnitTable]:
         """(training units, held-out units), both in index order: the ceil(f N) units of lowest hash."""
         table = as_table(self.units)
@@ -355,6 +360,12 @@ class FileUnits(UnitSource):
                                 f"columns: {columns}")
             texts.append(record[self.text_field])
         return texts
+
+    def head_texts(self, unit: Unit, max_bytes: int) -> Optional[List[Optional[str]]]:
+        """A line unit's lines that start in its first `max_bytes` (the last read on to its end)."""
+        if self.files.format not in ("json", "text") or unit.stop - unit.start <= max_bytes:
+            return None
+        return self._line_texts(Unit(unit.file, unit.part, unit.start, unit.start + max_bytes))
 
     def _csv_texts(self, unit: Unit) -> List[Optional[str]]:
         table = pa_csv.read_csv(pa.BufferReader(self.files.read(unit.file, unit.start, unit.stop)))

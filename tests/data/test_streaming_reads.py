@@ -210,6 +210,19 @@ def _refused_on_each_rank(url: str) -> None:
         resolve_files(url, None, "train", None)
 
 
+def test_the_stream_check_reads_line_units_by_their_heads(corpus, server, tokenizer, stream_cache):
+    """With a stream per sample of the batch, the start-up check (every stream holds its share)
+    reads the head of each stream's first line unit (64 KiB here), not the unit (200 KiB): 1,024
+    streams of 8 MiB units would otherwise read 8 GiB before step 1."""
+    unit_bytes, head = 200 * 1024, 64 * 1024
+    size = (corpus / "all.jsonl").stat().st_size
+    server.reset()
+    data = _prepare(_spec(f"{server.url}/all.jsonl", unit_bytes=unit_bytes, streams=None), tokenizer)
+    streams = data.spec.streams
+    assert -(-size // unit_bytes) == 9 and streams == 8, (streams, size)  # fewer units than B: the largest divisor
+    assert server.total() <= streams * (head + 8 * 1024) + 4096 < size, (server.total(), size)
+
+
 def _prepare_on_each_rank(url: str, unit_bytes: int) -> None:
     _prepare(_spec(url, unit_bytes=unit_bytes, val_fraction=0.1), load_tokenizer("builtin"), evaluate=True)
 
