@@ -6,6 +6,7 @@
   python launch/plan.py --recipe recipes/llama3.2-1b-32k.yaml --gpus 8 --cp 4 --tp 2   # context parallel
   python launch/plan.py --recipe recipes/mixtral-8x7b.yaml --gpus 64 --tp 4 --pp 2 --ep 8   # experts over 8 ranks
   python launch/plan.py ... --search          # every valid layout (and ep), fastest first
+  python launch/plan.py ... --search --calibrate   # ranked with this machine's measured GEMMs
   python launch/plan.py ... --plot plan.png   # device grid + 1F1B schedule
   python launch/plan.py ... --partition blocks  # stages cut by block count (default: balanced)
   python launch/plan.py ... --schedule zb-h1 --plot zb.png  # the zero-bubble schedule, drawn
@@ -72,7 +73,14 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     hw.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU")
     hw.add_argument("--intra-node-gbps", type=float, help="GB/s per GPU one way inside a node")
     hw.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU one way across nodes")
-    hw.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak reached (default 0.5)")
+    hw.add_argument("--efficiency", type=float, default=0.5,
+                    help="datasheet cost model: fraction of peak every GEMM reaches (default 0.5)")
+    hw.add_argument("--calibrate", action="store_true",
+                    help="measure this machine's GEMMs (the candidates' shapes, in --precision) and memory "
+                         "bandwidth, with min(--gpus, --gpus-per-node) processes at once on CPU; cached under "
+                         "$GPT3D_CACHE/calibration (launch/analysis/calibrate.py)")
+    hw.add_argument("--profile", type=Path, metavar="FILE.json",
+                    help="a device profile saved by --calibrate (another machine's, or a given table)")
     out = p.add_argument_group("output")
     out.add_argument("--search", action="store_true",
                      help="rank every valid layout for --gpus (ignores --tp, --cp, --pp, --ep, --micro-batch)")

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 from typing import Any, Tuple
 
+from launch.analysis.device_profile import DeviceProfile, datasheet_profile
 from launch.analysis.engine_memory import REDUCE_BUCKET_ELEMENTS
 from launch.analysis.partition import DEFAULT, parse_partition
 from launch.analysis.plan_setup import GIB, GPUS, Hardware, Setup
@@ -72,9 +73,23 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
         raise ConfigError(f"--plot {str(args.plot)!r}: folder {str(args.plot.parent)!r} does not exist")
     if not 0 < args.efficiency <= 1:
         raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]")
-    hardware = Hardware(peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else gpu.peak_flops,
+    if args.calibrate and args.profile is not None:
+        raise ConfigError("--calibrate measures a profile and --profile reads one: give one of them")
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else gpu.peak_flops
+    hardware = Hardware(peak_flops=peak,
                         intra_node_bw=args.intra_node_gbps * 1e9 if args.intra_node_gbps else gpu.intra_node_bw,
                         inter_node_bw=args.inter_node_gbps * 1e9 if args.inter_node_gbps else gpu.inter_node_bw,
                         gpus_per_node=args.gpus_per_node, efficiency=args.efficiency,
-                        memory_bytes=memory * GIB if memory is not None else None)
+                        memory_bytes=memory * GIB if memory is not None else None,
+                        profile=datasheet_profile(args.gpu, peak, args.efficiency, gpu.memory_bw))
+    if args.profile is not None:
+        hardware = dataclasses.replace(hardware, profile=read_profile(args.profile))
     return model, setup, hardware
+
+
+def read_profile(path) -> DeviceProfile:
+    try:
+        return DeviceProfile.from_json(path.read_text())
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"--profile {str(path)!r} is not a device profile ({type(e).__name__}); "
+                          f"write one with launch/plan.py --calibrate") from None

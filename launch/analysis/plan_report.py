@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Tuple
 from launch.analysis import formulas
 from launch.analysis.plan_args import resolve
 from launch.analysis.plan_setup import GIB, Hardware, Setup, check_precision
-from launch.analysis.planner import estimate_plan, search, why
+from launch.analysis.planner import candidates, estimate_plan, gemm_shapes, search, why
 from model.config import ModelConfig
 from launch.config.recipe import RECOMPUTE_MODES
 from launch.errors import ConfigError
@@ -201,11 +201,20 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"(executed with full recompute: {plan['model_flops_per_step_recompute']:.3e})",
         f"estimated step: {time['step']:.2f} s (compute {time['compute']:.2f}, bubble {time['bubble']:.2f}, "
         f"tp {time['tp']:.2f}, cp {time['cp']:.2f}, " + (f"ep {time['ep']:.2f}, " if moe["roles"] else "")
-        + f"pp {time['pp']:.2f}, dp {time['dp']:.2f}), MFU {plan['mfu_estimate']:.0%} "
-        f"at {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s",
+        + f"pp {time['pp']:.2f}, dp {time['dp']:.2f}), MFU {plan['mfu_estimate']:.0%}; "
+        + cost_model(hw),
     ]
     lines += [""] + [f"warning: {w}" for w in notes] if notes else []
     return "\n".join(lines)
+
+
+def cost_model(hw: Hardware) -> str:
+    """Where the predicted times come from: a calibration (device, shapes) or the datasheet."""
+    profile = hw.device_profile()
+    bandwidth = f", memory {profile.memory_bw / 1e9:.0f} GB/s" if profile.memory_bw else ""
+    if profile.source == "calibrated":
+        return f"cost model: calibrated on {profile.device} ({len(profile.gemm)} GEMM shapes{bandwidth})"
+    return f"cost model: datasheet, {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s at every shape{bandwidth}"
 
 
 def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setup, hw: Hardware) -> str:
@@ -214,8 +223,7 @@ def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setu
     ep_column = lambda r: f"{r['ep']:>3} " if moe else ""  # noqa: E731
     lines = [f"{len(plans)} of {valid} valid layouts fit for {setup.gpus} GPUs, global batch {setup.global_batch}, "
              f"{setup.precision}, zero {setup.zero}, recompute {setup.recompute}, memory budget {budget}; "
-             f"cost model: {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s, "
-             f"{hw.intra_node_bw / 1e9:.0f} GB/s in node, {hw.inter_node_bw / 1e9:.0f} GB/s across",
+             f"{cost_model(hw)}, {hw.intra_node_bw / 1e9:.0f} GB/s in node, {hw.inter_node_bw / 1e9:.0f} GB/s across",
              f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {ep_column({'ep': 'ep'})}{'micro':>5} {'m':>4} "
              f"{'bubble':>7} {'GiB':>6} {'step s':>8} {'MFU':>4}  why (share of step time)"]
     for i, r in enumerate(plans[:top], 1):
@@ -245,6 +253,12 @@ def plan_output(args: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
     """(the text or JSON to print, the plan to draw) for launch/plan.py's arguments."""
     model, setup, hw = resolve(args)
     check_precision(setup)  # before --search, which skips the layouts that fail their checks
+    if args.calibrate:
+        from launch.analysis.calibrate import calibrated_profile  # torch: only when measuring
+        shapes = {shape for candidate in (candidates(model, setup) if args.search else [setup])
+                  for shape in gemm_shapes(model, candidate).values()}
+        hw = dataclasses.replace(hw, profile=calibrated_profile(shapes, setup.precision,
+                                                                min(setup.gpus, hw.gpus_per_node)))
     if args.search:
         valid = search(model, setup, hw)
         plans = [plan for plan in valid if plan["fits"]]

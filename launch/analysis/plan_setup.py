@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
 from launch.analysis import engine_memory, formulas
+from launch.analysis.device_profile import DeviceProfile, datasheet_profile
 from launch.analysis import partition as partition_rules
 from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe, TrainSection
@@ -27,11 +28,13 @@ class GPU:
     """Bytes/s per GPU, one direction, inside a node (NVLink 4: 900 GB/s both ways; NVLink 3: 600)."""
     inter_node_bw: float
     """Bytes/s per GPU, one direction, across nodes (one 400 Gb/s NDR or 200 Gb/s HDR NIC per GPU)."""
+    memory_bw: float
+    """Bytes/s of device memory, the datasheet's (H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80 GB SXM 2.0 TB/s)."""
 
 
-GPUS: Dict[str, GPU] = {"H100": GPU(formulas.PEAK_FLOPS_BF16["H100"], 80, 450e9, 50e9),
-                        "H200": GPU(formulas.PEAK_FLOPS_BF16["H200"], 141, 450e9, 50e9),
-                        "A100": GPU(formulas.PEAK_FLOPS_BF16["A100"], 80, 300e9, 25e9)}
+GPUS: Dict[str, GPU] = {"H100": GPU(formulas.PEAK_FLOPS_BF16["H100"], 80, 450e9, 50e9, 3.35e12),
+                        "H200": GPU(formulas.PEAK_FLOPS_BF16["H200"], 141, 450e9, 50e9, 4.8e12),
+                        "A100": GPU(formulas.PEAK_FLOPS_BF16["A100"], 80, 300e9, 25e9, 2.039e12)}
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,13 @@ class Hardware:
     """Fraction of peak the matmuls reach ([N21] reports 44-52% end to end)."""
     memory_bytes: Optional[float] = None
     """Per-device budget; None checks nothing."""
+    profile: Optional[DeviceProfile] = None
+    """GEMM rates by shape, memory bandwidth and the fixed cost per micro-batch (issue 36):
+    measured here (launch/analysis/calibrate.py) or the datasheet's; None: `efficiency` of peak
+    at every shape, no bandwidth floor."""
+
+    def device_profile(self) -> DeviceProfile:
+        return self.profile or datasheet_profile("datasheet", self.peak_flops, self.efficiency, None)
 
 
 def check_precision(setup: Setup) -> None:

@@ -3,7 +3,9 @@ model. The formulas live in launch/analysis/formulas.py and memory_formulas.py; 
 are launch/config/layout.py's, checked on a candidate (`Setup`, `Hardware`) in plan_setup.py.
 
 Cost model of one optimizer step (`estimate_step_time`), per device: each stage's time per
-micro-batch (its FLOPs at a stated efficiency of peak, its TP all-reduces and one activation and
+micro-batch (its FLOPs at the device profile's GEMM rate for the rank's shapes, or the weight and
+gradient traffic at its memory bandwidth when that is slower, launch/analysis/device_profile.py;
+plus the profile's fixed cost per micro-batch; its TP all-reduces and one activation and
 one gradient over the PP link, at the intra-node bandwidth when the group sits in one node), the
 schedule (1F1B or ZB-H1) simulated over the engine's own instruction streams with those times,
 then the DP gradient all-reduce, not overlapped. Context parallelism (cp, issue 25) splits every
@@ -17,11 +19,12 @@ hold the same experts. It ignores latency, overlap and small
 micro-batches' lower efficiency: it ranks layouts, it does not promise a time
 (docs/planner-and-metrics.md, "--search and the cost model")."""
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from launch.analysis import engine_memory, experts, formulas, memory_formulas
 from launch.analysis import partition as partition_rules
 from launch.analysis.context_parallel import cp_bytes_per_step
+from launch.analysis.device_profile import Shape, bytes_per_weight
 from launch.analysis.plan_setup import GIB, Hardware, Setup, check_setup, rank_groups, within_node
 from launch.errors import ConfigError
 from model.config import ModelConfig
@@ -117,15 +120,39 @@ def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int,
     return {k: round(v) for k, v in out.items()}
 
 
+def gemm_shapes(model: ModelConfig, setup: Setup) -> Dict[str, Shape]:
+    """The GEMM that stands for each kind of a rank's compute, (rows, inner, columns): "dense" the
+    MLP's up projection (b s/cp rows, h, f/tp), which every other matrix of the block shares its
+    rows with; "expert", with experts, one routed expert's (its average rows: the ep ranks' b s/cp
+    tokens x k routed over E experts, h, f_e/tp)."""
+    arch = model.resolved()
+    rows = setup.micro_batch * model.seq_len // setup.cp
+    shapes = {"dense": (rows, arch.n_embd, max(1, arch.ffn_hidden_size // setup.tp))}
+    if arch.moe.enabled:
+        routed = setup.ep * rows * arch.moe.experts_per_token / arch.moe.num_experts
+        shapes["expert"] = (max(1, round(routed)), arch.n_embd, max(1, arch.expert_ffn_hidden_size // setup.tp))
+    return shapes
+
+
+def expert_flops_per_block(model: ModelConfig, micro_batch: int, full_recompute: bool) -> int:
+    """Forward and backward FLOPs of one MoE block's routed experts for one micro-batch, all ranks:
+    2 per weight per routed row, k rows a token, 3x (4x with full recompute) the forward."""
+    arch = model.resolved()
+    forward = 2 * micro_batch * model.seq_len * arch.moe.experts_per_token * experts.expert_params(arch)
+    return (4 if full_recompute else 3) * forward
+
+
 def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: List[int],
                        flops: List[Tuple[int, int]], weight_flops: List[int], dp: int, m: int,
                        dp_bytes: int, bandwidth: Dict[str, float], moe_blocks: Optional[List[int]] = None,
-                       expert_dp_bytes: int = 0) -> Tuple[Dict[str, float], Dict[str, List[float]]]:
+                       expert_dp_bytes: int = 0, params: Optional[List[int]] = None
+                       ) -> Tuple[Dict[str, float], Dict[str, List[float]]]:
     """(seconds per step and its parts, per-stage forward, backward and weight-gradient seconds of
     one micro-batch) by the cost model of the module docstring; `flops`: each stage's (forward,
     backward) FLOPs, `weight_flops` the weight-gradient part of the backward, `dp_bytes` what the
     fullest stage's rank hands to the DP gradient all-reduce; `moe_blocks` each stage's MoE blocks,
-    `expert_dp_bytes` what it hands to its experts' gradient all-reduce (dp x cp / ep ranks)."""
+    `expert_dp_bytes` what it hands to its experts' gradient all-reduce (dp x cp / ep ranks);
+    `params` each stage's parameters per rank (the bandwidth floor; None: no floor)."""
     from launch.analysis.pipeline_chart import idle_fraction  # matplotlib: only when planning
     from launch.analysis.schedule_sim import simulate_schedule
     b, s, h, t, p, c = setup.micro_batch, model.seq_len // setup.cp, model.n_embd, setup.tp, setup.pp, setup.cp
@@ -139,7 +166,17 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     shared_tp_bytes = tp_bytes_per_block / 2 if arch.moe.enabled and arch.moe.shared_experts else 0.0
     ep_bytes_per_block = experts.ep_bytes_per_step(arch, setup.ep, c, b, 1, 1, engine_memory.ELEMENT_BYTES[
         setup.precision], setup.recompute) * (setup.ep - 1) / setup.ep  # all-to-all: 1/ep stays on the rank
-    compute = [(forward + backward) / (t * c) / (hw.peak_flops * hw.efficiency) for forward, backward in flops]
+    profile, shapes = hw.device_profile(), gemm_shapes(model, setup)
+    rate = {kind: profile.gemm_rate(*shape) for kind, shape in shapes.items()}
+    routed = [n * expert_flops_per_block(model, b, setup.full_recompute) for n in moe_blocks]
+    gemm = [((forward + backward - e) / rate["dense"] + (e / rate["expert"] if e else 0.0)) / (t * c)
+            for (forward, backward), e in zip(flops, routed)]
+    # Every micro-batch reads each of the rank's weights and adds into its gradient: at least
+    # that traffic's time at the memory bandwidth (a small micro-batch is bound by it).
+    weight_bytes = bytes_per_weight(engine_memory.ELEMENT_BYTES[setup.precision], setup.full_recompute)
+    floor = [n * weight_bytes / profile.memory_bw if params and profile.memory_bw else 0.0
+             for n in (params or [0] * p)]
+    compute = [max(g, f) + profile.per_microbatch_s for g, f in zip(gemm, floor)]
     tp_comm = [(n * tp_bytes_per_block + n_moe * shared_tp_bytes) / bandwidth["tp"]
                for n, n_moe in zip(blocks, moe_blocks)]
     cp_comm = [n * cp_bytes_per_block / bandwidth["cp"] for n in blocks]
@@ -148,7 +185,7 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     forward = [slot[k] * flops[k][0] / sum(flops[k]) for k in range(p)]
     weight = [slot[k] * weight_flops[k] / sum(flops[k]) for k in range(p)]
     stages = {"forward_s": forward, "backward_s": [slot[k] - forward[k] for k in range(p)], "weight_s": weight,
-              "slot_s": slot}
+              "slot_s": slot, "memory_bound": [f > g for g, f in zip(gemm, floor)]}
     events = simulate_schedule(setup.schedule, p, m, forward, [stages["backward_s"][k] - weight[k] for k in range(p)],
                                weight)
     span = max(e[4] for e in events)
@@ -192,7 +229,7 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     bandwidth = {dim: hw.intra_node_bw if intra[dim] else hw.inter_node_bw for dim in groups}
     weight_flops = partition_rules.stage_weight_grad_flops(arch, parts, b, s)
     time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, weight_flops, d, m, dp_bytes, bandwidth,
-                                      moe_blocks, expert_dp_bytes)
+                                      moe_blocks, expert_dp_bytes, params)
     flops = formulas.model_flops_per_step_of(arch, setup.global_batch, s)
     element = engine_memory.ELEMENT_BYTES[setup.precision]
     return {
@@ -230,6 +267,8 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
         "dp_allreduce_dtype": setup.communication_data_type or engine_memory.reduce_dtype(setup.precision),
         "groups": groups, "groups_within_node": intra,
         "step_time_s": time["step"], "step_time_parts_s": time,
+        "memory_bound_stages": [k for k, bound in enumerate(stages["memory_bound"]) if bound],
+        "gemm_shapes": gemm_shapes(model, setup), "cost_model": hw.device_profile().source,
         "mfu_estimate": formulas.mfu(flops, time["step"], hw.peak_flops, setup.gpus),
     }
 
@@ -238,13 +277,12 @@ def divisors(n: int) -> List[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any]]:
-    """Every valid (tp, cp, pp, dp, micro-batch) for setup's GPUs and global batch, and for a model with
-    experts every ep among the divisors of dp x cp that divide E (issue 26), the rest of `setup` kept,
-    fastest first; `fits` says whether it fits hw.memory_bytes."""
+def candidates(model: ModelConfig, setup: Setup) -> Iterator[Setup]:
+    """Every (tp, cp, pp, dp, micro-batch) for setup's GPUs and global batch, and for a model with
+    experts every ep among the divisors of dp x cp that divide E (issue 26), the rest of `setup`
+    kept; not yet checked against the layout rules."""
     experts_count = model.resolved().moe.num_experts
     gpus, global_batch = setup.gpus, setup.global_batch
-    found = []
     for tp in divisors(gpus):
         for cp in divisors(gpus // tp):
             for pp in divisors(gpus // (tp * cp)):
@@ -254,14 +292,22 @@ def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any
                 eps = [ep for ep in divisors(dp * cp) if experts_count % ep == 0] if experts_count else [1]
                 for b in divisors(global_batch // dp):
                     for ep in eps:
-                        try:
-                            plan = estimate_plan(model, dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, ep=ep,
-                                                                            micro_batch=b), hw)
-                        except ConfigError:  # heads not divisible by tp*cp, fewer layers than stages, ...
-                            continue
-                        plan["fits"] = hw.memory_bytes is None or plan["memory_per_device_bytes"] <= hw.memory_bytes
-                        found.append(plan)
-    found.sort(key=lambda r: (r["step_time_s"], r["memory_per_device_bytes"]))
+                        yield dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, ep=ep, micro_batch=b)
+
+
+def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any]]:
+    """Every valid candidate (`candidates`), fastest first; `fits` says whether it fits hw.memory_bytes."""
+    found = []
+    for candidate in candidates(model, setup):
+        try:
+            plan = estimate_plan(model, candidate, hw)
+        except ConfigError:  # heads not divisible by tp*cp, fewer layers than stages, ...
+            continue
+        plan["fits"] = hw.memory_bytes is None or plan["memory_per_device_bytes"] <= hw.memory_bytes
+        found.append(plan)
+    # Equal times (micro-batch sizes tie when the profile is flat and nothing else changes): fewer,
+    # larger micro-batches first, as each one costs the engine a dispatch the model may not see.
+    found.sort(key=lambda r: (r["step_time_s"], -r["micro_batch"], r["memory_per_device_bytes"]))
     return found
 
 
@@ -274,5 +320,7 @@ def why(plan: Dict[str, Any]) -> str:
     where = {k: "in node" if plan["groups_within_node"][g] else "across nodes"
              for k, g in (("tp", "tp"), ("cp", "cp"), ("ep", "ep"), ("pp", "pp"), ("dp", "data"))}
     text = [f"{k} {share:.0%}" + ("" if k == "bubble" else f" {where[k]}") for share, k in shares]
+    if plan.get("memory_bound_stages"):
+        text.append("weights' traffic bounds compute")
     text.append(f"{plan['memory_per_device_bytes'] / GIB:.0f} GiB")
     return ", ".join(text) if shares else "no bubble or communication, " + text[-1]

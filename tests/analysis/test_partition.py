@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from launch.analysis import partition
+from launch.analysis.device_profile import DeviceProfile
+from launch.analysis.formulas import PEAK_FLOPS_BF16
 from launch.analysis.pipeline_chart import idle_fraction
 from launch.analysis.schedule_sim import simulate_schedule
 from launch.checkpoints.locate import fill_saved_parts
@@ -97,24 +99,34 @@ def test_per_stage_simulation_against_hand_derived_spans():
     assert idle_fraction(simulate_schedule("1f1b", 2, m, [1.0, 3.0], [2.0, 6.0])) == pytest.approx((51 + 3) / 150)
 
 
-def _plan(capsys, *extra):
-    assert main(["--recipe", DEMO, "--gpus", "2", "--pp", "2", "--json", *extra]) == 0
+@pytest.fixture
+def compute_only(tmp_path) -> list:
+    """A device profile of the H100's flat 50% of peak and no memory-bandwidth floor: the demo's
+    hidden 128 is bound by its weights' traffic on an H100, and these tests are about the stages'
+    FLOPs (the floor: tests/analysis/test_calibrated_planner.py)."""
+    profile = DeviceProfile(device="H100 compute only", source="datasheet", flat_rate=0.5 * PEAK_FLOPS_BF16["H100"])
+    profile.save(tmp_path / "compute-only.json")
+    return ["--profile", str(tmp_path / "compute-only.json")]
+
+
+def _plan(capsys, compute_only, *extra):
+    assert main(["--recipe", DEMO, "--gpus", "2", "--pp", "2", "--json", *compute_only, *extra]) == 0
     import json
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_planner_balanced_beats_blocks_on_the_demo(capsys):
-    balanced, blocks = _plan(capsys), _plan(capsys, "--partition", "blocks")
+def test_planner_balanced_beats_blocks_on_the_demo(capsys, compute_only):
+    balanced, blocks = _plan(capsys, compute_only), _plan(capsys, compute_only, "--partition", "blocks")
     assert balanced["blocks_per_stage"] == [3, 1] and blocks["blocks_per_stage"] == [2, 2]
     assert balanced["step_time_s"] < blocks["step_time_s"]
     assert balanced["bubble_fraction"] < blocks["bubble_fraction"]
     assert balanced["bubble_fraction_equal_stages"] == pytest.approx(1 / 9)
     assert abs(balanced["bubble_fraction"] - 1 / 9) < 0.05  # the issue's target, as predicted
-    assert _plan(capsys, "--partition", "1,3")["blocks_per_stage"] == [1, 3]
+    assert _plan(capsys, compute_only, "--partition", "1,3")["blocks_per_stage"] == [1, 3]
 
 
-def test_planner_text_shows_each_stage(capsys):
-    assert main(["--recipe", DEMO, "--gpus", "2", "--pp", "2"]) == 0
+def test_planner_text_shows_each_stage(capsys, compute_only):
+    assert main(["--recipe", DEMO, "--gpus", "2", "--pp", "2", *compute_only]) == 0
     out = capsys.readouterr().out
     for text in ["stages (balanced partition)", "stage 0: 3 blocks", "stage 1: 1 block + head", "(52% of the compute)",
                  "simulated with the stages below: 0.13"]:

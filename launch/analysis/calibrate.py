@@ -1,0 +1,129 @@
+"""Calibration on the job's own device (issue 36, item 1): the FLOP/s of the GEMMs the candidate
+layouts run (their exact shapes, launch/analysis/planner.py: gemm_shapes) and the memory
+bandwidth, measured with torch in the run's dtype, into a DeviceProfile the planner's cost model
+uses. Cached per device, dtype, process count and software under the data cache
+(`$GPT3D_CACHE/calibration/`, default ~/.cache/gpt3d/calibration/): a later plan measures only
+shapes it has not seen.
+
+On CPU the processes of a job share the cores, so `procs` copies of the measurement run at once
+(each with the threads a rank gets, launch/runtime/distributed.py: threads_per_rank) and the
+slowest copy's rate is kept: the oversubscription a run meets is part of what is measured."""
+import multiprocessing
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+from launch.analysis.device_profile import DeviceProfile, Shape, gemm_key
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+MIN_SECONDS = 0.05   # per GEMM measurement, after one warm-up call
+COPY_BYTES = {"cuda": 1 << 30, "cpu": 1 << 26}
+
+
+def _torch_device():
+    import torch
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_name(procs: int = 1) -> str:
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    model = platform.processor() or "cpu"
+    try:
+        found = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+        model = found.group(1).strip() if found else model
+    except OSError:
+        pass
+    from launch.runtime.distributed import threads_per_rank, usable_cpus
+    threads = threads_per_rank({}, usable_cpus(), procs)
+    return f"{model}, {procs} process{'es' if procs > 1 else ''} of {threads} thread{'s' if threads > 1 else ''}"
+
+
+def software() -> str:
+    import deepspeed
+    import torch
+    return f"torch {torch.__version__}, deepspeed {deepspeed.__version__}"
+
+
+def cache_path(device: str, dtype: str) -> Path:
+    from data.cache import default_cache_dir
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{device}-{dtype}").strip("-")
+    return default_cache_dir() / "calibration" / f"{slug}.json"
+
+
+def gemm_rate(shape: Shape, dtype: str) -> float:
+    """FLOP/s of x (m, k) @ w (k, n) on this process's device: one warm-up, then repeats for at
+    least MIN_SECONDS."""
+    import torch
+    device, (m, k, n) = _torch_device(), shape
+    x = torch.randn(m, k, dtype=getattr(torch, DTYPES[dtype]), device=device)
+    w = torch.randn(k, n, dtype=x.dtype, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x @ w
+    sync()
+    calls, start = 0, time.perf_counter()
+    while True:
+        x @ w
+        calls += 1
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= MIN_SECONDS:
+            return 2 * m * k * n * calls / elapsed
+
+
+def memory_bandwidth(dtype: str) -> float:
+    """Bytes/s of a device-memory copy (read and write), median of 5."""
+    import torch
+    device = _torch_device()
+    src = torch.empty(COPY_BYTES[device.type] // 2, dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / sorted(times)[2]
+
+
+def _measure(shapes: List[Shape], dtype: str, threads: Optional[int]) -> dict:
+    import torch
+    if threads:
+        torch.set_num_threads(threads)
+    return {"gemm": {gemm_key(*s): gemm_rate(s, dtype) for s in shapes}, "memory_bw": memory_bandwidth(dtype)}
+
+
+def _measured_at_once(shapes: List[Shape], dtype: str, procs: int) -> dict:
+    """`_measure` in `procs` processes started together, each its rank's share of the cores; the
+    slowest rate of each."""
+    if procs <= 1:
+        return _measure(shapes, dtype, None)
+    from launch.runtime.distributed import threads_per_rank, usable_cpus
+    threads = threads_per_rank({}, usable_cpus(), procs)
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        results = pool.starmap(_measure, [(shapes, dtype, threads)] * procs)
+    return {"gemm": {key: min(r["gemm"][key] for r in results) for key in results[0]["gemm"]},
+            "memory_bw": min(r["memory_bw"] for r in results)}
+
+
+def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int = 1) -> DeviceProfile:
+    """The cached profile of this device, measured for every shape it lacks (and saved again)."""
+    import torch
+    procs = procs if not torch.cuda.is_available() else 1  # a GPU is its rank's own
+    device, path = device_name(procs), cache_path(device_name(procs), dtype)
+    profile = DeviceProfile.from_json(path.read_text()) if path.exists() else None
+    if profile is None or profile.software != software():
+        profile = DeviceProfile(device=device, source="calibrated", dtype=dtype, software=software())
+    missing = sorted({tuple(s) for s in shapes} - set(profile.shapes()))
+    if missing or profile.memory_bw is None:
+        measured = _measured_at_once(missing, dtype, procs)
+        profile.gemm.update(measured["gemm"])
+        profile.memory_bw = measured["memory_bw"] if profile.memory_bw is None else profile.memory_bw
+        profile.save(path)
+    return profile

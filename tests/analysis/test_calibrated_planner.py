@@ -1,0 +1,86 @@
+"""The planner's cost model against given device profiles, and a real calibration (issue 36).
+
+- A GEMM table slower at fewer rows: a micro-batch's compute costs what the table says for its
+  rows (b x seq_len / cp), interpolated in log rows between measured ones, and the ranking follows;
+  a flat profile ties the micro-batch sizes, and the tie goes to the larger one.
+- The memory-bandwidth floor: a rank holding every expert (ep 1) pays for reading all of them
+  each micro-batch, in proportion to the weights it holds; without the floor ep is invisible.
+- A calibration on this CPU measures each shape once, caches it and measures only new shapes.
+"""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from launch.analysis.device_profile import DeviceProfile, gemm_key
+from launch.analysis.formulas import PEAK_FLOPS_BF16
+from launch.plan import main
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RATE = 1e12  # FLOP/s at 2,048 rows
+
+
+def _profile(tmp_path, name, **fields) -> list:
+    DeviceProfile(device=name, source=fields.pop("source", "calibrated"), **fields).save(tmp_path / f"{name}.json")
+    return ["--profile", str(tmp_path / f"{name}.json")]
+
+
+def _plan(capsys, *args) -> dict:
+    assert main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_micro_batch_costs_what_the_gemm_table_says_for_its_rows(tmp_path, capsys):
+    """demo.yaml (h 128, f 512, seq 128) on one device: micro-batches of 1, 4 and 16 run their
+    GEMMs with 128, 512 and 2,048 rows. The table: half the rate at 128 rows."""
+    table = _profile(tmp_path, "rows", gemm={gemm_key(128, 128, 512): RATE / 2, gemm_key(2048, 128, 512): RATE})
+    common = ["--recipe", str(RECIPES / "demo.yaml"), "--gpus", "1", "--global-batch", "32"]
+    compute = {b: _plan(capsys, *common, "--micro-batch", str(b), *table)["step_time_parts_s"]["compute"]
+               for b in (1, 4, 16)}
+    assert compute[1] / compute[16] == pytest.approx(2.0, rel=1e-9)
+    between = RATE / 2 + (math.log(512) - math.log(128)) / (math.log(2048) - math.log(128)) * RATE / 2
+    assert compute[4] / compute[16] == pytest.approx(RATE / between, rel=1e-9)  # 0.75 x the rate at 2,048 rows
+    ranked = _plan(capsys, *common, "--search", "--top", "40", *table)["search"]
+    single = [r["micro_batch"] for r in ranked if (r["tp"], r["pp"], r["cp"]) == (1, 1, 1)]
+    assert single == sorted(single, reverse=True), single  # fewer, larger micro-batches faster
+    flat = _profile(tmp_path, "flat", source="datasheet", flat_rate=RATE)
+    ties = _plan(capsys, *common, "--search", "--top", "40", *flat)["search"]
+    times = {r["micro_batch"]: r["step_time_s"] for r in ties if (r["tp"], r["pp"], r["cp"]) == (1, 1, 1)}
+    assert len(set(times.values())) == 1 and list(times) == sorted(times, reverse=True), times  # tied: larger first
+
+
+def test_holding_every_expert_pays_for_reading_them_each_micro_batch(tmp_path, capsys):
+    """moe-tiny on 2 devices of an H100's datasheet: its GEMMs are tiny, so each micro-batch is
+    bound by reading the rank's weights. At ep 1 a rank reads all 8 experts of each block, at ep 2
+    four: the compute part grows with the weights held. Without the floor, ep changes nothing."""
+    common = ["--recipe", str(RECIPES / "moe-tiny.yaml"), "--vocab", "4096", "--gpus", "2", "--gpu", "H100"]
+    held = {ep: _plan(capsys, *common, "--ep", str(ep)) for ep in (1, 2)}
+    for plan in held.values():
+        assert plan["memory_bound_stages"] == [0] and plan["cost_model"] == "datasheet"
+    ratio = held[1]["step_time_parts_s"]["compute"] / held[2]["step_time_parts_s"]["compute"]
+    assert ratio == pytest.approx(held[1]["params_per_device"] / held[2]["params_per_device"], rel=1e-9)
+    assert ratio > 1.1  # four experts of 8 a block less (its embeddings are most of moe-tiny's weights)
+    compute_only = _profile(tmp_path, "no-floor", source="datasheet", flat_rate=0.5 * PEAK_FLOPS_BF16["H100"])
+    blind = {ep: _plan(capsys, *common, "--ep", str(ep), *compute_only)["step_time_parts_s"]["compute"] for ep in (1, 2)}
+    assert blind[1] == pytest.approx(blind[2], rel=1e-12)
+
+
+def test_calibration_measures_each_shape_once_and_caches_it(tmp_path, monkeypatch, capsys):
+    """A real calibration on this CPU (fp32, one process): every GEMM shape of the plan measured
+    and saved with the memory bandwidth; a second plan with another micro-batch measures only
+    its new shape and keeps the first measurement."""
+    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path))
+    common = ["--recipe", str(RECIPES / "tiny.yaml"), "--gpus", "1", "--precision", "fp32", "--calibrate"]
+    first = _plan(capsys, *common, "--micro-batch", "2")
+    (cached,) = (tmp_path / "calibration").glob("*.json")
+    profile = DeviceProfile.from_json(cached.read_text())
+    assert first["cost_model"] == "calibrated" and profile.source == "calibrated" and "torch" in profile.software
+    assert list(profile.gemm) == [gemm_key(*first["gemm_shapes"]["dense"])] and profile.memory_bw > 1e8
+    assert profile.gemm[gemm_key(*first["gemm_shapes"]["dense"])] > 1e6  # FLOP/s of a real matmul
+    second = _plan(capsys, *common, "--micro-batch", "4")
+    again = DeviceProfile.from_json(cached.read_text())
+    assert sorted(again.gemm) == sorted([gemm_key(*first["gemm_shapes"]["dense"]), gemm_key(*second["gemm_shapes"]["dense"])])
+    assert again.gemm[gemm_key(*first["gemm_shapes"]["dense"])] == profile.gemm[gemm_key(*first["gemm_shapes"]["dense"])]
+    assert main([*common[:-1], "--micro-batch", "2", "--calibrate", "--search"]) == 0
+    assert "cost model: calibrated on" in capsys.readouterr().out
