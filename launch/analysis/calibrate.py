@@ -7,7 +7,9 @@ shapes it has not seen.
 
 On CPU the processes of a job share the cores, so `procs` copies of the measurement run at once
 (each with the threads a rank gets, launch/runtime/distributed.py: threads_per_rank) and the
-slowest copy's rate is kept: the oversubscription a run meets is part of what is measured."""
+slowest copy's rate is kept: the oversubscription a run meets is part of what is measured. The
+copies then form a gloo group and time a ring all-reduce: the links of a job on this machine.
+A GPU measures its own GEMMs and memory; its links stay the datasheet's until measured."""
 import multiprocessing
 import platform
 import re
@@ -92,24 +94,75 @@ def memory_bandwidth(dtype: str) -> float:
     return 2 * src.numel() * src.element_size() / sorted(times)[2]
 
 
-def _measure(shapes: List[Shape], dtype: str, threads: Optional[int]) -> dict:
+def link_bandwidth(procs: int) -> float:
+    """Bus bytes/s of this process group's ring all-reduce of 8 MiB (2(n-1)/n of the buffer per
+    rank, the planner's ring factor), median of 5 after one warm-up."""
+    import torch
+    import torch.distributed as dist
+    buffer = torch.ones(1 << 21, dtype=torch.float32)
+    dist.all_reduce(buffer)
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        times.append(time.perf_counter() - start)
+    return 2 * (procs - 1) / procs * buffer.numel() * buffer.element_size() / sorted(times)[2]
+
+
+def link_latency() -> float:
+    """Seconds of a one-element all-reduce in this process group, median of 21: what every
+    collective costs besides its bytes."""
+    import torch
+    import torch.distributed as dist
+    one = torch.ones(1)
+    dist.all_reduce(one)
+    times = []
+    for _ in range(21):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(one)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[10]
+
+
+def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, rank: int = 0, procs: int = 1,
+             port: int = 0, results=None) -> dict:
+    """Every shape's GEMM rate and the memory bandwidth in this process; with `procs` > 1 also
+    the link bandwidth of a gloo group of the processes (put on `results`, a queue, with the rank)."""
     import torch
     if threads:
         torch.set_num_threads(threads)
-    return {"gemm": {gemm_key(*s): gemm_rate(s, dtype) for s in shapes}, "memory_bw": memory_bandwidth(dtype)}
+    measured = {"gemm": {gemm_key(*s): gemm_rate(s, dtype) for s in shapes}, "memory_bw": memory_bandwidth(dtype)}
+    if procs > 1:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs)
+        measured["link_bw"], measured["link_latency_s"] = link_bandwidth(procs), link_latency()
+        dist.destroy_process_group()
+    if results is not None:
+        results.put(measured)
+    return measured
 
 
 def _measured_at_once(shapes: List[Shape], dtype: str, procs: int) -> dict:
     """`_measure` in `procs` processes started together, each its rank's share of the cores; the
-    slowest rate of each."""
+    slowest rate of each, and their group's all-reduce bandwidth."""
     if procs <= 1:
-        return _measure(shapes, dtype, None)
-    from launch.runtime.distributed import threads_per_rank, usable_cpus
-    threads = threads_per_rank({}, usable_cpus(), procs)
-    with multiprocessing.get_context("spawn").Pool(procs) as pool:
-        results = pool.starmap(_measure, [(shapes, dtype, threads)] * procs)
-    return {"gemm": {key: min(r["gemm"][key] for r in results) for key in results[0]["gemm"]},
-            "memory_bw": min(r["memory_bw"] for r in results)}
+        return _measure(shapes, dtype)
+    from launch.runtime.distributed import free_port, threads_per_rank, usable_cpus
+    threads, port = threads_per_rank({}, usable_cpus(), procs), free_port()
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=_measure, args=(shapes, dtype, threads, r, procs, port, results))
+             for r in range(procs)]
+    for process in ranks:
+        process.start()
+    measured = [results.get(timeout=600) for _ in ranks]
+    for process in ranks:
+        process.join()
+    return {"gemm": {key: min(r["gemm"][key] for r in measured) for key in measured[0]["gemm"]},
+            "memory_bw": min(r["memory_bw"] for r in measured), "link_bw": min(r["link_bw"] for r in measured),
+            "link_latency_s": max(r["link_latency_s"] for r in measured)}
 
 
 def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int = 1) -> DeviceProfile:
@@ -125,5 +178,7 @@ def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int 
         measured = _measured_at_once(missing, dtype, procs)
         profile.gemm.update(measured["gemm"])
         profile.memory_bw = measured["memory_bw"] if profile.memory_bw is None else profile.memory_bw
+        profile.link_bw = measured.get("link_bw", profile.link_bw)
+        profile.link_latency_s = measured.get("link_latency_s", profile.link_latency_s)
         profile.save(path)
     return profile

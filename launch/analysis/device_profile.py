@@ -32,6 +32,11 @@ class DeviceProfile:
     """A datasheet's FLOP/s at every shape (peak x efficiency); None for a measured table."""
     memory_bw: Optional[float] = None
     """Bytes/s of device memory (a streaming copy); None: no bandwidth floor."""
+    link_bw: Optional[float] = None
+    """Bus bytes/s of a ring all-reduce among the processes of one machine (gloo on CPU); None:
+    the links are the datasheet's (NVLink in a node, the NIC across)."""
+    link_latency_s: float = 0.0
+    """Seconds every collective costs besides its bytes (a one-element all-reduce); 0: unmeasured."""
     per_microbatch_s: float = 0.0
     """Seconds every stage spends per micro-batch besides its GEMMs (the engine's dispatch)."""
 

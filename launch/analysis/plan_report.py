@@ -201,7 +201,8 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"(executed with full recompute: {plan['model_flops_per_step_recompute']:.3e})",
         f"estimated step: {time['step']:.2f} s (compute {time['compute']:.2f}, bubble {time['bubble']:.2f}, "
         f"tp {time['tp']:.2f}, cp {time['cp']:.2f}, " + (f"ep {time['ep']:.2f}, " if moe["roles"] else "")
-        + f"pp {time['pp']:.2f}, dp {time['dp']:.2f}), MFU {plan['mfu_estimate']:.0%}; "
+        + f"pp {time['pp']:.2f}, dp {time['dp']:.2f}" + (f", latency {time['latency']:.2f}" if time["latency"] else "")
+        + f"), MFU {plan['mfu_estimate']:.0%}; "
         + cost_model(hw),
     ]
     lines += [""] + [f"warning: {w}" for w in notes] if notes else []
@@ -212,9 +213,18 @@ def cost_model(hw: Hardware) -> str:
     """Where the predicted times come from: a calibration (device, shapes) or the datasheet."""
     profile = hw.device_profile()
     bandwidth = f", memory {profile.memory_bw / 1e9:.0f} GB/s" if profile.memory_bw else ""
+    if profile.link_bw:
+        bandwidth += f", links {profile.link_bw / 1e9:.2g} GB/s and {profile.link_latency_s * 1e3:.2g} ms a call"
     if profile.source == "calibrated":
         return f"cost model: calibrated on {profile.device} ({len(profile.gemm)} GEMM shapes{bandwidth})"
     return f"cost model: datasheet, {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s at every shape{bandwidth}"
+
+
+def links(hw: Hardware) -> str:
+    """The link bandwidths the communication parts used: measured, or the GPU's datasheet."""
+    if hw.device_profile().link_bw:
+        return "measured links in node"
+    return f"{hw.intra_node_bw / 1e9:.0f} GB/s in node, {hw.inter_node_bw / 1e9:.0f} GB/s across"
 
 
 def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setup, hw: Hardware) -> str:
@@ -223,7 +233,7 @@ def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setu
     ep_column = lambda r: f"{r['ep']:>3} " if moe else ""  # noqa: E731
     lines = [f"{len(plans)} of {valid} valid layouts fit for {setup.gpus} GPUs, global batch {setup.global_batch}, "
              f"{setup.precision}, zero {setup.zero}, recompute {setup.recompute}, memory budget {budget}; "
-             f"{cost_model(hw)}, {hw.intra_node_bw / 1e9:.0f} GB/s in node, {hw.inter_node_bw / 1e9:.0f} GB/s across",
+             f"{cost_model(hw)}; {links(hw)}",
              f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {ep_column({'ep': 'ep'})}{'micro':>5} {'m':>4} "
              f"{'bubble':>7} {'GiB':>6} {'step s':>8} {'MFU':>4}  why (share of step time)"]
     for i, r in enumerate(plans[:top], 1):

@@ -181,7 +181,13 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
                for n, n_moe in zip(blocks, moe_blocks)]
     cp_comm = [n * cp_bytes_per_block / bandwidth["cp"] for n in blocks]
     ep_comm = [n * ep_bytes_per_block / bandwidth["ep"] for n in moe_blocks]
-    slot = [compute[k] + tp_comm[k] + cp_comm[k] + ep_comm[k] + pp_comm for k in range(p)]
+    # Each collective's latency (measured links; 0 on a datasheet): a block's TP all-reduces, CP
+    # all-to-alls (4 forward, 4 backward), an MoE block's EP all-to-alls, the two PP transfers.
+    calls = [(n * (6 if setup.full_recompute else 4) if t > 1 else 0) + (n * 8 if c > 1 else 0)
+             + (n_moe * (8 if setup.full_recompute else 5) if setup.ep > 1 else 0) + (2 if p > 1 else 0)
+             for n, n_moe in zip(blocks, moe_blocks)]
+    latency = [n * profile.link_latency_s for n in calls]
+    slot = [compute[k] + tp_comm[k] + cp_comm[k] + ep_comm[k] + pp_comm + latency[k] for k in range(p)]
     forward = [slot[k] * flops[k][0] / sum(flops[k]) for k in range(p)]
     weight = [slot[k] * weight_flops[k] / sum(flops[k]) for k in range(p)]
     stages = {"forward_s": forward, "backward_s": [slot[k] - forward[k] for k in range(p)], "weight_s": weight,
@@ -195,7 +201,8 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     dp_comm += formulas.ring_allreduce_factor(setup.expert_data_axis) * expert_dp_bytes / bandwidth["expert_data"]
     # The slowest stage works m slots; the rest of the simulated span it waits: the bubble.
     parts = {"compute": m * compute[slowest], "tp": m * tp_comm[slowest], "cp": m * cp_comm[slowest],
-             "ep": m * ep_comm[slowest], "pp": m * pp_comm, "bubble": max(span - m * slot[slowest], 0.0), "dp": dp_comm}
+             "ep": m * ep_comm[slowest], "pp": m * pp_comm, "latency": m * latency[slowest],
+             "bubble": max(span - m * slot[slowest], 0.0), "dp": dp_comm}
     return dict(parts, step=sum(parts.values())), stages
 
 
@@ -226,7 +233,8 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     fullest = max(range(p), key=lambda k: memory[k]["total"])
     groups = rank_groups(t, p, d, c, e)
     intra = {dim: within_node(groups[dim], hw.gpus_per_node) for dim in groups}
-    bandwidth = {dim: hw.intra_node_bw if intra[dim] else hw.inter_node_bw for dim in groups}
+    in_node = hw.device_profile().link_bw or hw.intra_node_bw  # measured links (one machine's processes) win
+    bandwidth = {dim: in_node if intra[dim] else hw.inter_node_bw for dim in groups}
     weight_flops = partition_rules.stage_weight_grad_flops(arch, parts, b, s)
     time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, weight_flops, d, m, dp_bytes, bandwidth,
                                       moe_blocks, expert_dp_bytes, params)
@@ -314,12 +322,12 @@ def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any
 def why(plan: Dict[str, Any]) -> str:
     """The step-time shares besides compute, largest first, and the memory: why it ranks there."""
     parts = plan["step_time_parts_s"]
-    shares = sorted(((parts[k] / parts["step"], k) for k in ("bubble", "tp", "cp", "ep", "pp", "dp")
+    shares = sorted(((parts[k] / parts["step"], k) for k in ("bubble", "latency", "tp", "cp", "ep", "pp", "dp")
                      if parts[k] >= 0.005 * parts["step"]),
                     reverse=True)
     where = {k: "in node" if plan["groups_within_node"][g] else "across nodes"
              for k, g in (("tp", "tp"), ("cp", "cp"), ("ep", "ep"), ("pp", "pp"), ("dp", "data"))}
-    text = [f"{k} {share:.0%}" + ("" if k == "bubble" else f" {where[k]}") for share, k in shares]
+    text = [f"{k} {share:.0%}" + ("" if k in ("bubble", "latency") else f" {where[k]}") for share, k in shares]
     if plan.get("memory_bound_stages"):
         text.append("weights' traffic bounds compute")
     text.append(f"{plan['memory_per_device_bytes'] / GIB:.0f} GiB")

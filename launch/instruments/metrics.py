@@ -22,6 +22,7 @@ from launch.instruments.moe_metrics import charted_moe_metrics
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine
+    from launch.runtime.step_prediction import StepPrediction
     from model.config import GPTConfig
 
 PEAK_TFLOPS_ENV = "GPT3D_PEAK_TFLOPS"
@@ -102,6 +103,8 @@ class RunArithmetic:
     active_params: Optional[int] = None
     """A mixture of experts: the parameters one token passes through (k routed experts, shared
     experts, router: formulas.model_params_active); None for a dense model."""
+    prediction: Optional[StepPrediction] = None
+    """The planner's step time for this layout on this device (launch/runtime/step_prediction.py)."""
 
     def summary(self) -> str:
         l, p, m = self.layout, self.layout.pp, self.layout.grad_accum_steps
@@ -114,7 +117,8 @@ class RunArithmetic:
                 f"{l.global_batch_size} samples = {self.tokens_per_step:,} tokens; {self.total_steps} steps\n"
                 f"  1F1B bubble predicted (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {self.bubble_fraction:.1%}\n"
                 f"  model FLOPs per step {self.model_flops_per_step:.4g} (no recompute); "
-                f"MFU peak per device: {self.peak_source}")
+                f"MFU peak per device: {self.peak_source}"
+                + ("\n" + self.prediction.summary_line() if self.prediction is not None else ""))
 
 
 def accelerator_device_name() -> Optional[str]:
@@ -126,9 +130,10 @@ def accelerator_device_name() -> Optional[str]:
     return torch.cuda.get_device_name()
 
 
-def run_arithmetic(config: GPTConfig, layout: Layout, seq_len: int, total_steps: int) -> RunArithmetic:
+def run_arithmetic(config: GPTConfig, layout: Layout, seq_len: int, total_steps: int,
+                   prediction: Optional[StepPrediction] = None) -> RunArithmetic:
     """From the model's GPTConfig, the layout, tokens per sample and steps (reads the device
-    name and GPT3D_PEAK_TFLOPS for the MFU peak)."""
+    name and GPT3D_PEAK_TFLOPS for the MFU peak), and the planner's step time when known."""
     peak, source = peak_flops(accelerator_device_name(), os.environ.get(PEAK_TFLOPS_ENV))
     return RunArithmetic(
         params=formulas.model_params(config),
@@ -137,7 +142,7 @@ def run_arithmetic(config: GPTConfig, layout: Layout, seq_len: int, total_steps:
         model_flops_per_step=formulas.model_flops_per_step_of(config, layout.global_batch_size, seq_len),
         bubble_fraction=formulas.bubble_fraction(layout.pp, layout.grad_accum_steps),
         peak_flops=peak, peak_source=source,
-        active_params=formulas.model_params_active(config) if config.moe.enabled else None)
+        active_params=formulas.model_params_active(config) if config.moe.enabled else None, prediction=prediction)
 
 
 # ---------------------------------------------------------------- read on every rank
@@ -260,6 +265,9 @@ class MetricsLogger:
         mfu = tflops * 1e12 / self.run.peak_flops if self.run.peak_flops else None
         record = dict(record, tflops_per_device=tflops, mfu=mfu,
                       elapsed_s=round(time.perf_counter() - self.start, 4))
+        if self.run.prediction is not None:
+            self.run.prediction.observe(record["step_time_s"])
+            record["predicted_step_time_s"] = self.run.prediction.seconds
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
@@ -295,6 +303,9 @@ class MetricsLogger:
         return " | ".join(parts)
 
     def close(self) -> None:
+        closing = self.run.prediction.closing_line() if self.run.prediction is not None else None
+        if closing is not None:
+            print(closing, flush=True)
         if self.file is not None:
             self.file.close()
         if self.wandb_run is not None:

@@ -99,6 +99,7 @@ def run_training(job: TrainingJob) -> None:
     from launch.runtime.hang_watchdog import HangWatchdog, stacks_dir
     from launch.runtime.replica_reader import replica_reader_groups
     from launch.runtime.signals import StopRequest
+    from launch.runtime.step_prediction import predict_step_time
     from launch.runtime.step_tokens import RouterTokens, count_step_tokens
     from launch.runtime.zero_bubble import check_weight_passes_ran
     from model.parallel.context_parallel import sequence_shards
@@ -140,7 +141,9 @@ def run_training(job: TrainingJob) -> None:
     # One rank of each replica reads; the others drawing micro-batches receive them (replica_reader.py).
     feed = sequence_shards(data.feed(batches, *replica_reader_groups(state, data.streamed), device),
                            state.cp_rank, state.cp_size)
-    arithmetic = run_arithmetic(config, layout, recipe.seq_len, train_cfg.steps)  # the run summary prints it
+    # The run summary prints it, with the planner's step time for this layout (rank 0 plans it).
+    prediction = predict_step_time(recipe, layout, job.vocab_size) if logging_rank else None
+    arithmetic = run_arithmetic(config, layout, recipe.seq_len, train_cfg.steps, prediction)
     tokens_per_step = arithmetic.tokens_per_step
     stop = StopRequest(get_accelerator().device_name(), state.global_rank, train_cfg.stop_grace_s)
     metrics = None

@@ -84,3 +84,35 @@ def test_calibration_measures_each_shape_once_and_caches_it(tmp_path, monkeypatc
     assert again.gemm[gemm_key(*first["gemm_shapes"]["dense"])] == profile.gemm[gemm_key(*first["gemm_shapes"]["dense"])]
     assert main([*common[:-1], "--micro-batch", "2", "--calibrate", "--search"]) == 0
     assert "cost model: calibrated on" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe,world,flags", [
+    ("llama-tiny.yaml", 8, {"tp": 2, "pp": 2, "recompute": "full", "schedule": "zb-h1"}),
+    ("tiny.yaml", 8, {"tp": 1, "pp": 2, "cp": 2, "partition": "blocks"}),
+    ("moe-tiny.yaml", 4, {"tp": 1, "pp": 2, "ep": 2})])
+def test_a_run_predicts_what_the_planner_prints_for_its_layout(recipe, world, flags, tmp_path, monkeypatch, capsys):
+    """The run's own prediction (launch/runtime/step_prediction.py, from the recipe and the
+    derived layout, with this machine's cached calibration) equals launch/plan.py's for the same
+    recipe, layout and profile given by flags: the recipe's fields reach the planner as its flags do."""
+    from data.builtin import BUILTIN_VOCAB_SIZE
+    from launch.analysis.calibrate import cache_path, device_name
+    from launch.analysis.partition import with_stage_boundaries
+    from launch.config.layout import check_and_derive_layout
+    from launch.config.recipe import load_recipe
+    from launch.runtime.step_prediction import predict_step_time
+    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    profile = DeviceProfile(device=device_name(world), source="calibrated", dtype="fp32", memory_bw=5e9, link_bw=1e9,
+                            link_latency_s=1e-4, gemm={gemm_key(32, 64, 256): RATE / 4, gemm_key(128, 64, 256): RATE})
+    profile.save(cache_path(device_name(world), "fp32"))
+    sets = [f"train.{key}={value}" for key, value in flags.items() if key not in ("tp", "pp")]
+    config = load_recipe(RECIPES / recipe, sets)
+    layout = with_stage_boundaries(check_and_derive_layout(config, world, flags["tp"], flags["pp"], on_cpu=True), config,
+                                   BUILTIN_VOCAB_SIZE)
+    predicted = predict_step_time(config, layout, BUILTIN_VOCAB_SIZE)
+    cli = _plan(capsys, "--recipe", str(RECIPES / recipe), "--gpus", str(world),
+                *[arg for key, value in flags.items() for arg in (f"--{key}", str(value))],
+                "--profile", str(cache_path(device_name(world), "fp32")))
+    assert predicted.seconds == pytest.approx(cli["step_time_s"], rel=1e-12) and cli["step_time_parts_s"]["latency"] > 0
+    assert predicted.by.startswith("calibrated on") and "2 GEMM shapes" in predicted.by

@@ -189,6 +189,7 @@ def test_metrics_file_holds_the_built_models_flops_over_the_measured_step(run):
         previous_elapsed = r["elapsed_s"]
     # Each step's own peak: test_step_memory_peak_starts_again_each_step checks what it measures.
     assert all(isinstance(r["peak_memory_bytes"], int) for r in records)
+    assert all(r["predicted_step_time_s"] is None for r in records)  # no calibration of this CPU
 
 
 @pytest.mark.slow  # the same run
@@ -198,6 +199,10 @@ def test_console_shows_the_summary_once_and_an_eta_per_step(run):
     assert stdout.count(f"summary: {params:,} parameters; world 2 = tp 1 x pp 1 x dp 2") == 1
     assert f"per step: 4 micro-batches of 2 per pipeline x dp 2 = 16 samples = 512 tokens; {STEPS} steps" in stdout
     assert "1F1B bubble predicted (p-1)/(m+p-1) = 0/4 = 0.0%" in stdout
+    # No calibration of this CPU in the tests' cache: no predicted step time, and how to make one;
+    # the last step, after 2 of warm-up, measured (tests/analysis/test_calibrated_planner.py: with one).
+    assert "step time predicted: none (no calibration of" in stdout and "--calibrate` measures one" in stdout
+    assert "step time: measured" in stdout and "(median of 1 steps after 2 of warm-up); no prediction" in stdout
     assert "MFU peak per device: none on CPU" in stdout
     for step in range(1, STEPS + 1):
         line = re.search(rf"^step {step}/{STEPS} \| loss .* TFLOP/s/dev \| mem [\d.]+ GiB .*\| eta (\S+)$",
