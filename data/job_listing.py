@@ -1,4 +1,5 @@
-"""A source's files listed once per job (issue 34, item 3): rank 0 lists them (a hub id's
+"""What rank 0 computes once for the whole job, read by every other rank (`once_per_job`): first of
+all a source's files listed once per job (issue 34, item 3): rank 0 lists them (a hub id's
 resolution, a glob's directory listing, one HEAD per file) and puts the listing in the job's
 rendezvous store; every other rank reads it there. Before, every process listed (1,024 hub
 resolutions and 1,024 x files HEADs at once at 1,024 GPUs), then one process per node (128).
@@ -37,8 +38,16 @@ def in_a_job() -> bool:
 def listed_once_per_job(what: Any, label: str, list_files: Callable[[], dict]) -> dict:
     """list_files() (a JSON-able listing) on rank 0, its result on every rank; `what` (JSON-able)
     names the listing, `label` the source in messages."""
+    return once_per_job(what, list_files, f"data.name={label!r}: rank 0 failed to list the files",
+                        f"data.name={label!r}: rank 0 did not list the files")
+
+
+def once_per_job(what: Any, compute: Callable[[], Any], failed: str, silent: str) -> Any:
+    """compute() (JSON-able) on rank 0 and its result on every rank, through the job's rendezvous
+    store; a process alone computes for itself. `failed` and `silent` begin the one-line errors
+    the other ranks raise when rank 0 fails or never answers."""
     if not in_a_job():
-        return list_files()
+        return compute()
     import torch.distributed as dist
     global _kept_server
     key = KEY_PREFIX + hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:20]
@@ -48,23 +57,21 @@ def listed_once_per_job(what: Any, label: str, list_files: Callable[[], dict]) -
     if rank == 0:
         _kept_server = store
         try:
-            listing = list_files()
+            result = compute()
         except DataError as e:
             store.set(key, json.dumps({"error": str(e)}))
             raise
         except BaseException as e:
-            store.set(key, json.dumps({"error": f"data.name={label!r}: rank 0 failed to list the files "
-                                                f"({type(e).__name__}); its own error says why"}))
+            store.set(key, json.dumps({"error": f"{failed} ({type(e).__name__}); its own error says why"}))
             raise
-        store.set(key, json.dumps({"listing": listing}))
-        return listing
+        store.set(key, json.dumps({"result": result}))
+        return result
     try:
         answer = json.loads(store.get(key))
     except RuntimeError:  # torch's DistStoreError (a RuntimeError): rank 0 never answered
-        raise DataError(f"data.name={label!r}: rank 0 did not list the files within train.dist_timeout_s="
-                        f"{_wait_s} s; see rank 0's output") from None
+        raise DataError(f"{silent} within train.dist_timeout_s={_wait_s} s; see rank 0's output") from None
     finally:
         del store  # this rank's connection; the process group opens its own
     if "error" in answer:
         raise DataError(answer["error"])
-    return answer["listing"]
+    return answer["result"]

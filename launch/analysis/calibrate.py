@@ -2,8 +2,8 @@
 layouts run (their exact shapes, launch/analysis/planner.py: gemm_shapes) and the memory
 bandwidth, measured with torch in the run's dtype, into a DeviceProfile the planner's cost model
 uses. Cached per device, dtype, process count and software under the data cache
-(`$GPT3D_CACHE/calibration/`, default ~/.cache/gpt3d/calibration/): a later plan measures only
-shapes it has not seen.
+(`$GPT3D_CACHE/calibration/`, default ~/.cache/gpt3d/calibration/, or `$GPT3D_CALIBRATION`): a
+later plan measures only shapes it has not seen.
 
 On CPU the processes of a job share the cores, so `procs` copies of the measurement run at once
 (each with the threads a rank gets, launch/runtime/distributed.py: threads_per_rank) and the
@@ -11,6 +11,7 @@ slowest copy's rate is kept: the oversubscription a run meets is part of what is
 copies then form a gloo group and time a ring all-reduce: the links of a job on this machine.
 A GPU measures its own GEMMs and memory; its links stay the datasheet's until measured."""
 import multiprocessing
+import os
 import platform
 import re
 import time
@@ -50,10 +51,15 @@ def software() -> str:
     return f"torch {torch.__version__}, deepspeed {deepspeed.__version__}"
 
 
+CALIBRATION_ENV = "GPT3D_CALIBRATION"
+"""A directory for the profiles instead of $GPT3D_CACHE/calibration (a shared one, or an empty one)."""
+
+
 def cache_path(device: str, dtype: str) -> Path:
     from data.cache import default_cache_dir
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{device}-{dtype}").strip("-")
-    return default_cache_dir() / "calibration" / f"{slug}.json"
+    directory = os.environ.get(CALIBRATION_ENV)
+    return (Path(directory) if directory else default_cache_dir() / "calibration") / f"{slug}.json"
 
 
 def gemm_rate(shape: Shape, dtype: str) -> float:

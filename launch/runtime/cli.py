@@ -19,8 +19,12 @@ class OneLineErrorParser(argparse.ArgumentParser):
 def parse_training_args(argv: Optional[List[str]], description: str = "") -> argparse.Namespace:
     p = OneLineErrorParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help="YAML recipe (default: %(default)s)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size (stages; default 1)")
+    p.add_argument("--layout", choices=["auto"],
+                   help="auto: the planner chooses tp, pp, cp, ep and the micro-batch for these processes from this "
+                        "machine's calibration (made first if missing) or a known GPU's datasheet; --tp, --pp, --cp "
+                        "and --ep given are kept (docs/planner-and-metrics.md)")
     p.add_argument("--cp", type=int, help="context-parallel size: ranks sharing each sequence (overrides train.cp)")
     p.add_argument("--ep", type=int, help="expert-parallel size: ranks of the data-parallel axis sharing each MoE "
                    "block's experts (overrides train.ep)")
@@ -55,6 +59,8 @@ def parse_training_args(argv: Optional[List[str]], description: str = "") -> arg
                    "silences")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.layout is None:  # the axes not given are 1; with --layout auto the planner picks them
+        args.tp, args.pp = args.tp or 1, args.pp or 1
     if args.timeline_steps < 1:
         p.error(f"--timeline-steps {args.timeline_steps} must be >= 1")
     if args.save_every < 0 or args.keep_last < 0:

@@ -2,6 +2,7 @@
 train, measure, validate, log and save, until the last step or an agreed stop signal."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -149,7 +150,8 @@ def run_training(job: TrainingJob) -> None:
     metrics = None
     if logging_rank:
         metrics = MetricsLogger(args.metrics_out, recipe.wandb.mode, recipe.wandb.project,
-                                recipe.wandb.name, dict(recipe.to_dict(), layout=vars(layout)),
+                                recipe.wandb.name, dict(recipe.to_dict(), layout=vars(layout), layout_auto=(
+                                    dataclasses.asdict(job.layout_choice) if job.layout_choice else None)),
                                 arithmetic,
                                 resume_after_step=first_step - 1 if resume_from is not None else None,
                                 wandb_run_id=resume_from.meta.get("wandb_run_id") if resume_from is not None else None)
@@ -186,6 +188,8 @@ def run_training(job: TrainingJob) -> None:
                   "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved,
                   "data_wait_s": reader["seconds"], "data_wait_rank": reader["rank"],
                   "compute_s": summarise_seconds(compute_by_rank, stragglers.stages)}
+        if step == first_step and job.layout_choice is not None:  # --layout auto: what it chose, and why
+            record["layout_auto"] = dataclasses.asdict(job.layout_choice)
         if args.metrics_per_rank:
             record["compute_s_by_rank"] = compute_by_rank.tolist()
         record.update(after_moe_step(engine, config, layout))  # collective; {} without experts

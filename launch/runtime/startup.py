@@ -39,13 +39,22 @@ class TrainingJob:
     """The streams' position to continue from (None: fresh, cached data, or --restart-data)."""
     data_origin_samples: int = 0
     """Samples trained before the current data order began (a --restart-data resume's)."""
+    layout_choice: Optional[Any] = None
+    """--layout auto's pick (launch/runtime/auto_layout.py: AutoChoice), None for a layout given."""
 
 
 def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     """Raise ConfigError or DataError (one line) on the first bad input; move files only last."""
     recipe = training_recipe(args)
     ensure_single_process_env()
-    layout = check_and_derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
+    tp, pp, layout_choice = args.tp, args.pp, None
+    if args.layout == "auto":  # the planner's pick for these processes, the same on every rank
+        from launch.runtime.auto_layout import auto_layout
+        from launch.runtime.run_inputs import load_checked_tokenizer
+        recipe, layout_choice = auto_layout(args, recipe, int(os.environ["WORLD_SIZE"]),
+                                            load_checked_tokenizer(recipe)[1], on_cpu())
+        tp, pp = layout_choice.tp, layout_choice.pp
+    layout = check_and_derive_layout(recipe, int(os.environ["WORLD_SIZE"]), tp, pp, on_cpu())
     check_precision_supported(recipe.train.precision)
     ensure_open_file_limit(layout.world_size, int(os.environ["RANK"]))
     if recipe.train.schedule == "zb-h1" and layout.pp > 1:  # runs_zero_bubble, without importing DeepSpeed here
@@ -83,4 +92,4 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
         prepare_save_dir(args.save, resume_from, is_writer=os.environ["RANK"] == "0")
     return TrainingJob(args=args, recipe=recipe, layout=layout, data=data, vocab_size=vocab_size,
                        resume_from=resume_from, data_fingerprint=fingerprint, data_state=data_state,
-                       data_origin_samples=origin)
+                       data_origin_samples=origin, layout_choice=layout_choice)

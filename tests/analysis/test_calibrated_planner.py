@@ -70,10 +70,10 @@ def test_calibration_measures_each_shape_once_and_caches_it(tmp_path, monkeypatc
     """A real calibration on this CPU (fp32, one process): every GEMM shape of the plan measured
     and saved with the memory bandwidth; a second plan with another micro-batch measures only
     its new shape and keeps the first measurement."""
-    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path))
+    monkeypatch.setenv("GPT3D_CALIBRATION", str(tmp_path))
     common = ["--recipe", str(RECIPES / "tiny.yaml"), "--gpus", "1", "--precision", "fp32", "--calibrate"]
     first = _plan(capsys, *common, "--micro-batch", "2")
-    (cached,) = (tmp_path / "calibration").glob("*.json")
+    (cached,) = tmp_path.glob("*.json")
     profile = DeviceProfile.from_json(cached.read_text())
     assert first["cost_model"] == "calibrated" and profile.source == "calibrated" and "torch" in profile.software
     assert list(profile.gemm) == [gemm_key(*first["gemm_shapes"]["dense"])] and profile.memory_bw > 1e8
@@ -100,7 +100,7 @@ def test_a_run_predicts_what_the_planner_prints_for_its_layout(recipe, world, fl
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.step_prediction import predict_step_time
-    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path))
+    monkeypatch.setenv("GPT3D_CALIBRATION", str(tmp_path))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("LOCAL_SIZE", raising=False)
     profile = DeviceProfile(device=device_name(world), source="calibrated", dtype="fp32", memory_bw=5e9, link_bw=1e9,
@@ -116,3 +116,35 @@ def test_a_run_predicts_what_the_planner_prints_for_its_layout(recipe, world, fl
                 "--profile", str(cache_path(device_name(world), "fp32")))
     assert predicted.seconds == pytest.approx(cli["step_time_s"], rel=1e-12) and cli["step_time_parts_s"]["latency"] > 0
     assert predicted.by.startswith("calibrated on") and "2 GEMM shapes" in predicted.by
+
+
+def test_layout_auto_trains_the_planners_first_pick_and_keeps_the_axes_given(tmp_path, monkeypatch, capsys):
+    """--layout auto on 4 processes with a cached calibration: the job's layout is the first row of
+    launch/plan.py --search with the same profile, and with --pp 2 given, the first row with pp 2;
+    an axis no layout can keep (--tp 3) is one line."""
+    from launch.analysis.calibrate import cache_path, device_name
+    from launch.errors import ConfigError
+    from launch.runtime.cli import parse_training_args
+    from launch.runtime.startup import prepare_training_job
+    monkeypatch.setenv("GPT3D_CALIBRATION", str(tmp_path))  # the test's own calibrations; the data cache stays
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    gemm = {gemm_key(rows, 64, columns): RATE * min(1.0, rows / 256) for rows in (32, 64, 128, 256)
+            for columns in (64, 128, 256)}
+    profile = DeviceProfile(device=device_name(4), source="calibrated", dtype="fp32", memory_bw=5e9, link_bw=1e9,
+                            link_latency_s=2e-4, gemm=gemm)
+    profile.save(cache_path(device_name(4), "fp32"))
+    tiny = str(RECIPES / "tiny.yaml")
+    ranked = _plan(capsys, "--recipe", tiny, "--gpus", "4", "--search", "--top", "60", "--profile",
+                   str(cache_path(device_name(4), "fp32")))["search"]
+    for given, expected in (([], ranked[0]), (["--pp", "2"], next(r for r in ranked if r["pp"] == 2))):
+        job = prepare_training_job(parse_training_args(["--recipe", tiny, "--layout", "auto", *given,
+                                                        "--set", "train.eval_every=0"], ""))
+        chosen = (job.layout.tp, job.layout.pp, job.layout.cp, job.layout.ep, job.layout.micro_batch_size)
+        assert chosen == tuple(expected[k] for k in ("tp", "pp", "cp", "ep", "micro_batch")), (given, chosen)
+        assert job.layout_choice.predicted_step_time_s == pytest.approx(expected["step_time_s"], rel=1e-12)
+    assert "layout auto: tp" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--layout auto: no layout of 4 processes .*--tp 3"):
+        prepare_training_job(parse_training_args(["--recipe", tiny, "--layout", "auto", "--tp", "3"], ""))

@@ -1,0 +1,138 @@
+"""`--layout auto` (issue 36, item 3): the planner chooses tp, pp, cp, ep and the micro-batch for
+this job's processes, and the run trains its pick.
+
+Rank 0 decides and the others read its decision (data/job_listing.py: once_per_job), so every
+rank builds the same layout even if their machines would measure differently. The profile is
+this machine's cached calibration, else a known GPU's datasheet; a CPU without a calibration is
+calibrated first (rank 0 measures the candidates' GEMM shapes with as many processes as the node
+runs, while the other ranks wait). Each candidate must pass the run's own layout rules
+(launch/config/layout.py, CPU rules included) and fit the device's memory (a GPU's; a CPU's is not
+checked). Axes given on the command line (--tp, --pp, --cp, --ep) are kept. Recompute, schedule,
+precision and ZeRO stay the recipe's. The candidates are ranked by predicted step time, equal
+times by fewer, larger micro-batches (launch/analysis/planner.py: search)."""
+import argparse
+import dataclasses
+import os
+from typing import Any, Dict, List, Tuple
+
+from launch.config.recipe import Recipe
+from launch.errors import ConfigError
+
+SHOWN = 5  # candidates printed with their predictions
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoChoice:
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    micro_batch: int
+    predicted_step_time_s: float
+    ranked: int
+    """Valid candidates that fit, of which this is the first."""
+    cost_model: str
+
+    def overrides(self) -> List[str]:
+        return [f"train.cp={self.cp}", f"train.ep={self.ep}", f"train.micro_batch_size={self.micro_batch}"]
+
+    def line(self) -> str:
+        return (f"layout auto: tp {self.tp}, pp {self.pp}, cp {self.cp}, ep {self.ep}, micro-batch {self.micro_batch}: "
+                f"predicted {self.predicted_step_time_s:.4g} s a step, the fastest of {self.ranked} valid layouts "
+                f"({self.cost_model})")
+
+
+def _fixed_axes(args) -> Dict[str, int]:
+    return {axis: getattr(args, axis) for axis in ("tp", "pp", "cp", "ep") if getattr(args, axis) is not None}
+
+
+def _hardware(recipe: Recipe, model, setup, local: int):
+    """This machine's profile as Hardware: cached calibration, known GPU, or a calibration now."""
+    from launch.analysis.calibrate import calibrated_profile
+    from launch.analysis.planner import candidates, gemm_shapes
+    from launch.runtime.step_prediction import this_device_hardware
+    hardware, _ = this_device_hardware(recipe.train.precision, local)
+    if hardware is None:
+        shapes = {shape for c in candidates(model, setup) for shape in gemm_shapes(model, c).values()}
+        print(f"layout auto: no calibration of this machine in {recipe.train.precision}; measuring "
+              f"{len(shapes)} GEMM shapes with {local} processes", flush=True)
+        calibrated_profile(shapes, recipe.train.precision, local)
+        hardware, _ = this_device_hardware(recipe.train.precision, local)
+    return hardware
+
+
+def rank_layouts(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: int, local: int,
+                 on_cpu: bool) -> Tuple[List[Dict[str, Any]], str]:
+    """(every candidate that passes the run's rules and fits, fastest first; the cost model)."""
+    from launch.analysis.plan_report import cost_model
+    from launch.analysis.planner import candidates, estimate_plan
+    from launch.config.layout import check_and_derive_layout
+    from launch.runtime.step_prediction import planner_inputs
+    base = dataclasses.replace(recipe.train, cp=1, ep=1)
+    model, setup = planner_inputs(dataclasses.replace(recipe, train=base), _one_rank_layout(world, recipe),
+                                  vocab_size)
+    setup = dataclasses.replace(setup, partition=recipe.train.partition if isinstance(recipe.train.partition, str)
+                                else tuple(recipe.train.partition))
+    hardware = _hardware(recipe, model, setup, local)
+    ranked = []
+    for candidate in candidates(model, setup):
+        if any(getattr(candidate, axis) != value for axis, value in fixed.items()):
+            continue
+        trial = dataclasses.replace(recipe, train=dataclasses.replace(
+            recipe.train, cp=candidate.cp, ep=candidate.ep, micro_batch_size=candidate.micro_batch))
+        try:
+            check_and_derive_layout(trial, world, candidate.tp, candidate.pp, on_cpu)
+            plan = estimate_plan(model, candidate, hardware)
+        except ConfigError:
+            continue
+        if hardware.memory_bytes is None or plan["memory_per_device_bytes"] <= hardware.memory_bytes:
+            ranked.append(plan)
+    ranked.sort(key=lambda r: (r["step_time_s"], -r["micro_batch"], r["memory_per_device_bytes"]))
+    return ranked, cost_model(hardware).removeprefix("cost model: ")
+
+
+def _one_rank_layout(world: int, recipe: Recipe):
+    from launch.config.layout import Layout
+    B = recipe.train.global_batch_size
+    return Layout(world_size=world, tp=1, pp=1, dp=world, micro_batch_size=1, global_batch_size=B,
+                  grad_accum_steps=max(1, B // world))
+
+
+def choose(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: int, local: int, on_cpu: bool) -> dict:
+    """Rank 0's decision as JSON: the choice and the top candidates, or the refusal's line."""
+    try:
+        ranked, model_used = rank_layouts(recipe, world, fixed, vocab_size, local, on_cpu)
+    except ConfigError as e:
+        return {"refused": str(e)}
+    if not ranked:
+        given = " ".join(f"--{axis} {value}" for axis, value in fixed.items()) or "no axis given"
+        return {"refused": f"--layout auto: no layout of {world} processes passes the run's rules and fits ({given}, "
+                           f"global batch {recipe.train.global_batch_size}); drop a fixed axis or start another "
+                           f"number of processes"}
+    best = ranked[0]
+    top = [{key: r[key] for key in ("tp", "pp", "cp", "dp", "ep", "micro_batch", "step_time_s")} for r in ranked[:SHOWN]]
+    return {"choice": dict(tp=best["tp"], pp=best["pp"], cp=best["cp"], ep=best["ep"], micro_batch=best["micro_batch"],
+                           predicted_step_time_s=best["step_time_s"], ranked=len(ranked), cost_model=model_used),
+            "top": top}
+
+
+def auto_layout(args, recipe: Recipe, world: int, vocab_size: int, on_cpu: bool) -> Tuple[Recipe, AutoChoice]:
+    """The recipe with the chosen cp, ep and micro-batch, and the choice (tp, pp among it); the same
+    on every rank. Prints the top candidates on rank 0."""
+    from data.job_listing import once_per_job
+    from launch.runtime.cli import training_recipe
+    fixed = _fixed_axes(args)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
+    decision = once_per_job(["layout auto", str(args.recipe), args.overrides, world, fixed],
+                            lambda: choose(recipe, world, fixed, vocab_size, local, on_cpu),
+                            "--layout auto: rank 0 failed to choose", "--layout auto: rank 0 did not choose")
+    if "refused" in decision:
+        raise ConfigError(decision["refused"])
+    choice = AutoChoice(**decision["choice"])
+    if os.environ.get("RANK", "0") == "0":
+        print("layout auto: the fastest predicted\n" + "\n".join(
+            f"  {i}. tp {r['tp']}, pp {r['pp']}, cp {r['cp']}, dp {r['dp']}, ep {r['ep']}, micro-batch {r['micro_batch']}: "
+            f"{r['step_time_s']:.4g} s" for i, r in enumerate(decision["top"], 1)), flush=True)
+        print(choice.line(), flush=True)
+    chosen = argparse.Namespace(**{**vars(args), "overrides": list(args.overrides) + choice.overrides()})
+    return training_recipe(chosen), choice
