@@ -78,7 +78,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     hw.add_argument("--calibrate", action="store_true",
                     help="measure this machine's GEMMs (the candidates' shapes, in --precision) and memory "
                          "bandwidth, with min(--gpus, --gpus-per-node) processes at once on CPU; cached under "
-                         "$GPT3D_CACHE/calibration (launch/analysis/calibrate.py)")
+                         "$GPT3D_CACHE/calibration (launch/runtime/calibrate.py)")
     hw.add_argument("--profile", type=Path, metavar="FILE.json",
                     help="a device profile saved by --calibrate (another machine's, or a given table)")
     out = p.add_argument_group("output")
@@ -93,7 +93,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = parse_args(argv)
-        output, chosen = plan_output(args)
+        measure = None
+        if args.calibrate:
+            from launch.runtime.calibrate import calibrated_profile  # torch: only when measuring
+            measure = calibrated_profile
+        output, chosen = plan_output(args, measure)
     except ConfigError as e:
         return report_bad_input(e)
     print(output)

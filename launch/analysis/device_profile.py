@@ -1,6 +1,6 @@
 """What the planner's cost model knows about a device (issue 36): the FLOP/s its GEMMs reach at
 each shape, its memory bandwidth and a fixed cost per micro-batch, either measured on the job's
-own devices (launch/analysis/calibrate.py, cached per device and software) or taken from the
+own devices (launch/runtime/calibrate.py, cached per device and software) or taken from the
 datasheet (one flat fraction of peak at every shape, the planner's rule before calibration).
 
 A GEMM's rate depends on its shape: a rank's GEMMs shrink with tp (columns), cp and the

@@ -5,9 +5,10 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from launch.analysis import formulas
+from launch.analysis.device_profile import DeviceProfile, Shape
 from launch.analysis.plan_args import resolve
 from launch.analysis.plan_setup import GIB, Hardware, Setup, check_precision
 from launch.analysis.planner import candidates, estimate_plan, gemm_shapes, search, why
@@ -23,6 +24,9 @@ def _edge_layers(model: ModelConfig) -> str:
     first = [names[k] for k in kinds[:kinds.index("block")]]
     last = [names[k] for k in kinds[len(kinds) - kinds[::-1].index("block"):]]
     return f"{', '.join(first)} on the first stage; {', '.join(last)} on the last"
+
+
+Measure = Callable[[Set[Shape], str, int], DeviceProfile]
 
 
 def warnings(plan: Dict[str, Any], model: ModelConfig, setup: Setup, hw: Hardware) -> List[str]:
@@ -259,16 +263,16 @@ def plot(path: Path, plan: Dict[str, Any]) -> None:
               f"((p-1)/(m+p-1) = {plan['bubble_fraction_equal_stages']:.1%})")
 
 
-def plan_output(args: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
-    """(the text or JSON to print, the plan to draw) for launch/plan.py's arguments."""
+def plan_output(args: argparse.Namespace, measure: Optional[Measure] = None) -> Tuple[str, Dict[str, Any]]:
+    """(the text or JSON to print, the plan to draw) for launch/plan.py's arguments; `measure`
+    (launch/runtime/calibrate.py: calibrated_profile, for --calibrate) makes this machine's profile
+    from the GEMM shapes the plan needs, the dtype and the processes of a node."""
     model, setup, hw = resolve(args)
     check_precision(setup)  # before --search, which skips the layouts that fail their checks
-    if args.calibrate:
-        from launch.analysis.calibrate import calibrated_profile  # torch: only when measuring
+    if measure is not None:
         shapes = {shape for candidate in (candidates(model, setup) if args.search else [setup])
                   for shape in gemm_shapes(model, candidate).values()}
-        hw = dataclasses.replace(hw, profile=calibrated_profile(shapes, setup.precision,
-                                                                min(setup.gpus, hw.gpus_per_node)))
+        hw = dataclasses.replace(hw, profile=measure(shapes, setup.precision, min(setup.gpus, hw.gpus_per_node)))
     if args.search:
         valid = search(model, setup, hw)
         plans = [plan for plan in valid if plan["fits"]]

@@ -95,7 +95,7 @@ class Hardware:
     """Per-device budget; None checks nothing."""
     profile: Optional[DeviceProfile] = None
     """GEMM rates by shape, memory bandwidth and the fixed cost per micro-batch (issue 36):
-    measured here (launch/analysis/calibrate.py) or the datasheet's; None: `efficiency` of peak
+    measured here (launch/runtime/calibrate.py) or the datasheet's; None: `efficiency` of peak
     at every shape, no bandwidth floor."""
 
     def device_profile(self) -> DeviceProfile:

@@ -22,7 +22,7 @@ from launch.instruments.moe_metrics import charted_moe_metrics
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine
-    from launch.runtime.step_prediction import StepPrediction
+    from launch.instruments.step_time import StepPrediction
     from model.config import GPTConfig
 
 PEAK_TFLOPS_ENV = "GPT3D_PEAK_TFLOPS"
@@ -104,7 +104,7 @@ class RunArithmetic:
     """A mixture of experts: the parameters one token passes through (k routed experts, shared
     experts, router: formulas.model_params_active); None for a dense model."""
     prediction: Optional[StepPrediction] = None
-    """The planner's step time for this layout on this device (launch/runtime/step_prediction.py)."""
+    """The planner's step time for this layout on this device (launch/instruments/step_time.py)."""
 
     def summary(self) -> str:
         l, p, m = self.layout, self.layout.pp, self.layout.grad_accum_steps

@@ -48,7 +48,7 @@ def _fixed_axes(args) -> Dict[str, int]:
 
 def _hardware(recipe: Recipe, model, setup, local: int):
     """This machine's profile as Hardware: cached calibration, known GPU, or a calibration now."""
-    from launch.analysis.calibrate import calibrated_profile
+    from launch.runtime.calibrate import calibrated_profile
     from launch.analysis.planner import candidates, gemm_shapes
     from launch.runtime.step_prediction import this_device_hardware
     hardware, _ = this_device_hardware(recipe.train.precision, local)

@@ -7,44 +7,10 @@ without a calibration gets no prediction, and the summary says how to make one.
 The console summary and every `--metrics-out` record carry `predicted_step_time_s`. At the end
 the run prints the measured median step time after warm-up beside it."""
 import os
-import statistics
-from dataclasses import dataclass, field
-from typing import List, Optional
 
 from launch.config.layout import Layout
 from launch.config.recipe import Recipe
-
-WARM_UP_STEPS = 2
-"""A process's first steps, left out of the measured median (allocator growth, compilation, the
-first broadcasts)."""
-
-
-@dataclass
-class StepPrediction:
-    seconds: Optional[float]
-    """The planner's step time for this layout, None without a profile for this device."""
-    by: str
-    """Its cost model (`calibrated on ...`, `datasheet ...`), or why there is none."""
-    measured: List[float] = field(default_factory=list)
-
-    def observe(self, step_time_s: float) -> None:
-        self.measured.append(step_time_s)
-
-    def summary_line(self) -> str:
-        if self.seconds is None:
-            return f"  step time predicted: none ({self.by})"
-        return f"  step time predicted: {self.seconds:.4g} s ({self.by})"
-
-    def closing_line(self) -> Optional[str]:
-        """Measured against predicted, once the run has steps after its warm-up."""
-        after = self.measured[WARM_UP_STEPS:]
-        if not after:
-            return None
-        median = statistics.median(after)
-        line = f"step time: measured {median:.4g} s (median of {len(after)} steps after {WARM_UP_STEPS} of warm-up)"
-        if self.seconds is None:
-            return line + f"; no prediction ({self.by})"
-        return line + f", predicted {self.seconds:.4g} s: measured / predicted = {median / self.seconds:.2f}"
+from launch.instruments.step_time import StepPrediction
 
 
 def planner_inputs(recipe: Recipe, layout: Layout, vocab_size: int):
@@ -72,7 +38,7 @@ def this_device_hardware(precision: str, local_processes: int):
     """(Hardware, how its profile was found) for the machine this rank runs on, or (None, why)."""
     import torch
 
-    from launch.analysis.calibrate import cache_path, device_name
+    from launch.runtime.calibrate import cache_path, device_name
     from launch.analysis.device_profile import DeviceProfile, datasheet_profile
     from launch.analysis.plan_setup import GPUS, Hardware
     name = device_name(local_processes)

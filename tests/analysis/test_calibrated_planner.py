@@ -95,7 +95,7 @@ def test_a_run_predicts_what_the_planner_prints_for_its_layout(recipe, world, fl
     derived layout, with this machine's cached calibration) equals launch/plan.py's for the same
     recipe, layout and profile given by flags: the recipe's fields reach the planner as its flags do."""
     from data.builtin import BUILTIN_VOCAB_SIZE
-    from launch.analysis.calibrate import cache_path, device_name
+    from launch.runtime.calibrate import cache_path, device_name
     from launch.analysis.partition import with_stage_boundaries
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
@@ -122,7 +122,7 @@ def test_layout_auto_trains_the_planners_first_pick_and_keeps_the_axes_given(tmp
     """--layout auto on 4 processes with a cached calibration: the job's layout is the first row of
     launch/plan.py --search with the same profile, and with --pp 2 given, the first row with pp 2;
     an axis no layout can keep (--tp 3) is one line."""
-    from launch.analysis.calibrate import cache_path, device_name
+    from launch.runtime.calibrate import cache_path, device_name
     from launch.errors import ConfigError
     from launch.runtime.cli import parse_training_args
     from launch.runtime.startup import prepare_training_job

@@ -1,0 +1,131 @@
+"""Predicted against measured step times over a sweep of layouts (issue 36, "Proof"): how well
+the planner's cost model ranks and times the layouts of this machine.
+
+    python bench/layout_sweep.py [--steps 8] [--json FILE]
+
+For each recipe and process count of the sweep (tiny, llama-tiny and moe-tiny on 4 and 8
+processes), the machine is calibrated first (`launch/plan.py --search --calibrate`: the
+candidates' GEMM shapes, memory and links, with that many processes at once; cached). Then each
+layout trains `--steps` steps through DeepSpeed's launcher with `--metrics-out`, and the bench
+reads the run's own `predicted_step_time_s` and its measured step times (the median after 2
+steps of warm-up). `--layout auto` runs once per group too. Reported per group and overall:
+- Spearman's rank correlation of predicted against measured (target >= 0.8);
+- the median relative error |measured - predicted| / measured (target <= 20%);
+- the auto pick's measured time against the fastest measured (target within 10%).
+Runs alternate nothing: each layout runs once, in sweep order; the machine's noise is the
+spread between repeated runs of one layout (see docs/planner-and-metrics.md).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from launch.runtime.distributed import launcher_command  # noqa: E402
+
+WARM_UP = 2
+SWEEP: Dict[Tuple[str, int], List[List[str]]] = {
+    ("tiny.yaml", 4): [["--tp", "1", "--pp", "1"], ["--tp", "2", "--pp", "1"], ["--tp", "1", "--pp", "2"],
+                       ["--tp", "2", "--pp", "2"], ["--tp", "1", "--pp", "4"],
+                       ["--tp", "1", "--pp", "1", "--set", "train.micro_batch_size=4"]],
+    ("llama-tiny.yaml", 4): [["--tp", "1", "--pp", "1"], ["--tp", "2", "--pp", "2"], ["--tp", "1", "--pp", "2", "--cp", "2"]],
+    ("moe-tiny.yaml", 4): [["--tp", "1", "--pp", "1", "--ep", "1"], ["--tp", "1", "--pp", "1", "--ep", "2"],
+                           ["--tp", "1", "--pp", "2", "--ep", "2"]],
+    ("tiny.yaml", 8): [["--tp", "1", "--pp", "1"], ["--tp", "2", "--pp", "2"], ["--tp", "2", "--pp", "4"]],
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=8, help="steps per run (default 8; the first 2 are warm-up)")
+    p.add_argument("--json", type=Path, help="write every run's numbers here")
+    args = p.parse_args()
+    if args.steps <= WARM_UP:
+        p.error(f"--steps {args.steps} must be above the {WARM_UP} warm-up steps")
+    return args
+
+
+def calibrate(recipe: str, procs: int, env: Dict[str, str]) -> None:
+    """Every candidate's shapes measured with `procs` processes at once (cached for the runs)."""
+    subprocess.run([sys.executable, str(REPO / "launch" / "plan.py"), "--recipe", str(REPO / "recipes" / recipe),
+                    "--gpus", str(procs), "--search", "--calibrate", "--precision", "fp32"],
+                   cwd=REPO, env=env, check=True, capture_output=True, text=True)
+
+
+def run(recipe: str, procs: int, layout: Sequence[str], steps: int, env: Dict[str, str], work: Path
+        ) -> Optional[Dict[str, object]]:
+    """One training run's predicted and measured step time, or None if it failed (printed)."""
+    metrics = work / f"{recipe}-{procs}-{'_'.join(layout).replace('-', '')}.jsonl"
+    command = launcher_command(procs, REPO / "launch" / "train.py") + [
+        "--recipe", str(REPO / "recipes" / recipe), "--steps", str(steps), "--set", "train.eval_every=0",
+        "--metrics-out", str(metrics), *layout]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        print(f"  {' '.join(layout)}: failed ({done.stderr.strip().splitlines()[-1:]})", flush=True)
+        return None
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    measured = statistics.median(r["step_time_s"] for r in records[WARM_UP:])
+    first = records[0]
+    chosen = first.get("layout_auto")
+    return {"recipe": recipe, "procs": procs, "layout": " ".join(layout), "predicted": first["predicted_step_time_s"],
+            "measured": measured, "auto": chosen}
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    def ranks(values):
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def main() -> None:
+    args = parse_args()
+    rows: List[Dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        env = dict(os.environ, GPT3D_CALIBRATION=str(work / "calibration"))
+        for (recipe, procs), layouts in SWEEP.items():
+            start = time.perf_counter()
+            calibrate(recipe, procs, env)
+            print(f"{recipe} on {procs} processes (calibrated in {time.perf_counter() - start:.1f} s):", flush=True)
+            group = []
+            for layout in layouts + [["--layout", "auto"]]:
+                row = run(recipe, procs, layout, args.steps, env, work)
+                if row is None:
+                    continue
+                group.append(row)
+                print(f"  {row['layout']:<48} predicted {row['predicted']:.4f} s, measured {row['measured']:.4f} s "
+                      f"({row['measured'] / row['predicted']:.2f}x)", flush=True)
+            fixed = [r for r in group if not r["auto"]]
+            auto = next((r for r in group if r["auto"]), None)
+            if len(fixed) >= 2:
+                print(f"  Spearman {spearman([r['predicted'] for r in fixed], [r['measured'] for r in fixed]):.2f}"
+                      + (f"; auto pick {auto['measured'] / min(r['measured'] for r in fixed):.2f}x the fastest "
+                         f"measured" if auto else ""), flush=True)
+            rows += group
+    fixed = [r for r in rows if not r["auto"]]
+    errors = [abs(r["measured"] - r["predicted"]) / r["measured"] for r in fixed]
+    print(f"all {len(fixed)} layouts: Spearman {spearman([r['predicted'] for r in fixed], [r['measured'] for r in fixed]):.2f}, "
+          f"median relative error {statistics.median(errors):.0%} (targets: >= 0.8, <= 20%)")
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
