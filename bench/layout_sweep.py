@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from launch.runtime.distributed import launcher_command
 
-from launch.runtime.distributed import launcher_command  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 WARM_UP = 2
 SWEEP: Dict[Tuple[str, int], List[List[str]]] = {

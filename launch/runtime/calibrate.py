@@ -100,36 +100,33 @@ def memory_bandwidth(dtype: str) -> float:
     return 2 * src.numel() * src.element_size() / sorted(times)[2]
 
 
-def link_bandwidth(procs: int) -> float:
-    """Bus bytes/s of this process group's ring all-reduce of 8 MiB (2(n-1)/n of the buffer per
-    rank, the planner's ring factor), median of 5 after one warm-up."""
-    import torch
+def _all_reduce_seconds(tensor, repeats: int) -> float:
+    """Median seconds of an all-reduce of `tensor` in this process group, after one warm-up, each
+    call started together (a barrier before it)."""
     import torch.distributed as dist
-    buffer = torch.ones(1 << 21, dtype=torch.float32)
-    dist.all_reduce(buffer)
+    dist.all_reduce(tensor)
     times = []
-    for _ in range(5):
+    for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        dist.all_reduce(buffer)
+        dist.all_reduce(tensor)
         times.append(time.perf_counter() - start)
-    return 2 * (procs - 1) / procs * buffer.numel() * buffer.element_size() / sorted(times)[2]
+    return sorted(times)[repeats // 2]
+
+
+def link_bandwidth(procs: int) -> float:
+    """Bus bytes/s of this process group's ring all-reduce of 8 MiB (2(n-1)/n of the buffer per
+    rank, the planner's ring factor), median of 5."""
+    import torch
+    buffer = torch.ones(1 << 21, dtype=torch.float32)
+    return 2 * (procs - 1) / procs * buffer.numel() * buffer.element_size() / _all_reduce_seconds(buffer, 5)
 
 
 def link_latency() -> float:
     """Seconds of a one-element all-reduce in this process group, median of 21: what every
     collective costs besides its bytes."""
     import torch
-    import torch.distributed as dist
-    one = torch.ones(1)
-    dist.all_reduce(one)
-    times = []
-    for _ in range(21):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(one)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[10]
+    return _all_reduce_seconds(torch.ones(1), 21)
 
 
 def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, rank: int = 0, procs: int = 1,
