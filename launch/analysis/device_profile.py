@@ -7,7 +7,15 @@ A GEMM's rate depends on its shape: a rank's GEMMs shrink with tp (columns), cp 
 micro-batch (rows), and an expert's with its share of the routed rows. The table holds measured
 (M, K, N) -> FLOP/s; `gemm_rate` interpolates in log M between measured rows of the same (K, N)
 and otherwise takes the nearest measured shape. Memory bandwidth bounds a micro-batch from below:
-each one reads every weight of the rank and adds into its gradient (`bytes_per_weight`)."""
+each one reads every weight of the rank and adds into its gradient (`bytes_per_weight`).
+
+A calibration on one machine's processes also times the model's own pieces as each candidate
+runs them (launch/runtime/calibrate_blocks.py): a dense and an MoE block, forward and backward,
+and the embedding with the head and loss, at the candidate's tp, ep, micro-batch and tokens, in
+real TP and EP groups with every process busy at once. That time holds what the GEMM table
+cannot see: the element-wise ops, each op's dispatch, the TP and EP collectives and their
+latency under the machine's oversubscription. `blocks` keys it by the model's shape
+(`model_key`) and the case (`block_key`); the planner uses it when every part it needs is there."""
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -39,6 +47,14 @@ class DeviceProfile:
     """Seconds every collective costs besides its bytes (a one-element all-reduce); 0: unmeasured."""
     per_microbatch_s: float = 0.0
     """Seconds every stage spends per micro-batch besides its GEMMs (the engine's dispatch)."""
+    per_step_s: float = 0.0
+    """Seconds every optimizer step costs besides the micro-batches, the gradient all-reduce's
+    bytes and the optimizer's arithmetic (the engine's and the loop's own collectives and bookkeeping)."""
+    optimizer_s_per_param: Optional[float] = None
+    """Seconds of the optimizer's update per parameter of the rank (AdamW's fp32 arithmetic);
+    None: the traffic `OPTIMIZER_BYTES_PER_PARAM` at the memory bandwidth."""
+    blocks: Dict[str, float] = field(default_factory=dict)
+    """`block_key` -> seconds of one model piece measured as a candidate runs it (module docstring)."""
 
     def shapes(self) -> List[Shape]:
         return [tuple(int(v) for v in key.split(",")) for key in self.gemm]
@@ -77,6 +93,44 @@ class DeviceProfile:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(self.to_json())
         tmp.replace(path)
+
+
+    def block_seconds(self, model, tp: int, ep: int, micro_batch: int, tokens: int) -> Optional[Dict[str, float]]:
+        """Seconds of each measured piece of `model` at this case ("dense", "moe" blocks and the
+        "head", forward and backward; "<piece>.forward" the forward alone), or None when one the
+        model has is missing (the planner then costs the case from the GEMM table)."""
+        arch = model.resolved()
+        pieces = ["head"] + [kind for kind, present in (("dense", has_dense_blocks(arch)), ("moe", arch.moe.enabled))
+                             if present]
+        found = {}
+        for piece in pieces:
+            for part in (piece, piece + ".forward"):
+                key = block_key(model_key(arch), part, tp, ep, micro_batch, tokens)
+                if key not in self.blocks:
+                    return None
+                found[part] = self.blocks[key]
+        return found
+
+
+OPTIMIZER_BYTES_PER_PARAM = 32
+"""AdamW's update reads the fp32 weight, gradient and two moments and writes three back (28 B),
+plus the 16-bit copy of a mixed-precision run (4 B)."""
+
+
+def has_dense_blocks(model) -> bool:
+    return not model.moe.enabled or any(not model.moe.is_moe_block(i) for i in range(model.n_layer))
+
+
+def model_key(model) -> str:
+    """What a measured block depends on: every field of the resolved config but the layer count."""
+    import hashlib
+    fields = {k: v for k, v in asdict(model.resolved()).items() if k != "n_layer"}
+    return hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def block_key(model: str, part: str, tp: int, ep: int, micro_batch: int, tokens: int) -> str:
+    """One measured piece: the model's key, the part, the rank's tp, ep, micro-batch and tokens of a sequence."""
+    return f"{model}|{part}|tp{tp}|ep{ep}|b{micro_batch}|s{tokens}"
 
 
 def gemm_key(m: int, k: int, n: int) -> str:

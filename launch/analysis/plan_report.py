@@ -11,7 +11,7 @@ from launch.analysis import formulas
 from launch.analysis.device_profile import DeviceProfile, Shape
 from launch.analysis.plan_args import resolve
 from launch.analysis.plan_setup import GIB, Hardware, Setup, check_precision
-from launch.analysis.planner import candidates, estimate_plan, gemm_shapes, search, why
+from launch.analysis.planner import block_case, candidates, estimate_plan, gemm_shapes, search, why
 from model.config import ModelConfig
 from launch.config.recipe import RECOMPUTE_MODES
 from launch.errors import ConfigError
@@ -26,7 +26,7 @@ def _edge_layers(model: ModelConfig) -> str:
     return f"{', '.join(first)} on the first stage; {', '.join(last)} on the last"
 
 
-Measure = Callable[[Set[Shape], str, int], DeviceProfile]
+Measure = Callable[[Set[Shape], str, int, ModelConfig, Set[Tuple[int, int, int, int]]], DeviceProfile]
 
 
 def warnings(plan: Dict[str, Any], model: ModelConfig, setup: Setup, hw: Hardware) -> List[str]:
@@ -270,9 +270,10 @@ def plan_output(args: argparse.Namespace, measure: Optional[Measure] = None) -> 
     model, setup, hw = resolve(args)
     check_precision(setup)  # before --search, which skips the layouts that fail their checks
     if measure is not None:
-        shapes = {shape for candidate in (candidates(model, setup) if args.search else [setup])
-                  for shape in gemm_shapes(model, candidate).values()}
-        hw = dataclasses.replace(hw, profile=measure(shapes, setup.precision, min(setup.gpus, hw.gpus_per_node)))
+        planned = list(candidates(model, setup)) if args.search else [setup]
+        shapes = {shape for candidate in planned for shape in gemm_shapes(model, candidate).values()}
+        hw = dataclasses.replace(hw, profile=measure(shapes, setup.precision, min(setup.gpus, hw.gpus_per_node),
+                                                     model, {block_case(model, c) for c in planned}))
     if args.search:
         valid = search(model, setup, hw)
         plans = [plan for plan in valid if plan["fits"]]

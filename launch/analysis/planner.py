@@ -134,6 +134,21 @@ def gemm_shapes(model: ModelConfig, setup: Setup) -> Dict[str, Shape]:
     return shapes
 
 
+def block_case(model: ModelConfig, setup: Setup) -> Tuple[int, int, int, int]:
+    """(tp, ep, micro-batch, tokens of a sequence on the rank): what a measured block's time
+    depends on (launch/runtime/calibrate_blocks.py)."""
+    return setup.tp, setup.ep, setup.micro_batch, model.seq_len // setup.cp
+
+
+def optimizer_seconds(profile, params: int) -> float:
+    """The optimizer's update of `params` weights (a rank's ZeRO-1 share): measured per parameter,
+    else AdamW's traffic at the memory bandwidth, else nothing."""
+    from launch.analysis.device_profile import OPTIMIZER_BYTES_PER_PARAM
+    if profile.optimizer_s_per_param is not None:
+        return params * profile.optimizer_s_per_param
+    return params * OPTIMIZER_BYTES_PER_PARAM / profile.memory_bw if profile.memory_bw else 0.0
+
+
 def expert_flops_per_block(model: ModelConfig, micro_batch: int, full_recompute: bool) -> int:
     """Forward and backward FLOPs of one MoE block's routed experts for one micro-batch, all ranks:
     2 per weight per routed row, k rows a token, 3x (4x with full recompute) the forward."""
@@ -181,17 +196,30 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
                for n, n_moe in zip(blocks, moe_blocks)]
     cp_comm = [n * cp_bytes_per_block / bandwidth["cp"] for n in blocks]
     ep_comm = [n * ep_bytes_per_block / bandwidth["ep"] for n in moe_blocks]
+    # The pieces measured as this layout runs them (calibrated on one machine's processes): their
+    # time holds the TP and EP collectives, so those are not added again.
+    measured = profile.block_seconds(model, *block_case(model, setup))
+    if measured is not None:
+        again = 1 if setup.full_recompute else 0  # full recompute reruns each block's forward
+        piece = {kind: measured[kind] + again * measured[kind + ".forward"] for kind in ("dense", "moe") if kind in measured}
+        compute = [(n - n_moe) * piece.get("dense", 0.0) + n_moe * piece.get("moe", 0.0)
+                   + (measured["head"] if k == p - 1 else 0.0) + profile.per_microbatch_s
+                   for k, (n, n_moe) in enumerate(zip(blocks, moe_blocks))]
+        floor = [0.0] * p
+        tp_comm, ep_comm = [0.0] * p, [0.0] * p
     # Each collective's latency (measured links; 0 on a datasheet): a block's TP all-reduces, CP
     # all-to-alls (4 forward, 4 backward), an MoE block's EP all-to-alls, the two PP transfers.
-    calls = [(n * (6 if setup.full_recompute else 4) if t > 1 else 0) + (n * 8 if c > 1 else 0)
-             + (n_moe * (8 if setup.full_recompute else 5) if setup.ep > 1 else 0) + (2 if p > 1 else 0)
+    calls = [(n * (6 if setup.full_recompute else 4) if t > 1 and measured is None else 0) + (n * 8 if c > 1 else 0)
+             + (n_moe * (8 if setup.full_recompute else 5) if setup.ep > 1 and measured is None else 0)
+             + (2 if p > 1 else 0)
              for n, n_moe in zip(blocks, moe_blocks)]
     latency = [n * profile.link_latency_s for n in calls]
     slot = [compute[k] + tp_comm[k] + cp_comm[k] + ep_comm[k] + pp_comm + latency[k] for k in range(p)]
     forward = [slot[k] * flops[k][0] / sum(flops[k]) for k in range(p)]
     weight = [slot[k] * weight_flops[k] / sum(flops[k]) for k in range(p)]
     stages = {"forward_s": forward, "backward_s": [slot[k] - forward[k] for k in range(p)], "weight_s": weight,
-              "slot_s": slot, "memory_bound": [f > g for g, f in zip(gemm, floor)]}
+              "slot_s": slot, "memory_bound": [f > g for g, f in zip(gemm, floor)],
+              "measured_blocks": measured is not None}
     events = simulate_schedule(setup.schedule, p, m, forward, [stages["backward_s"][k] - weight[k] for k in range(p)],
                                weight)
     span = max(e[4] for e in events)
@@ -200,9 +228,14 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     dp_comm = formulas.ring_allreduce_factor(setup.data_axis) * dp_bytes / bandwidth["data"]
     dp_comm += formulas.ring_allreduce_factor(setup.expert_data_axis) * expert_dp_bytes / bandwidth["expert_data"]
     # The slowest stage works m slots; the rest of the simulated span it waits: the bubble.
+    # The optimizer updates each rank's ZeRO-1 share (its whole stage without ZeRO) after the
+    # reduction; the fullest stage's rank is the last to finish.
+    shards = setup.data_axis if setup.zero >= 1 else 1
+    update = optimizer_seconds(profile, max(params or [0]) // shards)
     parts = {"compute": m * compute[slowest], "tp": m * tp_comm[slowest], "cp": m * cp_comm[slowest],
              "ep": m * ep_comm[slowest], "pp": m * pp_comm, "latency": m * latency[slowest],
-             "bubble": max(span - m * slot[slowest], 0.0), "dp": dp_comm}
+             "bubble": max(span - m * slot[slowest], 0.0), "dp": dp_comm, "optimizer": update,
+             "per_step": profile.per_step_s}
     return dict(parts, step=sum(parts.values())), stages
 
 
@@ -277,6 +310,7 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
         "step_time_s": time["step"], "step_time_parts_s": time,
         "memory_bound_stages": [k for k, bound in enumerate(stages["memory_bound"]) if bound],
         "gemm_shapes": gemm_shapes(model, setup), "cost_model": hw.device_profile().source,
+        "measured_blocks": stages["measured_blocks"],
         "mfu_estimate": formulas.mfu(flops, time["step"], hw.peak_flops, setup.gpus),
     }
 
@@ -322,12 +356,12 @@ def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any
 def why(plan: Dict[str, Any]) -> str:
     """The step-time shares besides compute, largest first, and the memory: why it ranks there."""
     parts = plan["step_time_parts_s"]
-    shares = sorted(((parts[k] / parts["step"], k) for k in ("bubble", "latency", "tp", "cp", "ep", "pp", "dp")
+    shares = sorted(((parts[k] / parts["step"], k) for k in ("bubble", "latency", "optimizer", "tp", "cp", "ep", "pp", "dp")
                      if parts[k] >= 0.005 * parts["step"]),
                     reverse=True)
     where = {k: "in node" if plan["groups_within_node"][g] else "across nodes"
              for k, g in (("tp", "tp"), ("cp", "cp"), ("ep", "ep"), ("pp", "pp"), ("dp", "data"))}
-    text = [f"{k} {share:.0%}" + ("" if k in ("bubble", "latency") else f" {where[k]}") for share, k in shares]
+    text = [f"{k} {share:.0%}" + ("" if k in ("bubble", "latency", "optimizer") else f" {where[k]}") for share, k in shares]
     if plan.get("memory_bound_stages"):
         text.append("weights' traffic bounds compute")
     text.append(f"{plan['memory_per_device_bytes'] / GIB:.0f} GiB")

@@ -97,12 +97,14 @@ def _set_aside_later_tags(root: Path, resume_from: Optional[CheckpointRef]) -> N
 
 def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dict: Dict[str, Any],
          layout: Dict[str, int], keep_last: int, is_writer: bool, wandb_run_id: Optional[str] = None,
-         data_state: Optional[Dict[str, Any]] = None, data_identity: Optional[Dict[str, Any]] = None) -> Path:
+         data_state: Optional[Dict[str, Any]] = None, data_identity: Optional[Dict[str, Any]] = None,
+         layout_auto: Optional[Dict[str, Any]] = None) -> Path:
     """Every rank calls this; rank `is_writer` commits (it holds the wandb run, whose id a
     resumed run continues) and then prunes in the background, while the others train on.
     `data_state`: the streaming data position of the whole run (JSON, already gathered from the
     ranks), stored in complete.json for `--load`; `data_identity`: what decides the samples
-    (data/fingerprint.py) and where the data order began, which a resume checks. Returns the tag
+    (data/fingerprint.py) and where the data order began, which a resume checks; `layout_auto`:
+    how --layout auto chose the layout (launch/runtime/auto_layout.py: AutoChoice). Returns the tag
     directory."""
     use_safe_engine(engine)  # each rank fsyncs the files it writes
     tag = tag_for(step)
@@ -119,7 +121,7 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     if is_writer:
         meta = {"step": step, "samples": samples, "layout": layout, "recipe": recipe_dict,
                 "world_size": dist.get_world_size(), "wandb_run_id": wandb_run_id, "data_state": data_state,
-                "parent": _latest_tag(root), FUSED_LLAMA: True, **(data_identity or {})}
+                "parent": _latest_tag(root), FUSED_LLAMA: True, "layout_auto": layout_auto, **(data_identity or {})}
         _commit(root, tag, meta)
         _prune_in_background(root, tag, keep_last)
     return root / tag

@@ -9,14 +9,17 @@ runs, while the other ranks wait). Each candidate must pass the run's own layout
 (launch/config/layout.py, CPU rules included) and fit the device's memory (a GPU's; a CPU's is not
 checked). Axes given on the command line (--tp, --pp, --cp, --ep) are kept. Recompute, schedule,
 precision and ZeRO stay the recipe's. The candidates are ranked by predicted step time, equal
-times by fewer, larger micro-batches (launch/analysis/planner.py: search)."""
+times by fewer, larger micro-batches (launch/analysis/planner.py: search). With --auto-sweep K the
+K first are measured for a few steps each and the fastest measured is trained
+(launch/runtime/auto_sweep.py)."""
 import argparse
 import dataclasses
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from launch.config.recipe import Recipe
 from launch.errors import ConfigError
+from launch.runtime.auto_sweep import describe, fastest_measured, run_trials
 
 SHOWN = 5  # candidates printed with their predictions
 
@@ -32,14 +35,20 @@ class AutoChoice:
     ranked: int
     """Valid candidates that fit, of which this is the first."""
     cost_model: str
+    measured_step_time_s: Optional[float] = None
+    """--auto-sweep: this layout's trial (median step time after warm-up); None without a sweep."""
+    swept: int = 0
+    """--auto-sweep: the planner's first K candidates measured (0: none)."""
 
     def overrides(self) -> List[str]:
         return [f"train.cp={self.cp}", f"train.ep={self.ep}", f"train.micro_batch_size={self.micro_batch}"]
 
     def line(self) -> str:
+        which = (f"the fastest measured of the {self.swept} fastest predicted ({self.measured_step_time_s:.4g} s "
+                 f"measured) of {self.ranked} valid layouts" if self.swept else
+                 f"the fastest of {self.ranked} valid layouts")
         return (f"layout auto: tp {self.tp}, pp {self.pp}, cp {self.cp}, ep {self.ep}, micro-batch {self.micro_batch}: "
-                f"predicted {self.predicted_step_time_s:.4g} s a step, the fastest of {self.ranked} valid layouts "
-                f"({self.cost_model})")
+                f"predicted {self.predicted_step_time_s:.4g} s a step, {which} ({self.cost_model})")
 
 
 def _fixed_axes(args) -> Dict[str, int]:
@@ -49,14 +58,16 @@ def _fixed_axes(args) -> Dict[str, int]:
 def _hardware(recipe: Recipe, model, setup, local: int):
     """This machine's profile as Hardware: cached calibration, known GPU, or a calibration now."""
     from launch.runtime.calibrate import calibrated_profile
-    from launch.analysis.planner import candidates, gemm_shapes
+    from launch.analysis.planner import block_case, candidates, gemm_shapes
     from launch.runtime.step_prediction import this_device_hardware
     hardware, _ = this_device_hardware(recipe.train.precision, local)
+    planned = list(candidates(model, setup))
+    cases = {block_case(model, c) for c in planned}
     if hardware is None:
-        shapes = {shape for c in candidates(model, setup) for shape in gemm_shapes(model, c).values()}
-        print(f"layout auto: no calibration of this machine in {recipe.train.precision}; measuring "
-              f"{len(shapes)} GEMM shapes with {local} processes", flush=True)
-        calibrated_profile(shapes, recipe.train.precision, local)
+        shapes = {shape for c in planned for shape in gemm_shapes(model, c).values()}
+        print(f"layout auto: measuring this machine in {recipe.train.precision} with {local} processes: "
+              f"{len(shapes)} GEMM shapes, the model's pieces at {len(cases)} cases (cached)", flush=True)
+        calibrated_profile(shapes, recipe.train.precision, local, model, cases)
         hardware, _ = this_device_hardware(recipe.train.precision, local)
     return hardware
 
@@ -98,8 +109,10 @@ def _one_rank_layout(world: int, recipe: Recipe):
                   grad_accum_steps=max(1, B // world))
 
 
-def choose(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: int, local: int, on_cpu: bool) -> dict:
-    """Rank 0's decision as JSON: the choice and the top candidates, or the refusal's line."""
+def choose(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: int, local: int, on_cpu: bool,
+           sweep: int = 0) -> dict:
+    """Rank 0's decision as JSON: the choice and the top candidates (at least `sweep` of them, with
+    a rendezvous port for each trial), or the refusal's line."""
     try:
         ranked, model_used = rank_layouts(recipe, world, fixed, vocab_size, local, on_cpu)
     except ConfigError as e:
@@ -110,10 +123,30 @@ def choose(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: int, l
                            f"global batch {recipe.train.global_batch_size}); drop a fixed axis or start another "
                            f"number of processes"}
     best = ranked[0]
-    top = [{key: r[key] for key in ("tp", "pp", "cp", "dp", "ep", "micro_batch", "step_time_s")} for r in ranked[:SHOWN]]
+    top = [{key: r[key] for key in ("tp", "pp", "cp", "dp", "ep", "micro_batch", "step_time_s")}
+           for r in ranked[:max(SHOWN, sweep)]]
+    from launch.runtime.distributed import free_port
     return {"choice": dict(tp=best["tp"], pp=best["pp"], cp=best["cp"], ep=best["ep"], micro_batch=best["micro_batch"],
                            predicted_step_time_s=best["step_time_s"], ranked=len(ranked), cost_model=model_used),
-            "top": top}
+            "top": top, "trial_ports": [free_port() for _ in top[:sweep]]}
+
+
+def _swept_choice(args, decision: dict, planned: AutoChoice, world: int, fixed: Dict[str, int]) -> AutoChoice:
+    """The fastest measured of the trials of the top candidates (rank 0's measurements, on every rank)."""
+    from data.job_listing import once_per_job
+    trials = decision["top"][:len(decision["trial_ports"])]
+    local_times = run_trials(args, trials, decision["trial_ports"])
+    times = once_per_job(["auto sweep", str(args.recipe), args.overrides, world, fixed, decision["trial_ports"]],
+                         lambda: local_times, "--auto-sweep: rank 0 failed its trials",
+                         "--auto-sweep: rank 0 did not finish its trials")
+    best = fastest_measured(trials, times)
+    if best is None:
+        raise ConfigError(f"--auto-sweep {len(trials)}: every trial failed (their last lines are above); train a "
+                          f"layout given with --tp/--pp, or --layout auto without --auto-sweep")
+    won = trials[best]
+    return dataclasses.replace(planned, tp=won["tp"], pp=won["pp"], cp=won["cp"], ep=won["ep"],
+                               micro_batch=won["micro_batch"], predicted_step_time_s=won["step_time_s"],
+                               measured_step_time_s=times[best], swept=len(trials))
 
 
 def auto_layout(args, recipe: Recipe, world: int, vocab_size: int, on_cpu: bool) -> Tuple[Recipe, AutoChoice]:
@@ -123,16 +156,21 @@ def auto_layout(args, recipe: Recipe, world: int, vocab_size: int, on_cpu: bool)
     from launch.runtime.cli import training_recipe
     fixed = _fixed_axes(args)
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
-    decision = once_per_job(["layout auto", str(args.recipe), args.overrides, world, fixed],
-                            lambda: choose(recipe, world, fixed, vocab_size, local, on_cpu),
+    sweep = args.auto_sweep or 0
+    decision = once_per_job(["layout auto", str(args.recipe), args.overrides, world, fixed, sweep],
+                            lambda: choose(recipe, world, fixed, vocab_size, local, on_cpu, sweep),
                             "--layout auto: rank 0 failed to choose", "--layout auto: rank 0 did not choose")
     if "refused" in decision:
         raise ConfigError(decision["refused"])
     choice = AutoChoice(**decision["choice"])
-    if os.environ.get("RANK", "0") == "0":
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if rank0:
         print("layout auto: the fastest predicted\n" + "\n".join(
-            f"  {i}. tp {r['tp']}, pp {r['pp']}, cp {r['cp']}, dp {r['dp']}, ep {r['ep']}, micro-batch {r['micro_batch']}: "
-            f"{r['step_time_s']:.4g} s" for i, r in enumerate(decision["top"], 1)), flush=True)
+            f"  {i}. {describe(r)}: {r['step_time_s']:.4g} s" for i, r in enumerate(decision["top"][:SHOWN], 1)),
+            flush=True)
+    if sweep:
+        choice = _swept_choice(args, decision, choice, world, fixed)
+    if rank0:
         print(choice.line(), flush=True)
     chosen = argparse.Namespace(**{**vars(args), "overrides": list(args.overrides) + choice.overrides()})
     return training_recipe(chosen), choice

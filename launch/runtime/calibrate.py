@@ -8,17 +8,23 @@ later plan measures only shapes it has not seen.
 On CPU the processes of a job share the cores, so `procs` copies of the measurement run at once
 (each with the threads a rank gets, launch/runtime/distributed.py: threads_per_rank) and the
 slowest copy's rate is kept: the oversubscription a run meets is part of what is measured. The
-copies then form a gloo group and time a ring all-reduce: the links of a job on this machine.
-A GPU measures its own GEMMs and memory; its links stay the datasheet's until measured."""
+copies then form a gloo group and time a ring all-reduce: the links of a job on this machine,
+the optimizer's update per parameter, and, given the model, its own blocks and head as each
+candidate runs them (launch/runtime/calibrate_blocks.py). A GPU measures its own GEMMs, memory and
+optimizer; its links stay the datasheet's until measured, and its blocks are costed from the GEMM
+table (one GPU cannot form the candidates' TP groups)."""
 import multiprocessing
 import os
+import queue
 import platform
 import re
 import time
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence
 
-from launch.analysis.device_profile import DeviceProfile, Shape, gemm_key
+from launch.analysis.device_profile import DeviceProfile, Shape, block_key, gemm_key, model_key
+from launch.runtime.calibrate_blocks import Case, time_pieces
+from launch.runtime.calibrate_engine import engine_overheads
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 MIN_SECONDS = 0.05   # per GEMM measurement, after one warm-up call
@@ -100,6 +106,24 @@ def memory_bandwidth(dtype: str) -> float:
     return 2 * src.numel() * src.element_size() / sorted(times)[2]
 
 
+def optimizer_seconds_per_param() -> float:
+    """Seconds of torch's AdamW update (fp32, foreach, as the run's optimizer) per parameter, median of 5."""
+    import torch
+    weight = torch.nn.Parameter(torch.zeros(COPY_BYTES[_torch_device().type] // 16, device=_torch_device()))
+    weight.grad = torch.ones_like(weight)
+    adam = torch.optim.AdamW([weight], lr=1e-3)
+    sync = torch.cuda.synchronize if weight.is_cuda else (lambda: None)
+    adam.step()
+    times = []
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        adam.step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[2] / weight.numel()
+
+
 def _all_reduce_seconds(tensor, repeats: int) -> float:
     """Median seconds of an all-reduce of `tensor` in this process group, after one warm-up, each
     call started together (a barrier before it)."""
@@ -130,58 +154,96 @@ def link_latency() -> float:
 
 
 def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, rank: int = 0, procs: int = 1,
-             port: int = 0, results=None) -> dict:
-    """Every shape's GEMM rate and the memory bandwidth in this process; with `procs` > 1 also
-    the link bandwidth of a gloo group of the processes (put on `results`, a queue, with the rank)."""
+             port: int = 0, results=None, model=None, cases: Sequence[Case] = ()) -> dict:
+    """Every shape's GEMM rate, the memory bandwidth and the optimizer's rate in this process;
+    with `procs` > 1 also the link bandwidth of a gloo group of the processes; with `model`, its
+    pieces at `cases` in that group (put on `results`, a queue)."""
     import torch
     if threads:
         torch.set_num_threads(threads)
-    measured = {"gemm": {gemm_key(*s): gemm_rate(s, dtype) for s in shapes}, "memory_bw": memory_bandwidth(dtype)}
-    if procs > 1:
+    measured = {"gemm": {gemm_key(*s): gemm_rate(s, dtype) for s in shapes}, "memory_bw": memory_bandwidth(dtype),
+                "optimizer_s_per_param": optimizer_seconds_per_param()}
+    if procs > 1 or cases:
         import torch.distributed as dist
+        from launch.runtime.distributed import free_port
+        port = port or free_port()
+        # DeepSpeed's engine (the probe) reads the launcher's variables.
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(procs), LOCAL_WORLD_SIZE=str(procs),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs)
-        measured["link_bw"], measured["link_latency_s"] = link_bandwidth(procs), link_latency()
+        if procs > 1:
+            measured["link_bw"], measured["link_latency_s"] = link_bandwidth(procs), link_latency()
+        if cases:
+            measured["blocks"] = time_pieces(model, cases, dtype)
+            measured["per_step_s"], measured["per_microbatch_s"] = engine_overheads(procs, dtype)
         dist.destroy_process_group()
     if results is not None:
         results.put(measured)
     return measured
 
 
-def _measured_at_once(shapes: List[Shape], dtype: str, procs: int) -> dict:
+def _measured_at_once(shapes: List[Shape], dtype: str, procs: int, model=None, cases: Sequence[Case] = ()) -> dict:
     """`_measure` in `procs` processes started together, each its rank's share of the cores; the
-    slowest rate of each, and their group's all-reduce bandwidth."""
-    if procs <= 1:
-        return _measure(shapes, dtype)
+    slowest rate of each (the slowest time of each piece), and their group's all-reduce bandwidth."""
+    if procs <= 1 and not cases:
+        return _measure(shapes, dtype)  # in this process: no process group, nothing left behind
     from launch.runtime.distributed import free_port, threads_per_rank, usable_cpus
     threads, port = threads_per_rank({}, usable_cpus(), procs), free_port()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    ranks = [context.Process(target=_measure, args=(shapes, dtype, threads, r, procs, port, results))
+    ranks = [context.Process(target=_measure, args=(shapes, dtype, threads, r, procs, port, results, model, cases))
              for r in range(procs)]
     for process in ranks:
         process.start()
-    measured = [results.get(timeout=600) for _ in ranks]
+    measured = []
+    while len(measured) < procs:
+        try:
+            measured.append(results.get(timeout=5))
+        except queue.Empty:
+            failed = [p.exitcode for p in ranks if p.exitcode not in (None, 0)]
+            if failed:  # a process that died never answers: its traceback is above
+                for process in ranks:
+                    process.kill()
+                raise RuntimeError(f"a calibration process failed (exit {failed[0]})") from None
     for process in ranks:
         process.join()
+    links = {key: pick(r[key] for r in measured) for key, pick in (("link_bw", min), ("link_latency_s", max))
+             if key in measured[0]}
     return {"gemm": {key: min(r["gemm"][key] for r in measured) for key in measured[0]["gemm"]},
-            "memory_bw": min(r["memory_bw"] for r in measured), "link_bw": min(r["link_bw"] for r in measured),
-            "link_latency_s": max(r["link_latency_s"] for r in measured)}
+            "memory_bw": min(r["memory_bw"] for r in measured), **links,
+            "optimizer_s_per_param": max(r["optimizer_s_per_param"] for r in measured),
+            "blocks": {key: max(r["blocks"][key] for r in measured) for key in measured[0].get("blocks", {})},
+            **{key: max(r[key] for r in measured) for key in ("per_step_s", "per_microbatch_s") if key in measured[0]}}
 
 
-def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int = 1) -> DeviceProfile:
-    """The cached profile of this device, measured for every shape it lacks (and saved again)."""
+def _runnable(cases: Iterable[Case], procs: int) -> List[Case]:
+    """The cases whose TP and EP groups the calibration's processes can form (tp | procs, ep | procs / tp)."""
+    return sorted({c for c in cases if procs % c[0] == 0 and (procs // c[0]) % c[1] == 0})
+
+
+def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int = 1, model=None,
+                       cases: Iterable[Case] = ()) -> DeviceProfile:
+    """The cached profile of this device, measured for every GEMM shape and, with `model`, every
+    block case (launch/analysis/planner.py: block_case) it lacks, and saved again."""
     import torch
-    procs = procs if not torch.cuda.is_available() else 1  # a GPU is its rank's own
+    on_gpu = torch.cuda.is_available()
+    procs = procs if not on_gpu else 1  # a GPU is its rank's own
     device, path = device_name(procs), cache_path(device_name(procs), dtype)
     profile = DeviceProfile.from_json(path.read_text()) if path.exists() else None
     if profile is None or profile.software != software():
         profile = DeviceProfile(device=device, source="calibrated", dtype=dtype, software=software())
     missing = sorted({tuple(s) for s in shapes} - set(profile.shapes()))
-    if missing or profile.memory_bw is None:
-        measured = _measured_at_once(missing, dtype, procs)
+    key = model_key(model) if model is not None and not on_gpu else None
+    new_cases = [c for c in _runnable(cases, procs) if block_key(key, "head", *c) not in profile.blocks] if key else []
+    if missing or new_cases or profile.memory_bw is None or profile.optimizer_s_per_param is None:
+        measured = _measured_at_once(missing, dtype, procs, model, new_cases)
         profile.gemm.update(measured["gemm"])
+        profile.blocks.update(measured.get("blocks", {}))
         profile.memory_bw = measured["memory_bw"] if profile.memory_bw is None else profile.memory_bw
+        profile.optimizer_s_per_param = profile.optimizer_s_per_param or measured["optimizer_s_per_param"]
         profile.link_bw = measured.get("link_bw", profile.link_bw)
         profile.link_latency_s = measured.get("link_latency_s", profile.link_latency_s)
+        profile.per_step_s = measured.get("per_step_s", profile.per_step_s)
+        profile.per_microbatch_s = measured.get("per_microbatch_s", profile.per_microbatch_s)
         profile.save(path)
     return profile

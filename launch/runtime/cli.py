@@ -25,6 +25,9 @@ def parse_training_args(argv: Optional[List[str]], description: str = "") -> arg
                    help="auto: the planner chooses tp, pp, cp, ep and the micro-batch for these processes from this "
                         "machine's calibration (made first if missing) or a known GPU's datasheet; --tp, --pp, --cp "
                         "and --ep given are kept (docs/planner-and-metrics.md)")
+    p.add_argument("--auto-sweep", type=int, metavar="K",
+                   help="with --layout auto: run the K fastest predicted layouts for a few steps each, then train the "
+                        "fastest measured")
     p.add_argument("--cp", type=int, help="context-parallel size: ranks sharing each sequence (overrides train.cp)")
     p.add_argument("--ep", type=int, help="expert-parallel size: ranks of the data-parallel axis sharing each MoE "
                    "block's experts (overrides train.ep)")
@@ -59,6 +62,9 @@ def parse_training_args(argv: Optional[List[str]], description: str = "") -> arg
                    "silences")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.auto_sweep is not None and (args.layout != "auto" or args.auto_sweep < 1):
+        raise ConfigError(f"--auto-sweep {args.auto_sweep} needs --layout auto and K >= 1 (the number of predicted "
+                          f"layouts to measure)")
     if args.layout is None:  # the axes not given are 1; with --layout auto the planner picks them
         args.tp, args.pp = args.tp or 1, args.pp or 1
     if args.timeline_steps < 1:

@@ -208,7 +208,8 @@ def run_training(job: TrainingJob) -> None:
                                   wandb_run_id=metrics.wandb_run_id if metrics is not None else None,
                                   data_state=data.gather_data_state(batches),
                                   data_identity={"data_fingerprint": job.data_fingerprint,
-                                                 "data_origin_samples": job.data_origin_samples})
+                                                 "data_origin_samples": job.data_origin_samples},
+                                  layout_auto=dataclasses.asdict(job.layout_choice) if job.layout_choice else None)
             if logging_rank:
                 print(f"saved {path}", flush=True)
         hang.step_ended()

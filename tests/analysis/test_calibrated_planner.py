@@ -5,7 +5,9 @@
   a flat profile ties the micro-batch sizes, and the tie goes to the larger one.
 - The memory-bandwidth floor: a rank holding every expert (ep 1) pays for reading all of them
   each micro-batch, in proportion to the weights it holds; without the floor ep is invisible.
-- A calibration on this CPU measures each shape once, caches it and measures only new shapes.
+- A calibration on this CPU measures each shape and block case once, caches it and measures only
+  new ones.
+- --auto-sweep measures the top predicted layouts and trains the fastest measured.
 """
 import json
 import math
@@ -66,23 +68,35 @@ def test_holding_every_expert_pays_for_reading_them_each_micro_batch(tmp_path, c
     assert blind[1] == pytest.approx(blind[2], rel=1e-12)
 
 
-def test_calibration_measures_each_shape_once_and_caches_it(tmp_path, monkeypatch, capsys):
+@pytest.mark.slow
+def test_calibration_measures_each_shape_and_block_once_and_caches_it(tmp_path, monkeypatch, capsys):
     """A real calibration on this CPU (fp32, one process): every GEMM shape of the plan measured
-    and saved with the memory bandwidth; a second plan with another micro-batch measures only
-    its new shape and keeps the first measurement."""
+    and saved with the memory bandwidth, the optimizer's rate, the engine's cost per step, and
+    the model's block and head timed at the plan's case; the plan then uses the measured blocks. A
+    second plan with another micro-batch measures only its new shape and case and keeps the first."""
     monkeypatch.setenv("GPT3D_CALIBRATION", str(tmp_path))
     common = ["--recipe", str(RECIPES / "tiny.yaml"), "--gpus", "1", "--precision", "fp32", "--calibrate"]
     first = _plan(capsys, *common, "--micro-batch", "2")
     (cached,) = tmp_path.glob("*.json")
     profile = DeviceProfile.from_json(cached.read_text())
     assert first["cost_model"] == "calibrated" and profile.source == "calibrated" and "torch" in profile.software
-    assert list(profile.gemm) == [gemm_key(*first["gemm_shapes"]["dense"])] and profile.memory_bw > 1e8
-    assert profile.gemm[gemm_key(*first["gemm_shapes"]["dense"])] > 1e6  # FLOP/s of a real matmul
+    dense = gemm_key(*first["gemm_shapes"]["dense"])
+    assert list(profile.gemm) == [dense] and profile.memory_bw > 1e8
+    assert profile.gemm[dense] > 1e6  # FLOP/s of a real matmul
+    assert profile.optimizer_s_per_param > 0 and profile.per_step_s > 0 and first["measured_blocks"]
+    from launch.analysis.device_profile import block_key, model_key
+    from launch.analysis.plan_args import resolve
+    from launch.plan import parse_args
+    model = resolve(parse_args(common[:-1]))[0]
+    for piece in ("dense", "head"):  # the backward costs more than nothing
+        both = profile.blocks[block_key(model_key(model), piece, 1, 1, 2, model.seq_len)]
+        assert 0 < profile.blocks[block_key(model_key(model), piece + ".forward", 1, 1, 2, model.seq_len)] < both
     second = _plan(capsys, *common, "--micro-batch", "4")
     again = DeviceProfile.from_json(cached.read_text())
-    assert sorted(again.gemm) == sorted([gemm_key(*first["gemm_shapes"]["dense"]), gemm_key(*second["gemm_shapes"]["dense"])])
-    assert again.gemm[gemm_key(*first["gemm_shapes"]["dense"])] == profile.gemm[gemm_key(*first["gemm_shapes"]["dense"])]
-    assert main([*common[:-1], "--micro-batch", "2", "--calibrate", "--search"]) == 0
+    assert sorted(again.gemm) == sorted([dense, gemm_key(*second["gemm_shapes"]["dense"])])
+    assert again.gemm[dense] == profile.gemm[dense] and again.blocks.items() >= profile.blocks.items()
+    assert len(again.blocks) == 2 * len(profile.blocks)  # the new case's pieces, the first kept
+    assert main([*common[:-1], "--micro-batch", "2", "--profile", str(cached), "--search"]) == 0
     assert "cost model: calibrated on" in capsys.readouterr().out
 
 
@@ -148,3 +162,37 @@ def test_layout_auto_trains_the_planners_first_pick_and_keeps_the_axes_given(tmp
     assert "layout auto: tp" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="--layout auto: no layout of 4 processes .*--tp 3"):
         prepare_training_job(parse_training_args(["--recipe", tiny, "--layout", "auto", "--tp", "3"], ""))
+
+
+@pytest.mark.slow
+def test_auto_sweep_trains_the_fastest_measured_of_the_top_predicted(tmp_path, monkeypatch, capsys):
+    """--layout auto --auto-sweep 2 in one process, with a given GEMM table that is wrong on
+    purpose (the fewer a GEMM's rows, the faster): the planner's top 2 are micro-batch 1 and 2
+    (16 and 8 micro-batches a step), and each runs as its own launch/train.py for a few steps.
+    Measured, the engine's cost per micro-batch makes micro-batch 1 the slower, so the job trains
+    the fastest measured trial, not the planner's first, and records what it measured."""
+    import re
+
+    from launch.runtime.calibrate import cache_path, device_name
+    from launch.runtime.cli import parse_training_args
+    from launch.runtime.distributed import free_port
+    from launch.runtime.startup import prepare_training_job
+    monkeypatch.setenv("GPT3D_CALIBRATION", str(tmp_path))
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    # tiny's GEMM (b x 32 rows, 64, 256): the table says 32 rows run 16x faster than 512.
+    gemm = {gemm_key(rows, 64, 256): RATE * 32 / rows for rows in (32, 64, 128, 256, 512)}
+    DeviceProfile(device=device_name(1), source="calibrated", dtype="fp32",  # no bandwidth floor
+                  gemm=gemm).save(cache_path(device_name(1), "fp32"))
+    job = prepare_training_job(parse_training_args(["--recipe", str(RECIPES / "tiny.yaml"), "--layout", "auto",
+                                                    "--auto-sweep", "2"], ""))
+    out = capsys.readouterr().out
+    trials = {int(b): float(s) for b, s in re.findall(r"auto sweep \d/2: .*micro-batch (\d+): predicted \S+ s, "
+                                                      r"measured (\S+) s a step", out)}
+    assert sorted(trials) == [1, 2], out  # the planner's top 2, each measured
+    fastest = min(trials, key=trials.get)
+    assert job.layout.micro_batch_size == fastest == 2 and job.layout_choice.swept == 2
+    assert job.layout_choice.measured_step_time_s == pytest.approx(trials[fastest], rel=1e-3)
+    assert "the fastest measured of the 2 fastest predicted" in out
