@@ -53,6 +53,9 @@ class DeviceProfile:
     optimizer_s_per_param: Optional[float] = None
     """Seconds of the optimizer's update per parameter of the rank (AdamW's fp32 arithmetic);
     None: the traffic `OPTIMIZER_BYTES_PER_PARAM` at the memory bandwidth."""
+    host_sync_s: float = 0.0
+    """Seconds a host sync costs (a device-to-host copy the host waits for: an MoE block's split
+    sizes); a datasheet assumes HOST_SYNC_S."""
     blocks: Dict[str, float] = field(default_factory=dict)
     """`block_key` -> seconds of one model piece measured as a candidate runs it (module docstring)."""
 
@@ -137,9 +140,16 @@ def gemm_key(m: int, k: int, n: int) -> str:
     return f"{m},{k},{n}"
 
 
+HOST_SYNC_S = 20e-6
+"""An assumed GPU host sync: the copy's round trip and the launch latency of the kernels queued
+after it (CUDA's launch overhead is ~5-10 us a kernel); a calibration measures its own."""
+
+
 def datasheet_profile(name: str, peak_flops: float, efficiency: float, memory_bw: Optional[float]) -> DeviceProfile:
-    """The planner without calibration: `efficiency` of peak at every shape, the datasheet's memory bandwidth."""
-    return DeviceProfile(device=name, source="datasheet", flat_rate=peak_flops * efficiency, memory_bw=memory_bw)
+    """The planner without calibration: `efficiency` of peak at every shape, the datasheet's memory
+    bandwidth, an assumed host sync."""
+    return DeviceProfile(device=name, source="datasheet", flat_rate=peak_flops * efficiency, memory_bw=memory_bw,
+                         host_sync_s=HOST_SYNC_S)
 
 
 def bytes_per_weight(element_bytes: int, full_recompute: bool) -> int:

@@ -61,7 +61,7 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
                   precision=args.precision or (rt.precision if rt else "bf16"), communication_data_type=comm_dtype,
                   reduce_bucket_elements=int(ds_settings.get("zero_optimization", {}).get(
                       "reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)),
-                  grad_accum_fusion=rt.grad_accum_fusion if rt else True)
+                  grad_accum_fusion=rt.grad_accum_fusion if rt else True, expert_load=args.expert_load)
     gpu = GPUS[args.gpu]
     memory = args.gpu_memory if args.gpu_memory is not None else (gpu.memory_gib if args.search else None)
     for name, value in [("--gpu-memory", memory), ("--peak-tflops", args.peak_tflops),
@@ -71,6 +71,8 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
             raise ConfigError(f"{name} {value} must be > 0")
     if args.plot is not None and not args.plot.parent.is_dir():
         raise ConfigError(f"--plot {str(args.plot)!r}: folder {str(args.plot.parent)!r} does not exist")
+    if args.expert_load < 1:
+        raise ConfigError(f"--expert-load {args.expert_load} must be >= 1 (the busiest expert's rows over the mean)")
     if not 0 < args.efficiency <= 1:
         raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]")
     if args.calibrate and args.profile is not None:

@@ -67,6 +67,10 @@ class Setup:
     ep: int = 1
     """Expert-parallel degree (issue 26): each MoE block's experts split over ep ranks of the data
     axis; ZeRO-1 splits the experts' optimizer state over the dp * cp / ep ranks that hold them."""
+    expert_load: float = 1.0
+    """The busiest expert's routed rows over the mean (1: balanced). A block's expert GEMMs end
+    when its busiest expert's do, so the experts' compute scales by it; a run measures it (its
+    metrics' expert_load counts per MoE block), the planner assumes it."""
 
     @property
     def data_axis(self) -> int:

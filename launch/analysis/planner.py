@@ -184,7 +184,8 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     profile, shapes = hw.device_profile(), gemm_shapes(model, setup)
     rate = {kind: profile.gemm_rate(*shape) for kind, shape in shapes.items()}
     routed = [n * expert_flops_per_block(model, b, setup.full_recompute) for n in moe_blocks]
-    gemm = [((forward + backward - e) / rate["dense"] + (e / rate["expert"] if e else 0.0)) / (t * c)
+    # A block's experts finish with the busiest one: its share of the rows is expert_load x the mean.
+    gemm = [((forward + backward - e) / rate["dense"] + (e * setup.expert_load / rate["expert"] if e else 0.0)) / (t * c)
             for (forward, backward), e in zip(flops, routed)]
     # Every micro-batch reads each of the rank's weights and adds into its gradient: at least
     # that traffic's time at the memory bandwidth (a small micro-batch is bound by it).
@@ -202,7 +203,9 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     if measured is not None:
         again = 1 if setup.full_recompute else 0  # full recompute reruns each block's forward
         piece = {kind: measured[kind] + again * measured[kind + ".forward"] for kind in ("dense", "moe") if kind in measured}
-        compute = [(n - n_moe) * piece.get("dense", 0.0) + n_moe * piece.get("moe", 0.0)
+        # Measured with random routing (about balanced): the busiest expert's extra rows added.
+        imbalance = [(setup.expert_load - 1.0) * e / rate["expert"] / (t * c) if e else 0.0 for e in routed]
+        compute = [(n - n_moe) * piece.get("dense", 0.0) + n_moe * piece.get("moe", 0.0) + imbalance[k]
                    + (measured["head"] if k == p - 1 else 0.0) + profile.per_microbatch_s
                    for k, (n, n_moe) in enumerate(zip(blocks, moe_blocks))]
         floor = [0.0] * p
@@ -213,7 +216,10 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
              + (n_moe * (8 if setup.full_recompute else 5) if setup.ep > 1 and measured is None else 0)
              + (2 if p > 1 else 0)
              for n, n_moe in zip(blocks, moe_blocks)]
-    latency = [n * profile.link_latency_s for n in calls]
+    # An MoE block waits once on the host for its split sizes (model/transformer/moe.py), again
+    # when full recompute reruns its forward; a measured block holds its own.
+    syncs = [0 if measured is not None else n_moe * (2 if setup.full_recompute else 1) for n_moe in moe_blocks]
+    latency = [n * profile.link_latency_s + k * profile.host_sync_s for n, k in zip(calls, syncs)]
     slot = [compute[k] + tp_comm[k] + cp_comm[k] + ep_comm[k] + pp_comm + latency[k] for k in range(p)]
     forward = [slot[k] * flops[k][0] / sum(flops[k]) for k in range(p)]
     weight = [slot[k] * weight_flops[k] / sum(flops[k]) for k in range(p)]
@@ -319,10 +325,12 @@ def divisors(n: int) -> List[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidates(model: ModelConfig, setup: Setup) -> Iterator[Setup]:
+def candidates(model: ModelConfig, setup: Setup, recomputes: Optional[List[str]] = None,
+               schedules: Optional[List[str]] = None) -> Iterator[Setup]:
     """Every (tp, cp, pp, dp, micro-batch) for setup's GPUs and global batch, and for a model with
     experts every ep among the divisors of dp x cp that divide E (issue 26), the rest of `setup`
-    kept; not yet checked against the layout rules."""
+    kept; with `recomputes` and `schedules`, each of them too (a schedule only at pp > 1, where it
+    differs); not yet checked against the layout rules."""
     experts_count = model.resolved().moe.num_experts
     gpus, global_batch = setup.gpus, setup.global_batch
     for tp in divisors(gpus):
@@ -334,7 +342,10 @@ def candidates(model: ModelConfig, setup: Setup) -> Iterator[Setup]:
                 eps = [ep for ep in divisors(dp * cp) if experts_count % ep == 0] if experts_count else [1]
                 for b in divisors(global_batch // dp):
                     for ep in eps:
-                        yield dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, ep=ep, micro_batch=b)
+                        for recompute in recomputes or [setup.recompute]:
+                            for schedule in (schedules or [setup.schedule]) if pp > 1 else [setup.schedule]:
+                                yield dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, ep=ep, micro_batch=b,
+                                                          recompute=recompute, schedule=schedule)
 
 
 def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any]]:
@@ -347,10 +358,20 @@ def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any
             continue
         plan["fits"] = hw.memory_bytes is None or plan["memory_per_device_bytes"] <= hw.memory_bytes
         found.append(plan)
-    # Equal times (micro-batch sizes tie when the profile is flat and nothing else changes): fewer,
-    # larger micro-batches first, as each one costs the engine a dispatch the model may not see.
-    found.sort(key=lambda r: (r["step_time_s"], -r["micro_batch"], r["memory_per_device_bytes"]))
+    found.sort(key=ranking_key)
     return found
+
+
+RECOMPUTE_COST_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def ranking_key(plan: Dict[str, Any]) -> Tuple:
+    """Fastest first. Equal times (micro-batch sizes tie when the profile is flat and nothing else
+    changes; selective recompute's attention core is not in the FLOPs): fewer, larger micro-batches
+    first, as each one costs the engine a dispatch the model may not see, then less recomputation,
+    then less memory."""
+    return (plan["step_time_s"], -plan["micro_batch"], RECOMPUTE_COST_ORDER[plan["recompute"]],
+            plan["memory_per_device_bytes"])
 
 
 def why(plan: Dict[str, Any]) -> str:

@@ -35,24 +35,39 @@ class AutoChoice:
     ranked: int
     """Valid candidates that fit, of which this is the first."""
     cost_model: str
+    recompute: str = "none"
+    schedule: str = "1f1b"
     measured_step_time_s: Optional[float] = None
     """--auto-sweep: this layout's trial (median step time after warm-up); None without a sweep."""
     swept: int = 0
     """--auto-sweep: the planner's first K candidates measured (0: none)."""
 
     def overrides(self) -> List[str]:
-        return [f"train.cp={self.cp}", f"train.ep={self.ep}", f"train.micro_batch_size={self.micro_batch}"]
+        return [f"train.cp={self.cp}", f"train.ep={self.ep}", f"train.micro_batch_size={self.micro_batch}",
+                f"train.recompute={self.recompute}", f"train.schedule={self.schedule}"]
 
     def line(self) -> str:
         which = (f"the fastest measured of the {self.swept} fastest predicted ({self.measured_step_time_s:.4g} s "
                  f"measured) of {self.ranked} valid layouts" if self.swept else
                  f"the fastest of {self.ranked} valid layouts")
-        return (f"layout auto: tp {self.tp}, pp {self.pp}, cp {self.cp}, ep {self.ep}, micro-batch {self.micro_batch}: "
+        return (f"layout auto: tp {self.tp}, pp {self.pp}, cp {self.cp}, ep {self.ep}, micro-batch {self.micro_batch}, "
+                f"recompute {self.recompute}, schedule {self.schedule}: "
                 f"predicted {self.predicted_step_time_s:.4g} s a step, {which} ({self.cost_model})")
 
 
-def _fixed_axes(args) -> Dict[str, int]:
-    return {axis: getattr(args, axis) for axis in ("tp", "pp", "cp", "ep") if getattr(args, axis) is not None}
+FREE_SETTINGS = {"recompute": "train.recompute", "schedule": "train.schedule"}
+"""The recipe's settings the planner also chooses, unless given with --set on the command line."""
+
+
+def _fixed_axes(args) -> Dict[str, Any]:
+    """The axes given with --tp, --pp, --cp, --ep, and recompute and schedule given with --set."""
+    fixed: Dict[str, Any] = {axis: getattr(args, axis) for axis in ("tp", "pp", "cp", "ep")
+                             if getattr(args, axis) is not None}
+    for setting, key in FREE_SETTINGS.items():
+        given = [o.split("=", 1)[1] for o in args.overrides if o.split("=", 1)[0].strip() == key]
+        if given:
+            fixed[setting] = given[-1].strip()
+    return fixed
 
 
 def _hardware(recipe: Recipe, model, setup, local: int):
@@ -76,7 +91,7 @@ def rank_layouts(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: 
                  on_cpu: bool) -> Tuple[List[Dict[str, Any]], str]:
     """(every candidate that passes the run's rules and fits, fastest first; the cost model)."""
     from launch.analysis.plan_report import cost_model
-    from launch.analysis.planner import candidates, estimate_plan
+    from launch.analysis.planner import candidates, estimate_plan, ranking_key
     from launch.config.layout import check_and_derive_layout
     from launch.runtime.step_prediction import planner_inputs
     base = dataclasses.replace(recipe.train, cp=1, ep=1)
@@ -85,12 +100,14 @@ def rank_layouts(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: 
     setup = dataclasses.replace(setup, partition=recipe.train.partition if isinstance(recipe.train.partition, str)
                                 else tuple(recipe.train.partition))
     hardware = _hardware(recipe, model, setup, local)
+    from launch.config.recipe import RECOMPUTE_MODES, SCHEDULES
     ranked = []
-    for candidate in candidates(model, setup):
+    for candidate in candidates(model, setup, list(RECOMPUTE_MODES), list(SCHEDULES)):
         if any(getattr(candidate, axis) != value for axis, value in fixed.items()):
             continue
         trial = dataclasses.replace(recipe, train=dataclasses.replace(
-            recipe.train, cp=candidate.cp, ep=candidate.ep, micro_batch_size=candidate.micro_batch))
+            recipe.train, cp=candidate.cp, ep=candidate.ep, micro_batch_size=candidate.micro_batch,
+            recompute=candidate.recompute, schedule=candidate.schedule))
         try:
             check_and_derive_layout(trial, world, candidate.tp, candidate.pp, on_cpu)
             plan = estimate_plan(model, candidate, hardware)
@@ -98,7 +115,7 @@ def rank_layouts(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: 
             continue
         if hardware.memory_bytes is None or plan["memory_per_device_bytes"] <= hardware.memory_bytes:
             ranked.append(plan)
-    ranked.sort(key=lambda r: (r["step_time_s"], -r["micro_batch"], r["memory_per_device_bytes"]))
+    ranked.sort(key=ranking_key)
     return ranked, cost_model(hardware).removeprefix("cost model: ")
 
 
@@ -118,15 +135,17 @@ def choose(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: int, l
     except ConfigError as e:
         return {"refused": str(e)}
     if not ranked:
-        given = " ".join(f"--{axis} {value}" for axis, value in fixed.items()) or "no axis given"
+        given = " ".join(f"--set {FREE_SETTINGS[axis]}={value}" if axis in FREE_SETTINGS else f"--{axis} {value}"
+                         for axis, value in fixed.items()) or "no axis given"
         return {"refused": f"--layout auto: no layout of {world} processes passes the run's rules and fits ({given}, "
                            f"global batch {recipe.train.global_batch_size}); drop a fixed axis or start another "
                            f"number of processes"}
     best = ranked[0]
-    top = [{key: r[key] for key in ("tp", "pp", "cp", "dp", "ep", "micro_batch", "step_time_s")}
+    top = [{key: r[key] for key in ("tp", "pp", "cp", "dp", "ep", "micro_batch", "recompute", "schedule", "step_time_s")}
            for r in ranked[:max(SHOWN, sweep)]]
     from launch.runtime.distributed import free_port
     return {"choice": dict(tp=best["tp"], pp=best["pp"], cp=best["cp"], ep=best["ep"], micro_batch=best["micro_batch"],
+                           recompute=best["recompute"], schedule=best["schedule"],
                            predicted_step_time_s=best["step_time_s"], ranked=len(ranked), cost_model=model_used),
             "top": top, "trial_ports": [free_port() for _ in top[:sweep]]}
 
@@ -145,7 +164,8 @@ def _swept_choice(args, decision: dict, planned: AutoChoice, world: int, fixed: 
                           f"layout given with --tp/--pp, or --layout auto without --auto-sweep")
     won = trials[best]
     return dataclasses.replace(planned, tp=won["tp"], pp=won["pp"], cp=won["cp"], ep=won["ep"],
-                               micro_batch=won["micro_batch"], predicted_step_time_s=won["step_time_s"],
+                               micro_batch=won["micro_batch"], recompute=won["recompute"], schedule=won["schedule"],
+                               predicted_step_time_s=won["step_time_s"],
                                measured_step_time_s=times[best], swept=len(trials))
 
 

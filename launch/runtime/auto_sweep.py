@@ -33,6 +33,7 @@ def trial_command(args, candidate: Dict[str, int], metrics: Path) -> List[str]:
         command += ["--seed", str(args.seed)]
     command += ["--tp", str(candidate["tp"]), "--pp", str(candidate["pp"]), "--cp", str(candidate["cp"]),
                 "--ep", str(candidate["ep"]), "--set", f"train.micro_batch_size={candidate['micro_batch']}",
+                "--set", f"train.recompute={candidate['recompute']}", "--set", f"train.schedule={candidate['schedule']}",
                 "--steps", str(TRIAL_STEPS), "--set", "train.eval_every=0", "--wandb", "disabled",
                 "--metrics-out", str(metrics)]
     return command
@@ -69,7 +70,8 @@ def run_trials(args, candidates: List[Dict[str, int]], ports: List[int]) -> List
 
 def describe(candidate: Dict[str, int]) -> str:
     return (f"tp {candidate['tp']}, pp {candidate['pp']}, cp {candidate['cp']}, dp {candidate['dp']}, "
-            f"ep {candidate['ep']}, micro-batch {candidate['micro_batch']}")
+            f"ep {candidate['ep']}, micro-batch {candidate['micro_batch']}, recompute {candidate['recompute']}"
+            + (f", schedule {candidate['schedule']}" if candidate["pp"] > 1 else ""))
 
 
 def _last_line(log: Path) -> str:

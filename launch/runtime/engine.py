@@ -35,7 +35,7 @@ def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config:
           + (f"  CP groups  (split each sequence, all-to-all in attention): {groups(state.cp_groups)}\n"
              if cp > 1 else "")
           + f"  pipelines  (split the layers, stage 0 first): {groups(state.pipelines)}\n"
-          f"  DP groups  (split the data, all-reduce grads" + (f" over dp x cp" if cp > 1 else "") + "): "
+          "  DP groups  (split the data, all-reduce grads" + (" over dp x cp" if cp > 1 else "") + "): "
           f"{groups(state.dp_groups)}"
           + (f"\n  EP groups  (split the experts, all-to-all tokens): {groups(state.ep_groups)}" if layout.ep > 1 else ""))
     for stage, contents in stage_contents(pipe, config):

@@ -153,12 +153,19 @@ def test_layout_auto_trains_the_planners_first_pick_and_keeps_the_axes_given(tmp
     tiny = str(RECIPES / "tiny.yaml")
     ranked = _plan(capsys, "--recipe", tiny, "--gpus", "4", "--search", "--top", "60", "--profile",
                    str(cache_path(device_name(4), "fp32")))["search"]
+    # The recipe's schedule and recompute given, as launch/plan.py --search keeps them.
+    kept = ["--set", "train.schedule=1f1b", "--set", "train.recompute=none"]
     for given, expected in (([], ranked[0]), (["--pp", "2"], next(r for r in ranked if r["pp"] == 2))):
-        job = prepare_training_job(parse_training_args(["--recipe", tiny, "--layout", "auto", *given,
+        job = prepare_training_job(parse_training_args(["--recipe", tiny, "--layout", "auto", *given, *kept,
                                                         "--set", "train.eval_every=0"], ""))
         chosen = (job.layout.tp, job.layout.pp, job.layout.cp, job.layout.ep, job.layout.micro_batch_size)
         assert chosen == tuple(expected[k] for k in ("tp", "pp", "cp", "ep", "micro_batch")), (given, chosen)
         assert job.layout_choice.predicted_step_time_s == pytest.approx(expected["step_time_s"], rel=1e-12)
+    # Left to the planner at pp 2: ZB-H1's smaller bubble, and no recompute (nothing to fit on a CPU).
+    job = prepare_training_job(parse_training_args(["--recipe", tiny, "--layout", "auto", "--pp", "2",
+                                                    "--set", "train.eval_every=0"], ""))
+    assert (job.recipe.train.schedule, job.recipe.train.recompute) == ("zb-h1", "none")
+    assert job.layout_choice.predicted_step_time_s < expected["step_time_s"]
     assert "layout auto: tp" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="--layout auto: no layout of 4 processes .*--tp 3"):
         prepare_training_job(parse_training_args(["--recipe", tiny, "--layout", "auto", "--tp", "3"], ""))
