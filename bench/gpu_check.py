@@ -2,7 +2,7 @@
 in a process of its own under a time budget, so a check that fails, crashes the GPU or hangs is one
 row of the table, and the table is always printed and written as JSON.
 
-    python bench/gpu_check.py                        # NVIDIA GPU(s), no network; one H200: under 8 minutes
+    python bench/gpu_check.py                        # NVIDIA GPU(s), no network; one H200: under 10.5 minutes
     python bench/gpu_check.py --devices 1            # only the first GPU (the one-GPU checks)
     python bench/gpu_check.py --cpu --devices 1      # the same checks on CPU processes, at toy sizes
     python bench/gpu_check.py --checks document-mask,moe-mfu   # some of the checks
@@ -31,6 +31,9 @@ The checks (bench/gpu_check_rows.py, which says how each is measured):
    (model/parallel/weight_grad.py add_product_into) at Llama-2-7B's MLP shape (4096 x 11008
    weight, 8192 tokens): its error against an fp32 GEMM of the same bf16 operands, and its time
    against the unfused bf16 GEMM, cast and add.
+8. step-prediction: the planner's predicted step time against the measured one (launch/plan.py
+   --calibrate on this device first, then four eager GPT-2 124M runs of 16 x 1024 tokens a step:
+   micro-batch 4 and 8, each without and with full recompute; 8 steps, the first 3 left out).
 Every row names the GEMM paths its processes took: the fused bf16-into-fp32 GEMM's
 (model/parallel/weight_grad.py) and the experts' grouped one (model/transformer/grouped_gemm.py),
 each probed once per process on a GPU; "-" where the probe never ran (CPU, fp32, no experts).
@@ -52,7 +55,8 @@ and 30-35 s of compiling a block:
     document-mask          130 s   140 s  2 runs, each compiling; flex_attention's kernels; 6 steps of 6.3e13
     zb-h1                    3 s    10 s  skipped (needs 2 devices)
     grad-accum-fusion       10 s    20 s  CUDA start, 22 GEMMs of 7.4e11 FLOPs
-About 6.7 minutes; the budgets add up to 470 s, so the command ends within 8 minutes whatever
+    step-prediction        120 s   140 s  calibration 15 s, 4 runs' start-up, 8 steps of 1.2e13 each
+About 8.7 minutes; the budgets add up to 610 s, so the command ends within 10.5 minutes whatever
 happens. With 2 GPUs or more, parity's budget is 100 s and zb-h1 runs (85 s): within 10 minutes.
 With --cpu every check runs at toy sizes, eager, under 300 s each.
 
@@ -78,9 +82,9 @@ from launch.runtime.failure import FAULT_ENV
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO / "runs" / "gpu_check.json"  # runs/ is git-ignored
 # Seconds each check may take (the docstring's estimates, plus a margin); past it the check is
-# stopped and is an ERROR row. On one GPU they add up to 470 s: the whole run within 8 minutes.
+# stopped and is an ERROR row. On one GPU they add up to 610 s: the whole run within 10.5 minutes.
 GPU_BUDGET_S = {"parity": 55, "gpt2-mfu": 70, "llama-mfu": 100, "moe-mfu": 75, "document-mask": 140,
-                "zb-h1": 10, "grad-accum-fusion": 20}  # zb-h1 is skipped on one GPU
+                "zb-h1": 10, "grad-accum-fusion": 20, "step-prediction": 140}  # zb-h1 is skipped on one GPU
 # Two GPUs or more: parity's three runs, two of them through DeepSpeed's launcher; zb-h1's two at pp = 2.
 MULTI_GPU_BUDGET_S = {"parity": 100, "zb-h1": 85}
 CPU_BUDGET_S = 300  # a toy check on a loaded 2-core machine

@@ -249,9 +249,40 @@ def grad_accum_fusion(check: Check) -> List[dict]:
                 f"<= {bar:.0e}", within(error, bar), f"time x{fused / unfused:.2f} of unfused")]
 
 
+def step_prediction(check: Check) -> List[dict]:
+    """The planner's step time against the measured one (issue 36, item 5): launch/plan.py
+    --calibrate measures this device (its GEMMs at the candidates' shapes, memory, optimizer; on
+    CPU the model's blocks too) into the cache the runs read, then GPT-2 124M (tiny with --cpu)
+    trains eager at micro-batch 4 and 8 (2 and 4), each without and with full recompute, 16
+    samples a step; each run's own prediction against its median step time after the warm-up."""
+    import statistics
+    recipe, sizes = (TINY, (2, 4)) if check.on_cpu else (GPT2, (4, 8))
+    steps, warmup = (6, 2) if check.on_cpu else (8, 3)
+    subprocess_run([sys.executable, str(REPO / "launch" / "plan.py"), "--recipe", str(recipe), "--gpus", "1",
+                    "--global-batch", "16", "--search", "--calibrate"])
+    rows = []
+    for recompute in ("none", "full"):
+        for b in sizes:
+            records = check.train(recipe, [f"train.micro_batch_size={b}", "train.global_batch_size=16",
+                                           f"train.recompute={recompute}", "train.eval_every=0",
+                                           "train.compile=false"], steps, f"predicted-b{b}-{recompute}")
+            predicted = records[0].get("predicted_step_time_s")
+            measured = statistics.median(r["step_time_s"] for r in records[warmup:])
+            if predicted is None:
+                rows.append(row(f"{recipe.stem} micro-batch {b}, recompute {recompute}: step time", f"{measured:.3g} s",
+                                "-", FAIL, "no prediction: the calibration did not reach the run"))
+                continue
+            rows.append(row(f"{recipe.stem} micro-batch {b}, recompute {recompute}: predicted step time",
+                            f"predicted {predicted:.3g} s, measured {measured:.3g} s", "-", MEASURED,
+                            f"error {abs(measured - predicted) / measured:.0%} (measured / predicted "
+                            f"{measured / predicted:.2f})"))
+    return rows
+
+
 CHECKS: Dict[str, Callable[[Check], List[dict]]] = {
     "parity": parity, "gpt2-mfu": gpt2_mfu, "llama-mfu": llama_mfu, "moe-mfu": moe_mfu,
-    "document-mask": document_mask, "zb-h1": zero_bubble, "grad-accum-fusion": grad_accum_fusion}
+    "document-mask": document_mask, "zb-h1": zero_bubble, "grad-accum-fusion": grad_accum_fusion,
+    "step-prediction": step_prediction}
 TRAINING_CHECKS = tuple(name for name in CHECKS if name != "grad-accum-fusion")
 """The checks whose runs go through launch/train.py (gpu_check.py's --fail-row picks among them)."""
 

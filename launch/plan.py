@@ -78,6 +78,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     hw.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU one way across nodes")
     hw.add_argument("--efficiency", type=float, default=0.5,
                     help="datasheet cost model: fraction of peak every GEMM reaches (default 0.5)")
+    hw.add_argument("--roofline", action="store_true",
+                    help="datasheet profile: each GEMM at most its arithmetic intensity x the memory bandwidth "
+                         "(small per-rank GEMMs slow down; docs/planner-and-metrics.md)")
     hw.add_argument("--calibrate", action="store_true",
                     help="measure this machine's GEMMs (the candidates' shapes, in --precision) and memory "
                          "bandwidth, with min(--gpus, --gpus-per-node) processes at once on CPU; cached under "

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 Shape = Tuple[int, int, int]  # (M rows, K inner, N columns)
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass
@@ -38,6 +39,11 @@ class DeviceProfile:
     """"M,K,N" -> FLOP/s measured."""
     flat_rate: Optional[float] = None
     """A datasheet's FLOP/s at every shape (peak x efficiency); None for a measured table."""
+    roofline: bool = False
+    """With a flat rate: a GEMM runs at most at its arithmetic intensity (FLOPs per byte of its
+    three matrices, each read or written once) times the memory bandwidth (NVIDIA's Matrix
+    Multiplication Background User's Guide, "Math and Memory Bounds"): the datasheet's own curve of
+    efficiency against rows, which leaves out tile and wave quantization."""
     memory_bw: Optional[float] = None
     """Bytes/s of device memory (a streaming copy); None: no bandwidth floor."""
     link_bw: Optional[float] = None
@@ -66,6 +72,10 @@ class DeviceProfile:
         """FLOP/s of an (m x k) @ (k x n) GEMM: the flat rate, a measured shape, log-M
         interpolation between the nearest measured rows of the same (k, n) (held at the ends), or
         the nearest measured shape in log distance."""
+        if self.flat_rate is not None and self.roofline and self.memory_bw:
+            element = ELEMENT_BYTES.get(self.dtype, 2)
+            intensity = 2 * m * k * n / (element * (m * k + k * n + m * n))
+            return min(self.flat_rate, intensity * self.memory_bw)
         if self.flat_rate is not None:
             return self.flat_rate
         m = max(1.0, m)
@@ -145,11 +155,12 @@ HOST_SYNC_S = 20e-6
 after it (CUDA's launch overhead is ~5-10 us a kernel); a calibration measures its own."""
 
 
-def datasheet_profile(name: str, peak_flops: float, efficiency: float, memory_bw: Optional[float]) -> DeviceProfile:
-    """The planner without calibration: `efficiency` of peak at every shape, the datasheet's memory
-    bandwidth, an assumed host sync."""
-    return DeviceProfile(device=name, source="datasheet", flat_rate=peak_flops * efficiency, memory_bw=memory_bw,
-                         host_sync_s=HOST_SYNC_S)
+def datasheet_profile(name: str, peak_flops: float, efficiency: float, memory_bw: Optional[float],
+                      roofline: bool = False, dtype: str = "bf16") -> DeviceProfile:
+    """The planner without calibration: `efficiency` of peak at every shape (at most the
+    roofline's rate with `roofline`), the datasheet's memory bandwidth, an assumed host sync."""
+    return DeviceProfile(device=name, source="datasheet", dtype=dtype, flat_rate=peak_flops * efficiency,
+                         memory_bw=memory_bw, host_sync_s=HOST_SYNC_S, roofline=roofline)
 
 
 def bytes_per_weight(element_bytes: int, full_recompute: bool) -> int:

@@ -83,7 +83,8 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
                         inter_node_bw=args.inter_node_gbps * 1e9 if args.inter_node_gbps else gpu.inter_node_bw,
                         gpus_per_node=args.gpus_per_node, efficiency=args.efficiency,
                         memory_bytes=memory * GIB if memory is not None else None,
-                        profile=datasheet_profile(args.gpu, peak, args.efficiency, gpu.memory_bw))
+                        profile=datasheet_profile(args.gpu, peak, args.efficiency, gpu.memory_bw, args.roofline,
+                                                  setup.precision))
     if args.profile is not None:
         hardware = dataclasses.replace(hardware, profile=read_profile(args.profile))
     return model, setup, hardware

@@ -221,7 +221,8 @@ def cost_model(hw: Hardware) -> str:
         bandwidth += f", links {profile.link_bw / 1e9:.2g} GB/s and {profile.link_latency_s * 1e3:.2g} ms a call"
     if profile.source == "calibrated":
         return f"cost model: calibrated on {profile.device} ({len(profile.gemm)} GEMM shapes{bandwidth})"
-    return f"cost model: datasheet, {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s at every shape{bandwidth}"
+    shape = "at most, on the roofline" if profile.roofline else "at every shape"
+    return f"cost model: datasheet, {hw.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s {shape}{bandwidth}"
 
 
 def links(hw: Hardware) -> str:

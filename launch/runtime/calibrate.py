@@ -124,6 +124,20 @@ def optimizer_seconds_per_param() -> float:
     return sorted(times)[2] / weight.numel()
 
 
+def host_sync_seconds() -> float:
+    """Seconds of a host sync as an MoE block makes one: a small result copied to the host, which
+    waits for it, median of 101."""
+    import torch
+    counts = torch.ones(8, dtype=torch.int64, device=_torch_device())
+    (counts + 1).tolist()
+    times = []
+    for _ in range(101):
+        start = time.perf_counter()
+        (counts + 1).tolist()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[50]
+
+
 def _all_reduce_seconds(tensor, repeats: int) -> float:
     """Median seconds of an all-reduce of `tensor` in this process group, after one warm-up, each
     call started together (a barrier before it)."""
@@ -162,7 +176,7 @@ def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, ran
     if threads:
         torch.set_num_threads(threads)
     measured = {"gemm": {gemm_key(*s): gemm_rate(s, dtype) for s in shapes}, "memory_bw": memory_bandwidth(dtype),
-                "optimizer_s_per_param": optimizer_seconds_per_param()}
+                "optimizer_s_per_param": optimizer_seconds_per_param(), "host_sync_s": host_sync_seconds()}
     if procs > 1 or cases:
         import torch.distributed as dist
         from launch.runtime.distributed import free_port
@@ -212,6 +226,7 @@ def _measured_at_once(shapes: List[Shape], dtype: str, procs: int, model=None, c
     return {"gemm": {key: min(r["gemm"][key] for r in measured) for key in measured[0]["gemm"]},
             "memory_bw": min(r["memory_bw"] for r in measured), **links,
             "optimizer_s_per_param": max(r["optimizer_s_per_param"] for r in measured),
+            "host_sync_s": max(r["host_sync_s"] for r in measured),
             "blocks": {key: max(r["blocks"][key] for r in measured) for key in measured[0].get("blocks", {})},
             **{key: max(r[key] for r in measured) for key in ("per_step_s", "per_microbatch_s") if key in measured[0]}}
 
@@ -241,6 +256,7 @@ def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int 
         profile.blocks.update(measured.get("blocks", {}))
         profile.memory_bw = measured["memory_bw"] if profile.memory_bw is None else profile.memory_bw
         profile.optimizer_s_per_param = profile.optimizer_s_per_param or measured["optimizer_s_per_param"]
+        profile.host_sync_s = profile.host_sync_s or measured["host_sync_s"]
         profile.link_bw = measured.get("link_bw", profile.link_bw)
         profile.link_latency_s = measured.get("link_latency_s", profile.link_latency_s)
         profile.per_step_s = measured.get("per_step_s", profile.per_step_s)
