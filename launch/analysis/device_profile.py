@@ -49,6 +49,11 @@ class DeviceProfile:
     link_bw: Optional[float] = None
     """Bus bytes/s of a ring all-reduce among the processes of one machine (gloo on CPU); None:
     the links are the datasheet's (NVLink in a node, the NIC across)."""
+    all_to_all_bw: Optional[float] = None
+    """Bytes/s each rank sends in an all-to-all among the processes of one machine (CP's and EP's
+    exchanges); None: link_bw."""
+    p2p_bw: Optional[float] = None
+    """Bytes/s of one point-to-point transfer, every pair at once (a pipeline stage's); None: link_bw."""
     link_latency_s: float = 0.0
     """Seconds every collective costs besides its bytes (a one-element all-reduce); 0: unmeasured."""
     per_microbatch_s: float = 0.0

@@ -272,8 +272,11 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     fullest = max(range(p), key=lambda k: memory[k]["total"])
     groups = rank_groups(t, p, d, c, e)
     intra = {dim: within_node(groups[dim], hw.gpus_per_node) for dim in groups}
-    in_node = hw.device_profile().link_bw or hw.intra_node_bw  # measured links (one machine's processes) win
-    bandwidth = {dim: in_node if intra[dim] else hw.inter_node_bw for dim in groups}
+    # Measured links (one machine's processes) win: all-to-alls for CP and EP, point-to-point for PP.
+    profile = hw.device_profile()
+    in_node = profile.link_bw or hw.intra_node_bw
+    measured = {"cp": profile.all_to_all_bw, "ep": profile.all_to_all_bw, "pp": profile.p2p_bw}
+    bandwidth = {dim: (measured.get(dim) or in_node) if intra[dim] else hw.inter_node_bw for dim in groups}
     weight_flops = partition_rules.stage_weight_grad_flops(arch, parts, b, s)
     time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, weight_flops, d, m, dp_bytes, bandwidth,
                                       moe_blocks, expert_dp_bytes, params)

@@ -1,5 +1,5 @@
-"""`--layout auto` (issue 36, item 3): the planner chooses tp, pp, cp, ep and the micro-batch for
-this job's processes, and the run trains its pick.
+"""`--layout auto` (issue 36, item 3): the planner chooses tp, pp, cp, ep, the micro-batch, recompute
+and schedule for this job's processes, and the run trains its pick.
 
 Rank 0 decides and the others read its decision (data/job_listing.py: once_per_job), so every
 rank builds the same layout even if their machines would measure differently. The profile is
@@ -7,9 +7,10 @@ this machine's cached calibration, else a known GPU's datasheet; a CPU without a
 calibrated first (rank 0 measures the candidates' GEMM shapes with as many processes as the node
 runs, while the other ranks wait). Each candidate must pass the run's own layout rules
 (launch/config/layout.py, CPU rules included) and fit the device's memory (a GPU's; a CPU's is not
-checked). Axes given on the command line (--tp, --pp, --cp, --ep) are kept. Recompute, schedule,
-precision and ZeRO stay the recipe's. The candidates are ranked by predicted step time, equal
-times by fewer, larger micro-batches (launch/analysis/planner.py: search). With --auto-sweep K the
+checked). Axes given on the command line (--tp, --pp, --cp, --ep, and recompute and schedule
+given with --set) are kept; otherwise recompute and schedule are chosen too. Precision and ZeRO
+stay the recipe's. The candidates are ranked by predicted step time, equal times by fewer, larger
+micro-batches, then less recomputation (launch/analysis/planner.py: ranking_key). With --auto-sweep K the
 K first are measured for a few steps each and the fastest measured is trained
 (launch/runtime/auto_sweep.py)."""
 import argparse

@@ -160,6 +160,41 @@ def link_bandwidth(procs: int) -> float:
     return 2 * (procs - 1) / procs * buffer.numel() * buffer.element_size() / _all_reduce_seconds(buffer, 5)
 
 
+def all_to_all_bandwidth(procs: int) -> float:
+    """Bytes/s each rank sends in this process group's all-to-all of 8 MiB ((n-1)/n of its buffer
+    leaves it, as the planner counts CP's and EP's exchanges), median of 5."""
+    import torch
+    import torch.distributed as dist
+    send = torch.ones(1 << 21, dtype=torch.float32)
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send)
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_to_all_single(received, send)
+        times.append(time.perf_counter() - start)
+    return (procs - 1) / procs * send.numel() * send.element_size() / sorted(times)[2]
+
+
+def point_to_point_bandwidth() -> float:
+    """Bytes/s of 8 MiB sent from each even rank to the next odd one (a pipeline stage's transfer,
+    every pair at once), median of 5."""
+    import torch
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    buffer = torch.ones(1 << 21, dtype=torch.float32)
+    peer = rank + 1 if rank % 2 == 0 else rank - 1
+    times = []
+    for _ in range(6):
+        dist.barrier()
+        start = time.perf_counter()
+        if peer < world:
+            (dist.send if rank % 2 == 0 else dist.recv)(buffer, peer)
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * buffer.element_size() / sorted(times[1:])[2]
+
+
 def link_latency() -> float:
     """Seconds of a one-element all-reduce in this process group, median of 21: what every
     collective costs besides its bytes."""
@@ -187,6 +222,7 @@ def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, ran
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs)
         if procs > 1:
             measured["link_bw"], measured["link_latency_s"] = link_bandwidth(procs), link_latency()
+            measured["all_to_all_bw"], measured["p2p_bw"] = all_to_all_bandwidth(procs), point_to_point_bandwidth()
         if cases:
             measured["blocks"] = time_pieces(model, cases, dtype)
             measured["per_step_s"], measured["per_microbatch_s"] = engine_overheads(procs, dtype)
@@ -221,8 +257,8 @@ def _measured_at_once(shapes: List[Shape], dtype: str, procs: int, model=None, c
                 raise RuntimeError(f"a calibration process failed (exit {failed[0]})") from None
     for process in ranks:
         process.join()
-    links = {key: pick(r[key] for r in measured) for key, pick in (("link_bw", min), ("link_latency_s", max))
-             if key in measured[0]}
+    links = {key: pick(r[key] for r in measured) for key, pick in (
+        ("link_bw", min), ("link_latency_s", max), ("all_to_all_bw", min), ("p2p_bw", min)) if key in measured[0]}
     return {"gemm": {key: min(r["gemm"][key] for r in measured) for key in measured[0]["gemm"]},
             "memory_bw": min(r["memory_bw"] for r in measured), **links,
             "optimizer_s_per_param": max(r["optimizer_s_per_param"] for r in measured),
@@ -259,6 +295,8 @@ def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int 
         profile.host_sync_s = profile.host_sync_s or measured["host_sync_s"]
         profile.link_bw = measured.get("link_bw", profile.link_bw)
         profile.link_latency_s = measured.get("link_latency_s", profile.link_latency_s)
+        profile.all_to_all_bw = measured.get("all_to_all_bw", profile.all_to_all_bw)
+        profile.p2p_bw = measured.get("p2p_bw", profile.p2p_bw)
         profile.per_step_s = measured.get("per_step_s", profile.per_step_s)
         profile.per_microbatch_s = measured.get("per_microbatch_s", profile.per_microbatch_s)
         profile.save(path)
