@@ -11,7 +11,7 @@ from launch.analysis import formulas
 from launch.analysis.device_profile import DeviceProfile, Shape
 from launch.analysis.plan_args import resolve
 from launch.analysis.plan_setup import GIB, Hardware, Setup, check_precision
-from launch.analysis.planner import block_case, candidates, estimate_plan, gemm_shapes, search, why
+from launch.analysis.planner import block_case, estimate_plan, gemm_shapes, search, valid_candidates, why
 from model.config import ModelConfig
 from launch.config.recipe import RECOMPUTE_MODES
 from launch.errors import ConfigError
@@ -271,7 +271,7 @@ def plan_output(args: argparse.Namespace, measure: Optional[Measure] = None) -> 
     model, setup, hw = resolve(args)
     check_precision(setup)  # before --search, which skips the layouts that fail their checks
     if measure is not None:
-        planned = list(candidates(model, setup)) if args.search else [setup]
+        planned = list(valid_candidates(model, setup)) if args.search else [setup]
         shapes = {shape for candidate in planned for shape in gemm_shapes(model, candidate).values()}
         hw = dataclasses.replace(hw, profile=measure(shapes, setup.precision, min(setup.gpus, hw.gpus_per_node),
                                                      model, {block_case(model, c) for c in planned}))

@@ -351,6 +351,17 @@ def candidates(model: ModelConfig, setup: Setup, recomputes: Optional[List[str]]
                                                           recompute=recompute, schedule=schedule)
 
 
+def valid_candidates(model: ModelConfig, setup: Setup) -> Iterator[Setup]:
+    """`candidates` that pass the layout rules (heads and layers divisible, ...): those a
+    calibration can build."""
+    for candidate in candidates(model, setup):
+        try:
+            check_setup(model, candidate)
+        except ConfigError:
+            continue
+        yield candidate
+
+
 def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any]]:
     """Every valid candidate (`candidates`), fastest first; `fits` says whether it fits hw.memory_bytes."""
     found = []

@@ -74,10 +74,10 @@ def _fixed_axes(args) -> Dict[str, Any]:
 def _hardware(recipe: Recipe, model, setup, local: int):
     """This machine's profile as Hardware: cached calibration, known GPU, or a calibration now."""
     from launch.runtime.calibrate import calibrated_profile
-    from launch.analysis.planner import block_case, candidates, gemm_shapes
+    from launch.analysis.planner import block_case, gemm_shapes, valid_candidates
     from launch.runtime.step_prediction import this_device_hardware
     hardware, _ = this_device_hardware(recipe.train.precision, local)
-    planned = list(candidates(model, setup))
+    planned = list(valid_candidates(model, setup))
     cases = {block_case(model, c) for c in planned}
     if hardware is None:
         shapes = {shape for c in planned for shape in gemm_shapes(model, c).values()}
