@@ -117,7 +117,15 @@ def rank_layouts(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: 
         if hardware.memory_bytes is None or plan["memory_per_device_bytes"] <= hardware.memory_bytes:
             ranked.append(plan)
     ranked.sort(key=ranking_key)
-    return ranked, cost_model(hardware).removeprefix("cost model: ")
+    # More recomputation never makes the same layout faster; it only lets it fit. Each layout keeps
+    # its first (fastest, least recomputing) variant that fits, so the top few are different layouts.
+    seen, distinct = set(), []
+    for plan in ranked:
+        layout = tuple(plan[key] for key in ("tp", "pp", "cp", "ep", "micro_batch", "schedule"))
+        if layout not in seen:
+            seen.add(layout)
+            distinct.append(plan)
+    return distinct, cost_model(hardware).removeprefix("cost model: ")
 
 
 def _one_rank_layout(world: int, recipe: Recipe):
