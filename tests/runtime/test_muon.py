@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.distributed import run_distributed
+from helpers.plain_muon import PlainMuon
 from launch.runtime.newton_schulz import NS_COEFFICIENTS, orthogonalise
 
 TP, DP = 2, 2
@@ -53,30 +54,11 @@ def test_newton_schulz_is_an_odd_polynomial_of_the_singular_values():
         assert torch.linalg.matrix_norm(x - polar).max() / math.sqrt(min(shape[-2:])) < 0.32
 
 
-def _newton_schulz5(g: torch.Tensor) -> torch.Tensor:
-    """Keller Jordan's `zeropower_via_newtonschulz5` (github.com/KellerJordan/Muon), in fp32."""
-    a, b, c = (3.4445, -4.7750, 2.0315)
-    x = g.float()
-    if g.size(-2) > g.size(-1):
-        x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    for _ in range(5):
-        a_mat = x @ x.mT
-        x = a * x + (b * a_mat + c * a_mat @ a_mat) @ x
-    return x.mT if g.size(-2) > g.size(-1) else x
-
-
 def _moonlight_steps(weight: torch.Tensor, grads, dim: int, parts) -> torch.Tensor:
-    """Moonlight's Algorithm 1 with Nesterov momentum, on each logical matrix of a whole weight."""
-    weight, momentum = weight.clone(), torch.zeros_like(weight)
+    """Moonlight's Algorithm 1 on each logical matrix of a whole weight (tests/helpers/plain_muon.py)."""
+    weight, muon = weight.clone(), PlainMuon(MOMENTUM)
     for grad in grads:
-        momentum = MOMENTUM * momentum + grad
-        direction = grad + MOMENTUM * momentum
-        update = []
-        for part in direction.split(list(parts), dim=dim):
-            m, n = part.shape[-2:]
-            update.append(0.2 * math.sqrt(max(m, n)) * _newton_schulz5(part))  # an expert stack: one per expert
-        weight = weight * (1 - LR * WEIGHT_DECAY) - LR * torch.cat(update, dim=dim)
+        muon.step(weight, grad, LR, WEIGHT_DECAY, dim, parts)
     return weight
 
 
