@@ -131,3 +131,21 @@ def _sharded_update_is_the_dense_update():
 
 def test_sharded_and_partitioned_update_is_the_dense_update():
     run_distributed(_sharded_update_is_the_dense_update, TP * DP)
+
+
+def test_a_checkpoint_resumes_only_with_its_optimizer(tmp_path):
+    """Muon's state is a momentum per Muon matrix, AdamW's two moments: a checkpoint of one optimizer
+    resumed with the other is one line that names both (launch/checkpoints/locate.py)."""
+    import pytest
+    from launch.checkpoints.locate import CheckpointRef, check_compatible
+    from launch.config.recipe import Recipe
+    from launch.errors import ConfigError
+    layout = {"tp": 1, "pp": 1, "dp": 1}
+    saved = Recipe().to_dict()
+    del saved["train"]["optimizer"]  # a checkpoint from before the key: AdamW's
+    ref = CheckpointRef(tmp_path, "step00000005", {"recipe": saved, "layout": layout})
+    now = Recipe()
+    check_compatible(ref, now.to_dict(), layout)
+    now.train.optimizer = "muon"
+    with pytest.raises(ConfigError, match="train.optimizer=adamw, this run muon.*--set train.optimizer=adamw"):
+        check_compatible(ref, now.to_dict(), layout)
