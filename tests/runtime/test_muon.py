@@ -86,7 +86,11 @@ def _sharded_update_is_the_dense_update():
         params = []
         for name, (_, dim, parts) in MATRICES.items():
             p = torch.nn.Parameter(_shard(full[name], dim, parts, tp_rank))
-            p.partition_dim, p.partition_stride, p.partition_sections = dim, 1, parts
+            p.partition_dim, p.partition_stride = dim, 1
+            if name == "c_attn":  # GPT-2's layer marks equal blocks by stride (model/parallel/layers.py)
+                p.partition_stride = len(parts)
+            else:
+                p.partition_sections = parts
             params.append(p)
         return params
 
