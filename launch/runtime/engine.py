@@ -55,21 +55,29 @@ def param_groups(module: torch.nn.Module, experts: bool = False, muon: bool = Fa
     `muon`, the hidden matrices first, in a group of Muon's (launch/runtime/muon_matrices.py), empty
     groups left out. With `experts`, the expert parameters in groups of their own (launch/runtime/experts.py)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    groups, names = [], ["decay", "no_decay"]
     if muon:
-        from launch.runtime.muon_matrices import muon_matrices
-        matrices = muon_matrices(module)
-        groups.append({"params": matrices, "muon": True})
-        names.insert(0, "muon")
-        params = [p for p in params if all(p is not m for m in matrices)]
-    groups += [{"params": [p for p in params if p.dim() >= 2]},
-               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    if muon:
-        groups, names = zip(*[(group, name) for group, name in zip(groups, names) if group["params"]])
+        groups, names = _muon_param_groups(module, params), ("muon", "adamw")
+    else:
+        groups, names = [{"params": [p for p in params if p.dim() >= 2]},
+                         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], ("decay", "no_decay")
     if not experts:
-        return list(groups)
+        return groups
     from launch.runtime.experts import expert_param_groups  # DeepSpeed's split keys the groups by name
     return expert_param_groups([dict(group, name=name) for group, name in zip(groups, names)])
+
+
+def _muon_param_groups(module: torch.nn.Module, params: List[torch.nn.Parameter]) -> List[dict]:
+    """Muon's matrices, then everything else in one AdamW group that decays only the >= 2-D ones
+    (launch/runtime/muon.py). Two groups on every stage: DeepSpeed's ZeRO-1 all-reduces each group's
+    gradient norm over the pipeline's stages, group by group, so every stage must hold as many groups
+    (a middle stage has no embedding: a decay group of AdamW's own would be missing there, and hang)."""
+    from launch.errors import ConfigError
+    from launch.runtime.muon_matrices import muon_matrices
+    matrices = muon_matrices(module)
+    if not matrices:
+        raise ConfigError("train.optimizer=muon with a pipeline stage that holds no transformer block: give every "
+                          "stage a block (train.partition, e.g. [3, 1] instead of [4, 0])")
+    return [{"params": matrices, "muon": True}, {"params": [p for p in params if all(p is not m for m in matrices)]}]
 
 
 def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: GPTConfig, compiled: bool = False,

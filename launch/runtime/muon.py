@@ -17,9 +17,11 @@ matrix, so before it each rank rebuilds the whole matrices of U:
   this rank's shard of this rank's partition. Every rank of a TP x DP group computes the same NS
   (redundantly; no owner ranks yet), so the update is the one-device update to fp32 rounding;
 - fp32 ZeRO-0 hands the parameters themselves: only the TP gather.
-The AdamW groups get torch's AdamW update (decoupled weight decay; state `exp_avg`, `exp_avg_sq`,
-`step`, as DeepSpeed's checkpoints and launch/checkpoints/reshard.py know them). A Muon group's state
-is `momentum_buffer` and `step`.
+The AdamW group gets torch's AdamW update (decoupled weight decay; state `exp_avg`, `exp_avg_sq`,
+`step`, as DeepSpeed's checkpoints and launch/checkpoints/reshard.py know them), its weight decay on
+its >= 2-D parameters only (embeddings, output head, routers; not norms or biases: GPT-2 / nanoGPT),
+chosen per parameter, or per element of a flat partition (`bind`), so that one AdamW group serves every
+stage (launch/runtime/engine.py: _muon_param_groups). A Muon group's state is `momentum_buffer` and `step`.
 """
 from __future__ import annotations
 
@@ -65,10 +67,19 @@ class Muon(torch.optim.Optimizer):
                 for p in group["params"]:
                     p.muon_layout = matrix_layout(p, self.tp_size)  # an attribute: groups are pickled
         self.flat: Dict[int, FlatPartition] = {}  # id of a flat partition -> its layout (set by `bind`)
+        self.decayed: Dict[int, torch.Tensor] = {}  # id of an AdamW flat partition -> which elements decay
 
     def bind(self, flat_param: torch.Tensor, partition: FlatPartition) -> None:
-        """Tell a Muon group that DeepSpeed replaced its parameters by `flat_param` (launch/runtime/muon_partitions.py)."""
+        """Tell a group that DeepSpeed replaced its parameters by `flat_param`, this rank's piece of
+        their flat buffer (launch/runtime/muon_partitions.py)."""
         self.flat[id(flat_param)] = partition
+        if all(hasattr(p, "muon_layout") for p in partition.params):
+            return  # Muon's group: no per-element decay
+        size = flat_param.numel()
+        decayed = torch.zeros(size * partition.dp_size, dtype=torch.bool, device=flat_param.device)
+        for param, offset in zip(partition.params, partition.offsets):
+            decayed[offset:offset + param.numel()] = param.dim() >= 2
+        self.decayed[id(flat_param)] = decayed[partition.dp_rank * size:(partition.dp_rank + 1) * size].clone()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -129,7 +140,12 @@ class Muon(torch.optim.Optimizer):
         state["step"] += 1
         step = state["step"].item()
         (beta1, beta2), lr, g = group["betas"], group["lr"], p.grad
-        p.mul_(1 - lr * group["weight_decay"])
+        decay = 1 - lr * group["weight_decay"]
+        decayed = self.decayed.get(id(p))
+        if decayed is not None:  # a flat partition: its >= 2-D parameters' elements
+            p.mul_(torch.where(decayed, decay, 1.0))
+        elif p.dim() >= 2:
+            p.mul_(decay)
         state["exp_avg"].lerp_(g, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (state["exp_avg_sq"].sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])

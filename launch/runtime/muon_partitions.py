@@ -34,11 +34,9 @@ def bind_muon_partitions(optimizer) -> None:
     else:  # recipe validation refuses the combinations that get another wrapper
         raise TypeError(f"Muon under DeepSpeed's {type(optimizer).__name__}: no flat-partition layout known")
     muon = optimizer.optimizer
-    for i, group in enumerate(muon.param_groups):
-        if not group["muon"]:
-            continue
+    for i, group in enumerate(muon.param_groups):  # Muon's groups and AdamW's (which decays per element)
         (flat,) = group["params"]
-        if any(not hasattr(p, "muon_layout") for p in groups[i]):
+        if group["muon"] and any(not hasattr(p, "muon_layout") for p in groups[i]):
             raise RuntimeError(f"param group {i}: DeepSpeed's flat buffer holds parameters Muon did not lay out")
         dp_group = optimizer.real_dp_process_group[i]
         muon.bind(flat, FlatPartition(params=list(groups[i]), offsets=list(offsets[i]), dp_group=dp_group,
