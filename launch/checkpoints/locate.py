@@ -241,6 +241,11 @@ def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Di
         raise ConfigError(f"checkpoint {ref.path} has train.global_batch_size={saved_batch}, this run {batch}: "
                           f"the data position and the LR schedule count steps of that batch; resume with "
                           f"--set train.global_batch_size={saved_batch}")
+    # Checkpoints from before train.optimizer existed are AdamW's.
+    optimizers = (ref.meta["recipe"]["train"].get("optimizer", "adamw"), recipe_dict["train"]["optimizer"])
+    if optimizers[0] != optimizers[1]:
+        raise ConfigError(f"checkpoint {ref.path} has train.optimizer={optimizers[0]}, this run {optimizers[1]}: "
+                          f"the optimizer state is that optimizer's; resume with --set train.optimizer={optimizers[0]}")
     saved, stages = ref.meta["layout"], (ref.meta["recipe"]["train"]["zero_stage"], recipe_dict["train"]["zero_stage"])
     if stages[0] != stages[1]:
         raise ConfigError(f"checkpoint {ref.path} has train.zero_stage={stages[0]}, this run {stages[1]}: "

@@ -3,8 +3,9 @@
 Every rank reads, from the saved ZeRO-1 files (`[bf16_]zero_pp_rank_D_mp_rank_M_optim_states.pt`,
 located through their `param_slice_mappings`), only the fragments of its own parameters, one
 parameter at a time; merges the saved TP shards and cuts its own with model/hf/convert.py's rules;
-and writes the fp32 master weight, Adam's moments and step, the lr, the LR schedule and the
-engine's step counters into the new engine. Why this way, its memory bound and its limits (ZeRO-1
+and writes the fp32 master weight, the optimizer's per-element state (Adam's moments, or Muon's
+momentum for its matrices: whatever keys each saved param group holds) and step, the lr, the LR
+schedule and the engine's step counters into the new engine. Why this way, its memory bound and its limits (ZeRO-1
 only, RNG states not carried): docs/checkpoints.md, "Resuming at another layout".
 
 Experts (a mixture-of-experts model) re-shard over (tp, ep) too: ZeRO-1 partitions an expert
@@ -29,6 +30,13 @@ if TYPE_CHECKING:  # annotations only: no import cost at run time
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # torch AdamW's state, next to the fp32 master weight
 FP32 = "fp32"
+STEP = "step"  # a scalar per group; every other key of a group's state is shaped as its flat partition
+
+
+def _moment_keys(group_state: dict) -> Tuple[str, ...]:
+    """The per-element state of one saved param group: AdamW's MOMENTS, or Muon's `momentum_buffer`
+    (launch/runtime/muon.py, issue 38)."""
+    return tuple(k for k in group_state if k != STEP)
 
 
 def _load_deepspeed_file(path: Path) -> dict:
@@ -79,21 +87,22 @@ class _SavedSlice:
         self.fragments = [_index_fragments(optim) for optim in self.partitions]
 
     def shard(self, name: str, data_indices: Optional[Iterable[int]] = None) -> Dict[str, torch.Tensor]:
-        """{fp32, exp_avg, exp_avg_sq} of pipeline parameter `name` on this slice: its fragments,
+        """{fp32, its group's moments} of pipeline parameter `name` on this slice: its fragments,
         in dp-partition order, make its flattened shard (a new tensor; the files stay untouched).
         `data_indices`: the partition files to read (an expert parameter's: its EP rank's); default all."""
-        pieces: Dict[str, List[torch.Tensor]] = {key: [] for key in (FP32,) + MOMENTS}
+        pieces: Dict[str, List[torch.Tensor]] = {}
         indices = range(len(self.partitions)) if data_indices is None else data_indices
         for optim, fragments in ((self.partitions[d], self.fragments[d]) for d in indices):
             if name not in fragments:
                 continue
             g, address = fragments[name]
+            group_state = optim["base_optimizer_state"]["state"][g]
             flat = {FP32: optim["single_partition_of_fp32_groups"][g]}
-            flat.update({k: optim["base_optimizer_state"]["state"][g][k] for k in MOMENTS})
+            flat.update({k: group_state[k] for k in _moment_keys(group_state)})
             for key, tensor in flat.items():
-                pieces[key].append(tensor.narrow(0, address.start, address.numel))
+                pieces.setdefault(key, []).append(tensor.narrow(0, address.start, address.numel))
         shape = self.shapes[name]
-        found = sum(part.numel() for part in pieces[FP32])
+        found = sum(part.numel() for part in pieces.get(FP32, []))
         if found != shape.numel():  # checked before the view, which would fail with a bare shape error
             raise ValueError(f"{self.ckpt}: the fragments of {name} hold {found} elements, "
                              f"its shape {tuple(shape)} has {shape.numel()}")
@@ -103,7 +112,7 @@ class _SavedSlice:
 def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: ModelConfig, vocab_size: int,
                         wanted: Iterable[str], experts: Optional[range] = None
                         ) -> Iterator[Tuple[str, Dict[str, torch.Tensor]]]:
-    """(dense name, {fp32, exp_avg, exp_avg_sq}) for each dense parameter name in `wanted`: the
+    """(dense name, {fp32, its moments}) for each dense parameter name in `wanted`: the
     full (TP-merged, real-vocabulary) fp32 weight and Adam moments, one parameter at a time. An
     expert parameter's hold the experts `experts` (global ids along dim 0; default all E).
 
@@ -135,7 +144,7 @@ def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: ModelC
             else:
                 shards = [s.shard(name) for s in slices]
                 yield dense, {key: merge(dense, [shard[key] for shard in shards], vocab_size, layers)
-                              for key in (FP32,) + MOMENTS}
+                              for key in shards[0]}
             done.add(dense)
         del slices  # unmap this stage's files before the next stage's
     missing = wanted - done
@@ -145,7 +154,7 @@ def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: ModelC
 
 def _expert_state(slices: List[_SavedSlice], name: str, dense: str, ep: int, dp: int, experts: Optional[range],
                   vocab_size: int, layers: ModelConfig) -> Dict[str, torch.Tensor]:
-    """{fp32, exp_avg, exp_avg_sq} of the experts `experts` (default all) of expert parameter `name`:
+    """{fp32, moments} of the experts `experts` (default all) of expert parameter `name`:
     each saved EP rank r holding some of them is read from its expert-data-parallel partitions (the
     data indices r, r + ep, ...), TP-merged; the EP ranks' experts stacked, then cut to `experts`."""
     local = slices[0].shapes[name][0]  # E/ep experts per saved EP rank
@@ -155,10 +164,10 @@ def _expert_state(slices: List[_SavedSlice], name: str, dense: str, ep: int, dp:
     for r in ranks:
         shards = [s.shard(name, range(r, dp, ep)) for s in slices]
         per_rank.append({key: merge(dense, [shard[key] for shard in shards], vocab_size, layers)
-                         for key in (FP32,) + MOMENTS})
+                         for key in shards[0]})
     start = wanted.start - ranks[0] * local
     return {key: merge_experts(dense, [part[key] for part in per_rank])[start:start + len(wanted)].clone()
-            for key in (FP32,) + MOMENTS}
+            for key in per_rank[0]}
 
 
 def _rank_independent_state(ckpt: Path) -> dict:
@@ -167,20 +176,23 @@ def _rank_independent_state(ckpt: Path) -> dict:
     return _load_deepspeed_file(_optimizer_file(ckpt, 0, 0))["optimizer_state_dict"]
 
 
-def _init_adam_state(optimizer, step: torch.Tensor) -> None:
-    """Create the flat partitions' Adam state that DeepSpeed's first step would create, and
-    link each parameter's fragment to it, so `safe_set_full_optimizer_state` can write it."""
+def _init_optimizer_state(optimizer, base: dict) -> None:
+    """Create the flat partitions' state that DeepSpeed's first step would create (the keys of the
+    saved group of the same kind), and link each parameter's fragment to it, so
+    `safe_set_full_optimizer_state` can write it."""
+    step = base["state"][0][STEP]
     for group in optimizer.optimizer.param_groups:
         flat = group["params"][0]
-        optimizer.optimizer.state[flat] = {"step": step.clone(), **{k: torch.zeros_like(flat) for k in MOMENTS}}
+        saved = base["state"][base["param_groups"].index(_saved_group(group, base["param_groups"]))]
+        optimizer.optimizer.state[flat] = {STEP: step.clone(), **{k: torch.zeros_like(flat) for k in _moment_keys(saved)}}
     optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def _saved_group(group: dict, saved_groups: List[dict]) -> dict:
-    """The saved param group of the same kind as `group`: expert or not, the same weight decay (the
-    same index at the same layout; a stage without experts saves no expert groups); else the first."""
+    """The saved param group of the same kind as `group`: Muon's or not, expert or not, the same weight
+    decay (the same index at the same layout; a stage without experts saves no expert groups); else the first."""
     def kind(g: dict):
-        return bool(g.get("moe", False)), g.get("weight_decay")
+        return bool(g.get("muon", False)), bool(g.get("moe", False)), g.get("weight_decay")
     return next((saved for saved in saved_groups if kind(saved) == kind(group)), saved_groups[0])
 
 
@@ -207,7 +219,7 @@ def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, i
     params = {dense_name(name, layers): param for name, param in module.named_parameters()}
     common = _rank_independent_state(ckpt)
     base = common["base_optimizer_state"]
-    _init_adam_state(engine.optimizer, base["state"][0]["step"])
+    _init_optimizer_state(engine.optimizer, base)
     for group in engine.optimizer.optimizer.param_groups:  # lr, betas, ...; not the group's identity
         group.update({k: v for k, v in _saved_group(group, base["param_groups"]).items()
                       if k not in ("params", "name", "moe")})
@@ -223,7 +235,7 @@ def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, i
             raise ValueError(f"{dense}: the checkpoint gives a shard of {tuple(shards[FP32].shape)}, the "
                              f"model has {tuple(param.shape)}")
         safe_set_full_fp32_param(param, shards[FP32])
-        for key in MOMENTS:
+        for key in shards.keys() - {FP32}:
             safe_set_full_optimizer_state(param, shards[key], key)
         param.copy_(shards[FP32].to(param.dtype))  # the training-dtype copy DeepSpeed's step makes
         del full, shards  # before the next parameter is read: one parameter's state at a time

@@ -19,6 +19,7 @@ from launch.errors import ConfigError
 from model.config import GPTConfig, ModelConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "muon")  # launch/runtime/muon.py
 RECOMPUTE_MODES = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "zb-h1")  # launch/analysis/zero_bubble_schedule.py
 PARTITION_RULES = ("balanced", "blocks")  # launch/analysis/partition.py
@@ -41,8 +42,18 @@ class TrainSection:
     """Samples per micro-batch per data-parallel replica (b)."""
     global_batch_size: int = 32
     """Samples per optimizer step over all replicas (B); B / (b * dp) micro-batches per step."""
+    optimizer: str = "adamw"
+    """adamw, or muon: Muon (momentum orthogonalised by Newton-Schulz, update scaled as Moonlight's so
+    lr and weight_decay carry over) for the hidden matrices, AdamW for embeddings, the output head,
+    norms, biases and routers (issue 38; docs/design.md, "Muon at every layout")."""
+    muon_momentum: float = 0.95
+    """Muon's momentum mu (Keller Jordan's and Moonlight's 0.95), in [0, 1)."""
+    muon_nesterov: bool = True
+    """Muon orthogonalises G + mu M (Nesterov, as Moonlight's code) rather than M."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz steps of Muon's orthogonalisation (launch/runtime/newton_schulz.py), >= 1."""
     lr: float = 6e-4
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of AdamW (and of Muon, whose update is scaled to AdamW's RMS)."""
     min_lr_ratio: float = 0.1
     """Cosine decay toward lr * min_lr_ratio (reached one step after the last: the last step's lr is
     just above it; launch/runtime/lr_schedule.py)."""
@@ -123,6 +134,7 @@ class TrainSection:
             # accumulation that pipeline runs need (docs/design.md contract 8); ZeRO-1 supports it.
             raise ConfigError("train.zero_stage=0 with train.precision=bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 "
                               "path with fp32 gradient accumulation; set train.zero_stage=1")
+        self._validate_optimizer()
         if self.activation_checkpoint_interval < 0:
             raise ConfigError(f"train.activation_checkpoint_interval={self.activation_checkpoint_interval} "
                               f"must be >= 0")
@@ -159,6 +171,18 @@ class TrainSection:
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ConfigError(f"train.eval_every={self.eval_every} must be >= 0 and "
                               f"train.eval_batches={self.eval_batches} >= 1")
+
+    def _validate_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"train.muon_momentum={self.muon_momentum:g} must be in [0, 1) (default 0.95)")
+        if self.muon_ns_steps < 1:
+            raise ConfigError(f"train.muon_ns_steps={self.muon_ns_steps} must be >= 1 (default 5, Keller Jordan's)")
+        if self.optimizer == "muon" and self.precision == "fp16" and self.zero_stage == 0:
+            # DeepSpeed's FP16 optimizer regroups the fp32 weights in a way launch/runtime/muon_partitions.py does not read.
+            raise ConfigError("train.optimizer=muon with train.precision=fp16 needs train.zero_stage=1 "
+                              "(DeepSpeed's ZeRO-0 fp16 optimizer is not supported with Muon)")
 
     @property
     def recompute_mode(self) -> str:

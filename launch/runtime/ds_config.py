@@ -34,6 +34,9 @@ def deepspeed_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
         "steps_per_print": 10 ** 9,  # we print our own metrics line
         "wall_clock_breakdown": False,
     }
+    if train_cfg.optimizer == "muon":  # our optimizer (launch/runtime/muon.py), which ZeRO-1 has not vetted
+        del config["optimizer"]  # the client optimizer replaces it
+        config["zero_allow_untested_optimizer"] = True
     if train_cfg.precision == "bf16":
         config["bf16"] = {"enabled": True}
         # Accumulating micro-batch gradients in bf16 loses bits; fp32 is docs/design.md contract 8.

@@ -50,16 +50,34 @@ def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config:
           f"schedule {schedule}", flush=True)
 
 
-def param_groups(module: torch.nn.Module, experts: bool = False) -> List[dict]:
+def param_groups(module: torch.nn.Module, experts: bool = False, muon: bool = False) -> List[dict]:
     """AdamW decays matrices and embeddings, not biases or LayerNorm (GPT-2 / nanoGPT). With
-    `experts`, the expert parameters in groups of their own (launch/runtime/experts.py)."""
+    `muon`, the hidden matrices first, in a group of Muon's (launch/runtime/muon_matrices.py), empty
+    groups left out. With `experts`, the expert parameters in groups of their own (launch/runtime/experts.py)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2]},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if muon:
+        groups, names = _muon_param_groups(module, params), ("muon", "adamw")
+    else:
+        groups, names = [{"params": [p for p in params if p.dim() >= 2]},
+                         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], ("decay", "no_decay")
     if not experts:
         return groups
     from launch.runtime.experts import expert_param_groups  # DeepSpeed's split keys the groups by name
-    return expert_param_groups([dict(group, name=name) for group, name in zip(groups, ("decay", "no_decay"))])
+    return expert_param_groups([dict(group, name=name) for group, name in zip(groups, names)])
+
+
+def _muon_param_groups(module: torch.nn.Module, params: List[torch.nn.Parameter]) -> List[dict]:
+    """Muon's matrices, then everything else in one AdamW group that decays only the >= 2-D ones
+    (launch/runtime/muon.py). Two groups on every stage: DeepSpeed's ZeRO-1 all-reduces each group's
+    gradient norm over the pipeline's stages, group by group, so every stage must hold as many groups
+    (a middle stage has no embedding: a decay group of AdamW's own would be missing there, and hang)."""
+    from launch.errors import ConfigError
+    from launch.runtime.muon_matrices import muon_matrices
+    matrices = muon_matrices(module)
+    if not matrices:
+        raise ConfigError("train.optimizer=muon with a pipeline stage that holds no transformer block: give every "
+                          "stage a block (train.partition, e.g. [3, 1] instead of [4, 0])")
+    return [{"params": matrices, "muon": True}, {"params": [p for p in params if all(p is not m for m in matrices)]}]
 
 
 def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: GPTConfig, compiled: bool = False,
@@ -67,7 +85,7 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
                  optimizer: Optional[Callable[[List[dict]], torch.optim.Optimizer]] = None) -> Tuple[Any, Any]:
     """(engine, own grad norm): the run's PipelineModule (seeded init, or `init_from_hf` weights;
     each block compiled if `compiled`, launch/runtime/compiler.py decides) inside a DeepSpeed
-    engine with AdamW (or `optimizer`, built from the parameter groups: the tests' SGD), ZeRO,
+    engine with AdamW or Muon (train.optimizer; or `optimizer`, built from the parameter groups: the tests' SGD), ZeRO,
     clipping and the LR schedule; and, for fp32 ZeRO-0, our own gradient norm and clipping
     (launch/runtime/grad_norm.py), else None."""
     import deepspeed
@@ -101,9 +119,16 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     own_norm = uses_own_grad_norm(train_cfg.zero_stage, train_cfg.precision)
     if own_norm:  # DeepSpeed's fp32 ZeRO-0 clipping miscounts across stages: ours clips instead
         ds_config["gradient_clipping"] = 0.0
+    muon = train_cfg.optimizer == "muon" and optimizer is None
+    if muon:  # issue 38: our optimizer inside DeepSpeed's wrapper (launch/runtime/muon.py)
+        from launch.runtime.muon import muon_factory
+        optimizer = muon_factory(train_cfg, state.tp_group)
     engine, _, _, _ = deepspeed.initialize(
-        model=pipe, model_parameters=param_groups(pipe, experts), config=ds_config, optimizer=optimizer,
+        model=pipe, model_parameters=param_groups(pipe, experts, muon), config=ds_config, optimizer=optimizer,
         lr_scheduler=warmup_cosine(train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr_ratio))
+    if muon:  # before the first step: where DeepSpeed's flat partitions put each matrix
+        from launch.runtime.muon_partitions import bind_muon_partitions
+        bind_muon_partitions(engine.optimizer)
     if train_cfg.grad_accum_fusion:  # bf16: the linears add their weight gradients into the fp32 buffer
         attach_main_grads(engine.optimizer)
     if zero_bubble:

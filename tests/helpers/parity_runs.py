@@ -83,7 +83,7 @@ class ParityRuns:
     saves a checkpoint after step SAVE_AT. runs[layout] = {metrics, dir (checkpoints under
     dir/ck), stdout, stderr}. (1,1,2) also writes a wandb offline run. Tags after (tp, pp, dp): "sp"
     (sequence parallelism), a precision of PRECISIONS (fp32 without one), "llama" (recipes/llama-tiny.yaml
-    instead of recipes/tiny.yaml), "moe" (recipes/moe-tiny.yaml), "docmask" (data.document_mask), "cp<N>" (--cp N: N times the ranks), "ep<N>" (--ep N), "zb-h1" (train.schedule), "bias" and "global" (BALANCE_TAGS), a mode of RECOMPUTE_MODES (train.recompute: the
+    instead of recipes/tiny.yaml), "moe" (recipes/moe-tiny.yaml), "docmask" (data.document_mask), "cp<N>" (--cp N: N times the ranks), "ep<N>" (--ep N), "zb-h1" (train.schedule), "muon" (train.optimizer: Muon, issue 38), "bias" and "global" (BALANCE_TAGS), a mode of RECOMPUTE_MODES (train.recompute: the
     same losses, other code paths), "compile" (train.compile: each block compiled)."""
 
     def __init__(self, tmp_path_factory):
@@ -121,6 +121,7 @@ class ParityRuns:
         docmask = ["--set", "data.document_mask=true"] if "docmask" in layout else []
         compiled = ["--set", "train.compile=true"] if "compile" in layout else []
         schedule = ["--set", "train.schedule=zb-h1"] if "zb-h1" in layout else []
+        muon = ["--set", "train.optimizer=muon"] if "muon" in layout else []
         balance = [arg for tag in layout[3:] if tag in BALANCE_TAGS for setting in BALANCE_TAGS[tag]
                    for arg in ("--set", setting)]
         recompute = [arg for tag in layout[3:] if tag in RECOMPUTE_MODES
@@ -138,7 +139,7 @@ class ParityRuns:
         proc = launch_forked(tp * cp * pp * dp, ["--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
                                      "--steps", str(STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
                                      "--save", str(tmp / "ck"), "--save-every", str(SAVE_AT)]
-                      + context + sp + docmask + compiled + schedule + balance + recompute + precision_args(precision) + wandb
+                      + context + sp + docmask + compiled + schedule + muon + balance + recompute + precision_args(precision) + wandb
                       + comm,
                              env=dict(precision_env(precision), WANDB_DIR=str(tmp)), acceptance=True)
         assert proc.returncode == 0, f"layout {layout} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

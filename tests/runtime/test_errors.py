@@ -48,6 +48,12 @@ CASES = [
      ["train.first_step_timeout_s=30", "at least train.hang_timeout_s=60"]),
     (1, ["--set", "wandb.mode=cloud"], ["wandb.mode='cloud'", "online, offline, disabled"]),
     (1, ["--set", "train.zero_stage=0", "--set", "train.precision=bf16"], ["zero_stage=0", "bf16", "zero_stage=1"]),
+    # Muon (issue 38): the optimizer's name, its momentum and steps, the one precision x ZeRO it refuses.
+    (1, ["--set", "train.optimizer=sgd"], ["train.optimizer='sgd'", "adamw, muon"]),
+    (1, ["--set", "train.optimizer=muon", "--set", "train.muon_momentum=1"], ["train.muon_momentum=1", "[0, 1)"]),
+    (1, ["--set", "train.optimizer=muon", "--set", "train.muon_ns_steps=0"], ["train.muon_ns_steps=0", ">= 1"]),
+    (1, ["--set", "train.optimizer=muon", "--set", "train.precision=fp16", "--set", "train.zero_stage=0"],
+     ["train.optimizer=muon", "fp16", "train.zero_stage=1"]),
     (1, ["--set", "train.partition=even"], ["train.partition='even'", "balanced, blocks", "[3, 1]"]),
     (2, ["--pp", "2", "--set", "train.partition=[3, 2]"], ["train.partition=[3, 2]", "--pp 2", "n_layer=4",
                                                            "summing to 4"]),

@@ -1,0 +1,161 @@
+"""Muon for the hidden matrices, AdamW for the rest: `train.optimizer: muon` (issue 38; docs/design.md,
+"Muon at every layout").
+
+The update of each logical matrix W (m x n) is Moonlight's (Liu et al. 2025, "Muon is Scalable for
+LLM Training", Algorithm 1 with Nesterov momentum, as in their reference code):
+    M <- mu M + G;  U = G + mu M (Nesterov) or M
+    W <- W (1 - lr wd) - lr 0.2 sqrt(max(m, n)) NS(U)
+with NS Keller Jordan's Newton-Schulz iteration (launch/runtime/newton_schulz.py). The momentum is
+element-wise, so it lives wherever DeepSpeed keeps the parameter's fp32 state; NS needs the whole
+matrix, so before it each rank rebuilds the whole matrices of U:
+- DeepSpeed's ZeRO-1 and BF16 optimizers hand this optimizer one flat fp32 partition per param
+  group (its slice of the group's parameters laid end to end, cut into dp equal pieces). `bind`
+  reads from the wrapper where each parameter lies in the flat buffer; `step` all-gathers the
+  group's U over the group's data-parallel group (Moonlight's Distributed Muon: gather, orthogonalise,
+  keep the local slice), cuts out each parameter's TP shard, gathers it over TP, splits fused
+  weights into their logical parts (launch/runtime/muon_matrices.py), orthogonalises each, and keeps
+  this rank's shard of this rank's partition. Every rank of a TP x DP group computes the same NS
+  (redundantly; no owner ranks yet), so the update is the one-device update to fp32 rounding;
+- fp32 ZeRO-0 hands the parameters themselves: only the TP gather.
+The AdamW group gets torch's AdamW update (decoupled weight decay; state `exp_avg`, `exp_avg_sq`,
+`step`, as DeepSpeed's checkpoints and launch/checkpoints/reshard.py know them), its weight decay on
+its >= 2-D parameters only (embeddings, output head, routers; not norms or biases: GPT-2 / nanoGPT),
+chosen per parameter, or per element of a flat partition (`bind`), so that one AdamW group serves every
+stage (launch/runtime/engine.py: _muon_param_groups). A Muon group's state is `momentum_buffer` and `step`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from launch.runtime.muon_matrices import MatrixLayout, local_part, matrix_layout, whole_parts
+from launch.runtime.newton_schulz import NS_STEPS, orthogonalise, update_scale
+
+if TYPE_CHECKING:  # annotations only
+    from launch.config.recipe import TrainSection
+
+MOMENTUM_KEY = "momentum_buffer"  # torch SGD's name for the same buffer
+
+
+@dataclass
+class FlatPartition:
+    """Where a Muon group's parameters lie in DeepSpeed's flat buffer, and which piece is ours."""
+    params: List[torch.nn.Parameter]  # in flat order
+    offsets: List[int]  # element offset of each in the (padded) flat buffer
+    dp_group: Optional[dist.ProcessGroup]
+    dp_size: int
+    dp_rank: int
+
+
+class Muon(torch.optim.Optimizer):
+    """Groups with `muon=True` hold Muon matrices (each gets `muon_layout`); the others are AdamW's."""
+
+    def __init__(self, param_groups: List[dict], lr: float, weight_decay: float, betas: Tuple[float, float],
+                 eps: float, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = NS_STEPS,
+                 tp_group: Optional[dist.ProcessGroup] = None):
+        defaults = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps, momentum=momentum,
+                        nesterov=nesterov, ns_steps=ns_steps, muon=False)
+        super().__init__(param_groups, defaults)
+        self.tp_group = tp_group
+        self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+        self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        for group in self.param_groups:
+            if group["muon"]:
+                for p in group["params"]:
+                    p.muon_layout = matrix_layout(p, self.tp_size)  # an attribute: groups are pickled
+        self.flat: Dict[int, FlatPartition] = {}  # id of a flat partition -> its layout (set by `bind`)
+        self.decayed: Dict[int, torch.Tensor] = {}  # id of an AdamW flat partition -> which elements decay
+
+    def bind(self, flat_param: torch.Tensor, partition: FlatPartition) -> None:
+        """Tell a group that DeepSpeed replaced its parameters by `flat_param`, this rank's piece of
+        their flat buffer (launch/runtime/muon_partitions.py)."""
+        self.flat[id(flat_param)] = partition
+        if all(hasattr(p, "muon_layout") for p in partition.params):
+            return  # Muon's group: no per-element decay
+        size = flat_param.numel()
+        decayed = torch.zeros(size * partition.dp_size, dtype=torch.bool, device=flat_param.device)
+        for param, offset in zip(partition.params, partition.offsets):
+            decayed[offset:offset + param.numel()] = param.dim() >= 2
+        self.decayed[id(flat_param)] = decayed[partition.dp_rank * size:(partition.dp_rank + 1) * size].clone()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "Muon takes no closure"
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["muon"]:
+                    self._muon_step(p, group)
+                else:
+                    self._adamw_step(p, group)
+
+    def _muon_step(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state[MOMENTUM_KEY] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        mu, g, buf = group["momentum"], p.grad, state[MOMENTUM_KEY]
+        buf.mul_(mu).add_(g)
+        u = g.add(buf, alpha=mu) if group["nesterov"] else buf
+        partition = self.flat.get(id(p))
+        update = self._flat_update(u, partition, group) if partition is not None \
+            else self._matrix_update(u, p.muon_layout, group)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(update, alpha=-group["lr"])
+
+    def _matrix_update(self, local: torch.Tensor, layout: MatrixLayout, group: dict) -> torch.Tensor:
+        """This rank's shard of 0.2 sqrt(max(m, n)) NS(part) for each logical part (collective over TP)."""
+        parts = whole_parts(local, layout, self.tp_group)  # each (rows, cols) or (E/ep, rows, cols)
+        updates = [orthogonalise(part, group["ns_steps"]) * update_scale(*part.shape[-2:]) for part in parts]
+        return local_part(updates, layout, self.tp_rank)
+
+    def _flat_update(self, u: torch.Tensor, partition: FlatPartition, group: dict) -> torch.Tensor:
+        """This rank's piece of the flat update (collective over the group's DP group, then TP)."""
+        size = u.numel()
+        if partition.dp_size > 1:
+            pieces = [torch.empty_like(u) for _ in range(partition.dp_size)]
+            dist.all_gather(pieces, u.contiguous(), group=partition.dp_group)
+            full = torch.cat(pieces)  # (padded group numel,)
+        else:
+            full = u
+        update = torch.zeros_like(full)
+        for param, offset in zip(partition.params, partition.offsets):
+            n = param.numel()
+            local = full[offset:offset + n].view(param.shape)  # this TP rank's shard of the matrix
+            update[offset:offset + n] = self._matrix_update(local, param.muon_layout, group).reshape(-1)
+        return update[partition.dp_rank * size:(partition.dp_rank + 1) * size]
+
+    def _adamw_step(self, p: torch.Tensor, group: dict) -> None:
+        """torch's AdamW (decoupled weight decay, bias-corrected moments)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        step = state["step"].item()
+        (beta1, beta2), lr, g = group["betas"], group["lr"], p.grad
+        decay = 1 - lr * group["weight_decay"]
+        decayed = self.decayed.get(id(p))
+        if decayed is not None:  # a flat partition: its >= 2-D parameters' elements
+            p.mul_(torch.where(decayed, decay, 1.0))
+        elif p.dim() >= 2:
+            p.mul_(decay)
+        state["exp_avg"].lerp_(g, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (state["exp_avg_sq"].sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])
+        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
+
+
+def muon_factory(train_cfg: TrainSection, tp_group: Optional[dist.ProcessGroup]) -> Callable[[List[dict]], Muon]:
+    """What deepspeed.initialize calls with the parameter groups (engine.py: param_groups(..., muon=True))."""
+    def build(groups: List[dict]) -> Muon:
+        return Muon(groups, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, betas=(train_cfg.beta1, train_cfg.beta2),
+                    eps=train_cfg.eps, momentum=train_cfg.muon_momentum, nesterov=train_cfg.muon_nesterov,
+                    ns_steps=train_cfg.muon_ns_steps, tp_group=tp_group)
+    return build

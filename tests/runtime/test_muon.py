@@ -1,0 +1,155 @@
+"""Muon (launch/runtime/muon.py, issue 38), in process.
+
+- Newton-Schulz (launch/runtime/newton_schulz.py) against an SVD: the result is U p(S) V^T with
+  p Keller Jordan's quintic applied 5 times, to fp32 rounding, and its singular values lie in the
+  documented [0.68, 1.14] on random matrices (whose singular values are >= 3e-3 of the norm).
+- The sharded update equals the one-device update: on four gloo ranks (tp 2 x dp 2), matrices laid
+  out as the model lays them (fused [Q; K; V] of GPT-2 by stride and of Llama with grouped-query
+  sections, a row-parallel projection, stacks of experts' fused gate-up and down), sharded with the
+  model's own `split_rows`, two Muon steps, both as fp32 ZeRO-0 hands them (the TP shards) and as
+  DeepSpeed's ZeRO-1 / BF16 optimizers do (a dp partition of a flat buffer, with gaps between the
+  parameters), against Moonlight's update written here from the paper, per logical matrix, on the
+  whole matrices. The launched runs at every layout: tests/e2e/test_muon_parity.py (slow).
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+from helpers.distributed import run_distributed
+from helpers.plain_muon import PlainMuon
+from launch.runtime.newton_schulz import NS_COEFFICIENTS, orthogonalise
+
+TP, DP = 2, 2
+LR, WEIGHT_DECAY, MOMENTUM = 0.02, 0.1, 0.95
+# name: (full shape, partition dim, full sizes of the logical parts along it); experts stack on dim 0
+MATRICES = {
+    "c_attn": ((48, 16), 0, (16, 16, 16)),  # GPT-2's [Q; K; V], stride 3
+    "qkv_proj": ((24, 16), 0, (16, 4, 4)),  # Llama's [Q; K; V] with 4 query and 1 key/value heads of 4
+    "o_proj": ((12, 16), 1, (16,)),  # row-parallel: columns split
+    "experts.gate_up_proj": ((2, 20, 12), 1, (10, 10)),  # (E, [G; U], h)
+    "experts.down_proj": ((2, 12, 10), 2, (10,)),  # (E, h, f)
+}
+GAP = 2  # elements between parameters in the flat buffer, as ZeRO-1's alignment padding leaves
+
+
+def test_newton_schulz_is_an_odd_polynomial_of_the_singular_values():
+    torch.manual_seed(0)
+    a, b, c = NS_COEFFICIENTS
+    for shape in [(32, 64), (96, 48), (3, 40, 24)]:
+        g = torch.randn(*shape)
+        u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
+        x = orthogonalise(g).double()
+        assert x.shape == g.shape
+        d = u.mT @ x @ vh.mT  # U^T X V: diagonal if X = U p(S) V^T
+        diagonal = torch.diagonal(d, dim1=-2, dim2=-1)
+        assert (d - torch.diag_embed(diagonal)).abs().max() < 1e-5
+        p = s / torch.linalg.matrix_norm(g.double()).unsqueeze(-1)
+        assert p.min() > 3e-3
+        for _ in range(5):
+            p = a * p + b * p ** 3 + c * p ** 5
+        assert (diagonal - p).abs().max() < 1e-5
+        assert 0.68 <= diagonal.min() and diagonal.max() <= 1.14, (diagonal.min(), diagonal.max())
+        polar = u @ vh  # the exact orthogonalisation; NS is within the documented spread of it
+        assert torch.linalg.matrix_norm(x - polar).max() / math.sqrt(min(shape[-2:])) < 0.32
+
+
+def _moonlight_steps(weight: torch.Tensor, grads, dim: int, parts) -> torch.Tensor:
+    """Moonlight's Algorithm 1 on each logical matrix of a whole weight (tests/helpers/plain_muon.py)."""
+    weight, muon = weight.clone(), PlainMuon(MOMENTUM)
+    for grad in grads:
+        muon.step(weight, grad, LR, WEIGHT_DECAY, dim, parts)
+    return weight
+
+
+def _shard(full: torch.Tensor, dim: int, parts, tp_rank: int) -> torch.Tensor:
+    """This TP rank's shard, as the model's layers cut it (model/parallel/layers.py: split_rows)."""
+    from model.parallel.layers import split_rows
+    return split_rows(full.movedim(dim, 0), tp_rank, TP, sections=parts).movedim(0, dim).contiguous()
+
+
+def _sharded_update_is_the_dense_update():
+    from launch.runtime.muon import FlatPartition, Muon
+    rank = dist.get_rank()
+    tp_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]
+    dp_groups = [dist.new_group(r) for r in ([0, 2], [1, 3])]
+    tp_group, dp_group = tp_groups[rank // TP], dp_groups[rank % TP]
+    tp_rank, dp_rank = rank % TP, rank // TP
+    generator = torch.Generator().manual_seed(7)
+    full = {name: torch.randn(*shape, generator=generator) for name, (shape, _, _) in MATRICES.items()}
+    grads = [{name: torch.randn(*shape, generator=generator) for name, (shape, _, _) in MATRICES.items()}
+             for _ in range(2)]
+    expected = {name: _shard(_moonlight_steps(full[name], [g[name] for g in grads], dim, parts), dim, parts, tp_rank)
+                for name, (_, dim, parts) in MATRICES.items()}
+
+    def shards():
+        params = []
+        for name, (_, dim, parts) in MATRICES.items():
+            p = torch.nn.Parameter(_shard(full[name], dim, parts, tp_rank))
+            p.partition_dim, p.partition_stride = dim, 1
+            if name == "c_attn":  # GPT-2's layer marks equal blocks by stride (model/parallel/layers.py)
+                p.partition_stride = len(parts)
+            else:
+                p.partition_sections = parts
+            params.append(p)
+        return params
+
+    def muon(params):
+        return Muon([{"params": params, "muon": True}], lr=LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95),
+                    eps=1e-8, momentum=MOMENTUM, tp_group=tp_group)
+
+    # fp32 ZeRO-0: the optimizer holds the TP shards themselves
+    params = shards()
+    optimizer = muon(params)
+    for g in grads:
+        for p, name in zip(params, MATRICES):
+            p.grad = _shard(g[name], MATRICES[name][1], MATRICES[name][2], tp_rank)
+        optimizer.step()
+    for p, name in zip(params, MATRICES):
+        torch.testing.assert_close(p.detach(), expected[name], rtol=1e-5, atol=1e-6, msg=f"ZeRO-0 {name}")
+
+    # ZeRO-1 / BF16: this dp rank's piece of the shards laid end to end with gaps, padded to dp pieces
+    params = shards()
+    offsets = [sum(p.numel() + GAP for p in params[:i]) for i in range(len(params))]
+    numel = offsets[-1] + params[-1].numel()
+    numel += -numel % DP
+    size = numel // DP
+
+    def flat(tensors):
+        buffer = torch.zeros(numel)
+        for tensor, offset in zip(tensors, offsets):
+            buffer[offset:offset + tensor.numel()] = tensor.reshape(-1)
+        return buffer
+
+    piece = torch.nn.Parameter(flat([p.detach() for p in params])[dp_rank * size:(dp_rank + 1) * size].clone())
+    optimizer = muon(params)
+    optimizer.param_groups[0]["params"] = [piece]  # what DeepSpeed's wrappers do
+    optimizer.bind(piece, FlatPartition(params=params, offsets=offsets, dp_group=dp_group, dp_size=DP, dp_rank=dp_rank))
+    for g in grads:
+        piece.grad = flat([_shard(g[name], dim, parts, tp_rank) for name, (_, dim, parts) in MATRICES.items()]
+                          )[dp_rank * size:(dp_rank + 1) * size]
+        optimizer.step()
+    torch.testing.assert_close(piece.detach(), flat([expected[name] for name in MATRICES])[dp_rank * size:(dp_rank + 1) * size],
+                               rtol=1e-5, atol=1e-6, msg="ZeRO-1 flat partition")
+
+
+def test_sharded_and_partitioned_update_is_the_dense_update():
+    run_distributed(_sharded_update_is_the_dense_update, TP * DP)
+
+
+def test_a_checkpoint_resumes_only_with_its_optimizer(tmp_path):
+    """Muon's state is a momentum per Muon matrix, AdamW's two moments: a checkpoint of one optimizer
+    resumed with the other is one line that names both (launch/checkpoints/locate.py)."""
+    import pytest
+    from launch.checkpoints.locate import CheckpointRef, check_compatible
+    from launch.config.recipe import Recipe
+    from launch.errors import ConfigError
+    layout = {"tp": 1, "pp": 1, "dp": 1}
+    saved = Recipe().to_dict()
+    del saved["train"]["optimizer"]  # a checkpoint from before the key: AdamW's
+    ref = CheckpointRef(tmp_path, "step00000005", {"recipe": saved, "layout": layout})
+    now = Recipe()
+    check_compatible(ref, now.to_dict(), layout)
+    now.train.optimizer = "muon"
+    with pytest.raises(ConfigError, match="train.optimizer=adamw, this run muon.*--set train.optimizer=adamw"):
+        check_compatible(ref, now.to_dict(), layout)
