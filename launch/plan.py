@@ -49,6 +49,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                                             "sequence (default: the recipe's train.cp, else 1)")
     lay.add_argument("--ep", type=int, help="expert-parallel degree: each MoE block's experts split over ep ranks of "
                                             "the dp x cp data axis (default: the recipe's train.ep, else 1)")
+    lay.add_argument("--optimizer", choices=["adamw", "muon"],
+                     help="train.optimizer (default: recipe's, else adamw): Muon's one momentum, gathers and "
+                          "Newton-Schulz FLOPs")
     lay.add_argument("--expert-load", type=float, default=1.0, metavar="F",
                      help="MoE: the busiest expert's routed rows over the mean (default 1, balanced; a run's metrics "
                           "record each block's expert_load)")

@@ -61,7 +61,8 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
                   precision=args.precision or (rt.precision if rt else "bf16"), communication_data_type=comm_dtype,
                   reduce_bucket_elements=int(ds_settings.get("zero_optimization", {}).get(
                       "reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)),
-                  grad_accum_fusion=rt.grad_accum_fusion if rt else True, expert_load=args.expert_load)
+                  grad_accum_fusion=rt.grad_accum_fusion if rt else True, expert_load=args.expert_load,
+                  optimizer=args.optimizer or (rt.optimizer if rt else "adamw"))
     gpu = GPUS[args.gpu]
     memory = args.gpu_memory if args.gpu_memory is not None else (gpu.memory_gib if args.search else None)
     for name, value in [("--gpu-memory", memory), ("--peak-tflops", args.peak_tflops),

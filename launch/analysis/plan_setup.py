@@ -67,6 +67,9 @@ class Setup:
     ep: int = 1
     """Expert-parallel degree (issue 26): each MoE block's experts split over ep ranks of the data
     axis; ZeRO-1 splits the experts' optimizer state over the dp * cp / ep ranks that hold them."""
+    optimizer: str = "adamw"
+    """train.optimizer: adamw, or muon (one momentum per hidden matrix element instead of two moments,
+    its gathers and Newton-Schulz FLOPs: launch/analysis/muon_cost.py)."""
     expert_load: float = 1.0
     """The busiest expert's routed rows over the mean (1: balanced). A block's expert GEMMs end
     when its busiest expert's do, so the experts' compute scales by it; a run measures it (its

@@ -117,6 +117,13 @@ def _stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int,
            "activations_selective": activations["selective"], "activations_recompute": activations["full"],
            "weight_grad_stash": stash, "weight_grad_stash_microbatches": deferred}
     out["total"] = sum(chosen.values()) + out["activations"] + stash
+    if setup.optimizer == "muon":  # one fp32 momentum where AdamW keeps two moments; its step's buffers
+        from launch.analysis.muon_cost import muon_stage_cost
+        muon = muon_stage_cost(arch, indices, setup.tp, dp, setup.ep, setup.zero)
+        out["optimizer"] -= muon.momentum_bytes
+        out["muon_step_buffers"] = muon.step_buffer_bytes  # held during the step, when activations are freed
+        out["total"] = sum(chosen.values()) - muon.momentum_bytes + max(out["activations"] + stash,
+                                                                        muon.step_buffer_bytes)
     return {k: round(v) for k, v in out.items()}
 
 
@@ -160,14 +167,16 @@ def expert_flops_per_block(model: ModelConfig, micro_batch: int, full_recompute:
 def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: List[int],
                        flops: List[Tuple[int, int]], weight_flops: List[int], dp: int, m: int,
                        dp_bytes: int, bandwidth: Dict[str, float], moe_blocks: Optional[List[int]] = None,
-                       expert_dp_bytes: int = 0, params: Optional[List[int]] = None
+                       expert_dp_bytes: int = 0, params: Optional[List[int]] = None,
+                       stage_blocks: Optional[List[List[int]]] = None
                        ) -> Tuple[Dict[str, float], Dict[str, List[float]]]:
     """(seconds per step and its parts, per-stage forward, backward and weight-gradient seconds of
     one micro-batch) by the cost model of the module docstring; `flops`: each stage's (forward,
     backward) FLOPs, `weight_flops` the weight-gradient part of the backward, `dp_bytes` what the
     fullest stage's rank hands to the DP gradient all-reduce; `moe_blocks` each stage's MoE blocks,
     `expert_dp_bytes` what it hands to its experts' gradient all-reduce (dp x cp / ep ranks);
-    `params` each stage's parameters per rank (the bandwidth floor; None: no floor)."""
+    `params` each stage's parameters per rank (the bandwidth floor; None: no floor); `stage_blocks`
+    each stage's block indices (Muon's Newton-Schulz and gathers)."""
     from launch.analysis.pipeline_chart import idle_fraction  # matplotlib: only when planning
     from launch.analysis.schedule_sim import simulate_schedule
     b, s, h, t, p, c = setup.micro_batch, model.seq_len // setup.cp, model.n_embd, setup.tp, setup.pp, setup.cp
@@ -238,6 +247,11 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     # reduction; the fullest stage's rank is the last to finish.
     shards = setup.data_axis if setup.zero >= 1 else 1
     update = optimizer_seconds(profile, max(params or [0]) // shards)
+    if setup.optimizer == "muon" and stage_blocks is not None:  # Newton-Schulz on every matrix, and its gathers
+        from launch.analysis.muon_cost import muon_stage_cost
+        cost = max((muon_stage_cost(arch, blocks_k, t, setup.data_axis, setup.ep, setup.zero) for blocks_k in stage_blocks),
+                   key=lambda x: x.newton_schulz_flops)
+        update += cost.newton_schulz_flops / rate["dense"] + cost.gather_bytes / bandwidth["data"]
     parts = {"compute": m * compute[slowest], "tp": m * tp_comm[slowest], "cp": m * cp_comm[slowest],
              "ep": m * ep_comm[slowest], "pp": m * pp_comm, "latency": m * latency[slowest],
              "bubble": max(span - m * slot[slowest], 0.0), "dp": dp_comm, "optimizer": update,
@@ -279,13 +293,13 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     bandwidth = {dim: (measured.get(dim) or in_node) if intra[dim] else hw.inter_node_bw for dim in groups}
     weight_flops = partition_rules.stage_weight_grad_flops(arch, parts, b, s)
     time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, weight_flops, d, m, dp_bytes, bandwidth,
-                                      moe_blocks, expert_dp_bytes, params)
+                                      moe_blocks, expert_dp_bytes, params, indices)
     flops = formulas.model_flops_per_step_of(arch, setup.global_batch, s)
     element = engine_memory.ELEMENT_BYTES[setup.precision]
     return {
         "gpus": setup.gpus, "tp": t, "cp": c, "pp": p, "dp": d, "ep": e, "micro_batch": b,
         "global_batch": setup.global_batch,
-        "zero": setup.zero, "recompute": setup.recompute, "precision": setup.precision,
+        "zero": setup.zero, "recompute": setup.recompute, "precision": setup.precision, "optimizer": setup.optimizer,
         "padded_vocab": formulas.padded_vocab_size(V, t, model.vocab_pad_multiple),
         # The closed form [N21] is GPT-2's: for another architecture it is a reference point only.
         "params_total": formulas.model_params(arch), "params_formula": formulas.params_formula(l, h, V, s),

@@ -13,7 +13,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 from launch.analysis.partition import with_stage_boundaries
 from launch.config.layout import Layout, check_and_derive_layout
@@ -41,6 +41,8 @@ class EvaluationJob:
     vocab_size: int
     n_batches: int
     """Global batches to average over."""
+    tasks: List[Tuple[str, List[Any]]] = ()
+    """(name, data/multiple_choice.py Examples) of each --tasks item."""
 
 
 def as_overrides(values: Dict[str, Any], prefix: str) -> List[str]:
@@ -146,8 +148,34 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
             print(f"  {label}: loss {source_loss:.6f} ppl {math.exp(min(source_loss, 50.0)):.4f}", flush=True)
         if args.json_out is not None:
             args.json_out.write_text(json.dumps(result, indent=1) + "\n")
+    if job.tasks:
+        result["tasks"] = score_tasks(job, engine, state, data.tokenizer, is_logging_rank(state.global_rank))
     shut_down_distributed()
     return result
+
+
+def score_tasks(job: EvaluationJob, engine, state: ParallelState, tokenizer, logging: bool) -> List[Dict[str, Any]]:
+    """Each task's acc, acc_norm and n (launch/runtime/task_scoring.py); rank 0 prints a line per
+    task and appends its record to --metrics-out."""
+    import torch
+
+    from deepspeed.accelerator import get_accelerator
+    from launch.runtime.task_scoring import accuracy, score_choices
+    device = torch.device(get_accelerator().current_device_name())
+
+    def encode(text: str) -> List[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    records = []
+    for name, examples in job.tasks:
+        loglikelihoods = score_choices(engine, state, job.layout, examples, encode, job.recipe.seq_len, device)
+        record = {"task": name, **accuracy(examples, loglikelihoods), "choice_loglikelihoods": loglikelihoods}
+        records.append(record)
+        if logging:
+            print(f"{name}: acc {record['acc']:.4f} acc_norm {record['acc_norm']:.4f} n {record['n']}", flush=True)
+            if job.args.metrics_out is not None:
+                with open(job.args.metrics_out, "a") as out:
+                    out.write(json.dumps(record) + "\n")
+    return records
 
 
 def prepare_evaluation(args: argparse.Namespace) -> EvaluationJob:
@@ -169,4 +197,24 @@ def prepare_evaluation(args: argparse.Namespace) -> EvaluationJob:
         raise ConfigError(f"the validation data holds fewer windows than one global batch "
                           f"({layout.global_batch_size}); raise data.val_fraction or lower train.global_batch_size")
     return EvaluationJob(args=args, recipe=recipe, layout=layout, data=data, vocab_size=vocab_size,
-                         n_batches=n_batches)
+                         n_batches=n_batches, tasks=read_tasks(args))
+
+
+def read_tasks(args: argparse.Namespace) -> List[Tuple[str, List[Any]]]:
+    """--tasks NAME=PATH items as (name, examples); a bad item is one line before any process group."""
+    from pathlib import Path
+
+    from data.multiple_choice import read_examples
+    if args.max_examples < 0:
+        raise ConfigError(f"--max-examples {args.max_examples} must be >= 0 (0: every example)")
+    tasks = []
+    for item in args.tasks:
+        name, _, path = item.partition("=")
+        if not name or not path:
+            raise ConfigError(f"--tasks {item!r}: give NAME=PATH, a JSON Lines file of HellaSwag's, ARC's or PIQA's "
+                              f"schema (named hub datasets are not read yet)")
+        tasks.append((name, read_examples(Path(path), args.max_examples)))
+    if args.metrics_out is not None and not args.metrics_out.parent.is_dir():
+        raise ConfigError(f"--metrics-out {str(args.metrics_out)!r}: folder {str(args.metrics_out.parent)!r} "
+                          f"does not exist")
+    return tasks

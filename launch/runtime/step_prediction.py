@@ -30,7 +30,7 @@ def planner_inputs(recipe: Recipe, layout: Layout, vocab_size: int):
                   precision=train.precision, communication_data_type=recipe.deepspeed.get("communication_data_type"),
                   reduce_bucket_elements=int(recipe.deepspeed.get("zero_optimization", {}).get(
                       "reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)),
-                  grad_accum_fusion=train.grad_accum_fusion, cp=layout.cp, ep=layout.ep)
+                  grad_accum_fusion=train.grad_accum_fusion, cp=layout.cp, ep=layout.ep, optimizer=train.optimizer)
     return model, setup
 
 

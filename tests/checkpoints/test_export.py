@@ -2,7 +2,9 @@
 
 One tiny run at tp=2 pp=2 with a padded vocabulary (4100 real tokens, padded to 4112 at tp=2
 and 4104 at tp=1) is saved, exported and evaluated; the transformers model, our dense model,
-launch/evaluate.py at two other layouts and the run's own validation loss must agree; a run
+launch/evaluate.py at three layouts and the run's own validation loss must agree, and a
+multiple-choice task scored at those layouts must give what lm-evaluation-harness's rules give the
+transformers model; a run
 started from the export at tp=2 pp=2 must compute the transformers loss at step 1 and export
 back to the same bits. The TP split/merge rules are checked in-process against the layers'
 own sharding."""
@@ -144,23 +146,88 @@ def _evaluate(n, args):
     return proc
 
 
+# A HellaSwag-schema task (issue 37): WikiHow's bracket artefacts, a context longer than the
+# model's 32 positions (cut on the left), endings of different lengths (acc_norm differs from acc).
+TASK = [
+    {"activity_label": "Cooking", "ctx_a": "A man takes a pan [title] off the stove.", "ctx_b": "he",
+     "endings": ["puts it on the table.", "sings a song to the pan for a long while.", "runs.", "is a cat."],
+     "label": 0},
+    {"activity_label": "Python", "ctx_a": "The function returns a list of the values", "ctx_b": "then the caller",
+     "endings": ["sorts them.", "eats them [step] slowly.", "writes them to a file and closes it.", "flies."],
+     "label": 2},
+    {"activity_label": "Sports", "ctx_a": " ".join(["The players run across the field and the crowd cheers"] * 4),
+     "ctx_b": "the ball", "endings": ["goes in.", "is red.", "was kicked over the wall by the goalkeeper.", "sleeps."],
+     "label": 1},
+    {"activity_label": "Science", "ctx_a": "Water boils at one hundred degrees.", "ctx_b": "ice",
+     "endings": ["melts at zero.", "is hot.", "is a programming language.", "melts when it gets warm enough."],
+     "label": 3},
+    {"activity_label": "Music", "ctx_a": "She tunes the guitar", "ctx_b": "and",
+     "endings": ["plays a chord.", "the guitar plays itself.", "eats.", "the [header] strings break."], "label": 0},
+]
+
+
+def _harness_hellaswag(hf_dir, docs, seq_len):
+    """The transformers model scored by lm-evaluation-harness's rules, written here from its
+    HellaSwag task and its HFLM: the query is preprocess(activity_label + ": " + ctx_a + " " +
+    ctx_b.capitalize()), each choice " " + preprocess(ending); the continuation's tokens are
+    enc(query + choice) after len(enc(query)); the input is their concatenation's last seq_len + 1
+    tokens but one; acc_norm divides by the ending's characters. (log-likelihoods, acc, acc_norm)"""
+    import re
+
+    from transformers import AutoTokenizer
+
+    def preprocess(text):
+        text = text.strip().replace(" [title]", ". ")
+        return re.sub("\\[.*?\\]", "", text).replace("  ", " ")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    scores, acc, acc_norm = [], 0, 0
+    for doc in docs:
+        query = preprocess(doc["activity_label"] + ": " + doc["ctx_a"] + " " + doc["ctx_b"].capitalize())
+        endings = [preprocess(e) for e in doc["endings"]]
+        row = []
+        for ending in endings:
+            query_ids = tokenizer(query, add_special_tokens=False)["input_ids"]
+            continuation = tokenizer(query + " " + ending, add_special_tokens=False)["input_ids"][len(query_ids):]
+            ids = (query_ids + continuation)[-(seq_len + 1):]
+            with torch.no_grad():
+                logprobs = model(torch.tensor([ids[:-1]])).logits[0].double().log_softmax(-1)
+            n = len(continuation)
+            row.append(logprobs[-n:].gather(1, torch.tensor(ids[-n:])[:, None]).sum().item())
+        scores.append(row)
+        acc += max(range(4), key=lambda j: row[j]) == doc["label"]
+        acc_norm += max(range(4), key=lambda j: row[j] / len(endings[j])) == doc["label"]
+    return scores, acc / len(docs), acc_norm / len(docs)
+
+
 @pytest.mark.slow
-def test_evaluate_gives_the_same_loss_at_every_layout(run, data):
-    """Saved at tp=2 pp=2, evaluated at tp=1 pp=1 and tp=2 pp=1 (other vocab paddings too):
-    the loss of the transformers model on the same validation batch."""
+def test_evaluate_gives_the_same_loss_and_task_scores_at_every_layout(run, data, tmp_path):
+    """Saved at tp=2 pp=2, evaluated at (1,1,1), tp 2 x pp 2 and cp 2 (other vocab paddings too):
+    the loss of the transformers model on the same validation batch; and a HellaSwag-schema task
+    (--tasks) gives every choice the log-likelihood lm-evaluation-harness's rules give the
+    transformers model (within 1e-5) and the same acc and acc_norm, at every layout."""
     x, y = _windows(data.val_batches(0, 1, 1), 8)
     theirs = _hf_loss(run / "hf", x, y)
+    task = tmp_path / "hellaswag.jsonl"
+    task.write_text("".join(json.dumps(doc) + "\n" for doc in TASK))
+    reference, acc, acc_norm = _harness_hellaswag(run / "hf", TASK, 32)
+    assert 0 < acc_norm < 1 or 0 < acc < 1  # the examples tell the choices apart
     losses = []
-    for tp in (1, 2):
-        out = run / f"eval_tp{tp}.json"
-        recipe = [] if tp == 1 else ["--recipe", str(TINY)]  # the checkpoint's recipe by default
-        proc = _evaluate(tp, ["--load", str(run / "ck"), "--tp", str(tp), "--batches", "1", "--json-out", str(out)]
-                         + recipe)
+    for procs, flags in ((1, []), (4, ["--tp", "2", "--pp", "2"]), (2, ["--cp", "2"])):
+        out, scores = tmp_path / f"eval{procs}.json", tmp_path / f"tasks{procs}.jsonl"
+        recipe = [] if procs == 1 else ["--recipe", str(TINY)]  # the checkpoint's recipe by default
+        proc = _evaluate(procs, ["--load", str(run / "ck"), *flags, "--batches", "1", "--json-out", str(out),
+                                 "--tasks", f"hellaswag={task}", "--metrics-out", str(scores)] + recipe)
         result = json.loads(out.read_text())
         assert f"loss {result['loss']:.6f} ppl" in proc.stdout
-        assert result["data"] == "validation" and result["layout"]["tp"] == tp and result["batches"] == 1
+        assert result["data"] == "validation" and result["batches"] == 1
         losses.append(result["loss"])
-    assert _close(losses[0], theirs) and _close(losses[1], theirs) and _close(losses[0], losses[1]), (losses, theirs)
+        (record,) = read_metrics(scores)
+        assert (record["task"], record["n"], record["acc"], record["acc_norm"]) == ("hellaswag", len(TASK), acc, acc_norm)
+        assert f"hellaswag: acc {acc:.4f} acc_norm {acc_norm:.4f} n {len(TASK)}" in proc.stdout
+        for ours, harness in zip(record["choice_loglikelihoods"], reference):
+            assert all(abs(a - b) <= REL * abs(b) for a, b in zip(ours, harness)), (flags, ours, harness)
+    assert all(_close(loss, theirs) for loss in losses), (losses, theirs)
 
 
 @pytest.mark.slow
@@ -239,6 +306,9 @@ def test_bad_input_is_one_line_and_exit_2(run, tmp_path, monkeypatch, capsys):
         (["--load", str(tmp_path / "other")], ["no complete checkpoint"]),
         (["--init-from-hf", hf, "--recipe", str(TINY), "--set", "model.n_head=2"], ["model.n_head=2", "weights"]),
         (["--load", str(ck), "--init-from-hf", hf], ["not allowed with"]),
+        (["--load", str(ck), "--tasks", "hellaswag"], ["--tasks 'hellaswag'", "NAME=PATH"]),
+        (["--load", str(ck), "--tasks", f"hs={tmp_path / 'none.jsonl'}"], ["none.jsonl", "does not exist"]),
+        (["--load", str(ck), "--tasks", f"hs={tmp_path / 'other' / 'notes.txt'}"], ["notes.txt", "JSON"]),
     ]:
         _one_line_error(evaluate.main, argv, words, capsys)
 

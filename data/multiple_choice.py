@@ -1,0 +1,119 @@
+"""Multiple-choice tasks scored by log-likelihood (issue 37), as lm-evaluation-harness and llm.c
+score HellaSwag: each choice's continuation gets the summed log-probability of its tokens given
+the context; the prediction is the choice with the highest sum (acc), or with the highest sum per
+character of the choice (acc_norm).
+
+A task file is JSON Lines, one example per line, in one of the schemas of ADAPTERS (each a small
+adapter from the dataset's own fields to (context, choices, gold)). The token rules are the
+harness's (`_encode_pair`, `_loglikelihood_tokens`):
+- trailing spaces of the context move to the front of the continuation;
+- the continuation's tokens are enc(context + continuation) after the first len(enc(context));
+- the model reads (context + continuation) tokens cut on the left to seq_len + 1, all but the
+  last, and the continuation's tokens are the last targets.
+"""
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+from data.spec import DataError
+
+
+@dataclass(frozen=True)
+class Example:
+    context: str
+    choices: List[str]
+    """Each choice as scored after the context (with its delimiter: HellaSwag's leading space)."""
+    lengths: List[int]
+    """Characters of each choice without the delimiter: acc_norm's divisor (the harness's)."""
+    gold: int
+
+
+def hellaswag_text(text: str) -> str:
+    """The harness's HellaSwag preprocessing: WikiHow's bracketed artefacts removed."""
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub(r"\[.*?\]", "", text)
+    return text.replace("  ", " ")
+
+
+def hellaswag(doc: dict) -> Example:
+    """HellaSwag's schema: ctx_a, ctx_b, endings, label (and activity_label, the harness's prefix)."""
+    context = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
+    if doc.get("activity_label"):
+        context = doc["activity_label"] + ": " + context
+    endings = [hellaswag_text(ending) for ending in doc["endings"]]
+    return Example(hellaswag_text(context), [" " + e for e in endings], [len(e) for e in endings], int(doc["label"]))
+
+
+def arc(doc: dict) -> Example:
+    """ARC's schema (ARC-Easy, ARC-Challenge): question, choices {text, label}, answerKey; the
+    harness's "Question: ...\\nAnswer:" prompt."""
+    texts, labels = doc["choices"]["text"], doc["choices"]["label"]
+    return Example(f"Question: {doc['question']}\nAnswer:", [" " + t for t in texts], [len(t) for t in texts],
+                   labels.index(doc["answerKey"]))
+
+
+def piqa(doc: dict) -> Example:
+    """PIQA's schema: goal, sol1, sol2, label; the harness's "Question: ...\\nAnswer:" prompt."""
+    solutions = [doc["sol1"], doc["sol2"]]
+    return Example(f"Question: {doc['goal']}\nAnswer:", [" " + s for s in solutions], [len(s) for s in solutions],
+                   int(doc["label"]))
+
+
+ADAPTERS: Dict[str, Tuple[Tuple[str, ...], Callable[[dict], Example]]] = {
+    "hellaswag": (("ctx_a", "ctx_b", "endings", "label"), hellaswag),
+    "arc": (("question", "choices", "answerKey"), arc),
+    "piqa": (("goal", "sol1", "sol2", "label"), piqa),
+}
+"""Schema name -> (the fields that identify it, its adapter)."""
+
+
+def read_examples(path: Path, limit: int = 0) -> List[Example]:
+    """The examples of a local JSON Lines task file (the first `limit`, 0: all); the schema is the
+    first in ADAPTERS whose fields the first line has. A DataError names the file and the fix."""
+    if not path.is_file():
+        raise DataError(f"task file {str(path)!r} does not exist; give NAME=PATH of a JSON Lines file")
+    docs = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            docs.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise DataError(f"task file {str(path)!r}: line {number} is not JSON ({e.msg}); give one JSON object "
+                            f"per line") from None
+        if not isinstance(docs[-1], dict):
+            raise DataError(f"task file {str(path)!r}: line {number} is not a JSON object; give one per line")
+    if not docs:
+        raise DataError(f"task file {str(path)!r} holds no examples")
+    schema = next((name for name, (fields, _) in ADAPTERS.items() if all(f in docs[0] for f in fields)), None)
+    if schema is None:
+        known = "; ".join(f"{name}: {', '.join(fields)}" for name, (fields, _) in ADAPTERS.items())
+        raise DataError(f"task file {str(path)!r}: its first line has fields {', '.join(sorted(docs[0]))}, none of "
+                        f"the schemas ({known})")
+    adapter = ADAPTERS[schema][1]
+    try:
+        return [adapter(doc) for doc in (docs[:limit] if limit else docs)]
+    except (KeyError, ValueError, TypeError) as e:
+        raise DataError(f"task file {str(path)!r} ({schema} schema): an example lacks or mis-types a field "
+                        f"({type(e).__name__}: {e})") from None
+
+
+def continuation_tokens(encode: Callable[[str], List[int]], context: str, continuation: str
+                        ) -> Tuple[List[int], List[int]]:
+    """(context tokens, continuation tokens) by the harness's rule: trailing spaces of the context
+    go to the continuation, which is what enc(context + continuation) adds after enc(context)."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole, context_ids = encode(context + continuation), encode(context)
+    return context_ids, whole[len(context_ids):]
+
+
+def scored_window(context_ids: List[int], continuation_ids: List[int], seq_len: int
+                  ) -> Tuple[List[int], int]:
+    """(the model's input, at most seq_len tokens, cut on the left; how many of its last targets are
+    the continuation's). The targets are the input shifted by one with the last continuation token."""
+    tokens = (context_ids + continuation_ids)[-(seq_len + 1):]
+    return tokens, min(len(continuation_ids), len(tokens) - 1)
