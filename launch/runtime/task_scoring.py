@@ -79,12 +79,15 @@ def score_choices(engine, state: ParallelState, layout: Layout, examples: List[E
             chunk += [idle] * (b * m - len(chunk))
             micro = [(torch.tensor([s[0] for s in chunk[j * b:(j + 1) * b]], device=device),
                       torch.tensor([s[1] for s in chunk[j * b:(j + 1) * b]], device=device)) for j in range(m)]
+            # DeepSpeed sums every forward's loss into total_loss and resets it only in train_batch:
+            # a (B,) loss cannot add into an earlier evaluation's scalar.
+            engine.total_loss = None
             outputs = engine.eval_batch(iter(sequence_shards(iter(micro), state.cp_rank, state.cp_size)),
                                         reduce_output=None, bcast_loss=False, num_micro_batches=m)
             if engine.is_last_stage():
                 losses += torch.cat([o.reshape(-1) for o in outputs]).tolist()
     finally:
-        engine.module.loss_fn = kept
+        engine.module.loss_fn, engine.total_loss = kept, None
     found = torch.zeros(len(sequences), dtype=torch.float64, device=device)
     if engine.is_last_stage() and state.tp_rank == 0 and state.cp_rank == 0:
         found[mine] = -torch.tensor(losses[:len(mine)], dtype=torch.float64, device=device)
