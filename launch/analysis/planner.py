@@ -15,8 +15,11 @@ all-reduce runs over DeepSpeed's data axis, dp x cp ranks. Expert parallelism (e
 each MoE block's experts over ep ranks of that axis: a rank computes the same share of the FLOPs
 (its experts receive, on average, as many rows as it routes), adds the all-to-alls that carry the
 rows to their experts and back, and reduces its experts' gradients over the dp x cp / ep ranks that
-hold the same experts. It ignores latency, overlap and small
-micro-batches' lower efficiency: it ranks layouts, it does not promise a time
+hold the same experts. Each collective pays the profile's latency, an MoE block its host sync,
+and the experts' GEMMs the busiest expert's load. After the all-reduce the optimizer updates the
+rank's ZeRO-1 share (Muon adds its Newton-Schulz and gathers), and the engine's fixed cost per
+step is added. A calibration on one machine's processes replaces each block's and the head's
+modelled compute (and their TP and EP collectives) by their measured times. Overlap is ignored
 (docs/planner-and-metrics.md, "--search and the cost model")."""
 import dataclasses
 from typing import Any, Dict, Iterator, List, Optional, Tuple
