@@ -203,10 +203,11 @@ def link_latency() -> float:
 
 
 def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, rank: int = 0, procs: int = 1,
-             port: int = 0, results=None, model=None, cases: Sequence[Case] = ()) -> dict:
+             port: int = 0, results=None, model=None, cases: Sequence[Case] = (), once: bool = True) -> dict:
     """Every shape's GEMM rate, the memory bandwidth and the optimizer's rate in this process;
     with `procs` > 1 also the link bandwidth of a gloo group of the processes; with `model`, its
-    pieces at `cases` in that group (put on `results`, a queue)."""
+    pieces at `cases` in that group (put on `results`, a queue). `once`: also what a profile
+    measures only once (links, the engine's costs); a later calibration adds shapes and cases."""
     import torch
     if threads:
         torch.set_num_threads(threads)
@@ -220,19 +221,21 @@ def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, ran
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(procs), LOCAL_WORLD_SIZE=str(procs),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs)
-        if procs > 1:
+        if procs > 1 and once:
             measured["link_bw"], measured["link_latency_s"] = link_bandwidth(procs), link_latency()
             measured["all_to_all_bw"], measured["p2p_bw"] = all_to_all_bandwidth(procs), point_to_point_bandwidth()
         if cases:
             measured["blocks"] = time_pieces(model, cases, dtype)
-            measured["per_step_s"], measured["per_microbatch_s"] = engine_overheads(procs, dtype)
+            if once:
+                measured["per_step_s"], measured["per_microbatch_s"] = engine_overheads(procs, dtype)
         dist.destroy_process_group()
     if results is not None:
         results.put(measured)
     return measured
 
 
-def _measured_at_once(shapes: List[Shape], dtype: str, procs: int, model=None, cases: Sequence[Case] = ()) -> dict:
+def _measured_at_once(shapes: List[Shape], dtype: str, procs: int, model=None, cases: Sequence[Case] = (),
+                      once: bool = True) -> dict:
     """`_measure` in `procs` processes started together, each its rank's share of the cores; the
     slowest rate of each (the slowest time of each piece), and their group's all-reduce bandwidth."""
     if procs <= 1 and not cases:
@@ -241,8 +244,8 @@ def _measured_at_once(shapes: List[Shape], dtype: str, procs: int, model=None, c
     threads, port = threads_per_rank({}, usable_cpus(), procs), free_port()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    ranks = [context.Process(target=_measure, args=(shapes, dtype, threads, r, procs, port, results, model, cases))
-             for r in range(procs)]
+    ranks = [context.Process(target=_measure, args=(shapes, dtype, threads, r, procs, port, results, model, cases,
+                                                    once)) for r in range(procs)]
     for process in ranks:
         process.start()
     measured = []
@@ -287,7 +290,8 @@ def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int 
     key = model_key(model) if model is not None and not on_gpu else None
     new_cases = [c for c in _runnable(cases, procs) if block_key(key, "head", *c) not in profile.blocks] if key else []
     if missing or new_cases or profile.memory_bw is None or profile.optimizer_s_per_param is None:
-        measured = _measured_at_once(missing, dtype, procs, model, new_cases)
+        # Links and the engine's costs are measured with the profile's first cases (per_step_s set).
+        measured = _measured_at_once(missing, dtype, procs, model, new_cases, once=not profile.per_step_s)
         profile.gemm.update(measured["gemm"])
         profile.blocks.update(measured.get("blocks", {}))
         profile.memory_bw = measured["memory_bw"] if profile.memory_bw is None else profile.memory_bw
