@@ -176,10 +176,10 @@ def test_layout_auto_trains_the_planners_first_pick_and_keeps_the_axes_given(tmp
 @pytest.mark.slow
 def test_auto_sweep_trains_the_fastest_measured_of_the_top_predicted(tmp_path, monkeypatch, capsys, request):
     """--layout auto --auto-sweep 2 in one process, with a given GEMM table that is wrong on
-    purpose (the fewer a GEMM's rows, the faster): the planner's top 2 are micro-batch 1 and 2
-    (16 and 8 micro-batches a step), and each runs as its own launch/train.py for a few steps.
-    Measured, the engine's cost per micro-batch makes micro-batch 1 the slower, so the job trains
-    the fastest measured trial, not the planner's first, and records what it measured."""
+    purpose (32-row GEMMs the fastest): the planner's top 2 are micro-batch 1 and 16 (16 and 1
+    micro-batches a step), and each runs as its own launch/train.py for a few steps. Measured, 16
+    micro-batches' engine and per-op costs make micro-batch 1 the slower, so the job trains the
+    fastest measured trial, not the planner's first, and records what it measured."""
     import re
 
     from launch.runtime.calibrate import cache_path, device_name
@@ -196,8 +196,9 @@ def test_auto_sweep_trains_the_fastest_measured_of_the_top_predicted(tmp_path, m
     cores = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(cores)})
     request.addfinalizer(lambda: os.sched_setaffinity(0, cores))
-    # tiny's GEMM (b x 32 rows, 64, 256): the table says 32 rows run 16x faster than 512.
-    gemm = {gemm_key(rows, 64, 256): RATE * 32 / rows for rows in (32, 64, 128, 256, 512)}
+    # tiny's GEMM (b x 32 rows, 64, 256): the table says 32 rows run fastest, 512 nearly as fast and
+    # every size between ten times slower, so the planner's top 2 are micro-batch 1 and 16.
+    gemm = {gemm_key(rows, 64, 256): RATE * {32: 1.0, 512: 0.9}.get(rows, 0.1) for rows in (32, 64, 128, 256, 512)}
     DeviceProfile(device=device_name(1), source="calibrated", dtype="fp32",  # no bandwidth floor
                   gemm=gemm).save(cache_path(device_name(1), "fp32"))
     job = prepare_training_job(parse_training_args(["--recipe", str(RECIPES / "tiny.yaml"), "--layout", "auto",
@@ -205,8 +206,8 @@ def test_auto_sweep_trains_the_fastest_measured_of_the_top_predicted(tmp_path, m
     out = capsys.readouterr().out
     trials = {int(b): float(s) for b, s in re.findall(r"auto sweep \d/2: .*micro-batch (\d+), recompute none: "
                                                       r"predicted \S+ s, measured (\S+) s a step", out)}
-    assert sorted(trials) == [1, 2], out  # the planner's top 2, each measured
+    assert sorted(trials) == [1, 16], out  # the planner's top 2, each measured
     fastest = min(trials, key=trials.get)
-    assert job.layout.micro_batch_size == fastest == 2 and job.layout_choice.swept == 2
+    assert job.layout.micro_batch_size == fastest == 16 and job.layout_choice.swept == 2
     assert job.layout_choice.measured_step_time_s == pytest.approx(trials[fastest], rel=1e-3)
     assert "the fastest measured of the 2 fastest predicted" in out
