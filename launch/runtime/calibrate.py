@@ -25,6 +25,7 @@ from typing import Iterable, List, Optional, Sequence
 from launch.analysis.device_profile import DeviceProfile, Shape, block_key, gemm_key, model_key
 from launch.runtime.calibrate_blocks import Case, time_pieces
 from launch.runtime.calibrate_engine import engine_overheads
+from launch.runtime.calibrate_timing import median_seconds
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 MIN_SECONDS = 0.05   # per GEMM measurement, after one warm-up call
@@ -95,15 +96,8 @@ def memory_bandwidth(dtype: str) -> float:
     src = torch.empty(COPY_BYTES[device.type] // 2, dtype=torch.int16, device=device)
     dst = torch.empty_like(src)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    dst.copy_(src)
-    times = []
-    for _ in range(5):
-        sync()
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / sorted(times)[2]
+    seconds = median_seconds(lambda: (dst.copy_(src), sync()), 5, before=sync)
+    return 2 * src.numel() * src.element_size() / seconds
 
 
 def optimizer_seconds_per_param() -> float:
@@ -113,15 +107,7 @@ def optimizer_seconds_per_param() -> float:
     weight.grad = torch.ones_like(weight)
     adam = torch.optim.AdamW([weight], lr=1e-3)
     sync = torch.cuda.synchronize if weight.is_cuda else (lambda: None)
-    adam.step()
-    times = []
-    for _ in range(5):
-        sync()
-        start = time.perf_counter()
-        adam.step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[2] / weight.numel()
+    return median_seconds(lambda: (adam.step(), sync()), 5, before=sync) / weight.numel()
 
 
 def host_sync_seconds() -> float:
@@ -129,27 +115,14 @@ def host_sync_seconds() -> float:
     waits for it, median of 101."""
     import torch
     counts = torch.ones(8, dtype=torch.int64, device=_torch_device())
-    (counts + 1).tolist()
-    times = []
-    for _ in range(101):
-        start = time.perf_counter()
-        (counts + 1).tolist()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[50]
+    return median_seconds(lambda: (counts + 1).tolist(), 101)
 
 
 def _all_reduce_seconds(tensor, repeats: int) -> float:
     """Median seconds of an all-reduce of `tensor` in this process group, after one warm-up, each
     call started together (a barrier before it)."""
     import torch.distributed as dist
-    dist.all_reduce(tensor)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(tensor)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[repeats // 2]
+    return median_seconds(lambda: dist.all_reduce(tensor), repeats, before=dist.barrier)
 
 
 def link_bandwidth(procs: int) -> float:
@@ -167,14 +140,8 @@ def all_to_all_bandwidth(procs: int) -> float:
     import torch.distributed as dist
     send = torch.ones(1 << 21, dtype=torch.float32)
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send)
-    times = []
-    for _ in range(5):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_to_all_single(received, send)
-        times.append(time.perf_counter() - start)
-    return (procs - 1) / procs * send.numel() * send.element_size() / sorted(times)[2]
+    seconds = median_seconds(lambda: dist.all_to_all_single(received, send), 5, before=dist.barrier)
+    return (procs - 1) / procs * send.numel() * send.element_size() / seconds
 
 
 def point_to_point_bandwidth() -> float:
@@ -185,14 +152,11 @@ def point_to_point_bandwidth() -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
     buffer = torch.ones(1 << 21, dtype=torch.float32)
     peer = rank + 1 if rank % 2 == 0 else rank - 1
-    times = []
-    for _ in range(6):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def transfer():
         if peer < world:
             (dist.send if rank % 2 == 0 else dist.recv)(buffer, peer)
-        times.append(time.perf_counter() - start)
-    return buffer.numel() * buffer.element_size() / sorted(times[1:])[2]
+    return buffer.numel() * buffer.element_size() / median_seconds(transfer, 5, before=dist.barrier)
 
 
 def link_latency() -> float:

@@ -7,7 +7,6 @@ on a layer that costs nothing, so only the engine's own time is left.
 `train_batch` with m micro-batches takes per_step + m x per_microbatch: timed at m = 1 and m =
 PROBE_MICROBATCHES, the difference gives the slope. Every rank runs the same number of steps (the
 engine's collectives pair up)."""
-import time
 from typing import Tuple
 
 PROBE_MICROBATCHES = 8
@@ -23,6 +22,7 @@ def _step_seconds(procs: int, micro_batches: int, dtype: str, zero: int) -> floa
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+    from launch.runtime.calibrate_timing import median_seconds
     from launch.runtime.console import quiet_stdout
     element = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro_batches,
@@ -42,14 +42,7 @@ def _step_seconds(procs: int, micro_batches: int, dtype: str, zero: int) -> floa
         while True:
             yield sample
     data = batches()
-    engine.train_batch(data)
-    times = []
-    for _ in range(PROBE_STEPS):
-        dist.barrier()
-        start = time.perf_counter()
-        engine.train_batch(data)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return median_seconds(lambda: engine.train_batch(data), PROBE_STEPS, before=dist.barrier)
 
 
 def engine_overheads(procs: int, dtype: str, zero: int = 1) -> Tuple[float, float]:
