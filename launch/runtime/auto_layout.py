@@ -77,9 +77,9 @@ def _hardware(recipe: Recipe, model, setup, local: int):
     from launch.analysis.planner import block_case, gemm_shapes, valid_candidates
     from launch.runtime.step_prediction import this_device_hardware
     hardware, _ = this_device_hardware(recipe.train.precision, local)
-    planned = list(valid_candidates(model, setup))
-    cases = {block_case(model, c) for c in planned}
     if hardware is None:
+        planned = list(valid_candidates(model, setup))
+        cases = {block_case(model, c) for c in planned}
         shapes = {shape for c in planned for shape in gemm_shapes(model, c).values()}
         print(f"layout auto: measuring this machine in {recipe.train.precision} with {local} processes: "
               f"{len(shapes)} GEMM shapes, the model's pieces at {len(cases)} cases (cached)", flush=True)

@@ -246,7 +246,8 @@ def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int 
     import torch
     on_gpu = torch.cuda.is_available()
     procs = procs if not on_gpu else 1  # a GPU is its rank's own
-    device, path = device_name(procs), cache_path(device_name(procs), dtype)
+    device = device_name(procs)
+    path = cache_path(device, dtype)
     profile = DeviceProfile.from_json(path.read_text()) if path.exists() else None
     if profile is None or profile.software != software():
         profile = DeviceProfile(device=device, source="calibrated", dtype=dtype, software=software())
