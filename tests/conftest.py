@@ -1,10 +1,17 @@
-"""The session's shared runs (helpers/parity_runs.py), the fast tier's rule enforced, and the
-streaming tests' private caches."""
+"""The session's shared runs (helpers/parity_runs.py), the fast tier's rule enforced, the
+streaming tests' private caches, and one CPU thread per rank."""
 import os
 import subprocess
 from pathlib import Path
 
-import pytest
+# One thread for every process the suite starts (xdist's workers, the ranks, benches): three
+# workers keep both cores busy, and a process of two OpenMP threads whose second core is taken
+# spins at barriers, 16x slower per step (a one-process llama-tiny run beside a busy core: 125
+# tokens/s at 2 threads, 2,079 at 1; docs/testing.md, "Where the time goes"). Ranks honour it
+# (launch/runtime/distributed.py: threads_per_rank). Set it yourself to override.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402 (after the thread setting: torch reads it when first imported)
 
 from helpers import launcher
 from helpers.forked import stop_rank_server

@@ -37,6 +37,12 @@ def _torch_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _thread_setting() -> dict:
+    """Only OMP_NUM_THREADS of this environment: the calibration's own process count stands for
+    the ranks on a node, not the launcher's LOCAL_SIZE."""
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "")}
+
+
 def device_name(procs: int = 1) -> str:
     import torch
     if torch.cuda.is_available():
@@ -48,7 +54,7 @@ def device_name(procs: int = 1) -> str:
     except OSError:
         pass
     from launch.runtime.distributed import threads_per_rank, usable_cpus
-    threads = threads_per_rank({}, usable_cpus(), procs)
+    threads = threads_per_rank(_thread_setting(), usable_cpus(), procs)
     return f"{model}, {procs} process{'es' if procs > 1 else ''} of {threads} thread{'s' if threads > 1 else ''}"
 
 
@@ -205,7 +211,7 @@ def _measured_at_once(shapes: List[Shape], dtype: str, procs: int, model=None, c
     if procs <= 1 and not cases:
         return _measure(shapes, dtype)  # in this process: no process group, nothing left behind
     from launch.runtime.distributed import free_port, threads_per_rank, usable_cpus
-    threads, port = threads_per_rank({}, usable_cpus(), procs), free_port()
+    threads, port = threads_per_rank(_thread_setting(), usable_cpus(), procs), free_port()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     ranks = [context.Process(target=_measure, args=(shapes, dtype, threads, r, procs, port, results, model, cases,

@@ -29,8 +29,13 @@ def init_distributed(timeout_s: int, **kwargs) -> None:
 
 
 def threads_per_rank(env: Mapping[str, str], cpu_count: int, world_size: int) -> int:
-    """This node's cores shared by its ranks. The ranks on a node: LOCAL_WORLD_SIZE (torchrun),
-    LOCAL_SIZE (DeepSpeed's launcher, which sets no LOCAL_WORLD_SIZE), else the world (one node)."""
+    """Each rank's CPU threads: OMP_NUM_THREADS when it is set (the user's choice, torchrun's 1,
+    DeepSpeed's --bind_cores_to_rank share), else this node's cores shared by its ranks. The ranks
+    on a node: LOCAL_WORLD_SIZE (torchrun), LOCAL_SIZE (DeepSpeed's launcher, which sets no
+    LOCAL_WORLD_SIZE), else the world (one node)."""
+    explicit = env.get("OMP_NUM_THREADS", "")
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit)
     local_world = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or world_size)
     return max(1, cpu_count // local_world)
 

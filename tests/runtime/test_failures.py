@@ -81,7 +81,8 @@ def test_threads_per_rank_from_deepspeed_launcher_environment(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     env = json.loads((tmp_path / "env1.json").read_text())
     assert env["LOCAL_SIZE"] == "2" and env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == "1"
-    env.pop("LOCAL_WORLD_SIZE", None)  # unset by the launcher; the test's own environment may hold one
+    for unset in ("LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"):  # not the launcher's: the tests' own environment's
+        env.pop(unset, None)
     assert threads_per_rank(env, cpu_count=64, world_size=2) == 32
     # The same launcher on the second of two such nodes: WORLD_SIZE counts both, LOCAL_SIZE this one.
     two_nodes = dict(env, WORLD_SIZE="4", RANK="3", CROSS_RANK="1", CROSS_SIZE="2")
@@ -143,3 +144,13 @@ def test_threads_per_rank_count_the_cpus_this_process_may_use():
     finally:
         os.sched_setaffinity(0, allowed)
     assert usable_cpus() == len(allowed)
+
+
+def test_threads_per_rank_honour_omp_num_threads():
+    """An explicit OMP_NUM_THREADS (the user's, torchrun's 1 for several ranks, DeepSpeed's
+    --bind_cores_to_rank share) is each rank's thread count; unset or empty, the node's CPUs over
+    its ranks."""
+    from launch.runtime.distributed import threads_per_rank
+    assert threads_per_rank({"OMP_NUM_THREADS": "3", "LOCAL_SIZE": "2"}, cpu_count=64, world_size=2) == 3
+    assert threads_per_rank({"OMP_NUM_THREADS": "", "LOCAL_SIZE": "2"}, cpu_count=64, world_size=2) == 32
+    assert threads_per_rank({"LOCAL_SIZE": "4"}, cpu_count=64, world_size=8) == 16

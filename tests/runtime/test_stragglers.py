@@ -334,13 +334,16 @@ def test_a_slowed_rank_is_named_and_its_step_times_recorded(tmp_path):
 
 def test_a_balanced_run_names_no_straggler(parity_runs):
     """The (2,2,2) acceptance run (two stages of four ranks each, none slowed): no line, and every
-    record summarises the ranks' compute times, each a part of its step: over all ranks and per
-    stage (ranks 0-3, 4-7), without the list itself (no --metrics-per-rank)."""
+    record summarises the ranks' compute times, the median a part of the step: over all ranks and
+    per stage (ranks 0-3, 4-7), without the list itself (no --metrics-per-rank). The step time is
+    rank 0's clock; the max may pass it (CI saw 0.415 against 0.402 s): rank 0's TP peer starts its
+    step while rank 0 still writes the last record, and waits for it inside the forward's
+    all-reduce, which is compute time (launch/instruments/compute_clock.py)."""
     run = parity_runs[(2, 2, 2)]
     assert "straggler" not in run["stdout"] + run["stderr"]
     for r in run["metrics"]:
         summary = r["compute_s"]
         assert "compute_s_by_rank" not in r and len(summary["by_stage"]) == 2, r
-        assert 0 < summary["median"] <= summary["max"] < r["step_time_s"], r
+        assert 0 < summary["median"] <= summary["max"] and summary["median"] < r["step_time_s"], r
         assert summary["max"] == max(stage["max"] for stage in summary["by_stage"]), r
         assert [stage["slowest_rank"] // 4 for stage in summary["by_stage"]] == [0, 1], r
