@@ -1,19 +1,21 @@
-"""Muon in the planner (issue 38; launch/runtime/muon.py): its memory, its gathers and its
-Newton-Schulz FLOPs per step, on one rank of a pipeline stage.
+"""Muon in the planner (issue 38; launch/runtime/muon.py): its memory, its traffic and its
+Newton-Schulz FLOPs per step, on the busiest rank of a pipeline stage.
 
 - Memory: one fp32 momentum per element of a Muon matrix (AdamW keeps two moments: Muon saves
   4 bytes per such element), partitioned by ZeRO-1 like AdamW's moments, over the data axis
-  (dp x cp ranks; an expert matrix over its expert-data-parallel group, dp x cp / ep). During the
-  step each rank also holds its stage's Muon matrices whole-flat twice (the gathered direction and
-  the update: 8 bytes per local element).
-- Traffic, received per rank per step: the all-gather of the flat Muon groups over the data axis
-  ((D - 1) / D of the local elements, 4 bytes each) and of every matrix's TP shards ((t - 1) x the
-  local elements).
-- FLOPs: Newton-Schulz on every logical matrix of the stage (a rank's E/ep experts only), 5 steps of
-  X X^T, A^2 and (b A + c A^2) X with m the smaller side: 5 (4 m^2 n + 2 m^3). Every rank of a
-  TP x data group computes all of them (no owner ranks yet): the same on each.
+  (dp x cp ranks; an expert matrix over its expert-data-parallel group, dp x cp / ep).
+- ZeRO-1: every matrix has an owner rank in its data group (launch/runtime/muon_owners.py), chosen
+  by `assign_owners`. During the step a rank holds its owned matrices whole (as TP shards) and
+  their update, and one all-to-all's send and receive buffers: about 4 x 4 bytes per local element
+  over D. Traffic received: the two all-to-alls, about 2 (D - 1) / D^2 of the local elements, and
+  the TP shards of the owned matrices ((t - 1) / D of them). FLOPs: the owned matrices' only.
+- ZeRO-0: every rank orthogonalises every matrix of its stage, gathering its TP shards ((t - 1) x
+  the local elements received), holding the direction and the update (8 bytes per local element).
+- Newton-Schulz FLOPs of a matrix (a rank's E/ep experts only): 5 steps of X X^T, A^2 and
+  (b A + c A^2) X with m the smaller side: 5 (4 m^2 n + 2 m^3).
 No torch here: only the model's config.
 """
+import heapq
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
@@ -31,6 +33,27 @@ class MuonCost:
     step_buffer_bytes: int  # transient, during the optimizer step
     gather_bytes: int  # received per rank per step
     newton_schulz_flops: int  # per rank per step
+
+
+def assign_owners(costs: Sequence[int], ranks: int) -> List[int]:
+    """Each matrix's owner among `ranks`: longest processing time first (the costliest matrix to the
+    least-loaded rank; ties to the lower rank, then the earlier matrix), so that every rank computes
+    the same assignment and the busiest rank carries at most the mean plus one matrix."""
+    load = [(0, rank) for rank in range(ranks)]
+    owner = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        busy, rank = heapq.heappop(load)
+        owner[index] = rank
+        heapq.heappush(load, (busy + costs[index], rank))
+    return owner
+
+
+def _busiest_share(flops: List[int], ranks: int) -> int:
+    """The Newton-Schulz FLOPs of the busiest of `ranks` owners of matrices costing `flops`."""
+    load = [0] * ranks
+    for cost, rank in zip(flops, assign_owners(flops, ranks)):
+        load[rank] += cost
+    return max(load) if load else 0
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int = NS_STEPS) -> int:
@@ -71,10 +94,16 @@ def muon_stage_cost(m: ModelConfig, blocks: Sequence[int], tp: int, data_axis: i
     local_experts = sum(r * c * k for r, c, k in experts) // tp
     expert_axis = max(1, data_axis // ep)
     partitioned = zero_stage == 1
-    momentum = FP32 * (local_dense // (data_axis if partitioned else 1) + local_experts // (expert_axis if partitioned else 1))
-    gathered = (local_dense * (data_axis - 1) // data_axis + local_experts * (expert_axis - 1) // expert_axis) \
-        if partitioned else 0
-    gather = FP32 * (gathered + (tp - 1) * (local_dense + local_experts))
-    flops = sum(k * newton_schulz_flops(r, c) for r, c, k in dense + experts)
-    return MuonCost(momentum_bytes=momentum, step_buffer_bytes=2 * FP32 * (local_dense + local_experts),
-                    gather_bytes=gather, newton_schulz_flops=flops)
+    if not partitioned:
+        flops = sum(k * newton_schulz_flops(r, c) for r, c, k in dense + experts)
+        return MuonCost(momentum_bytes=FP32 * (local_dense + local_experts),
+                        step_buffer_bytes=2 * FP32 * (local_dense + local_experts),
+                        gather_bytes=FP32 * (tp - 1) * (local_dense + local_experts), newton_schulz_flops=flops)
+    owned = local_dense / data_axis + local_experts / expert_axis  # elements of the matrices a rank owns
+    exchanged = 2 * (local_dense * (data_axis - 1) / data_axis ** 2 + local_experts * (expert_axis - 1) / expert_axis ** 2)
+    # the owners' unit is a listed group of matrices (k of one shape), as the runtime's is a parameter
+    flops = (_busiest_share([k * newton_schulz_flops(r, c) for r, c, k in dense], data_axis)
+             + _busiest_share([k * newton_schulz_flops(r, c) for r, c, k in experts], expert_axis))
+    return MuonCost(momentum_bytes=FP32 * (local_dense // data_axis + local_experts // expert_axis),
+                    step_buffer_bytes=round(4 * FP32 * owned), gather_bytes=round(FP32 * (exchanged + (tp - 1) * owned)),
+                    newton_schulz_flops=flops)

@@ -10,13 +10,14 @@ element-wise, so it lives wherever DeepSpeed keeps the parameter's fp32 state; N
 matrix, so before it each rank rebuilds the whole matrices of U:
 - DeepSpeed's ZeRO-1 and BF16 optimizers hand this optimizer one flat fp32 partition per param
   group (its slice of the group's parameters laid end to end, cut into dp equal pieces). `bind`
-  reads from the wrapper where each parameter lies in the flat buffer; `step` all-gathers the
-  group's U over the group's data-parallel group (Moonlight's Distributed Muon: gather, orthogonalise,
-  keep the local slice), cuts out each parameter's TP shard, gathers it over TP, splits fused
-  weights into their logical parts (launch/runtime/muon_matrices.py), orthogonalises each, and keeps
-  this rank's shard of this rank's partition. Every rank of a TP x DP group computes the same NS
-  (redundantly; no owner ranks yet), so the update is the one-device update to fp32 rounding;
-- fp32 ZeRO-0 hands the parameters themselves: only the TP gather.
+  reads from the wrapper where each parameter lies in the flat buffer and gives each matrix an owner
+  rank of the group's data-parallel group (launch/runtime/muon_owners.py); `step` sends each
+  owner its matrices' pieces of U (an all-to-all), the owner gathers each over TP, splits fused
+  weights into their logical parts (launch/runtime/muon_matrices.py), orthogonalises each, and sends
+  every rank the update of the elements it holds (an all-to-all). The TP peers of an owner compute
+  the same NS (redundantly), so the update is the one-device update to fp32 rounding;
+- fp32 ZeRO-0 hands the parameters themselves: only the TP gather, every dp rank orthogonalising
+  every matrix (no partition to own).
 The AdamW group gets torch's AdamW update (decoupled weight decay; state `exp_avg`, `exp_avg_sq`,
 `step`, as DeepSpeed's checkpoints and launch/checkpoints/reshard.py know them), its weight decay on
 its >= 2-D parameters only (embeddings, output head, routers; not norms or biases: GPT-2 / nanoGPT),
@@ -32,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from launch.runtime.muon_matrices import MatrixLayout, local_part, matrix_layout, whole_parts
+from launch.analysis.muon_cost import assign_owners
+from launch.runtime.muon_owners import OwnerExchange, from_owners, newton_schulz_cost, plan_exchange, to_owners
 from launch.runtime.newton_schulz import NS_STEPS, orthogonalise, update_scale
 
 if TYPE_CHECKING:  # annotations only
@@ -67,15 +70,19 @@ class Muon(torch.optim.Optimizer):
                 for p in group["params"]:
                     p.muon_layout = matrix_layout(p, self.tp_size)  # an attribute: groups are pickled
         self.flat: Dict[int, FlatPartition] = {}  # id of a flat partition -> its layout (set by `bind`)
+        self.exchanges: Dict[int, OwnerExchange] = {}  # id of a Muon flat partition -> its owners' plan
         self.decayed: Dict[int, torch.Tensor] = {}  # id of an AdamW flat partition -> which elements decay
 
     def bind(self, flat_param: torch.Tensor, partition: FlatPartition) -> None:
         """Tell a group that DeepSpeed replaced its parameters by `flat_param`, this rank's piece of
         their flat buffer (launch/runtime/muon_partitions.py)."""
         self.flat[id(flat_param)] = partition
-        if all(hasattr(p, "muon_layout") for p in partition.params):
-            return  # Muon's group: no per-element decay
         size = flat_param.numel()
+        if all(hasattr(p, "muon_layout") for p in partition.params):  # Muon's group: owners, no per-element decay
+            owner = assign_owners([newton_schulz_cost(p) for p in partition.params], partition.dp_size)
+            self.exchanges[id(flat_param)] = plan_exchange([p.numel() for p in partition.params], partition.offsets,
+                                                           owner, size, partition.dp_size, partition.dp_rank)
+            return
         decayed = torch.zeros(size * partition.dp_size, dtype=torch.bool, device=flat_param.device)
         for param, offset in zip(partition.params, partition.offsets):
             decayed[offset:offset + param.numel()] = param.dim() >= 2
@@ -103,7 +110,7 @@ class Muon(torch.optim.Optimizer):
         buf.mul_(mu).add_(g)
         u = g.add(buf, alpha=mu) if group["nesterov"] else buf
         partition = self.flat.get(id(p))
-        update = self._flat_update(u, partition, group) if partition is not None \
+        update = self._flat_update(u, partition, self.exchanges[id(p)], group) if partition is not None \
             else self._matrix_update(u, p.muon_layout, group)
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(update, alpha=-group["lr"])
@@ -114,21 +121,17 @@ class Muon(torch.optim.Optimizer):
         updates = [orthogonalise(part, group["ns_steps"]) * update_scale(*part.shape[-2:]) for part in parts]
         return local_part(updates, layout, self.tp_rank)
 
-    def _flat_update(self, u: torch.Tensor, partition: FlatPartition, group: dict) -> torch.Tensor:
-        """This rank's piece of the flat update (collective over the group's DP group, then TP)."""
-        size = u.numel()
-        if partition.dp_size > 1:
-            pieces = [torch.empty_like(u) for _ in range(partition.dp_size)]
-            dist.all_gather(pieces, u.contiguous(), group=partition.dp_group)
-            full = torch.cat(pieces)  # (padded group numel,)
-        else:
-            full = u
-        update = torch.zeros_like(full)
-        for param, offset in zip(partition.params, partition.offsets):
-            n = param.numel()
-            local = full[offset:offset + n].view(param.shape)  # this TP rank's shard of the matrix
-            update[offset:offset + n] = self._matrix_update(local, param.muon_layout, group).reshape(-1)
-        return update[partition.dp_rank * size:(partition.dp_rank + 1) * size]
+    def _flat_update(self, u: torch.Tensor, partition: FlatPartition, plan: OwnerExchange,
+                     group: dict) -> torch.Tensor:
+        """This rank's piece (size,) of the flat update: its owned matrices orthogonalised here
+        (all-to-alls over the group's DP group, a gather over TP per matrix)."""
+        owned = to_owners(u, plan, partition.dp_group)  # (owned_numel,)
+        owned_update = torch.empty_like(owned)
+        for index, start in zip(plan.owned, plan.owned_offsets):
+            param = partition.params[index]
+            local = owned[start:start + param.numel()].view(param.shape)  # this TP rank's shard of the matrix
+            owned_update[start:start + param.numel()] = self._matrix_update(local, param.muon_layout, group).reshape(-1)
+        return from_owners(owned_update, plan, u.numel(), partition.dp_group)
 
     def _adamw_step(self, p: torch.Tensor, group: dict) -> None:
         """torch's AdamW (decoupled weight decay, bias-corrected moments)."""

@@ -2,11 +2,12 @@
 (fp32, ZeRO-1: Muon inside DeepSpeed's ZeRO-1 optimizer, gradient clipping active) give the same
 loss, gradient norm and validation loss, relative difference <= 1e-5, as at (1,1,1): at (tp, pp, dp) =
 (2,2,2) with sequence parallelism (TP shards gathered, fused [Q; K; V] split, flat dp partitions
-gathered; (4,1,2) with SP passed the same check when Muon landed, and left the suite for its time
+sent to and from their owner ranks; (4,1,2) with SP passed the same check when Muon landed and again with owner ranks, and left the suite for its time
 budget, as its gathers are (2,2,2)'s at tp 4), at (1,4,1) (stages without the embeddings), at (1,1,2) with context parallelism
 2 (the flat partitions over dp x cp = 4 ranks). recipes/moe-tiny.yaml at (2,1,2) with expert
 parallelism 2 (each expert's fused gate-up and down, TP-gathered, partitioned over the
-expert-data-parallel group) against its own (1,1,1) Muon run passed when Muon landed and left the
+expert-data-parallel group) against its own (1,1,1) Muon run passed when Muon landed (and with
+owner ranks, 2026-12-03) and left the
 suite for its time budget (two MoE runs); the expert stacks' update is checked in process
 (tests/runtime/test_muon.py).
 The update against Moonlight's written out per matrix: tests/runtime/test_muon.py."""

@@ -8,10 +8,12 @@
   sections, a row-parallel projection, stacks of experts' fused gate-up and down), sharded with the
   model's own `split_rows`, two Muon steps, both as fp32 ZeRO-0 hands them (the TP shards) and as
   DeepSpeed's ZeRO-1 / BF16 optimizers do (a dp partition of a flat buffer, with gaps between the
-  parameters), against Moonlight's update written here from the paper, per logical matrix, on the
-  whole matrices. The launched runs at every layout: tests/e2e/test_muon_parity.py (slow).
+  parameters, a matrix straddling the two pieces), against Moonlight's update written here from the
+  paper, per logical matrix, on the whole matrices; and with ZeRO-1 each logical matrix is
+  orthogonalised by one rank of its dp group, every dp rank owning some (owner ranks). The launched runs at every layout: tests/e2e/test_muon_parity.py (slow).
 """
 import math
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -122,15 +124,24 @@ def _sharded_update_is_the_dense_update():
         return buffer
 
     piece = torch.nn.Parameter(flat([p.detach() for p in params])[dp_rank * size:(dp_rank + 1) * size].clone())
+    assert any(offset < size < offset + p.numel() for p, offset in zip(params, offsets))  # a matrix straddles the pieces
     optimizer = muon(params)
     optimizer.param_groups[0]["params"] = [piece]  # what DeepSpeed's wrappers do
     optimizer.bind(piece, FlatPartition(params=params, offsets=offsets, dp_group=dp_group, dp_size=DP, dp_rank=dp_rank))
-    for g in grads:
-        piece.grad = flat([_shard(g[name], dim, parts, tp_rank) for name, (_, dim, parts) in MATRICES.items()]
-                          )[dp_rank * size:(dp_rank + 1) * size]
-        optimizer.step()
+    orthogonalised = []  # the (rows, cols) of every Newton-Schulz this rank runs: owner ranks split them
+    with mock.patch("launch.runtime.muon.orthogonalise", side_effect=lambda x, steps: (
+            orthogonalised.append(tuple(x.shape)), orthogonalise(x, steps))[1]):
+        for g in grads:
+            piece.grad = flat([_shard(g[name], dim, parts, tp_rank) for name, (_, dim, parts) in MATRICES.items()]
+                              )[dp_rank * size:(dp_rank + 1) * size]
+            optimizer.step()
     torch.testing.assert_close(piece.detach(), flat([expected[name] for name in MATRICES])[dp_rank * size:(dp_rank + 1) * size],
                                rtol=1e-5, atol=1e-6, msg="ZeRO-1 flat partition")
+    by_dp_rank = [None] * DP
+    dist.all_gather_object(by_dp_rank, sorted(orthogonalised), group=dp_group)
+    every_part = sorted(shape[:dim] + (part,) + shape[dim + 1:]  # the logical matrices, whole, once a step
+                        for shape, dim, parts in MATRICES.values() for part in parts for _ in grads)
+    assert sorted(by_dp_rank[0] + by_dp_rank[1]) == every_part and all(by_dp_rank), by_dp_rank  # each once, split
 
 
 def test_sharded_and_partitioned_update_is_the_dense_update():
