@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from data.fingerprint import data_fingerprint
-from launch.analysis.partition import with_stage_boundaries
+from launch.analysis.partition import check_muon_stages, with_stage_boundaries
 from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe
 from launch.errors import AlreadyFinished, ConfigError
@@ -68,6 +68,7 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
         resume_from = find_resume_point(args.load, args.save, is_writer=os.environ["RANK"] == "0")
     data, vocab_size = load_run_data(recipe, layout)
     layout = with_stage_boundaries(layout, recipe, vocab_size)  # the stage boundaries need the vocabulary
+    check_muon_stages(recipe, layout, vocab_size)
     if args.init_from_hf is not None:
         from launch.checkpoints.hf_weights import check_hf_source
         check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size, data.tokenizer.eos_token_id),

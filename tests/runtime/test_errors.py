@@ -54,6 +54,8 @@ CASES = [
     (1, ["--set", "train.optimizer=muon", "--set", "train.muon_ns_steps=0"], ["train.muon_ns_steps=0", ">= 1"]),
     (1, ["--set", "train.optimizer=muon", "--set", "train.precision=fp16", "--set", "train.zero_stage=0"],
      ["train.optimizer=muon", "fp16", "train.zero_stage=1"]),
+    (2, ["--pp", "2", "--set", "train.optimizer=muon", "--set", "train.partition=[4, 0]"],
+     ["train.optimizer=muon", "blocks per stage [4, 0]", "train.partition=[3, 1]"]),
     (1, ["--set", "train.partition=even"], ["train.partition='even'", "balanced, blocks", "[3, 1]"]),
     (2, ["--pp", "2", "--set", "train.partition=[3, 2]"], ["train.partition=[3, 2]", "--pp 2", "n_layer=4",
                                                            "summing to 4"]),
