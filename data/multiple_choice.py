@@ -100,6 +100,21 @@ def read_examples(path: Path, limit: int = 0) -> List[Example]:
                         f"({type(e).__name__}: {e})") from None
 
 
+def read_tasks(items: List[str], limit: int, option: str) -> List[Tuple[str, List[Example]]]:
+    """(name, examples) of each NAME=PATH item of `option` (--tasks, eval.tasks); a bad item or file
+    is a DataError naming it, before any process group."""
+    tasks = []
+    for item in items:
+        name, _, path = str(item).partition("=")
+        if not isinstance(item, str) or not name or not path:
+            raise DataError(f"{option} {item!r}: give NAME=PATH, a JSON Lines file of HellaSwag's, ARC's or "
+                            f"PIQA's schema (named hub datasets are not read yet)")
+        if name in (seen[0] for seen in tasks):
+            raise DataError(f"{option} names the task {name!r} twice; give each task its own name")
+        tasks.append((name, read_examples(Path(path), limit)))
+    return tasks
+
+
 def continuation_tokens(encode: Callable[[str], List[int]], context: str, continuation: str
                         ) -> Tuple[List[int], List[int]]:
     """(context tokens, continuation tokens) by the harness's rule: trailing spaces of the context

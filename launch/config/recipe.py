@@ -212,11 +212,31 @@ class WandbSection:
 
 
 @dataclass
+class EvalSection:
+    """Downstream tasks scored while training (issue 37; docs/evaluation.md)."""
+    tasks: List[str] = field(default_factory=list)
+    """Multiple-choice tasks, each NAME=PATH (a JSON Lines file of HellaSwag's, ARC's or PIQA's schema)."""
+    every: int = 0
+    """Score them every N steps and after the last; 0: after the last step only."""
+    max_examples: int = 0
+    """Each task's first N examples (the time an evaluation takes); 0: every example."""
+
+    def validate(self) -> None:
+        if self.every < 0 or self.max_examples < 0:
+            raise ConfigError(f"eval.every={self.every} and eval.max_examples={self.max_examples} must be >= 0 "
+                              f"(0: after the last step; every example)")
+        if self.every and not self.tasks:
+            raise ConfigError(f"eval.every={self.every} with no eval.tasks: give tasks, e.g. "
+                              f"--set 'eval.tasks=[hellaswag=hellaswag.jsonl]'")
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataSpec = field(default_factory=DataSpec)
     train: TrainSection = field(default_factory=TrainSection)
     wandb: WandbSection = field(default_factory=WandbSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     deepspeed: Dict[str, Any] = field(default_factory=dict)
     """Extra DeepSpeed config keys passed through (not batch keys)."""
 
@@ -244,6 +264,7 @@ class Recipe:
             raise ConfigError(str(e)) from None
         self.train.validate()
         self.wandb.validate()
+        self.eval.validate()
         if self.data.seq_len is not None and not 1 <= self.data.seq_len <= self.model.seq_len:
             raise ConfigError(f"data.seq_len={self.data.seq_len} must be in [1, model.seq_len={self.model.seq_len}] "
                               f"(the model's positions); lower data.seq_len or raise model.seq_len")

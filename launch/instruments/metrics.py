@@ -273,8 +273,10 @@ class MetricsLogger:
             self.file.flush()
         if self.wandb_run is not None:  # wandb charts numbers; a null MFU is left out
             charted = {k: v for k, v in record.items()
-                       if k not in ("step", "compute_s", "compute_s_by_rank", "expert_load") and v is not None}
+                       if k not in ("step", "compute_s", "compute_s_by_rank", "expert_load", "tasks") and v is not None}
             charted.update(charted_moe_metrics(record))  # each MoE block's load imbalance
+            charted.update({f"{task}/{key}": value for task, scores in record.get("tasks", {}).items()
+                            for key, value in scores.items()})  # eval.tasks: hellaswag/acc, hellaswag/acc_norm, ...
             if "compute_s" in record:  # a thousand ranks are a thousand series: their max and median
                 charted.update(compute_s_max=record["compute_s"]["max"], compute_s_median=record["compute_s"]["median"])
             self.wandb_run.log(charted, step=record["step"])
@@ -298,6 +300,8 @@ class MetricsLogger:
             parts.append(f"val_loss {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})")
         for label, loss in record.get("val_loss_by_source", {}).items():  # a mixture (data.mix)
             parts.append(f"val[{label}] {loss:.4f}")
+        for task, scores in record.get("tasks", {}).items():  # eval.tasks
+            parts.append(f"{task} acc {scores['acc']:.4f} acc_norm {scores['acc_norm']:.4f}")
         eta = eta_seconds(record["elapsed_s"], step - self.steps_before, total - self.steps_before)
         parts.append(f"eta {format_duration(eta)}")
         return " | ".join(parts)

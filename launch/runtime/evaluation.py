@@ -160,18 +160,14 @@ def score_tasks(job: EvaluationJob, engine, state: ParallelState, tokenizer, log
     import torch
 
     from deepspeed.accelerator import get_accelerator
-    from launch.runtime.task_scoring import accuracy, score_choices
+    from launch.runtime.task_scoring import score_tasks as score
     device = torch.device(get_accelerator().current_device_name())
-
-    def encode(text: str) -> List[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    records = []
-    for name, examples in job.tasks:
-        loglikelihoods = score_choices(engine, state, job.layout, examples, encode, job.recipe.seq_len, device)
-        record = {"task": name, **accuracy(examples, loglikelihoods), "choice_loglikelihoods": loglikelihoods}
-        records.append(record)
-        if logging:
-            print(f"{name}: acc {record['acc']:.4f} acc_norm {record['acc_norm']:.4f} n {record['n']}", flush=True)
+    scores = score(engine, state, job.layout, job.tasks, tokenizer, job.recipe.seq_len, device)
+    records = [{"task": name, **values} for name, values in scores.items()]
+    if logging:
+        for record in records:
+            print(f"{record['task']}: acc {record['acc']:.4f} acc_norm {record['acc_norm']:.4f} n {record['n']}",
+                  flush=True)
             if job.args.metrics_out is not None:
                 with open(job.args.metrics_out, "a") as out:
                     out.write(json.dumps(record) + "\n")
@@ -202,18 +198,10 @@ def prepare_evaluation(args: argparse.Namespace) -> EvaluationJob:
 
 def read_tasks(args: argparse.Namespace) -> List[Tuple[str, List[Any]]]:
     """--tasks NAME=PATH items as (name, examples); a bad item is one line before any process group."""
-    from pathlib import Path
-
-    from data.multiple_choice import read_examples
+    from data.multiple_choice import read_tasks as read_task_files
     if args.max_examples < 0:
         raise ConfigError(f"--max-examples {args.max_examples} must be >= 0 (0: every example)")
-    tasks = []
-    for item in args.tasks:
-        name, _, path = item.partition("=")
-        if not name or not path:
-            raise ConfigError(f"--tasks {item!r}: give NAME=PATH, a JSON Lines file of HellaSwag's, ARC's or PIQA's "
-                              f"schema (named hub datasets are not read yet)")
-        tasks.append((name, read_examples(Path(path), args.max_examples)))
+    tasks = read_task_files(args.tasks, args.max_examples, "--tasks")
     if args.metrics_out is not None and not args.metrics_out.parent.is_dir():
         raise ConfigError(f"--metrics-out {str(args.metrics_out)!r}: folder {str(args.metrics_out.parent)!r} "
                           f"does not exist")

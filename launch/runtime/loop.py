@@ -46,6 +46,14 @@ def validation_record(engine: PipelineEngine, data: RunData, state: ParallelStat
     return record
 
 
+def task_record(engine: PipelineEngine, job: TrainingJob, state: ParallelState, device: torch.device) -> dict:
+    """eval.tasks scored now (launch/runtime/task_scoring.py): name -> acc, acc_norm, n and the gold
+    choices' mean log-likelihood (each choice's own stays with launch/evaluate.py --metrics-out)."""
+    from launch.runtime.task_scoring import score_tasks
+    scores = score_tasks(engine, state, job.layout, job.tasks, job.data.tokenizer, job.recipe.seq_len, device)
+    return {name: {k: v for k, v in values.items() if k != "choice_loglikelihoods"} for name, values in scores.items()}
+
+
 def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout: Layout, state: ParallelState,
             config: GPTConfig, logging_rank: bool) -> Tuple[int, int]:
     """(first step to train, samples consumed so far): (1, 0), or after the checkpoint's step."""
@@ -196,6 +204,8 @@ def run_training(job: TrainingJob) -> None:
         record.update(data.step_record(samples - job.data_origin_samples))
         if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
             record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device))
+        if job.tasks and ((recipe.eval.every and step % recipe.eval.every == 0) or step == train_cfg.steps):
+            record["tasks"] = task_record(engine, job, state, device)
         if metrics is not None:
             for line in stragglers.observe(step, compute_by_rank, numbers.data_wait_s, seconds):
                 print(line, flush=True)

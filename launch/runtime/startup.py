@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from data.fingerprint import data_fingerprint
 from launch.analysis.partition import check_muon_stages, with_stage_boundaries
@@ -39,6 +39,8 @@ class TrainingJob:
     """The streams' position to continue from (None: fresh, cached data, or --restart-data)."""
     data_origin_samples: int = 0
     """Samples trained before the current data order began (a --restart-data resume's)."""
+    tasks: List[Tuple[str, List[Any]]] = ()
+    """eval.tasks read: (name, data/multiple_choice.py Examples) of each."""
     layout_choice: Optional[Any] = None
     """--layout auto's pick (launch/runtime/auto_layout.py: AutoChoice), None for a layout given."""
 
@@ -69,6 +71,8 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     data, vocab_size = load_run_data(recipe, layout)
     layout = with_stage_boundaries(layout, recipe, vocab_size)  # the stage boundaries need the vocabulary
     check_muon_stages(recipe, layout, vocab_size)
+    from data.multiple_choice import read_tasks
+    tasks = read_tasks(recipe.eval.tasks, recipe.eval.max_examples, "eval.tasks")
     if args.init_from_hf is not None:
         from launch.checkpoints.hf_weights import check_hf_source
         check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size, data.tokenizer.eos_token_id),
@@ -93,4 +97,4 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
         prepare_save_dir(args.save, resume_from, is_writer=os.environ["RANK"] == "0")
     return TrainingJob(args=args, recipe=recipe, layout=layout, data=data, vocab_size=vocab_size,
                        resume_from=resume_from, data_fingerprint=fingerprint, data_state=data_state,
-                       data_origin_samples=origin, layout_choice=layout_choice)
+                       data_origin_samples=origin, layout_choice=layout_choice, tasks=tasks)

@@ -15,7 +15,7 @@ The log-likelihoods do not depend on the layout but for fp32 rounding (the model
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -105,3 +105,19 @@ def accuracy(examples: List[Example], loglikelihoods: List[List[float]]) -> Dict
     normed = sum(pick([v / max(n, 1) for v, n in zip(ll, ex.lengths)]) == ex.gold for ex, ll in zip(examples, loglikelihoods))
     n = len(examples)
     return {"acc": correct / n, "acc_norm": normed / n, "n": n}
+
+
+def score_tasks(engine, state: ParallelState, layout: Layout, tasks: List[Tuple[str, List[Example]]], tokenizer,
+                seq_len: int, device: torch.device) -> Dict[str, Dict[str, Any]]:
+    """Task name -> acc, acc_norm, n, gold_loglikelihood (the gold choices' mean log-likelihood, a
+    number that moves before the accuracy does) and choice_loglikelihoods (collective)."""
+    def encode(text: str) -> List[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    scores = {}
+    for name, examples in tasks:
+        loglikelihoods = score_choices(engine, state, layout, examples, encode, seq_len, device)
+        gold = sum(ll[ex.gold] for ex, ll in zip(examples, loglikelihoods)) / len(examples)
+        scores[name] = {**accuracy(examples, loglikelihoods), "gold_loglikelihood": gold,
+                        "choice_loglikelihoods": loglikelihoods}
+    return scores
+

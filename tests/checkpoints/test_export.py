@@ -91,11 +91,15 @@ def test_hf_weights_round_trip_bitwise_through_every_tp_split():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A 2-step run at tp=2 pp=2 saved, and its export through the command line."""
+    """A 2-step run at tp=2 pp=2 saved, scoring TASK after its last step (eval.tasks), and its
+    export through the command line."""
     root = tmp_path_factory.mktemp("export")
+    task = root / "hellaswag.jsonl"
+    task.write_text("".join(json.dumps(doc) + "\n" for doc in TASK))
     proc = launch_forked(4, ["--recipe", str(TINY), "--tp", "2", "--pp", "2", "--steps", "2", "--save", str(root / "ck"),
-                      "--metrics-out", str(root / "m.jsonl")] + VOCAB)
+                             "--metrics-out", str(root / "m.jsonl"), "--set", f"eval.tasks=[hellaswag={task}]"] + VOCAB)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (root / "stdout.txt").write_text(proc.stdout)
     out = subprocess.run([sys.executable, "launch/export_hf.py", "--load", str(root / "ck"), "--out", str(root / "hf")],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "exported" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
@@ -205,13 +209,22 @@ def test_evaluate_gives_the_same_loss_and_task_scores_at_every_layout(run, data,
     """Saved at tp=2 pp=2, evaluated at (1,1,1), tp 2 x pp 2 and cp 2 (other vocab paddings too):
     the loss of the transformers model on the same validation batch; and a HellaSwag-schema task
     (--tasks) gives every choice the log-likelihood lm-evaluation-harness's rules give the
-    transformers model (within 1e-5) and the same acc and acc_norm, at every layout."""
+    transformers model (within 1e-5) and the same acc and acc_norm, at every layout. The training
+    run scored the same task after its last step (eval.tasks: the saved weights): the same acc and
+    acc_norm, and the gold choices' mean log-likelihood within 1e-5, on its console line too."""
     x, y = _windows(data.val_batches(0, 1, 1), 8)
     theirs = _hf_loss(run / "hf", x, y)
     task = tmp_path / "hellaswag.jsonl"
     task.write_text("".join(json.dumps(doc) + "\n" for doc in TASK))
     reference, acc, acc_norm = _harness_hellaswag(run / "hf", TASK, 32)
     assert 0 < acc_norm < 1 or 0 < acc < 1  # the examples tell the choices apart
+    in_training = read_metrics(run / "m.jsonl")[-1]["tasks"]["hellaswag"]
+    gold = sum(row[doc["label"]] for row, doc in zip(reference, TASK)) / len(TASK)
+    assert (in_training["acc"], in_training["acc_norm"], in_training["n"]) == (acc, acc_norm, len(TASK)), in_training
+    assert abs(in_training["gold_loglikelihood"] - gold) <= REL * abs(gold), (in_training, gold)
+    assert [len(m.get("tasks", {})) for m in read_metrics(run / "m.jsonl")] == [0, 1]  # after the last step only
+    assert any(line.startswith("step 2/2") and f"hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}" in line
+               for line in (run / "stdout.txt").read_text().splitlines())
     losses = []
     for procs, flags in ((1, []), (4, ["--tp", "2", "--pp", "2"]), (2, ["--cp", "2"])):
         out, scores = tmp_path / f"eval{procs}.json", tmp_path / f"tasks{procs}.jsonl"
