@@ -297,7 +297,8 @@ class MetricsLogger:
         if "aux_loss" in record:  # a mixture of experts: the router's loss and the worst load imbalance
             parts.append(f"aux {record['aux_loss']:.4f} load max/mean {record['expert_load_max_over_mean']:.2f}")
         if "val_loss" in record:
-            parts.append(f"val_loss {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})")
+            parts.append(f"val_loss {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f}"
+                         + (f", bpb {record['val_bpb']:.4f})" if "val_bpb" in record else ")"))
         for label, loss in record.get("val_loss_by_source", {}).items():  # a mixture (data.mix)
             parts.append(f"val[{label}] {loss:.4f}")
         for task, scores in record.get("tasks", {}).items():  # eval.tasks

@@ -129,9 +129,14 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
         return sum(engine.eval_batch(data_iter=count_step_tokens(engine, batches, layout.grad_accum_steps)).item()
                    for _ in range(n_batches)) / n_batches
 
+    losses = {}  # id of a source -> its validation loss
+
+    def source_loss(part) -> float:
+        losses[id(part)] = mean_loss(part.val_batches(state.dp_rank, layout.dp, n_batches))
+        return losses[id(part)]
+
     if on_validation:  # a mixture: each source's own loss, then their weighted mean
-        loss, by_source = data.validation_losses(
-            lambda part: mean_loss(part.val_batches(state.dp_rank, layout.dp, n_batches)))
+        loss, by_source = data.validation_losses(source_loss)
     else:
         loss, by_source = mean_loss(data.train_batches(state.dp_rank, layout.dp)), None
     result = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "batches": n_batches,
@@ -141,7 +146,11 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
     if by_source is not None:
         result["loss_by_source"] = by_source
     if is_logging_rank(state.global_rank):
-        print(f"loss {loss:.6f} ppl {result['ppl']:.4f} ({n_batches} global batches of {result['data']} data, "
+        if on_validation:  # bits per byte (data/bits_per_byte.py), weighted as the loss
+            from data.bits_per_byte import bits_per_byte
+            result["bpb"], _ = data.validation_losses(lambda part: bits_per_byte(losses[id(part)], part, n_batches))
+        print(f"loss {loss:.6f} ppl {result['ppl']:.4f}" + (f" bpb {result['bpb']:.6f}" if on_validation else "")
+              + f" ({n_batches} global batches of {result['data']} data, "
               f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp={layout.dp}"
               + (f" ep={layout.ep}" if experts else "") + ")", flush=True)
         for label, source_loss in (by_source or {}).items():

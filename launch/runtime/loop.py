@@ -35,12 +35,21 @@ def validation_loss(engine: PipelineEngine, data: SourceData, state: ParallelSta
 
 
 def validation_record(engine: PipelineEngine, data: RunData, state: ParallelState, layout: Layout,
-                      eval_batches: int, device: torch.device) -> dict:
-    """val_loss and val_ppl; for a mixture also val_loss_by_source (label -> that source's own
-    validation loss), with val_loss their mean weighted by the mixture's weights."""
-    val_loss, by_source = data.validation_losses(
-        lambda part: validation_loss(engine, part, state, layout, eval_batches, device))
+                      eval_batches: int, device: torch.device, logging_rank: bool) -> dict:
+    """val_loss, val_ppl and (on the logging rank) val_bpb, bits per byte (data/bits_per_byte.py);
+    for a mixture also val_loss_by_source (label -> that source's own validation loss), with
+    val_loss and val_bpb their means weighted by the mixture's weights."""
+    from data.bits_per_byte import bits_per_byte
+    losses = {}  # id of a source -> its validation loss
+
+    def loss_of(part):
+        losses[id(part)] = validation_loss(engine, part, state, layout, eval_batches, device)
+        return losses[id(part)]
+    val_loss, by_source = data.validation_losses(loss_of)
     record = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+    if logging_rank:  # the same weighting, over each source's bits per byte
+        record["val_bpb"], _ = data.validation_losses(
+            lambda part: bits_per_byte(losses[id(part)], part, part.eval_global_batches(eval_batches)))
     if by_source is not None:
         record["val_loss_by_source"] = by_source
     return record
@@ -203,7 +212,7 @@ def run_training(job: TrainingJob) -> None:
         record.update(after_moe_step(engine, config, layout))  # collective; {} without experts
         record.update(data.step_record(samples - job.data_origin_samples))
         if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
-            record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device))
+            record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device, logging_rank))
         if job.tasks and ((recipe.eval.every and step % recipe.eval.every == 0) or step == train_cfg.steps):
             record["tasks"] = task_record(engine, job, state, device)
         if metrics is not None:

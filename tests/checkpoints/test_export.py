@@ -9,6 +9,7 @@ started from the export at tp=2 pp=2 must compute the transformers loss at step 
 back to the same bits. The TP split/merge rules are checked in-process against the layers'
 own sharding."""
 import json
+import math
 import subprocess
 import sys
 
@@ -211,14 +212,21 @@ def test_evaluate_gives_the_same_loss_and_task_scores_at_every_layout(run, data,
     (--tasks) gives every choice the log-likelihood lm-evaluation-harness's rules give the
     transformers model (within 1e-5) and the same acc and acc_norm, at every layout. The training
     run scored the same task after its last step (eval.tasks: the saved weights): the same acc and
-    acc_norm, and the gold choices' mean log-likelihood within 1e-5, on its console line too."""
+    acc_norm, and the gold choices' mean log-likelihood within 1e-5, on its console line too. Bits per
+    byte, the evaluation's and the training run's last validation, equal the transformers model's
+    summed loss over the UTF-8 bytes of the text the targets decode to."""
     x, y = _windows(data.val_batches(0, 1, 1), 8)
     theirs = _hf_loss(run / "hf", x, y)
+    # bits per byte: the summed loss over the UTF-8 bytes the targets decode to (documents' ends as no text)
+    text_bytes = sum(len(data.tokenizer.decode(row, skip_special_tokens=True).encode("utf-8")) for row in y.tolist())
+    their_bpb = theirs * y.numel() / (math.log(2) * text_bytes)
     task = tmp_path / "hellaswag.jsonl"
     task.write_text("".join(json.dumps(doc) + "\n" for doc in TASK))
     reference, acc, acc_norm = _harness_hellaswag(run / "hf", TASK, 32)
     assert 0 < acc_norm < 1 or 0 < acc < 1  # the examples tell the choices apart
-    in_training = read_metrics(run / "m.jsonl")[-1]["tasks"]["hellaswag"]
+    last_step = read_metrics(run / "m.jsonl")[-1]  # validated on the same first batch (recipes/tiny.yaml)
+    assert _close(last_step["val_loss"], theirs) and _close(last_step["val_bpb"], their_bpb), (last_step, their_bpb)
+    in_training = last_step["tasks"]["hellaswag"]
     gold = sum(row[doc["label"]] for row, doc in zip(reference, TASK)) / len(TASK)
     assert (in_training["acc"], in_training["acc_norm"], in_training["n"]) == (acc, acc_norm, len(TASK)), in_training
     assert abs(in_training["gold_loglikelihood"] - gold) <= REL * abs(gold), (in_training, gold)
@@ -232,7 +240,8 @@ def test_evaluate_gives_the_same_loss_and_task_scores_at_every_layout(run, data,
         proc = _evaluate(procs, ["--load", str(run / "ck"), *flags, "--batches", "1", "--json-out", str(out),
                                  "--tasks", f"hellaswag={task}", "--metrics-out", str(scores)] + recipe)
         result = json.loads(out.read_text())
-        assert f"loss {result['loss']:.6f} ppl" in proc.stdout
+        assert f"loss {result['loss']:.6f} ppl" in proc.stdout and f"bpb {result['bpb']:.6f}" in proc.stdout
+        assert _close(result["bpb"], their_bpb), (result["bpb"], their_bpb)
         assert result["data"] == "validation" and result["batches"] == 1
         losses.append(result["loss"])
         (record,) = read_metrics(scores)
