@@ -14,9 +14,12 @@ groups (launch/runtime/engine.py's param_groups) and learning-rate schedule
 (launch/runtime/lr_schedule.py). No clipping: bench/peers.py runs ours with train.grad_clip=0.
 Only dp = 1 is supported (tp x pp = world).
 
-Each step's line holds its loss (the mean over its micro-batches' token means, as ours with every
-token counted), its wall time and the time of each part: `forward_backward` (the schedule, p2p
-included), `embedding_grads`, `optimizer` (AdamW and the lr step), `zero_grad`.
+Each step's line holds, as ours' metrics line does, its loss (the mean over its micro-batches'
+token means, as ours with every token counted), `tokens` so far, `step_time_s` and `elapsed_s` (the
+loop's clock at the line: its differences are whole loop iterations, the next step's data drawn
+included); and the time of each part: `forward_backward` (the schedule, p2p included), within
+it `forward` and `backward` (the schedule's forward_step and backward_step calls), then
+`embedding_grads`, `optimizer` (AdamW and the lr step), `zero_grad`.
 """
 import json
 import os
@@ -79,10 +82,35 @@ def all_reduce_tied_embedding_grads(model) -> None:
     (GPT-2's tied head): their gradients are summed over the embedding group, as megatron-core's
     finalize_model_grads does (its version reads the main_grad buffers of its DDP wrapper)."""
     from megatron.core import parallel_state
-    if not parallel_state.is_rank_in_embedding_group() or parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return
+    if (not model.share_embeddings_and_output_weights or parallel_state.get_pipeline_model_parallel_world_size() == 1
+            or not parallel_state.is_rank_in_embedding_group()):
+        return  # untied (Llama): two weights; pp 1: one weight, its gradient already whole
     weight = model.shared_embedding_or_output_weight()
     torch.distributed.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+
+
+class PassClock:
+    """Seconds in the schedule's forward_step and backward_step calls this step (schedules.py calls
+    them by their module names, so wrapping those names times every micro-batch's passes)."""
+
+    def __init__(self):
+        from megatron.core.pipeline_parallel import schedules
+        self.seconds = {"forward": 0.0, "backward": 0.0}
+        schedules.forward_step = self._timed("forward", schedules.forward_step)
+        schedules.backward_step = self._timed("backward", schedules.backward_step)
+
+    def _timed(self, name, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        return timed
+
+    def take(self) -> dict:
+        seconds, self.seconds = self.seconds, {"forward": 0.0, "backward": 0.0}
+        return seconds
 
 
 def main(argv) -> int:
@@ -115,11 +143,13 @@ def main(argv) -> int:
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda i: lr_ratio(i, t.warmup_steps, t.steps, t.min_lr_ratio))
     forward_backward = get_forward_backward_func()
+    passes = PassClock()
     batches = job.data.train_batches(0, 1)
     writes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
     out = open(job.args.metrics_out, "w") if writes and job.args.metrics_out else None
     tokens_per_step = layout.global_batch_size * recipe.seq_len
 
+    loop_start = time.perf_counter()
     for step in range(1, t.steps + 1):
         micro_batches = [next(batches) for _ in range(layout.grad_accum_steps)]
         start = time.perf_counter()
@@ -134,11 +164,14 @@ def main(argv) -> int:
         t_opt = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         end = time.perf_counter()
+        pass_seconds = passes.take()
         if out is not None:
             loss = torch.stack([x["loss"] for x in losses]).mean().item()
-            out.write(json.dumps({"step": step, "loss": loss, "step_time_s": end - start,
-                                  "tokens_per_s": tokens_per_step / (end - start),
-                                  "parts_s": {"forward_backward": t_fb - start, "embedding_grads": t_emb - t_fb,
+            out.write(json.dumps({"step": step, "loss": loss, "tokens": step * tokens_per_step,
+                                  "step_time_s": end - start, "tokens_per_s": tokens_per_step / (end - start),
+                                  "elapsed_s": time.perf_counter() - loop_start,  # as ours' metrics line
+                                  "parts_s": {"forward_backward": t_fb - start, **pass_seconds,
+                                              "embedding_grads": t_emb - t_fb,
                                               "optimizer": t_opt - t_emb, "zero_grad": end - t_opt}}) + "\n")
             out.flush()
     if out is not None:

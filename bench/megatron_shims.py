@@ -61,8 +61,29 @@ def _causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
 
+@contextlib.contextmanager
+def _cuda_copies_stay_on_cpu():
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **kw: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _tied_head_setup_on_cpu(setup):
+    """language_module.py's setup_embeddings_and_output_layer moves the tied embedding to the GPU
+    (`weight.data.cuda()`) before all-reducing it between the first and last stage (pp > 1)."""
+    @functools.wraps(setup)
+    def on_cpu(self, *args, **kwargs):
+        with _cuda_copies_stay_on_cpu():
+            return setup(self, *args, **kwargs)
+    return on_cpu
+
+
 def install() -> None:
     from megatron.core import tensor_parallel
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.fusions import fused_softmax
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import layers, random
@@ -76,6 +97,8 @@ def install() -> None:
     torch.cuda.synchronize = lambda device=None: None
     schedules.torch = _CpuDeviceTorch()
     fused_softmax.get_default_causal_mask = _causal_mask
+    LanguageModule.setup_embeddings_and_output_layer = _tied_head_setup_on_cpu(
+        LanguageModule.setup_embeddings_and_output_layer)
 
     tracker = _NoRngTracker()
     get_tracker = lambda *a, **kw: tracker  # noqa: E731

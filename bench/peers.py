@@ -13,11 +13,11 @@ The command: the tiny recipes at the issue's shape (4 layers, hidden 256, 8 head
 builtin tokenizer's 4,096 tokens, 8 micro-batches of 2 sequences), fp32, dropout 0, no clipping
 (train.grad_clip=0), no evaluation, `--init-from-hf` a transformers checkpoint this bench writes
 first with seeded random weights (nothing is downloaded). A layout "TxP" is tp T, pp P on T*P
-processes (dp 1); the processes run one thread each (--threads), so 1x1 runs pinned to one CPU.
+processes (dp 1), each of --threads threads (OMP_NUM_THREADS, which both sides' ranks follow).
 
 Rounds alternate ours, megatron-core, ours, ... so a shared machine's drift hits both alike. A
-round's tokens/s is the median over its steps from --timed-from on (each step's own wall time:
-ours' metrics line, the peer's; start-up excluded). Reported: the largest per-step loss difference
+round's tokens/s is over the loop iterations of steps --timed-from on (their metrics lines'
+`elapsed_s`: ours' whole loop, not only `train_batch`; start-up and warm-up steps excluded). Reported: the largest per-step loss difference
 over every round (the same run repeats bit for bit, so rounds agree), each round's ratio and their
 median. Times from CPU processes on a shared machine: compare only runs made side by side.
 """
@@ -72,9 +72,7 @@ def write_hf_checkpoint(argv: list, out: Path) -> None:
 def launch(script: Path, procs: int, argv: list, threads: int) -> None:
     from launch.runtime.distributed import launcher_command
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = launcher_command(procs, script) + argv
-    if procs * threads < len(os.sched_getaffinity(0)):  # fewer threads than CPUs: ours would take them all
-        cmd = ["taskset", "-c", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:procs * threads])] + cmd
+    cmd = launcher_command(procs, script) + argv  # both sides' ranks take OMP_NUM_THREADS threads
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or "error" in proc.stdout.lower().split("\n")[-1]:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -83,6 +81,14 @@ def launch(script: Path, procs: int, argv: list, threads: int) -> None:
 
 def read_steps(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def loop_tokens_per_s(steps: list, timed_from: int) -> float:
+    """Tokens over the loop's wall time from the end of step timed_from - 1 to the end of the last:
+    whole iterations of each side's loop (ours: train_batch and everything launch/runtime/loop.py
+    does around it), from the `tokens` and `elapsed_s` of the metrics lines."""
+    first, last = steps[timed_from - 2], steps[-1]
+    return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
 
 
 def compare(arch: str, tp: int, pp: int, args, work: Path) -> dict:
@@ -97,7 +103,7 @@ def compare(arch: str, tp: int, pp: int, args, work: Path) -> dict:
             launch(script, tp * pp, train_argv(arch, tp, pp, args.steps, hf_dir, metrics), args.threads)
             steps = read_steps(metrics)
             losses[name] = [s["loss"] for s in steps]
-            rates[name].append(statistics.median(s["tokens_per_s"] for s in steps[args.timed_from - 1:]))
+            rates[name].append(loop_tokens_per_s(steps, args.timed_from))
         diffs = [abs(a - b) for a, b in zip(losses["ours"], losses["megatron"])]
         max_diff = max([max_diff] + diffs)
         ratio = rates["ours"][-1] / rates["megatron"][-1]
@@ -120,12 +126,12 @@ def main() -> int:
     p.add_argument("--layouts", default="2x1,1x2,1x1", help="TxP: tp T, pp P on T*P processes (default %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per shape (default %(default)s)")
     p.add_argument("--steps", type=int, default=8, help="steps per run (default %(default)s)")
-    p.add_argument("--timed-from", type=int, default=3, help="first step timed (default %(default)s: two warm-up)")
+    p.add_argument("--timed-from", type=int, default=3, help="first step timed, >= 2 (default %(default)s: two warm-up)")
     p.add_argument("--threads", type=int, default=1, help="threads per process (default %(default)s)")
     p.add_argument("--work", type=Path, default=None, help="keep the checkpoints and metrics here (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="last line: every result as one JSON object")
     args = p.parse_args()
-    if not 1 <= args.timed_from <= args.steps:
+    if not 2 <= args.timed_from <= args.steps:
         p.error("--timed-from must be within --steps")
     try:
         import megatron.core  # noqa: F401
