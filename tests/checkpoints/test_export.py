@@ -26,6 +26,7 @@ from launch.config.layout import check_and_derive_layout
 from launch.config.recipe import load_recipe
 from launch.runtime.run_inputs import load_run_data
 from helpers.launcher import REPO, TINY, launch_forked, read_metrics
+from helpers.multiple_choice_task import TASK, write_task
 from model.config import GPTConfig
 from model.gpt.model import GPT
 from model.hf.convert import from_gpt2_state_dict, load_dense_into, merge, rule_for, split
@@ -96,7 +97,7 @@ def run(tmp_path_factory):
     export through the command line."""
     root = tmp_path_factory.mktemp("export")
     task = root / "hellaswag.jsonl"
-    task.write_text("".join(json.dumps(doc) + "\n" for doc in TASK))
+    write_task(task)
     proc = launch_forked(4, ["--recipe", str(TINY), "--tp", "2", "--pp", "2", "--steps", "2", "--save", str(root / "ck"),
                              "--metrics-out", str(root / "m.jsonl"), "--set", f"eval.tasks=[hellaswag={task}]"] + VOCAB)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -151,26 +152,6 @@ def _evaluate(n, args):
     return proc
 
 
-# A HellaSwag-schema task (issue 37): WikiHow's bracket artefacts, a context longer than the
-# model's 32 positions (cut on the left), endings of different lengths (acc_norm differs from acc).
-TASK = [
-    {"activity_label": "Cooking", "ctx_a": "A man takes a pan [title] off the stove.", "ctx_b": "he",
-     "endings": ["puts it on the table.", "sings a song to the pan for a long while.", "runs.", "is a cat."],
-     "label": 0},
-    {"activity_label": "Python", "ctx_a": "The function returns a list of the values", "ctx_b": "then the caller",
-     "endings": ["sorts them.", "eats them [step] slowly.", "writes them to a file and closes it.", "flies."],
-     "label": 2},
-    {"activity_label": "Sports", "ctx_a": " ".join(["The players run across the field and the crowd cheers"] * 4),
-     "ctx_b": "the ball", "endings": ["goes in.", "is red.", "was kicked over the wall by the goalkeeper.", "sleeps."],
-     "label": 1},
-    {"activity_label": "Science", "ctx_a": "Water boils at one hundred degrees.", "ctx_b": "ice",
-     "endings": ["melts at zero.", "is hot.", "is a programming language.", "melts when it gets warm enough."],
-     "label": 3},
-    {"activity_label": "Music", "ctx_a": "She tunes the guitar", "ctx_b": "and",
-     "endings": ["plays a chord.", "the guitar plays itself.", "eats.", "the [header] strings break."], "label": 0},
-]
-
-
 def _harness_hellaswag(hf_dir, docs, seq_len):
     """The transformers model scored by lm-evaluation-harness's rules, written here from its
     HellaSwag task and its HFLM: the query is preprocess(activity_label + ": " + ctx_a + " " +
@@ -220,8 +201,7 @@ def test_evaluate_gives_the_same_loss_and_task_scores_at_every_layout(run, data,
     # bits per byte: the summed loss over the UTF-8 bytes the targets decode to (documents' ends as no text)
     text_bytes = sum(len(data.tokenizer.decode(row, skip_special_tokens=True).encode("utf-8")) for row in y.tolist())
     their_bpb = theirs * y.numel() / (math.log(2) * text_bytes)
-    task = tmp_path / "hellaswag.jsonl"
-    task.write_text("".join(json.dumps(doc) + "\n" for doc in TASK))
+    task = write_task(tmp_path / "hellaswag.jsonl")
     reference, acc, acc_norm = _harness_hellaswag(run / "hf", TASK, 32)
     assert 0 < acc_norm < 1 or 0 < acc < 1  # the examples tell the choices apart
     last_step = read_metrics(run / "m.jsonl")[-1]  # validated on the same first batch (recipes/tiny.yaml)

@@ -17,6 +17,7 @@ import torch
 
 from helpers.distributed import run_distributed, uses_deepspeed
 from helpers.launcher import REPO, launch_forked, read_metrics
+from helpers.multiple_choice_task import write_task
 
 MOE_TINY = REPO / "recipes" / "moe-tiny.yaml"
 VOCAB = 4096
@@ -168,9 +169,12 @@ def _train(n: int, args, metrics: Path) -> str:
 
 @pytest.fixture(scope="module")
 def ep2_run(tmp_path_factory):
-    """moe-tiny at (tp,pp,dp,ep) = (1,1,2,2) for 4 steps, saved after steps 2 and 4."""
+    """moe-tiny at (tp,pp,dp,ep) = (1,1,2,2) for 4 steps, saved after steps 2 and 4, scoring a
+    multiple-choice task after step 4 (eval.tasks)."""
     tmp = tmp_path_factory.mktemp("moe-ep2")
-    _train(2, ["--ep", "2", "--steps", "4", "--save", tmp / "ck", "--save-every", "2"], tmp / "metrics.jsonl")
+    task = write_task(tmp / "hellaswag.jsonl")
+    _train(2, ["--ep", "2", "--steps", "4", "--save", tmp / "ck", "--save-every", "2",
+               "--set", f"eval.tasks=[hellaswag={task}]"], tmp / "metrics.jsonl")
     return {"dir": tmp, "metrics": read_metrics(tmp / "metrics.jsonl")}
 
 
@@ -208,10 +212,17 @@ def test_resume_at_another_tp_dp_and_ep_matches(ep2_run, tmp_path):
 
 @pytest.mark.slow
 def test_evaluate_an_ep2_checkpoint_at_ep1(ep2_run, tmp_path):
-    """launch/evaluate.py on the (1,1,2,ep2) run's last checkpoint in one process: its validation loss."""
-    out = tmp_path / "eval.json"
+    """launch/evaluate.py on the (1,1,2,ep2) run's last checkpoint in one process: its validation
+    loss; and the task the run scored after that step at ep 2 (issue 37: the gold choices' mean
+    log-likelihood within 1e-5, the same acc and acc_norm) scored again at ep 1."""
+    out, scores = tmp_path / "eval.json", tmp_path / "tasks.jsonl"
     proc = launch_forked(1, ["--load", ep2_run["dir"] / "ck", "--batches", "1", "--set", "train.ep=1",
-                             "--json-out", out], script="evaluate.py")
+                             "--json-out", out, "--tasks", f"hellaswag={ep2_run['dir'] / 'hellaswag.jsonl'}",
+                             "--metrics-out", scores], script="evaluate.py")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result, val_loss = json.loads(out.read_text()), ep2_run["metrics"][-1]["val_loss"]
     assert result["layout"]["ep"] == 1 and abs(result["loss"] - val_loss) <= RTOL * val_loss, (result, val_loss)
+    (at_ep1,) = read_metrics(scores)
+    at_ep2 = ep2_run["metrics"][-1]["tasks"]["hellaswag"]
+    assert (at_ep1["acc"], at_ep1["acc_norm"], at_ep1["n"]) == (at_ep2["acc"], at_ep2["acc_norm"], at_ep2["n"])
+    assert abs(at_ep1["gold_loglikelihood"] - at_ep2["gold_loglikelihood"]) <= RTOL * abs(at_ep2["gold_loglikelihood"])
