@@ -15,7 +15,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from data.spec import DataError
 
@@ -69,6 +69,16 @@ ADAPTERS: Dict[str, Tuple[Tuple[str, ...], Callable[[dict], Example]]] = {
 """Schema name -> (the fields that identify it, its adapter)."""
 
 
+HUB_TASKS: Dict[str, Tuple[str, Optional[str], str]] = {
+    "hellaswag": ("Rowan/hellaswag", None, "validation"),
+    "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
+    "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
+    "piqa": ("baber/piqa", None, "validation"),
+}
+"""A task named without a path -> (hub dataset, config, split): the datasets and splits
+lm-evaluation-harness scores (its test split where the task has one, else validation)."""
+
+
 def read_examples(path: Path, limit: int = 0) -> List[Example]:
     """The examples of a local JSON Lines task file (the first `limit`, 0: all); the schema is the
     first in ADAPTERS whose fields the first line has. A DataError names the file and the fix."""
@@ -85,18 +95,38 @@ def read_examples(path: Path, limit: int = 0) -> List[Example]:
                             f"per line") from None
         if not isinstance(docs[-1], dict):
             raise DataError(f"task file {str(path)!r}: line {number} is not a JSON object; give one per line")
+    return adapt(docs[:limit] if limit else docs, f"task file {str(path)!r}")
+
+
+def hub_examples(name: str, limit: int = 0, dataset_path: Optional[str] = None) -> List[Example]:
+    """The examples of HUB_TASKS[name] read by `datasets` (the first `limit`, 0: all);
+    `dataset_path` reads the same rows from elsewhere (a local copy: the tests')."""
+    from datasets import load_dataset
+    path, config, split = HUB_TASKS[name]
+    try:
+        rows = load_dataset(dataset_path or path, config, split=split)
+    except Exception as e:  # offline, gated, renamed: the same advice
+        first_line = (str(e).splitlines() or [""])[0]
+        raise DataError(f"task {name!r}: the hub dataset {path} ({config or 'default'}, {split}) could not be read "
+                        f"({type(e).__name__}: {first_line}); give NAME=PATH of a local JSON Lines copy") from None
+    return adapt([dict(row) for row in (rows.select(range(min(limit, len(rows)))) if limit else rows)],
+                 f"the hub dataset {path}")
+
+
+def adapt(docs: List[dict], where: str) -> List[Example]:
+    """`docs` as Examples through the first adapter of ADAPTERS whose fields the first has."""
     if not docs:
-        raise DataError(f"task file {str(path)!r} holds no examples")
+        raise DataError(f"{where} holds no examples")
     schema = next((name for name, (fields, _) in ADAPTERS.items() if all(f in docs[0] for f in fields)), None)
     if schema is None:
         known = "; ".join(f"{name}: {', '.join(fields)}" for name, (fields, _) in ADAPTERS.items())
-        raise DataError(f"task file {str(path)!r}: its first line has fields {', '.join(sorted(docs[0]))}, none of "
+        raise DataError(f"{where}: its first line has fields {', '.join(sorted(docs[0]))}, none of "
                         f"the schemas ({known})")
     adapter = ADAPTERS[schema][1]
     try:
-        return [adapter(doc) for doc in (docs[:limit] if limit else docs)]
+        return [adapter(doc) for doc in docs]
     except (KeyError, ValueError, TypeError) as e:
-        raise DataError(f"task file {str(path)!r} ({schema} schema): an example lacks or mis-types a field "
+        raise DataError(f"{where} ({schema} schema): an example lacks or mis-types a field "
                         f"({type(e).__name__}: {e})") from None
 
 
@@ -106,12 +136,12 @@ def read_tasks(items: List[str], limit: int, option: str) -> List[Tuple[str, Lis
     tasks = []
     for item in items:
         name, _, path = str(item).partition("=")
-        if not isinstance(item, str) or not name or not path:
+        if not isinstance(item, str) or not name or (not path and name not in HUB_TASKS):
             raise DataError(f"{option} {item!r}: give NAME=PATH, a JSON Lines file of HellaSwag's, ARC's or "
-                            f"PIQA's schema (named hub datasets are not read yet)")
+                            f"PIQA's schema, or a hub task's name: {', '.join(HUB_TASKS)}")
         if name in (seen[0] for seen in tasks):
             raise DataError(f"{option} names the task {name!r} twice; give each task its own name")
-        tasks.append((name, read_examples(Path(path), limit)))
+        tasks.append((name, read_examples(Path(path), limit) if path else hub_examples(name, limit)))
     return tasks
 
 

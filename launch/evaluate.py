@@ -1,6 +1,6 @@
 """Loss and perplexity of a checkpoint or of GPT-2- or Llama-format weights, at any layout:
 `deepspeed --num_gpus 4 launch/evaluate.py --tp 2 --pp 2 --load CKPT [--recipe R] [--set ...]`
-(or `python launch/evaluate.py --init-from-hf DIR` in one process); with `--tasks NAME=PATH ...`
+(or `python launch/evaluate.py --init-from-hf DIR` in one process); with `--tasks NAME[=PATH] ...`
 also multiple-choice tasks (acc, acc_norm), the same at every layout.
 
 The weights decide the model's shape; the recipe decides the data and the batch: the recipe of
@@ -32,9 +32,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="override a recipe field, e.g. --set data.val_fraction=0.05 (repeatable)")
     p.add_argument("--batches", type=int, help="global batches to evaluate (default: train.eval_batches)")
     p.add_argument("--json-out", type=Path, help="write {loss, ppl, ...} here")
-    p.add_argument("--tasks", nargs="+", default=[], metavar="NAME=PATH",
-                   help="multiple-choice tasks scored by log-likelihood: a JSON Lines file in HellaSwag's, ARC's or "
-                        "PIQA's schema (docs/evaluation.md)")
+    p.add_argument("--tasks", nargs="+", default=[], metavar="NAME[=PATH]",
+                   help="multiple-choice tasks scored by log-likelihood: NAME=PATH of a JSON Lines file in HellaSwag's, "
+                        "ARC's or PIQA's schema, or a hub task's name: hellaswag, arc_easy, arc_challenge, piqa "
+                        "(docs/evaluation.md)")
     p.add_argument("--max-examples", type=int, default=0, metavar="N", help="score each task's first N examples")
     p.add_argument("--metrics-out", type=Path,
                    help="append one JSON record per task: task, acc, acc_norm, n and every choice's log-likelihood")

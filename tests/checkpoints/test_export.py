@@ -308,7 +308,7 @@ def test_bad_input_is_one_line_and_exit_2(run, tmp_path, monkeypatch, capsys):
         (["--load", str(tmp_path / "other")], ["no complete checkpoint"]),
         (["--init-from-hf", hf, "--recipe", str(TINY), "--set", "model.n_head=2"], ["model.n_head=2", "weights"]),
         (["--load", str(ck), "--init-from-hf", hf], ["not allowed with"]),
-        (["--load", str(ck), "--tasks", "hellaswag"], ["--tasks 'hellaswag'", "NAME=PATH"]),
+        (["--load", str(ck), "--tasks", "mmlu"], ["--tasks 'mmlu'", "NAME=PATH", "hellaswag, arc_easy"]),
         (["--load", str(ck), "--tasks", f"hs={tmp_path / 'none.jsonl'}"], ["none.jsonl", "does not exist"]),
         (["--load", str(ck), "--tasks", f"hs={tmp_path / 'other' / 'notes.txt'}"], ["notes.txt", "JSON"]),
     ]:

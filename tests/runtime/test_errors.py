@@ -58,7 +58,7 @@ CASES = [
      ["train.optimizer=muon", "blocks per stage [4, 0]", "train.partition=[3, 1]"]),
     # Tasks scored while training (issue 37): a schedule without tasks, an item without a path, a missing file.
     (1, ["--set", "eval.every=100"], ["eval.every=100", "no eval.tasks"]),
-    (1, ["--set", "eval.tasks=[hellaswag]"], ["eval.tasks 'hellaswag'", "NAME=PATH"]),
+    (1, ["--set", "eval.tasks=[mmlu]"], ["eval.tasks 'mmlu'", "NAME=PATH", "arc_easy"]),
     (1, ["--set", "eval.tasks=[hellaswag=/no/such.jsonl]"], ["task file '/no/such.jsonl' does not exist"]),
     (1, ["--set", "train.partition=even"], ["train.partition='even'", "balanced, blocks", "[3, 1]"]),
     (2, ["--pp", "2", "--set", "train.partition=[3, 2]"], ["train.partition=[3, 2]", "--pp 2", "n_layer=4",
