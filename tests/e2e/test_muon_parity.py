@@ -10,10 +10,13 @@ expert-data-parallel group) against its own (1,1,1) Muon run passed when Muon la
 owner ranks, 2026-12-03) and left the
 suite for its time budget (two MoE runs); the expert stacks' update is checked in process
 (tests/runtime/test_muon.py).
+In bf16 (DeepSpeed's BF16 optimizer holds the fp32 master partition Muon updates, its pieces cut
+otherwise than ZeRO-1's: launch/runtime/muon_partitions.py), (1,1,2) against the bf16 (1,1,1) Muon
+run, within the bf16 parity tolerances (tests/helpers/parity_runs.py: BF16_RTOL).
 The update against Moonlight's written out per matrix: tests/runtime/test_muon.py."""
 import pytest
 
-from helpers.parity_runs import REFERENCE, STEPS
+from helpers.parity_runs import BF16_RTOL, REFERENCE, STEPS
 
 RTOL = 1e-5
 # (tp, pp, dp) and tags (tests/helpers/parity_runs.py); each against the (1,1,1) Muon run of its recipe.
@@ -42,3 +45,16 @@ def test_muon_layout_matches_single_process(parity_runs, layout):
         for key in ("loss", "grad_norm", "val_loss"):
             if key in r:
                 assert _rel(g[key], r[key]) <= RTOL, (layout, r["step"], key, g[key], r[key])
+
+
+@pytest.mark.slow
+def test_muon_bf16_matches_single_process(parity_runs):
+    ref = parity_runs[REFERENCE + ("bf16", "muon")]["metrics"]
+    got = parity_runs[(1, 1, 2, "bf16", "muon")]["metrics"]
+    assert len(got) == len(ref) == STEPS and ref[-1]["loss"] < ref[0]["loss"] - 0.02, [m["loss"] for m in ref]
+    fp32 = parity_runs[REFERENCE + ("muon",)]["metrics"]
+    assert _rel(ref[1]["loss"], fp32[1]["loss"]) > 1e-5  # bf16 computes otherwise: the comparison is of bf16 runs
+    for r, g in zip(ref, got):
+        for key, rtol in BF16_RTOL.items():
+            if key in r:
+                assert _rel(g[key], r[key]) <= rtol, ("bf16", r["step"], key, g[key], r[key])
