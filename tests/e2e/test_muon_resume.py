@@ -2,11 +2,13 @@
 after step 3 (its momentum in DeepSpeed's ZeRO-1 partition files, next to AdamW's moments of the
 other parameters). Resumed there, steps 4-5 are the uninterrupted run's bits; resumed at (1,2,4),
 launch/checkpoints/reshard.py re-shards the momentum like Adam's moments (merged over TP, cut for
-the new shards and partitions) and steps 4-5 match within fp32 rounding; resumed with AdamW, one line."""
+the new shards and partitions) and steps 4-5 match within fp32 rounding; resumed with AdamW, one line.
+In bf16 (DeepSpeed's BF16 optimizer's partition files) and fp16 (ZeRO-1 with a dynamic loss scale,
+which changes every 2 steps here), the (1,1,2) Muon runs resume at their layout bit for bit."""
 import pytest
 
 from helpers.launcher import TINY, launch_forked, read_metrics
-from helpers.parity_runs import SAVE_AT, STEPS
+from helpers.parity_runs import SAVE_AT, STEPS, precision_args, precision_env
 
 pytestmark = pytest.mark.slow  # multi-process training runs
 SAVED = (2, 2, 2, "sp", "muon")
@@ -14,10 +16,10 @@ RTOL = 1e-5
 MUON = ["--set", "train.optimizer=muon"]
 
 
-def _resume(checkpoint, layout, metrics, extra):
+def _resume(checkpoint, layout, metrics, extra, env=None):
     tp, pp, dp = layout
     proc = launch_forked(tp * pp * dp, ["--recipe", str(TINY), "--tp", str(tp), "--pp", str(pp), "--steps", str(STEPS),
-                                        "--load", str(checkpoint), "--metrics-out", str(metrics)] + extra)
+                                        "--load", str(checkpoint), "--metrics-out", str(metrics)] + extra, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, read_metrics(metrics)
 
@@ -38,3 +40,12 @@ def test_muon_resumes(parity_runs, tmp_path, layout):
         assert x["lr"] == y["lr"]
         for key in ("loss", "grad_norm", "val_loss"):
             assert abs(x[key] - y[key]) <= RTOL * abs(x[key]), (layout, key, x, y)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_muon_resumes_bitwise_in_half_precision(parity_runs, tmp_path, precision):
+    run = parity_runs[(1, 1, 2, precision, "muon")]
+    _, again = _resume(run["dir"] / "ck" / f"step{SAVE_AT:08d}", (1, 1, 2), tmp_path / "m.jsonl",
+                       MUON + precision_args(precision), env=precision_env(precision))
+    assert [(m["loss"], m["grad_norm"], m["loss_scale"], m.get("val_loss")) for m in again] == \
+        [(m["loss"], m["grad_norm"], m["loss_scale"], m.get("val_loss")) for m in run["metrics"][SAVE_AT:]]
