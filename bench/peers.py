@@ -20,6 +20,7 @@ round's tokens/s is over the loop iterations of steps --timed-from on (their met
 `elapsed_s`: ours' whole loop, not only `train_batch`; start-up and warm-up steps excluded). Reported: the largest per-step loss difference
 over every round (the same run repeats bit for bit, so rounds agree), each round's ratio and their
 median. Times from CPU processes on a shared machine: compare only runs made side by side.
+Results, and where a step's time goes (bench/step_parts.py): docs/performance.md, "Against megatron-core".
 """
 import argparse
 import json

@@ -1,14 +1,18 @@
 """Where one training step's time goes, ours beside megatron-core's, on bench/peers.py's job.
 
     .venv-megatron/bin/python bench/step_parts.py [--arch gpt2] [--layout 2x1] [--steps 10] [--timed-from 3]
+                                                  [--work DIR]
+
+(.venv-megatron: bash bench/peers_setup.sh.)
 
 Ours: launch/train.py's own `run_training` in tp*pp processes (DeepSpeed's launcher), with
 time.perf_counter around the pieces of a step, per rank and step (nothing else changes):
 - inside `train_batch`: each DeepSpeed pipeline instruction (ForwardPass, BackwardPass, the
   p2p Send/Recv, LoadMicroBatch, ReduceGrads, ReduceTiedGrads, OptimizerStep) and, within
-  OptimizerStep, torch AdamW's step and ZeRO's gradient norm; and train_batch's own work around
-  them: setting the data iterator, making the schedule, reserving pipe buffers, the instruction
-  loop of _exec_schedule, the loss's aggregation and broadcast, the rest of train_batch;
+  OptimizerStep, torch AdamW's step and ZeRO's gradient norm, within BackwardPass ZeRO-1's
+  per-parameter gradient hooks; and train_batch's own work around them: setting the data
+  iterator, making the schedule, reserving pipe buffers, the instruction loop of _exec_schedule,
+  the loss's aggregation and broadcast, the rest of train_batch;
 - around it, launch/runtime/loop.py's per-step work: count_step_tokens (the step's draw and its
   token-count all-reduce), the device sync, the memory-peak reset and read, gather_step_numbers
   (an all-gather), the heartbeat's `completed`, the straggler watch, metrics.log, the stop
@@ -16,7 +20,9 @@ time.perf_counter around the pieces of a step, per rank and step (nothing else c
   iteration is what is left of the time from one train_batch start to the next.
 megatron-core: bench/megatron_peer.py on the same command line, which times its own parts.
 Printed: ms per step, the mean over the steps from --timed-from on (so that the parts add up),
-each rank's, then the mean over ranks; megatron-core's from its last stage's TP rank 0. Times from CPU processes on a shared machine: compare runs made side by side.
+each rank's, then the mean over ranks; megatron-core's from its last stage's TP rank 0. Times
+from CPU processes on a shared machine: compare runs made side by side. Results:
+docs/performance.md, "Where a tp 2 step goes, ours against megatron-core".
 """
 import argparse
 import collections
@@ -24,13 +30,11 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 # (module, attribute) of launch/runtime/loop.py's per-step calls; loop.py imports them inside
 # run_training, so wrapping the module attribute before it runs times every call.
@@ -59,6 +63,11 @@ LOOP_METHODS = {
 # PipelineEngine's methods train_batch calls around its instructions.
 ENGINE_METHODS = ("set_dataiterator", "_train_schedule", "_reserve_pipe_buffers", "_exec_schedule",
                   "_aggregate_total_loss")
+
+# What DeepSpeedZeroOptimizer's per-parameter gradient hook calls (stage_1_and_2.py,
+# create_gradient_handling_hooks; count_used_parameters_in_backward is wrapped beside them).
+ZERO_HOOK_METHODS = ("should_refresh_expected_hook_count", "reenter_backward_if_needed", "process_gradients",
+                     "update_hook_state_and_maybe_run_epilogue")
 
 
 class StepParts:
@@ -105,6 +114,13 @@ class StepParts:
         # before the engine exists: torch wraps an optimizer class's step when it is instantiated
         torch.optim.AdamW.step = self.timed("AdamW step", torch.optim.AdamW.step)
         DeepSpeedZeroOptimizer.scaled_global_norm = self.timed("ZeRO grad norm", DeepSpeedZeroOptimizer.scaled_global_norm)
+        # ZeRO-1's hook on every parameter's gradient, run inside each BackwardPass (its parts are
+        # looked up on the optimizer and the module at each call, so wrapping them times every call)
+        from deepspeed.runtime.zero import stage_1_and_2
+        for attr in ZERO_HOOK_METHODS:
+            setattr(DeepSpeedZeroOptimizer, attr, self.timed("ZeRO grad hooks", getattr(DeepSpeedZeroOptimizer, attr)))
+        stage_1_and_2.count_used_parameters_in_backward = self.timed(
+            "ZeRO grad hooks", stage_1_and_2.count_used_parameters_in_backward)
         train_batch = self.timed("train_batch", PipelineEngine.train_batch)
 
         def starting_step(engine, *args, **kwargs):
@@ -143,6 +159,7 @@ def ours_rows(per_rank):
     rows.update({n: v for n, v in mean.items() if n.startswith("engine ")})
     rows["  of OptimizerStep: AdamW step"] = mean.get("AdamW step", 0.0)
     rows["  of OptimizerStep: ZeRO grad norm"] = mean.get("ZeRO grad norm", 0.0)
+    rows["  of BackwardPass: ZeRO grad hooks"] = mean.get("ZeRO grad hooks", 0.0)
     engine = {a: mean.get(f"engine.{a}", 0.0) for a in ENGINE_METHODS}
     for attr in ("set_dataiterator", "_train_schedule", "_reserve_pipe_buffers", "_aggregate_total_loss"):
         rows[f"engine: {attr}"] = engine[attr]
