@@ -3,7 +3,7 @@ optimizer settings; per-step loss differences and the tokens/s ratio ours / mega
 
     bash bench/peers_setup.sh          # once: .venv-megatron (this project + megatron-core 0.19.2 + triton)
     .venv-megatron/bin/python bench/peers.py [--archs gpt2,llama] [--layouts 2x1,1x2,1x1]
-                                             [--rounds 3] [--steps 8] [--timed-from 3] [--json]
+                                             [--rounds 3] [--steps 8] [--timed-from 3] [--set KEY=VALUE] [--json]
 
 Both sides are launched through DeepSpeed's launcher with one command line each round:
 - ours: `launch/train.py`, the real training path (engine, loop, metrics, heartbeat, everything);
@@ -39,10 +39,10 @@ LLAMA_SHAPE = ["model.n_kv_head=2", "model.ffn_hidden_size=688"]  # grouped-quer
 LOSS_TOLERANCE = 1e-5
 
 
-def train_argv(arch: str, tp: int, pp: int, steps: int, hf_dir: Path, metrics: Path) -> list:
+def train_argv(arch: str, tp: int, pp: int, steps: int, hf_dir: Path, metrics: Path, overrides=()) -> list:
     argv = ["--recipe", str(RECIPES[arch]), "--tp", str(tp), "--pp", str(pp), "--steps", str(steps),
             "--init-from-hf", str(hf_dir), "--metrics-out", str(metrics)]
-    for item in SHAPE + (LLAMA_SHAPE if arch == "llama" else []):
+    for item in SHAPE + (LLAMA_SHAPE if arch == "llama" else []) + list(overrides):
         argv += ["--set", item]
     return argv
 
@@ -101,7 +101,7 @@ def compare(arch: str, tp: int, pp: int, args, work: Path) -> dict:
     for round_index in range(args.rounds):
         for name, script in sides.items():
             metrics = work / f"{arch}-{tp}x{pp}-{name}-{round_index}.jsonl"
-            launch(script, tp * pp, train_argv(arch, tp, pp, args.steps, hf_dir, metrics), args.threads)
+            launch(script, tp * pp, train_argv(arch, tp, pp, args.steps, hf_dir, metrics, args.overrides), args.threads)
             steps = read_steps(metrics)
             losses[name] = [s["loss"] for s in steps]
             rates[name].append(loop_tokens_per_s(steps, args.timed_from))
@@ -130,6 +130,8 @@ def main() -> int:
     p.add_argument("--timed-from", type=int, default=3, help="first step timed, >= 2 (default %(default)s: two warm-up)")
     p.add_argument("--threads", type=int, default=1, help="threads per process (default %(default)s)")
     p.add_argument("--work", type=Path, default=None, help="keep the checkpoints and metrics here (default: a temp dir)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more recipe override for both sides (repeatable), e.g. train.zero_stage=0")
     p.add_argument("--json", action="store_true", help="last line: every result as one JSON object")
     args = p.parse_args()
     if not 2 <= args.timed_from <= args.steps:

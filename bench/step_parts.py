@@ -1,7 +1,7 @@
 """Where one training step's time goes, ours beside megatron-core's, on bench/peers.py's job.
 
     .venv-megatron/bin/python bench/step_parts.py [--arch gpt2] [--layout 2x1] [--steps 10] [--timed-from 3]
-                                                  [--work DIR]
+                                                  [--work DIR] [--set KEY=VALUE]
 
 (.venv-megatron: bash bench/peers_setup.sh.)
 
@@ -197,6 +197,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timed-from", type=int, default=3)
     p.add_argument("--work", type=Path, default=Path("/tmp/step_parts"))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more recipe override for both sides (repeatable), e.g. train.zero_stage=0")
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # DeepSpeed's launcher adds it
     if argv[:1] == ["--rank-of"]:  # inside the launcher: --rank-of DIR, then launch/train.py's argv
         return run_rank(argv[2:], Path(argv[1]))
@@ -208,10 +210,10 @@ def main() -> int:
     hf_dir = args.work / f"{args.arch}-hf"
     if not hf_dir.exists():
         write_hf_checkpoint(peers_argv(args.arch, tp, pp, args.steps, hf_dir, args.work / "unused.jsonl"), hf_dir)
-    ours_argv = peers_argv(args.arch, tp, pp, args.steps, hf_dir, args.work / "ours.jsonl")
+    ours_argv = peers_argv(args.arch, tp, pp, args.steps, hf_dir, args.work / "ours.jsonl", args.overrides)
     launch(Path(__file__).resolve(), tp * pp, ["--rank-of", str(args.work)] + ours_argv, threads=1)
     launch(REPO / "bench" / "megatron_peer.py", tp * pp,
-           peers_argv(args.arch, tp, pp, args.steps, hf_dir, args.work / "megatron.jsonl"), threads=1)
+           peers_argv(args.arch, tp, pp, args.steps, hf_dir, args.work / "megatron.jsonl", args.overrides), threads=1)
     per_rank = [means(json.loads((args.work / f"ours-rank{r}.json").read_text()), args.timed_from)
                 for r in range(tp * pp)]
     megatron = megatron_rows([json.loads(line) for line in (args.work / "megatron.jsonl").read_text().splitlines()],
