@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from launch.analysis import formulas
 from launch.config.layout import Layout, check_partition
-from launch.config.recipe import PARTITION_RULES, Recipe
+from launch.config.recipe import PARTITION_RULES, Recipe, muon_stage_error
 from launch.errors import ConfigError
 from model.config import ModelConfig
 from model.gpt.layer_table import pipeline_layers
@@ -111,24 +111,12 @@ def with_stage_boundaries(layout: Layout, recipe: Recipe, vocab_size: int) -> La
 
 
 def check_muon_stages(recipe: Recipe, layout: Layout, vocab_size: int) -> None:
-    """train.optimizer=muon needs a hidden matrix on every stage (launch/runtime/engine.py:
-    _muon_param_groups): a ConfigError naming the blocks per stage before the engine is built."""
+    """train.optimizer=muon needs a hidden matrix on every stage: a ConfigError naming the blocks
+    per stage before the engine is built (a train.partition list is checked with the recipe)."""
     model = dataclasses.replace(recipe.model, vocab_size=vocab_size).resolved()
     counts = blocks_per_stage(model, layout.parts)
     if recipe.train.optimizer == "muon" and 0 in counts:
-        raise ConfigError(f"train.optimizer=muon with blocks per stage {counts} (train.partition="
-                          f"{recipe.train.partition!r}, --pp {layout.pp}): every stage needs a transformer block for "
-                          f"Muon's matrices; give each stage one, e.g. train.partition={_one_each(counts)}")
-
-
-def _one_each(counts: List[int]) -> List[int]:
-    """`counts` with a block moved from the fullest stage to each empty one."""
-    counts = list(counts)
-    for k, n in enumerate(counts):
-        if n == 0:
-            counts[counts.index(max(counts))] -= 1
-            counts[k] = 1
-    return counts
+        raise muon_stage_error(counts, f"train.partition={recipe.train.partition!r} at --pp {layout.pp}")
 
 
 def _from_counts(kinds: Tuple[str, ...], counts: List[int]) -> List[int]:

@@ -179,6 +179,10 @@ class TrainSection:
             raise ConfigError(f"train.muon_momentum={self.muon_momentum:g} must be in [0, 1) (default 0.95)")
         if self.muon_ns_steps < 1:
             raise ConfigError(f"train.muon_ns_steps={self.muon_ns_steps} must be >= 1 (default 5, Keller Jordan's)")
+        if self.optimizer == "muon" and not isinstance(self.partition, str) and 0 in list(self.partition):
+            # Before the data is read (the balanced rule's cut needs the vocabulary: checked after,
+            # launch/analysis/partition.py: check_muon_stages).
+            raise muon_stage_error(list(self.partition), f"train.partition={list(self.partition)}")
         if self.optimizer == "muon" and self.precision == "fp16" and self.zero_stage == 0:
             # DeepSpeed's FP16 optimizer regroups the fp32 weights in a way launch/runtime/muon_partitions.py does not read.
             raise ConfigError("train.optimizer=muon with train.precision=fp16 needs train.zero_stage=1 "
@@ -195,6 +199,19 @@ class TrainSection:
     def full_recompute_interval(self) -> int:
         """Blocks per checkpoint for PipelineModule; 0 when blocks are not recomputed whole."""
         return max(1, self.activation_checkpoint_interval) if self.recompute_mode == "full" else 0
+
+
+def muon_stage_error(counts: List[int], cut: str) -> ConfigError:
+    """train.optimizer=muon needs a hidden matrix on every stage (launch/runtime/engine.py:
+    _muon_param_groups): the error for blocks per stage `counts`, cut by `cut`, with a cut that
+    moves a block from the fullest stage to each empty one."""
+    fixed = list(counts)
+    for k, n in enumerate(fixed):
+        if n == 0:
+            fixed[fixed.index(max(fixed))] -= 1
+            fixed[k] = 1
+    return ConfigError(f"train.optimizer=muon with blocks per stage {counts} ({cut}): every stage needs a "
+                       f"transformer block for Muon's matrices; give each stage one, e.g. train.partition={fixed}")
 
 
 @dataclass

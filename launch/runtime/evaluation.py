@@ -188,6 +188,7 @@ def prepare_evaluation(args: argparse.Namespace) -> EvaluationJob:
     recipe = evaluation_recipe(args)
     ensure_single_process_env()
     layout = check_and_derive_layout(recipe, int(os.environ["WORLD_SIZE"]), args.tp, args.pp, on_cpu())
+    tasks = read_tasks(args)  # before the data: a bad task file costs nothing
     data, vocab_size = load_run_data(recipe, layout)
     layout = with_stage_boundaries(layout, recipe, vocab_size)  # the training run's cut of the pipeline
     if args.init_from_hf is not None:  # the parts of its config the shape check above does not see
@@ -202,7 +203,7 @@ def prepare_evaluation(args: argparse.Namespace) -> EvaluationJob:
         raise ConfigError(f"the validation data holds fewer windows than one global batch "
                           f"({layout.global_batch_size}); raise data.val_fraction or lower train.global_batch_size")
     return EvaluationJob(args=args, recipe=recipe, layout=layout, data=data, vocab_size=vocab_size,
-                         n_batches=n_batches, tasks=read_tasks(args))
+                         n_batches=n_batches, tasks=tasks)
 
 
 def read_tasks(args: argparse.Namespace) -> List[Tuple[str, List[Any]]]:

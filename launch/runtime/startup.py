@@ -64,6 +64,8 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
         check_deepspeed_hooks(layout.pp)
     from launch.runtime.preflight import check_before_start
     check_before_start(recipe, args.metrics_out, args.save, args.timeline, args.comm_counts)
+    from data.multiple_choice import read_tasks  # before the training data: a bad task file costs nothing
+    tasks = read_tasks(recipe.eval.tasks, recipe.eval.max_examples, "eval.tasks")
     resume_from = None
     if args.load is not None:
         from launch.checkpoints.locate import find_resume_point
@@ -71,8 +73,6 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     data, vocab_size = load_run_data(recipe, layout)
     layout = with_stage_boundaries(layout, recipe, vocab_size)  # the stage boundaries need the vocabulary
     check_muon_stages(recipe, layout, vocab_size)
-    from data.multiple_choice import read_tasks
-    tasks = read_tasks(recipe.eval.tasks, recipe.eval.max_examples, "eval.tasks")
     if args.init_from_hf is not None:
         from launch.checkpoints.hf_weights import check_hf_source
         check_hf_source(args.init_from_hf, recipe.gpt_config(vocab_size, data.tokenizer.eos_token_id),
