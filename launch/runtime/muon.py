@@ -80,8 +80,10 @@ class Muon(torch.optim.Optimizer):
         size = flat_param.numel()
         if all(hasattr(p, "muon_layout") for p in partition.params):  # Muon's group: owners, no per-element decay
             owner = assign_owners([newton_schulz_cost(p) for p in partition.params], partition.dp_size)
-            self.exchanges[id(flat_param)] = plan_exchange([p.numel() for p in partition.params], partition.offsets,
-                                                           owner, size, partition.dp_size, partition.dp_rank)
+            plan = plan_exchange([p.numel() for p in partition.params], partition.offsets, owner, size,
+                                 partition.dp_size, partition.dp_rank)
+            plan.send_index, plan.recv_index = (index.to(flat_param.device) for index in (plan.send_index, plan.recv_index))
+            self.exchanges[id(flat_param)] = plan  # its indices on the device once, not copied every step
             return
         decayed = torch.zeros(size * partition.dp_size, dtype=torch.bool, device=flat_param.device)
         for param, offset in zip(partition.params, partition.offsets):
