@@ -320,12 +320,11 @@ def test_a_slowed_rank_is_named_and_its_step_times_recorded(tmp_path):
     records = read_metrics(out)
     for r in records:
         fast, slow = r["compute_s_by_rank"]
-        # The sleep is in rank 1's compute time and not in rank 0's (compared with each other:
-        # a loaded machine stretches both ranks' own compute alike). Once, on a loaded machine, a
-        # record read 0.98 s for rank 0 against 1.07 s (which step was not kept): the first step,
-        # whose passes also warm up, is held only to slow > fast.
-        assert slow >= 1.0 and 0 < fast < r["step_time_s"], r["compute_s_by_rank"]
-        assert slow - fast > (0.5 if r["step"] > 1 else 0.0), r["compute_s_by_rank"]
+        # The sleep is in rank 1's compute time, and rank 0's is shorter. Not by a fixed margin:
+        # ZeRO-1 reduces the last micro-batch's gradients from hooks inside the backward pass, so
+        # rank 0 waits there for the slowed rank, and part of the sleep shows in its compute too
+        # (clean clones read 0.98 against 1.07 s, and 0.79 against 1.06 s).
+        assert slow >= 1.0 and 0 < fast < slow and fast < r["step_time_s"], r["compute_s_by_rank"]
         overall = expected_summary(r["compute_s_by_rank"], [0, 1])
         assert r["compute_s"] == dict(overall, by_stage=[overall]), r
     named = [line for line in proc.stdout.splitlines() if "straggler" in line]
