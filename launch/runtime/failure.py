@@ -235,6 +235,10 @@ class FailureWatcher:
             if published.startswith(f"rank {self.rank}: lost:"):  # slow or resumed: the others have left
                 self._leave(f"stopping: the other ranks declared this rank lost:{published.split(':', 2)[2]}")
             if published.startswith(f"rank {self.rank}: hang:"):  # its main thread will not get to it
+                try:
+                    store.add(_ACK, 1)  # read: the publisher waits for every other rank, this one too
+                except Exception:
+                    pass
                 self._leave(f"stopping: rank {self.rank} failed:{published.split(':', 1)[1]}")
             if published.startswith(f"rank {self.rank}:"):  # our own report: the main thread is on it
                 return

@@ -21,22 +21,27 @@ BOUND_S = 3.0
 
 def _steps_until_one_rank_hangs(stacks: str, hung_rank: int, hung_step: int) -> None:
     """A rank's training loop in miniature: each step one all-reduce; rank `hung_rank` sleeps
-    for ever before step `hung_step` (the training loop's fault hook)."""
+    for ever before step `hung_step` (the training loop's fault hook). An error in the main
+    thread goes where launch/train.py sends it (report_failure): once the hung rank has left, a
+    waiting rank's all-reduce fails, and the line it says is the published cause."""
     import torch
     import torch.distributed as dist
-    from launch.runtime.failure import FailureWatcher, maybe_inject_fault
+    from launch.runtime.failure import FailureWatcher, maybe_inject_fault, report_failure
     from launch.runtime.hang_watchdog import HangWatchdog
     rank, world = dist.get_rank(), dist.get_world_size()
     hang = HangWatchdog(rank, world, Path(stacks), hang_timeout_s=BOUND_S, first_step_timeout_s=60)
     FailureWatcher(rank, world, heartbeat_timeout_s=60, hang=hang)
     hang.start()
-    for step in range(1, 1000):
-        if (rank, step) == (hung_rank, hung_step):
-            (Path(stacks) / "hung-at").write_text(repr(time.time()))
-        maybe_inject_fault((hung_rank, hung_step, "hang"), rank, step)
-        dist.all_reduce(torch.ones(1))
-        time.sleep(0.2)
-        hang.step_ended()
+    try:
+        for step in range(1, 1000):
+            if (rank, step) == (hung_rank, hung_step):
+                (Path(stacks) / "hung-at").write_text(repr(time.time()))
+            maybe_inject_fault((hung_rank, hung_step, "hang"), rank, step)
+            dist.all_reduce(torch.ones(1))
+            time.sleep(0.2)
+            hang.step_ended()
+    except Exception as error:
+        report_failure(error)
 
 
 def _rank(rank: int, world: int, port: int, err: Path, fn, args) -> None:
