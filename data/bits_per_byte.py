@@ -17,9 +17,9 @@ validation windows once per run.
 """
 import itertools
 import math
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
-from data.pipeline import SourceData
+from data.pipeline import RunData, SourceData
 
 _TOKENS_PER_BYTE: Dict[Tuple[int, int], float] = {}  # (id of a source, global batches) -> its ratio
 
@@ -41,3 +41,21 @@ def tokens_per_byte(source: SourceData, n_global_batches: int) -> float:
 
 def bits_per_byte(loss_nats_per_token: float, source: SourceData, n_global_batches: int) -> float:
     return loss_nats_per_token * tokens_per_byte(source, n_global_batches) / math.log(2)
+
+
+def validation_loss_and_bpb(data: RunData, loss_of: Callable[[SourceData], float],
+                            global_batches_of: Callable[[SourceData], int], with_bpb: bool
+                            ) -> Tuple[float, Optional[Dict[str, float]], Optional[float]]:
+    """(validation loss, label -> each source's loss or None for one source, bits per byte or None
+    without `with_bpb`): `loss_of` scores one source once, over `global_batches_of(source)`
+    validation global batches; a mixture's bits per byte is weighted as its loss."""
+    losses = {}  # id of a source -> its validation loss
+
+    def scored(part: SourceData) -> float:
+        losses[id(part)] = loss_of(part)
+        return losses[id(part)]
+    loss, by_source = data.validation_losses(scored)
+    if not with_bpb:
+        return loss, by_source, None
+    bpb, _ = data.validation_losses(lambda part: bits_per_byte(losses[id(part)], part, global_batches_of(part)))
+    return loss, by_source, bpb

@@ -129,16 +129,13 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
         return sum(engine.eval_batch(data_iter=count_step_tokens(engine, batches, layout.grad_accum_steps)).item()
                    for _ in range(n_batches)) / n_batches
 
-    losses = {}  # id of a source -> its validation loss
-
-    def source_loss(part) -> float:
-        losses[id(part)] = mean_loss(part.val_batches(state.dp_rank, layout.dp, n_batches))
-        return losses[id(part)]
-
-    if on_validation:  # a mixture: each source's own loss, then their weighted mean
-        loss, by_source = data.validation_losses(source_loss)
+    if on_validation:  # a mixture: each source's own loss, then their weighted mean; bits per byte weighted alike
+        from data.bits_per_byte import validation_loss_and_bpb
+        loss, by_source, bpb = validation_loss_and_bpb(
+            data, lambda part: mean_loss(part.val_batches(state.dp_rank, layout.dp, n_batches)),
+            lambda part: n_batches, with_bpb=is_logging_rank(state.global_rank))
     else:
-        loss, by_source = mean_loss(data.train_batches(state.dp_rank, layout.dp)), None
+        loss, by_source, bpb = mean_loss(data.train_batches(state.dp_rank, layout.dp)), None, None
     result = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "batches": n_batches,
               "tokens": n_batches * layout.global_batch_size * recipe.seq_len,
               "data": "validation" if on_validation else "train", "source": str(args.load or args.init_from_hf),
@@ -146,9 +143,8 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
     if by_source is not None:
         result["loss_by_source"] = by_source
     if is_logging_rank(state.global_rank):
-        if on_validation:  # bits per byte (data/bits_per_byte.py), weighted as the loss
-            from data.bits_per_byte import bits_per_byte
-            result["bpb"], _ = data.validation_losses(lambda part: bits_per_byte(losses[id(part)], part, n_batches))
+        if bpb is not None:  # bits per byte (data/bits_per_byte.py)
+            result["bpb"] = bpb
         print(f"loss {loss:.6f} ppl {result['ppl']:.4f}" + (f" bpb {result['bpb']:.6f}" if on_validation else "")
               + f" ({n_batches} global batches of {result['data']} data, "
               f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp={layout.dp}"
@@ -170,8 +166,10 @@ def score_tasks(job: EvaluationJob, engine, state: ParallelState, tokenizer, log
 
     from deepspeed.accelerator import get_accelerator
     from launch.runtime.task_scoring import score_tasks as score
+    from launch.runtime.task_scoring import task_sequences
     device = torch.device(get_accelerator().current_device_name())
-    scores = score(engine, state, job.layout, job.tasks, tokenizer, job.recipe.seq_len, device)
+    scores = score(engine, state, job.layout, task_sequences(job.tasks, tokenizer, job.recipe.seq_len),
+                   job.recipe.seq_len, device)
     records = [{"task": name, **values} for name, values in scores.items()]
     if logging:
         for record in records:

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple
 
 from launch.config.layout import Layout
 from launch.runtime.run_inputs import resolved_recipe_dict
@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # annotations only: no import cost at run time
     from data.pipeline import RunData, SourceData
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from launch.checkpoints.locate import CheckpointRef
+    from launch.runtime.task_scoring import TaskSequences
     from model.config import GPTConfig
     from model.parallel.state import ParallelState
 
@@ -39,27 +40,25 @@ def validation_record(engine: PipelineEngine, data: RunData, state: ParallelStat
     """val_loss, val_ppl and (on the logging rank) val_bpb, bits per byte (data/bits_per_byte.py);
     for a mixture also val_loss_by_source (label -> that source's own validation loss), with
     val_loss and val_bpb their means weighted by the mixture's weights."""
-    from data.bits_per_byte import bits_per_byte
-    losses = {}  # id of a source -> its validation loss
-
-    def loss_of(part):
-        losses[id(part)] = validation_loss(engine, part, state, layout, eval_batches, device)
-        return losses[id(part)]
-    val_loss, by_source = data.validation_losses(loss_of)
+    from data.bits_per_byte import validation_loss_and_bpb
+    val_loss, by_source, val_bpb = validation_loss_and_bpb(
+        data, lambda part: validation_loss(engine, part, state, layout, eval_batches, device),
+        lambda part: part.eval_global_batches(eval_batches), with_bpb=logging_rank)
     record = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
-    if logging_rank:  # the same weighting, over each source's bits per byte
-        record["val_bpb"], _ = data.validation_losses(
-            lambda part: bits_per_byte(losses[id(part)], part, part.eval_global_batches(eval_batches)))
+    if val_bpb is not None:
+        record["val_bpb"] = val_bpb
     if by_source is not None:
         record["val_loss_by_source"] = by_source
     return record
 
 
-def task_record(engine: PipelineEngine, job: TrainingJob, state: ParallelState, device: torch.device) -> dict:
-    """eval.tasks scored now (launch/runtime/task_scoring.py): name -> acc, acc_norm, n and the gold
-    choices' mean log-likelihood (each choice's own stays with launch/evaluate.py --metrics-out)."""
+def task_record(engine: PipelineEngine, job: TrainingJob, tasks: List[TaskSequences], state: ParallelState,
+                device: torch.device) -> dict:
+    """eval.tasks scored now (launch/runtime/task_scoring.py: `tasks` its TaskSequences): name ->
+    acc, acc_norm, n and the gold choices' mean log-likelihood (each choice's own stays with
+    launch/evaluate.py --metrics-out)."""
     from launch.runtime.task_scoring import score_tasks
-    scores = score_tasks(engine, state, job.layout, job.tasks, job.data.tokenizer, job.recipe.seq_len, device)
+    scores = score_tasks(engine, state, job.layout, tasks, job.recipe.seq_len, device)
     return {name: {k: v for k, v in values.items() if k != "choice_loglikelihoods"} for name, values in scores.items()}
 
 
@@ -178,6 +177,8 @@ def run_training(job: TrainingJob) -> None:
     report = data.repeat_report(train_cfg.steps)  # a mixture says once which sources repeat, and how often
     if report is not None and logging_rank:
         print(report, flush=True)
+    from launch.runtime.task_scoring import task_sequences
+    tasks = task_sequences(job.tasks, data.tokenizer, recipe.seq_len)  # tokenized once, scored every eval.every
     hang.start()  # from here a step that never ends is found (saves and the start-up before not timed)
     for step in range(first_step, train_cfg.steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
@@ -214,7 +215,7 @@ def run_training(job: TrainingJob) -> None:
         if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
             record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device, logging_rank))
         if job.tasks and ((recipe.eval.every and step % recipe.eval.every == 0) or step == train_cfg.steps):
-            record["tasks"] = task_record(engine, job, state, device)
+            record["tasks"] = task_record(engine, job, tasks, state, device)
         if metrics is not None:
             for line in stragglers.observe(step, compute_by_rank, numbers.data_wait_s, seconds):
                 print(line, flush=True)
