@@ -15,7 +15,8 @@ The log-likelihoods do not depend on the layout but for fp32 rounding (the model
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ from model.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entr
 if TYPE_CHECKING:
     from launch.config.layout import Layout
     from model.parallel.state import ParallelState
+
+
+ChoiceSequence = Tuple[List[int], List[int]]  # (inputs, labels), each seq_len long
 
 
 class ContinuationLoss:
@@ -43,7 +47,7 @@ class ContinuationLoss:
 
 
 def choice_sequences(examples: List[Example], encode: Callable[[str], List[int]], seq_len: int
-                     ) -> List[Tuple[List[int], List[int]]]:
+                     ) -> List[ChoiceSequence]:
     """(inputs, labels), each seq_len long, of every choice of every example in order."""
     out = []
     for example in examples:
@@ -56,11 +60,27 @@ def choice_sequences(examples: List[Example], encode: Callable[[str], List[int]]
     return out
 
 
-def score_choices(engine, state: ParallelState, layout: Layout, examples: List[Example],
-                  encode: Callable[[str], List[int]], seq_len: int, device: torch.device) -> List[List[float]]:
+@dataclass(frozen=True)
+class TaskSequences:
+    """A task's examples and every choice's sequence, tokenized once per run (a HellaSwag
+    evaluation is 40k sequences: seconds of tokenizing that every `eval.every` would repeat)."""
+    name: str
+    examples: List[Example]
+    sequences: List[ChoiceSequence]
+
+
+def task_sequences(tasks: Sequence[Tuple[str, List[Example]]], tokenizer, seq_len: int) -> List[TaskSequences]:
+    """Each (name, examples) of `tasks` with its choices' sequences."""
+    def encode(text: str) -> List[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [TaskSequences(name, examples, choice_sequences(examples, encode, seq_len)) for name, examples in tasks]
+
+
+def score_choices(engine, state: ParallelState, layout: Layout, task: TaskSequences, seq_len: int,
+                  device: torch.device) -> List[List[float]]:
     """Every example's choices' log-likelihoods, on every rank (collective: every rank calls it)."""
     from model.parallel.context_parallel import sequence_shards
-    sequences = choice_sequences(examples, encode, seq_len)
+    examples, sequences = task.examples, task.sequences
     first = [0]
     for example in examples:
         first.append(first[-1] + len(example.choices))
@@ -107,17 +127,14 @@ def accuracy(examples: List[Example], loglikelihoods: List[List[float]]) -> Dict
     return {"acc": correct / n, "acc_norm": normed / n, "n": n}
 
 
-def score_tasks(engine, state: ParallelState, layout: Layout, tasks: List[Tuple[str, List[Example]]], tokenizer,
-                seq_len: int, device: torch.device) -> Dict[str, Dict[str, Any]]:
+def score_tasks(engine, state: ParallelState, layout: Layout, tasks: List[TaskSequences], seq_len: int,
+                device: torch.device) -> Dict[str, Dict[str, Any]]:
     """Task name -> acc, acc_norm, n, gold_loglikelihood (the gold choices' mean log-likelihood, a
     number that moves before the accuracy does) and choice_loglikelihoods (collective)."""
-    def encode(text: str) -> List[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
     scores = {}
-    for name, examples in tasks:
-        loglikelihoods = score_choices(engine, state, layout, examples, encode, seq_len, device)
-        gold = sum(ll[ex.gold] for ex, ll in zip(examples, loglikelihoods)) / len(examples)
-        scores[name] = {**accuracy(examples, loglikelihoods), "gold_loglikelihood": gold,
-                        "choice_loglikelihoods": loglikelihoods}
+    for task in tasks:
+        loglikelihoods = score_choices(engine, state, layout, task, seq_len, device)
+        gold = sum(ll[ex.gold] for ex, ll in zip(task.examples, loglikelihoods)) / len(task.examples)
+        scores[task.name] = {**accuracy(task.examples, loglikelihoods), "gold_loglikelihood": gold,
+                             "choice_loglikelihoods": loglikelihoods}
     return scores
-
