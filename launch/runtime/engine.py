@@ -71,12 +71,11 @@ def _muon_param_groups(module: torch.nn.Module, params: List[torch.nn.Parameter]
     (launch/runtime/muon.py). Two groups on every stage: DeepSpeed's ZeRO-1 all-reduces each group's
     gradient norm over the pipeline's stages, group by group, so every stage must hold as many groups
     (a middle stage has no embedding: a decay group of AdamW's own would be missing there, and hang)."""
-    from launch.errors import ConfigError
     from launch.runtime.muon_matrices import muon_matrices
     matrices = muon_matrices(module)
-    if not matrices:
-        raise ConfigError("train.optimizer=muon with a pipeline stage that holds no transformer block: give every "
-                          "stage a block (train.partition, e.g. [3, 1] instead of [4, 0])")
+    # A stage without a block is refused in one line before any engine (launch/config/recipe.py
+    # for a train.partition list, launch/analysis/partition.py: check_muon_stages for any cut).
+    assert matrices, "train.optimizer=muon needs a transformer block on every pipeline stage"
     return [{"params": matrices, "muon": True}, {"params": [p for p in params if all(p is not m for m in matrices)]}]
 
 
