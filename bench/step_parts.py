@@ -26,7 +26,6 @@ docs/performance.md, "Where a tp 2 step goes, ours against megatron-core".
 """
 import argparse
 import collections
-import functools
 import json
 import os
 import statistics
@@ -77,23 +76,16 @@ class StepParts:
         self.steps, self.current, self.started = [], collections.Counter(), None
 
     def timed(self, name, fn):
-        parts = self
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                parts.current[name] += time.perf_counter() - start
-        return wrapper
+        from bench.timed_calls import timed_into
+        return timed_into(self.current, name, fn)  # self.current is emptied in place at every step
 
     def step_starts(self):
         now = time.perf_counter()
         if self.started is not None:
             self.current["loop iteration"] = now - self.started
             self.steps.append(dict(self.current))
-        self.current, self.started = collections.Counter(), now
+        self.current.clear()
+        self.started = now
 
     def install(self):
         import importlib
