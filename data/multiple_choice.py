@@ -7,6 +7,7 @@ A task file is JSON Lines, one example per line, in one of the schemas of ADAPTE
 adapter from the dataset's own fields to (context, choices, gold)). The token rules are the
 harness's (`_encode_pair`, `_loglikelihood_tokens`):
 - trailing spaces of the context move to the front of the continuation;
+- enc is the tokenizer's own encoding, with the special tokens it adds (a Llama tokenizer's BOS);
 - the continuation's tokens are enc(context + continuation) after the first len(enc(context));
 - the model reads (context + continuation) tokens cut on the left to seq_len + 1, all but the
   last, and the continuation's tokens are the last targets.
@@ -38,10 +39,9 @@ def hellaswag_text(text: str) -> str:
 
 
 def hellaswag(doc: dict) -> Example:
-    """HellaSwag's schema: ctx_a, ctx_b, endings, label (and activity_label, the harness's prefix)."""
-    context = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
-    if doc.get("activity_label"):
-        context = doc["activity_label"] + ": " + context
+    """HellaSwag's schema: activity_label, ctx_a, ctx_b, endings, label; the harness's context
+    `activity_label + ": " + ctx_a + " " + ctx_b.capitalize()` (an empty label too)."""
+    context = doc["activity_label"] + ": " + doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
     endings = [hellaswag_text(ending) for ending in doc["endings"]]
     return Example(hellaswag_text(context), [" " + e for e in endings], [len(e) for e in endings], int(doc["label"]))
 
@@ -62,7 +62,7 @@ def piqa(doc: dict) -> Example:
 
 
 ADAPTERS: Dict[str, Tuple[Tuple[str, ...], Callable[[dict], Example]]] = {
-    "hellaswag": (("ctx_a", "ctx_b", "endings", "label"), hellaswag),
+    "hellaswag": (("activity_label", "ctx_a", "ctx_b", "endings", "label"), hellaswag),
     "arc": (("question", "choices", "answerKey"), arc),
     "piqa": (("goal", "sol1", "sol2", "label"), piqa),
 }

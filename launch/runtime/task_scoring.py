@@ -72,7 +72,7 @@ class TaskSequences:
 def task_sequences(tasks: Sequence[Tuple[str, List[Example]]], tokenizer, seq_len: int) -> List[TaskSequences]:
     """Each (name, examples) of `tasks` with its choices' sequences."""
     def encode(text: str) -> List[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return tokenizer(text)["input_ids"]
     return [TaskSequences(name, examples, choice_sequences(examples, encode, seq_len)) for name, examples in tasks]
 
 

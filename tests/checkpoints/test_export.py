@@ -173,8 +173,8 @@ def _harness_hellaswag(hf_dir, docs, seq_len):
         endings = [preprocess(e) for e in doc["endings"]]
         row = []
         for ending in endings:
-            query_ids = tokenizer(query, add_special_tokens=False)["input_ids"]
-            continuation = tokenizer(query + " " + ending, add_special_tokens=False)["input_ids"][len(query_ids):]
+            query_ids = tokenizer(query)["input_ids"]  # HFLM's default: the tokenizer's own special tokens
+            continuation = tokenizer(query + " " + ending)["input_ids"][len(query_ids):]
             ids = (query_ids + continuation)[-(seq_len + 1):]
             with torch.no_grad():
                 logprobs = model(torch.tensor([ids[:-1]])).logits[0].double().log_softmax(-1)
