@@ -61,6 +61,11 @@ class DeviceProfile:
     per_step_s: float = 0.0
     """Seconds every optimizer step costs besides the micro-batches, the gradient all-reduce's
     bytes and the optimizer's arithmetic (the engine's and the loop's own collectives and bookkeeping)."""
+    per_tensor_microbatch_s: Optional[float] = None
+    """Seconds a micro-batch costs per parameter tensor of the rank (ZeRO's gradient hook on each),
+    launch/runtime/calibrate_engine.py; None: unmeasured (no such cost)."""
+    per_tensor_step_s: Optional[float] = None
+    """Seconds a step costs per parameter tensor of the rank (its reduction, clipping and copy back)."""
     optimizer_s_per_param: Optional[float] = None
     """Seconds of the optimizer's update per parameter of the rank (AdamW's fp32 arithmetic);
     None: the traffic `OPTIMIZER_BYTES_PER_PARAM` at the memory bandwidth."""

@@ -28,6 +28,7 @@ from launch.analysis import engine_memory, experts, formulas, memory_formulas
 from launch.analysis import partition as partition_rules
 from launch.analysis.context_parallel import cp_bytes_per_step
 from launch.analysis.device_profile import Shape, bytes_per_weight
+from launch.analysis.parameter_tensors import parameter_tensors_per_stage
 from launch.analysis.plan_setup import GIB, Hardware, Setup, check_setup, rank_groups, within_node
 from launch.errors import ConfigError
 from model.config import ModelConfig
@@ -171,7 +172,7 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
                        flops: List[Tuple[int, int]], weight_flops: List[int], dp: int, m: int,
                        dp_bytes: int, bandwidth: Dict[str, float], moe_blocks: Optional[List[int]] = None,
                        expert_dp_bytes: int = 0, params: Optional[List[int]] = None,
-                       stage_blocks: Optional[List[List[int]]] = None
+                       stage_blocks: Optional[List[List[int]]] = None, tensors: Optional[List[int]] = None
                        ) -> Tuple[Dict[str, float], Dict[str, List[float]]]:
     """(seconds per step and its parts, per-stage forward, backward and weight-gradient seconds of
     one micro-batch) by the cost model of the module docstring; `flops`: each stage's (forward,
@@ -179,7 +180,8 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     fullest stage's rank hands to the DP gradient all-reduce; `moe_blocks` each stage's MoE blocks,
     `expert_dp_bytes` what it hands to its experts' gradient all-reduce (dp x cp / ep ranks);
     `params` each stage's parameters per rank (the bandwidth floor; None: no floor); `stage_blocks`
-    each stage's block indices (Muon's Newton-Schulz and gathers)."""
+    each stage's block indices (Muon's Newton-Schulz and gathers); `tensors` each stage's parameter
+    tensors per rank (the engine's per-tensor costs; None: none charged)."""
     from launch.analysis.pipeline_chart import idle_fraction  # matplotlib: only when planning
     from launch.analysis.schedule_sim import simulate_schedule
     b, s, h, t, p, c = setup.micro_batch, model.seq_len // setup.cp, model.n_embd, setup.tp, setup.pp, setup.cp
@@ -204,7 +206,9 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     weight_bytes = bytes_per_weight(engine_memory.ELEMENT_BYTES[setup.precision], setup.full_recompute)
     floor = [n * weight_bytes / profile.memory_bw if params and profile.memory_bw else 0.0
              for n in (params or [0] * p)]
-    compute = [max(g, f) + profile.per_microbatch_s for g, f in zip(gemm, floor)]
+    # The engine's own work per micro-batch: fixed, and per parameter tensor (ZeRO's gradient hooks).
+    engine = [profile.per_microbatch_s + (profile.per_tensor_microbatch_s or 0.0) * n for n in (tensors or [0] * p)]
+    compute = [max(g, f) + engine[k] for k, (g, f) in enumerate(zip(gemm, floor))]
     tp_comm = [(n * tp_bytes_per_block + n_moe * shared_tp_bytes) / bandwidth["tp"]
                for n, n_moe in zip(blocks, moe_blocks)]
     cp_comm = [n * cp_bytes_per_block / bandwidth["cp"] for n in blocks]
@@ -218,7 +222,7 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
         # Measured with random routing (about balanced): the busiest expert's extra rows added.
         imbalance = [(setup.expert_load - 1.0) * e / rate["expert"] / (t * c) if e else 0.0 for e in routed]
         compute = [(n - n_moe) * piece.get("dense", 0.0) + n_moe * piece.get("moe", 0.0) + imbalance[k]
-                   + (measured["head"] if k == p - 1 else 0.0) + profile.per_microbatch_s
+                   + (measured["head"] if k == p - 1 else 0.0) + engine[k]
                    for k, (n, n_moe) in enumerate(zip(blocks, moe_blocks))]
         floor = [0.0] * p
         tp_comm, ep_comm = [0.0] * p, [0.0] * p
@@ -258,7 +262,7 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     parts = {"compute": m * compute[slowest], "tp": m * tp_comm[slowest], "cp": m * cp_comm[slowest],
              "ep": m * ep_comm[slowest], "pp": m * pp_comm, "latency": m * latency[slowest],
              "bubble": max(span - m * slot[slowest], 0.0), "dp": dp_comm, "optimizer": update,
-             "per_step": profile.per_step_s}
+             "per_step": profile.per_step_s + (profile.per_tensor_step_s or 0.0) * max(tensors or [0])}
     return dict(parts, step=sum(parts.values())), stages
 
 
@@ -273,6 +277,7 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     blocks = partition_rules.blocks_per_stage(arch, parts)
     stage_flops = partition_rules.stage_flops(arch, parts, b, s, setup.full_recompute)
     params = [formulas.model_stage_params_per_rank(arch, t, p, k, parts, e) for k in range(p)]
+    tensors = parameter_tensors_per_stage(arch, parts)
     groups_of = [stage_groups(arch, t, p, k, parts, e) for k in range(p)]
     indices = [experts.stage_block_indices(arch, parts, k) for k in range(p)]
     moe_blocks = [len(experts.moe_block_indices(arch, i)) for i in indices]
@@ -296,7 +301,7 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     bandwidth = {dim: (measured.get(dim) or in_node) if intra[dim] else hw.inter_node_bw for dim in groups}
     weight_flops = partition_rules.stage_weight_grad_flops(arch, parts, b, s)
     time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, weight_flops, d, m, dp_bytes, bandwidth,
-                                      moe_blocks, expert_dp_bytes, params, indices)
+                                      moe_blocks, expert_dp_bytes, params, indices, tensors)
     flops = formulas.model_flops_per_step_of(arch, setup.global_batch, s)
     element = engine_memory.ELEMENT_BYTES[setup.precision]
     return {
@@ -310,7 +315,7 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
         "params_active": formulas.model_params_active(arch),
         "moe_blocks_per_stage": moe_blocks, "expert_params_per_stage": expert_params,
         "partition": setup.partition if isinstance(setup.partition, str) else list(setup.partition),
-        "stage_parts": parts, "blocks_per_stage": blocks, "layers_per_stage": max(blocks),
+        "stage_parts": parts, "blocks_per_stage": blocks, "parameter_tensors_per_stage": tensors, "layers_per_stage": max(blocks),
         "stage_flops_per_microbatch": [forward + backward for forward, backward in stage_flops],
         "schedule": setup.schedule,
         "stage_forward_s": stages["forward_s"], "stage_backward_s": stages["backward_s"],

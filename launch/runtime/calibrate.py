@@ -13,6 +13,7 @@ the optimizer's update per parameter, and, given the model, its own blocks and h
 candidate runs them (launch/runtime/calibrate_blocks.py). A GPU measures its own GEMMs, memory and
 optimizer; its links stay the datasheet's until measured, and its blocks are costed from the GEMM
 table (one GPU cannot form the candidates' TP groups)."""
+import dataclasses
 import multiprocessing
 import os
 import queue
@@ -24,7 +25,7 @@ from typing import Iterable, List, Optional, Sequence
 
 from launch.analysis.device_profile import DeviceProfile, Shape, block_key, gemm_key, model_key
 from launch.runtime.calibrate_blocks import Case, time_pieces
-from launch.runtime.calibrate_engine import engine_overheads
+from launch.runtime.calibrate_engine import EngineOverheads, engine_overheads
 from launch.runtime.calibrate_timing import median_seconds
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -197,7 +198,7 @@ def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, ran
         if cases:
             measured["blocks"] = time_pieces(model, cases, dtype)
             if once:
-                measured["per_step_s"], measured["per_microbatch_s"] = engine_overheads(procs, dtype)
+                measured.update(dataclasses.asdict(engine_overheads(procs, dtype)))
         dist.destroy_process_group()
     if results is not None:
         results.put(measured)
@@ -237,7 +238,10 @@ def _measured_at_once(shapes: List[Shape], dtype: str, procs: int, model=None, c
             "optimizer_s_per_param": max(r["optimizer_s_per_param"] for r in measured),
             "host_sync_s": max(r["host_sync_s"] for r in measured),
             "blocks": {key: max(r["blocks"][key] for r in measured) for key in measured[0].get("blocks", {})},
-            **{key: max(r[key] for r in measured) for key in ("per_step_s", "per_microbatch_s") if key in measured[0]}}
+            **{key: max(r[key] for r in measured) for key in ENGINE_COSTS if key in measured[0]}}
+
+
+ENGINE_COSTS = [f.name for f in dataclasses.fields(EngineOverheads)]
 
 
 def _runnable(cases: Iterable[Case], procs: int) -> List[Case]:
@@ -260,9 +264,13 @@ def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int 
     missing = sorted({tuple(s) for s in shapes} - set(profile.shapes()))
     key = model_key(model) if model is not None and not on_gpu else None
     new_cases = [c for c in _runnable(cases, procs) if block_key(key, "head", *c) not in profile.blocks] if key else []
+    # Links and the engine's costs are measured once, with the profile's first cases (a profile of
+    # before the per-tensor costs measures them again, with one case of the engine's process group).
+    once = not profile.per_step_s or profile.per_tensor_microbatch_s is None
+    if once and key and not new_cases:
+        new_cases = _runnable(cases, procs)[:1]
     if missing or new_cases or profile.memory_bw is None or profile.optimizer_s_per_param is None:
-        # Links and the engine's costs are measured with the profile's first cases (per_step_s set).
-        measured = _measured_at_once(missing, dtype, procs, model, new_cases, once=not profile.per_step_s)
+        measured = _measured_at_once(missing, dtype, procs, model, new_cases, once=once)
         profile.gemm.update(measured["gemm"])
         profile.blocks.update(measured.get("blocks", {}))
         profile.memory_bw = measured["memory_bw"] if profile.memory_bw is None else profile.memory_bw
@@ -272,7 +280,7 @@ def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int 
         profile.link_latency_s = measured.get("link_latency_s", profile.link_latency_s)
         profile.all_to_all_bw = measured.get("all_to_all_bw", profile.all_to_all_bw)
         profile.p2p_bw = measured.get("p2p_bw", profile.p2p_bw)
-        profile.per_step_s = measured.get("per_step_s", profile.per_step_s)
-        profile.per_microbatch_s = measured.get("per_microbatch_s", profile.per_microbatch_s)
+        for cost in ENGINE_COSTS:
+            setattr(profile, cost, measured.get(cost, getattr(profile, cost)))
         profile.save(path)
     return profile

@@ -4,22 +4,53 @@ and their bookkeeping) and per step (the loss and gradient-norm reductions, clip
 optimizer's call, the gradient reduction's calls), measured in the calibration's process group
 on a layer that costs nothing, so only the engine's own time is left.
 
-`train_batch` with m micro-batches takes per_step + m x per_microbatch: timed at m = 1 and m =
-PROBE_MICROBATCHES, the difference gives the slope. Every rank runs the same number of steps (the
-engine's collectives pair up)."""
-from typing import Tuple
+Much of that time is per parameter tensor, not per layer or per byte: ZeRO-1 hooks every
+parameter's gradient (each micro-batch's backward), and reduces, clips and copies back per
+parameter at the step. On this 2-core machine 60 tensors of 8 elements added about 10 ms a
+micro-batch and 20 ms a step at dp 4 (4 processes), as much as a tiny model's arithmetic. So the
+probe's layer holds `n` tensors of WIDTH elements, and a step of m micro-batches is modelled as
+
+    seconds = per_step + n x per_tensor_step + m x (per_microbatch + n x per_tensor_microbatch),
+
+timed at m in (1, PROBE_MICROBATCHES) and n in (FEW_TENSORS, MANY_TENSORS): the four corners give
+the four costs (the planner charges each stage by the tensors it holds). Every rank runs the same
+number of steps (the engine's collectives pair up)."""
+from dataclasses import dataclass
 
 PROBE_MICROBATCHES = 8
 PROBE_STEPS = 6  # timed, after one warm-up step
-WIDTH = 8  # the probe layer's features: its arithmetic is nothing beside the engine's
+WIDTH = 8  # elements of each probe tensor: their arithmetic is nothing beside the engine's
+FEW_TENSORS, MANY_TENSORS = 2, 64  # a real stage holds tens to hundreds (GPT-2 124M: 12 a block)
 
 
-def _step_seconds(procs: int, micro_batches: int, dtype: str, zero: int) -> float:
+@dataclass(frozen=True)
+class EngineOverheads:
+    per_step_s: float
+    per_microbatch_s: float
+    per_tensor_step_s: float
+    per_tensor_microbatch_s: float
+
+
+def _probe_layer(tensors: int):
+    """A pipeline layer of `tensors` parameters of WIDTH elements, each in the output's graph."""
+    import torch
+
+    class ProbeLayer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(WIDTH)) for _ in range(tensors))
+
+        def forward(self, x):  # (1, WIDTH) -> (1, WIDTH)
+            return x + torch.stack(list(self.weights)).sum(dim=0).to(x.dtype)
+    return ProbeLayer()
+
+
+def _step_seconds(procs: int, micro_batches: int, tensors: int, dtype: str, zero: int) -> float:
     """Median seconds of `train_batch` with `micro_batches` micro-batches of one sample."""
     import deepspeed
     import torch
     import torch.distributed as dist
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     from launch.runtime.calibrate_timing import median_seconds
@@ -32,7 +63,7 @@ def _step_seconds(procs: int, micro_batches: int, dtype: str, zero: int) -> floa
     if dtype == "bf16":
         config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
     with quiet_stdout(True):  # DeepSpeed prints its topology and layers
-        module = PipelineModule(layers=[LayerSpec(torch.nn.Linear, WIDTH, WIDTH)],
+        module = PipelineModule(layers=[_probe_layer(tensors).to(element)],
                                 topology=PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=procs),
                                 loss_fn=lambda out, target: (out.float() - target.float()).square().mean())
         engine, *_ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=config)
@@ -45,11 +76,19 @@ def _step_seconds(procs: int, micro_batches: int, dtype: str, zero: int) -> floa
     return median_seconds(lambda: engine.train_batch(data), PROBE_STEPS, before=dist.barrier)
 
 
-def engine_overheads(procs: int, dtype: str, zero: int = 1) -> Tuple[float, float]:
-    """(seconds per step, seconds per micro-batch) of the engine alone, in the group already started."""
+def engine_overheads(procs: int, dtype: str, zero: int = 1) -> EngineOverheads:
+    """The engine's own costs (module docstring), in the group already started."""
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # adopts the calibration's process group
-    one = _step_seconds(procs, 1, dtype, zero)
-    many = _step_seconds(procs, PROBE_MICROBATCHES, dtype, zero)
-    per_microbatch = max(0.0, (many - one) / (PROBE_MICROBATCHES - 1))
-    return max(0.0, one - per_microbatch), per_microbatch
+    per_step, per_microbatch = {}, {}
+    for n in (FEW_TENSORS, MANY_TENSORS):
+        one = _step_seconds(procs, 1, n, dtype, zero)
+        many = _step_seconds(procs, PROBE_MICROBATCHES, n, dtype, zero)
+        per_microbatch[n] = max(0.0, (many - one) / (PROBE_MICROBATCHES - 1))
+        per_step[n] = max(0.0, one - per_microbatch[n])
+    extra = MANY_TENSORS - FEW_TENSORS
+    tensor_step = max(0.0, (per_step[MANY_TENSORS] - per_step[FEW_TENSORS]) / extra)
+    tensor_microbatch = max(0.0, (per_microbatch[MANY_TENSORS] - per_microbatch[FEW_TENSORS]) / extra)
+    return EngineOverheads(per_step_s=max(0.0, per_step[FEW_TENSORS] - FEW_TENSORS * tensor_step),
+                           per_microbatch_s=max(0.0, per_microbatch[FEW_TENSORS] - FEW_TENSORS * tensor_microbatch),
+                           per_tensor_step_s=tensor_step, per_tensor_microbatch_s=tensor_microbatch)

@@ -6,7 +6,7 @@ parameters, their .grad, the optimizer's state and master weights and DeepSpeed'
 (found by walking the optimizer objects). Each sum equals the planner's bytes for that rank's
 stage, to the byte, at five layouts: fp32 ZeRO-0 and ZeRO-1 and bf16 ZeRO-1, at pp 1 and 2, and a
 Llama at tp 2. The same step's data-parallel gradient all-reduce, as --comm-counts measures it,
-equals the planner's DP bytes. A hidden size of 30 and an odd vocabulary make ZeRO-1's groups need
+equals the planner's DP bytes, and the stage's parameter tensors the planner's count. A hidden size of 30 and an odd vocabulary make ZeRO-1's groups need
 padding at dp 2."""
 import dataclasses
 import tempfile
@@ -124,6 +124,9 @@ def _engine_holds_the_planned_bytes():
         where = (f"{train.precision} zero {train.zero_stage} (tp {tp}, pp {pp}, dp {layout.dp}), "
                  f"rank {state.global_rank}")
         assert held == {k: planned[k] for k in STATES}, f"{where}: engine holds {held}, planned {planned}"
+        # The tensors the engine's per-tensor costs are charged by (launch/analysis/parameter_tensors.py).
+        tensors = len(list(engine.module.parameters()))
+        assert plan["parameter_tensors_per_stage"][state.pp_rank] == tensors, (where, plan["parameter_tensors_per_stage"], tensors)
 
         groups = stage_groups(config, tp, pp, state.pp_rank, list(engine.module.parts))
         reduced = sum(nbytes for (purpose, _, _), (_, _, nbytes) in counter.counts["step 1"].items()
