@@ -188,7 +188,8 @@ def _harness_hellaswag(hf_dir, docs, seq_len):
 
 @pytest.mark.slow
 def test_evaluate_gives_the_same_loss_and_task_scores_at_every_layout(run, data, tmp_path):
-    """Saved at tp=2 pp=2, evaluated at (1,1,1), tp 2 x pp 2 and cp 2 (other vocab paddings too):
+    """Saved at tp=2 pp=2, evaluated at (1,1,1), (2,2,2) and cp 2 (other vocab paddings too; at dp 2
+    each replica scores its share of the examples, 3 and 2, and the log-likelihoods are summed):
     the loss of the transformers model on the same validation batch; and a HellaSwag-schema task
     (--tasks) gives every choice the log-likelihood lm-evaluation-harness's rules give the
     transformers model (within 1e-5) and the same acc and acc_norm, at every layout. The training
@@ -214,7 +215,7 @@ def test_evaluate_gives_the_same_loss_and_task_scores_at_every_layout(run, data,
     assert any(line.startswith("step 2/2") and f"hellaswag acc {acc:.4f} acc_norm {acc_norm:.4f}" in line
                for line in (run / "stdout.txt").read_text().splitlines())
     losses = []
-    for procs, flags in ((1, []), (4, ["--tp", "2", "--pp", "2"]), (2, ["--cp", "2"])):
+    for procs, flags in ((1, []), (8, ["--tp", "2", "--pp", "2"]), (2, ["--cp", "2"])):
         out, scores = tmp_path / f"eval{procs}.json", tmp_path / f"tasks{procs}.jsonl"
         recipe = [] if procs == 1 else ["--recipe", str(TINY)]  # the checkpoint's recipe by default
         proc = _evaluate(procs, ["--load", str(run / "ck"), *flags, "--batches", "1", "--json-out", str(out),
