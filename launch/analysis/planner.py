@@ -5,7 +5,7 @@ are launch/config/layout.py's, checked on a candidate (`Setup`, `Hardware`) in p
 Cost model of one optimizer step (`estimate_step_time`), per device: each stage's time per
 micro-batch (its FLOPs at the device profile's GEMM rate for the rank's shapes, or the weight and
 gradient traffic at its memory bandwidth when that is slower, launch/analysis/device_profile.py;
-plus the profile's fixed cost per micro-batch; its TP all-reduces and one activation and
+plus the profile's engine cost per micro-batch, fixed and per parameter tensor of the rank; its TP all-reduces and one activation and
 one gradient over the PP link, at the intra-node bandwidth when the group sits in one node), the
 schedule (1F1B or ZB-H1) simulated over the engine's own instruction streams with those times,
 then the DP gradient all-reduce, not overlapped. Context parallelism (cp, issue 25) splits every
@@ -17,8 +17,8 @@ each MoE block's experts over ep ranks of that axis: a rank computes the same sh
 rows to their experts and back, and reduces its experts' gradients over the dp x cp / ep ranks that
 hold the same experts. Each collective pays the profile's latency, an MoE block its host sync,
 and the experts' GEMMs the busiest expert's load. After the all-reduce the optimizer updates the
-rank's ZeRO-1 share (Muon adds its Newton-Schulz and gathers), and the engine's fixed cost per
-step is added. A calibration on one machine's processes replaces each block's and the head's
+rank's ZeRO-1 share (Muon adds its Newton-Schulz and gathers), and the engine's cost per step
+(fixed, and per parameter tensor of the fullest stage) is added. A calibration on one machine's processes replaces each block's and the head's
 modelled compute (and their TP and EP collectives) by their measured times. Overlap is ignored
 (docs/planner-and-metrics.md, "--search and the cost model")."""
 import dataclasses

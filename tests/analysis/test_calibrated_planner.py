@@ -70,6 +70,7 @@ def test_holding_every_expert_pays_for_reading_them_each_micro_batch(tmp_path, c
 
 
 @pytest.mark.slow
+@pytest.mark.waits  # it times the machine: on the worker that is not niced (a niced one: 207 s in a clean clone's suite, 14 s alone)
 def test_calibration_measures_each_shape_and_block_once_and_caches_it(tmp_path, monkeypatch, capsys):
     """A real calibration on this CPU (fp32, one process): every GEMM shape of the plan measured
     and saved with the memory bandwidth, the optimizer's rate, the engine's costs per step and per
@@ -77,9 +78,8 @@ def test_calibration_measures_each_shape_and_block_once_and_caches_it(tmp_path, 
     measured blocks. The same plan again measures nothing (the file unchanged); `--profile` plans
     a search with it."""
     monkeypatch.setenv("GPT3D_CALIBRATION", str(tmp_path))
-    # One process of one thread (the suite's OMP_NUM_THREADS): with two, every barrier of the timing
-    # loops waits for both to be scheduled on a machine the other workers keep busy, and the test
-    # took 261 s in a clean clone's suite against 16 s alone. Links at 2+ processes: the sweep bench.
+    # One process of one thread (the suite's OMP_NUM_THREADS): links at 2+ processes are the sweep
+    # bench's and the auto-sweep test's.
     common = ["--recipe", str(RECIPES / "tiny.yaml"), "--gpus", "1", "--precision", "fp32", "--calibrate"]
     first = _plan(capsys, *common, "--micro-batch", "2")
     (cached,) = tmp_path.glob("*.json")
@@ -177,6 +177,7 @@ def test_layout_auto_trains_the_planners_first_pick_and_keeps_the_axes_given(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.waits  # it calibrates and times its runs: on the worker that is not niced
 def test_auto_sweep_trains_the_fastest_measured_of_the_top_predicted(tmp_path, monkeypatch, capsys, request):
     """--layout auto --auto-sweep 2 in one process, with a given GEMM table that is wrong on
     purpose (32-row GEMMs the fastest): the planner's top 2 are micro-batch 1 and 16 (16 and 1
