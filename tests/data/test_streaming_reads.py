@@ -87,7 +87,8 @@ def _rank_reads(server, data, tokenizer, dp, steps=STEPS, start=0, data_state=No
     return per_rank
 
 
-@pytest.mark.parametrize("streams", [4, 8, None])
+# The default streams in the fast tier; 4 and 8 (10-11 s each there) in the full suite.
+@pytest.mark.parametrize("streams", [pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow), None])
 def test_each_unit_is_fetched_once_by_the_rank_that_trains_it(streams, corpus, server, tokenizer, stream_cache):
     """At dp 1, 2, 4 with 4 and 8 streams, and at dp 1 and 8 with the default streams (B)."""
     layout = ParquetLayout(corpus)
@@ -227,6 +228,7 @@ def _prepare_on_each_rank(url: str, unit_bytes: int) -> None:
     _prepare(_spec(url, unit_bytes=unit_bytes, val_fraction=0.1), load_tokenizer("builtin"), evaluate=True)
 
 
+@pytest.mark.slow  # 4 ranks and three preparations: 15 s of the fast tier
 def test_a_line_sources_start_up_reading_is_done_once_per_node(server, tokenizer, tmp_path, monkeypatch):
     """A JSON Lines source's start-up reads units (the streams' size check, the validation
     windows): one process alone fetches some bytes; four ranks of a launch fetch them once between
