@@ -168,8 +168,7 @@ def score_tasks(job: EvaluationJob, engine, state: ParallelState, tokenizer, log
     from launch.runtime.task_scoring import score_tasks as score
     from launch.runtime.task_scoring import task_sequences
     device = torch.device(get_accelerator().current_device_name())
-    scores = score(engine, state, job.layout, task_sequences(job.tasks, tokenizer, job.recipe.seq_len),
-                   job.recipe.seq_len, device)
+    scores = score(engine, state, job.layout, task_sequences(job.tasks, tokenizer, job.recipe.seq_len), device)
     records = [{"task": name, **values} for name, values in scores.items()]
     if logging:
         for record in records:

@@ -58,7 +58,7 @@ def task_record(engine: PipelineEngine, job: TrainingJob, tasks: List[TaskSequen
     acc, acc_norm, n and the gold choices' mean log-likelihood (each choice's own stays with
     launch/evaluate.py --metrics-out)."""
     from launch.runtime.task_scoring import score_tasks
-    scores = score_tasks(engine, state, job.layout, tasks, job.recipe.seq_len, device)
+    scores = score_tasks(engine, state, job.layout, tasks, device)
     return {name: {k: v for k, v in values.items() if k != "choice_loglikelihoods"} for name, values in scores.items()}
 
 

@@ -67,20 +67,22 @@ class TaskSequences:
     name: str
     examples: List[Example]
     sequences: List[ChoiceSequence]
+    seq_len: int  # of every sequence
 
 
 def task_sequences(tasks: Sequence[Tuple[str, List[Example]]], tokenizer, seq_len: int) -> List[TaskSequences]:
     """Each (name, examples) of `tasks` with its choices' sequences."""
     def encode(text: str) -> List[int]:
         return tokenizer(text)["input_ids"]
-    return [TaskSequences(name, examples, choice_sequences(examples, encode, seq_len)) for name, examples in tasks]
+    return [TaskSequences(name, examples, choice_sequences(examples, encode, seq_len), seq_len)
+            for name, examples in tasks]
 
 
-def score_choices(engine, state: ParallelState, layout: Layout, task: TaskSequences, seq_len: int,
+def score_choices(engine, state: ParallelState, layout: Layout, task: TaskSequences,
                   device: torch.device) -> List[List[float]]:
     """Every example's choices' log-likelihoods, on every rank (collective: every rank calls it)."""
     from model.parallel.context_parallel import sequence_shards
-    examples, sequences = task.examples, task.sequences
+    examples, sequences, seq_len = task.examples, task.sequences, task.seq_len
     first = [0]
     for example in examples:
         first.append(first[-1] + len(example.choices))
@@ -127,13 +129,13 @@ def accuracy(examples: List[Example], loglikelihoods: List[List[float]]) -> Dict
     return {"acc": correct / n, "acc_norm": normed / n, "n": n}
 
 
-def score_tasks(engine, state: ParallelState, layout: Layout, tasks: List[TaskSequences], seq_len: int,
+def score_tasks(engine, state: ParallelState, layout: Layout, tasks: List[TaskSequences],
                 device: torch.device) -> Dict[str, Dict[str, Any]]:
     """Task name -> acc, acc_norm, n, gold_loglikelihood (the gold choices' mean log-likelihood, a
     number that moves before the accuracy does) and choice_loglikelihoods (collective)."""
     scores = {}
     for task in tasks:
-        loglikelihoods = score_choices(engine, state, layout, task, seq_len, device)
+        loglikelihoods = score_choices(engine, state, layout, task, device)
         gold = sum(ll[ex.gold] for ex, ll in zip(task.examples, loglikelihoods)) / len(task.examples)
         scores[task.name] = {**accuracy(task.examples, loglikelihoods), "gold_loglikelihood": gold,
                              "choice_loglikelihoods": loglikelihoods}
