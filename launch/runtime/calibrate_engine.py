@@ -78,8 +78,10 @@ def _step_seconds(procs: int, micro_batches: int, tensors: int, dtype: str, zero
 
 def engine_overheads(procs: int, dtype: str, zero: int = 1) -> EngineOverheads:
     """The engine's own costs (module docstring), in the group already started."""
-    import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # adopts the calibration's process group
+    from launch.runtime.distributed import init_distributed
+    # Adopts the calibration's process group; ours, not DeepSpeed's own: that one JIT-builds a CPU
+    # shared-memory op first (35 s alone, 2-4 minutes beside the test suite, in each new environment).
+    init_distributed(600, dist_backend="gloo", verbose=False)
     per_step, per_microbatch = {}, {}
     for n in (FEW_TENSORS, MANY_TENSORS):
         one = _step_seconds(procs, 1, n, dtype, zero)
