@@ -5,12 +5,14 @@ Newton-Schulz FLOPs per step, on the busiest rank of a pipeline stage.
   4 bytes per such element), partitioned by ZeRO-1 like AdamW's moments, over the data axis
   (dp x cp ranks; an expert matrix over its expert-data-parallel group, dp x cp / ep).
 - ZeRO-1: every matrix has an owner rank in its data group (launch/runtime/muon_owners.py), chosen
-  by `assign_owners`. During the step a rank holds its owned matrices whole (as TP shards) and
-  their update, and one all-to-all's send and receive buffers: about 4 x 4 bytes per local element
-  over D. Traffic received: the two all-to-alls, about 2 (D - 1) / D^2 of the local elements, and
-  the TP shards of the owned matrices ((t - 1) / D of them). FLOPs: the owned matrices' only.
-- ZeRO-0: every rank orthogonalises every matrix of its stage, gathering its TP shards ((t - 1) x
-  the local elements received), holding the direction and the update (8 bytes per local element).
+  by `assign_owners`, and a finisher among the owner's TP peers (launch/runtime/muon_tp_owners.py),
+  chosen the same way. During the step a rank holds its owned matrices (as TP shards) and their
+  update, the TP all-to-alls' send and receive buffers and its finished matrices whole with their
+  updates: about 6 x 4 bytes per owned element. Traffic received: the two data-group all-to-alls,
+  about 2 (D - 1) / D^2 of the local elements, and the two TP all-to-alls, 2 (t - 1) / t of the
+  owned ones. FLOPs: the matrices it finishes, about 1 / (D t) of them.
+- ZeRO-0: every TP group orthogonalises every matrix of its stage, each on one finisher: 2 (t - 1)
+  / t of the local elements received, the same 6 buffers of the local elements, 1 / t of the FLOPs.
 - Newton-Schulz FLOPs of a matrix (a rank's E/ep experts only): 5 steps of X X^T, A^2 and
   (b A + c A^2) X with m the smaller side: 5 (4 m^2 n + 2 m^3).
 No torch here: only the model's config.
@@ -25,6 +27,7 @@ from model.config import ModelConfig
 FP32 = 4
 NS_STEPS = 5  # launch/runtime/newton_schulz.py
 Matrix = Tuple[int, int, int]  # (rows, cols, how many)
+STEP_BUFFERS = 6  # the owned (or local) elements' copies during a step: U's, the update's, 2 per TP all-to-all
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,13 @@ def _busiest_share(flops: List[int], ranks: int) -> int:
     for cost, rank in zip(flops, assign_owners(flops, ranks)):
         load[rank] += cost
     return max(load) if load else 0
+
+
+def _busiest_finisher(flops: List[int], owners: int, tp: int) -> int:
+    """The Newton-Schulz FLOPs of the busiest rank when `owners` data ranks own the matrices and each
+    owner's TP peers split its matrices (launch/runtime/muon_tp_owners.py)."""
+    owner = assign_owners(flops, owners)
+    return max((_busiest_share([f for f, o in zip(flops, owner) if o == rank], tp) for rank in range(owners)), default=0)
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int = NS_STEPS) -> int:
@@ -94,16 +104,17 @@ def muon_stage_cost(m: ModelConfig, blocks: Sequence[int], tp: int, data_axis: i
     local_experts = sum(r * c * k for r, c, k in experts) // tp
     expert_axis = max(1, data_axis // ep)
     partitioned = zero_stage == 1
+    dense_flops = [k * newton_schulz_flops(r, c) for r, c, k in dense]
+    expert_flops = [k * newton_schulz_flops(r, c) for r, c, k in experts]
     if not partitioned:
-        flops = sum(k * newton_schulz_flops(r, c) for r, c, k in dense + experts)
-        return MuonCost(momentum_bytes=FP32 * (local_dense + local_experts),
-                        step_buffer_bytes=2 * FP32 * (local_dense + local_experts),
-                        gather_bytes=FP32 * (tp - 1) * (local_dense + local_experts), newton_schulz_flops=flops)
+        local = local_dense + local_experts
+        return MuonCost(momentum_bytes=FP32 * local, step_buffer_bytes=STEP_BUFFERS * FP32 * local,
+                        gather_bytes=round(FP32 * 2 * (tp - 1) / tp * local),
+                        newton_schulz_flops=_busiest_share(dense_flops + expert_flops, tp))
     owned = local_dense / data_axis + local_experts / expert_axis  # elements of the matrices a rank owns
     exchanged = 2 * (local_dense * (data_axis - 1) / data_axis ** 2 + local_experts * (expert_axis - 1) / expert_axis ** 2)
     # the owners' unit is a listed group of matrices (k of one shape), as the runtime's is a parameter
-    flops = (_busiest_share([k * newton_schulz_flops(r, c) for r, c, k in dense], data_axis)
-             + _busiest_share([k * newton_schulz_flops(r, c) for r, c, k in experts], expert_axis))
+    flops = _busiest_finisher(dense_flops, data_axis, tp) + _busiest_finisher(expert_flops, expert_axis, tp)
     return MuonCost(momentum_bytes=FP32 * (local_dense // data_axis + local_experts // expert_axis),
-                    step_buffer_bytes=round(4 * FP32 * owned), gather_bytes=round(FP32 * (exchanged + (tp - 1) * owned)),
-                    newton_schulz_flops=flops)
+                    step_buffer_bytes=round(STEP_BUFFERS * FP32 * owned),
+                    gather_bytes=round(FP32 * (exchanged + 2 * (tp - 1) / tp * owned)), newton_schulz_flops=flops)

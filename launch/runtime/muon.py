@@ -12,12 +12,14 @@ matrix, so before it each rank rebuilds the whole matrices of U:
   group (its slice of the group's parameters laid end to end, cut into dp equal pieces). `bind`
   reads from the wrapper where each parameter lies in the flat buffer and gives each matrix an owner
   rank of the group's data-parallel group (launch/runtime/muon_owners.py); `step` sends each
-  owner its matrices' pieces of U (an all-to-all), the owner gathers each over TP, splits fused
-  weights into their logical parts (launch/runtime/muon_matrices.py), orthogonalises each, and sends
-  every rank the update of the elements it holds (an all-to-all). The TP peers of an owner compute
-  the same NS (redundantly), so the update is the one-device update to fp32 rounding;
-- fp32 ZeRO-0 hands the parameters themselves: only the TP gather, every dp rank orthogonalising
-  every matrix (no partition to own).
+  owner its matrices' pieces of U (an all-to-all), the owner and its TP peers (who own the same
+  matrices' other shards) give each matrix one finisher among them, which assembles it whole,
+  splits fused weights into their logical parts (launch/runtime/muon_matrices.py), orthogonalises
+  each and returns every peer its shard (launch/runtime/muon_tp_owners.py); a last all-to-all sends
+  every rank the update of the elements it holds. Each logical matrix is orthogonalised once in its
+  TP x DP group, so the update is the one-device update to fp32 rounding;
+- fp32 ZeRO-0 hands the parameters themselves: only the TP step, every dp rank orthogonalising
+  its TP group's share of every matrix (no partition to own).
 The AdamW group gets torch's AdamW update (decoupled weight decay; state `exp_avg`, `exp_avg_sq`,
 `step`, as DeepSpeed's checkpoints and launch/checkpoints/reshard.py know them), its weight decay on
 its >= 2-D parameters only (embeddings, output head, routers; not norms or biases: GPT-2 / nanoGPT),
@@ -32,9 +34,10 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from launch.runtime.muon_matrices import MatrixLayout, local_part, matrix_layout, whole_parts
+from launch.runtime.muon_matrices import MatrixLayout, matrix_layout
 from launch.analysis.muon_cost import assign_owners
 from launch.runtime.muon_owners import OwnerExchange, from_owners, newton_schulz_cost, plan_exchange, to_owners
+from launch.runtime.muon_tp_owners import finished_updates
 from launch.runtime.newton_schulz import NS_STEPS, orthogonalise, update_scale
 
 if TYPE_CHECKING:  # annotations only
@@ -94,15 +97,26 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         assert closure is None, "Muon takes no closure"
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if group["muon"]:
-                    self._muon_step(p, group)
-                else:
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["muon"]:
+                self._muon_step(params, group)
+            else:
+                for p in params:
                     self._adamw_step(p, group)
 
-    def _muon_step(self, p: torch.Tensor, group: dict) -> None:
+    def _muon_step(self, params: List[torch.Tensor], group: dict) -> None:
+        """One step of a Muon group: DeepSpeed's flat partition (ZeRO-1, BF16) or the matrices themselves."""
+        directions = [self._direction(p, group) for p in params]
+        if params and id(params[0]) in self.flat:
+            updates = [self._flat_update(u, self.flat[id(p)], self.exchanges[id(p)], group) for p, u in zip(params, directions)]
+        else:
+            updates = self._matrix_updates(directions, [p.muon_layout for p in params], group)
+        for p, update in zip(params, updates):
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(update, alpha=-group["lr"])
+
+    def _direction(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """U: the momentum updated with this step's gradient, or Nesterov's G + mu M."""
         state = self.state[p]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)
@@ -110,29 +124,26 @@ class Muon(torch.optim.Optimizer):
         state["step"] += 1
         mu, g, buf = group["momentum"], p.grad, state[MOMENTUM_KEY]
         buf.mul_(mu).add_(g)
-        u = g.add(buf, alpha=mu) if group["nesterov"] else buf
-        partition = self.flat.get(id(p))
-        update = self._flat_update(u, partition, self.exchanges[id(p)], group) if partition is not None \
-            else self._matrix_update(u, p.muon_layout, group)
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(update, alpha=-group["lr"])
+        return g.add(buf, alpha=mu) if group["nesterov"] else buf
 
-    def _matrix_update(self, local: torch.Tensor, layout: MatrixLayout, group: dict) -> torch.Tensor:
-        """This rank's shard of 0.2 sqrt(max(m, n)) NS(part) for each logical part (collective over TP)."""
-        parts = whole_parts(local, layout, self.tp_group)  # each (rows, cols) or (E/ep, rows, cols)
-        updates = [orthogonalise(part, group["ns_steps"]) * update_scale(*part.shape[-2:]) for part in parts]
-        return local_part(updates, layout, self.tp_rank)
+    def _matrix_updates(self, shards: List[torch.Tensor], layouts: List[MatrixLayout], group: dict) -> List[torch.Tensor]:
+        """This rank's shard of 0.2 sqrt(max(m, n)) NS(part) for each logical part of each matrix
+        (collective over TP: each matrix orthogonalised on one TP peer, launch/runtime/muon_tp_owners.py)."""
+        def update(part: torch.Tensor) -> torch.Tensor:  # part: (rows, cols) or (E/ep, rows, cols)
+            return orthogonalise(part, group["ns_steps"]) * update_scale(*part.shape[-2:])
+        return finished_updates(shards, layouts, update, self.tp_group, self.tp_rank)
 
     def _flat_update(self, u: torch.Tensor, partition: FlatPartition, plan: OwnerExchange,
                      group: dict) -> torch.Tensor:
-        """This rank's piece (size,) of the flat update: its owned matrices orthogonalised here
-        (all-to-alls over the group's DP group, a gather over TP per matrix)."""
+        """This rank's piece (size,) of the flat update: its owned matrices orthogonalised by it or a
+        TP peer (all-to-alls over the group's DP group, then over TP)."""
         owned = to_owners(u, plan, partition.dp_group)  # (owned_numel,)
+        params = [partition.params[index] for index in plan.owned]
+        shards = [owned[start:start + p.numel()].view(p.shape) for p, start in zip(params, plan.owned_offsets)]
         owned_update = torch.empty_like(owned)
-        for index, start in zip(plan.owned, plan.owned_offsets):
-            param = partition.params[index]
-            local = owned[start:start + param.numel()].view(param.shape)  # this TP rank's shard of the matrix
-            owned_update[start:start + param.numel()] = self._matrix_update(local, param.muon_layout, group).reshape(-1)
+        for p, start, update in zip(params, plan.owned_offsets,
+                                    self._matrix_updates(shards, [p.muon_layout for p in params], group)):
+            owned_update[start:start + p.numel()] = update.reshape(-1)
         return from_owners(owned_update, plan, u.numel(), partition.dp_group)
 
     def _adamw_step(self, p: torch.Tensor, group: dict) -> None:

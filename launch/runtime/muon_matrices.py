@@ -10,8 +10,9 @@ parameter may hold less (a TP shard) or more (a fused weight; a stack of experts
   (`split_rows`). Those blocks are the fused logical matrices: GPT-2's c_attn [Q; K; V] (stride 3),
   Llama's qkv_proj [Q; K; V] (sections (a d, kv d, kv d), also when tp > kv heads), gate_up_proj [G; U];
 - an expert weight (model/transformer/moe.py) is a stack (E/ep, rows, cols): each expert on its own.
-`whole_parts` gathers the local tensors of the TP group and returns the logical matrices, `local_part`
-cuts this rank's rows back out: the exact inverse of `split_rows`. Everything else (embeddings, the
+`whole_parts` gathers the local tensors of the TP group and returns the logical matrices (`assemble`
+does it from shards already gathered: launch/runtime/muon_tp_owners.py), `local_part` cuts a rank's
+rows back out: the exact inverse of `split_rows`. Everything else (embeddings, the
 output head, norms, biases, routers, learned positions) is AdamW's.
 """
 from dataclasses import dataclass
@@ -62,12 +63,17 @@ def matrix_layout(param: torch.Tensor, tp_size: int) -> MatrixLayout:
 def whole_parts(local: torch.Tensor, layout: MatrixLayout, tp_group: Optional[dist.ProcessGroup]) -> List[torch.Tensor]:
     """The logical matrices that the TP group's `local` tensors make up (collective over `tp_group`):
     each (rows, cols), or (E/ep, rows, cols) for experts, in fused order."""
-    dim = layout.partition_dim
     if layout.tp_size == 1:
-        return list(local.split(list(layout.parts), dim=dim))
+        return assemble([local], layout)
     gathered = [torch.empty_like(local) for _ in range(layout.tp_size)]
     dist.all_gather(gathered, local.contiguous(), group=tp_group)
-    per_rank = [shard.split(layout.local_sizes(), dim=dim) for shard in gathered]  # rank r: its chunk of each part
+    return assemble(gathered, layout)
+
+
+def assemble(shards: List[torch.Tensor], layout: MatrixLayout) -> List[torch.Tensor]:
+    """The logical matrices that the TP ranks' local tensors `shards` (rank order) make up."""
+    dim = layout.partition_dim
+    per_rank = [shard.split(layout.local_sizes(), dim=dim) for shard in shards]  # rank r: its chunk of each part
     return [torch.cat([chunks[part] for chunks in per_rank], dim=dim) for part in range(len(layout.parts))]
 
 

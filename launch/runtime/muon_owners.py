@@ -23,7 +23,7 @@ rank's owned parameters' local (TP-shard) tensors end to end (owned_numel,).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,13 @@ class OwnerExchange:
 def newton_schulz_cost(param: torch.Tensor) -> int:
     """The Newton-Schulz FLOPs of the whole logical matrices `param` holds (its `muon_layout`; the
     same on every TP peer, so peers own the same parameters)."""
-    layout, shape = param.muon_layout, list(param.shape)
+    return matrix_cost(tuple(param.shape), param.muon_layout)
+
+
+def matrix_cost(local_shape: Tuple[int, ...], layout) -> int:
+    """The Newton-Schulz FLOPs of the whole logical matrices of a local tensor of `local_shape`
+    laid out as `layout` (launch/runtime/muon_matrices.py: MatrixLayout)."""
+    shape = list(local_shape)
     stacked = shape[0] if layout.experts else 1
     total = 0
     for part in layout.parts:

@@ -1,9 +1,9 @@
 """Muon at every layout (issue 38): the first 5 steps of recipes/tiny.yaml with train.optimizer=muon
 (fp32, ZeRO-1: Muon inside DeepSpeed's ZeRO-1 optimizer, gradient clipping active) give the same
 loss, gradient norm and validation loss, relative difference <= 1e-5, as at (1,1,1): at (tp, pp, dp) =
-(2,2,2) with sequence parallelism (TP shards gathered, fused [Q; K; V] split, flat dp partitions
-sent to and from their owner ranks; (4,1,2) with SP passed the same check, and stays out of the
-suite for its 30 s: its gathers are (2,2,2)'s at tp 4), at (1,4,1) (stages without the embeddings), at
+(2,2,2) and (4,1,2) with sequence parallelism (flat dp partitions sent to and from their owner
+ranks, each owned matrix finished by one of the owner's TP peers from every peer's shard, fused
+[Q; K; V] split), at (1,4,1) (stages without the embeddings), at
 (1,1,2) with context parallelism 2 (the flat partitions over dp x cp = 4 ranks). recipes/moe-tiny.yaml
 at (2,1,2) with expert parallelism 2 (each expert's fused gate-up and down, TP-gathered, owned within
 the expert-data-parallel group) against its own (1,1,1) Muon run.
@@ -19,7 +19,9 @@ RTOL = 1e-5
 # (tp, pp, dp) and tags (tests/helpers/parity_runs.py); each against the (1,1,1) Muon run of its recipe.
 # (1,4,1): middle stages hold no embedding; DeepSpeed's ZeRO-1 norm needs as many param groups on every
 # stage (launch/runtime/engine.py: _muon_param_groups), else the step hangs.
-LAYOUTS = [(2, 2, 2, "sp", "muon"), (1, 4, 1, "muon"), (1, 1, 2, "cp2", "muon"), (2, 1, 2, "moe", "ep2", "muon")]
+# (4,1,2) with SP: four TP peers share each owner's Newton-Schulz (launch/runtime/muon_tp_owners.py).
+LAYOUTS = [(2, 2, 2, "sp", "muon"), (4, 1, 2, "sp", "muon"), (1, 4, 1, "muon"), (1, 1, 2, "cp2", "muon"),
+           (2, 1, 2, "moe", "ep2", "muon")]
 
 
 def _rel(a: float, b: float) -> float:

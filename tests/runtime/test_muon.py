@@ -9,8 +9,9 @@
   model's own `split_rows`, two Muon steps, both as fp32 ZeRO-0 hands them (the TP shards) and as
   DeepSpeed's ZeRO-1 / BF16 optimizers do (a dp partition of a flat buffer, with gaps between the
   parameters, a matrix straddling the two pieces), against Moonlight's update written here from the
-  paper, per logical matrix, on the whole matrices; and with ZeRO-1 each logical matrix is
-  orthogonalised by one rank of its dp group, every dp rank owning some (owner ranks). The launched runs at every layout: tests/e2e/test_muon_parity.py (slow).
+  paper, per logical matrix, on the whole matrices; and each logical matrix is orthogonalised by
+  one rank of its TP group (ZeRO-0) or of its TP x DP ranks (ZeRO-1's owner ranks, then a finisher
+  among the owner's TP peers), the ranks sharing the work. The launched runs at every layout: tests/e2e/test_muon_parity.py (slow).
 """
 import math
 from unittest import mock
@@ -100,15 +101,32 @@ def _sharded_update_is_the_dense_update():
         return Muon([{"params": params, "muon": True}], lr=LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95),
                     eps=1e-8, momentum=MOMENTUM, tp_group=tp_group)
 
-    # fp32 ZeRO-0: the optimizer holds the TP shards themselves
+    every_part = sorted(shape[:dim] + (part,) + shape[dim + 1:]  # the logical matrices, whole, once a step
+                        for shape, dim, parts in MATRICES.values() for part in parts for _ in grads)
+
+    def each_once(orthogonalised, group, ranks, busy):
+        """Every logical matrix orthogonalised whole exactly once in `group`, `busy` of its ranks doing some."""
+        by_rank = [None] * ranks
+        dist.all_gather_object(by_rank, sorted(orthogonalised), group=group)
+        assert sorted(shape for done in by_rank for shape in done) == every_part, by_rank
+        assert sum(map(bool, by_rank)) >= busy, by_rank
+
+    def recording(orthogonalised):  # counts the (rows, cols) of every Newton-Schulz this rank runs
+        return mock.patch("launch.runtime.muon.orthogonalise", side_effect=lambda x, steps: (
+            orthogonalised.append(tuple(x.shape)), orthogonalise(x, steps))[1])
+
+    # fp32 ZeRO-0: the optimizer holds the TP shards themselves; the TP peers split the matrices
     params = shards()
     optimizer = muon(params)
-    for g in grads:
-        for p, name in zip(params, MATRICES):
-            p.grad = _shard(g[name], MATRICES[name][1], MATRICES[name][2], tp_rank)
-        optimizer.step()
+    orthogonalised = []
+    with recording(orthogonalised):
+        for g in grads:
+            for p, name in zip(params, MATRICES):
+                p.grad = _shard(g[name], MATRICES[name][1], MATRICES[name][2], tp_rank)
+            optimizer.step()
     for p, name in zip(params, MATRICES):
         torch.testing.assert_close(p.detach(), expected[name], rtol=1e-5, atol=1e-6, msg=f"ZeRO-0 {name}")
+    each_once(orthogonalised, tp_group, TP, busy=TP)
 
     # ZeRO-1 / BF16: this dp rank's piece of the shards laid end to end with gaps, padded to dp pieces
     params = shards()
@@ -128,20 +146,17 @@ def _sharded_update_is_the_dense_update():
     optimizer = muon(params)
     optimizer.param_groups[0]["params"] = [piece]  # what DeepSpeed's wrappers do
     optimizer.bind(piece, FlatPartition(params=params, offsets=offsets, dp_group=dp_group, dp_size=DP, dp_rank=dp_rank))
-    orthogonalised = []  # the (rows, cols) of every Newton-Schulz this rank runs: owner ranks split them
-    with mock.patch("launch.runtime.muon.orthogonalise", side_effect=lambda x, steps: (
-            orthogonalised.append(tuple(x.shape)), orthogonalise(x, steps))[1]):
+    orthogonalised = []
+    with recording(orthogonalised):
         for g in grads:
             piece.grad = flat([_shard(g[name], dim, parts, tp_rank) for name, (_, dim, parts) in MATRICES.items()]
                               )[dp_rank * size:(dp_rank + 1) * size]
             optimizer.step()
     torch.testing.assert_close(piece.detach(), flat([expected[name] for name in MATRICES])[dp_rank * size:(dp_rank + 1) * size],
                                rtol=1e-5, atol=1e-6, msg="ZeRO-1 flat partition")
-    by_dp_rank = [None] * DP
-    dist.all_gather_object(by_dp_rank, sorted(orthogonalised), group=dp_group)
-    every_part = sorted(shape[:dim] + (part,) + shape[dim + 1:]  # the logical matrices, whole, once a step
-                        for shape, dim, parts in MATRICES.values() for part in parts for _ in grads)
-    assert sorted(by_dp_rank[0] + by_dp_rank[1]) == every_part and all(by_dp_rank), by_dp_rank  # each once, split
+    # Owner ranks over dp, then finishers over tp: once in the world. A parameter is the unit, so
+    # the owner of c_attn alone (3 of the 11 parts, the costliest) leaves one of its TP peers idle.
+    each_once(orthogonalised, None, TP * DP, busy=TP * DP - 1)
 
 
 def test_sharded_and_partitioned_update_is_the_dense_update():
