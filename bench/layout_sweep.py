@@ -1,7 +1,7 @@
 """Predicted against measured step times over a sweep of layouts (issue 36, "Proof"): how well
 the planner's cost model ranks and times the layouts of this machine.
 
-    python bench/layout_sweep.py [--steps 8] [--json FILE]
+    python bench/layout_sweep.py [--steps 8] [--repeats 1] [--groups tiny.yaml:8,...] [--json FILE]
 
 For each recipe and process count of the sweep (tiny, llama-tiny and moe-tiny on 4 and 8
 processes), the machine is calibrated first (`launch/plan.py --search --calibrate`: the
@@ -12,8 +12,10 @@ steps of warm-up). `--layout auto` runs once per group too. Reported per group a
 - Spearman's rank correlation of predicted against measured (target >= 0.8);
 - the median relative error |measured - predicted| / measured (target <= 20%);
 - the auto pick's measured time against the fastest measured (target within 10%).
-Runs alternate nothing: each layout runs once, in sweep order; the machine's noise is the
-spread between repeated runs of one layout (see docs/planner-and-metrics.md).
+With `--repeats R` each group runs its layouts (auto included) R times in alternating rounds
+(every layout once, then every layout again), and each layout's measured time is the median of
+its R runs: two runs of one layout minutes apart differ by up to 17% on this machine, so one run
+cannot tell an auto pick within 10% of the fastest from one that is not. `--groups` runs a subset.
 """
 import argparse
 import json
@@ -45,10 +47,18 @@ SWEEP: Dict[Tuple[str, int], List[List[str]]] = {
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8, help="steps per run (default 8; the first 2 are warm-up)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each layout, in alternating rounds (default 1)")
+    p.add_argument("--groups", default="", help="comma-separated RECIPE:PROCS of the sweep to run (default: all)")
     p.add_argument("--json", type=Path, help="write every run's numbers here")
     args = p.parse_args()
     if args.steps <= WARM_UP:
         p.error(f"--steps {args.steps} must be above the {WARM_UP} warm-up steps")
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats} must be at least 1")
+    known = {f"{recipe}:{procs}" for recipe, procs in SWEEP}
+    unknown = [g for g in args.groups.split(",") if g and g not in known]
+    if unknown:
+        p.error(f"--groups {','.join(unknown)}: not in the sweep; choose from {','.join(sorted(known))}")
     return args
 
 
@@ -78,6 +88,11 @@ def run(recipe: str, procs: int, layout: Sequence[str], steps: int, env: Dict[st
             "measured": measured, "auto": chosen}
 
 
+def _choice(auto: Dict[str, object]) -> str:
+    return " ".join(f"{axis} {auto[key]}" for axis, key in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep"),
+                                                            ("micro-batch", "micro_batch")))
+
+
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
     def ranks(values):
         order = sorted(range(len(values)), key=lambda i: values[i])
@@ -100,23 +115,31 @@ def main() -> None:
         work = Path(tmp)
         env = dict(os.environ, GPT3D_CALIBRATION=str(work / "calibration"))
         for (recipe, procs), layouts in SWEEP.items():
+            if args.groups and f"{recipe}:{procs}" not in args.groups.split(","):
+                continue
             start = time.perf_counter()
             calibrate(recipe, procs, env)
             print(f"{recipe} on {procs} processes (calibrated in {time.perf_counter() - start:.1f} s):", flush=True)
+            runs: Dict[str, List[Dict[str, object]]] = {}
+            for round_index in range(args.repeats):
+                for layout in layouts + [["--layout", "auto"]]:
+                    row = run(recipe, procs, layout, args.steps, env, work)
+                    if row is not None:
+                        runs.setdefault(row["layout"], []).append(row)
             group = []
-            for layout in layouts + [["--layout", "auto"]]:
-                row = run(recipe, procs, layout, args.steps, env, work)
-                if row is None:
-                    continue
+            for name, repeated in runs.items():
+                row = dict(repeated[0], measured=statistics.median(r["measured"] for r in repeated),
+                           runs=[r["measured"] for r in repeated])
                 group.append(row)
+                spread = f" (runs {', '.join(f'{t:.4f}' for t in row['runs'])})" if len(repeated) > 1 else ""
                 print(f"  {row['layout']:<48} predicted {row['predicted']:.4f} s, measured {row['measured']:.4f} s "
-                      f"({row['measured'] / row['predicted']:.2f}x)", flush=True)
+                      f"({row['measured'] / row['predicted']:.2f}x){spread}", flush=True)
             fixed = [r for r in group if not r["auto"]]
             auto = next((r for r in group if r["auto"]), None)
             if len(fixed) >= 2:
                 print(f"  Spearman {spearman([r['predicted'] for r in fixed], [r['measured'] for r in fixed]):.2f}"
-                      + (f"; auto pick {auto['measured'] / min(r['measured'] for r in fixed):.2f}x the fastest "
-                         f"measured" if auto else ""), flush=True)
+                      + (f"; auto pick ({_choice(auto['auto'])}) {auto['measured'] / min(r['measured'] for r in fixed):.2f}x "
+                         f"the fastest measured" if auto else ""), flush=True)
             rows += group
     fixed = [r for r in rows if not r["auto"]]
     errors = [abs(r["measured"] - r["predicted"]) / r["measured"] for r in fixed]
