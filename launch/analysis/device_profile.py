@@ -52,6 +52,11 @@ class DeviceProfile:
     all_to_all_bw: Optional[float] = None
     """Bytes/s each rank sends in an all-to-all among the processes of one machine (CP's and EP's
     exchanges); None: link_bw."""
+    group_bw: Dict[str, float] = field(default_factory=dict)
+    """"all_reduce:K" (bus bytes/s of a ring all-reduce) and "all_to_all:K" (bytes/s each rank
+    sends) in groups of K of the machine's processes, every group at once, as a candidate's TP, CP,
+    EP or data groups run; K the whole machine's too (the same as link_bw and all_to_all_bw). Empty:
+    link_bw and all_to_all_bw at every group size."""
     p2p_bw: Optional[float] = None
     """Bytes/s of one point-to-point transfer, every pair at once (a pipeline stage's); None: link_bw."""
     link_latency_s: float = 0.0
@@ -103,6 +108,14 @@ class DeviceProfile:
         nearest = min(zip(self.shapes(), self.gemm.values()),
                       key=lambda sr: sum(abs(math.log(max(1, a)) - math.log(max(1, b))) for a, b in zip(sr[0], (m, k, n))))
         return nearest[1]
+
+    def collective_bw(self, kind: str, size: int) -> Optional[float]:
+        """Bytes/s of collective `kind` ("all_reduce", "all_to_all") in groups of `size` processes:
+        measured at that size, else at the whole machine (link_bw, all_to_all_bw), else None."""
+        measured = self.group_bw.get(f"{kind}:{size}")
+        if measured:
+            return measured
+        return self.all_to_all_bw if kind == "all_to_all" and self.all_to_all_bw else self.link_bw
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)

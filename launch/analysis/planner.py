@@ -294,11 +294,15 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     fullest = max(range(p), key=lambda k: memory[k]["total"])
     groups = rank_groups(t, p, d, c, e)
     intra = {dim: within_node(groups[dim], hw.gpus_per_node) for dim in groups}
-    # Measured links (one machine's processes) win: all-to-alls for CP and EP, point-to-point for PP.
+    # Measured links (one machine's processes) win, at each group's size where the calibration
+    # measured it: all-to-alls for CP and EP, point-to-point for PP, all-reduces for the rest.
     profile = hw.device_profile()
-    in_node = profile.link_bw or hw.intra_node_bw
-    measured = {"cp": profile.all_to_all_bw, "ep": profile.all_to_all_bw, "pp": profile.p2p_bw}
-    bandwidth = {dim: (measured.get(dim) or in_node) if intra[dim] else hw.inter_node_bw for dim in groups}
+
+    def measured_bw(dim: str) -> Optional[float]:
+        if dim == "pp":
+            return profile.p2p_bw or profile.link_bw
+        return profile.collective_bw("all_to_all" if dim in ("cp", "ep") else "all_reduce", len(groups[dim][0]))
+    bandwidth = {dim: (measured_bw(dim) or hw.intra_node_bw) if intra[dim] else hw.inter_node_bw for dim in groups}
     weight_flops = partition_rules.stage_weight_grad_flops(arch, parts, b, s)
     time, stages = estimate_step_time(model, setup, hw, blocks, stage_flops, weight_flops, d, m, dp_bytes, bandwidth,
                                       moe_blocks, expert_dp_bytes, params, indices, tensors)

@@ -151,6 +151,26 @@ def all_to_all_bandwidth(procs: int) -> float:
     return (procs - 1) / procs * send.numel() * send.element_size() / seconds
 
 
+def group_bandwidths(procs: int) -> dict:
+    """"all_reduce:K" and "all_to_all:K" (group_bw) for every group size K, 1 < K < procs, that
+    divides procs: the processes cut into procs / K groups of K consecutive ranks, every group
+    measuring at once (a candidate's groups all communicate together), this rank's group's rate.
+    Each rank creates every group, in the same order (torch.distributed.new_group's rule)."""
+    import torch
+    import torch.distributed as dist
+    rank, measured = dist.get_rank(), {}
+    send = torch.ones(1 << 21, dtype=torch.float32)  # 8 MiB, as the whole group's measurements
+    received = torch.empty_like(send)
+    for size in [k for k in range(2, procs) if procs % k == 0]:
+        groups = [dist.new_group(list(range(start, start + size))) for start in range(0, procs, size)]
+        group = groups[rank // size]
+        seconds = median_seconds(lambda: dist.all_reduce(send, group=group), 5, before=dist.barrier)
+        measured[f"all_reduce:{size}"] = 2 * (size - 1) / size * send.numel() * send.element_size() / seconds
+        seconds = median_seconds(lambda: dist.all_to_all_single(received, send, group=group), 5, before=dist.barrier)
+        measured[f"all_to_all:{size}"] = (size - 1) / size * send.numel() * send.element_size() / seconds
+    return measured
+
+
 def point_to_point_bandwidth() -> float:
     """Bytes/s of 8 MiB sent from each even rank to the next odd one (a pipeline stage's transfer,
     every pair at once), median of 5."""
@@ -174,11 +194,13 @@ def link_latency() -> float:
 
 
 def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, rank: int = 0, procs: int = 1,
-             port: int = 0, results=None, model=None, cases: Sequence[Case] = (), once: bool = True) -> dict:
+             port: int = 0, results=None, model=None, cases: Sequence[Case] = (), links: bool = True,
+             engine: bool = True) -> dict:
     """Every shape's GEMM rate, the memory bandwidth and the optimizer's rate in this process;
     with `procs` > 1 also the link bandwidth of a gloo group of the processes; with `model`, its
-    pieces at `cases` in that group (put on `results`, a queue). `once`: also what a profile
-    measures only once (links, the engine's costs); a later calibration adds shapes and cases."""
+    pieces at `cases` in that group (put on `results`, a queue). `links`, `engine`: also what a
+    profile measures only once (the links; the engine's costs, with cases); a later calibration adds
+    shapes and cases."""
     import torch
     if threads:
         torch.set_num_threads(threads)
@@ -192,12 +214,14 @@ def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, ran
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(procs), LOCAL_WORLD_SIZE=str(procs),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs)
-        if procs > 1 and once:
+        if procs > 1 and links:
             measured["link_bw"], measured["link_latency_s"] = link_bandwidth(procs), link_latency()
             measured["all_to_all_bw"], measured["p2p_bw"] = all_to_all_bandwidth(procs), point_to_point_bandwidth()
+            measured["group_bw"] = dict(group_bandwidths(procs), **{f"all_reduce:{procs}": measured["link_bw"],
+                                                                    f"all_to_all:{procs}": measured["all_to_all_bw"]})
         if cases:
             measured["blocks"] = time_pieces(model, cases, dtype)
-            if once:
+            if engine:
                 measured.update(dataclasses.asdict(engine_overheads(procs, dtype)))
         dist.destroy_process_group()
     if results is not None:
@@ -206,7 +230,7 @@ def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, ran
 
 
 def _measured_at_once(shapes: List[Shape], dtype: str, procs: int, model=None, cases: Sequence[Case] = (),
-                      once: bool = True) -> dict:
+                      links: bool = True, engine: bool = True) -> dict:
     """`_measure` in `procs` processes started together, each its rank's share of the cores; the
     slowest rate of each (the slowest time of each piece), and their group's all-reduce bandwidth."""
     if procs <= 1 and not cases:
@@ -216,7 +240,7 @@ def _measured_at_once(shapes: List[Shape], dtype: str, procs: int, model=None, c
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     ranks = [context.Process(target=_measure, args=(shapes, dtype, threads, r, procs, port, results, model, cases,
-                                                    once)) for r in range(procs)]
+                                                    links, engine)) for r in range(procs)]
     for process in ranks:
         process.start()
     measured = []
@@ -233,7 +257,9 @@ def _measured_at_once(shapes: List[Shape], dtype: str, procs: int, model=None, c
         process.join()
     links = {key: pick(r[key] for r in measured) for key, pick in (
         ("link_bw", min), ("link_latency_s", max), ("all_to_all_bw", min), ("p2p_bw", min)) if key in measured[0]}
+    groups = {key: min(r["group_bw"][key] for r in measured) for key in measured[0].get("group_bw", {})}
     return {"gemm": {key: min(r["gemm"][key] for r in measured) for key in measured[0]["gemm"]},
+            **({"group_bw": groups} if groups else {}),
             "memory_bw": min(r["memory_bw"] for r in measured), **links,
             "optimizer_s_per_param": max(r["optimizer_s_per_param"] for r in measured),
             "host_sync_s": max(r["host_sync_s"] for r in measured),
@@ -264,13 +290,15 @@ def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int 
     missing = sorted({tuple(s) for s in shapes} - set(profile.shapes()))
     key = model_key(model) if model is not None and not on_gpu else None
     new_cases = [c for c in _runnable(cases, procs) if block_key(key, "head", *c) not in profile.blocks] if key else []
-    # Links and the engine's costs are measured once, with the profile's first cases (a profile of
-    # before the per-tensor costs measures them again, with one case of the engine's process group).
-    once = not profile.per_step_s or profile.per_tensor_microbatch_s is None
-    if once and key and not new_cases:
+    # Links and the engine's costs are measured once: the links with 2+ processes (a profile of
+    # before the group sizes measures them again), the engine's costs with the profile's first cases
+    # (one of before the per-tensor costs again, with one case of the engine's process group).
+    links = procs > 1 and (profile.link_bw is None or not profile.group_bw)
+    engine = key is not None and (not profile.per_step_s or profile.per_tensor_microbatch_s is None)
+    if engine and not new_cases:
         new_cases = _runnable(cases, procs)[:1]
-    if missing or new_cases or profile.memory_bw is None or profile.optimizer_s_per_param is None:
-        measured = _measured_at_once(missing, dtype, procs, model, new_cases, once=once)
+    if missing or new_cases or links or profile.memory_bw is None or profile.optimizer_s_per_param is None:
+        measured = _measured_at_once(missing, dtype, procs, model, new_cases, links=links, engine=engine)
         profile.gemm.update(measured["gemm"])
         profile.blocks.update(measured.get("blocks", {}))
         profile.memory_bw = measured["memory_bw"] if profile.memory_bw is None else profile.memory_bw
@@ -280,6 +308,7 @@ def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int 
         profile.link_latency_s = measured.get("link_latency_s", profile.link_latency_s)
         profile.all_to_all_bw = measured.get("all_to_all_bw", profile.all_to_all_bw)
         profile.p2p_bw = measured.get("p2p_bw", profile.p2p_bw)
+        profile.group_bw = measured.get("group_bw", profile.group_bw)
         for cost in ENGINE_COSTS:
             setattr(profile, cost, measured.get(cost, getattr(profile, cost)))
         profile.save(path)

@@ -5,8 +5,9 @@
   a flat profile ties the micro-batch sizes, and the tie goes to the larger one.
 - The memory-bandwidth floor: a rank holding every expert (ep 1) pays for reading all of them
   each micro-batch, in proportion to the weights it holds; without the floor ep is invisible.
+- A data group's all-reduce costs what the profile measured at the group's size.
 - A calibration on this CPU measures each shape and block case once, caches it and measures only
-  new ones.
+  new ones; its links are measured in groups of each size, every group at once.
 - --auto-sweep measures the top predicted layouts and trains the fastest measured.
 """
 import json
@@ -69,6 +70,34 @@ def test_holding_every_expert_pays_for_reading_them_each_micro_batch(tmp_path, c
     assert blind[1] == pytest.approx(blind[2], rel=1e-12)
 
 
+def test_a_data_groups_all_reduce_costs_what_the_table_says_at_its_size(tmp_path, capsys):
+    """tiny on 8 processes: at tp 4 the data groups hold 2 ranks, at tp 2 four. The profile's
+    all-reduce in groups of 2 is ten times slower in one table than in the other: the dp part at
+    dp 2 is ten times larger, and at dp 4 (groups of 4) unchanged."""
+    common = ["--recipe", str(RECIPES / "tiny.yaml"), "--gpus", "8", "--precision", "fp32"]
+    dp = {}
+    for slow in (1e8, 1e9):
+        table = _profile(tmp_path, f"groups-{slow:g}", dtype="fp32", gemm={gemm_key(32, 64, 256): RATE}, link_bw=5e9,
+                         group_bw={"all_reduce:2": slow, "all_reduce:4": 1e9, "all_reduce:8": 5e9})
+        dp[slow] = {tp: _plan(capsys, *common, "--tp", str(tp), *table)["step_time_parts_s"]["dp"] for tp in (4, 2)}
+    assert dp[1e8][4] == pytest.approx(10 * dp[1e9][4], rel=1e-9) and dp[1e9][4] > 0
+    assert dp[1e8][2] == dp[1e9][2] > 0
+
+
+def _group_bandwidths_on_4_processes():
+    from launch.runtime.calibrate import group_bandwidths
+    measured = group_bandwidths(4)  # two groups of 2 at once; 4 itself is the whole group's link_bw
+    assert sorted(measured) == ["all_reduce:2", "all_to_all:2"], measured
+    assert all(0 < rate < float("inf") for rate in measured.values()), measured
+
+
+def test_links_are_measured_in_groups_of_each_size_at_once():
+    """The calibration's groups of 2 of 4 gloo processes, every group measuring together (real
+    new_group and collectives: every rank creates every group in one order, or this hangs)."""
+    from helpers.distributed import run_distributed
+    run_distributed(_group_bandwidths_on_4_processes, 4)
+
+
 @pytest.mark.slow
 @pytest.mark.waits  # it times the machine: on the worker that is not niced (a niced one: 207 s in a clean clone's suite, 14 s alone)
 def test_calibration_measures_each_shape_and_block_once_and_caches_it(tmp_path, monkeypatch, capsys):
@@ -89,7 +118,7 @@ def test_calibration_measures_each_shape_and_block_once_and_caches_it(tmp_path, 
     assert list(profile.gemm) == [dense] and profile.memory_bw > 1e8
     assert profile.gemm[dense] > 1e6  # FLOP/s of a real matmul
     assert profile.optimizer_s_per_param > 0 and profile.per_step_s > 0 and first["measured_blocks"]
-    assert profile.per_tensor_microbatch_s is not None and profile.link_bw is None  # one process: no links
+    assert profile.per_tensor_microbatch_s is not None and profile.link_bw is None and not profile.group_bw  # one process: no links
     from launch.analysis.device_profile import block_key, model_key
     from launch.analysis.plan_args import resolve
     from launch.plan import parse_args
