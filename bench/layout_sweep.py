@@ -15,7 +15,9 @@ steps of warm-up). `--layout auto` runs once per group too. Reported per group a
 With `--repeats R` each group runs its layouts (auto included) R times in alternating rounds
 (every layout once, then every layout again), and each layout's measured time is the median of
 its R runs: two runs of one layout minutes apart differ by up to 17% on this machine, so one run
-cannot tell an auto pick within 10% of the fastest from one that is not. `--groups` runs a subset.
+cannot tell an auto pick within 10% of the fastest from one that is not. Where the auto pick is
+one of the group's fixed layouts, the bench also reports that layout's fixed runs against the
+fastest: the pick measured beside the others in the same rounds. `--groups` runs a subset.
 """
 import argparse
 import json
@@ -88,6 +90,16 @@ def run(recipe: str, procs: int, layout: Sequence[str], steps: int, env: Dict[st
             "measured": measured, "auto": chosen}
 
 
+def _layout_key(recipe: str, layout: Sequence[str]) -> Tuple[int, int, int, int, int]:
+    """(tp, pp, cp, ep, micro-batch) of a fixed layout's flags, the recipe's where not given."""
+    from launch.config.recipe import load_recipe
+    flags = dict(zip(layout[::2], layout[1::2]))
+    sets = [value for flag, value in zip(layout[::2], layout[1::2]) if flag == "--set"]
+    train = load_recipe(REPO / "recipes" / recipe, sets).train
+    return (int(flags.get("--tp", 1)), int(flags.get("--pp", 1)), int(flags.get("--cp", 1)),
+            int(flags.get("--ep", getattr(train, "ep", 1))), train.micro_batch_size)
+
+
 def _choice(auto: Dict[str, object]) -> str:
     return " ".join(f"{axis} {auto[key]}" for axis, key in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep"),
                                                             ("micro-batch", "micro_batch")))
@@ -140,6 +152,13 @@ def main() -> None:
                 print(f"  Spearman {spearman([r['predicted'] for r in fixed], [r['measured'] for r in fixed]):.2f}"
                       + (f"; auto pick ({_choice(auto['auto'])}) {auto['measured'] / min(r['measured'] for r in fixed):.2f}x "
                          f"the fastest measured" if auto else ""), flush=True)
+            if auto:  # the pick is one of the fixed layouts: its own runs in the same rounds, against the fastest
+                key = tuple(auto["auto"][k] for k in ("tp", "pp", "cp", "ep", "micro_batch"))
+                same = next((r for r in fixed if _layout_key(recipe, r["layout"].split()) == key), None)
+                if same is not None:
+                    print(f"  the auto pick is the fixed layout {same['layout']}: {same['measured'] / min(r['measured'] for r in fixed):.2f}x "
+                          f"the fastest measured, as a fixed run", flush=True)
+                    auto["same_as"] = same["layout"]
             rows += group
     fixed = [r for r in rows if not r["auto"]]
     errors = [abs(r["measured"] - r["predicted"]) / r["measured"] for r in fixed]
