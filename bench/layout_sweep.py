@@ -97,12 +97,14 @@ def _layout_key(recipe: str, layout: Sequence[str]) -> Tuple[int, int, int, int,
     sets = [value for flag, value in zip(layout[::2], layout[1::2]) if flag == "--set"]
     train = load_recipe(REPO / "recipes" / recipe, sets).train
     return (int(flags.get("--tp", 1)), int(flags.get("--pp", 1)), int(flags.get("--cp", 1)),
-            int(flags.get("--ep", getattr(train, "ep", 1))), train.micro_batch_size)
+            int(flags.get("--ep", train.ep)), train.micro_batch_size)
+
+
+AUTO_AXES = ("tp", "pp", "cp", "ep", "micro_batch")  # the fields of `layout_auto` that _layout_key holds
 
 
 def _choice(auto: Dict[str, object]) -> str:
-    return " ".join(f"{axis} {auto[key]}" for axis, key in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep"),
-                                                            ("micro-batch", "micro_batch")))
+    return " ".join(f"{axis.replace('_', '-')} {auto[axis]}" for axis in AUTO_AXES)
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -153,7 +155,7 @@ def main() -> None:
                       + (f"; auto pick ({_choice(auto['auto'])}) {auto['measured'] / min(r['measured'] for r in fixed):.2f}x "
                          f"the fastest measured" if auto else ""), flush=True)
             if auto:  # the pick is one of the fixed layouts: its own runs in the same rounds, against the fastest
-                key = tuple(auto["auto"][k] for k in ("tp", "pp", "cp", "ep", "micro_batch"))
+                key = tuple(auto["auto"][axis] for axis in AUTO_AXES)
                 same = next((r for r in fixed if _layout_key(recipe, r["layout"].split()) == key), None)
                 if same is not None:
                     print(f"  the auto pick is the fixed layout {same['layout']}: {same['measured'] / min(r['measured'] for r in fixed):.2f}x "

@@ -13,18 +13,15 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from launch.runtime.distributed import free_port  # noqa: E402
-from launch.runtime.muon_matrices import MatrixLayout, local_part, whole_parts  # noqa: E402
-from launch.runtime.muon_tp_owners import finished_updates  # noqa: E402
-from launch.runtime.newton_schulz import orthogonalise, update_scale  # noqa: E402
+from launch.runtime.distributed import free_port
+from launch.runtime.muon_matrices import MatrixLayout, assemble, local_part
+from launch.runtime.muon_tp_owners import finished_updates
+from launch.runtime.newton_schulz import orthogonalise, update_scale
 
 
 def _update(part: torch.Tensor) -> torch.Tensor:
@@ -53,9 +50,13 @@ def _rank(rank: int, tp: int, port: int, hidden: int, blocks: int, repeats: int,
     dist.init_process_group("gloo", rank=rank, world_size=tp)
     shards, layouts = _shards(hidden, blocks, tp, rank)
 
-    def every_peer():  # the all-gather: each peer assembles and orthogonalises every matrix
-        return [local_part([_update(p) for p in whole_parts(s, layout, None)], layout, rank)
-                for s, layout in zip(shards, layouts)]
+    def every_peer():  # the all-gather it replaced: each peer assembles and orthogonalises every matrix
+        updates = []
+        for shard, layout in zip(shards, layouts):
+            gathered = [torch.empty_like(shard) for _ in range(tp)]
+            dist.all_gather(gathered, shard)
+            updates.append(local_part([_update(part) for part in assemble(gathered, layout)], layout, rank))
+        return updates
 
     def finishers():
         return finished_updates(shards, layouts, _update, None, rank)
@@ -64,14 +65,13 @@ def _rank(rank: int, tp: int, port: int, hidden: int, blocks: int, repeats: int,
         for name, fn in (("every peer", every_peer), ("finishers", finishers)):
             dist.barrier()
             start = time.perf_counter()
-            out = fn()
+            fn()
             dist.barrier()
             times[name].append(time.perf_counter() - start)
     difference = max((a - b).abs().max().item() for a, b in zip(every_peer(), finishers()))
     if rank == 0:
         results.put({name: statistics.median(t) for name, t in times.items()} | {"difference": difference})
     dist.destroy_process_group()
-    del out
 
 
 def main(argv=None) -> int:

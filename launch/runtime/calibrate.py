@@ -125,29 +125,30 @@ def host_sync_seconds() -> float:
     return median_seconds(lambda: (counts + 1).tolist(), 101)
 
 
-def _all_reduce_seconds(tensor, repeats: int) -> float:
-    """Median seconds of an all-reduce of `tensor` in this process group, after one warm-up, each
-    call started together (a barrier before it)."""
+def _all_reduce_seconds(tensor, repeats: int, group=None) -> float:
+    """Median seconds of an all-reduce of `tensor` in `group` (this process group by default), after
+    one warm-up, each call started together (a barrier of every process before it)."""
     import torch.distributed as dist
-    return median_seconds(lambda: dist.all_reduce(tensor), repeats, before=dist.barrier)
+    return median_seconds(lambda: dist.all_reduce(tensor, group=group), repeats, before=dist.barrier)
 
 
-def link_bandwidth(procs: int) -> float:
-    """Bus bytes/s of this process group's ring all-reduce of 8 MiB (2(n-1)/n of the buffer per
-    rank, the planner's ring factor), median of 5."""
+def link_bandwidth(procs: int, group=None) -> float:
+    """Bus bytes/s of a ring all-reduce of 8 MiB in `group` of `procs` processes (this process
+    group by default; 2(n-1)/n of the buffer per rank, the planner's ring factor), median of 5."""
     import torch
     buffer = torch.ones(1 << 21, dtype=torch.float32)
-    return 2 * (procs - 1) / procs * buffer.numel() * buffer.element_size() / _all_reduce_seconds(buffer, 5)
+    return 2 * (procs - 1) / procs * buffer.numel() * buffer.element_size() / _all_reduce_seconds(buffer, 5, group)
 
 
-def all_to_all_bandwidth(procs: int) -> float:
-    """Bytes/s each rank sends in this process group's all-to-all of 8 MiB ((n-1)/n of its buffer
-    leaves it, as the planner counts CP's and EP's exchanges), median of 5."""
+def all_to_all_bandwidth(procs: int, group=None) -> float:
+    """Bytes/s each rank sends in an all-to-all of 8 MiB in `group` of `procs` processes (this
+    process group by default; (n-1)/n of its buffer leaves it, as the planner counts CP's and EP's
+    exchanges), median of 5."""
     import torch
     import torch.distributed as dist
     send = torch.ones(1 << 21, dtype=torch.float32)
     received = torch.empty_like(send)
-    seconds = median_seconds(lambda: dist.all_to_all_single(received, send), 5, before=dist.barrier)
+    seconds = median_seconds(lambda: dist.all_to_all_single(received, send, group=group), 5, before=dist.barrier)
     return (procs - 1) / procs * send.numel() * send.element_size() / seconds
 
 
@@ -156,18 +157,13 @@ def group_bandwidths(procs: int) -> dict:
     divides procs: the processes cut into procs / K groups of K consecutive ranks, every group
     measuring at once (a candidate's groups all communicate together), this rank's group's rate.
     Each rank creates every group, in the same order (torch.distributed.new_group's rule)."""
-    import torch
     import torch.distributed as dist
     rank, measured = dist.get_rank(), {}
-    send = torch.ones(1 << 21, dtype=torch.float32)  # 8 MiB, as the whole group's measurements
-    received = torch.empty_like(send)
     for size in [k for k in range(2, procs) if procs % k == 0]:
         groups = [dist.new_group(list(range(start, start + size))) for start in range(0, procs, size)]
         group = groups[rank // size]
-        seconds = median_seconds(lambda: dist.all_reduce(send, group=group), 5, before=dist.barrier)
-        measured[f"all_reduce:{size}"] = 2 * (size - 1) / size * send.numel() * send.element_size() / seconds
-        seconds = median_seconds(lambda: dist.all_to_all_single(received, send, group=group), 5, before=dist.barrier)
-        measured[f"all_to_all:{size}"] = (size - 1) / size * send.numel() * send.element_size() / seconds
+        measured[f"all_reduce:{size}"] = link_bandwidth(size, group)
+        measured[f"all_to_all:{size}"] = all_to_all_bandwidth(size, group)
     return measured
 
 

@@ -10,16 +10,15 @@ parameter may hold less (a TP shard) or more (a fused weight; a stack of experts
   (`split_rows`). Those blocks are the fused logical matrices: GPT-2's c_attn [Q; K; V] (stride 3),
   Llama's qkv_proj [Q; K; V] (sections (a d, kv d, kv d), also when tp > kv heads), gate_up_proj [G; U];
 - an expert weight (model/transformer/moe.py) is a stack (E/ep, rows, cols): each expert on its own.
-`whole_parts` gathers the local tensors of the TP group and returns the logical matrices (`assemble`
-does it from shards already gathered: launch/runtime/muon_tp_owners.py), `local_part` cuts a rank's
-rows back out: the exact inverse of `split_rows`. Everything else (embeddings, the
+`assemble` rebuilds the logical matrices from the TP ranks' local tensors (gathered by
+launch/runtime/muon_tp_owners.py), `local_part` cuts a rank's rows back out: the exact inverse of
+`split_rows`. Everything else (embeddings, the
 output head, norms, biases, routers, learned positions) is AdamW's.
 """
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 
@@ -58,16 +57,6 @@ def matrix_layout(param: torch.Tensor, tp_size: int) -> MatrixLayout:
     if sum(parts) != full or any(size % tp_size for size in parts):
         raise ValueError(f"a matrix of local shape {tuple(param.shape)} does not split into parts {parts} over tp {tp_size}")
     return MatrixLayout(partition_dim=dim, parts=parts, tp_size=tp_size, experts=param.dim() == 3)
-
-
-def whole_parts(local: torch.Tensor, layout: MatrixLayout, tp_group: Optional[dist.ProcessGroup]) -> List[torch.Tensor]:
-    """The logical matrices that the TP group's `local` tensors make up (collective over `tp_group`):
-    each (rows, cols), or (E/ep, rows, cols) for experts, in fused order."""
-    if layout.tp_size == 1:
-        return assemble([local], layout)
-    gathered = [torch.empty_like(local) for _ in range(layout.tp_size)]
-    dist.all_gather(gathered, local.contiguous(), group=tp_group)
-    return assemble(gathered, layout)
 
 
 def assemble(shards: List[torch.Tensor], layout: MatrixLayout) -> List[torch.Tensor]:
