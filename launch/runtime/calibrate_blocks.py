@@ -28,23 +28,29 @@ def _agreed_calls(seconds: float) -> int:
     return max(2, math.ceil(MIN_SECONDS / max(slowest.item(), 1e-6)))
 
 
-def _seconds(call: Callable[[], None]) -> float:
-    """Seconds of `call` after a warm-up: the fastest of ROUNDS means, each round started by every
-    rank together (the fastest round is the one least disturbed by anything else on the machine)."""
+def _seconds_each(calls: Dict[str, Callable[[], None]]) -> Dict[str, float]:
+    """Seconds of each of `calls` after a warm-up: the fastest of ROUNDS means, each round started
+    by every rank together (the fastest round is the one least disturbed by anything else on the
+    machine). The rounds alternate between the calls, so that a disturbance lasting a while hits
+    all of them rather than one: a piece's forward alone and its forward and backward are
+    compared (a forward timed in a quiet spell and its backward in a busy one would invert them)."""
     import torch.distributed as dist
-    call()
-    dist.barrier()
-    start = time.perf_counter()
-    call()
-    calls = _agreed_calls(time.perf_counter() - start)
-    rounds = []
-    for _ in range(ROUNDS):
+    repeats = {}
+    for name, call in calls.items():
+        call()
         dist.barrier()
         start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        rounds.append((time.perf_counter() - start) / calls)
-    return min(rounds)
+        call()
+        repeats[name] = _agreed_calls(time.perf_counter() - start)
+    rounds: Dict[str, list] = {name: [] for name in calls}
+    for _ in range(ROUNDS):
+        for name, call in calls.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(repeats[name]):
+                call()
+            rounds[name].append((time.perf_counter() - start) / repeats[name])
+    return {name: min(seconds) for name, seconds in rounds.items()}
 
 
 def _forward_and_backward(module, make_input, loss) -> Tuple[Callable[[], None], Callable[[], None]]:
@@ -97,6 +103,7 @@ def time_pieces(model, cases: Iterable[Case], dtype: str) -> Dict[str, float]:
             timed["head"] = _forward_and_backward(
                 head, lambda: ids, lambda logits: vocab_parallel_cross_entropy(logits.float(), ids, state.tp_group).mean())
             for piece, (both, forward) in timed.items():
-                out[block_key(key, piece, tp, ep, b, s)] = _seconds(both)
-                out[block_key(key, piece + ".forward", tp, ep, b, s)] = _seconds(forward)
+                seconds = _seconds_each({"both": both, "forward": forward})
+                out[block_key(key, piece, tp, ep, b, s)] = seconds["both"]
+                out[block_key(key, piece + ".forward", tp, ep, b, s)] = seconds["forward"]
     return out
