@@ -4,7 +4,7 @@ The schedule is drawn from a list of events (stage, kind, microbatch, start, end
 or "W" (ZB-H1's weight-gradient pass), so the same chart shows a simulated schedule
 (launch/analysis/schedule_sim.py) or measured times (launch/instruments/timeline.py).
 """
-from typing import Sequence, Tuple
+from typing import Sequence
 
 import matplotlib
 
@@ -13,16 +13,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
-Event = Tuple[int, str, int, float, float]  # (stage, "F" | "B" | "W", microbatch, start, end)
+from launch.analysis.schedule_sim import Event  # noqa: E402
+
 COLOURS = {"F": "#8ecae6", "B": "#f4a261", "W": "#90be6d"}
-
-
-def idle_fraction(events: Sequence[Event]) -> float:
-    """Share of stage-time spent idle between the first start and the last end (the bubble)."""
-    stages = {e[0] for e in events}
-    span = max(e[4] for e in events) - min(e[3] for e in events)
-    busy = sum(e[4] - e[3] for e in events)
-    return 1.0 - busy / (len(stages) * span)
 
 
 def draw_schedule(ax: Axes, events: Sequence[Event], title: str) -> None:

@@ -182,8 +182,7 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     `params` each stage's parameters per rank (the bandwidth floor; None: no floor); `stage_blocks`
     each stage's block indices (Muon's Newton-Schulz and gathers); `tensors` each stage's parameter
     tensors per rank (the engine's per-tensor costs; None: none charged)."""
-    from launch.analysis.pipeline_chart import idle_fraction  # matplotlib: only when planning
-    from launch.analysis.schedule_sim import simulate_schedule
+    from launch.analysis.schedule_sim import idle_fraction, simulate_schedule
     b, s, h, t, p, c = setup.micro_batch, model.seq_len // setup.cp, model.n_embd, setup.tp, setup.pp, setup.cp
     tp_bytes_per_block = formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.full_recompute) * formulas.ring_allreduce_factor(t)
     pp_comm = 2 * formulas.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0

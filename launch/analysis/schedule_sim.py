@@ -6,17 +6,25 @@ for it; a send and the matching receive on the neighbouring stage complete toget
 later of the two is posted (blocking point-to-point, as DeepSpeed's sends and receives pair up),
 and take no time. The result is a list of events (stage, kind, micro-batch, start, end), kind
 "F", "B" (1F1B's whole backward, or ZB-H1's input-gradient pass) or "W", for
-launch/analysis/pipeline_chart.py to draw and `idle_fraction` to measure.
+launch/analysis/pipeline_chart.py to draw and `idle_fraction` to measure. (Both live here, not
+with the chart: the planner runs at every training run's start and needs no matplotlib, ~0.7 s.)
 
 With equal stages this gives 1F1B's bubble (p-1)/(m+p-1) (Narayanan et al. 2021) and, when
 T_F = T_B = T_W, ZB-H1's (p-1)(T_F+T_B-T_W) (Qi et al. 2023, sec. 3.1): tests/model/test_zero_bubble.py.
 """
 import os
-from typing import Dict, List, Sequence, Union
+from typing import Dict, List, Sequence, Tuple, Union
 
-from launch.analysis.pipeline_chart import Event
-
+Event = Tuple[int, str, int, float, float]  # (stage, "F" | "B" | "W", microbatch, start, end)
 Times = Union[float, Sequence[float]]
+
+
+def idle_fraction(events: Sequence[Event]) -> float:
+    """Share of stage-time spent idle between the first start and the last end (the bubble)."""
+    stages = {e[0] for e in events}
+    span = max(e[4] for e in events) - min(e[3] for e in events)
+    busy = sum(e[4] - e[3] for e in events)
+    return 1.0 - busy / (len(stages) * span)
 
 
 def instruction_streams(schedule: str, pp: int, microbatches: int) -> List[list]:

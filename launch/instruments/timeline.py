@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 from launch.analysis import formulas
-from launch.analysis.pipeline_chart import Event, draw_schedule, idle_fraction
-from launch.analysis.schedule_sim import simulate_schedule
+from launch.analysis.pipeline_chart import draw_schedule
+from launch.analysis.schedule_sim import Event, idle_fraction, simulate_schedule
 
 import matplotlib.pyplot as plt  # after pipeline_chart chose the file backend
 

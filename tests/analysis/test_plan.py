@@ -16,7 +16,8 @@ from matplotlib import colors
 from helpers import chart_pixels
 from helpers.distributed import run_distributed, uses_deepspeed
 from launch.analysis import formulas, partition
-from launch.analysis.pipeline_chart import COLOURS, idle_fraction
+from launch.analysis.pipeline_chart import COLOURS
+from launch.analysis.schedule_sim import idle_fraction
 from launch.analysis.schedule_sim import simulate_schedule
 from launch.plan import main
 from model.config import GPTConfig
