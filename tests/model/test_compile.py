@@ -4,8 +4,10 @@ machine where inductor cannot build kernels trains eagerly after one line.
 The compiled runs are parity runs (conftest.py: parity_runs, recipes/tiny.yaml for 5 steps, fp32,
 clipping active) compared with the eager (1,1,1) reference within the acceptance test's 1e-5: at
 (1,1,1) with selective recompute (the attention core's checkpoint inside the compiled block), and
-at tp=2 pp=2 with sequence parallelism (our collectives and autograd Functions inside the compiled
-block) and full recompute (DeepSpeed's checkpoint around it). The fallback is tested with a real
+at tp=2 with sequence parallelism (our collectives and autograd Functions inside the compiled
+block) and full recompute (DeepSpeed's checkpoint around it). Pipeline stages add nothing inside a
+block (a stage compiles its own blocks, as pp 1 does), so the TP run is one stage: two ranks compile,
+not four. The fallback is tested with a real
 PATH that holds no C++ compiler, not with a stand-in for our own check.
 """
 import os
@@ -19,7 +21,7 @@ from helpers.launcher import TINY, launch_forked, read_metrics
 
 RTOL = 1e-5
 SINGLE = (1, 1, 1, "compile", "selective")
-PIPELINE = (2, 2, 1, "sp", "full", "compile")
+TENSOR_PARALLEL = (2, 1, 1, "sp", "full", "compile")
 COMPILE_LINE = "compile: each transformer block with torch.compile (inductor)"
 
 
@@ -39,9 +41,9 @@ def test_compiled_blocks_match_eager(parity_runs):
     assert run["stdout"].count(COMPILE_LINE) == 1, run["stdout"][-2000:]
 
 
-@pytest.mark.slow  # four ranks compiling on two cores: 60-90 s with an empty inductor cache
-def test_compiled_blocks_match_eager_with_tp_pp_sp_and_full_recompute(parity_runs):
-    run = parity_runs[PIPELINE]
+@pytest.mark.slow  # two ranks compiling on two cores: about 30 s with an empty inductor cache
+def test_compiled_blocks_match_eager_with_tp_sp_and_full_recompute(parity_runs):
+    run = parity_runs[TENSOR_PARALLEL]
     _assert_matches_reference(parity_runs[REFERENCE]["metrics"], run["metrics"])
     assert run["stdout"].count(COMPILE_LINE) == 1  # the logging rank only
 
