@@ -15,8 +15,8 @@ time.perf_counter around the pieces of a step, per rank and step (nothing else c
   the loss's aggregation and broadcast, the rest of train_batch;
 - around it, launch/runtime/loop.py's per-step work: count_step_tokens (the step's draw and its
   token-count all-reduce), the device sync, the memory-peak reset and read, gather_step_numbers
-  (an all-gather), the heartbeat's `completed`, the straggler watch, metrics.log, the stop
-  request's all-reduce (`agreed`), the hang watchdog's `step_ended`; the rest of the loop
+  (an all-gather, which carries the stop requests too), the heartbeat's `completed`, the
+  straggler watch, metrics.log, the stop request's `agreed`, the hang watchdog's `step_ended`; the rest of the loop
   iteration is what is left of the time from one train_batch start to the next.
 megatron-core: bench/megatron_peer.py on the same command line, which times its own parts.
 Printed: ms per step, the mean over the steps from --timed-from on (so that the parts add up),

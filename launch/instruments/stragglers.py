@@ -1,9 +1,10 @@
 """Stragglers named (issue 23), cheaply at thousands of ranks (issue 35, items 6 and 7).
 
-Each step every rank gives four numbers, gathered by ONE all-gather of a (world x 4) float64
+Each step every rank gives five numbers, gathered by ONE all-gather of a (world x 5) float64
 tensor (`gather_step_numbers`): its compute seconds (launch/instruments/compute_clock.py), its
-seconds waited on data, and its step's peak allocated and reserved bytes; the maxima of the last
-two are the record's memory peaks, so the step needs no second collective for them.
+seconds waited on data, its step's peak allocated and reserved bytes, and whether it received a
+stop signal; the maxima of the last three are the record's memory peaks and the ranks' agreed stop
+(launch/runtime/signals.py), so the step needs no second collective for them (issue 39).
 
 **The unit judged is the in-pass group** (`in_pass_group`): the ranks that wait on each other
 inside a forward or backward pass, the TP x CP ranks of one replica of a stage (with expert
@@ -44,23 +45,25 @@ class StepNumbers:
     data_wait_s: np.ndarray
     peak_allocated: int
     peak_reserved: Optional[int]  # None when no rank's device reports reserved memory
+    stop_requested: bool  # any rank was signalled to stop (launch/runtime/signals.py)
 
 
 def gather_step_numbers(compute_s: float, data_wait_s: float, allocated: int, reserved: Optional[int],
-                        device) -> StepNumbers:
-    """Every rank's (compute seconds, data-wait seconds) and the largest allocated / reserved
-    bytes: one all-gather of 4 float64 per rank (collective: every rank calls it). float64 holds
-    byte counts exactly up to 2^53 (8 PiB)."""
+                        stop_requested: bool, device) -> StepNumbers:
+    """Every rank's (compute seconds, data-wait seconds), the largest allocated / reserved bytes,
+    and whether any rank asks to stop: one all-gather of 5 float64 per rank (collective: every rank
+    calls it). float64 holds byte counts exactly up to 2^53 (8 PiB)."""
     import torch
     import torch.distributed as dist
-    mine = torch.tensor([compute_s, data_wait_s, allocated, -1 if reserved is None else reserved],
+    mine = torch.tensor([compute_s, data_wait_s, allocated, -1 if reserved is None else reserved, float(stop_requested)],
                         dtype=torch.float64, device=device)
-    every = torch.empty(dist.get_world_size() * 4, dtype=torch.float64, device=device)  # flat: gloo refuses 2-D
+    every = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.float64, device=device)  # flat: gloo refuses 2-D
     dist.all_gather_single(every, mine)
-    table = every.cpu().numpy().reshape(-1, 4)
+    table = every.cpu().numpy().reshape(-1, mine.numel())
     top_reserved = int(table[:, 3].max())
     return StepNumbers(compute_s=table[:, 0].copy(), data_wait_s=table[:, 1].copy(),
-                       peak_allocated=int(table[:, 2].max()), peak_reserved=None if top_reserved < 0 else top_reserved)
+                       peak_allocated=int(table[:, 2].max()), peak_reserved=None if top_reserved < 0 else top_reserved,
+                       stop_requested=bool(table[:, 4].max() > 0))
 
 
 def in_pass_group(state) -> int:

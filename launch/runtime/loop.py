@@ -162,7 +162,7 @@ def run_training(job: TrainingJob) -> None:
     prediction = predict_step_time(recipe, layout, job.vocab_size) if logging_rank else None
     arithmetic = run_arithmetic(config, layout, recipe.seq_len, train_cfg.steps, prediction)
     tokens_per_step = arithmetic.tokens_per_step
-    stop = StopRequest(get_accelerator().device_name(), state.global_rank, train_cfg.stop_grace_s)
+    stop = StopRequest(state.global_rank, train_cfg.stop_grace_s)
     metrics = None
     if logging_rank:
         metrics = MetricsLogger(args.metrics_out, recipe.wandb.mode, recipe.wandb.project,
@@ -193,8 +193,9 @@ def run_training(job: TrainingJob) -> None:
         if step == first_step and runs_zero_bubble(train_cfg.schedule, layout.pp):
             check_weight_passes_ran(engine)  # the hooks took: W passes computed weight gradients
         watcher.completed(step)  # the heartbeat names it if this rank is lost later
+        # An all-gather (every rank calls it), which carries the ranks' stop requests too.
         numbers = gather_step_numbers(compute_clock.take(), getattr(batches, "waited_s", 0.0) - waited_before,
-                                      *local_step_memory_peak(), device)  # an all-gather: every rank calls it
+                                      *local_step_memory_peak(), stop.signalled, device)
         peak_allocated, peak_reserved = numbers.peak_allocated, numbers.peak_reserved
         compute_by_rank = numbers.compute_s
         reader = slowest_data_reader(numbers.data_wait_s)
@@ -220,7 +221,7 @@ def run_training(job: TrainingJob) -> None:
             for line in stragglers.observe(step, compute_by_rank, numbers.data_wait_s, seconds):
                 print(line, flush=True)
             metrics.log(record)
-        stopping = stop.agreed()
+        stopping = stop.agreed(numbers.stop_requested)
         if args.save and (stopping or step == train_cfg.steps or (args.save_every and step % args.save_every == 0)):
             with stop.saving(), hang.paused():  # neither a stop request's wait nor the hang clock cut a save short
                 path = store.save(engine, args.save, step, samples, saved_recipe, vars(layout),

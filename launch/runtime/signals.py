@@ -3,8 +3,9 @@ peer frozen or gone) exits without a save; a later, separate signal exits at onc
 
 Ranks receive signals at different times, or not at all (DeepSpeed's launcher forwards a
 SIGTERM to its children one after the other; SLURM signals every task). So each step the
-ranks agree with one MAX all-reduce of their flags: if any rank was signalled, all stop
-after the same step and save together.
+ranks agree on their flags: each rank's rides in the step's one all-gather of per-rank numbers
+(launch/instruments/stragglers.py: gather_step_numbers, issue 39: no collective of its own), and
+if any rank was signalled, all stop after the same step and save together.
 
 What "in time" and "separate" mean (issue 35: a stop request must not lose a save):
 - Signals within SAME_REQUEST_S of the first are the same request: SLURM signals the launcher and
@@ -28,9 +29,6 @@ import signal
 import threading
 import time
 from typing import Optional, Tuple
-
-import torch
-import torch.distributed as dist
 
 from launch.runtime.failure import say_error
 
@@ -78,11 +76,12 @@ def _nothing(signum, frame) -> None:
 
 
 class StopRequest:
-    """Create in the main thread (set_wakeup_fd must be called there), once per process. The run
-    calls `agreed()` after each step (and evaluation), and saves inside `saving()`."""
+    """Create in the main thread (set_wakeup_fd must be called there), once per process. Each
+    step the run gathers every rank's `signalled`, calls `agreed(any of them)` after the step (and
+    evaluation), and saves inside `saving()`."""
 
-    def __init__(self, device: str, rank: int, grace_s: float):
-        self.device, self.rank, self.grace_s = device, rank, grace_s
+    def __init__(self, rank: int, grace_s: float):
+        self.rank, self.grace_s = rank, grace_s
         self.signalled = False
         self._step_ended = threading.Event()  # set once every rank agreed to stop after a step
         self._lock = threading.Lock()
@@ -137,12 +136,11 @@ class StopRequest:
                   f"not ended within {self.wait_s:g} s; send it again after {SAME_REQUEST_S:g} s to exit at once)",
                   flush=True)
 
-    def agreed(self) -> bool:
-        """After each step: True on every rank once any rank was signalled (a collective: all ranks
-        call it). Restarts the clock: the step ended."""
-        flag = torch.tensor([1.0 if self.signalled else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        stopping = bool(flag.item())
+    def agreed(self, any_rank_signalled: bool) -> bool:
+        """After each step, with whether any rank was `signalled` when the step's numbers were
+        gathered (the same on every rank): whether every rank stops now. Restarts the clock: the
+        step ended. A signal after the gather is agreed on at the next step's."""
+        stopping = bool(any_rank_signalled)
         with self._lock:
             now = time.monotonic()
             if self._steps_ended:  # the first step's time holds compilation and the data's start: not a step's

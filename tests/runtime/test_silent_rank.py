@@ -21,7 +21,7 @@ def _blocked_rank(grace_s: float, ready: Path, out: Path) -> None:
         import torch.distributed as dist
         from launch.runtime.signals import StopRequest
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(hours=1))
-        StopRequest("cpu", 3, grace_s)
+        StopRequest(3, grace_s)
         ready.touch()
         store.wait(["never set"])
     finally:
@@ -92,9 +92,10 @@ def _steps_of_one_rank(steps, grace_s: float, ready: Path, out: Path) -> None:
         redirect_output(out)
         import torch.distributed as dist
         from launch.runtime.distributed import free_port
+        from launch.instruments.stragglers import gather_step_numbers
         from launch.runtime.signals import StopRequest
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        stop = StopRequest("cpu", 0, grace_s)
+        stop = StopRequest(0, grace_s)
         for kind, seconds, *mark in steps:
             if mark:
                 ready.touch()
@@ -103,7 +104,8 @@ def _steps_of_one_rank(steps, grace_s: float, ready: Path, out: Path) -> None:
                     time.sleep(seconds)
                 continue
             time.sleep(seconds)
-            if stop.agreed():
+            # as launch/runtime/loop.py: the flags ride in the step's all-gather
+            if stop.agreed(gather_step_numbers(seconds, 0.0, 0, None, stop.signalled, "cpu").stop_requested):
                 with stop.saving():
                     time.sleep(0.5)
                 print("saved after the request", flush=True)

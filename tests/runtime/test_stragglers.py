@@ -294,13 +294,15 @@ def _gather_body():
     import torch
     import torch.distributed as dist
     rank, cpu = dist.get_rank(), torch.device("cpu")
-    numbers = gather_step_numbers(1.0 + rank, 0.25 * rank, 2 ** 40 + rank, None, cpu)
+    numbers = gather_step_numbers(1.0 + rank, 0.25 * rank, 2 ** 40 + rank, None, False, cpu)
     assert numbers.compute_s.tolist() == [1.0, 2.0, 3.0] and numbers.data_wait_s.tolist() == [0.0, 0.25, 0.5]
     assert numbers.peak_allocated == 2 ** 40 + 2 and type(numbers.peak_allocated) is int
     assert numbers.peak_reserved is None  # no rank reports reserved memory
-    numbers = gather_step_numbers(0.5, 0.0, [30, 20, 10][rank], [5000, None, 7000][rank], cpu)
+    assert numbers.stop_requested is False  # no rank was signalled
+    numbers = gather_step_numbers(0.5, 0.0, [30, 20, 10][rank], [5000, None, 7000][rank], rank == 2, cpu)
     assert (numbers.peak_allocated, numbers.peak_reserved) == (30, 7000)
     assert numbers.compute_s.tolist() == [0.5] * 3
+    assert numbers.stop_requested is True  # rank 2 was: every rank stops after the same step
 
 
 def test_one_gather_gives_every_rank_all_numbers_in_rank_order():
