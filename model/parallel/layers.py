@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.nn import functional
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from model.parallel.mappings import (Group, all_gather_sequence, copy_to_tp_region, gather_from_tp_region,
+from model.parallel.mappings import (Group, all_gather_sequence, gather_from_tp_region,
                                      reduce_from_tp_region, reduce_scatter_sequence,
                                      reduce_scatter_to_sequence_parallel_region)
 from model.parallel.weight_grad import WEIGHT_GRADS, add_product_into, linear, weight_grad_now_or_later
@@ -116,7 +116,8 @@ class ColumnParallelLinear(nn.Module):
     """Y = XA^T + b with A split by output rows: A = [A_1; ...; A_p], Y_i = X A_i^T + b_i.
 
     Input (..., in) replicated on the TP group; output (..., out/p) sharded, or (..., out) when
-    `gather_output`. Backward all-reduces dL/dX (copy_to_tp_region). With `sequence_parallel`
+    `gather_output`. Backward all-reduces dL/dX (Megatron's f) while it computes dL/dA
+    (`column_parallel_projections`). With `sequence_parallel`
     the input is this rank's (B, T/t, in) sequence chunk, all-gathered before the matmul
     (backward: reduce-scatter).
 
@@ -151,7 +152,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # (B, T/t, in) -> (B, T, out/p)
             return _SequenceGatherLinear.apply(x, self.weight, self.bias, self.tp_group)
-        y = linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
+        y, = column_parallel_projections(x, [(self.weight, self.bias)], self.tp_group, sequence_parallel=False)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -186,14 +187,56 @@ class _SequenceGatherLinears(torch.autograd.Function):
         return (reduce_scatter_sequence(grad_x_full, group), None, None, *grad_weights, *grad_biases)
 
 
+class _OverlappedLinears(torch.autograd.Function):
+    """Several column-parallel linears of one replicated input, without sequence parallelism:
+    (B, T, in) -> n x (B, T, out_i/p). Backward starts the all-reduce of dL/dX = sum_i G_i A_i
+    over TP (Megatron's f), computes the weight and bias gradients while it runs, then waits:
+    Megatron-LM's asynchronous grad-input all-reduce (LinearWithGradAccumulationAndAsyncCommunication).
+    The products are DeferrableLinear's (the calls autograd uses for functional.linear), so the
+    weight gradients may be deferred (ZB-H1) or added into a main gradient as there.
+    Arguments after the group: n, then n weights, then n biases (None where a linear has none)."""
+
+    @staticmethod
+    def forward(ctx, x, group, n, *params):
+        weights, biases = params[:n], params[n:]
+        ctx.save_for_backward(x, *weights)
+        ctx.group, ctx.has_bias = group, [b is not None for b in biases]
+        return tuple(functional.linear(x, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):  # each (B, T, out_i/p)
+        x, *weights = ctx.saved_tensors
+        grad_x = grads[0].matmul(weights[0])  # (B, T, in): this rank's partial sum
+        for grad, weight in zip(grads[1:], weights[1:]):
+            grad_x += grad.matmul(weight)
+        # Traced by torch.compile (a compiled block): the blocking collective it knows.
+        pending = None if torch.compiler.is_compiling() else \
+            torch.distributed.all_reduce(grad_x, group=ctx.group, async_op=True)
+        if pending is None:
+            torch.distributed.all_reduce(grad_x, group=ctx.group)
+        grads_2d = [grad.reshape(-1, grad.size(-1)) for grad in grads]  # (N, out_i/p)
+
+        def weight_grads(mains):  # (out_i/p, in) each, or added into its main gradient (None)
+            x_2d = x.reshape(-1, x.size(-1))  # (N, in)
+            return [x_2d.t().mm(grad_2d).t() if main is None else add_product_into(main, grad_2d.t(), x_2d)
+                    for grad_2d, main in zip(grads_2d, mains)]
+        grad_weights = WEIGHT_GRADS.weight_grads_now_or_later(weights, weight_grads, holds=(x, *grads))
+        grad_biases = [grad_2d.sum(0) if has_bias else None for grad_2d, has_bias in zip(grads_2d, ctx.has_bias)]
+        if pending is not None:
+            pending.wait()
+        return (grad_x, None, None, *grad_weights, *grad_biases)
+
+
 def column_parallel_projections(x: torch.Tensor, params, tp_group: Group, sequence_parallel: bool):
     """[X A_i^T + b_i for (A_i, b_i) in params]: several column-parallel linears of one input,
-    which is copied to the TP region (or, with sequence parallelism, all-gathered) once for all."""
-    if sequence_parallel and tp_group is not None:  # (B, T/t, in) -> n x (B, T, out_i/p)
-        weights, biases = zip(*params)
+    which is copied to the TP region (or, with sequence parallelism, all-gathered) once for all.
+    Under TP the backward's all-reduce of dL/dX runs while the weight gradients are computed."""
+    if tp_group is None:
+        return [linear(x, weight, bias) for weight, bias in params]
+    weights, biases = zip(*params)
+    if sequence_parallel:  # (B, T/t, in) -> n x (B, T, out_i/p)
         return list(_SequenceGatherLinears.apply(x, tp_group, len(params), *weights, *biases))
-    x = copy_to_tp_region(x, tp_group)
-    return [linear(x, weight, bias) for weight, bias in params]
+    return list(_OverlappedLinears.apply(x, tp_group, len(params), *weights, *biases))
 
 
 class RowParallelLinear(nn.Module):

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional
 
-from model.parallel.layers import group_rank, group_size, mark_tensor_parallel, shard_rows
+from model.parallel.layers import column_parallel_projections, group_rank, group_size, mark_tensor_parallel, shard_rows
 from model.parallel.mappings import (Group, copy_to_tp_region, gather_from_sequence_parallel_region,
                                      reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region)
 from model.parallel.weight_grad import add_product_into, embedding, linear, weight_grad_now_or_later
@@ -87,11 +87,14 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, h) replicated -> (B, T, V_pad/p) this rank's vocab shard of the logits.
         With sequence parallelism `hidden` is this rank's (B, T/t, h) chunk, all-gathered."""
+        real_rows = min(max(self.vocab_size - self.vocab_start, 0), self.rows_per_partition)
+        if real_rows == self.rows_per_partition and not self.sequence_parallel:  # no padding rows
+            # dL/dh's all-reduce over TP runs while dL/dW is computed (column_parallel_projections)
+            return column_parallel_projections(hidden, [(self.weight, None)], self.tp_group, sequence_parallel=False)[0]
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)  # (B, T, h)
         else:
             hidden = copy_to_tp_region(hidden, self.tp_group)
-        real_rows = min(max(self.vocab_size - self.vocab_start, 0), self.rows_per_partition)
-        if real_rows == self.rows_per_partition:  # this shard holds no padding rows
+        if real_rows == self.rows_per_partition:
             return linear(hidden, self.weight)
         return _PaddedVocabLogits.apply(hidden, self.weight, real_rows)

@@ -289,3 +289,42 @@ def test_chunked_cross_entropy_matches_torch_tp1():
 
 def test_chunked_cross_entropy_matches_torch_tp2():
     run_distributed(_chunked_cross_entropy_body, 2)
+
+
+def _overlap_body():
+    """The order of the ops a column-parallel backward dispatches: the all-reduce of dL/dX is issued
+    before the GEMM of dL/dW (which then runs while the all-reduce is in flight), for a single
+    linear, for q/k/v-style projections of one input, and for the vocab-parallel head."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from model.parallel.layers import column_parallel_projections
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    group, gen = _world_group(), torch.Generator().manual_seed(0)
+    linear = ColumnParallelLinear(16, 24, group, gen, 0.02)
+    head = VocabParallelEmbedding(32, 32, 16, group, gen, 0.02)
+    extra = torch.nn.Parameter(torch.randn(8, 16))
+    cases = {"linear": lambda x: linear(x),
+             "projections": lambda x: sum(y.sum() for y in column_parallel_projections(
+                 x, [(linear.weight, linear.bias), (extra, None)], group, sequence_parallel=False)),
+             "head": lambda x: head.logits(x)}
+    for name, forward in cases.items():
+        x = torch.randn(2, 5, 16, requires_grad=True)
+        out = forward(x).sum()
+        with Ops() as ops:
+            out.backward()
+        gemms = [i for i, op in enumerate(ops.names) if op in ("mm.default", "matmul.default", "bmm.default")]
+        reduce = ops.names.index("allreduce_.default")
+        assert gemms and reduce < gemms[-1], (name, ops.names)  # dL/dW's GEMM after the all-reduce started
+
+
+def test_column_parallel_backward_all_reduces_while_it_computes_the_weight_gradient():
+    run_distributed(_overlap_body, 2)
