@@ -43,8 +43,9 @@ POINT_TO_POINT = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
 # launch/analysis/comm_formulas.py. Calls from anywhere else are bookkeeping (loss, grad norm, metrics).
 PURPOSES = {
     "_ReduceFromTP.forward": "tp-forward",  # row-parallel outputs, the embedding
-    "_CopyToTP.backward": "tp-backward",  # input grads of the padded head's shard and the MoE experts' inputs
+    "_CopyToTP.backward": "tp-backward",  # input grads of the MoE experts' inputs
     "_OverlappedLinears.backward": "tp-backward",  # input grads of column-parallel layers and the head
+    "_PaddedVocabLogits.backward": "tp-backward",  # the head's, on a shard with padding rows
     "_GatherFromTP.forward": "tp-gather",
     "_GatherRowsFromTP.forward": "tp-kv-gather",  # key/value heads shared by TP ranks (model/transformer/llama.py)
     "_GatherRowsFromTP.backward": "tp-kv-grads",  # their gradients, reduce-scattered

@@ -20,7 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from model.parallel.mappings import (Group, all_gather_sequence, gather_from_tp_region,
                                      reduce_from_tp_region, reduce_scatter_sequence,
-                                     reduce_scatter_to_sequence_parallel_region)
+                                     reduce_scatter_to_sequence_parallel_region, start_all_reduce)
 from model.parallel.weight_grad import WEIGHT_GRADS, add_product_into, linear, weight_grad_now_or_later
 
 
@@ -209,11 +209,7 @@ class _OverlappedLinears(torch.autograd.Function):
         grad_x = grads[0].matmul(weights[0])  # (B, T, in): this rank's partial sum
         for grad, weight in zip(grads[1:], weights[1:]):
             grad_x += grad.matmul(weight)
-        # Traced by torch.compile (a compiled block): the blocking collective it knows.
-        pending = None if torch.compiler.is_compiling() else \
-            torch.distributed.all_reduce(grad_x, group=ctx.group, async_op=True)
-        if pending is None:
-            torch.distributed.all_reduce(grad_x, group=ctx.group)
+        pending = start_all_reduce(grad_x, ctx.group)
         grads_2d = [grad.reshape(-1, grad.size(-1)) for grad in grads]  # (N, out_i/p)
 
         def weight_grads(mains):  # (out_i/p, in) each, or added into its main gradient (None)

@@ -45,6 +45,18 @@ def _gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def start_all_reduce(x: torch.Tensor, group: Group) -> Optional[dist.Work]:
+    """Sum contiguous `x` over `group` in place: started, with its handle returned to wait on
+    after the work it overlaps (Megatron's asynchronous grad-input all-reduce), or, traced by
+    torch.compile (a compiled block), done at once (the blocking collective it knows) and None."""
+    if group is None:
+        return None
+    if torch.compiler.is_compiling():
+        dist.all_reduce(x, group=group)
+        return None
+    return dist.all_reduce(x, group=group, async_op=True)
+
+
 def all_gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """(B, T/t, ...) on each rank -> (B, T, ...), rank order along dim 1. No autograd: for
     Functions that manage their own backward (model/parallel/layers.py); otherwise use the wrappers.

@@ -6,8 +6,8 @@ import torch.nn as nn
 from torch.nn import functional
 
 from model.parallel.layers import column_parallel_projections, group_rank, group_size, mark_tensor_parallel, shard_rows
-from model.parallel.mappings import (Group, copy_to_tp_region, gather_from_sequence_parallel_region,
-                                     reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region)
+from model.parallel.mappings import (Group, gather_from_sequence_parallel_region, reduce_from_tp_region,
+                                     reduce_scatter_to_sequence_parallel_region, start_all_reduce)
 from model.parallel.weight_grad import add_product_into, embedding, linear, weight_grad_now_or_later
 
 
@@ -19,12 +19,16 @@ class _PaddedVocabLogits(torch.autograd.Function):
     -inf fill is in place on the matmul's fresh output (a `masked_fill` made a (B, T, V/p)
     copy in forward and another in backward). A -inf column is a constant, so its gradient
     is zero whatever the consumer sends back: backward reads only the real columns of the
-    incoming gradient and gives the padded rows of W a zero gradient (they stay zero)."""
+    incoming gradient and gives the padded rows of W a zero gradient (they stay zero).
+
+    `group`: the TP group over which dL/dh is summed (Megatron's f), all-reduced while dL/dW is
+    computed (model/parallel/layers.py: _OverlappedLinears); None where the caller sums it (SP's
+    gather) or there is one rank."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, real_rows):
+    def forward(ctx, hidden, weight, real_rows, group):
         ctx.save_for_backward(hidden, weight)
-        ctx.real_rows = real_rows
+        ctx.real_rows, ctx.group = real_rows, group
         logits = functional.linear(hidden, weight)
         logits[..., real_rows:] = float("-inf")
         return logits
@@ -35,6 +39,7 @@ class _PaddedVocabLogits(torch.autograd.Function):
         real = ctx.real_rows
         grad_real = grad.reshape(-1, grad.size(-1))[:, :real]  # (B*T, real): a view, no copy
         grad_hidden = grad_real.matmul(weight[:real]).view_as(hidden)  # (B, T, h)
+        pending = start_all_reduce(grad_hidden, ctx.group)
 
         def weight_grad(main):
             hidden_2d = hidden.reshape(-1, hidden.size(-1))  # (B*T, h)
@@ -43,7 +48,10 @@ class _PaddedVocabLogits(torch.autograd.Function):
             grad_weight = torch.zeros_like(weight)  # (V/p, h); padded rows: zero
             torch.mm(grad_real.t(), hidden_2d, out=grad_weight[:real])
             return grad_weight
-        return grad_hidden, weight_grad_now_or_later(weight, weight_grad, holds=(hidden, grad)), None
+        grad_weight = weight_grad_now_or_later(weight, weight_grad, holds=(hidden, grad))
+        if pending is not None:
+            pending.wait()
+        return grad_hidden, grad_weight, None, None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -87,14 +95,14 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, h) replicated -> (B, T, V_pad/p) this rank's vocab shard of the logits.
         With sequence parallelism `hidden` is this rank's (B, T/t, h) chunk, all-gathered."""
+        # Without SP, dL/dh's all-reduce over TP runs while dL/dW is computed.
         real_rows = min(max(self.vocab_size - self.vocab_start, 0), self.rows_per_partition)
-        if real_rows == self.rows_per_partition and not self.sequence_parallel:  # no padding rows
-            # dL/dh's all-reduce over TP runs while dL/dW is computed (column_parallel_projections)
-            return column_parallel_projections(hidden, [(self.weight, None)], self.tp_group, sequence_parallel=False)[0]
-        if self.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)  # (B, T, h)
-        else:
-            hidden = copy_to_tp_region(hidden, self.tp_group)
+        if not self.sequence_parallel:
+            if real_rows == self.rows_per_partition:  # this shard holds no padding rows
+                return column_parallel_projections(hidden, [(self.weight, None)], self.tp_group,
+                                                   sequence_parallel=False)[0]
+            return _PaddedVocabLogits.apply(hidden, self.weight, real_rows, self.tp_group)
+        hidden = gather_from_sequence_parallel_region(hidden, self.tp_group)  # (B, T, h)
         if real_rows == self.rows_per_partition:
             return linear(hidden, self.weight)
-        return _PaddedVocabLogits.apply(hidden, self.weight, real_rows)
+        return _PaddedVocabLogits.apply(hidden, self.weight, real_rows, None)

@@ -294,7 +294,8 @@ def test_chunked_cross_entropy_matches_torch_tp2():
 def _overlap_body():
     """The order of the ops a column-parallel backward dispatches: the all-reduce of dL/dX is issued
     before the GEMM of dL/dW (which then runs while the all-reduce is in flight), for a single
-    linear, for q/k/v-style projections of one input, and for the vocab-parallel head."""
+    linear, for q/k/v-style projections of one input, and for the vocab-parallel head (with and
+    without padding rows in the shard)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from model.parallel.layers import column_parallel_projections
@@ -311,17 +312,19 @@ def _overlap_body():
     group, gen = _world_group(), torch.Generator().manual_seed(0)
     linear = ColumnParallelLinear(16, 24, group, gen, 0.02)
     head = VocabParallelEmbedding(32, 32, 16, group, gen, 0.02)
+    padded = VocabParallelEmbedding(30, 32, 16, group, gen, 0.02)  # rank 1's shard holds 2 padding rows
     extra = torch.nn.Parameter(torch.randn(8, 16))
     cases = {"linear": lambda x: linear(x),
              "projections": lambda x: sum(y.sum() for y in column_parallel_projections(
                  x, [(linear.weight, linear.bias), (extra, None)], group, sequence_parallel=False)),
-             "head": lambda x: head.logits(x)}
+             "head": lambda x: head.logits(x),
+             "padded head": lambda x: padded.logits(x).clamp(min=-1e4)}  # -inf columns summed would be -inf
     for name, forward in cases.items():
         x = torch.randn(2, 5, 16, requires_grad=True)
         out = forward(x).sum()
         with Ops() as ops:
             out.backward()
-        gemms = [i for i, op in enumerate(ops.names) if op in ("mm.default", "matmul.default", "bmm.default")]
+        gemms = [i for i, op in enumerate(ops.names) if op in ("mm.default", "mm.out", "matmul.default", "bmm.default")]
         reduce = ops.names.index("allreduce_.default")
         assert gemms and reduce < gemms[-1], (name, ops.names)  # dL/dW's GEMM after the all-reduce started
 
