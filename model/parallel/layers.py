@@ -21,7 +21,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from model.parallel.mappings import (Group, all_gather_sequence, gather_from_tp_region,
                                      reduce_from_tp_region, reduce_scatter_sequence,
                                      reduce_scatter_to_sequence_parallel_region, start_all_reduce)
-from model.parallel.weight_grad import WEIGHT_GRADS, add_product_into, linear, weight_grad_now_or_later
+from model.parallel.weight_grad import (WEIGHT_GRADS, add_product_into, linear, linear_weight_grad,
+                                       weight_grad_now_or_later)
 
 
 def group_size(group: Group) -> int:
@@ -192,8 +193,8 @@ class _OverlappedLinears(torch.autograd.Function):
     (B, T, in) -> n x (B, T, out_i/p). Backward starts the all-reduce of dL/dX = sum_i G_i A_i
     over TP (Megatron's f), computes the weight and bias gradients while it runs, then waits:
     Megatron-LM's asynchronous grad-input all-reduce (LinearWithGradAccumulationAndAsyncCommunication).
-    The products are DeferrableLinear's (the calls autograd uses for functional.linear), so the
-    weight gradients may be deferred (ZB-H1) or added into a main gradient as there.
+    dL/dW is `linear_weight_grad`'s, as DeferrableLinear's (the calls autograd uses for
+    functional.linear), and may be deferred (ZB-H1) or added into a main gradient as there.
     Arguments after the group: n, then n weights, then n biases (None where a linear has none)."""
 
     @staticmethod
@@ -214,8 +215,7 @@ class _OverlappedLinears(torch.autograd.Function):
 
         def weight_grads(mains):  # (out_i/p, in) each, or added into its main gradient (None)
             x_2d = x.reshape(-1, x.size(-1))  # (N, in)
-            return [x_2d.t().mm(grad_2d).t() if main is None else add_product_into(main, grad_2d.t(), x_2d)
-                    for grad_2d, main in zip(grads_2d, mains)]
+            return [linear_weight_grad(x_2d, grad_2d, main) for grad_2d, main in zip(grads_2d, mains)]
         grad_weights = WEIGHT_GRADS.weight_grads_now_or_later(weights, weight_grads, holds=(x, *grads))
         grad_biases = [grad_2d.sum(0) if has_bias else None for grad_2d, has_bias in zip(grads_2d, ctx.has_bias)]
         if pending is not None:

@@ -185,6 +185,16 @@ def weight_grad_now_or_later(weight: torch.Tensor, compute: Callable[[Optional[t
     return WEIGHT_GRADS.weight_grads_now_or_later([weight], lambda mains: [compute(mains[0])], holds)[0]
 
 
+def linear_weight_grad(x_2d: torch.Tensor, grad_2d: torch.Tensor, main: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """dL/dW of functional.linear from its (N, in) input and (N, out) output gradient: (out, in),
+    computed as autograd computes it ((X^T G)^T, so the same to the bit), or added into the fp32
+    main gradient `main` (then None)."""
+    if main is None:
+        return x_2d.t().mm(grad_2d).t()
+    add_product_into(main, grad_2d.t(), x_2d)
+    return None
+
+
 class DeferrableLinear(torch.autograd.Function):
     """functional.linear (x (..., in), W (out, in), b (out,) -> (..., out)) whose weight
     gradient may be deferred. Forward and both gradients are computed with the calls autograd
@@ -212,9 +222,8 @@ class DeferrableLinear(torch.autograd.Function):
 
         def weight_grad(main):  # (out, in), or added into main
             x_2d = x.reshape(-1, x.size(-1)).to(ctx.dtype or x.dtype)  # (N, in); cast here: a deferred W holds x
-            if main is None:
-                return x_2d.t().mm(grad_2d).t().to(weight.dtype)
-            add_product_into(main, grad_2d.t(), x_2d)
+            grad_weight = linear_weight_grad(x_2d, grad_2d, main)
+            return grad_weight if grad_weight is None else grad_weight.to(weight.dtype)
         return grad_x, weight_grad_now_or_later(weight, weight_grad, holds=(x, grad)), grad_bias, None
 
 
