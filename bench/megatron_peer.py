@@ -63,11 +63,30 @@ def build_model(config, layout, vocab_size):
                     rotary_base=int(config.rope_theta) if llama else 10000)
 
 
-def forward_step(data_iterator, model):
-    """One micro-batch: megatron-core's GPTModel returns the per-token loss (b, s) on the last stage."""
-    tokens, labels = next(data_iterator)
+def loaded_model(job, config):
+    """megatron-core's GPTModel of this stage for `job` (megatron's model parallel state set up for
+    its layout, the CPU shims installed), loaded from its `--init-from-hf` checkpoint."""
+    from megatron.core import parallel_state
+
+    from bench import megatron_shims
+    from bench.megatron_weights import load_hf_checkpoint, load_into
+    megatron_shims.install()
+    parallel_state.initialize_model_parallel(job.layout.tp, job.layout.pp)
+    model = build_model(config, job.layout, job.vocab_size)
+    load_into(model, load_hf_checkpoint(job.args.init_from_hf), config.arch, config.n_head, config.n_kv_head,
+              parallel_state.get_tensor_model_parallel_rank(), job.layout.tp)
+    return model
+
+
+def token_losses(model, tokens, labels):
+    """(b, s) ids and labels -> megatron-core's GPTModel's per-token loss (b, s) on the last stage."""
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    output = model(tokens, positions, None, labels=labels)
+    return model(tokens, positions, None, labels=labels)
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch, as megatron-core's schedule calls it."""
+    output = token_losses(model, *next(data_iterator))
 
     def loss_func(per_token):
         loss = per_token.float().mean()
@@ -124,14 +143,8 @@ def main(argv) -> int:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from bench import megatron_shims
-    from bench.megatron_weights import load_hf_checkpoint, load_into
-    megatron_shims.install()
-    parallel_state.initialize_model_parallel(layout.tp, layout.pp)
     config = recipe.gpt_config(job.vocab_size, job.data.tokenizer.eos_token_id)
-    model = build_model(config, layout, job.vocab_size)
-    load_into(model, load_hf_checkpoint(job.args.init_from_hf), config.arch, config.n_head, config.n_kv_head,
-              parallel_state.get_tensor_model_parallel_rank(), layout.tp)
+    model = loaded_model(job, config)
     optimizer = torch.optim.AdamW(param_groups(model), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                                   weight_decay=t.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(

@@ -20,12 +20,10 @@ Results: docs/performance.md, "Against megatron-core"."""
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 WARM_UP = 2
 
 
@@ -43,17 +41,9 @@ def run_rank(train_argv, rounds: int) -> int:
     recipe, layout = job.recipe, job.layout
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     init_distributed(recipe.train.dist_timeout_s)  # DeepSpeed's PipelineModule asks its comm for the rank
-    from megatron.core import parallel_state
-
-    from bench import megatron_shims
-    from bench.megatron_peer import build_model
-    from bench.megatron_weights import load_hf_checkpoint, load_into
-    megatron_shims.install()
-    parallel_state.initialize_model_parallel(layout.tp, 1)
+    from bench.megatron_peer import loaded_model, token_losses
     config = recipe.gpt_config(job.vocab_size, job.data.tokenizer.eos_token_id)
-    megatron = build_model(config, layout, job.vocab_size)
-    load_into(megatron, load_hf_checkpoint(job.args.init_from_hf), config.arch, config.n_head, config.n_kv_head,
-              parallel_state.get_tensor_model_parallel_rank(), layout.tp)
+    megatron = loaded_model(job, config)
     state = init_parallel_state(layout.tp, 1)
     ours = build_pipeline(config, state)
     init_from_hf(ours, job.args.init_from_hf, config, state)
@@ -71,8 +61,7 @@ def run_rank(train_argv, rounds: int) -> int:
     def megatron_step() -> float:
         losses = []
         for ids, labels in micro_batches:
-            positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-            loss = megatron(ids, positions, None, labels=labels).float().mean()
+            loss = token_losses(megatron, ids, labels).float().mean()
             loss.backward()
             losses.append(loss.item())
         return statistics.fmean(losses)
@@ -109,21 +98,16 @@ def main() -> int:
     if args.rounds <= WARM_UP:
         p.error(f"--rounds must exceed the {WARM_UP} warm-up rounds")
 
-    from bench.peers import train_argv, write_hf_checkpoint
-    from launch.runtime.distributed import launcher_command
+    from bench.peers import launch, train_argv, write_hf_checkpoint
     args.work.mkdir(parents=True, exist_ok=True)
     for arch in args.archs.split(","):
         hf_dir = args.work / f"{arch}-hf"
         argv = train_argv(arch, args.tp, 1, 1, hf_dir, args.work / "unused.jsonl")
         if not hf_dir.exists():
             write_hf_checkpoint(argv, hf_dir)
-        cmd = launcher_command(args.tp, Path(__file__).resolve()) + ["--rank", str(args.rounds)] + argv
-        proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("PASSES ")]
-        if proc.returncode != 0 or not lines:
-            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise SystemExit(f"bench/peer_passes.py: the {arch} run failed (exit {proc.returncode})")
-        print(f"{arch} tp {args.tp}: {lines[0][len('PASSES '):]}", flush=True)
+        proc = launch(Path(__file__).resolve(), args.tp, ["--rank", str(args.rounds)] + argv, threads=1)
+        line = next(line for line in proc.stdout.splitlines() if line.startswith("PASSES "))  # rank 0 prints it
+        print(f"{arch} tp {args.tp}: {line[len('PASSES '):]}", flush=True)
     return 0
 
 

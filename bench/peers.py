@@ -70,7 +70,9 @@ def write_hf_checkpoint(argv: list, out: Path) -> None:
     model.save_pretrained(out)
 
 
-def launch(script: Path, procs: int, argv: list, threads: int) -> None:
+def launch(script: Path, procs: int, argv: list, threads: int) -> subprocess.CompletedProcess:
+    """`script` on `procs` processes of `threads` threads each, through DeepSpeed's launcher; the
+    finished process (its output captured), or SystemExit with its output's tail if it failed."""
     from launch.runtime.distributed import launcher_command
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = launcher_command(procs, script) + argv  # both sides' ranks take OMP_NUM_THREADS threads
@@ -78,6 +80,7 @@ def launch(script: Path, procs: int, argv: list, threads: int) -> None:
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"{script.name} failed (exit {proc.returncode})")
+    return proc
 
 
 def read_steps(path: Path) -> list:

@@ -10,8 +10,7 @@ import pytest
 from launch.analysis import partition
 from launch.analysis.device_profile import DeviceProfile
 from launch.analysis.formulas import PEAK_FLOPS_BF16
-from launch.analysis.schedule_sim import idle_fraction
-from launch.analysis.schedule_sim import simulate_schedule
+from launch.analysis.schedule_sim import idle_fraction, simulate_schedule
 from launch.checkpoints.locate import fill_saved_parts
 from launch.plan import main
 from model.config import ModelConfig

@@ -17,8 +17,7 @@ from helpers import chart_pixels
 from helpers.distributed import run_distributed, uses_deepspeed
 from launch.analysis import formulas, partition
 from launch.analysis.pipeline_chart import COLOURS
-from launch.analysis.schedule_sim import idle_fraction
-from launch.analysis.schedule_sim import simulate_schedule
+from launch.analysis.schedule_sim import idle_fraction, simulate_schedule
 from launch.plan import main
 from model.config import GPTConfig
 from model.config import ModelConfig

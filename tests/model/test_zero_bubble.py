@@ -14,8 +14,7 @@ from helpers import chart_pixels
 from helpers.distributed import run_distributed, uses_deepspeed
 from launch.analysis import formulas, memory_formulas
 from launch.analysis.pipeline_chart import COLOURS
-from launch.analysis.schedule_sim import idle_fraction
-from launch.analysis.schedule_sim import instruction_streams, simulate_schedule
+from launch.analysis.schedule_sim import idle_fraction, instruction_streams, simulate_schedule
 from launch.analysis.zero_bubble_schedule import BackwardInputPass, WeightPass, ZeroBubbleH1Schedule
 from model.config import GPTConfig
 from model.gpt.model import GPT
