@@ -268,6 +268,9 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
 def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, Any]:
     """Every number of one layout; raises ConfigError when the layout is invalid."""
     layout = check_setup(model, setup)
+    # The stage the run builds: ZeRO-0 for a dense fp32 model on one data rank, whatever --zero says.
+    setup = dataclasses.replace(setup, zero=engine_memory.built_zero_stage(
+        setup.zero, setup.precision, setup.data_axis, model.moe.enabled))
     arch = model.resolved()  # every architecture switch set (GQA, SwiGLU, untied head, RoPE change the counts)
     l, h, s, V = model.n_layer, model.n_embd, model.seq_len, model.vocab_size
     t, p, d, m, b, c, e = setup.tp, setup.pp, layout.dp, layout.grad_accum_steps, setup.micro_batch, setup.cp, setup.ep

@@ -24,6 +24,23 @@ REQUIRED = ("step", "samples", "layout", "recipe", "files")
 FUSED_LLAMA = "fused_llama_projections"
 """complete.json's mark (true) of a checkpoint whose Llama blocks hold the fused qkv_proj and
 gate_up_proj (issue 24); a Llama checkpoint without it has separate q/k/v and gate/up weights."""
+ENGINE_ZERO_STAGE = "engine_zero_stage"
+"""complete.json's ZeRO stage of the engine that saved (launch/analysis/engine_memory.py:
+built_zero_stage; a checkpoint without it: the recipe's train.zero_stage)."""
+
+
+def saved_zero_stage(meta: Dict[str, Any]) -> int:
+    return meta.get(ENGINE_ZERO_STAGE, meta["recipe"]["train"]["zero_stage"])
+
+
+def _built_zero_stage(recipe_dict: Dict[str, Any], layout: Dict[str, Any]) -> int:
+    """The stage launch/runtime/ds_config.py builds: built_zero_stage, unless the recipe's deepspeed
+    section sets one."""
+    from launch.analysis.engine_memory import built_zero_stage
+    train = recipe_dict["train"]
+    built = built_zero_stage(train["zero_stage"], train["precision"], layout["dp"] * layout.get("cp", 1),
+                             ModelConfig(**recipe_dict["model"]).moe.enabled)
+    return (recipe_dict.get("deepspeed") or {}).get("zero_optimization", {}).get("stage", built)
 
 
 def tag_for(step: int) -> str:
@@ -221,9 +238,14 @@ def fill_saved_parts(meta: Dict[str, Any]) -> None:
         meta["layout"]["parts"] = stage_partition(model, meta["layout"]["pp"], "blocks")
 
 
+def _ep(layout: Dict[str, Any]) -> str:
+    return f" ep={layout['ep']}" if layout.get("ep", 1) > 1 else ""
+
+
 def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Dict[str, int]) -> None:
-    """The model shape, the global batch and the ZeRO stage must match the checkpoint's; another
-    layout needs ZeRO-1 (launch/checkpoints/reshard.py re-shards ZeRO-1 state). Say which key differs."""
+    """The model shape, the global batch and the optimizer must match the checkpoint's; another
+    layout or ZeRO stage re-shards (launch/checkpoints/reshard.py), which reads and writes ZeRO-1
+    (and the bf16 optimizer's) state and fp32 ZeRO-0's of a dense model. Say which key differs."""
     # Compared with every architecture switch filled from its preset: a checkpoint saved before
     # the switches existed is the gpt2 preset.
     saved_model, model = (dataclasses.asdict(ModelConfig(**section).resolved())
@@ -246,15 +268,18 @@ def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Di
     if optimizers[0] != optimizers[1]:
         raise ConfigError(f"checkpoint {ref.path} has train.optimizer={optimizers[0]}, this run {optimizers[1]}: "
                           f"the optimizer state is that optimizer's; resume with --set train.optimizer={optimizers[0]}")
-    saved, stages = ref.meta["layout"], (ref.meta["recipe"]["train"]["zero_stage"], recipe_dict["train"]["zero_stage"])
-    if stages[0] != stages[1]:
-        raise ConfigError(f"checkpoint {ref.path} has train.zero_stage={stages[0]}, this run {stages[1]}: "
-                          f"the optimizer state is stored per ZeRO stage; resume with --set train.zero_stage={stages[0]}")
-    if not same_layout(saved, layout) and stages[1] != 1:
-        eps = (saved.get("ep", 1), layout.get("ep", 1))
-        ep = [f" ep={e}" if eps != (1, 1) else "" for e in eps]
-        raise ConfigError(f"checkpoint {ref.path} was saved at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}{ep[0]} "
-                          f"with train.zero_stage={stages[0]}, this run is tp={layout['tp']} pp={layout['pp']} "
-                          f"dp={layout['dp']}{ep[1]}, stage boundaries {list(saved['parts'])} and this run "
-                          f"{list(layout.get('parts', ()))}: a change of layout re-shards ZeRO-1 state only; resume at "
-                          f"the saved layout (and its cut: --set train.partition=[blocks per stage])")
+    saved, stages = ref.meta["layout"], (saved_zero_stage(ref.meta), _built_zero_stage(recipe_dict, layout))
+    if same_layout(saved, layout) and stages[0] == stages[1]:
+        return  # DeepSpeed's own loader
+    sides = [("checkpoint", ref.meta["recipe"], stages[0]), ("run", recipe_dict, stages[1])]
+    for side, recipe, stage in sides:
+        moe = ModelConfig(**recipe["model"]).moe.enabled
+        if stage == 0 and (recipe["train"]["precision"] == "fp16" or moe):
+            what = "a mixture of experts" if moe else "fp16"
+            raise ConfigError(
+                f"checkpoint {ref.path} was saved at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}{_ep(saved)} "
+                f"with ZeRO-{stages[0]}, this run is tp={layout['tp']} pp={layout['pp']} dp={layout['dp']}"
+                f"{_ep(layout)} with ZeRO-{stages[1]}, stage boundaries {list(saved['parts'])} and this run "
+                f"{list(layout.get('parts', ()))}: re-sharding {what} needs ZeRO-1 on both sides, and the {side}'s is "
+                f"ZeRO-0; resume at the saved layout with --set train.zero_stage={ref.meta['recipe']['train']['zero_stage']} "
+                f"(and its cut: --set train.partition=[blocks per stage])")

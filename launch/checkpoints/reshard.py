@@ -1,12 +1,14 @@
 """Resume a checkpoint at another layout: re-shard the weights and the optimizer state on load.
 
 Every rank reads, from the saved ZeRO-1 files (`[bf16_]zero_pp_rank_D_mp_rank_M_optim_states.pt`,
-located through their `param_slice_mappings`), only the fragments of its own parameters, one
+located through their `param_slice_mappings`) or a ZeRO-0 run's model-states files (indexed by name:
+launch/checkpoints/zero0_state.py), only the fragments of its own parameters, one
 parameter at a time; merges the saved TP shards and cuts its own with model/hf/convert.py's rules;
 and writes the fp32 master weight, the optimizer's per-element state (Adam's moments, or Muon's
 momentum for its matrices: whatever keys each saved param group holds) and step, the lr, the LR
-schedule and the engine's step counters into the new engine. Why this way, its memory bound and its limits (ZeRO-1
-only, RNG states not carried): docs/checkpoints.md, "Resuming at another layout".
+schedule and the engine's step counters into the new engine (ZeRO-1's flat partitions, or a ZeRO-0
+engine's parameters and torch optimizer). Why this way, its memory bound and its limits (no fp16
+ZeRO-0, RNG states carried only at the saved layout): docs/checkpoints.md, "Resuming at another layout".
 
 Experts (a mixture-of-experts model) re-shard over (tp, ep) too: ZeRO-1 partitions an expert
 parameter over its expert-data-parallel group (the data indices d with d % ep = r hold EP rank
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Set,
 import torch
 import torch.nn as nn
 
+from launch.checkpoints import zero0_state
 from model.config import ModelConfig
 from model.hf.convert import dense_name, merge, merge_experts, rule_for, split
 from model.parallel.state import ParallelState, build_topology
@@ -65,6 +68,21 @@ def slice_ranks(tp: int, pp: int, dp: int) -> Dict[Tuple[int, int], int]:
     topology = build_topology(tp, pp, dp)
     ranks = sorted(topology.get_axis_list(axis="data", idx=0))
     return {(topology.get_coord(r).pipe, topology.get_coord(r).model): i for i, r in enumerate(ranks)}
+
+
+def _saved_names(ckpt: Path, mp_rank: int) -> List[str]:
+    """The pipeline parameter names of one saved (stage, TP rank), ZeRO-1's or ZeRO-0's."""
+    model_states = _load_deepspeed_file(_model_file(ckpt, mp_rank))
+    if zero0_state.is_zero0(model_states):
+        return zero0_state.saved_names(model_states)
+    return [name for group in model_states["param_shapes"] for name in group]
+
+
+def _open_slice(ckpt: Path, mp_rank: int, dp: int):
+    model_states = _load_deepspeed_file(_model_file(ckpt, mp_rank))
+    if zero0_state.is_zero0(model_states):
+        return zero0_state.SavedZero0Slice(ckpt, model_states, _load_deepspeed_file)
+    return _SavedSlice(ckpt, mp_rank, dp)
 
 
 def _index_fragments(optim: dict) -> Dict[str, Tuple[int, object]]:
@@ -130,14 +148,13 @@ def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: ModelC
     done: Set[str] = set()
     for stage in range(pp):
         names = {}  # pipeline name on this stage -> dense name, for the wanted ones not yet read
-        for group in _load_deepspeed_file(_model_file(ckpt, mp_ranks[stage, 0]))["param_shapes"]:
-            for name in group:
-                dense = dense_name(name, layers)
-                if dense in wanted and dense not in done and dense not in names.values():
-                    names[name] = dense
+        for name in _saved_names(ckpt, mp_ranks[stage, 0]):
+            dense = dense_name(name, layers)
+            if dense in wanted and dense not in done and dense not in names.values():
+                names[name] = dense
         if not names:
             continue  # nothing of this stage is needed here: its files are never opened
-        slices = [_SavedSlice(ckpt, mp_ranks[stage, r], dp) for r in range(tp)]
+        slices = [_open_slice(ckpt, mp_ranks[stage, r], dp) for r in range(tp)]
         for name, dense in names.items():
             if rule_for(dense, layers).experts:
                 yield dense, _expert_state(slices, name, dense, ep, dp, experts, vocab_size, layers)
@@ -173,6 +190,9 @@ def _expert_state(slices: List[_SavedSlice], name: str, dense: str, ep: int, dp:
 def _rank_independent_state(ckpt: Path) -> dict:
     """Slice 0, dp rank 0's optimizer state: Adam's step count, the param groups' hyper-parameters
     and the loss scaler are the same on every rank (each steps once per optimizer step)."""
+    model_states = _load_deepspeed_file(_model_file(ckpt, 0))
+    if zero0_state.is_zero0(model_states):
+        return zero0_state.rank_independent_state(model_states)
     return _load_deepspeed_file(_optimizer_file(ckpt, 0, 0))["optimizer_state_dict"]
 
 
@@ -210,17 +230,20 @@ def _load_balance_state(module: nn.Module, ckpt: Path) -> None:
 @torch.no_grad()
 def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, int], state: ParallelState,
                    layers: ModelConfig, vocab_size: int, padded_vocab_size: int) -> None:
-    """Fill `engine` (a fresh DeepSpeed pipeline engine with a ZeRO-1 or bf16 optimizer) with
-    the weights, optimizer state, LR schedule and counters of checkpoint `ckpt`, saved at
-    `saved_layout` (tp, pp, dp), for this rank's stage and TP rank."""
+    """Fill `engine` (a fresh DeepSpeed pipeline engine with a ZeRO-1 or bf16 optimizer, or fp32
+    ZeRO-0's bare one) with the weights, optimizer state, LR schedule and counters of checkpoint
+    `ckpt`, saved at `saved_layout` (tp, pp, dp), for this rank's stage and TP rank."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     module: nn.Module = engine.module
     params = {dense_name(name, layers): param for name, param in module.named_parameters()}
     common = _rank_independent_state(ckpt)
     base = common["base_optimizer_state"]
-    _init_optimizer_state(engine.optimizer, base)
-    for group in engine.optimizer.optimizer.param_groups:  # lr, betas, ...; not the group's identity
+    zero0 = engine.zero_optimization_stage() == 0  # fp32: the parameters are the master weights
+    optimizer = engine.optimizer if zero0 else engine.optimizer.optimizer
+    if not zero0:
+        _init_optimizer_state(engine.optimizer, base)
+    for group in optimizer.param_groups:  # lr, betas, ...; not the group's identity
         group.update({k: v for k, v in _saved_group(group, base["param_groups"]).items()
                       if k not in ("params", "name", "moe")})
     if getattr(engine.optimizer, "dynamic_loss_scale", False) and getattr(common.get("loss_scaler"), "dynamic", False):
@@ -234,10 +257,14 @@ def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, i
         if shards[FP32].shape != param.shape:
             raise ValueError(f"{dense}: the checkpoint gives a shard of {tuple(shards[FP32].shape)}, the "
                              f"model has {tuple(param.shape)}")
-        safe_set_full_fp32_param(param, shards[FP32])
-        for key in shards.keys() - {FP32}:
-            safe_set_full_optimizer_state(param, shards[key], key)
-        param.copy_(shards[FP32].to(param.dtype))  # the training-dtype copy DeepSpeed's step makes
+        if zero0:
+            zero0_state.set_state(optimizer, param, shards[FP32], {k: v for k, v in shards.items() if k != FP32},
+                                  next(iter(base["state"].values()))[STEP])
+        else:
+            safe_set_full_fp32_param(param, shards[FP32])
+            for key in shards.keys() - {FP32}:
+                safe_set_full_optimizer_state(param, shards[key], key)
+            param.copy_(shards[FP32].to(param.dtype))  # the training-dtype copy DeepSpeed's step makes
         del full, shards  # before the next parameter is read: one parameter's state at a time
 
     _load_balance_state(module, ckpt)

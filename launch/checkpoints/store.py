@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from launch.checkpoints import zero0_state
 from launch.checkpoints.expert_files import experts_apart, has_experts, load_experts, save_experts
-from launch.checkpoints.locate import (COMPLETE, FUSED_LLAMA, LATEST, CheckpointRef, history, same_layout, step_of,
-                                       tag_for)
+from launch.checkpoints.locate import (COMPLETE, ENGINE_ZERO_STAGE, FUSED_LLAMA, LATEST, CheckpointRef, history,
+                                       same_layout, saved_zero_stage, step_of, tag_for)
 from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
 from launch.errors import ConfigError
 
@@ -109,6 +110,9 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     use_safe_engine(engine)  # each rank fsyncs the files it writes
     tag = tag_for(step)
     client_state = {"step": step, "samples": samples, "recipe": recipe_dict}
+    zero_stage = engine.zero_optimization_stage()
+    if zero_stage == 0:  # the optimizer state by parameter name, for a re-shard (zero0_state.py)
+        client_state.update(zero0_state.client_state(engine))
     experts = has_experts(engine)
     with experts_apart(engine) if experts else contextlib.nullcontext():
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
@@ -119,7 +123,7 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     save_durably(_rng_state(), rng_dir / f"rank_{dist.get_rank()}.pt")
     dist.barrier()  # every rank's files are on disk before the checkpoint is declared complete
     if is_writer:
-        meta = {"step": step, "samples": samples, "layout": layout, "recipe": recipe_dict,
+        meta = {"step": step, "samples": samples, "layout": layout, "recipe": recipe_dict, ENGINE_ZERO_STAGE: zero_stage,
                 "world_size": dist.get_world_size(), "wandb_run_id": wandb_run_id, "data_state": data_state,
                 "parent": _latest_tag(root), FUSED_LLAMA: True, "layout_auto": layout_auto, **(data_identity or {})}
         _commit(root, tag, meta)
@@ -171,14 +175,19 @@ def load(engine: PipelineEngine, ref: CheckpointRef, layout: Dict[str, int], sta
     """Restore the engine and return the client state (step, samples, recipe). At the saved
     layout: DeepSpeed's own loader, this rank's experts (`experts/`) and its RNG states (a bitwise
     continuation). At another: launch/checkpoints/reshard.py re-shards weights and optimizer state,
-    experts included (fp32 rounding)."""
-    if not same_layout(ref.meta["layout"], layout):
+    experts included (fp32 rounding); so does a change of the engine's ZeRO stage at the saved layout
+    (ZeRO-1 saved, ZeRO-0 built: launch/analysis/engine_memory.py: built_zero_stage), which keeps
+    the RNG states."""
+    layout_kept = same_layout(ref.meta["layout"], layout)
+    if not layout_kept or saved_zero_stage(ref.meta) != engine.zero_optimization_stage():
         from launch.checkpoints.reshard import load_resharded
         from model.gpt.pipe import seed_dropout_rngs
         load_resharded(engine, ref.path, ref.meta["layout"], state, config, config.vocab_size,
                        config.padded_vocab_size(state.tp_size))
-        # No saved RNG state fits this layout's ranks: new streams, not step 1's masks again.
-        seed_dropout_rngs(config.seed, state, "resumed", ref.meta["step"])
+        if layout_kept:
+            _set_rng_state(load_safely(ref.path / "rng" / f"rank_{dist.get_rank()}.pt"))
+        else:  # no saved RNG state fits this layout's ranks: new streams, not step 1's masks again
+            seed_dropout_rngs(config.seed, state, "resumed", ref.meta["step"])
         return {key: ref.meta[key] for key in ("step", "samples", "recipe")}
     use_safe_engine(engine)  # DeepSpeed's loader then unpickles with weights_only=True
     experts = has_experts(engine)

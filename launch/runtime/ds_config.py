@@ -4,6 +4,7 @@ The learning-rate schedule is passed to `deepspeed.initialize` as an object (lau
 """
 from typing import Any, Dict
 
+from launch.analysis.engine_memory import built_zero_stage
 from launch.config.layout import Layout
 from launch.config.recipe import Recipe, deep_merge
 from model.gpt.pipe import pipeline_config
@@ -30,7 +31,8 @@ def deepspeed_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
                        "weight_decay": train_cfg.weight_decay, "torch_adam": True},
         },
         "gradient_clipping": train_cfg.grad_clip,
-        "zero_optimization": {"stage": train_cfg.zero_stage},
+        "zero_optimization": {"stage": built_zero_stage(train_cfg.zero_stage, train_cfg.precision,
+                                                        layout.dp * layout.cp, recipe.model.moe.enabled)},
         "steps_per_print": 10 ** 9,  # we print our own metrics line
         "wall_clock_breakdown": False,
     }

@@ -115,7 +115,7 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
         from launch.checkpoints.hf_weights import init_from_hf as load_hf_weights
         load_hf_weights(pipe, init_from_hf, config, state)
     ds_config = deepspeed_config(recipe, layout)
-    own_norm = uses_own_grad_norm(train_cfg.zero_stage, train_cfg.precision)
+    own_norm = uses_own_grad_norm(ds_config["zero_optimization"]["stage"], train_cfg.precision)
     if own_norm:  # DeepSpeed's fp32 ZeRO-0 clipping miscounts across stages: ours clips instead
         ds_config["gradient_clipping"] = 0.0
     muon = train_cfg.optimizer == "muon" and optimizer is None

@@ -64,3 +64,8 @@ class Zero0GradNorm:
             if coef < 1.0:
                 for g in grads:
                     g.detach().mul_(coef)
+
+
+def last_grad_norm(engine: PipelineEngine, own: Optional[Zero0GradNorm]) -> float:
+    """The last step's global gradient norm: ours in fp32 ZeRO-0 (build_engine returns it), else DeepSpeed's."""
+    return float(own.value if own is not None else engine.get_global_grad_norm())

@@ -66,14 +66,16 @@ def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout
             config: GPTConfig, logging_rank: bool) -> Tuple[int, int]:
     """(first step to train, samples consumed so far): (1, 0), or after the checkpoint's step."""
     from launch.checkpoints import store
-    from launch.checkpoints.locate import same_layout
+    from launch.checkpoints.locate import same_layout, saved_zero_stage
     if resume_from is None:
         return 1, 0
     client_state = store.load(engine, resume_from, vars(layout), state, config)
     step, samples = client_state["step"], client_state["samples"]
     if logging_rank:
         saved = resume_from.meta["layout"]
+        stages = (saved_zero_stage(resume_from.meta), engine.zero_optimization_stage())
         print(f"resumed from {resume_from.path} at step {step} ({samples} samples consumed)"
+              + ("" if stages[0] == stages[1] else f", ZeRO-{stages[0]} state re-sharded for ZeRO-{stages[1]}")
               + ("" if same_layout(saved, vars(layout)) else
                  f", re-sharded from tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}"
                  + (f" cp={saved.get('cp', 1)}" if layout.cp > 1 or saved.get("cp", 1) > 1 else "")
@@ -113,6 +115,7 @@ def run_training(job: TrainingJob) -> None:
     from launch.runtime.compiler import blocks_to_compile
     from launch.runtime.engine import build_engine, print_role_map
     from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
+    from launch.runtime.grad_norm import last_grad_norm
     from launch.runtime.hang_watchdog import HangWatchdog, stacks_dir
     from launch.runtime.replica_reader import replica_reader_groups
     from launch.runtime.signals import StopRequest
@@ -200,8 +203,7 @@ def run_training(job: TrainingJob) -> None:
         compute_by_rank = numbers.compute_s
         reader = slowest_data_reader(numbers.data_wait_s)
         samples += layout.global_batch_size
-        grad_norm = own_grad_norm.value if own_grad_norm is not None else engine.get_global_grad_norm()
-        record = {"step": step, "samples": samples, "loss": loss.item(), "grad_norm": float(grad_norm),
+        record = {"step": step, "samples": samples, "loss": loss.item(), "grad_norm": last_grad_norm(engine, own_grad_norm),
                   "lr": lr, "loss_scale": loss_scale(engine), "tokens": step * tokens_per_step,
                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
                   "peak_memory_bytes": peak_allocated, "peak_reserved_bytes": peak_reserved,

@@ -24,7 +24,8 @@ def _resume(checkpoint, layout, metrics, extra, env=None):
     return proc.stdout, read_metrics(metrics)
 
 
-@pytest.mark.parametrize("layout", [(2, 2, 2), (1, 2, 4)], ids=["same-layout", "re-sharded-1-2-4"])
+@pytest.mark.parametrize("layout", [(2, 2, 2), (1, 2, 4), (1, 2, 1)],
+                         ids=["same-layout", "re-sharded-1-2-4", "re-sharded-into-zero0-1-2-1"])
 def test_muon_resumes(parity_runs, tmp_path, layout):
     run = parity_runs[SAVED]
     sp = ["--set", "model.sequence_parallel=true"] if layout == SAVED[:3] else []
@@ -36,10 +37,24 @@ def test_muon_resumes(parity_runs, tmp_path, layout):
             [(m["loss"], m["grad_norm"], m.get("val_loss")) for m in run["metrics"][SAVE_AT:]]
         return
     assert "re-sharded from tp=2 pp=2 dp=2" in out
+    assert ("ZeRO-1 state re-sharded for ZeRO-0" in out) == (layout[2] == 1)  # one data rank: ZeRO-0 (issue 39)
     for x, y in zip(run["metrics"][SAVE_AT:], again):
         assert x["lr"] == y["lr"]
         for key in ("loss", "grad_norm", "val_loss"):
             assert abs(x[key] - y[key]) <= RTOL * abs(x[key]), (layout, key, x, y)
+
+
+def test_muon_zero0_checkpoint_resumes_at_zero1(parity_runs, tmp_path):
+    """The single process's Muon run built ZeRO-0 (issue 39): its momentum, by parameter name in the
+    model-states file (launch/checkpoints/zero0_state.py), re-sharded into (1,1,2)'s ZeRO-1
+    partitions; steps 4-5 match the uninterrupted run within fp32 rounding."""
+    run = parity_runs[(1, 1, 1, "muon")]
+    out, again = _resume(run["dir"] / "ck" / f"step{SAVE_AT:08d}", (1, 1, 2), tmp_path / "m.jsonl", MUON)
+    assert "ZeRO-0 state re-sharded for ZeRO-1, re-sharded from tp=1 pp=1 dp=1" in out, out[-2000:]
+    for x, y in zip(run["metrics"][SAVE_AT:], again, strict=True):
+        assert x["lr"] == y["lr"]
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert abs(x[key] - y[key]) <= RTOL * abs(x[key]), (key, x, y)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -2,7 +2,8 @@
 
 At the saved layout the continuation is bit-identical to the uninterrupted run, at every layout
 of the parity test, and the metrics file continues from step 4. At another layout
-(launch/checkpoints/reshard.py re-shards the ZeRO-1 weights and Adam moments) steps 4-5 match the
+(launch/checkpoints/reshard.py re-shards the weights and Adam moments: ZeRO-1's partitions, or the
+parameters of ZeRO-0, which a run on one data rank builds) steps 4-5 match the
 uninterrupted run within fp32 rounding, like the layouts themselves do; a checkpoint of a
 sequence-parallel run re-shards the same way, and so does one of a context-parallel run to another cp.
 """
@@ -62,6 +63,8 @@ def test_resume_at_another_layout_matches(parity_runs, tmp_path, saved, layout):
     metrics = tmp_path / "resumed.jsonl"
     out = _resume(parity_runs[saved]["dir"] / "ck" / f"step{SAVE_AT:08d}", layout, metrics)
     assert f"at step {SAVE_AT}" in out and "re-sharded from tp=2 pp=2 dp=2" in out
+    # One data rank builds ZeRO-0 (issue 39): ZeRO-1's partitions re-sharded into its parameters.
+    assert ("ZeRO-1 state re-sharded for ZeRO-0" in out) == (layout[2] == 1), out[-2000:]
     again = read_metrics(metrics)
     assert [m["step"] for m in again] == list(range(SAVE_AT + 1, STEPS + 1))
     for original in (parity_runs[saved]["metrics"], parity_runs[REFERENCE]["metrics"]):
@@ -92,6 +95,8 @@ def test_resume_at_another_cp(parity_runs, tmp_path):
              parity_runs[REFERENCE]["metrics"])]:
         out, other = resume(name, ckpt, layout, cp)
         assert "re-sharded" in out, out[-2000:]
+        # The single process's checkpoint is ZeRO-0's (issue 39), read into cp=2's ZeRO-1 partitions.
+        assert ("ZeRO-0 state re-sharded for ZeRO-1" in out) == (name == "cp2"), out[-2000:]
         assert [m["step"] for m in other] == [SAVE_AT + 1, STEPS]
         for got, want in zip(other, full[SAVE_AT:]):
             for key in ("loss", "grad_norm"):

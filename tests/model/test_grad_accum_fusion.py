@@ -49,6 +49,7 @@ def _train(tp: int, pp: int, overrides: list, steps: int):
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.engine import build_engine
+    from launch.runtime.grad_norm import last_grad_norm
     from model.parallel.state import init_parallel_state
 
     dp = dist.get_world_size() // (tp * pp)
@@ -56,7 +57,7 @@ def _train(tp: int, pp: int, overrides: list, steps: int):
                          + overrides)
     layout = check_and_derive_layout(recipe, dist.get_world_size(), tp, pp, True)
     config = recipe.gpt_config(4096)
-    engine, _ = build_engine(recipe, layout, init_parallel_state(tp, pp), config)
+    engine, own_norm = build_engine(recipe, layout, init_parallel_state(tp, pp), config)
     params = dict(engine.module.named_parameters())
     multiplied = {name: p for name, p in params.items() if p.dim() == 2 and "wpe" not in name}
     others = {shape for name, p in params.items() if name not in multiplied for shape in (tuple(p.shape), (p.numel(),))}
@@ -72,7 +73,7 @@ def _train(tp: int, pp: int, overrides: list, steps: int):
     for step in range(steps):
         chunk = tokens[step * layout.grad_accum_steps:(step + 1) * layout.grad_accum_steps]
         losses.append(engine.train_batch(iter([(t[:, :-1], t[:, 1:]) for t in chunk])).item())
-        norms.append(float(engine.get_global_grad_norm()))
+        norms.append(last_grad_norm(engine, own_norm))  # ZeRO-0 at dp 1: ours
     micro_batches = steps * layout.grad_accum_steps
     return losses, norms, {shape: n / micro_batches for shape, n in counts.items()}, params
 

@@ -163,13 +163,14 @@ def _train(schedule_name: str, tp: int, pp: int, overrides: list, steps: int):
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.runtime.engine import build_engine
+    from launch.runtime.grad_norm import last_grad_norm
     from model.parallel.state import init_parallel_state
 
     recipe = load_recipe(TINY, [f"train.schedule={schedule_name}"] + overrides)
     layout = check_and_derive_layout(recipe, dist.get_world_size(), tp, pp, True)
     state = init_parallel_state(tp, pp)
     config = recipe.gpt_config(4096)
-    engine, _ = build_engine(recipe, layout, state, config)
+    engine, own_norm = build_engine(recipe, layout, state, config)
     tokens = torch.randint(0, 4096, (steps * layout.grad_accum_steps, layout.micro_batch_size, config.seq_len + 1),
                            generator=torch.Generator().manual_seed(dist.get_rank() // tp))
     first_grads, weight_pass_updates = {}, []
@@ -203,7 +204,7 @@ def _train(schedule_name: str, tp: int, pp: int, overrides: list, steps: int):
     for step in range(steps):
         chunk = tokens[step * layout.grad_accum_steps:(step + 1) * layout.grad_accum_steps]
         losses.append(engine.train_batch(iter([(t[:, :-1], t[:, 1:]) for t in chunk])).item())
-        norms.append(float(engine.get_global_grad_norm()))
+        norms.append(last_grad_norm(engine, own_norm))  # ZeRO-0 at dp 1: ours
     matrices = [name for name, param in engine.module.named_parameters() if param.dim() == 2]
     return losses, norms, first_grads, weight_pass_updates, layout.grad_accum_steps, engine.is_first_stage(), matrices
 
