@@ -24,6 +24,7 @@ from typing import Dict, List, Sequence, Tuple
 REPO = Path(__file__).resolve().parent.parent
 
 from launch.analysis.comm_formulas import comm_per_rank_per_step
+from launch.analysis.engine_memory import built_zero_stage, reduces_gradients
 from launch.instruments.comm_counter import BOOKKEEPING
 from launch.runtime.distributed import launcher_command
 
@@ -48,7 +49,8 @@ def measure(tp: int, pp: int, dp: int, out_dir: Path, recipe: Path = TINY, overr
 
 
 def run_model(tp: int, pp: int, dp: int, recipe_path: Path = TINY, overrides: Sequence[str] = ()):
-    """The GPTConfig and Layout train.py derives for the recipe at this layout."""
+    """The GPTConfig and Layout train.py derives for the recipe at this layout, and whether its engine
+    reduces gradients."""
     from launch.analysis.partition import with_stage_boundaries
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
@@ -57,12 +59,16 @@ def run_model(tp: int, pp: int, dp: int, recipe_path: Path = TINY, overrides: Se
     _, vocab_size = load_checked_tokenizer(recipe)
     layout = check_and_derive_layout(recipe, tp * pp * dp, tp, pp, on_cpu=True)
     layout = with_stage_boundaries(layout, recipe, vocab_size)
-    return recipe.gpt_config(vocab_size), layout
+    train, data_ranks = recipe.train, layout.dp * layout.cp
+    stage = built_zero_stage(train.zero_stage, train.precision, data_ranks, recipe.model.moe.enabled)
+    return recipe.gpt_config(vocab_size), layout, reduces_gradients(train.precision, stage, data_ranks)
 
 
-def compare(counts: List[dict], config, layout) -> Tuple[List[Row], Dict[Tuple[int, int], int]]:
+def compare(counts: List[dict], config, layout, gradient_reduce: bool = True
+            ) -> Tuple[List[Row], Dict[Tuple[int, int], int]]:
     """Rows for every (rank, step, purpose, role, op) measured or predicted, and the bookkeeping
-    bytes per (rank, step) (inside train_batch and after it, until the next step)."""
+    bytes per (rank, step) (inside train_batch and after it, until the next step).
+    `gradient_reduce`: whether the run's engine reduces gradients (run_model says)."""
     rows: List[Row] = []
     bookkeeping: Dict[Tuple[int, int], int] = defaultdict(int)
     for rank_counts in counts:
@@ -76,7 +82,8 @@ def compare(counts: List[dict], config, layout) -> Tuple[List[Row], Dict[Tuple[i
                     else:
                         assert phase == f"step {step}", f"model traffic outside a step: {e}"
                         measured[(e["purpose"], e["role"], e["op"])] = (e["calls"], e["elements"], e["bytes"])
-            formula = comm_per_rank_per_step(config, layout, stage, first_step=step == 1)
+            formula = comm_per_rank_per_step(config, layout, stage, first_step=step == 1,
+                                             gradient_reduce=gradient_reduce)
             for key in sorted(set(measured) | set(formula)):
                 rows.append({"rank": rank, "stage": stage, "step": step, "purpose": key[0], "role": key[1],
                              "op": key[2], "measured": measured.get(key, (0, 0, 0)),

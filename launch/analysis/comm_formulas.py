@@ -112,11 +112,12 @@ def cp_comm_per_rank_per_step(config: ModelConfig, tp: int, cp: int, micro_batch
 
 
 def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_step: bool = False,
-                           element_bytes: int = 4, cp: int = 1) -> Dict[Key, Volume]:
+                           element_bytes: int = 4, cp: int = 1, gradient_reduce: bool = True) -> Dict[Key, Volume]:
     """{(purpose, role, op): (calls, elements, bytes)} of one rank of pipeline stage `stage` in one
     training step. element_bytes: activations and gradients (4 for fp32; 2 for bf16 activations).
     cp: the context-parallel degree; layout.dp the replicas, DeepSpeed's data axis dp * cp ranks
-    (issue 25): every sequence tensor is this rank's s/cp tokens, ZeRO-1 splits over dp * cp."""
+    (issue 25): every sequence tensor is this rank's s/cp tokens, ZeRO-1 splits over dp * cp.
+    gradient_reduce: False where the engine skips the gradient reduction (engine_memory.reduces_gradients)."""
     t, p, m = layout.tp, layout.pp, layout.grad_accum_steps
     d = layout.dp * cp  # DeepSpeed's data axis: the gradient all-reduce and ZeRO-1's partitions
     b, s, h = layout.micro_batch_size, config.seq_len // cp, config.n_embd
@@ -210,8 +211,9 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
     local = formulas.model_stage_params_per_rank(config, t, p, stage, cut, ep)
     routed = experts.stage_expert_params_per_rank(config, t, ep, cut, stage)  # reduced over dp x cp / ep ranks
     d_expert = d // ep
-    add("dp-grads", "dp" if d > 1 else "self", "all_reduce", 1, local - routed, (local - routed) * element_bytes)
-    if routed:  # the experts' gradients: a reduction of their own (merged with the other where both span the same role)
+    add("dp-grads", "dp" if d > 1 else "self", "all_reduce", int(gradient_reduce), local - routed,
+        (local - routed) * element_bytes)
+    if routed and gradient_reduce:  # the experts' gradients: a reduction of their own (merged with the other where both span the same role)
         key = ("dp-grads", "dp" if d_expert > 1 else "self", "all_reduce")
         calls, elements, nbytes = out.get(key, (0, 0, 0))
         out[key] = (calls + 1, elements + routed, nbytes + routed * element_bytes)

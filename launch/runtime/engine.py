@@ -89,6 +89,7 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     (launch/runtime/grad_norm.py), else None."""
     import deepspeed
 
+    from launch.analysis.engine_memory import reduces_gradients
     from launch.analysis.zero_bubble_schedule import runs_zero_bubble
     from launch.runtime.console import quiet_stdout
     from launch.runtime.ds_config import deepspeed_config
@@ -125,6 +126,8 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, model_parameters=param_groups(pipe, experts, muon), config=ds_config, optimizer=optimizer,
         lr_scheduler=warmup_cosine(train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr_ratio))
+    if not reduces_gradients(train_cfg.precision, engine.zero_optimization_stage(), layout.dp * layout.cp):
+        engine.pipeline_enable_backward_allreduce = False  # one data rank: a sum of one is itself
     if muon:  # before the first step: where DeepSpeed's flat partitions put each matrix
         from launch.runtime.muon_partitions import bind_muon_partitions
         bind_muon_partitions(engine.optimizer)

@@ -131,7 +131,8 @@ def _engine_holds_the_planned_bytes():
         groups = stage_groups(config, tp, pp, state.pp_rank, list(engine.module.parts))
         reduced = sum(nbytes for (purpose, _, _), (_, _, nbytes) in counter.counts["step 1"].items()
                       if purpose == "dp-grads")
-        predicted = engine_memory.dp_allreduce_bytes(train.precision, train.zero_stage, layout.dp, *groups)
+        # The stage built: ZeRO-0 for fp32 at dp 1 (issue 39), which skips the reduction there.
+        predicted = engine_memory.dp_allreduce_bytes(train.precision, engine.zero_optimization_stage(), layout.dp, *groups)
         assert reduced == predicted, f"{where}: DP all-reduce moved {reduced} bytes, planned {predicted}"
         assert plan["comm_bytes_per_step"]["dp"] == (predicted if layout.dp > 1 else 0)
 
