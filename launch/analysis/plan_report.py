@@ -188,7 +188,8 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"  {f'weights ({precision})':<32}{gib(mem['weights'])}",
         f"  {gradients_label:<32}{gib(mem['gradients'])}",
         f"  {'optimizer (fp32 master, Adam)':<32}{gib(mem['optimizer'])}"
-        + (f"   with ZeRO-1 over dp {d * c}: {gib(mem['optimizer_zero1'])}" if plan['zero'] == 0 else
+        + ("   (ZeRO-0: one data rank, nothing to split)" if plan['zero'] == 0 and d * c == 1 else
+           f"   with ZeRO-1 over dp {d * c}: {gib(mem['optimizer_zero1'])}" if plan['zero'] == 0 else
            f"   (ZeRO-1: split over dp {d}" + (f" x cp {c}" if c > 1 else "") + ")"),
         *([f"  {'DeepSpeed ZeRO-1 reduce bucket':<32}{gib(mem['buffers'])}   (zero_optimization.reduce_bucket_size "
            f"elements, during backward)"] if mem["buffers"] else []),
