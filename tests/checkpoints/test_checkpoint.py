@@ -1,5 +1,5 @@
 """Checkpoints: clear one-line errors for bad or damaged checkpoints and for a resume that
-changes the model's shape, durable saves (fsync before `latest` moves), loads with
+changes the model's shape (what else a resume may change: test_resume_changes.py), durable saves (fsync before `latest` moves), loads with
 weights_only=True through DeepSpeed's own loader, `--keep-last` along the run's history and a
 resume from an older tag. (Kills, signals and a dead rank: tests/e2e/test_checkpoint_crashes.py;
 bitwise resume at every parity layout and at another layout: tests/e2e/test_resume.py.)"""
@@ -107,89 +107,6 @@ def test_a_requeue_has_no_dead_ends(parity_runs, tmp_path, monkeypatch, capsys):
     assert err == "" and out.splitlines()[-1] == (f"checkpoint {done / f'step{STEPS:08d}'} is at step {STEPS} of "
                                                   f"--steps {STEPS}: the run has finished, nothing to do"), out
     _one_line_error(["--load", str(done), "--steps", str(STEPS)], capsys, f"step {STEPS}", "nothing to train")
-
-
-def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
-    """SP leaves every weight's shape and shard alone: a checkpoint saved without it (or before
-    the key existed) resumes with it; a different n_embd is still refused."""
-    from launch.checkpoints.locate import CheckpointRef, check_compatible
-    from launch.config.recipe import Recipe
-    from launch.errors import ConfigError
-    layout = {"tp": 2, "pp": 2, "dp": 1}
-    saved = Recipe().to_dict()
-    del saved["model"]["sequence_parallel"]  # a checkpoint from before the switch
-    ref = CheckpointRef(tmp_path, "step00000005", {"recipe": saved, "layout": layout})
-    now = Recipe()
-    now.model.sequence_parallel = True
-    check_compatible(ref, now.to_dict(), layout)
-    now.model.n_embd = 64
-    with pytest.raises(ConfigError, match="model.n_embd=768"):
-        check_compatible(ref, now.to_dict(), layout)
-
-
-def test_a_change_of_zero_stage_re_shards_except_fp16_and_experts_at_zero_0(tmp_path):
-    """Issue 39: fp32 on one data rank builds ZeRO-0 (launch/analysis/engine_memory.py:
-    built_zero_stage), so a checkpoint re-shards between ZeRO-0 and ZeRO-1, at another layout or at
-    the same one (a dp 1 checkpoint saved by ZeRO-1 before the change). fp16's ZeRO-0 state and a
-    mixture of experts' at ZeRO-0 do not re-shard: one line naming both stages and how to resume."""
-    from launch.checkpoints.locate import ENGINE_ZERO_STAGE, CheckpointRef, check_compatible
-    from launch.config.recipe import Recipe
-    from launch.errors import ConfigError
-
-    def layout(tp, pp, dp, parts=(0, 3, 6)):
-        return {"tp": tp, "pp": pp, "dp": dp, "parts": list(parts)}
-
-    def recipe(**train):
-        r = Recipe()
-        r.model.n_layer = 4
-        for key, value in {"precision": "fp32", **train}.items():
-            setattr(r.train, key, value)
-        return r.to_dict()
-
-    def ref(saved_recipe, saved_layout, stage=None):
-        meta = {"recipe": saved_recipe, "layout": saved_layout}
-        if stage is not None:
-            meta[ENGINE_ZERO_STAGE] = stage
-        return CheckpointRef(tmp_path, "step00000005", meta)
-
-    check_compatible(ref(recipe(), layout(2, 1, 2), 1), recipe(), layout(2, 1, 1))  # ZeRO-1 -> ZeRO-0
-    check_compatible(ref(recipe(), layout(1, 1, 1), 0), recipe(), layout(1, 1, 2))  # ZeRO-0 -> ZeRO-1
-    check_compatible(ref(recipe(), layout(1, 1, 1)), recipe(), layout(1, 1, 1))  # saved before: ZeRO-1 -> ZeRO-0
-    fp16 = recipe(precision="fp16", zero_stage=0)
-    with pytest.raises(ConfigError, match=r"saved at tp=1 pp=1 dp=2 with ZeRO-0, this run is tp=2 pp=1 dp=1 with "
-                                          r"ZeRO-0.*re-sharding fp16 needs ZeRO-1 on both sides, and the checkpoint's "
-                                          r"is ZeRO-0; resume at the saved layout with --set train.zero_stage=0"):
-        check_compatible(ref(fp16, layout(1, 1, 2)), fp16, layout(2, 1, 1))
-    fp16_zero1 = recipe(precision="fp16")
-    check_compatible(ref(fp16_zero1, layout(1, 1, 2)), fp16_zero1, layout(2, 1, 1))  # fp16 keeps ZeRO-1 at dp 1
-    moe = recipe(zero_stage=0)
-    moe["model"].update(arch="mixtral", moe={"num_experts": 4, "experts_per_token": 2})
-    with pytest.raises(ConfigError, match="re-sharding a mixture of experts needs ZeRO-1 on both sides, and the run's"):
-        check_compatible(ref(dict(moe, train=recipe()["train"]), layout(1, 1, 2), 1), moe, layout(1, 1, 1))
-
-
-def test_llama_checkpoint_with_separate_projections_is_refused_in_one_line(tmp_path):
-    """A Llama checkpoint saved before q/k/v and gate/up were fused (complete.json without the
-    mark) names weights the model no longer has: one line saying how to carry them over, before
-    any engine; a GPT-2 checkpoint without the mark and a marked Llama one pass."""
-    from launch.checkpoints.locate import FUSED_LLAMA, find_checkpoint
-    from launch.config.recipe import load_recipe
-    from launch.errors import ConfigError
-    from helpers.launcher import LLAMA_TINY
-    for name, recipe, marked, refused in (("old-llama", LLAMA_TINY, False, True), ("llama", LLAMA_TINY, True, False),
-                                          ("gpt2", TINY, False, False)):
-        tag = tmp_path / name / "step00000005"
-        tag.mkdir(parents=True)
-        meta = {"step": 5, "samples": 80, "layout": {"tp": 1, "pp": 1, "dp": 1, "parts": [0, 6]},
-                "recipe": load_recipe(recipe, []).to_dict(), "files": {}, **({FUSED_LLAMA: True} if marked else {})}
-        (tag / "complete.json").write_text(json.dumps(meta))
-        if not refused:
-            find_checkpoint(tag)
-            continue
-        with pytest.raises(ConfigError) as error:
-            find_checkpoint(tag)
-        message = str(error.value)
-        assert "separate q/k/v (and gate/up) projections" in message and "--init-from-hf" in message and "\n" not in message
 
 
 def _copy_checkpoints(parity_runs, tmp_path) -> Path:
