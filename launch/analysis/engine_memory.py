@@ -67,7 +67,7 @@ def gradient_bytes(precision: str, zero_stage: int, params: int, padded: int,
       .grad                     autograd's gradient, in the model dtype, of each parameter that
                                 still gets one (`params_with_grad`, None: every parameter; a
                                 weight whose gradient is added straight into the fp32 buffer
-                                allocates none: planner.params_with_bf16_grad).
+                                allocates none: stage_memory.params_with_bf16_grad).
     `padded`: the flat groups' padded size (padded_group)."""
     buffer = FP32 * padded if uses_bf16_optimizer(precision, zero_stage) else 0
     dot_grad = ELEMENT_BYTES[precision] * (params if params_with_grad is None else params_with_grad)

@@ -82,7 +82,8 @@ def _engine_holds_the_planned_bytes():
     from launch.analysis import engine_memory
     from launch.analysis.partition import with_stage_boundaries
     from launch.analysis.plan_setup import GPUS, Hardware, Setup
-    from launch.analysis.planner import estimate_plan, stage_groups
+    from launch.analysis.planner import estimate_plan
+    from launch.analysis.stage_memory import stage_groups
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.instruments.comm_counter import CommCounter
