@@ -196,16 +196,21 @@ def _rank_independent_state(ckpt: Path) -> dict:
     return _load_deepspeed_file(_optimizer_file(ckpt, 0, 0))["optimizer_state_dict"]
 
 
-def _init_optimizer_state(optimizer, base: dict) -> None:
-    """Create the flat partitions' state that DeepSpeed's first step would create (the keys of the
-    saved group of the same kind), and link each parameter's fragment to it, so
-    `safe_set_full_optimizer_state` can write it."""
+def _init_optimizer_state(optimizer, base: dict, zero0: bool) -> None:
+    """Create the state DeepSpeed's first step would create, with the keys of the saved group of the
+    same kind, before any parameter is read, so that the load only copies into it: ZeRO-1's flat
+    partitions, each parameter's fragment linked to them for `safe_set_full_optimizer_state`; or a
+    ZeRO-0 engine's per-parameter state. (Allocated as the load went, ZeRO-0's state sat between
+    the freed full tensors of the parameters read: 242 MiB more at 117M parameters, growing with the
+    model; bench/reshard_memory.py.)"""
     step = base["state"][0][STEP]
-    for group in optimizer.optimizer.param_groups:
-        flat = group["params"][0]
+    inner = optimizer if zero0 else optimizer.optimizer
+    for group in inner.param_groups:
         saved = base["state"][base["param_groups"].index(_saved_group(group, base["param_groups"]))]
-        optimizer.optimizer.state[flat] = {STEP: step.clone(), **{k: torch.zeros_like(flat) for k in _moment_keys(saved)}}
-    optimizer._lazy_init_hp_params_optimizer_state()
+        for param in group["params"] if zero0 else group["params"][:1]:  # ZeRO-1: the group's one flat partition
+            inner.state[param] = {STEP: step.clone(), **{k: torch.zeros_like(param) for k in _moment_keys(saved)}}
+    if not zero0:
+        optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def _saved_group(group: dict, saved_groups: List[dict]) -> dict:
@@ -241,8 +246,7 @@ def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, i
     base = common["base_optimizer_state"]
     zero0 = engine.zero_optimization_stage() == 0  # fp32: the parameters are the master weights
     optimizer = engine.optimizer if zero0 else engine.optimizer.optimizer
-    if not zero0:
-        _init_optimizer_state(engine.optimizer, base)
+    _init_optimizer_state(engine.optimizer, base, zero0)
     for group in optimizer.param_groups:  # lr, betas, ...; not the group's identity
         group.update({k: v for k, v in _saved_group(group, base["param_groups"]).items()
                       if k not in ("params", "name", "moe")})
@@ -258,8 +262,7 @@ def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, i
             raise ValueError(f"{dense}: the checkpoint gives a shard of {tuple(shards[FP32].shape)}, the "
                              f"model has {tuple(param.shape)}")
         if zero0:
-            zero0_state.set_state(optimizer, param, shards[FP32], {k: v for k, v in shards.items() if k != FP32},
-                                  next(iter(base["state"].values()))[STEP])
+            zero0_state.set_state(optimizer, param, shards[FP32], {k: v for k, v in shards.items() if k != FP32})
         else:
             safe_set_full_fp32_param(param, shards[FP32])
             for key in shards.keys() - {FP32}:

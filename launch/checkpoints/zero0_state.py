@@ -91,8 +91,10 @@ class SavedZero0Slice:
 
 
 def set_state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, weight: torch.Tensor,
-              state: Dict[str, torch.Tensor], step: torch.Tensor) -> None:
-    """Write one parameter's weight and per-element optimizer state into a ZeRO-0 engine's bare
-    torch optimizer (DeepSpeed's safe_set_full_* do nothing at stage 0)."""
+              state: Dict[str, torch.Tensor]) -> None:
+    """Copy one parameter's weight and per-element optimizer state into a ZeRO-0 engine's bare torch
+    optimizer, whose state reshard.py created for every parameter first (DeepSpeed's
+    safe_set_full_* do nothing at stage 0)."""
     param.copy_(weight)
-    optimizer.state[param] = {STEP: step.clone(), **{key: value.clone().contiguous() for key, value in state.items()}}
+    for key, value in state.items():
+        optimizer.state[param][key].copy_(value)
