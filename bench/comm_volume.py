@@ -24,7 +24,7 @@ from typing import Dict, List, Sequence, Tuple
 REPO = Path(__file__).resolve().parent.parent
 
 from launch.analysis.comm_formulas import comm_per_rank_per_step
-from launch.analysis.engine_memory import built_zero_stage, reduces_gradients
+from launch.analysis.engine_memory import reduces_gradients
 from launch.instruments.comm_counter import BOOKKEEPING
 from launch.runtime.distributed import launcher_command
 
@@ -54,14 +54,15 @@ def run_model(tp: int, pp: int, dp: int, recipe_path: Path = TINY, overrides: Se
     from launch.analysis.partition import with_stage_boundaries
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
+    from launch.runtime.ds_config import deepspeed_config
     from launch.runtime.run_inputs import load_checked_tokenizer
     recipe = load_recipe(recipe_path, OVERRIDES + list(overrides))
     _, vocab_size = load_checked_tokenizer(recipe)
     layout = check_and_derive_layout(recipe, tp * pp * dp, tp, pp, on_cpu=True)
     layout = with_stage_boundaries(layout, recipe, vocab_size)
-    train, data_ranks = recipe.train, layout.dp * layout.cp
-    stage = built_zero_stage(train.zero_stage, train.precision, data_ranks, recipe.model.moe.enabled)
-    return recipe.gpt_config(vocab_size), layout, reduces_gradients(train.precision, stage, data_ranks)
+    stage = deepspeed_config(recipe, layout)["zero_optimization"]["stage"]  # the stage the run builds
+    return recipe.gpt_config(vocab_size), layout, reduces_gradients(recipe.train.precision, stage,
+                                                                    layout.dp * layout.cp)
 
 
 def compare(counts: List[dict], config, layout, gradient_reduce: bool = True

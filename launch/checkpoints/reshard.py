@@ -79,10 +79,11 @@ def _saved_names(ckpt: Path, mp_rank: int) -> List[str]:
 
 
 def _open_slice(ckpt: Path, mp_rank: int, dp: int):
+    """One saved (stage, TP rank), its model-states file read once for either kind of slice."""
     model_states = _load_deepspeed_file(_model_file(ckpt, mp_rank))
     if zero0_state.is_zero0(model_states):
         return zero0_state.SavedZero0Slice(ckpt, model_states, _load_deepspeed_file)
-    return _SavedSlice(ckpt, mp_rank, dp)
+    return _SavedSlice(ckpt, mp_rank, dp, model_states)
 
 
 def _index_fragments(optim: dict) -> Dict[str, Tuple[int, object]]:
@@ -95,10 +96,10 @@ class _SavedSlice:
     """One saved (stage, TP rank): its parameter shapes and its dp partition files, opened once
     and memory-mapped, so that reading a parameter touches only that parameter's fragments."""
 
-    def __init__(self, ckpt: Path, mp_rank: int, dp: int):
+    def __init__(self, ckpt: Path, mp_rank: int, dp: int, model_states: dict):
         self.ckpt = ckpt
         self.shapes = {}
-        for group in _load_deepspeed_file(_model_file(ckpt, mp_rank))["param_shapes"]:
+        for group in model_states["param_shapes"]:  # the slice's mp_rank_MM_model_states.pt
             self.shapes.update(group)
         self.partitions = [_load_deepspeed_file(_optimizer_file(ckpt, d, mp_rank))["optimizer_state_dict"]
                            for d in range(dp)]
