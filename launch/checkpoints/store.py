@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from launch.checkpoints import zero0_state
+from launch.checkpoints import slow_save, zero0_state
 from launch.checkpoints.expert_files import experts_apart, has_experts, load_experts, save_experts
 from launch.checkpoints.locate import (COMPLETE, ENGINE_ZERO_STAGE, FUSED_LLAMA, LATEST, CheckpointRef, history,
                                        same_layout, saved_zero_stage, step_of, tag_for)
@@ -121,6 +121,7 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     rng_dir = root / tag / "rng"
     rng_dir.mkdir(parents=True, exist_ok=True)
     save_durably(_rng_state(), rng_dir / f"rank_{dist.get_rank()}.pt")
+    slow_save.wait_if_asked(dist.get_rank())  # a test hook, nothing unless GPT3D_SLOW_SAVE is set
     dist.barrier()  # every rank's files are on disk before the checkpoint is declared complete
     if is_writer:
         meta = {"step": step, "samples": samples, "layout": layout, "recipe": recipe_dict, ENGINE_ZERO_STAGE: zero_stage,

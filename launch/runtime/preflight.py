@@ -10,6 +10,7 @@ from typing import Optional
 from urllib.parse import urlparse
 
 from data.cache import lock_timeout_s
+from launch.checkpoints.slow_save import slow_save_s
 from launch.config.recipe import Recipe
 from launch.errors import ConfigError
 from launch.instruments.metrics import PEAK_TFLOPS_ENV, peak_flops
@@ -67,6 +68,7 @@ def check_before_start(recipe: Recipe, metrics_out: Optional[Path], save: Option
     check_wandb(recipe.wandb.mode)
     peak_flops(None, os.environ.get(PEAK_TFLOPS_ENV))  # raises on a malformed GPT3D_PEAK_TFLOPS
     fault_injection()  # raises on a malformed GPT3D_FAULT_INJECT (a test hook)
+    slow_save_s()  # raises on a malformed GPT3D_SLOW_SAVE (a test hook)
     lock_timeout_s()  # raises on a malformed GPT3D_CACHE_LOCK_TIMEOUT_S
     if metrics_out is not None:
         check_writable_file(metrics_out, "--metrics-out")

@@ -282,3 +282,12 @@ def test_deepspeed_without_a_zero_bubble_hook_is_refused_before_start(owner, mem
     hook = "PipelineEngine._train_schedule" if member == "train_batch" else f"{owner}.{member}"
     _one_line_exit_2(["--pp", "2", "--set", "train.schedule=zb-h1"], capsys, f"DeepSpeed {deepspeed.__version__}",
                      hook, "train.schedule=1f1b")
+
+
+def test_a_malformed_slow_save_hook_is_refused_before_the_start(monkeypatch, capsys):
+    """GPT3D_SLOW_SAVE (launch/checkpoints/slow_save.py), a test hook, is checked with the others."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("GPT3D_SLOW_SAVE", "soon")
+    assert main(["--recipe", str(TINY)]) == 2
+    assert capsys.readouterr().err == "error: GPT3D_SLOW_SAVE='soon' must be seconds in [0, 3600) (a test hook, e.g. 8)\n"
