@@ -147,14 +147,18 @@ def _newest_of_one_run(root: Path) -> Optional[str]:
 
 HANG_STACKS = "hang-stacks"
 """Where launch/runtime/hang_watchdog.py writes every rank's stacks, beside the checkpoints."""
+STARTS = "starts.jsonl"
+"""The save directory's record of the run's starts and how each ended (launch/runtime/restarts.py)."""
 
 
 def _no_checkpoint_yet(root: Path) -> bool:
-    """Missing, or a directory of only unfinished tag directories, abandoned-* ones and the hang
-    watchdog's stacks (a run that hung before its first save is requeued as a fresh one)."""
+    """Missing, or a directory of only unfinished tag directories, abandoned-* ones, the hang
+    watchdog's stacks and the record of starts (a run that failed or hung before its first save is
+    requeued as a fresh one)."""
     if not root.exists():
         return True
-    return root.is_dir() and all(p.is_dir() and (p.name.startswith("abandoned-") or p.name == HANG_STACKS or
+    return root.is_dir() and all(p.name == STARTS or p.name.startswith(f".{STARTS}.tmp") or  # (killed mid-write)
+                                 p.is_dir() and (p.name.startswith("abandoned-") or p.name == HANG_STACKS or
                                                  (step_of(p.name) is not None and not (p / COMPLETE).exists()))
                                  for p in root.iterdir())
 

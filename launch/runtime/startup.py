@@ -70,6 +70,8 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     if args.load is not None:
         from launch.checkpoints.locate import find_resume_point
         resume_from = find_resume_point(args.load, args.save, is_writer=os.environ["RANK"] == "0")
+    from launch.runtime.restarts import refuse_a_requeue_loop  # before the data: a refused requeue costs nothing
+    refuse_a_requeue_loop(args.save, args.load, resume_from, recipe.train.max_starts_without_progress)
     data, vocab_size = load_run_data(recipe, layout)
     layout = with_stage_boundaries(layout, recipe, vocab_size)  # the stage boundaries need the vocabulary
     check_muon_stages(recipe, layout, vocab_size)

@@ -42,6 +42,8 @@ CASES = [
     (1, ["--set", "train.dist_timeout_s=0"], ["train.dist_timeout_s=0", ">= 1"]),
     (1, ["--set", "train.heartbeat_timeout_s=2"], ["train.heartbeat_timeout_s=2", "heartbeat interval, 2 s"]),
     (1, ["--set", "train.stop_grace_s=0"], ["train.stop_grace_s=0", "> 0"]),
+    (1, ["--set", "train.max_starts_without_progress=-1"], ["train.max_starts_without_progress=-1", ">= 0",
+                                                            "0: no cap"]),
     (1, ["--set", "train.hang_timeout_s=2"], ["train.hang_timeout_s=2", "at least 5 s", "dist_timeout_s=600"]),
     (1, ["--set", "train.hang_timeout_s=600"], ["train.hang_timeout_s=600", "below train.dist_timeout_s=600"]),
     (1, ["--set", "train.hang_timeout_s=60", "--set", "train.first_step_timeout_s=30"],
