@@ -1,20 +1,36 @@
 """SIGTERM / SIGINT: finish the current step, save, exit 0; a step that has not ended in time (a
-peer frozen or gone) exits without a save; a later, separate signal exits at once.
+peer frozen or gone) exits without a save; a later, separate signal exits at once, except during a
+save, which it never cuts short.
 
 Ranks receive signals at different times, or not at all (DeepSpeed's launcher forwards a
 SIGTERM to its children one after the other; SLURM signals every task). So each step the
 ranks agree on their flags: each rank's rides in the step's one all-gather of per-rank numbers
-(launch/instruments/stragglers.py: gather_step_numbers, issue 39: no collective of its own), and
-if any rank was signalled, all stop after the same step and save together.
+(launch/instruments/stragglers.py: gather_step_numbers, no collective of its own), and if any rank
+was signalled, all stop after the same step and save together.
 
-What "in time" and "separate" mean (issue 35: a stop request must not lose a save):
+What "in time" and "separate" mean (a stop request must not lose a save):
 - Signals within SAME_REQUEST_S of the first are the same request: SLURM signals the launcher and
   every task at once, and the launcher forwards its own; neither is a second request.
 - The rank waits for the step to end for max(train.stop_grace_s, 2 x the longest step so far,
   evaluation included, the first step left out: it holds compilation and the data's start): a
-  healthy step longer than the grace still ends and saves. The clock
-  restarts when a step ends, and stops while a save runs (`saving`), so a signal during a
-  periodic save lets that save finish.
+  healthy step longer than the grace still ends and saves. The clock restarts when a step ends,
+  and stops while a save runs (`saving`), so a signal during a periodic save lets that save finish.
+- A later request leaves at once, but not in the middle of a save: SLURM signals a job's tasks at
+  its time limit and kills them KillWait (30 s by default) later, so the limit's SIGTERM often
+  lands in the save that an earlier warning (`--signal`) started, and leaving then would lose that
+  save and leave the last one as the resume point. So during a save the request is noted in one
+  line and the rank leaves as soon as the save is committed (`saved`): exit 0 when it was the
+  stop's own save (every rank agreed to stop after this step, so each leaves with a checkpoint of
+  it, as a stop does, only without the run's final barrier and wandb's finish), else 128+signum
+  (a periodic save before any agreement: this rank leaves alone, and a peer that got no second
+  signal then fails on its absence, with a line).
+
+After each save the logging rank says how long a stop needs: the longest step so far plus that
+save (`saved_line`), the least warning a scheduler should give before its kill.
+
+The deadline logic reads a Clock (launch/runtime/clock.py) in StopTimes, so that a test drives
+days of steps and saves with a simulated clock; the listening thread only waits on its pipe until
+StopTimes' deadline, or until a step or save end moves it (`_nudge`).
 
 A Python signal handler runs only when the main thread runs Python code, never while it waits
 in a collective. So the signals are taken by a thread instead: Python's C-level handler writes
@@ -28,8 +44,10 @@ import select
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Optional, Tuple
 
+from launch.runtime.clock import MONOTONIC, Clock
 from launch.runtime.failure import say_error
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -37,6 +55,7 @@ SAME_REQUEST_S = 2.0
 """Signals this soon after the first are part of the same stop request."""
 STEP_MARGIN = 2.0
 """The wait for a step to end is at least this many times the longest step seen."""
+_NUDGE = b"\0"  # not a signal number: wakes the listening thread to read the deadline again
 
 
 def _parent_of(pid: int) -> Optional[int]:
@@ -62,9 +81,10 @@ def deepspeed_runner() -> Optional[Tuple[int, int]]:
 
 
 def _watch_runner(rank: int, launcher: int, runner: int) -> None:
-    """A SIGTERM to the `deepspeed` command on one machine ends only that command: it forwards
-    nothing, and its launcher and the ranks run on (issue 35). So each rank checks once a second
-    that the launcher's parent is still the runner, and stops as on SIGTERM when it is not."""
+    """A SIGTERM to the `deepspeed` command on one machine ends only that command: it installs no
+    handler there (deepspeed/launcher/runner.py forwards signals only to a multi-node pdsh), and its
+    launcher and the ranks run on. So each rank checks once a second that the launcher's parent is
+    still the runner, and stops as on SIGTERM when it is not."""
     while _parent_of(launcher) == runner:
         time.sleep(1.0)
     print(f"rank {rank}: the deepspeed command (pid {runner}) is gone; stopping as on SIGTERM", flush=True)
@@ -75,24 +95,86 @@ def _nothing(signum, frame) -> None:
     """The Python-level handler: the listening thread acts; this only keeps the default action away."""
 
 
+def saved_line(path: Path, save_s: float, longest_step_s: float) -> str:
+    """The logging rank's line after a save: how long it took, and the warning a stop needs."""
+    return (f"saved {path} in {save_s:.1f} s; a stop needs up to {longest_step_s + save_s:.1f} s (the longest "
+            f"step {longest_step_s:.1f} s + this save): signal at least that long before the kill")
+
+
+class StopTimes:
+    """When a signalled rank stops waiting for its step, and how long a stop takes. Driven by the
+    run's events (`signalled`, `step_ended`, `save_started`, `save_ended`) and read by `clock`; not
+    thread-safe (StopRequest calls it under its lock)."""
+
+    def __init__(self, grace_s: float, clock: Clock = MONOTONIC):
+        self.grace_s, self.clock = grace_s, clock
+        self.signalled_at: Optional[float] = None  # the first signal of the request
+        self.agreed = False  # every rank agreed to stop after the step that ended last
+        self.saving_since: Optional[float] = None
+        self.last_save_s: Optional[float] = None
+        self._last_step_end = clock.now()  # or of the save after it: the current step's time starts there
+        self._first_step_s: Optional[float] = None
+        self._longest_step_s = 0.0  # the first step left out
+
+    @property
+    def wait_s(self) -> float:
+        """How long a signalled rank waits for the current step to end."""
+        return max(self.grace_s, STEP_MARGIN * self._longest_step_s)
+
+    @property
+    def longest_step_s(self) -> float:
+        """The longest step so far, the first left out unless it is the only one (it holds the
+        compilation and the data's start, which a stop after it does not wait for)."""
+        return self._longest_step_s or (self._first_step_s or 0.0)
+
+    def signalled(self) -> None:
+        self.signalled_at = self.clock.now()
+
+    def same_request(self) -> bool:
+        """Whether a signal now belongs to the request that `signalled` began."""
+        return self.clock.now() - self.signalled_at < SAME_REQUEST_S
+
+    def step_ended(self, stopping: bool) -> None:
+        now = self.clock.now()
+        if self._first_step_s is None:
+            self._first_step_s = now - self._last_step_end
+        else:
+            self._longest_step_s = max(self._longest_step_s, now - self._last_step_end)
+        self._last_step_end = now
+        self.agreed = self.agreed or stopping
+
+    def save_started(self) -> None:
+        self.saving_since = self.clock.now()
+
+    def save_ended(self) -> None:
+        now = self.clock.now()
+        self.last_save_s, self.saving_since = now - self.saving_since, None
+        self._last_step_end = now
+
+    def seconds_left(self) -> Optional[float]:
+        """How much longer a signalled rank waits for its step; None while nothing is timed: no
+        request, a save under way (it is not bounded here), or every rank agreed to stop."""
+        if self.signalled_at is None or self.saving_since is not None or self.agreed:
+            return None
+        deadline = max(self.signalled_at, self._last_step_end) + self.wait_s
+        return max(0.0, deadline - self.clock.now())
+
+
 class StopRequest:
     """Create in the main thread (set_wakeup_fd must be called there), once per process. Each
     step the run gathers every rank's `signalled`, calls `agreed(any of them)` after the step (and
-    evaluation), and saves inside `saving()`."""
+    evaluation), saves inside `saving()` and calls `saved(path, ...)` after it."""
 
-    def __init__(self, rank: int, grace_s: float):
-        self.rank, self.grace_s = rank, grace_s
+    def __init__(self, rank: int, grace_s: float, clock: Clock = MONOTONIC):
+        self.rank = rank
+        self.times = StopTimes(grace_s, clock)
         self.signalled = False
-        self._step_ended = threading.Event()  # set once every rank agreed to stop after a step
         self._lock = threading.Lock()
-        self._saving = False
-        self._last_step_end = time.monotonic()
-        self._longest_step_s = 0.0
-        self._steps_ended = 0
-        self._deadline = None  # while signalled: when the rank leaves without a save
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)  # the C handler must never block
-        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._first: Optional[signal.Signals] = None
+        self._after_save: Optional[signal.Signals] = None  # a later request that came during a save
+        read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)  # the C handler must never block
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         for sig in SIGNALS:
             signal.signal(sig, _nothing)
         threading.Thread(target=self._listen, args=(read_fd,), name="gpt3d-stop-request", daemon=True).start()
@@ -101,40 +183,61 @@ class StopRequest:
             threading.Thread(target=_watch_runner, args=(rank, *runner), name="gpt3d-runner-watch", daemon=True).start()
 
     @property
+    def grace_s(self) -> float:
+        return self.times.grace_s
+
+    @property
     def wait_s(self) -> float:
         """How long a signalled rank waits for the current step to end."""
-        return max(self.grace_s, STEP_MARGIN * self._longest_step_s)
+        return self.times.wait_s
 
     def _listen(self, fd: int) -> None:
-        first, first_at = None, None
         while True:
             with self._lock:
-                wait = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-            if not select.select([fd], [], [], wait)[0]:  # the wait is over, unless a save or a step end moved it
+                wait = self.times.seconds_left()
+            if not select.select([fd], [], [], wait)[0]:
                 with self._lock:
-                    if self._step_ended.is_set() or self._saving:  # the save is under way: it is not bounded here
-                        self._deadline = None if self._step_ended.is_set() else time.monotonic() + self.wait_s
-                        continue
-                    if time.monotonic() < self._deadline:
-                        continue
-                say_error(f"the step did not end within {self.wait_s:g} s of the {first.name} (train.stop_grace_s="
+                    left, wait_s = self.times.seconds_left(), self.times.wait_s
+                if left is None or left > 0:  # a step or a save ended meanwhile: the deadline moved
+                    continue
+                say_error(f"the step did not end within {wait_s:g} s of the {self._first.name} (train.stop_grace_s="
                           f"{self.grace_s:g}, or twice the longest step); leaving without saving (the last complete "
                           f"checkpoint stays the resume point)", self.rank)
-                os._exit(128 + first)
+                os._exit(128 + self._first)
             signum = os.read(fd, 1)[0]
-            if signum not in SIGNALS:  # another signal with a Python handler also writes here
-                continue
-            if self.signalled:
-                if time.monotonic() - first_at < SAME_REQUEST_S:  # the same request, forwarded or repeated
-                    continue
-                os._exit(128 + signum)  # a second request: no checkpoint, no clean-up
-            first, first_at = signal.Signals(signum), time.monotonic()
-            with self._lock:
-                self.signalled = True
-                self._deadline = max(first_at, self._last_step_end) + self.wait_s
-            print(f"rank {self.rank}: {first.name} received; saving after this step (without a save if it has "
-                  f"not ended within {self.wait_s:g} s; send it again after {SAME_REQUEST_S:g} s to exit at once)",
-                  flush=True)
+            if signum in SIGNALS:  # else a nudge, or another signal with a Python handler
+                self._request(signal.Signals(signum))
+
+    def _request(self, sig: signal.Signals) -> None:
+        with self._lock:
+            if not self.signalled:
+                self._first, self.signalled = sig, True
+                self.times.signalled()
+                line = (f"rank {self.rank}: {sig.name} received; saving after this step (without a save if it has "
+                        f"not ended within {self.times.wait_s:g} s; send it again after {SAME_REQUEST_S:g} s to exit "
+                        f"at once)")
+            elif self.times.same_request():  # the same request, forwarded or repeated
+                return
+            elif self.times.saving_since is not None:
+                if self._after_save is not None:  # already noted
+                    return
+                self._after_save = sig
+                line = (f"rank {self.rank}: {sig.name} again during a save: the save finishes first, then this rank "
+                        f"leaves (exit {self._exit_code_after_save()})")
+            else:
+                os._exit(128 + sig)  # a second request outside a save: no checkpoint, no clean-up
+        print(line, flush=True)
+
+    def _exit_code_after_save(self) -> int:
+        """0 after the stop's own save (every rank agreed to stop after this step), else 128+signum."""
+        return 0 if self.times.agreed else 128 + self._after_save
+
+    def _nudge(self) -> None:
+        """Wake the listening thread (it waits until the old deadline): a step or a save ended."""
+        try:
+            os.write(self._write_fd, _NUDGE)
+        except BlockingIOError:  # the pipe is full of wake-ups already
+            pass
 
     def agreed(self, any_rank_signalled: bool) -> bool:
         """After each step, with whether any rank was `signalled` when the step's numbers were
@@ -142,27 +245,36 @@ class StopRequest:
         step ended. A signal after the gather is agreed on at the next step's."""
         stopping = bool(any_rank_signalled)
         with self._lock:
-            now = time.monotonic()
-            if self._steps_ended:  # the first step's time holds compilation and the data's start: not a step's
-                self._longest_step_s = max(self._longest_step_s, now - self._last_step_end)
-            self._steps_ended += 1
-            self._last_step_end = now
-            if self._deadline is not None:
-                self._deadline = now + self.wait_s
-        if stopping:
-            self._step_ended.set()
+            self.times.step_ended(stopping)
+            signalled = self.signalled
+        if signalled:
+            self._nudge()
         return stopping
 
     @contextlib.contextmanager
     def saving(self):
-        """A save runs: no deadline meanwhile; the next step's time starts after it."""
+        """A save runs: no deadline meanwhile, and a later request waits for it; the next step's
+        time starts after it."""
         with self._lock:
-            self._saving = True
+            self.times.save_started()
         try:
             yield
         finally:
             with self._lock:
-                self._saving = False
-                self._last_step_end = time.monotonic()
-                if self._deadline is not None:
-                    self._deadline = self._last_step_end + self.wait_s
+                self.times.save_ended()
+                signalled = self.signalled
+            if signalled:
+                self._nudge()
+
+    def saved(self, path: Path, logging_rank: bool) -> None:
+        """After `saving()` ended with the save committed: the logging rank's `saved_line`; then,
+        if a later request came during the save, this rank leaves."""
+        with self._lock:
+            save_s, step_s = self.times.last_save_s, self.times.longest_step_s
+            leave = self._exit_code_after_save() if self._after_save is not None else None
+        if logging_rank:
+            print(saved_line(path, save_s, step_s), flush=True)
+        if leave is not None:
+            print(f"rank {self.rank}: leaving after the save, as the {self._after_save.name} during it asked (exit "
+                  f"{leave})", flush=True)
+            os._exit(leave)

@@ -130,6 +130,60 @@ def test_a_stop_request_never_cuts_a_save_or_a_long_step_short(tmp_path):
     assert code == 0 and "saved after the request" in out and "error: " not in out, out
 
 
+def _a_save_signalled_twice(stop_save: bool, ready: Path, out: Path) -> None:
+    """A forked child: a one-rank process group, a StopRequest (grace 1 s), two 0.2 s steps, then a
+    5 s save: the stop's own (`stop_save`: the parent's first SIGTERM comes in the 0.5 s step before
+    it, so the ranks agree to stop after that step) or a periodic one (the first SIGTERM comes at its
+    start). "committed" ends the save; `saved` follows as launch/runtime/loop.py calls it, then
+    "trained on" if the rank goes on. Never returns."""
+    try:
+        redirect_output(out)
+        import torch.distributed as dist
+        from launch.instruments.stragglers import gather_step_numbers
+        from launch.runtime.distributed import free_port
+        from launch.runtime.signals import StopRequest
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        stop = StopRequest(0, 1.0)
+        for _ in range(2):
+            time.sleep(0.2)
+            stop.agreed(False)
+        if stop_save:
+            ready.touch()
+            time.sleep(0.5)
+        else:
+            time.sleep(0.2)
+        stopping = stop.agreed(gather_step_numbers(0.5, 0.0, 0, None, stop.signalled, "cpu").stop_requested)
+        assert stopping == stop_save, stopping
+        with stop.saving():
+            if not stop_save:
+                ready.touch()
+            time.sleep(5.0)
+            print("committed", flush=True)
+        stop.saved(Path("ck/step00000003"), logging_rank=True)
+        print("trained on", flush=True)
+    finally:
+        os._exit(99)
+
+
+@pytest.mark.waits
+@pytest.mark.parametrize("stop_save", [True, False], ids=["stop save", "periodic save"])
+def test_a_later_request_during_a_save_lets_it_finish(tmp_path, stop_save):
+    """A SIGTERM 3.5 s after the first (a second request) while a 5 s save runs: one line says the
+    save finishes first; the rank leaves right after it, without training on: exit 0 after the
+    stop's own save (every rank agreed to stop there), 128+15 after a periodic one."""
+    from launch.runtime.signals import SAME_REQUEST_S
+    code, seconds, out = _run_signalled(tmp_path, _a_save_signalled_twice, (stop_save,),
+                                        [SAME_REQUEST_S + 1.5], limit_s=15)
+    expected = 0 if stop_save else 128 + signal.SIGTERM
+    assert code == expected, out
+    lines = out.splitlines()
+    assert lines.index(f"rank 0: SIGTERM again during a save: the save finishes first, then this rank leaves "
+                       f"(exit {expected})") < lines.index("committed"), out
+    assert lines[lines.index("committed") + 1].startswith("saved ck/step00000003 in 5."), out
+    assert lines[-1] == f"rank 0: leaving after the save, as the SIGTERM during it asked (exit {expected})", out
+    assert "error: " not in out and "trained on" not in out, out
+
+
 def _watchers_one_falls_silent(silent: Path, out: Path) -> None:
     """A forked child: the watchers of ranks 0 and 1 of a world of 2 on one store, live for 5 s
     (longer than their 3 s timeout), then rank 1's stops beating, as a frozen process's does.
