@@ -63,6 +63,11 @@ class DataSpec:
     streams / global_batch_size, at least 1), so a refill overlaps the steps before it; its
     memory is about the shuffle blocks' once more. 0: read inside the engine's call for the next
     micro-batch."""
+    stall_timeout_s: float = 0.0
+    """The longest a rank's draw of its micro-batches may wait (reading, tokenizing, or its replica's
+    reading rank) before the run is hung, with a line naming the file or URL being read
+    (launch/runtime/hang_watchdog.py). 0: 0.8 x train.dist_timeout_s (480 s by default): a storage
+    stall of minutes recovers. Below train.dist_timeout_s."""
     val_split: Optional[str] = None
     """A held-out split for validation (`validation`); wins over val_fraction."""
     val_fraction: float = 0.0

@@ -13,10 +13,11 @@ disk, not in a page cache that a power loss empties.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Union
+from typing import TYPE_CHECKING, Callable, List, Optional, Union
 
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
@@ -40,12 +41,30 @@ def allowed_types() -> List[type]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
+_file_loaded: Optional[Callable[[], None]] = None  # each_file_loaded's callback, while a load runs
+
+
+@contextlib.contextmanager
+def each_file_loaded(callback: Callable[[], None]):
+    """Call `callback()` after every file `load_safely` reads meanwhile (a resume's progress, which
+    the hang watchdog times file by file: a large checkpoint takes minutes)."""
+    global _file_loaded
+    _file_loaded = callback
+    try:
+        yield
+    finally:
+        _file_loaded = None
+
+
 def load_safely(path: PathLike, map_location=None, mmap: bool = False):
     """torch.load with weights_only=True and `allowed_types`; UnsafeCheckpoint names the file and
     the type it refused."""
     try:
         with torch.serialization.safe_globals(allowed_types()):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            loaded = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        if _file_loaded is not None:
+            _file_loaded()
+        return loaded
     except pickle.UnpicklingError as e:
         reason = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line),
                       str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -57,7 +57,23 @@ def start_rank(world_size: int, timeout_s: int) -> None:
     from deepspeed.accelerator import get_accelerator
     torch.set_num_threads(threads_per_rank(os.environ, usable_cpus(), world_size))
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+    record_collectives(os.environ)
     init_distributed(timeout_s)
+
+
+FLIGHT_RECORDER_ENTRIES = 2000
+"""Collectives each rank's flight recorder keeps (torch's default: 0, off; torchtitan turns it on with
+20,000). A ring of small records; the hang watchdog dumps it beside the stacks
+(launch/runtime/hang_watchdog.py)."""
+
+
+def record_collectives(environ) -> None:
+    """Turn torch's flight recorder on, unless the user chose its size: on NCCL a collective returns
+    before it completes and a hang surfaces at a later synchronize, so only the recorder says which
+    collective each rank entered and which never completed. Read when the process group starts."""
+    if "TORCH_FR_BUFFER_SIZE" not in environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in environ:
+        # The name torch 2.11 and later read; TORCH_NCCL_TRACE_BUFFER_SIZE, the older one, warns there.
+        environ["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
 
 
 STORE_CLIENTS_PER_RANK = 2

@@ -79,8 +79,9 @@ def task_sequences(tasks: Sequence[Tuple[str, List[Example]]], tokenizer, seq_le
 
 
 def score_choices(engine, state: ParallelState, layout: Layout, task: TaskSequences,
-                  device: torch.device) -> List[List[float]]:
-    """Every example's choices' log-likelihoods, on every rank (collective: every rank calls it)."""
+                  device: torch.device, progress: Callable[[], None] = lambda: None) -> List[List[float]]:
+    """Every example's choices' log-likelihoods, on every rank (collective: every rank calls it);
+    `progress()` after each batch (a full task may take longer than the hang bound of a step)."""
     from model.parallel.context_parallel import sequence_shards
     examples, sequences, seq_len = task.examples, task.sequences, task.seq_len
     first = [0]
@@ -108,6 +109,7 @@ def score_choices(engine, state: ParallelState, layout: Layout, task: TaskSequen
                                         reduce_output=None, bcast_loss=False, num_micro_batches=m)
             if engine.is_last_stage():
                 losses += torch.cat([o.reshape(-1) for o in outputs]).tolist()
+            progress()
     finally:
         engine.module.loss_fn, engine.total_loss = kept, None
     found = torch.zeros(len(sequences), dtype=torch.float64, device=device)
@@ -130,12 +132,12 @@ def accuracy(examples: List[Example], loglikelihoods: List[List[float]]) -> Dict
 
 
 def score_tasks(engine, state: ParallelState, layout: Layout, tasks: List[TaskSequences],
-                device: torch.device) -> Dict[str, Dict[str, Any]]:
+                device: torch.device, progress: Callable[[], None] = lambda: None) -> Dict[str, Dict[str, Any]]:
     """Task name -> acc, acc_norm, n, gold_loglikelihood (the gold choices' mean log-likelihood, a
     number that moves before the accuracy does) and choice_loglikelihoods (collective)."""
     scores = {}
     for task in tasks:
-        loglikelihoods = score_choices(engine, state, layout, task, device)
+        loglikelihoods = score_choices(engine, state, layout, task, device, progress)
         gold = sum(ll[ex.gold] for ex, ll in zip(task.examples, loglikelihoods)) / len(task.examples)
         scores[task.name] = {**accuracy(task.examples, loglikelihoods), "gold_loglikelihood": gold,
                              "choice_loglikelihoods": loglikelihoods}

@@ -3,6 +3,7 @@ healthy ends the job within the bound, every rank's stacks are written, and one 
 rank that is not in the collective the others wait in. And what each rank costs rank 0's store:
 two connections (item 6), which is what the open-file check counts."""
 import os
+import pickle
 import re
 import time
 from pathlib import Path
@@ -11,9 +12,9 @@ import pytest
 
 from helpers.children import end, exit_code, fork, redirect_output
 from helpers.distributed import run_body
-from helpers.launcher import TINY, launch_forked
-from launch.runtime.distributed import STORE_CLIENTS_PER_RANK, ensure_open_file_limit, free_port
-from launch.runtime.hang_watchdog import hang_line
+from helpers.launcher import TINY, launch_forked, read_metrics
+from launch.runtime.distributed import STORE_CLIENTS_PER_RANK, ensure_open_file_limit, free_port, record_collectives
+from launch.runtime.hang_line import hang_line
 from launch.errors import ConfigError
 
 BOUND_S = 3.0
@@ -49,6 +50,7 @@ def _rank(rank: int, world: int, port: int, err: Path, fn, args) -> None:
     code = 1
     try:
         redirect_output(err, stdout=False, append=True)
+        record_collectives(os.environ)  # as every rank of a run does before its process group starts
         run_body(rank, world, port, fn, args)  # prints a failure
         code = 0
     finally:
@@ -88,7 +90,15 @@ def test_a_rank_sleeping_in_its_step_is_named_and_every_rank_leaves_its_stacks(t
     assert "while 2 other ranks wait in torch.distributed.all_reduce (from tests/runtime/test_hang_watchdog.py:" in named
     assert named.endswith(f"every rank's stacks are in {tmp_path}/rank-*.txt"), named
     stacks = {r: (tmp_path / f"rank-{r:05d}.txt").read_text() for r in range(3)}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hung-at"] + [f"rank-0000{r}.txt" for r in range(3)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["flight-recorder", "hung-at"]
+                                                         + [f"rank-0000{r}.txt" for r in range(3)])
+    # torch's flight recorder, dumped beside the stacks: ranks 0 and 2 entered the third all-reduce,
+    # rank 1 never did (on NCCL this, not the Python frame, names the collective; gloo records no
+    # completion, NCCL does).
+    records = {r: pickle.loads((tmp_path / "flight-recorder" / f"rank_{r}").read_bytes())["entries"] for r in range(3)}
+    entered = {r: [e["collective_seq_id"] for e in entries if e["profiling_name"] == "gloo:all_reduce"]
+               for r, entries in records.items()}
+    assert entered == {0: [1, 2, 3], 1: [1, 2], 2: [1, 2, 3]}, entered
     assert "in maybe_inject_fault" in stacks[1] and "in all_reduce" not in stacks[1], stacks[1]
     for r in (0, 2):
         assert "in all_reduce" in stacks[r] and "_steps_until_one_rank_hangs" in stacks[r], stacks[r]
@@ -122,19 +132,23 @@ def test_the_line_names_who_is_not_where_the_others_are(tmp_path):
     wait = "in torch.distributed.all_reduce (from launch/runtime/loop.py:170)"
     recv = "in torch.distributed.recv (from deepspeed p2p)"
     outside = "at model/gpt/pipe.py:40 in forward"
-    line = hang_line({0: wait, 1: outside, 2: wait, 3: wait}, 4, 61.2, 60, tmp_path)
-    assert line == (f"rank 1: hang: no step ended for 61 s (bound 60 s, train.hang_timeout_s / "
-                    f"train.first_step_timeout_s); rank 1 {outside}, while 3 other ranks wait {wait}; "
+    step = "no step ended for 61 s (bound 60 s, train.hang_timeout_s / train.first_step_timeout_s)"
+    line = hang_line({0: wait, 1: outside, 2: wait, 3: wait}, 4, {r: step for r in range(4)}, tmp_path)
+    assert line == (f"rank 1: hang: {step}; rank 1 {outside}, while 3 other ranks wait {wait}; "
                     f"every rank's stacks are in {tmp_path}/rank-*.txt")
+    # The named rank's own cause wins over the others' (they only waited for it).
+    stall = "waited 481 s for data (bound 480 s, data.stall_timeout_s); reading x.parquet row group 3 for 481 s"
+    line = hang_line({0: wait, 1: outside}, 2, {0: step, 1: stall}, tmp_path)
+    assert line.startswith(f"rank 1: hang: {stall}; rank 1 {outside}, while 1 other rank waits"), line
     # Every rank in collectives, one in another than the rest: that one (it moved on, or never came).
-    line = hang_line({0: wait, 1: wait, 2: recv}, 3, 61, 60, tmp_path)
+    line = hang_line({0: wait, 1: wait, 2: recv}, 3, {r: step for r in range(3)}, tmp_path)
     assert line.startswith("rank 2: hang:") and f"rank 2 {recv}, while 2 other ranks wait {wait};" in line, line
     # All in the same collective: nobody to name.
-    line = hang_line({0: wait, 1: wait}, 2, 61, 60, tmp_path)
+    line = hang_line({0: wait, 1: wait}, 2, {0: step, 1: step}, tmp_path)
     assert line.startswith("every rank: hang:") and f"all 2 ranks wait {wait}: a hung collective" in line, line
-    # A rank whose watcher gave no position is named too.
-    line = hang_line({0: wait, 2: wait}, 3, 61, 60, tmp_path)
-    assert line.startswith("rank 1: hang:") and "rank 1 gave no position" in line, line
+    # A rank whose watcher gave no position is named too, with the cause of the first that reported.
+    line = hang_line({0: wait, 2: wait}, 3, {0: step, 2: step}, tmp_path)
+    assert line.startswith(f"rank 1: hang: {step};") and "rank 1 gave no position" in line, line
 
 
 def _store_sockets(port: int) -> int:
@@ -198,3 +212,24 @@ def test_rank_0_raises_its_open_file_limit_or_names_the_one_needed():
         refused = pool.apply(_limits_checked, (4096, 256, 4096))
         assert isinstance(refused, str) and "4096 ranks" in refused and "ulimit -n" in refused, refused
         assert pool.apply(_limits_checked, (4, 2048, 4096)) == (2048, 4096)  # enough already: untouched
+
+
+@pytest.mark.waits
+@pytest.mark.slow
+def test_a_validation_and_a_save_longer_than_the_hang_bound_train_to_the_last_step(tmp_path):
+    """launch/train.py at dp 2 with a 5 s hang bound: a validation at step 2 longer than the bound (110
+    batches of tiny.yaml made 4x as wide; timed batch by batch) and saves made to take 6 s (a save
+    has its own rule): the run trains to its last step, saves it, and nothing is reported."""
+    save, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = launch_forked(2, ["--recipe", str(TINY), "--steps", "3", "--set", "train.hang_timeout_s=5",
+                             "--set", "train.first_step_timeout_s=60", "--set", "train.eval_every=2",
+                             "--set", "model.n_embd=256", "--set", "train.eval_batches=110", "--save", str(save), "--save-every", "2",
+                             "--metrics-out", str(metrics)], env={"GPT3D_SLOW_SAVE": "6"}, timeout=300)
+    assert proc.returncode == 0 and "error:" not in proc.stderr, proc.stderr[-3000:]
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == [1, 2, 3] and "val_loss" in records[1], records
+    validation_s = records[1]["elapsed_s"] - records[0]["elapsed_s"] - records[1]["step_time_s"]
+    assert validation_s > 5, validation_s  # longer than the bound, or the test proves nothing
+    assert proc.stdout.count("this save waits 6 s before its commit") == 4, proc.stdout[-3000:]  # 2 saves x 2 ranks
+    assert (save / "latest").read_text() == "step00000003" and not (save / "hang-stacks").exists()
+    print(f"validation at step 2: {validation_s:.1f} s against a 5 s bound")
