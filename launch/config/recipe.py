@@ -104,13 +104,23 @@ class TrainSection:
     hang_timeout_s: float = 0.0
     """A step that has not ended after this many seconds is a hang: every rank writes its stacks,
     one line names the ranks not where the others are, the job ends (launch/runtime/hang_watchdog.py).
-    0: 10x the median step (evaluation included, saves not), at least 120 s. Below dist_timeout_s."""
+    0: 10x the median of the recent steps (their data waits left out), at least 120 s. Below
+    dist_timeout_s. Validation and eval.tasks are timed batch by batch against it; saves have
+    save_timeout_s, data waits data.stall_timeout_s."""
     first_step_timeout_s: float = 0.0
     """The same bound for the first step of each start, which also compiles and starts the data;
     0: 0.8 x dist_timeout_s (480 s by default)."""
+    save_timeout_s: float = 0.0
+    """A save (every rank's files, fsynced, and the commit) that runs longer is a hang, reported as
+    one is. 0: no bound of its own: a save may take as long as it takes, its barrier still ends at
+    dist_timeout_s."""
     stop_grace_s: float = 30.0
     """After SIGTERM/SIGINT a rank saves when the current step ends; if it has not ended within
     this many seconds, the rank leaves without saving (the last complete checkpoint resumes)."""
+    max_starts_without_progress: int = 3
+    """A requeue (--save DIR --load DIR) is refused in one line, exit 2, once this many starts in a
+    row began at the same checkpoint and none saved a newer one (DIR/starts.jsonl,
+    launch/runtime/restarts.py); 0: no cap."""
     partition: Union[str, List[int]] = "balanced"
     """Where the pipeline stages are cut: balanced (the least compute on the busiest stage, the
     output head and loss counted), blocks (equal numbers of blocks, DeepSpeed's type:Block) or
@@ -161,6 +171,9 @@ class TrainSection:
                 raise ConfigError(f"train.{name}={bound:g} must be 0 (derived), or at least {MIN_HANG_BOUND_S:g} s and "
                                   f"below train.dist_timeout_s={self.dist_timeout_s}: the collective timeout would "
                                   f"end the job first, without stacks")
+        if not (self.save_timeout_s == 0 or self.save_timeout_s >= MIN_HANG_BOUND_S):
+            raise ConfigError(f"train.save_timeout_s={self.save_timeout_s:g} must be 0 (no bound of its own) or at "
+                              f"least {MIN_HANG_BOUND_S:g} s")
         if self.first_step_timeout_s and self.first_step_timeout_s < self.hang_timeout_s:
             raise ConfigError(f"train.first_step_timeout_s={self.first_step_timeout_s:g} must be at least "
                               f"train.hang_timeout_s={self.hang_timeout_s:g}: the first step also compiles "
@@ -168,6 +181,9 @@ class TrainSection:
         if not self.stop_grace_s > 0:
             raise ConfigError(f"train.stop_grace_s={self.stop_grace_s:g} must be > 0 (seconds a stop request waits "
                               f"for the current step to end; default 30)")
+        if self.max_starts_without_progress < 0:
+            raise ConfigError(f"train.max_starts_without_progress={self.max_starts_without_progress} must be >= 0 "
+                              f"(starts in a row from one checkpoint before a requeue is refused; 0: no cap; default 3)")
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ConfigError(f"train.eval_every={self.eval_every} must be >= 0 and "
                               f"train.eval_batches={self.eval_batches} >= 1")
@@ -282,6 +298,11 @@ class Recipe:
         self.train.validate()
         self.wandb.validate()
         self.eval.validate()
+        stall = self.data.stall_timeout_s
+        if stall != 0 and not MIN_HANG_BOUND_S <= stall < self.train.dist_timeout_s:
+            raise ConfigError(f"data.stall_timeout_s={stall:g} must be 0 (0.8 x train.dist_timeout_s), or at least "
+                              f"{MIN_HANG_BOUND_S:g} s and below train.dist_timeout_s={self.train.dist_timeout_s}: the "
+                              f"peers of a stalled rank wait in a collective, which ends at dist_timeout_s without stacks")
         if self.data.seq_len is not None and not 1 <= self.data.seq_len <= self.model.seq_len:
             raise ConfigError(f"data.seq_len={self.data.seq_len} must be in [1, model.seq_len={self.model.seq_len}] "
                               f"(the model's positions); lower data.seq_len or raise model.seq_len")

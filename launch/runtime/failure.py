@@ -32,10 +32,11 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from launch.config.recipe import HEARTBEAT_INTERVAL_S
 from launch.errors import ConfigError, our_file
+from launch.runtime.clock import MONOTONIC, Clock
 from launch.runtime.hang_watchdog import HangWatchdog
 
 FAULT_ENV = "GPT3D_FAULT_INJECT"
@@ -54,6 +55,9 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken p
 _LOCAL = ("cuda error", "cudaerror")
 _report_lock = threading.RLock()  # one line per process: the first reporter exits, others block
 _watcher: Optional["FailureWatcher"] = None  # this process's, once torch.distributed is up
+error_line_hook: Optional[Callable[[str], None]] = None
+"""Called with each line say_error writes; rank 0 records the first as how its start ended
+(launch/runtime/restarts.py). It must not raise."""
 
 
 def fault_injection() -> Optional[Tuple[int, int, str]]:
@@ -116,6 +120,8 @@ def say_error(line: str, rank: Optional[int] = None) -> None:
     sys.stderr.flush()
     who = os.environ.get("RANK", "?") if rank is None else rank
     os.write(sys.stderr.fileno(), f"error: rank {who}: {line}\n".encode())
+    if error_line_hook is not None:
+        error_line_hook(line)
 
 
 def report_failure(error: BaseException) -> None:
@@ -137,15 +143,16 @@ class FailureWatcher:
     its store go away: no watcher may poll any more)."""
 
     def __init__(self, rank: int, world_size: int, heartbeat_timeout_s: float = 60.0,
-                 hang: Optional[HangWatchdog] = None):
+                 hang: Optional[HangWatchdog] = None, clock: Clock = MONOTONIC):
         global _watcher
         _watcher = self
         self.rank, self.world_size, self.timeout_s, self.hang = rank, world_size, heartbeat_timeout_s, hang
+        self.clock = clock  # heartbeat ages and store silences (the polls themselves wait in real time)
         self.step = 0  # the last completed step, as the heartbeat reports it
         self.host = socket.gethostname()
         self.store = _main_thread_store()
         self._client: Optional[_TimedClient] = None  # the watcher thread's, once connected
-        self._ran_at = time.monotonic()  # the last wake-up of either thread
+        self._ran_at = self.clock.now()  # the last wake-up of either thread
         self._rank0_beat: Optional[str] = None  # rank 0's heartbeat, read once: who to end if its store falls silent
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gpt3d-failure-watcher", daemon=True)
@@ -163,7 +170,7 @@ class FailureWatcher:
 
     def _woke(self) -> None:
         """Every wake-up of either thread: a gap above the timeout means this process was frozen."""
-        now = time.monotonic()
+        now = self.clock.now()
         if now - self._ran_at > self.timeout_s:
             self._leave_frozen(now - self._ran_at)
         self._ran_at = now
@@ -171,7 +178,7 @@ class FailureWatcher:
     def _time_the_store(self) -> None:
         while not self._stop.wait(_POLL_S):
             self._woke()
-            silent_s = time.monotonic() - self._client.answered_at if self._client is not None else 0.0
+            silent_s = self.clock.now() - self._client.answered_at if self._client is not None else 0.0
             if silent_s > self.timeout_s:
                 self._leave(f"{_store_lost()} did not answer a request for {silent_s:.0f} s "
                             f"(train.heartbeat_timeout_s={self.timeout_s:g}): rank 0 was killed, frozen or cut off, "
@@ -188,25 +195,25 @@ class FailureWatcher:
     def _connect(self) -> "_TimedClient":
         """A store client of the watcher's own (the main thread's waits on the process group's
         client must not delay a heartbeat), retried for up to the heartbeat timeout."""
-        first = time.monotonic()
+        first = self.clock.now()
         while True:
             try:
-                self._client = _TimedClient(_connect_store(timeout_s=min(30.0, self.timeout_s)))
+                self._client = _TimedClient(_connect_store(timeout_s=min(30.0, self.timeout_s)), self.clock)
                 return self._client
             except Exception as e:
-                if time.monotonic() - first > self.timeout_s:
-                    self._leave(f"{_store_lost()} refused this rank's watcher for {time.monotonic() - first:.0f} s "
+                if self.clock.now() - first > self.timeout_s:
+                    self._leave(f"{_store_lost()} refused this rank's watcher for {self.clock.now() - first:.0f} s "
                                 f"({type(e).__name__}): rank 0 died, or its process ran out of open files "
                                 f"(see its log and `ulimit -n`)", lost=(0, None))
                 time.sleep(_POLL_S)
 
     def _watch_until_stopped(self, store: "_TimedClient") -> None:
         peer = (self.rank + 1) % self.world_size
-        seen, seen_at = None, time.monotonic()  # the peer's heartbeat count, when it last changed
+        seen, seen_at = None, self.clock.now()  # the peer's heartbeat count, when it last changed
         next_beat, count, errors = 0.0, 0, 0
         while not self._stop.wait(_POLL_S):
             self._woke()
-            now = time.monotonic()
+            now = self.clock.now()
             try:
                 if now >= next_beat:
                     count += 1
@@ -326,7 +333,7 @@ class FailureWatcher:
         published first), let the others read it, exit 1. Never returns."""
         if os.environ.get(TRACEBACK_ENV) == "1":
             traceback.print_exception(error)
-        gap_s = time.monotonic() - self._ran_at
+        gap_s = self.clock.now() - self._ran_at
         if gap_s > self.timeout_s + _POLL_S:  # resumed after a freeze: the error is the peers having left
             self._leave_frozen(gap_s)
         with _report_lock:
@@ -365,15 +372,16 @@ class _TimedClient:
     N s"). A failed request is no answer: a store that went away (rank 0 killed) stays silent
     from its last answer on, so every survivor leaves at the timeout, not later."""
 
-    def __init__(self, store):
-        self._store, self.answered_at = store, time.monotonic()
+    def __init__(self, store, clock: Clock):
+        self._store, self.clock = store, clock
+        self.answered_at = clock.now()
 
     def __getattr__(self, name: str):
         request = getattr(self._store, name)
 
         def timed(*args):
             answer = request(*args)
-            self.answered_at = time.monotonic()
+            self.answered_at = self.clock.now()
             return answer
         return timed
 

@@ -23,26 +23,31 @@ if TYPE_CHECKING:  # annotations only: no import cost at run time
 
 
 def validation_loss(engine: PipelineEngine, data: SourceData, state: ParallelState, layout: Layout,
-                    eval_batches: int, device: torch.device) -> float:
-    """Mean validation loss over the same global batches at every call, via `eval_batch`."""
+                    eval_batches: int, device: torch.device, progress: Callable[[], None] = lambda: None) -> float:
+    """Mean validation loss over the same global batches at every call, via `eval_batch`;
+    `progress()` after each (the hang watchdog times validation batch by batch)."""
     from data.pipeline import on_device
     from launch.runtime.step_tokens import count_step_tokens
     from model.parallel.context_parallel import sequence_shards
     n = data.eval_global_batches(eval_batches)
     batches = sequence_shards(on_device(data.val_batches(state.dp_rank, layout.dp, n), device),
                               state.cp_rank, state.cp_size)
-    return sum(engine.eval_batch(data_iter=count_step_tokens(engine, batches, layout.grad_accum_steps)).item()
-               for _ in range(n)) / n
+    total = 0.0
+    for _ in range(n):
+        total += engine.eval_batch(data_iter=count_step_tokens(engine, batches, layout.grad_accum_steps)).item()
+        progress()
+    return total / n
 
 
 def validation_record(engine: PipelineEngine, data: RunData, state: ParallelState, layout: Layout,
-                      eval_batches: int, device: torch.device, logging_rank: bool) -> dict:
+                      eval_batches: int, device: torch.device, logging_rank: bool,
+                      progress: Callable[[], None] = lambda: None) -> dict:
     """val_loss, val_ppl and (on the logging rank) val_bpb, bits per byte (data/bits_per_byte.py);
     for a mixture also val_loss_by_source (label -> that source's own validation loss), with
     val_loss and val_bpb their means weighted by the mixture's weights."""
     from data.bits_per_byte import validation_loss_and_bpb
     val_loss, by_source, val_bpb = validation_loss_and_bpb(
-        data, lambda part: validation_loss(engine, part, state, layout, eval_batches, device),
+        data, lambda part: validation_loss(engine, part, state, layout, eval_batches, device, progress),
         lambda part: part.eval_global_batches(eval_batches), with_bpb=logging_rank)
     record = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
     if val_bpb is not None:
@@ -53,23 +58,26 @@ def validation_record(engine: PipelineEngine, data: RunData, state: ParallelStat
 
 
 def task_record(engine: PipelineEngine, job: TrainingJob, tasks: List[TaskSequences], state: ParallelState,
-                device: torch.device) -> dict:
+                device: torch.device, progress: Callable[[], None] = lambda: None) -> dict:
     """eval.tasks scored now (launch/runtime/task_scoring.py: `tasks` its TaskSequences): name ->
     acc, acc_norm, n and the gold choices' mean log-likelihood (each choice's own stays with
     launch/evaluate.py --metrics-out)."""
     from launch.runtime.task_scoring import score_tasks
-    scores = score_tasks(engine, state, job.layout, tasks, device)
+    scores = score_tasks(engine, state, job.layout, tasks, device, progress)
     return {name: {k: v for k, v in values.items() if k != "choice_loglikelihoods"} for name, values in scores.items()}
 
 
 def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout: Layout, state: ParallelState,
-            config: GPTConfig, logging_rank: bool) -> Tuple[int, int]:
-    """(first step to train, samples consumed so far): (1, 0), or after the checkpoint's step."""
+            config: GPTConfig, logging_rank: bool, progress: Callable[[], None] = lambda: None) -> Tuple[int, int]:
+    """(first step to train, samples consumed so far): (1, 0), or after the checkpoint's step;
+    `progress()` after each file read."""
     from launch.checkpoints import store
     from launch.checkpoints.locate import same_layout, saved_zero_stage
+    from launch.checkpoints.safe_io import each_file_loaded
     if resume_from is None:
         return 1, 0
-    client_state = store.load(engine, resume_from, vars(layout), state, config)
+    with each_file_loaded(progress):
+        client_state = store.load(engine, resume_from, vars(layout), state, config)
     step, samples = client_state["step"], client_state["samples"]
     if logging_rank:
         saved = resume_from.meta["layout"]
@@ -116,8 +124,10 @@ def run_training(job: TrainingJob) -> None:
     from launch.runtime.engine import build_engine, print_role_map
     from launch.runtime.failure import FailureWatcher, fault_injection, maybe_inject_fault
     from launch.runtime.grad_norm import last_grad_norm
-    from launch.runtime.hang_watchdog import HangWatchdog, stacks_dir
+    from launch.runtime.hang_line import stacks_dir
+    from launch.runtime.hang_watchdog import HangWatchdog
     from launch.runtime.replica_reader import replica_reader_groups
+    from launch.runtime.restarts import StartRecord
     from launch.runtime.signals import StopRequest
     from launch.runtime.step_prediction import predict_step_time
     from launch.runtime.step_tokens import RouterTokens, count_step_tokens
@@ -130,8 +140,11 @@ def run_training(job: TrainingJob) -> None:
     start_rank(layout.world_size, train_cfg.dist_timeout_s)
     # One rank fails, falls silent or hangs: all stop.
     hang = HangWatchdog(int(os.environ["RANK"]), layout.world_size, stacks_dir(args.save, args.metrics_out),
-                        train_cfg.hang_timeout_s, train_cfg.first_step_timeout_s or 0.8 * train_cfg.dist_timeout_s)
+                        train_cfg.hang_timeout_s, train_cfg.first_step_timeout_s or 0.8 * train_cfg.dist_timeout_s,
+                        save_timeout_s=train_cfg.save_timeout_s,
+                        stall_timeout_s=recipe.data.stall_timeout_s or 0.8 * train_cfg.dist_timeout_s)
     watcher = FailureWatcher(int(os.environ["RANK"]), layout.world_size, train_cfg.heartbeat_timeout_s, hang)
+    starts = StartRecord.begin(args.save, resume_from, int(os.environ["RANK"]))  # rank 0's, in DIR/starts.jsonl
     fault = fault_injection()  # a test hook, None unless GPT3D_FAULT_INJECT is set
     state = init_parallel_state(layout.tp, layout.pp, layout.cp, layout.ep, experts=recipe.model.moe.enabled)
     logging_rank = is_logging_rank(state.global_rank)
@@ -150,7 +163,9 @@ def run_training(job: TrainingJob) -> None:
         from launch.instruments.timeline import install_timeline_recorder
         timeline = install_timeline_recorder(engine, args.timeline_steps, train_cfg.steps,
                                              one_per_stage=state.tp_rank == 0 and state.cp_rank == 0 and state.dp_rank == 0)
-    first_step, samples = restore(engine, resume_from, layout, state, config, logging_rank)
+    hang.start()  # from here the run is timed: a load file by file, then each step and phase by its rule
+    with hang.phase("load"):
+        first_step, samples = restore(engine, resume_from, layout, state, config, logging_rank, hang.progress)
 
     saved_recipe = resolved_recipe_dict(recipe, job.vocab_size)
     # The data's own position: samples since its order began (not the run's, after --restart-data).
@@ -159,8 +174,9 @@ def run_training(job: TrainingJob) -> None:
     device = torch.device(get_accelerator().current_device_name())
     # The CP ranks of a replica drew the same samples (same dp rank); each keeps its sequence shard.
     # One rank of each replica reads; the others drawing micro-batches receive them (replica_reader.py).
-    feed = sequence_shards(data.feed(batches, *replica_reader_groups(state, data.streamed), device),
-                           state.cp_rank, state.cp_size)
+    # Each draw is a data wait, bounded by data.stall_timeout_s rather than the step's bound.
+    drawn = data.feed(batches, *replica_reader_groups(state, data.streamed), device)
+    feed = sequence_shards(hang.timed_draws(drawn), state.cp_rank, state.cp_size)
     # The run summary prints it, with the planner's step time for this layout (rank 0 plans it).
     prediction = predict_step_time(recipe, layout, job.vocab_size) if logging_rank else None
     arithmetic = run_arithmetic(config, layout, recipe.seq_len, train_cfg.steps, prediction)
@@ -182,7 +198,6 @@ def run_training(job: TrainingJob) -> None:
         print(report, flush=True)
     from launch.runtime.task_scoring import task_sequences
     tasks = task_sequences(job.tasks, data.tokenizer, recipe.seq_len)  # tokenized once, scored every eval.every
-    hang.start()  # from here a step that never ends is found (saves and the start-up before not timed)
     for step in range(first_step, train_cfg.steps + 1):
         lr = engine.get_lr()[0]  # the rate this step uses; the scheduler advances after it
         maybe_inject_fault(fault, state.global_rank, step)
@@ -193,6 +208,7 @@ def run_training(job: TrainingJob) -> None:
         # The step's loss is its mean over every counted token (model/gpt/pipe.py: TokenMeanLoss).
         loss, seconds = timed_train_batch(engine, lambda: count_step_tokens(engine, feed, layout.grad_accum_steps,
                                                                             routers))
+        hang.step_ended()
         if step == first_step and runs_zero_bubble(train_cfg.schedule, layout.pp):
             check_weight_passes_ran(engine)  # the hooks took: W passes computed weight gradients
         watcher.completed(step)  # the heartbeat names it if this rank is lost later
@@ -216,16 +232,19 @@ def run_training(job: TrainingJob) -> None:
         record.update(after_moe_step(engine, config, layout))  # collective; {} without experts
         record.update(data.step_record(samples - job.data_origin_samples))
         if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
-            record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device, logging_rank))
+            with hang.phase("validation"):
+                record.update(validation_record(engine, data, state, layout, train_cfg.eval_batches, device,
+                                                logging_rank, hang.progress))
         if job.tasks and ((recipe.eval.every and step % recipe.eval.every == 0) or step == train_cfg.steps):
-            record["tasks"] = task_record(engine, job, tasks, state, device)
+            with hang.phase("tasks"):
+                record["tasks"] = task_record(engine, job, tasks, state, device, hang.progress)
         if metrics is not None:
             for line in stragglers.observe(step, compute_by_rank, numbers.data_wait_s, seconds):
                 print(line, flush=True)
             metrics.log(record)
         stopping = stop.agreed(numbers.stop_requested)
         if args.save and (stopping or step == train_cfg.steps or (args.save_every and step % args.save_every == 0)):
-            with stop.saving(), hang.paused():  # neither a stop request's wait nor the hang clock cut a save short
+            with stop.saving(), hang.phase("save"):  # a save has its own bound, and a stop request waits for it
                 path = store.save(engine, args.save, step, samples, saved_recipe, vars(layout),
                                   args.keep_last, is_writer=logging_rank,
                                   wandb_run_id=metrics.wandb_run_id if metrics is not None else None,
@@ -233,9 +252,9 @@ def run_training(job: TrainingJob) -> None:
                                   data_identity={"data_fingerprint": job.data_fingerprint,
                                                  "data_origin_samples": job.data_origin_samples},
                                   layout_auto=dataclasses.asdict(job.layout_choice) if job.layout_choice else None)
-            if logging_rank:
-                print(f"saved {path}", flush=True)
-        hang.step_ended()
+            if starts is not None and (stopping or step == train_cfg.steps):  # how this start ended
+                starts.ended(step, stopped=stopping)
+            stop.saved(path, logging_rank)  # how long a stop needs; leaves if a later request came during the save
         if stopping:
             if logging_rank:
                 print(f"stopped by signal after step {step}", flush=True)
