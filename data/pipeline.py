@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data.sampler import micro_batches
 from data.spec import DataError, DataSpec
-from data.streaming import (Batch, StreamingBatches, StreamSource, StreamState, gather_data_state,
+from data.streaming import (Batch, StepBatches, StreamingBatches, StreamSource, StreamState, gather_data_state,
                             positions_of_units, states_from, stream_windows)
 
 
@@ -88,6 +88,15 @@ class RunData(ABC):
         """Collective when streamed (every rank calls it): the position of every stream, gathered
         from the ranks that read them, for the checkpoint; None when nothing is streamed, where
         the sample count is the whole position."""
+
+    def close_batches(self, batches: Iterator[Batch]) -> None:
+        """Stop the read-ahead thread of `batches` (from `train_batches`) and wait for it to end,
+        bounded (data/prefetch.py): at the end of the run and on a failure path, so that the
+        process never exits while the thread is inside pyarrow's C++. Streamed data, one source
+        or a mixture, holds one such thread per reading rank; cached data none. Safe to call
+        more than once, and from another thread."""
+        if isinstance(batches, StepBatches):
+            batches.close()
 
     @abstractmethod
     def check_data_state(self, data_state: Optional[dict], samples: int) -> None:

@@ -12,9 +12,34 @@ what is done (data/streaming.py: StepBatches). An exception in the worker is rai
 consumer's next call, where the training loop turns it into the rank's one-line failure; it
 never hangs.
 """
+import atexit
 import queue
 import threading
+import weakref
 from typing import Iterator, Optional
+
+CLOSE_WAIT_S = 10.0
+"""How long `close` waits for the worker to end. Closed, it stops at its next unit read or
+tokenizer batch (`stop_point`); one that is still reading then (slow storage) is left to the
+wait at exit (`_close_at_exit`)."""
+
+_worker = threading.local()  # in a worker thread: its ReadAhead's `stopping`, for stop_point
+_started: "weakref.WeakSet[ReadAhead]" = weakref.WeakSet()
+
+
+class Closed(Exception):
+    """Raised by `stop_point` in the worker of a closed ReadAhead (the item it was producing is
+    dropped, and the worker ends), and by a draw from a closed ReadAhead."""
+
+
+def stop_point() -> None:
+    """In the worker of a closed ReadAhead, raise Closed; elsewhere (a stream read inline by the
+    trainer, validation reads) do nothing. The stream code calls it before each unit read and
+    each tokenizer batch (data/streaming.py): a worker closed while it refills a shuffle block
+    (hundreds of units on a large rank) ends within one of them instead of after the block."""
+    stopping = getattr(_worker, "stopping", None)
+    if stopping is not None and stopping.is_set():
+        raise Closed
 
 
 class _Failed:
@@ -43,16 +68,27 @@ class ReadAhead:
         return False
 
     def _work(self) -> None:
+        _worker.stopping = self.stopping
         try:
             for item in self.items:
                 if not self._put(item):
                     return
+        except Closed:
+            return
         except BaseException as e:  # handed to the consumer, raised there
             self._put(_Failed(e))
 
-    def close(self) -> None:
-        """Stop the worker at its next item (it holds up to `depth` items and a stream's block)."""
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Stop the worker and wait (up to `wait_s`) for it to end. A daemon thread still
+        running when the interpreter finalizes is ended by it at its next acquire of the GIL,
+        with pthread_exit; inside pyarrow's C++ that unwinding aborts the process ("terminate
+        called without an active exception", SIGABRT): half the exits of processes whose worker
+        was reading ahead did (tests/data/test_read_ahead_exit.py; CPython gh-87135,
+        pytorch/pytorch#38228). Joined here, it has ended by then. Safe to call again, from any
+        thread."""
         self.stopping.set()
+        if self.thread is not None:
+            self.thread.join(wait_s)
 
     def __iter__(self):
         return self
@@ -61,8 +97,26 @@ class ReadAhead:
         if self.thread is None:
             self.thread = threading.Thread(target=self._work, name=self.name, daemon=True)
             self.thread.start()
-        item = self.queue.get()
+            _started.add(self)
+        while True:  # a draw waiting when another thread closes fails, rather than wait forever
+            if self.stopping.is_set():
+                raise Closed(f"{self.name} was closed")
+            try:
+                item = self.queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                continue
         if isinstance(item, _Failed):
             self.queue.put(item)  # every later call fails the same way
             raise item.error
         return item
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close every worker still running when the interpreter begins to exit. Exit handlers run
+    before it finalizes, while threads still run: a worker its owner never closed (an exception
+    that left the training loop, a bench or test that drew and returned), or one that outlived
+    `close`'s wait in a slow read, ends here instead of inside C++ at finalization."""
+    for read_ahead in list(_started):
+        read_ahead.close()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from data.prefetch import ReadAhead
+from data.prefetch import ReadAhead, stop_point
 from data.spec import DataError
 from data.tokens import document_tokens
 from data.units import UnitSource, UnitTable, as_table
@@ -101,6 +101,7 @@ def stream_documents(source: StreamSource, stream: int, n_streams: int, seed: in
     while epochs is None or epoch < epochs:
         mine = stream_units(len(source.units), stream, n_streams, seed, epoch, shuffle)
         for p in range(place, len(mine)):
+            stop_point()  # a closed read-ahead's worker ends here, not after the block it refills
             texts = source.reader.texts(source.units[mine[p]])
             for r in range(row, len(texts)):
                 if texts[r]:
@@ -122,6 +123,7 @@ def packed_windows(docs: Iterator[Tuple[Position, Optional[str]]], tokenizer: Pr
     pieces: List[Tuple[int, Position]] = []  # (index in carry, position of that token)
 
     def tokenized(batch):
+        stop_point()
         ids = document_tokens([text for _, text in batch], tokenizer)
         return [(pos, doc) for (pos, _), doc in zip(batch, ids) if doc]
 
@@ -228,8 +230,9 @@ class StepBatches:
         return x, y
 
     def close(self) -> None:
-        """Stop the read-ahead thread, if any (a run's batches live as long as the run; benches
-        and tests open many)."""
+        """Stop the read-ahead thread, if any, and wait for it to end (bounded: data/prefetch.py);
+        the training loop calls it (RunData.close_batches) at the end of the run and on a
+        failure path, and benches and tests that open many."""
         if isinstance(self._batches, ReadAhead):
             self._batches.close()
 

@@ -5,6 +5,7 @@ and after a resume; validation losses are per source; bad mixtures are one line 
 real run of recipes/mix-demo.yaml logs samples and validation loss per source, the same at dp=2
 as on one process."""
 import re
+import threading
 from fractions import Fraction
 
 import datasets
@@ -229,6 +230,26 @@ def test_streamed_sources_keep_the_order_at_every_dp_and_resume_exactly(shards):
         with pytest.raises(DataError) as e:
             run.check_data_state(saved, 24 * 16)
         assert words in str(e.value), str(e.value)
+
+
+def test_closing_a_runs_batches_ends_its_read_ahead_in_every_data_mode(shards):
+    """RunData.close_batches, what the training loop calls at the end and on a failure: the one
+    read-ahead thread of streamed data (one source, or a mixture with a streamed source) has
+    ended when it returns; cached data starts none."""
+    tokenizer = load_tokenizer("builtin")
+    streamed = {"name": shards, "streaming": True, "streams": 4, "shuffle_buffer": 8}
+    mixed = [dict(streamed, label="s"), {"label": "c"}]
+    for spec, threads in ((DataSpec(**streamed), 1), (DataSpec(mix=mixed), 1),
+                          (DataSpec(), 0), (DataSpec(mix=[{"label": "a"}, {"label": "b"}]), 0)):
+        data = prepare_run_data(spec, tokenizer, 15, 2, 16, 2, evaluate=False)
+        batches = data.train_batches(0, 2)
+        before = set(threading.enumerate())
+        next(batches)
+        started = set(threading.enumerate()) - before
+        assert len(started) == threads, (spec, started)
+        data.close_batches(batches)
+        assert not [t for t in started if t.is_alive()], spec
+        data.close_batches(batches)  # again: nothing left to do
 
 
 @pytest.mark.parametrize("mix,words", [

@@ -2,14 +2,18 @@
 trainer slower than the reader, the draws stop waiting; and `waited_s` (the step's data_wait_s)
 counts what the trainer did wait, inline or on the thread. A reader that sleeps stands in for
 storage, so the times are large against this machine's noise."""
+import threading
 import time
 
 import numpy as np
 import pytest
 
+from data.builtin import load_tokenizer
+from data.prefetch import Closed
 from data.prepare_source import default_read_ahead_steps
 from data.spec import DataSpec
-from data.streaming import START, StreamingBatches
+from data.streaming import START, StreamingBatches, StreamSource, stream_windows
+from data.units import Unit, UnitSource, UnitTable
 
 READ_S = 0.03  # per window: 0.12 s per step of 4 windows
 B, MICRO, STEPS = 4, 2, 4
@@ -86,10 +90,53 @@ def test_the_default_read_ahead_spreads_a_block_refill():
     assert sum(default[first_block:]) < 0.1 * BLOCK * READ_S, default
 
 
-def test_closing_stops_the_worker():
+CLOSED_WITHIN_S = 3.0  # against CLOSE_WAIT_S (10 s) and the 12 s refill below: closing waited on neither
+
+
+def test_closing_ends_the_worker_blocked_on_a_full_queue():
+    """`close` returns with the worker ended (a process may exit right after it), and a draw
+    after it fails instead of waiting forever."""
     batches = StreamingBatches(slow_stream, 1, B, MICRO, 0, 1, 0, {}, 1)
     next(batches)
+    time.sleep(10 * READ_S)  # the worker fills its one step ahead and waits for room
+    assert batches._batches.queue.full()
+    start = time.monotonic()
     batches.close()
-    worker = batches._batches.thread
-    worker.join(timeout=2)
-    assert not worker.is_alive()
+    assert time.monotonic() - start < CLOSED_WITHIN_S
+    assert not batches._batches.thread.is_alive()
+    with pytest.raises(Closed):
+        next(batches)
+
+
+class SlowUnits(UnitSource):
+    """Units of one document each, every read taking READ_S: slow storage."""
+    label = "slow"
+
+    def __init__(self, n: int):
+        self.units, self.read = UnitTable.of(Unit(0, i, i, i + 1) for i in range(n)), 0
+
+    def texts(self, unit: Unit):
+        time.sleep(READ_S)
+        self.read += 1
+        return [f"document {unit.part} says " * 10]
+
+
+def test_closing_ends_a_block_refill_at_the_next_unit():
+    """A worker closed while it refills a shuffle block (here the whole epoch: 400 units, 12 s
+    of reading) stops before its next unit read, not after the block."""
+    units = SlowUnits(400)
+    source, tokenizer = StreamSource(units, units.units), load_tokenizer("builtin")
+    batches = StreamingBatches(lambda stream, state: stream_windows(source, tokenizer, 16, 1, False, 10 ** 6, stream,
+                                                                    1, state), 1, B, MICRO, 0, 1, 0, {}, 1)
+    drawn = []
+    drawer = threading.Thread(target=lambda: drawn.append(pytest.raises(Closed, next, batches)), daemon=True)
+    drawer.start()  # the trainer's draw: it waits on the refill
+    while units.read < 3:
+        time.sleep(READ_S)
+    start = time.monotonic()
+    batches.close()
+    assert time.monotonic() - start < CLOSED_WITHIN_S
+    assert not batches._batches.thread.is_alive()
+    read = units.read
+    drawer.join(CLOSED_WITHIN_S)
+    assert drawn and units.read == read < 20  # the drawer's wait ended; no unit read after close
