@@ -1,7 +1,8 @@
 """A small HTTP file server for the streaming tests and bench/streaming_data.py: Range requests (Python's http.server
 ignores them), directory listings that fsspec can glob, and a count of the body bytes it sent
 per file, so a test can say exactly what a job fetched. `fail_after` makes every data request
-after that many fail with 500 (a storage outage, for the failure tests)."""
+after that many fail with 500 (a storage outage, for the failure tests); `held`, an Event,
+makes every data request wait until it is set (storage that stalls)."""
 import html
 import re
 import threading
@@ -23,6 +24,7 @@ class RangeServer:
         self.sent: Dict[str, int] = defaultdict(int)
         self.requests: List[Tuple[str, int, int]] = []  # (path, first byte, end) of every body sent
         self.fail_after: Optional[int] = None
+        self.held: Optional[threading.Event] = None
         self.lookups = 0  # HEAD requests and directory listings: the start-up's questions about files
         server = self
 
@@ -70,6 +72,9 @@ class RangeServer:
                 if failing:
                     self.send_error(500, "storage outage (bench/range_server.py fail_after)")
                     return
+                held = server.held
+                if held is not None:
+                    held.wait()
                 size = path.stat().st_size
                 start, end, status = 0, size, 200
                 match = RANGE.match(self.headers.get("Range", ""))

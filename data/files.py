@@ -22,6 +22,7 @@ import fsspec
 
 from data.hub import hub_errors_only
 from data.job_listing import listed_once_per_job
+from data.reading import reading
 from data.spec import DataError
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text", ".md": "text", ".csv": "csv"}
@@ -62,6 +63,12 @@ class SourceFiles:
     label: str
     """The source as the recipe names it, without credentials (for messages)."""
 
+    def where(self, file: int) -> str:
+        """File `file` as a person finds it: its URL, or its path on a local disk; no credentials."""
+        path, protocol = self.paths[file], self.fs.protocol
+        local = "file" in ((protocol,) if isinstance(protocol, str) else protocol)
+        return shown(path if local else self.fs.unstrip_protocol(path))
+
     def read(self, file: int, start: int, end: int) -> bytes:
         """Bytes [start, end) of file `file`: one range request."""
         try:
@@ -86,7 +93,10 @@ def filesystem(url: str, label: str) -> Tuple[fsspec.AbstractFileSystem, str]:
 
 def _expand(fs: fsspec.AbstractFileSystem, path: str, label: str) -> List[str]:
     try:
-        return sorted(fs.glob(path)) if is_glob(path) else [path]
+        if not is_glob(path):
+            return [path]
+        with reading(f"{label}: the files matching {shown(path)}"):
+            return sorted(fs.glob(path))
     except Exception as e:
         raise DataError(f"data.name={label!r} could not be listed: {type(e).__name__}: "
                         f"{shown(str(e).splitlines()[0][:200]) if str(e) else ''}") from None
@@ -176,7 +186,8 @@ def _listing(listing: dict, label: str) -> SourceFiles:
 
 def _info(fs: fsspec.AbstractFileSystem, path: str, label: str) -> Tuple[int, str]:
     try:
-        info = fs.info(path)
+        with reading(f"{label}: the size of {shown(path)}"):
+            info = fs.info(path)
     except FileNotFoundError:
         raise DataError(f"data.name={label!r}: no such file: {shown(path)}") from None
     except Exception as e:

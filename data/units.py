@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from data.cache import build_once, default_cache_dir
 from data.files import SourceFiles
+from data.reading import reading
 from data.spec import DataError
 
 UNITS_VERSION = 1  # bump when the cutting rule changes: units (and the cached lists) change with it
@@ -162,7 +163,8 @@ class DatasetUnits(UnitSource):
         return f"{UNITS_VERSION}:{len(self.dataset)}:{self.text_field}"
 
     def texts(self, unit: Unit) -> List[Optional[str]]:
-        return self.dataset[unit.start:unit.stop].column(self.text_field).to_pylist()
+        with reading(f"{self.label}: rows {unit.start}-{unit.stop}"):
+            return self.dataset[unit.start:unit.stop].column(self.text_field).to_pylist()
 
 
 def line_units(sizes: Sequence[int], unit_bytes: int) -> UnitTable:
@@ -247,11 +249,12 @@ class FileUnits(UnitSource):
                 self._footers.move_to_end(file)
                 return self._footers[file]
         size = self.files.sizes[file]
-        tail = self.files.read(file, size - 8, size) if size >= 12 else b""
-        if tail[4:] != b"PAR1":
-            raise DataError(f"data.name={self.label!r}: {self.files.names[file]!r} is not a parquet file")
-        length = struct.unpack("<I", tail[:4])[0]
-        footer = self.files.read(file, size - 8 - length, size - 8)
+        with reading(f"{self.label}: {self.files.where(file)} footer"):
+            tail = self.files.read(file, size - 8, size) if size >= 12 else b""
+            if tail[4:] != b"PAR1":
+                raise DataError(f"data.name={self.label!r}: {self.files.names[file]!r} is not a parquet file")
+            length = struct.unpack("<I", tail[:4])[0]
+            footer = self.files.read(file, size - 8 - length, size - 8)
         meta = pq.read_metadata(pa.BufferReader(b"PAR1" + footer + tail))
         with self._footers_lock:
             self._footers[file] = meta
@@ -298,10 +301,11 @@ class FileUnits(UnitSource):
         return UnitTable(np.load(build_once(default_cache_dir() / "data" / f"units-{key}.npy", build)))
 
     def _parquet_texts(self, unit: Unit) -> List[Optional[str]]:
-        meta = self.footer(unit.file)
-        chunk = SparseFile(self.files, unit.file, [(unit.start, self.files.read(unit.file, unit.start, unit.stop))])
-        reader = pq.ParquetFile(pa.PythonFile(chunk, mode="r"), metadata=meta, pre_buffer=False)
-        return reader.read_row_group(unit.part, columns=[self.text_field]).column(0).to_pylist()
+        with reading(f"{self.label}: {self.files.where(unit.file)} row group {unit.part}"):
+            meta = self.footer(unit.file)
+            chunk = SparseFile(self.files, unit.file, [(unit.start, self.files.read(unit.file, unit.start, unit.stop))])
+            reader = pq.ParquetFile(pa.PythonFile(chunk, mode="r"), metadata=meta, pre_buffer=False)
+            return reader.read_row_group(unit.part, columns=[self.text_field]).column(0).to_pylist()
 
     # -- lines --
 
@@ -340,8 +344,11 @@ class FileUnits(UnitSource):
             self._line_texts(Unit(0, 0, 0, len(first) + 1), lines=[first])
 
     def _line_texts(self, unit: Unit, lines: Optional[List[bytes]] = None) -> List[Optional[str]]:
+        if lines is None:
+            with reading(f"{self.label}: {self.files.where(unit.file)} bytes {unit.start}-{unit.stop}"):
+                lines = self._lines(unit)
         texts: List[Optional[str]] = []
-        for n, line in enumerate(self._lines(unit) if lines is None else lines):
+        for n, line in enumerate(lines):
             text = line.decode("utf-8", errors="replace")
             if self.files.format == "text":
                 texts.append(text)
@@ -368,7 +375,9 @@ class FileUnits(UnitSource):
         return self._line_texts(Unit(unit.file, unit.part, unit.start, unit.start + max_bytes))
 
     def _csv_texts(self, unit: Unit) -> List[Optional[str]]:
-        table = pa_csv.read_csv(pa.BufferReader(self.files.read(unit.file, unit.start, unit.stop)))
+        with reading(f"{self.label}: {self.files.where(unit.file)} (the whole file)"):
+            blob = self.files.read(unit.file, unit.start, unit.stop)
+        table = pa_csv.read_csv(pa.BufferReader(blob))
         if self.text_field not in table.column_names:
             raise DataError(f"data.text_field={self.text_field!r} is not a column of {self.label!r}; "
                             f"columns: {', '.join(table.column_names)}")
