@@ -110,6 +110,7 @@ def run_training(job: TrainingJob) -> None:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
+    from data.reading import reading_now
     from launch.analysis.zero_bubble_schedule import runs_zero_bubble
     from launch.checkpoints import store
     from launch.instruments.comm_counter import install_comm_counter
@@ -142,7 +143,8 @@ def run_training(job: TrainingJob) -> None:
     hang = HangWatchdog(int(os.environ["RANK"]), layout.world_size, stacks_dir(args.save, args.metrics_out),
                         train_cfg.hang_timeout_s, train_cfg.first_step_timeout_s or 0.8 * train_cfg.dist_timeout_s,
                         save_timeout_s=train_cfg.save_timeout_s,
-                        stall_timeout_s=recipe.data.stall_timeout_s or 0.8 * train_cfg.dist_timeout_s)
+                        stall_timeout_s=recipe.data.stall_timeout_s or 0.8 * train_cfg.dist_timeout_s,
+                        reading_now=reading_now)  # a stall's line names what the data reads
     watcher = FailureWatcher(int(os.environ["RANK"]), layout.world_size, train_cfg.heartbeat_timeout_s, hang)
     starts = StartRecord.begin(args.save, resume_from, int(os.environ["RANK"]))  # rank 0's, in DIR/starts.jsonl
     fault = fault_injection()  # a test hook, None unless GPT3D_FAULT_INJECT is set
@@ -260,6 +262,9 @@ def run_training(job: TrainingJob) -> None:
                 print(f"stopped by signal after step {step}", flush=True)
             break
     hang.finished()
+    # The read-ahead thread ends before the interpreter does (a daemon thread inside pyarrow at
+    # finalization aborts the process). A failure leaves by os._exit, where no finalization runs.
+    data.close_batches(batches)
     if timeline is not None:
         timeline.draw(args.timeline, logging_rank)  # collective: every rank gathers
     if metrics is not None:

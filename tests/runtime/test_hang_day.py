@@ -37,13 +37,13 @@ class Run:
     polls each rank's watchdog as its watcher thread would."""
 
     def __init__(self, tmp_path, hang_timeout_s=0.0, save_timeout_s=0.0, stall_timeout_s=480.0,
-                 first_step_timeout_s=480.0, reading=lambda: []):
+                 first_step_timeout_s=480.0):
         import torch.distributed as dist
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=30))
         self.clock = SimulatedClock()
         self.ranks = [SimulatedRank(r, 2, tmp_path, hang_timeout_s, first_step_timeout_s, save_timeout_s,
-                                    stall_timeout_s, self.clock, reading) for r in range(2)]
+                                    stall_timeout_s, self.clock) for r in range(2)]
 
     def elapse(self, seconds: float) -> None:
         whole, part = divmod(seconds, 1.0)
@@ -171,21 +171,25 @@ def test_an_evaluation_or_load_that_progresses_is_not_a_hang_and_one_that_stops_
 
 
 def test_a_storage_stall_within_its_bound_recovers_and_one_past_it_names_what_it_reads(tmp_path):
-    reading = ["fineweb: https://example.test/data/part-0003.parquet row group 7 for 481 s"]
-    run = Run(tmp_path, stall_timeout_s=480.0, reading=lambda: reading)
+    """The line names what data/reading.py says the data reads (the read-ahead worker's unit)."""
+    from data.reading import reading, reading_now
+    run = Run(tmp_path, stall_timeout_s=480.0)
+    for r in run.ranks:
+        r.reading_now = lambda: reading_now(run.clock.now)
     run.start()
     run.steps(20, random.Random(7))
     run.one_rank_in(1, "data", 300.0)  # 5 minutes: recovers
     run.steps(20, random.Random(8))
     run.ranks[1].where = "at data/prefetch.py:70 in __next__"
     stalled_at = run.clock.now()
+    unit = "fineweb: https://example.test/data/part-0003.parquet row group 7"
     with pytest.raises(Published) as published:
-        with run.ranks[1].phase("data"):
+        with run.ranks[1].phase("data"), reading(unit, clock=run.clock.now):
             run.elapse(480.0 + 2 * GATHER_S)
     assert 480 < published.value.at - stalled_at <= 482  # as soon as it was past, the other rank reporting too
     line = published.value.line
     assert line.startswith("rank 1: hang: waited 481 s for data (bound 480 s, data.stall_timeout_s); reading "
-                           f"{reading[0]}; rank 1 at data/prefetch.py:70 in __next__, while 1 other rank waits"), line
+                           f"{unit} for 481 s; rank 1 at data/prefetch.py:70 in __next__, while 1 other rank waits"), line
 
 
 def test_the_step_bound_follows_the_recent_steps_and_its_window_stays_bounded(tmp_path):
