@@ -13,6 +13,7 @@ from data.prepare_source import unit_source
 from data.reading import reading, reading_now
 from data.run import prepare_run_data
 from data.spec import DataSpec
+from helpers.simulated_clock import SimulatedClock
 from helpers.stream_corpus import served, write_corpus
 
 N_DOCS, N_FILES, GROUP_ROWS = 200, 2, 20  # 10 row groups of 20 documents
@@ -30,40 +31,32 @@ def server(corpus):
     yield from served(corpus)
 
 
-class HandClock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_reads_are_listed_oldest_first_from_every_thread_until_they_end():
     """The trainer's thread reading a row group for 312 s and another thread a footer for 12 s:
     both, oldest first; each gone when its read ends, by an exception too."""
-    clock = HandClock()
+    clock = SimulatedClock()
     entered, leave = threading.Event(), threading.Event()
 
     def footer_pool_thread():
-        with reading("web: https://host/b.parquet footer", clock):
+        with reading("web: https://host/b.parquet footer", clock.now):
             entered.set()
             leave.wait()
 
-    with reading("web: https://host/a.parquet row group 3", clock):
-        clock.t += 300
+    with reading("web: https://host/a.parquet row group 3", clock.now):
+        clock.advance(300)
         worker = threading.Thread(target=footer_pool_thread)
         worker.start()
         entered.wait()
-        clock.t += 12
-        assert reading_now(clock) == ["web: https://host/a.parquet row group 3 for 312 s",
-                                      "web: https://host/b.parquet footer for 12 s"]
+        clock.advance(12)
+        assert reading_now(clock.now) == ["web: https://host/a.parquet row group 3 for 312 s",
+                                          "web: https://host/b.parquet footer for 12 s"]
         leave.set()
         worker.join()
-        assert reading_now(clock) == ["web: https://host/a.parquet row group 3 for 312 s"]
+        assert reading_now(clock.now) == ["web: https://host/a.parquet row group 3 for 312 s"]
     with pytest.raises(OSError):
-        with reading("web: https://host/c.parquet row group 0", clock):
+        with reading("web: https://host/c.parquet row group 0", clock.now):
             raise OSError("a failed read")
-    assert reading_now(clock) == []
+    assert reading_now(clock.now) == []
 
 
 def _named_while_held(server, read):
