@@ -20,8 +20,9 @@ WAITING_WORKER = "gw0"
 
 def order_for_workers(items: List[pytest.Item]) -> None:
     """In place, in every worker alike: each `waits` test tagged as a group (xdist then adds
-    `@waits` to its node id under --dist loadgroup); the waiting tests first, then the other
-    modules by their number of tests, largest first, each module's tests in their own order."""
+    `@waits` to its node id under --dist loadgroup); the waiting tests first (the launched ones
+    last among them), then the other modules by their number of tests, largest first, each
+    module's tests in their own order."""
     per_module = Counter(item.nodeid.split("::", 1)[0] for item in items)
     for item in items:
         if item.get_closest_marker(WAITS):
@@ -30,7 +31,11 @@ def order_for_workers(items: List[pytest.Item]) -> None:
     def key(pair):
         index, item = pair
         module = item.nodeid.split("::", 1)[0]
-        return (item.get_closest_marker(WAITS) is None, -per_module[module], module, index)
+        waits = item.get_closest_marker(WAITS) is not None
+        # Among the waiting tests the launched ones (tests/e2e/, margins of 10-20 s) come last, where
+        # a computing worker that runs out of work takes its help from (_assign_work_unit); the
+        # in-process ones that time the machine to a second stay with the un-niced worker.
+        return (not waits, waits and module.startswith("tests/e2e/"), -per_module[module], module, index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 
@@ -50,9 +55,14 @@ class WaitingApartScheduling(LoadScopeScheduling):
 
     def _assign_work_unit(self, node) -> None:
         """The next unit of this worker's kind (else of the other kind), moved to the front of
-        the queue for xdist's own assignment."""
+        the queue for xdist's own assignment. A computing worker that helps with the waiting tests
+        takes them from the back of their queue: the front ones (the larger modules', among them the
+        calibration and straggler tests that time the machine) stay with the un-niced worker."""
         waiting = [scope for scope in self.workqueue if scope.endswith("@" + WAITS)]
         computing = [scope for scope in self.workqueue if not scope.endswith("@" + WAITS)]
-        mine, theirs = (waiting, computing) if node.gateway.id == WAITING_WORKER else (computing, waiting)
-        self.workqueue.move_to_end((mine or theirs)[0], last=False)
+        if node.gateway.id == WAITING_WORKER:
+            unit = (waiting or computing)[0]
+        else:
+            unit = computing[0] if computing else waiting[-1]
+        self.workqueue.move_to_end(unit, last=False)
         super()._assign_work_unit(node)
