@@ -119,6 +119,27 @@ def find_resume_point(load: Path, save: Optional[Path], is_writer: bool) -> Opti
     return find_checkpoint(load)
 
 
+def resumes_from(ref: Optional[CheckpointRef], root: Path) -> bool:
+    """Whether the run resumes from a tag directory of save directory `root` (`--load root`, or
+    `--load root/stepNNNNNNNN`): then `root` holds this run's own history."""
+    return ref is not None and step_of(ref.tag) is not None and ref.root.resolve() == root.resolve()
+
+
+def refuse_another_runs_save_dir(save: Path, resume_from: Optional[CheckpointRef]) -> None:
+    """A save into a directory holding complete checkpoints, by a run that does not resume from one
+    of them, is refused in one line: its start would move them aside and remove `latest`
+    (store.prepare_save_dir), and `--keep-last` would then delete them. A requeue (`--save DIR
+    --load DIR`) resumes from DIR's checkpoints, or finds none there and starts at step 1. Every
+    rank calls this before the data and torch.distributed; it reads `save` and writes nothing."""
+    if not save.is_dir() or resumes_from(resume_from, save):
+        return
+    complete = sorted(p.name for p in save.iterdir() if step_of(p.name) is not None and (p / COMPLETE).is_file())
+    if complete:
+        raise ConfigError(f"--save {str(save)!r} holds the checkpoints of another run (the latest: {complete[-1]}, "
+                          f"step {step_of(complete[-1])}), which this run would move aside: pass --load "
+                          f"{str(save)!r} to resume that run, --save another directory, or remove them")
+
+
 def history(root: Path, tag: Optional[str]) -> List[Path]:
     """The tag directories of `tag`'s history in `root`, newest first: each complete.json names
     its parent. A manifest that cannot be read ends the walk: pruning only deletes what it is sure of."""

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from launch.checkpoints import slow_save, zero0_state
 from launch.checkpoints.expert_files import experts_apart, has_experts, load_experts, save_experts
 from launch.checkpoints.locate import (COMPLETE, ENGINE_ZERO_STAGE, FUSED_LLAMA, LATEST, CheckpointRef, history,
-                                       same_layout, saved_zero_stage, step_of, tag_for)
+                                       resumes_from, same_layout, saved_zero_stage, step_of, tag_for)
 from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
 from launch.errors import ConfigError
 
@@ -60,11 +60,13 @@ PRUNING = ".pruning-"  # a pruned tag is renamed to this prefix at once, then de
 
 def prepare_save_dir(root: Path, resume_from: Optional[CheckpointRef], is_writer: bool) -> None:
     """Before a run saves into `root`, make its checkpoints after the resumed step T (0 for a
-    fresh run) leave: the tag directories of later steps (an abandoned run's, or a save cut
-    short) move into root/abandoned-<UTC time>/, and `latest` names T's tag if it lies in `root`
-    (else it is removed: nothing in `root` continues this run yet). So a save never writes into
-    a directory with another run's files, `--load root` never picks the abandoned run, and
-    `--keep-last` prunes this run's history. Called on every rank before torch.distributed starts;
+    fresh run) leave: the tag directories of later steps (the history this run abandons by
+    resuming an older tag of `root`, or a save cut short) move into root/abandoned-<UTC time>/,
+    and `latest` names T's tag if it lies in `root` (else it is removed: nothing in `root`
+    continues this run yet). So a save never writes into a directory with another run's files,
+    `--load root` never picks the abandoned run, and `--keep-last` prunes this run's history.
+    Another run's complete checkpoints were refused before (locate.refuse_another_runs_save_dir).
+    Called on every rank before torch.distributed starts;
     only the writer (global rank 0) moves, and no rank saves before it has joined them."""
     if not is_writer or not root.is_dir():
         return
@@ -78,7 +80,7 @@ def prepare_save_dir(root: Path, resume_from: Optional[CheckpointRef], is_writer
 def _set_aside_later_tags(root: Path, resume_from: Optional[CheckpointRef]) -> None:
     resumed = resume_from.meta["step"] if resume_from is not None else 0
     later = sorted(p for p in root.iterdir() if p.is_dir() and (step_of(p.name) or 0) > resumed)
-    in_root = resume_from is not None and resume_from.root.resolve() == root.resolve()
+    in_root = resumes_from(resume_from, root)
     if later:
         aside = root / time.strftime("abandoned-%Y%m%dT%H%M%SZ", time.gmtime())
         while aside.exists():

@@ -70,6 +70,9 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     if args.load is not None:
         from launch.checkpoints.locate import find_resume_point
         resume_from = find_resume_point(args.load, args.save, is_writer=os.environ["RANK"] == "0")
+    if args.save is not None:  # before the data: another run's checkpoints there cost nothing to refuse
+        from launch.checkpoints.locate import refuse_another_runs_save_dir
+        refuse_another_runs_save_dir(args.save, resume_from)
     from launch.runtime.restarts import refuse_a_requeue_loop  # before the data: a refused requeue costs nothing
     refuse_a_requeue_loop(args.save, args.load, resume_from, recipe.train.max_starts_without_progress)
     data, vocab_size = load_run_data(recipe, layout)

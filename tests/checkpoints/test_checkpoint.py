@@ -1,7 +1,7 @@
 """Checkpoints: clear one-line errors for bad or damaged checkpoints and for a resume that
 changes the model's shape (what else a resume may change: test_resume_changes.py), durable saves (fsync before `latest` moves), loads with
 weights_only=True through DeepSpeed's own loader, `--keep-last` along the run's history and a
-resume from an older tag. (Kills, signals and a dead rank: tests/e2e/test_checkpoint_crashes.py;
+resume from an older tag; a save into another run's checkpoints is refused. (Kills, signals and a dead rank: tests/e2e/test_checkpoint_crashes.py;
 bitwise resume at every parity layout and at another layout: tests/e2e/test_resume.py.)"""
 import json
 import os
@@ -122,6 +122,46 @@ def _one_line_error(argv, capsys, *words):
     assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), (argv, err)
 
 
+def test_a_save_into_another_runs_checkpoints_is_refused(parity_runs, tmp_path, monkeypatch, capsys):
+    """`--save DIR` where DIR holds complete checkpoints this run does not resume from (no --load,
+    or --load of another directory or of a tag there): one line naming DIR, its latest step and
+    the ways on, exit 2, before the data is read, DIR byte for byte as it was (before, its `latest`
+    was removed and its steps moved aside). Resuming DIR itself saves there as before: --load DIR,
+    and --load of an older tag of DIR, whose later tag moves aside; a fresh --save into a directory
+    of only a save cut short starts."""
+    import launch.runtime.startup as startup
+    from launch.runtime.cli import parse_training_args
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ck = _copy_checkpoints(parity_runs, tmp_path)  # steps 3 and 5 (latest)
+    another = _copy_checkpoints(parity_runs, tmp_path / "another")
+    before = _tree(ck)
+    read_data = startup.load_run_data
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data was read before the save directory was refused")
+    monkeypatch.setattr(startup, "load_run_data", no_data)
+    for load in ([], ["--load", str(another)], ["--load", str(another / "step00000003")]):
+        _one_line_error(["--save", str(ck)] + load, capsys, f"--save {str(ck)!r} holds the checkpoints of another run",
+                        "(the latest: step00000005, step 5)", f"pass --load {str(ck)!r} to resume",
+                        "--save another directory", "remove them")
+        assert _tree(ck) == before, load
+    monkeypatch.setattr(startup, "load_run_data", read_data)
+
+    def prepare(*argv):
+        return startup.prepare_training_job(parse_training_args(["--recipe", str(TINY), "--steps", str(STEPS + 2),
+                                                                 *argv], ""))
+    assert prepare("--save", str(ck), "--load", str(ck)).resume_from.tag == "step00000005"  # a requeue
+    assert _tree(ck) == before
+    assert prepare("--save", str(ck), "--load", str(ck / "step00000003")).resume_from.tag == "step00000003"
+    aside, = ck.glob("abandoned-*")
+    assert [p.name for p in aside.iterdir()] == ["step00000005"] and (ck / "latest").read_text() == "step00000003"
+    cut_short = tmp_path / "cut"
+    (cut_short / "step00000002").mkdir(parents=True)
+    assert prepare("--save", str(cut_short)).resume_from is None
+    assert [p.name[:len("abandoned-")] for p in cut_short.iterdir()] == ["abandoned-"]
+
+
 def test_unreadable_manifest_or_latest_is_an_error_not_an_older_checkpoint(parity_runs, tmp_path, monkeypatch,
                                                                            capsys):
     """A complete.json that exists but cannot be read, a `latest` that names no complete
@@ -171,10 +211,23 @@ def test_keep_last_follows_the_history_not_the_names(tmp_path):
         ["latest", "step00000001", "step00000003", "step00000004", "step00000005"]
 
 
+def _tree(root: Path) -> dict:
+    """Every entry under `root`, links not followed: a file's bytes, a link's target, a directory."""
+    entries = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            entries[str(path.relative_to(root))] = (f"link to {os.readlink(path)}" if path.is_symlink() else
+                                                    path.read_bytes() if path.is_file() else "directory")
+    return entries
+
+
 def test_prepare_save_dir_moves_later_tags_aside(tmp_path, capsys):
     """Resumed at step 2 into a directory holding steps 1-5 (4 incomplete): 3, 4 and 5 move into
-    one abandoned-<time> directory and `latest` names step 2. A fresh run moves everything and
-    removes `latest`; a non-writer rank touches nothing."""
+    one abandoned-<time> directory and `latest` names step 2. A fresh run into a directory of
+    only a save cut short moves it aside and removes `latest` (one into complete checkpoints is
+    refused before: test_a_save_into_another_runs_checkpoints_is_refused); a non-writer rank
+    touches nothing."""
     from launch.checkpoints.locate import CheckpointRef
     from launch.checkpoints.store import prepare_save_dir
     for step in (1, 2, 3, 5):
@@ -191,9 +244,13 @@ def test_prepare_save_dir_moves_later_tags_aside(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.glob("step*")) == ["step00000001", "step00000002"]
     assert (tmp_path / "latest").read_text() == "step00000002"
     assert str(aside) in capsys.readouterr().out
-    prepare_save_dir(tmp_path, None, is_writer=True)
-    assert not list(tmp_path.glob("step*")) and not (tmp_path / "latest").exists()
-    assert len(list(tmp_path.glob("abandoned-*"))) == 2
+    fresh = tmp_path / "fresh"
+    (fresh / "step00000004").mkdir(parents=True)  # an earlier start killed during its first save
+    (fresh / "latest").write_text("step00000002")  # naming nothing complete here
+    prepare_save_dir(fresh, None, is_writer=True)
+    aside, = fresh.glob("abandoned-*")
+    assert [p.name for p in aside.iterdir()] == ["step00000004"]
+    assert not list(fresh.glob("step*")) and not (fresh / "latest").exists()
 
 
 @pytest.mark.slow
