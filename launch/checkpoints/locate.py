@@ -140,11 +140,21 @@ def refuse_another_runs_save_dir(save: Path, resume_from: Optional[CheckpointRef
                           f"{str(save)!r} to resume that run, --save another directory, or remove them")
 
 
+def own_tag(root: Path, tag: Any) -> bool:
+    """Whether `tag` names a tag directory of `root` itself: a `stepNNNNNNNN` name (no `/`, no `..`)
+    that is no symbolic link, so the directory lies in `root` and is nowhere else."""
+    return isinstance(tag, str) and step_of(tag) is not None and not (root / tag).is_symlink()
+
+
 def history(root: Path, tag: Optional[str]) -> List[Path]:
     """The tag directories of `tag`'s history in `root`, newest first: each complete.json names
-    its parent. A manifest that cannot be read ends the walk: pruning only deletes what it is sure of."""
+    its parent. A manifest that cannot be read ends the walk: pruning only deletes what it is sure of.
+    So does a parent that is no tag directory of `root` (`own_tag`): a checkpoint copied from another
+    directory can name "../other-run/step00000003", an absolute path or a link, and pruning would
+    move that run's checkpoint in and delete it. The chain ends there, without an error: what lies
+    outside `root` is not this run's to prune, and training goes on."""
     chain: List[Path] = []
-    while tag is not None and (root / tag / COMPLETE).is_file() and root / tag not in chain:
+    while own_tag(root, tag) and (root / tag / COMPLETE).is_file() and root / tag not in chain:
         chain.append(root / tag)
         try:
             tag = json.loads((root / tag / COMPLETE).read_text()).get("parent")

@@ -12,6 +12,8 @@ A save directory:
     DIR/step00000042/complete.json written last, by rank 0, after every rank has saved and fsynced:
                                    step, layout, resolved recipe, every file's size, the parent
     DIR/abandoned-<UTC time>/      tags after the one a run resumed from, moved aside at start
+Nothing outside DIR is moved or deleted: only its own tag and abandoned-* directories (no links),
+and a save into a directory of another run's checkpoints is refused.
 `--load` takes only complete checkpoints, and an unreadable manifest or `latest` is an error;
 `--keep-last K` keeps the K newest of the parent chain. Loads are torch.load(weights_only=True)."""
 from __future__ import annotations
@@ -56,6 +58,16 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
 
 
 PRUNING = ".pruning-"  # a pruned tag is renamed to this prefix at once, then deleted in the background
+ABANDONED = "abandoned-"  # where a start sets aside the tags after the step it resumed from
+
+
+def _own(root: Path, entry: Path) -> bool:
+    """Whether a run may move or delete `entry`: a directory directly in `root`, named as a tag,
+    a set-aside or a pruned one, no symbolic link, and (resolved) inside `root`. Anything else in
+    the save directory may be another run's, or a way out of it (a link to elsewhere)."""
+    named = step_of(entry.name) is not None or entry.name.startswith((ABANDONED, PRUNING))
+    return (named and entry.parent == root and not entry.is_symlink() and entry.is_dir()
+            and entry.resolve().parent == root.resolve())
 
 
 def prepare_save_dir(root: Path, resume_from: Optional[CheckpointRef], is_writer: bool) -> None:
@@ -64,9 +76,9 @@ def prepare_save_dir(root: Path, resume_from: Optional[CheckpointRef], is_writer
     resuming an older tag of `root`, or a save cut short) move into root/abandoned-<UTC time>/,
     and `latest` names T's tag if it lies in `root` (else it is removed: nothing in `root`
     continues this run yet). So a save never writes into a directory with another run's files,
-    `--load root` never picks the abandoned run, and `--keep-last` prunes this run's history.
-    Another run's complete checkpoints were refused before (locate.refuse_another_runs_save_dir).
-    Called on every rank before torch.distributed starts;
+    `--load root` never picks the abandoned run, and `--keep-last` prunes this run's history. Only
+    the run's own entries move (`_own`); another run's complete checkpoints were refused before
+    (locate.refuse_another_runs_save_dir). Called on every rank before torch.distributed starts;
     only the writer (global rank 0) moves, and no rank saves before it has joined them."""
     if not is_writer or not root.is_dir():
         return
@@ -79,10 +91,10 @@ def prepare_save_dir(root: Path, resume_from: Optional[CheckpointRef], is_writer
 
 def _set_aside_later_tags(root: Path, resume_from: Optional[CheckpointRef]) -> None:
     resumed = resume_from.meta["step"] if resume_from is not None else 0
-    later = sorted(p for p in root.iterdir() if p.is_dir() and (step_of(p.name) or 0) > resumed)
+    later = sorted(p for p in root.iterdir() if (step_of(p.name) or 0) > resumed and _own(root, p))
     in_root = resumes_from(resume_from, root)
     if later:
-        aside = root / time.strftime("abandoned-%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = root / time.strftime(f"{ABANDONED}%Y%m%dT%H%M%SZ", time.gmtime())
         while aside.exists():
             aside = aside.with_name(aside.name + "-1")
         aside.mkdir()
@@ -159,11 +171,12 @@ def _prune_in_background(root: Path, tag: str, keep_last: int) -> None:
     if keep_last < 1:
         return
     # This run's history beyond the newest keep_last, and the tags earlier runs left aside at start.
-    for old in history(root, tag)[keep_last:] + sorted(root.glob("abandoned-*")):
-        old.rename(root / f"{PRUNING}{old.name}-{time.time_ns()}")
+    for old in history(root, tag)[keep_last:] + sorted(root.glob(f"{ABANDONED}*")):
+        if _own(root, old):
+            old.rename(root / f"{PRUNING}{old.name}-{time.time_ns()}")
     if _pruning is not None:
         _pruning.join()
-    doomed = list(root.glob(f"{PRUNING}*"))  # also any that a killed run left behind
+    doomed = [d for d in root.glob(f"{PRUNING}*") if _own(root, d)]  # also any that a killed run left behind
     if doomed:
         _pruning = threading.Thread(target=_delete, args=(doomed,), name="checkpoint-prune")
         _pruning.start()

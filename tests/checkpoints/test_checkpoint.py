@@ -1,7 +1,8 @@
 """Checkpoints: clear one-line errors for bad or damaged checkpoints and for a resume that
 changes the model's shape (what else a resume may change: test_resume_changes.py), durable saves (fsync before `latest` moves), loads with
 weights_only=True through DeepSpeed's own loader, `--keep-last` along the run's history and a
-resume from an older tag; a save into another run's checkpoints is refused. (Kills, signals and a dead rank: tests/e2e/test_checkpoint_crashes.py;
+resume from an older tag; nothing outside the save directory is moved or deleted, and a save into
+another run's checkpoints is refused. (Kills, signals and a dead rank: tests/e2e/test_checkpoint_crashes.py;
 bitwise resume at every parity layout and at another layout: tests/e2e/test_resume.py.)"""
 import json
 import os
@@ -220,6 +221,48 @@ def _tree(root: Path) -> dict:
             entries[str(path.relative_to(root))] = (f"link to {os.readlink(path)}" if path.is_symlink() else
                                                     path.read_bytes() if path.is_file() else "directory")
     return entries
+
+
+def test_pruning_never_leaves_the_save_directory(tmp_path):
+    """--keep-last and the set-aside at start act only on the save directory's own entries. A
+    complete.json whose parent names another run's checkpoint ("../other-run/step00000001", an
+    absolute path, a path through a link, a tag that is a link) ends the history there; a link
+    named like a tag or abandoned-* is neither moved nor pruned. The other run's directory stays
+    byte for byte (before, its checkpoint was moved into the save directory and deleted)."""
+    from launch.checkpoints import store as checkpoint
+    from launch.checkpoints.locate import CheckpointRef
+    other = tmp_path / "other-run"
+    for step in (1, 2):
+        _manifest(other / f"step{step:08d}", None)
+        (other / f"step{step:08d}" / "SENTINEL").write_text("another run's checkpoint")
+    (other / "set-aside").mkdir()
+    (other / "set-aside" / "SENTINEL").write_text("another run's files")
+    before = _tree(other)
+    parents = {"relative": "../other-run/step00000001", "absolute": str(other / "step00000001"),
+               "through-a-link": "into-other/step00000001", "a-linked-tag": "step00000002"}
+    links = ["abandoned-20261202T000000Z", "into-other", "step00000002"]
+    for case, parent in parents.items():
+        root = tmp_path / case
+        root.mkdir()
+        (root / "into-other").symlink_to(other)
+        (root / "step00000002").symlink_to(other / "step00000002")
+        (root / "abandoned-20261202T000000Z").symlink_to(other / "set-aside")
+        _manifest(root / "step00000005", parent)
+        _manifest(root / "step00000006", "step00000005")
+        assert [p.name for p in checkpoint.history(root, "step00000006")] == ["step00000006", "step00000005"], case
+        checkpoint._prune_in_background(root, "step00000006", keep_last=1)  # as save() calls it
+        checkpoint._pruning.join()
+        assert _tree(other) == before, case
+        assert sorted(p.name for p in root.iterdir()) == sorted(links + ["step00000006"]), case
+        assert all((root / link).is_symlink() for link in links), case
+    root = tmp_path / "resumed"  # resumed at step 1: its step 3 moves aside, the linked step 9 stays
+    for step in (1, 3):
+        _manifest(root / f"step{step:08d}", None)
+    (root / "step00000009").symlink_to(other / "step00000002")
+    checkpoint.prepare_save_dir(root, CheckpointRef(root, "step00000001", {"step": 1}), is_writer=True)
+    aside, = root.glob("abandoned-*")
+    assert [p.name for p in aside.iterdir()] == ["step00000003"] and (root / "step00000009").is_symlink()
+    assert _tree(other) == before
 
 
 def test_prepare_save_dir_moves_later_tags_aside(tmp_path, capsys):
