@@ -9,14 +9,15 @@ The files are opened with safetensors' `pread` backend: bytes are read, not memo
 pages of tensors other ranks hold never count in this rank's memory.
 
 Files are found as transformers finds them (`cached_file`: a local directory, the hub cache, or
-the hub): `model.safetensors.index.json` and its shards, or one `model.safetensors`. A source
-with only `pytorch_model.bin` is refused before any process group starts (docs/checkpoints.md
-says how to convert it once).
+the hub): `model.safetensors.index.json` and its shards (each a relative path inside the model
+directory, else a one-line error), or one `model.safetensors`. A source with only
+`pytorch_model.bin` is refused before any process group starts (docs/checkpoints.md says how to
+convert it once).
 """
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
 from launch.errors import ConfigError
@@ -44,7 +45,7 @@ def safetensors_weight_map(source: str) -> Dict[str, Path]:
     from safetensors import safe_open
     index = _cached(source, INDEX)
     if index is not None:
-        files = json.loads(Path(index).read_text())["weight_map"]
+        files = _index_weight_map(source, Path(index))
         paths = {name: _cached(source, name) for name in sorted(set(files.values()))}
         missing = [name for name, path in paths.items() if path is None]
         if missing:
@@ -58,6 +59,27 @@ def safetensors_weight_map(source: str) -> Dict[str, Path]:
                           f"AutoModelForCausalLM as M; M.from_pretrained('SRC').save_pretrained('DST')\"")
     with safe_open(single, framework="pt", backend="pread") as f:
         return {name: Path(single) for name in f.keys()}
+
+
+def _index_weight_map(source: str, index: Path) -> Dict[str, str]:
+    """The index's {tensor name: shard file}, each shard a relative path inside the model directory.
+    The names come from the source: "../../etc/hostname" or "/etc/hostname" would be read from
+    outside it (transformers' cached_file joins the name to the directory as it is). Checked by name,
+    not by where links lead: a hub cache's snapshot files are links into its blobs/ directory."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--init-from-hf {source!r}: {INDEX} cannot be read ({type(e).__name__}: "
+                          f"{str(e)[:200]!r}); download the whole model directory") from None
+    if not isinstance(weight_map, dict):
+        raise ConfigError(f"--init-from-hf {source!r}: {INDEX}'s weight_map is a {type(weight_map).__name__}, "
+                          f"not a mapping of tensor names to shard files")
+    for tensor, name in weight_map.items():
+        parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+        if not parts or parts[0] == "/" or ".." in parts:
+            raise ConfigError(f"--init-from-hf {source!r}: {INDEX} names {name!r} for {tensor!r}, which is not a "
+                              f"file inside the model directory; only shard files inside it are read")
+    return weight_map
 
 
 def _by_file(weight_map: Dict[str, Path], names) -> Dict[Path, List[str]]:

@@ -3,8 +3,11 @@ launch/checkpoints/hf_safetensors.py): on every TP rank at tp 1, 2 and 4, for GP
 Conv1D weights, fused QKV), Llama with a tied and an untied head (grouped-query heads shared by
 two ranks at tp 4), from one file and from a sharded directory with its index, every parameter
 equals the split of the whole model that transformers loads (the path before issue 24), bit for
-bit, vocabulary padding included. A source without safetensors is refused in one line."""
+bit, vocabulary padding included. A source without safetensors, or with an index naming a file
+outside the model directory, is refused in one line."""
 import dataclasses
+import json
+import shutil
 
 import pytest
 import torch
@@ -74,6 +77,39 @@ def test_a_source_without_safetensors_is_refused_in_one_line(tmp_path):
         check_hf_source(str(tmp_path), config, resuming=False)
     assert "no model.safetensors" in str(error.value) and "save_pretrained" in str(error.value)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("entry", ["../elsewhere/{shard}", "{elsewhere}/{shard}", "shards/../../elsewhere/{shard}"],
+                         ids=["parent", "absolute", "through-a-subdirectory"])
+def test_an_index_naming_a_file_outside_the_model_directory_is_refused(entry, tmp_path, monkeypatch):
+    """A weight_map entry that leads out of the model directory is refused in one line naming it,
+    though the file it names is a valid shard (before, it was read from there). A shard in a
+    subdirectory of the model directory is read as before."""
+    config = CASES["gpt2"]
+    model, elsewhere = tmp_path / "model", tmp_path / "elsewhere"
+    source = _saved(config, model, "20KB")
+    index = model / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    shard = sorted(weight_map.values())[0]
+    elsewhere.mkdir()
+    shutil.copy(model / shard, elsewhere / shard)
+    (model / "shards").mkdir()
+    whole = _tp_model(config, 1, 0, monkeypatch)
+    load_hf_shards_into(whole, source, config, False, 0, 1)
+
+    def point(name):
+        index.write_text(json.dumps({"weight_map": {t: name if f == shard else f for t, f in weight_map.items()}}))
+    name = entry.format(elsewhere=elsewhere, shard=shard)
+    point(name)
+    with pytest.raises(ConfigError) as error:
+        check_hf_source(source, config, resuming=False)
+    assert f"names {name!r} for " in str(error.value) and "not a file inside the model directory" in str(error.value)
+    assert "\n" not in str(error.value)
+    (model / shard).rename(model / "shards" / shard)
+    point(f"shards/{shard}")
+    ours = _tp_model(config, 1, 0, monkeypatch)
+    load_hf_shards_into(ours, source, config, False, 0, 1)
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), whole.parameters()))
 
 
 def test_the_export_writes_shards_and_an_index_transformers_loads(tmp_path):
