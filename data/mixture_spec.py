@@ -64,6 +64,7 @@ def parse_mixture(spec: DataSpec) -> List[MixSource]:
     sources: List[MixSource] = []
     for i, item in enumerate(spec.mix):
         where = f"data.mix[{i}]"
+        check_no_credentials(where, item)  # first: the messages below repeat the values they refuse
         if not isinstance(item, dict):
             raise DataError(f"{where} must be a mapping of source fields ({', '.join(MIX_FIELDS)}), got {item!r}")
         for key in item:
@@ -73,7 +74,6 @@ def parse_mixture(spec: DataSpec) -> List[MixSource]:
                 raise DataError(f"{where} has an unknown field {key!r}; the fields of a source: {', '.join(MIX_FIELDS)}")
         values = {k: _typed(f"{where}.{k}", v, hints[k]) for k, v in item.items() if k in SOURCE_FIELDS}
         source_spec = replace(spec, mix=[], **values)
-        check_no_credentials(source_spec.name)
         label = item.get("label", source_spec.name)
         if not isinstance(label, str) or not label:
             raise DataError(f"{where}.label={label!r} must be a non-empty string")

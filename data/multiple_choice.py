@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from data.spec import DataError
+from data.spec import DataError, check_no_credentials
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,7 @@ def adapt(docs: List[dict], where: str) -> List[Example]:
 def read_tasks(items: List[str], limit: int, option: str) -> List[Tuple[str, List[Example]]]:
     """(name, examples) of each NAME=PATH item of `option` (--tasks, eval.tasks); a bad item or file
     is a DataError naming it, before any process group."""
+    check_no_credentials(option, items)  # first: the messages below repeat the items
     tasks = []
     for item in items:
         name, _, path = str(item).partition("=")

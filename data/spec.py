@@ -94,7 +94,8 @@ class DataSpec:
 
     def validate(self) -> None:
         """Raise DataError on a value no run can read (the sources of data.mix: data/mixture_spec.py)."""
-        check_no_credentials(self.name)
+        for key in URL_FIELDS:  # those of data.mix's sources too
+            check_no_credentials(f"data.{key}", getattr(self, key))
         if not 0 <= self.val_fraction < 1:
             raise DataError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
         if self.num_proc < 1 or self.shuffle_buffer < 1 or self.unit_bytes < 1:
@@ -106,12 +107,36 @@ class DataSpec:
             raise DataError(f"data.read_ahead_steps={self.read_ahead_steps} must be >= 0 (0 reads inline, null: one shuffle block of steps)")
 
 
-def check_no_credentials(name: str) -> None:
-    """A URL with user:password@ or an http(s) query string (where signed URLs carry their keys)
-    would put a secret into every checkpoint's recipe and every log line: refused, without
-    repeating it."""
-    scheme = name.split("://", 1)[0] if "://" in name else ""
-    if re.search(r"://[^/@\s]*@", name) or (scheme in ("http", "https") and "?" in name):
-        raise DataError(f"data.name={scheme}://... carries credentials (user:password@ or a ?query): "
-                        f"they would be saved with the recipe; give them to the backend's environment "
-                        f"instead (HF_TOKEN, AWS_*, GOOGLE_APPLICATION_CREDENTIALS, a .netrc for http)")
+URL_FIELDS = ("name", "data_files", "tokenizer", "mix")
+"""The DataSpec fields that may hold a URL (a mix source's own name and data_files among them)."""
+
+URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/?#\s]*)")
+"""A URL's scheme and authority (RFC 3986 3.1, 3.2): the authority's user:password@ part is
+where basic-auth credentials go."""
+
+
+def check_no_credentials(where: str, value: Any) -> None:
+    """A URL with user:password@ (or a token as the user) or an http(s) query string (where signed
+    URLs carry their keys: S3's X-Amz-Signature, Azure's sig) would put a secret into every
+    checkpoint's recipe and every log line: refused, naming `where` and the URL's scheme and host,
+    never the secret. `value`: a string, or lists and mappings of them (data.data_files' forms, a
+    data.mix source); other values pass (their type is checked elsewhere). Schemes are compared
+    without case (RFC 3986 3.1; urllib3's parse_url lowercases them): `HTTPS://...?sig=` is the
+    same signed URL, and even a URL no reader here takes must not be echoed."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_no_credentials(f"{where}.{key}" if isinstance(key, str) and key.isidentifier()
+                                 else f"{where}[{key!r}]", item)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_no_credentials(f"{where}[{i}]", item)
+    elif isinstance(value, str):
+        for url in URL.finditer(value):
+            scheme, authority = url.groups()
+            if "@" in authority or (scheme.lower() in ("http", "https") and "?" in value[url.start():]):
+                shown = f"{where}={scheme}://{authority.rpartition('@')[2]}/..."
+                shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in shown)  # one line
+                raise DataError(f"{shown} carries credentials (user:password@ or a ?query): "
+                                f"they would be saved with the recipe and logged; give them to the backend's "
+                                f"environment instead (HF_TOKEN, AWS_*, GOOGLE_APPLICATION_CREDENTIALS, a .netrc "
+                                f"for http)")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from data.spec import DataError
+from launch.config.recipe import refuse_credentials
 from launch.errors import ConfigError, report_bad_input
 from launch.runtime.cli import OneLineErrorParser
 
@@ -40,7 +41,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--metrics-out", type=Path,
                    help="append one JSON record per task: task, acc, acc_norm, n and every choice's log-likelihood")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    refuse_credentials("--init-from-hf", args.init_from_hf)  # read before the recipe; its result names it
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from launch.checkpoints.hf_export import export
+from launch.config.recipe import refuse_credentials
 from launch.errors import ConfigError, report_bad_input
 from launch.runtime.cli import OneLineErrorParser
 
@@ -27,7 +28,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="tokenizer name or directory (default: the checkpoint's data.tokenizer)")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out (files of the same name are replaced, others kept)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    refuse_credentials("--tokenizer", args.tokenizer)  # its load's message repeats it
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> int:

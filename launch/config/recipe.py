@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import yaml
 
-from data.spec import DataSpec
+from data.spec import URL_FIELDS, DataError, DataSpec, check_no_credentials
 from launch.errors import ConfigError
 from model.config import GPTConfig, ModelConfig
 
@@ -343,6 +343,7 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
     elif annotation in (str, bool) and type(value) is annotation:
         return value
     name = getattr(annotation, "__name__", str(annotation))
+    refuse_credentials(key, value)  # the message below repeats the value
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {name}")
 
 
@@ -369,6 +370,7 @@ def _parse_override(item: str) -> Dict[str, Any]:
     try:
         value = yaml.safe_load(text) if text else ""
     except yaml.YAMLError as e:
+        refuse_credentials(f"--set {key}", text)  # the message below repeats the value
         raise ConfigError(f"--set {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); "
                           f"quote it, e.g. --set '{key}=\"...\"'") from None
     parts = key.strip().split(".")
@@ -407,4 +409,17 @@ def load_recipe(path: Path, overrides: List[str]) -> Recipe:
             _check_type("deepspeed", values["deepspeed"], Dict[str, Any])
             deep_merge(recipe.deepspeed, values.pop("deepspeed"))
         _apply(recipe, values, "")
+    # As it is read: every later message may repeat these values (a tokenizer that fails to load
+    # under --layout auto comes before Recipe.validate), and the recipe is saved with every checkpoint.
+    for key in URL_FIELDS:
+        refuse_credentials(f"data.{key}", getattr(recipe.data, key))
+    refuse_credentials("eval.tasks", recipe.eval.tasks)  # NAME=PATH items
     return recipe
+
+
+def refuse_credentials(where: str, value: Any) -> None:
+    """data/spec.py's check_no_credentials (a URL's user:password@ or http(s) ?query) as a ConfigError."""
+    try:
+        check_no_credentials(where, value)
+    except DataError as e:
+        raise ConfigError(str(e)) from None

@@ -4,7 +4,7 @@ import argparse
 from pathlib import Path
 from typing import List, Optional
 
-from launch.config.recipe import WANDB_MODES, Recipe, load_recipe
+from launch.config.recipe import WANDB_MODES, Recipe, load_recipe, refuse_credentials
 from launch.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,6 +62,7 @@ def parse_training_args(argv: Optional[List[str]], description: str = "") -> arg
                    "silences")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    refuse_credentials("--init-from-hf", args.init_from_hf)  # a hub id or a directory; a URL is logged
     if args.auto_sweep is not None and (args.layout != "auto" or args.auto_sweep < 1):
         raise ConfigError(f"--auto-sweep {args.auto_sweep} needs --layout auto and K >= 1 (the number of predicted "
                           f"layouts to measure)")
