@@ -155,7 +155,7 @@ def coverage(paths: dict, export: Path) -> dict:
     from transformers import AutoTokenizer
 
     from data.multiple_choice import continuation_tokens, read_examples
-    tokenizer = AutoTokenizer.from_pretrained(str(export))
+    tokenizer = AutoTokenizer.from_pretrained(str(export), trust_remote_code=False)
     encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731  (ours: the tokenizer's own special tokens)
     out = {}
     for name, path in paths.items():
@@ -180,12 +180,13 @@ def add_bos(export: Path) -> Path:
     back into the export (what HFLM loads); its folder, for ours."""
     from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(export)
+    tokenizer = AutoTokenizer.from_pretrained(export, trust_remote_code=False)
     bos = tokenizer.bos_token or tokenizer.eos_token
     tokenizer._tokenizer.post_processor = TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.convert_tokens_to_ids(bos))])
     tokenizer.save_pretrained(export)
-    assert AutoTokenizer.from_pretrained(export)("a b")["input_ids"][0] == tokenizer.convert_tokens_to_ids(bos)
+    reloaded = AutoTokenizer.from_pretrained(export, trust_remote_code=False)
+    assert reloaded("a b")["input_ids"][0] == tokenizer.convert_tokens_to_ids(bos)
     return export
 
 

@@ -9,6 +9,7 @@ Tokenizer: a byte-level BPE trained on that corpus with `tokenizers` (seconds), 
 `transformers` fast tokenizer under the cache directory and reused.
 """
 import ast
+import json
 import sys
 import sysconfig
 from pathlib import Path
@@ -21,6 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from data.cache import build_once, default_cache_dir
 from data.hub import hub_errors_only
+from data.spec import DataError
 
 BUILTIN = "builtin"
 EOS = "<|endoftext|>"
@@ -87,9 +89,30 @@ def builtin_tokenizer_dir() -> Path:
                       _train_tokenizer)
 
 
-def load_tokenizer(name: str) -> PreTrainedTokenizerFast:
-    """`builtin`, or any name or path `AutoTokenizer` accepts (hub ids need the cache or network)."""
+def load_tokenizer(name: str, where: str = "data.tokenizer") -> PreTrainedTokenizerFast:
+    """`builtin`, or any name or path `AutoTokenizer` accepts (hub ids need the cache or network);
+    files that ask for custom code are a DataError naming `where` (the field or flag that gave `name`)."""
     if name == BUILTIN:
-        return AutoTokenizer.from_pretrained(str(builtin_tokenizer_dir()))
+        return AutoTokenizer.from_pretrained(str(builtin_tokenizer_dir()), trust_remote_code=False)
     with hub_errors_only():
-        return AutoTokenizer.from_pretrained(name)
+        try:
+            # False, not the default None: with None, transformers' resolve_trust_remote_code asks
+            # "Do you wish to run the custom code? [y/N]" on the terminal for 15 s (TIME_OUT_REMOTE_CODE)
+            # before refusing a tokenizer_config.json whose auto_map names Python files of the model's.
+            return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+        except ValueError as e:
+            if "trust_remote_code" not in str(e):
+                raise
+            raise DataError(f"{where}={name!r}: its files ask for custom code ({_auto_map(name)}), which this "
+                            f"project does not run (trust_remote_code=False); use a tokenizer of one of "
+                            f"transformers' own classes, or 'builtin'") from None
+
+
+def _auto_map(name: str) -> str:
+    """The AutoTokenizer entry of a local directory's tokenizer_config.json, as its refusal names it."""
+    try:
+        auto_map = json.loads((Path(name) / "tokenizer_config.json").read_text())["auto_map"]
+        entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "an auto_map entry"
+    return f"tokenizer_config.json's auto_map AutoTokenizer={entry!r}"[:300]

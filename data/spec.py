@@ -33,7 +33,8 @@ class DataSpec:
     text_field: str = "text"
     """Column holding the raw text."""
     tokenizer: str = "builtin"
-    """`builtin` (BPE trained on the embedded corpus) or any name or path AutoTokenizer takes."""
+    """`builtin` (BPE trained on the embedded corpus) or any name or path AutoTokenizer takes without
+    custom code (trust_remote_code stays off: data/builtin.py)."""
     seq_len: Optional[int] = None
     """Tokens per sample; null takes model.seq_len. At most model.seq_len."""
     streaming: bool = False

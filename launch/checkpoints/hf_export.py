@@ -97,8 +97,11 @@ def dense_gpt(config: GPTConfig, dense):
 def load_export_tokenizer(name: str, vocab_size: int, flag: str):
     """The tokenizer to ship with the model, or a ConfigError naming the fix."""
     from data.builtin import load_tokenizer
+    from data.spec import DataError
     try:
-        tokenizer = load_tokenizer(name)
+        tokenizer = load_tokenizer(name, flag)
+    except DataError as e:  # already one line (files that ask for custom code)
+        raise ConfigError(str(e)) from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{flag}={name!r} could not be loaded ({type(e).__name__}) and an export without "
                           f"a tokenizer cannot generate text; pass --tokenizer with a local tokenizer "
