@@ -7,6 +7,8 @@ to its dataclass: ModelConfig in model/config.py, DataSpec in data/spec.py, the 
 launch/config/layout.py's.
 """
 import dataclasses
+import math
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -312,6 +314,10 @@ class Recipe:
                               f"train.micro_batch_size, train.global_batch_size and dp; set those instead")
 
 
+class NotFinite(ConfigError):
+    """A float field given NaN, an infinity, or a number past float's range."""
+
+
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
     """Return value converted to the field's type, or raise ConfigError naming both."""
     if typing.get_origin(annotation) is typing.Union:  # Optional[T], or a choice such as Union[str, List[int]]
@@ -321,6 +327,8 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
         for choice in choices:
             try:
                 return _check_type(key, value, choice)
+            except NotFinite:
+                raise
             except ConfigError:
                 pass
         names = " or ".join(str(a) if typing.get_origin(a) else a.__name__ for a in choices)
@@ -331,13 +339,21 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
     elif typing.get_origin(annotation) is list:  # data.mix: its items are checked by data/mixture_spec.py
         if isinstance(value, list):
             return value
-    elif annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    elif annotation is float and isinstance(value, str):
+    elif annotation is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:  # YAML 1.1 reads `3e-4` (no dot) as a string
-            return float(value)
+            number = float(value)
+        except OverflowError:  # an integer past float's range: float(10**400) raises, no inf
+            number = math.inf
         except ValueError:
-            pass
+            number = None
+        if number is not None:
+            # Checked here, once for every float field: a range check written `x <= 0` is False for
+            # NaN, and inf passes `x > 0`, so they would reach the optimizer or the model.
+            if not math.isfinite(number):
+                shown = f"an integer of {len(str(value))} digits" if isinstance(value, int) else repr(value)
+                raise NotFinite(f"{key}={shown} must be a finite number (NaN, inf and values past "
+                                f"{sys.float_info.max:.3g} are not)")
+            return number
     elif annotation is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     elif annotation in (str, bool) and type(value) is annotation:

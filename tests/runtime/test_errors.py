@@ -293,3 +293,30 @@ def test_a_malformed_slow_save_hook_is_refused_before_the_start(monkeypatch, cap
     monkeypatch.setenv("GPT3D_SLOW_SAVE", "soon")
     assert main(["--recipe", str(TINY)]) == 2
     assert capsys.readouterr().err == "error: GPT3D_SLOW_SAVE='soon' must be seconds in [0, 3600) (a test hook, e.g. 8)\n"
+
+
+def _float_fields(section, prefix: str):
+    """Every float field (Optional included) of a recipe section and of the sections inside it,
+    from their own declarations."""
+    import dataclasses
+    import typing
+    for name, annotation in typing.get_type_hints(type(section)).items():
+        value = getattr(section, name)
+        if dataclasses.is_dataclass(value):
+            yield from _float_fields(value, f"{prefix}{name}.")
+        elif annotation is float or float in typing.get_args(annotation):
+            yield prefix + name
+
+
+def test_every_float_field_refuses_nan_infinities_and_numbers_past_floats_range(capsys):
+    """NaN passes a range check written `x <= 0` and inf passes `x > 0`; 10**400 made float() raise
+    OverflowError, a traceback. Every float field of every section, each value given as --set (YAML
+    reads `.nan`, `.inf`, `1e400` and a 401-digit integer): one line naming the field, exit 2."""
+    from launch.config.recipe import Recipe
+    recipe = Recipe()
+    fields = [f for section in ("model", "data", "train", "wandb", "eval")
+              for f in _float_fields(getattr(recipe, section), section + ".")]
+    assert {"train.lr", "model.norm_eps", "model.moe.aux_loss_coef", "train.grad_clip"} <= set(fields), fields
+    for field in fields:
+        for value in (".nan", ".inf", "-.inf", "1e400", "1" + "0" * 400):
+            _one_line_exit_2(["--set", f"{field}={value}"], capsys, f"error: {field}=", "must be a finite number")
