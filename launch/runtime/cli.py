@@ -66,8 +66,13 @@ def parse_training_args(argv: Optional[List[str]], description: str = "") -> arg
     if args.auto_sweep is not None and (args.layout != "auto" or args.auto_sweep < 1):
         raise ConfigError(f"--auto-sweep {args.auto_sweep} needs --layout auto and K >= 1 (the number of predicted "
                           f"layouts to measure)")
+    given = {flag: getattr(args, flag) for flag in ("tp", "pp", "cp", "ep") if getattr(args, flag) is not None}
+    if any(size < 1 for size in given.values()):  # `--tp 0` read as "not given" became 1, silently
+        raise ConfigError(f"{' '.join(f'--{k} {v}' for k, v in given.items())}: each must be >= 1 (leave one out "
+                          f"for 1{', or for --layout auto to choose' if args.layout == 'auto' else ''})")
     if args.layout is None:  # the axes not given are 1; with --layout auto the planner picks them
-        args.tp, args.pp = args.tp or 1, args.pp or 1
+        args.tp = 1 if args.tp is None else args.tp
+        args.pp = 1 if args.pp is None else args.pp
     if args.timeline_steps < 1:
         p.error(f"--timeline-steps {args.timeline_steps} must be >= 1")
     if args.save_every < 0 or args.keep_last < 0:

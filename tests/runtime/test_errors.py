@@ -19,6 +19,9 @@ CASES = [
     (1, ["--set", "model.vocab_size=100"], ["vocab_size=100", "4096"]),
     (1, ["--set", "model.vocab_pad_multiple=0"], ["vocab_pad_multiple=0"]),
     (8, ["--pp", "8"], ["n_layer=4", "8 pipeline stages"]),
+    (1, ["--tp", "0"], ["--tp 0", ">= 1"]),  # was read as not given: tp 1, silently
+    (1, ["--pp", "0", "--tp", "1"], ["--tp 1 --pp 0", ">= 1"]),
+    (1, ["--ep", "-1"], ["--ep -1", ">= 1"]),
     (2, ["--set", "train.global_batch_size=15"], ["global_batch_size=15", "2*2 = 4"]),
     (4, ["--pp", "2", "--set", "train.zero_stage=2"], ["zero_stage=2", "--pp 2"]),
     (1, ["--set", "train.zero_stage=3"], ["zero_stage=3", "stage 0 or 1"]),
