@@ -55,14 +55,19 @@ class WaitingApartScheduling(LoadScopeScheduling):
 
     def _assign_work_unit(self, node) -> None:
         """The next unit of this worker's kind (else of the other kind), moved to the front of
-        the queue for xdist's own assignment. A computing worker that helps with the waiting tests
-        takes them from the back of their queue: the front ones (the larger modules', among them the
-        calibration and straggler tests that time the machine) stay with the un-niced worker."""
+        the queue for xdist's own assignment. A computing worker helps with the waiting tests only with
+        the launched ones (tests/e2e/, margins of 10-20 s), from the back of their queue; the
+        in-process ones that time the machine (the calibration's auto-sweep, stragglers, stop
+        requests) stay with the un-niced worker, and a computing worker with nothing else left
+        idles (xdist ends it with the session)."""
         waiting = [scope for scope in self.workqueue if scope.endswith("@" + WAITS)]
         computing = [scope for scope in self.workqueue if not scope.endswith("@" + WAITS)]
         if node.gateway.id == WAITING_WORKER:
             unit = (waiting or computing)[0]
         else:
-            unit = computing[0] if computing else waiting[-1]
+            launched = [scope for scope in waiting if scope.startswith("tests/e2e/")]
+            unit = computing[0] if computing else (launched[-1] if launched else None)
+        if unit is None:  # only tests that time the machine are left: the un-niced worker runs them
+            return
         self.workqueue.move_to_end(unit, last=False)
         super()._assign_work_unit(node)
