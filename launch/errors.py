@@ -23,8 +23,15 @@ BAD_INPUT_EXIT = 2
 def report_bad_input(error: Exception) -> int:
     """Print `error: ...` once for the whole job (global rank 0 only); return exit code 2."""
     if os.environ.get("RANK", "0") == "0":
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {printable(str(error))}", file=sys.stderr)
     return BAD_INPUT_EXIT
+
+
+def printable(text: str) -> str:
+    """`text` with every control character escaped as Python writes it (a line break as `\\n`, a
+    terminal escape as `\\x1b`): a key, path or URL scheme from the user may hold them, and printed
+    raw they split the one error line or drive the terminal."""
+    return "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in text)
 
 
 def our_file(filename: str) -> Optional[str]:

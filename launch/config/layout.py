@@ -71,6 +71,10 @@ def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, o
         # Every run, pp=1 included, trains through DeepSpeed's pipeline engine, which refuses 2 and 3.
         raise ConfigError(f"train.zero_stage={train_cfg.zero_stage} with --pp {pp}: DeepSpeed's pipeline engine "
                           f"supports ZeRO stage 0 or 1 only; set train.zero_stage=1")
+    forced = recipe.deepspeed.get("zero_optimization", {})
+    if isinstance(forced, dict) and forced.get("stage", 0) not in (0, 1):
+        raise ConfigError(f"deepspeed.zero_optimization.stage={forced['stage']!r} with --pp {pp}: DeepSpeed's pipeline "
+                          f"engine supports ZeRO stage 0 or 1 only; remove it (train.zero_stage sets the stage)")
     check_partition(train_cfg.partition, model_cfg.n_layer, pp)
     if cp > 1:
         check_context_parallel(recipe, tp, cp)

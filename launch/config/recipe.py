@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-import yaml
-
 from data.spec import URL_FIELDS, DataError, DataSpec, check_no_credentials
+from launch.config.strict_yaml import parse_yaml, read_yaml_file
 from launch.errors import ConfigError
 from model.config import GPTConfig, ModelConfig
 
@@ -32,6 +31,12 @@ HEARTBEAT_INTERVAL_S = 2.0
 (launch/runtime/failure.py); train.heartbeat_timeout_s must be above it."""
 MIN_HANG_BOUND_S = 5.0
 """The shortest train.hang_timeout_s / first_step_timeout_s: a few heartbeats and store polls."""
+MAX_WAIT_S = 7 * 24 * 3600
+"""The longest wait a recipe may set (a week): past it a timeout bounds nothing, and a thread's wait
+or a timedelta of 10**14 s overflows (OverflowError after the process group started)."""
+MAX_SEED = 2 ** 32 - 1
+"""train.seed is in [0, 2**32): NumPy's generators refuse negative seeds, and the weight streams'
+seed x 1,000,003 + stream stays inside torch.manual_seed's 64 bits."""
 
 
 @dataclass
@@ -161,9 +166,15 @@ class TrainSection:
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} and "
                               f"grad_clip={self.grad_clip} >= 0, min_lr_ratio={self.min_lr_ratio} in [0, 1]")
-        if self.dist_timeout_s < 1:
-            raise ConfigError(f"train.dist_timeout_s={self.dist_timeout_s} must be >= 1 (seconds a collective "
-                              f"waits before a rank gives up; default 600)")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"train.seed={self.seed} (or --seed) must be in [0, {MAX_SEED}]")
+        self._validate_adamw()
+        if not 1 <= self.dist_timeout_s <= MAX_WAIT_S:
+            raise ConfigError(f"train.dist_timeout_s={self.dist_timeout_s} must be in [1, {MAX_WAIT_S}] (seconds a "
+                              f"collective waits before a rank gives up; default 600)")
+        for name in ("heartbeat_timeout_s", "save_timeout_s", "stop_grace_s"):
+            if getattr(self, name) > MAX_WAIT_S:
+                raise ConfigError(f"train.{name}={getattr(self, name):g} must be at most {MAX_WAIT_S} s (a week)")
         if not self.heartbeat_timeout_s > HEARTBEAT_INTERVAL_S:
             raise ConfigError(f"train.heartbeat_timeout_s={self.heartbeat_timeout_s:g} must be above the heartbeat "
                               f"interval, {HEARTBEAT_INTERVAL_S:g} s (default 60)")
@@ -189,6 +200,17 @@ class TrainSection:
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ConfigError(f"train.eval_every={self.eval_every} must be >= 0 and "
                               f"train.eval_batches={self.eval_batches} >= 1")
+
+    def _validate_adamw(self) -> None:
+        """The ranges torch.optim.AdamW checks when it is built, after the process group started."""
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(self, name):g} must be in [0, 1) (AdamW's moment decay; "
+                                  f"default {getattr(TrainSection, name)})")
+        if not 0 < self.eps < 1:
+            raise ConfigError(f"train.eps={self.eps:g} must be in (0, 1) (AdamW's denominator term; default 1e-8)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay={self.weight_decay:g} must be >= 0 (default 0.1)")
 
     def _validate_optimizer(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -350,17 +372,25 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
             # Checked here, once for every float field: a range check written `x <= 0` is False for
             # NaN, and inf passes `x > 0`, so they would reach the optimizer or the model.
             if not math.isfinite(number):
-                shown = f"an integer of {len(str(value))} digits" if isinstance(value, int) else repr(value)
+                shown = _shown_int(value) if isinstance(value, int) else repr(value)
                 raise NotFinite(f"{key}={shown} must be a finite number (NaN, inf and values past "
                                 f"{sys.float_info.max:.3g} are not)")
             return number
     elif annotation is int and isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) >= 2 ** 63:  # no tensor, timedelta or C++ size holds it (OverflowError later)
+            raise ConfigError(f"{key}={_shown_int(value)} is past the 64-bit integers every size and count "
+                              f"must fit in")
         return value
     elif annotation in (str, bool) and type(value) is annotation:
         return value
     name = getattr(annotation, "__name__", str(annotation))
     refuse_credentials(key, value)  # the message below repeats the value
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {name}")
+
+
+def _shown_int(value: int) -> str:
+    """A huge integer as its size (past 4,300 digits, Python refuses to write it out)."""
+    return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
 
 
 def _apply(section: Any, values: Dict[str, Any], prefix: str) -> None:
@@ -384,11 +414,11 @@ def _parse_override(item: str) -> Dict[str, Any]:
         raise ConfigError(f"--set {item!r} is not key.sub=value (e.g. --set train.lr=3e-4)")
     key, text = item.split("=", 1)
     try:
-        value = yaml.safe_load(text) if text else ""
-    except yaml.YAMLError as e:
+        value = parse_yaml(text, "the value") if text else ""
+    except ConfigError as e:
         refuse_credentials(f"--set {key}", text)  # the message below repeats the value
-        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); "
-                          f"quote it, e.g. --set '{key}=\"...\"'") from None
+        shown = item if len(item) <= 120 else item[:100] + "..."
+        raise ConfigError(f"--set {shown!r}: {e}; quote it, e.g. --set '{key}=\"...\"'") from None
     parts = key.strip().split(".")
     if parts[0] == "deepspeed" and len(parts) > 1:  # free-form pass-through section
         nested: Dict[str, Any] = {parts[-1]: value}
@@ -414,10 +444,12 @@ def load_recipe(path: Path, overrides: List[str]) -> Recipe:
     if not path.is_file():
         raise ConfigError(f"recipe file {str(path)!r} not found; pass --recipe recipes/<name>.yaml "
                           f"(see recipes/)")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    raw = read_yaml_file(path, f"recipe {str(path)!r}")
+    if raw is None:  # an empty file: the defaults
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"recipe {str(path)!r} is a YAML {type(raw).__name__}, not a mapping of sections "
+                          f"(model:, data:, train:, ...); see recipes/demo.yaml")
     recipe = Recipe()
     for values in [raw] + [_parse_override(o) for o in overrides]:
         values = dict(values) if isinstance(values, dict) else values

@@ -7,6 +7,7 @@ from typing import Any, Dict
 from launch.analysis.engine_memory import built_zero_stage
 from launch.config.layout import Layout
 from launch.config.recipe import Recipe, deep_merge
+from launch.errors import ConfigError
 from model.gpt.pipe import pipeline_config
 
 
@@ -61,3 +62,22 @@ def evaluation_config(recipe: Recipe, layout: Layout) -> Dict[str, Any]:
     model agree to rounding."""
     return {**batch_config(layout), "steps_per_print": 10 ** 9,
             **pipeline_config(recipe.model.sequence_parallel)}
+
+
+def check_deepspeed_section(recipe: Recipe, layout: Layout) -> None:
+    """Raise ConfigError (one line) where DeepSpeed's own config parser refuses the config the
+    recipe's `deepspeed:` keys make: its pydantic sections check types and ranges, but only inside
+    deepspeed.initialize, after the process group has started. Parsed here on one process with
+    batch keys of one data rank (the real ones are ours, derived and checked by the layout)."""
+    if not recipe.deepspeed:
+        return
+    from deepspeed.runtime.config import DeepSpeedConfig
+    config = deepspeed_config(recipe, layout)
+    config.update(train_batch_size=layout.micro_batch_size * layout.grad_accum_steps)
+    try:
+        DeepSpeedConfig(config)
+    except Exception as e:  # pydantic's ValidationError, AssertionError, ValueError, TypeError...
+        lines = [line.strip() for line in str(e).splitlines()
+                 if line.strip() and not line.strip().startswith("For further information")]
+        raise ConfigError(f"deepspeed section {recipe.deepspeed!r}: DeepSpeed refuses it: "
+                          f"{'; '.join(lines[:4]) or type(e).__name__}") from None

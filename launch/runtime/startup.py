@@ -58,6 +58,8 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
         tp, pp = layout_choice.tp, layout_choice.pp
     layout = check_and_derive_layout(recipe, int(os.environ["WORLD_SIZE"]), tp, pp, on_cpu())
     check_precision_supported(recipe.train.precision)
+    from launch.runtime.ds_config import check_deepspeed_section
+    check_deepspeed_section(recipe, layout)
     ensure_open_file_limit(layout.world_size, int(os.environ["RANK"]))
     if recipe.train.schedule == "zb-h1" and layout.pp > 1:  # runs_zero_bubble, without importing DeepSpeed here
         from launch.runtime.zero_bubble import check_deepspeed_hooks

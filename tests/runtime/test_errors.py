@@ -42,7 +42,7 @@ CASES = [
     (1, ["--set", "data.tokenizer=/no/such/tokenizer"], ["data.tokenizer='/no/such/tokenizer'"]),
     (1, ["--set", "data.name=/no/such/corpus"], ["data.name='/no/such/corpus'"]),
     (1, ["--set", "wandb.name=[oops"], ["--set 'wandb.name=[oops'", "not valid YAML", "quote it"]),
-    (1, ["--set", "train.dist_timeout_s=0"], ["train.dist_timeout_s=0", ">= 1"]),
+    (1, ["--set", "train.dist_timeout_s=0"], ["train.dist_timeout_s=0", "[1, 604800]"]),
     (1, ["--set", "train.heartbeat_timeout_s=2"], ["train.heartbeat_timeout_s=2", "heartbeat interval, 2 s"]),
     (1, ["--set", "train.stop_grace_s=0"], ["train.stop_grace_s=0", "> 0"]),
     (1, ["--set", "train.max_starts_without_progress=-1"], ["train.max_starts_without_progress=-1", ">= 0",
@@ -113,6 +113,21 @@ CASES = [
      ["unknown recipe key model.moe.capacity", "model.moe.num_experts"]),
     (4, ["--recipe", "recipes/moe-tiny.yaml", "--tp", "4", "--set", "model.qk_norm=projection"],
      ["qk_norm=projection", "n_kv_head=2", "--tp 4"]),
+    # Values torch or DeepSpeed would refuse only after the process group started.
+    (1, ["--set", "train.beta1=5"], ["train.beta1=5", "[0, 1)"]),
+    (1, ["--set", "train.beta2=-0.5"], ["train.beta2=-0.5", "[0, 1)"]),
+    (1, ["--set", "train.eps=0"], ["train.eps=0", "(0, 1)"]),
+    (1, ["--set", "train.weight_decay=-0.1"], ["train.weight_decay=-0.1", ">= 0"]),
+    (1, ["--seed", "-1"], ["train.seed=-1", "[0, 4294967295]"]),
+    (1, ["--set", "train.seed=" + "1" + "0" * 30], ["train.seed=an integer of about 31 digits", "64-bit"]),
+    (1, ["--set", "train.steps=1" + "0" * 5000], ["train.steps=1000", "...'", "will not read"]),
+    (1, ["--set", "train.dist_timeout_s=100000000000000"], ["train.dist_timeout_s=100000000000000", "604800"]),
+    (1, ["--set", "train.stop_grace_s=1.0e+300"], ["train.stop_grace_s=1e+300", "at most 604800 s"]),
+    (1, ["--set", "deepspeed.zero_optimization.stage=3"], ["deepspeed.zero_optimization.stage=3", "0 or 1"]),
+    (1, ["--set", "deepspeed.zero_optimization.reduce_bucket_size=abc"],
+     ["DeepSpeed refuses it", "reduce_bucket_size", "valid integer"]),
+    # A key or value holding a line break or a terminal escape is printed escaped, on one line.
+    (1, ["--set", "train.l\nr\x1b[2J=3"], ["unknown recipe key train.l\\nr\\x1b[2J"]),
 ]
 
 
@@ -323,3 +338,32 @@ def test_every_float_field_refuses_nan_infinities_and_numbers_past_floats_range(
     for field in fields:
         for value in (".nan", ".inf", "-.inf", "1e400", "1" + "0" * 400):
             _one_line_exit_2(["--set", f"{field}={value}"], capsys, f"error: {field}=", "must be a finite number")
+
+
+RECIPE_FILES = [
+    # (the file's bytes, words of the one line): what PyYAML accepts silently or raises a traceback on.
+    (b"train:\n  lr: 1.0e-3\ntrain:\n  steps: 3\n", ["key 'train' is given twice (lines 1 and 3)"]),
+    (b"\xff\xfetrain: {}\n", ["is not UTF-8 text (byte 0xff at offset 0)"]),
+    (b"a: " + b"[" * 3000 + b"]" * 3000, ["nested too deeply"]),
+    (b"train: &t\n  x: *t\n", ["nested more than 32 levels"]),
+    (b"a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + b"".join(
+        b"%c: &%c [%s]\n" % (98 + i, 98 + i, b", ".join([b"*%c" % (97 + i)] * 10)) for i in range(5)),
+     ["holds more than 100000 values"]),
+    (b"- 1\n- 2\n", ["is a YAML list, not a mapping of sections"]),
+    (b"train:\n  l\x1b[2Jr: 1\n", ["unacceptable character #x001b"]),
+    (b'train:\n  "l\\nr\\e[2J": 1\n', ["unknown recipe key train.l\\nr\\x1b[2J"]),  # YAML's own escapes
+]
+
+
+@pytest.mark.parametrize("text,words", RECIPE_FILES, ids=[w[0][:30] for _, w in RECIPE_FILES])
+def test_a_malformed_recipe_file_is_one_line(text, words, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(text)
+    assert main(["--recipe", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: recipe '{recipe}'") or "unknown recipe key" in err, err
+    assert err.count("\n") == 1 and err[:-1].isprintable(), err
+    for word in words:
+        assert word in err, (word, err)
