@@ -89,6 +89,9 @@ def filesystem(url: str, label: str) -> Tuple[fsspec.AbstractFileSystem, str]:
                         f"pip install {package}") from None
     except ValueError as e:  # an unknown protocol
         raise DataError(f"data.name={label!r}: {shown(str(e))}") from None
+    except Exception as e:  # a backend that connects as it is made (DataSpec.validate refuses ftp:// before)
+        raise DataError(f"data.name={label!r}: the {protocol!r} filesystem could not be opened: {type(e).__name__}: "
+                        f"{shown(str(e).splitlines()[0][:200]) if str(e) else ''}") from None
 
 
 def _expand(fs: fsspec.AbstractFileSystem, path: str, label: str) -> List[str]:

@@ -10,15 +10,16 @@ units instead, by a hash of the unit: data/units.py.)
 """
 import glob
 import hashlib
+import json
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 import datasets
 
 from data.builtin import BUILTIN, builtin_corpus, python_version
 from data.files import refuse_hub_options
-from data.hub import hub_errors_only
+from data.hub import datasets_progress, datasets_silent, hub_errors_only
 from data.spec import DataError, DataSpec
 
 FILE_BUILDERS = {".txt": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -40,6 +41,9 @@ def looks_local(name: str) -> bool:
 def source_identity(spec: DataSpec) -> list:
     """What identifies the raw data: local files by path, size and mtime; hub data by id,
     config, split and revision (pin `revision` to make the cache follow upstream changes)."""
+    name = os.path.expanduser(spec.name)
+    if not spec.streaming and (local_files(name) is not None or os.path.isdir(name)):  # as _load_split, which a
+        refuse_hub_options(spec.name, spec.config, spec.revision, spec.data_files)  # cached build never runs
     if spec.name == BUILTIN:
         return [BUILTIN, python_version()]
     files = local_files(spec.name)
@@ -69,12 +73,16 @@ def _load_split(spec: DataSpec, split: str) -> datasets.Dataset:
                             f"{', '.join(FILE_BUILDERS)}; got {sorted(suffixes)}")
         if all(os.path.getsize(f) == 0 for f in files):
             raise DataError(f"data.name={spec.name!r} is empty: {len(files)} file(s) of 0 bytes")
+        builder = FILE_BUILDERS[suffixes.pop()]
         try:
-            return datasets.load_dataset(FILE_BUILDERS[suffixes.pop()], data_files={"train": files},
-                                         split="train")
+            with datasets_silent():
+                ds = datasets.load_dataset(builder, data_files={"train": files}, split="train")
+            if builder == "json" and spec.text_field in ds.column_names:  # pyarrow's JSON reader keeps bad UTF-8:
+                ds.data.column(spec.text_field).validate(full=True)  # reading it would raise UnicodeDecodeError
+            return ds
         except Exception as e:  # malformed JSON, CSV or parquet
-            raise DataError(f"data.name={spec.name!r} could not be read: {type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:200]}") from None
+            raise DataError(first_bad_line(spec, files) or f"data.name={spec.name!r} could not be read: "
+                            f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from None
     if os.path.isdir(name):
         try:
             loaded = datasets.load_from_disk(name)
@@ -98,10 +106,70 @@ def _load_split(spec: DataSpec, split: str) -> datasets.Dataset:
 
 
 def _check_text_field(ds: datasets.Dataset, spec: DataSpec) -> None:
+    """The text column is there and holds a string in every row: the tokenizer raises a TypeError
+    on anything else (a number or a null; datasets reads a JSON column of mixed types as Json)."""
     columns = ds.column_names
-    if columns is not None and spec.text_field not in columns:
+    if columns is None:
+        return
+    if spec.text_field not in columns:
         raise DataError(f"data.text_field={spec.text_field!r} is not a column of {spec.name!r}; "
                         f"columns: {', '.join(columns)}")
+    feature = ds.features[spec.text_field]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")) \
+            or ds.data.column(spec.text_field).null_count:
+        files = None if spec.name == BUILTIN else local_files(os.path.expanduser(spec.name))
+        raise DataError(first_bad_line(spec, files or []) or _first_bad_row(ds, spec))
+
+
+def shown(value: Any) -> str:
+    """A document's value as JSON spells it (null, true), cut short, on one line."""
+    text = json.dumps(value, ensure_ascii=True, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _first_bad_row(ds: datasets.Dataset, spec: DataSpec) -> str:
+    """The message for the first row whose text is not a string (read only on this error path)."""
+    where = f"data.name={spec.name!r}"
+    for row, text in enumerate(ds[spec.text_field], 1):
+        if not isinstance(text, str):
+            return (f"{where} row {row}: {spec.text_field} is {shown(text)}, not a string; give every document's "
+                    f"text as a string (data.text_field={spec.text_field!r})")
+    return f"{where}: data.text_field={spec.text_field!r} holds {ds.features[spec.text_field]}, not strings"
+
+
+def first_bad_line(spec: DataSpec, files: List[str]) -> Optional[str]:
+    """The message for the first line of the JSON Lines files among `files` that is not an object
+    with a string at data.text_field, or None. Read only on an error path: a file checked up front
+    would be parsed twice per run. A .json file whose first line is not an object on its own is
+    one JSON document (an array of rows, or columns), which datasets reads too: skipped."""
+    for path in files:
+        if FILE_BUILDERS.get(Path(path).suffix) != "json":
+            continue
+        with open(path, "rb") as lines:
+            for k, (number, line) in enumerate((n, line) for n, line in enumerate(lines, 1) if line.strip()):
+                doc, why = _document(line, spec.text_field)
+                if why and k == 0 and Path(path).suffix == ".json" and not isinstance(doc, dict):
+                    break
+                if why:
+                    file = "" if path == os.path.expanduser(spec.name) else f", file {path!r},"
+                    return f"data.name={spec.name!r}{file} line {number}: {why}"
+    return None
+
+
+def _document(line: bytes, field: str) -> Tuple[Any, Optional[str]]:
+    """(one JSON Lines line's value, what is wrong with it as a document or None)."""
+    try:
+        doc = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return None, f"is not UTF-8 (byte {e.start + 1}: {line[e.start:e.start + 1]!r}); save the file as UTF-8"
+    except (ValueError, RecursionError) as e:  # JSONDecodeError; over 4,300 digits; nested too deep
+        return None, f"is not JSON ({type(e).__name__}: {str(e)[:100]}); give one JSON object per line"
+    if not isinstance(doc, dict):
+        return doc, f"is {shown(doc)}, not a JSON object; give one object per line"
+    if not isinstance(doc.get(field), str):
+        return doc, (f"{field} is {shown(doc.get(field)) if field in doc else 'missing'}, not a string; give every "
+                     f"document's text as a string (data.text_field={field!r})")
+    return doc, None
 
 
 def saved_dataset_dir(name: str) -> bool:
@@ -137,7 +205,8 @@ def load_train_val(spec: DataSpec):
         return train, val
     if spec.val_fraction > 0:
         field, f, nproc = spec.text_field, spec.val_fraction, spec.num_proc if spec.num_proc > 1 else None
-        val = train.filter(lambda b: [held_out(t or "", f) for t in b[field]], batched=True, num_proc=nproc)
-        train = train.filter(lambda b: [not held_out(t or "", f) for t in b[field]], batched=True, num_proc=nproc)
+        with datasets_progress(len(train)):
+            val = train.filter(lambda b: [held_out(t or "", f) for t in b[field]], batched=True, num_proc=nproc)
+            train = train.filter(lambda b: [not held_out(t or "", f) for t in b[field]], batched=True, num_proc=nproc)
         return train, val
     return train, None

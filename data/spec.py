@@ -5,7 +5,7 @@ loader uses this class as its `data` section.
 """
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 
 class DataError(ValueError):
@@ -97,6 +97,8 @@ class DataSpec:
         """Raise DataError on a value no run can read (the sources of data.mix: data/mixture_spec.py)."""
         for key in URL_FIELDS:  # those of data.mix's sources too
             check_no_credentials(f"data.{key}", getattr(self, key))
+        for where, source in self.sources():
+            check_source(where, source)
         if not 0 <= self.val_fraction < 1:
             raise DataError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
         if self.num_proc < 1 or self.shuffle_buffer < 1 or self.unit_bytes < 1:
@@ -106,6 +108,55 @@ class DataSpec:
             raise DataError(f"data.streams={self.streams} must be >= 1 (or null: one per sample of the global batch)")
         if self.read_ahead_steps is not None and self.read_ahead_steps < 0:
             raise DataError(f"data.read_ahead_steps={self.read_ahead_steps} must be >= 0 (0 reads inline, null: one shuffle block of steps)")
+
+    def sources(self) -> List[Tuple[str, Dict[str, Any]]]:
+        """(where, fields) of each source: this section's, or each data.mix source's with the
+        fields it leaves out taken from this section (its types are data/mixture_spec.py's to check)."""
+        fields = {key: getattr(self, key) for key in ("name", "config", "revision", "data_files", "streaming")}
+        if not self.mix:
+            return [("data.", fields)]
+        return [(f"data.mix[{i}].", dict(fields, **{k: v for k, v in item.items() if k in fields}))
+                for i, item in enumerate(self.mix) if isinstance(item, dict)]
+
+
+def check_source(where: str, source: Dict[str, Any]) -> None:
+    """The source's URLs have a scheme data reads, and `builtin` takes no hub option: the embedded
+    corpus would ignore it (and a run whose data is cached already would not even look)."""
+    name, given = source["name"], [f"{where}{key}={source[key]!r}" for key in ("config", "revision", "data_files")
+                                   if source[key] is not None]
+    if name == "builtin" and given:
+        raise DataError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to hub datasets only; "
+                        f"{where}name='builtin' is the embedded corpus: drop {'them' if len(given) > 1 else 'it'}")
+    check_url_scheme(f"{where}name", name)
+    check_url_scheme(f"{where}data_files", source["data_files"])
+    if isinstance(name, str) and "://" in name and source["streaming"] is False:
+        raise DataError(f"{where}name={name!r} is a URL, which streaming reads: set {where}streaming=true "
+                        f"(map-style reads a hub id, a directory or local files)")
+
+
+URL_SCHEMES = ("https", "http", "hf", "s3", "s3a", "gs", "gcs", "az", "abfs", "file")
+"""The schemes of the URLs data reads through fsspec (data/files.py: BACKEND_PACKAGES names the
+packages of some). Others are refused before any is opened: fsspec's ftp:// backend connects
+as it is made, and its socket errors are no DataError."""
+
+
+def check_url_scheme(where: str, value: Any) -> None:
+    """Each URL of `value` (a string, or lists and mappings of them: data.data_files' forms) has a
+    scheme of URL_SCHEMES, as fsspec spells them (lower case); the value is repeated with repr,
+    which escapes a control character. Run after check_no_credentials: the value is repeated."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_url_scheme(f"{where}.{key}" if isinstance(key, str) and key.isidentifier()
+                             else f"{where}[{key!r}]", item)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_url_scheme(f"{where}[{i}]", item)
+    elif isinstance(value, str) and "://" in value:  # data/files.py: is_url
+        scheme = value.split("://", 1)[0]
+        if scheme not in URL_SCHEMES:
+            case = " (fsspec spells schemes in lower case)" if scheme.lower() in URL_SCHEMES else ""
+            raise DataError(f"{where}={value[:200]!r}: {scheme[:40]!r} is not a scheme data reads{case}; give a "
+                            f"local path, a hub id, or a URL of {', '.join(s + '://' for s in URL_SCHEMES)}")
 
 
 URL_FIELDS = ("name", "data_files", "tokenizer", "mix")

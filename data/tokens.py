@@ -19,6 +19,7 @@ from numpy.lib.format import open_memmap
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from data.hub import datasets_progress
 from data.spec import DataError
 
 
@@ -65,8 +66,9 @@ def write_token_stream(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizer
         ids = tokenize_batch(batch[text_field], tokenizer)
         return {"ids": ids, "n": [len(doc) for doc in ids]}
 
-    tokenized = dataset.map(tokenize, batched=True, num_proc=num_proc if num_proc > 1 else None,
-                            remove_columns=dataset.column_names, desc="tokenize")
+    with datasets_progress(len(dataset)):
+        tokenized = dataset.map(tokenize, batched=True, num_proc=num_proc if num_proc > 1 else None,
+                                remove_columns=dataset.column_names, desc="tokenize")
     total = int(np.sum(tokenized.with_format("numpy")["n"], dtype=np.int64)) if len(tokenized) else 0
     stream = open_memmap(out, mode="w+", dtype=token_dtype(len(tokenizer)), shape=(total,))
     offset = 0

@@ -365,7 +365,12 @@ class FileUnits(UnitSource):
                 columns = ", ".join(record) if isinstance(record, dict) else type(record).__name__
                 raise DataError(f"data.text_field={self.text_field!r} is not a column of {self.label!r}; "
                                 f"columns: {columns}")
-            texts.append(record[self.text_field])
+            text = record[self.text_field]
+            if not isinstance(text, (str, type(None))):  # null is no document; a number, the tokenizer's TypeError
+                raise DataError(f"data.name={self.label!r}: {self.files.names[unit.file]!r}, line {n + 1} of the "
+                                f"unit at byte {unit.start}: {self.text_field} is {json.dumps(text)[:60]}, not a "
+                                f"string; give every document's text as a string")
+            texts.append(text)
         return texts
 
     def head_texts(self, unit: Unit, max_bytes: int) -> Optional[List[Optional[str]]]:
