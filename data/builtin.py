@@ -10,6 +10,7 @@ Tokenizer: a byte-level BPE trained on that corpus with `tokenizers` (seconds), 
 """
 import ast
 import json
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -91,21 +92,88 @@ def builtin_tokenizer_dir() -> Path:
 
 def load_tokenizer(name: str, where: str = "data.tokenizer") -> PreTrainedTokenizerFast:
     """`builtin`, or any name or path `AutoTokenizer` accepts (hub ids need the cache or network);
-    files that ask for custom code are a DataError naming `where` (the field or flag that gave `name`)."""
+    files that ask for custom code, and a local directory's malformed files, are a DataError naming
+    `where` (the field or flag that gave `name`)."""
     if name == BUILTIN:
         return AutoTokenizer.from_pretrained(str(builtin_tokenizer_dir()), trust_remote_code=False)
+    local = os.path.isdir(name)  # False for a name no path can be (too long, a NUL)
+    if local:
+        for filename in TOKENIZER_JSON:
+            _check_json_object(Path(name) / filename, f"{where}={name!r}")
     with hub_errors_only():
         try:
             # False, not the default None: with None, transformers' resolve_trust_remote_code asks
             # "Do you wish to run the custom code? [y/N]" on the terminal for 15 s (TIME_OUT_REMOTE_CODE)
             # before refusing a tokenizer_config.json whose auto_map names Python files of the model's.
             return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
-        except ValueError as e:
-            if "trust_remote_code" not in str(e):
+        except Exception as e:
+            if isinstance(e, ValueError) and "trust_remote_code" in str(e):
+                raise DataError(f"{where}={name!r}: its files ask for custom code ({_auto_map(name)}), which this "
+                                f"project does not run (trust_remote_code=False); use a tokenizer of one of "
+                                f"transformers' own classes, or 'builtin'") from None
+            if not _malformed_file(e, local):
                 raise
-            raise DataError(f"{where}={name!r}: its files ask for custom code ({_auto_map(name)}), which this "
-                            f"project does not run (trust_remote_code=False); use a tokenizer of one of "
-                            f"transformers' own classes, or 'builtin'") from None
+            raise DataError(f"{where}={name!r}: {_what_failed(e)}; save the tokenizer again with save_pretrained, "
+                            f"or use 'builtin'") from None
+
+
+# The files of a tokenizer directory that transformers reads as JSON objects and indexes without
+# checking (tokenizer_config.json holding a list: AttributeError "'list' object has no attribute
+# 'get'"; bytes not UTF-8: UnicodeDecodeError): read first, so that a bad one is named.
+TOKENIZER_JSON = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+                  "config.json")
+
+
+def _check_json_object(path: Path, where: str) -> None:
+    """A DataError naming `path`'s file unless it is absent or a UTF-8 JSON object."""
+    if not path.exists():
+        return
+    try:
+        data = path.read_bytes()
+        value = json.loads(data.decode("utf-8"))
+    except OSError as e:  # a directory of that name, no permission
+        why = f"cannot be read ({type(e).__name__}: {e.strerror})"
+    except UnicodeDecodeError as e:
+        why = f"is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
+    except ValueError as e:  # json.JSONDecodeError; an integer past Python's 4,300 digits
+        why = f"is not valid JSON ({_one_line(e)})"
+    except RecursionError:  # json.loads recurses per nested array or object
+        why = "is nested too deeply to read as JSON"
+    else:
+        if isinstance(value, dict):
+            return
+        why = f"is {_json_kind(value)}, not a JSON object"
+    raise DataError(f"{where}: {path.name} {why}; save the tokenizer again with save_pretrained, "
+                    f"or use 'builtin'") from None
+
+
+def _json_kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {list: "a list", str: "a string"}.get(type(value), "a number")
+
+
+def _malformed_file(error: Exception, local: bool) -> bool:
+    """Whether `error` is transformers or tokenizers failing on a malformed file. Of a hub id, an
+    OSError or ValueError is the caller's to word (not cached, offline, no such repository)."""
+    if type(error) is Exception:  # tokenizers' own errors (raised in Rust) are bare Exceptions
+        return True
+    if isinstance(error, (AttributeError, TypeError, KeyError, IndexError, RecursionError)):
+        return True
+    return local and isinstance(error, (OSError, ValueError))
+
+
+def _what_failed(error: Exception) -> str:
+    if type(error) is Exception:  # of loading, only tokenizers' TokenizerFast.from_file raises these
+        return f"tokenizer.json is not a tokenizers serialization ({_one_line(error)})"
+    return f"transformers cannot load a tokenizer from it ({type(error).__name__}: {_one_line(error)})"
+
+
+def _one_line(error: Exception) -> str:
+    """An exception's message on one line, cut short and escaped (it may quote the file's bytes)."""
+    return repr(" ".join(str(error).split())[:200])
 
 
 def _auto_map(name: str) -> str:

@@ -16,9 +16,10 @@ convert it once).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from launch.errors import ConfigError
 
@@ -40,9 +41,66 @@ def _cached(source: str, filename: str) -> Optional[str]:
                            _raise_exceptions_for_connection_errors=False)
 
 
+def read_json_object(source: str, path: Path) -> Dict[str, Any]:
+    """The JSON object in `path`, a file of `source`, or a ConfigError naming the file: transformers
+    indexes config.json as a mapping unchecked (null: TypeError "argument of type 'NoneType' is not
+    iterable") and json raises for bytes that are not UTF-8 JSON."""
+    try:
+        data = path.read_bytes()
+        value = json.loads(data.decode("utf-8"))
+    except OSError as e:
+        why = f"cannot be read ({type(e).__name__}: {e.strerror})"
+    except UnicodeDecodeError as e:
+        why = f"is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
+    except ValueError as e:  # json.JSONDecodeError; an integer past Python's 4,300 digits
+        why = f"is not valid JSON ({one_line(e)})"
+    except RecursionError:  # json.loads recurses per nested array or object
+        why = "is nested too deeply to read as JSON"
+    else:
+        if isinstance(value, dict):
+            return value
+        why = f"is {json_kind(value)}, not a JSON object"
+    raise ConfigError(f"--init-from-hf {source!r}: {path.name} {why}; download the whole model directory "
+                      f"again (or save it with save_pretrained)") from None
+
+
+def json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {list: "a list", str: "a string", dict: "a JSON object"}.get(type(value), "a number")
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line, cut short and escaped (it may quote a file's bytes)."""
+    return repr(" ".join(str(error).split())[:200])
+
+
+@contextlib.contextmanager
+def open_safetensors(source: str, path: Path) -> Iterator[Any]:
+    """safetensors' safe_open of `path` (pread, framework pt), a file of `source`; a header it cannot
+    read (an empty file: "header too small"; a length past the file's end: "invalid header length";
+    not JSON) is a ConfigError naming the file instead of a SafetensorError."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        handle = safe_open(str(path), framework="pt", backend="pread")
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"--init-from-hf {source!r}: {path.name} is not a safetensors file ({one_line(e)}, "
+                          f"{_size(path)}); download the whole model directory again") from None
+    with handle as f:
+        yield f
+
+
+def _size(path: Path) -> str:
+    try:
+        return f"{path.stat().st_size} bytes"
+    except OSError as e:
+        return type(e).__name__
+
+
 def safetensors_weight_map(source: str) -> Dict[str, Path]:
     """{transformers tensor name: the safetensors file holding it} of `source`, or a ConfigError."""
-    from safetensors import safe_open
     index = _cached(source, INDEX)
     if index is not None:
         files = _index_weight_map(source, Path(index))
@@ -57,7 +115,7 @@ def safetensors_weight_map(source: str) -> Dict[str, Path]:
         raise ConfigError(f"--init-from-hf {source!r} has no {SINGLE} or {INDEX} (only safetensors weights are "
                           f"read, lazily, shard by shard); convert it once: python -c \"from transformers import "
                           f"AutoModelForCausalLM as M; M.from_pretrained('SRC').save_pretrained('DST')\"")
-    with safe_open(single, framework="pt", backend="pread") as f:
+    with open_safetensors(source, Path(single)) as f:
         return {name: Path(single) for name in f.keys()}
 
 
@@ -66,16 +124,17 @@ def _index_weight_map(source: str, index: Path) -> Dict[str, str]:
     The names come from the source: "../../etc/hostname" or "/etc/hostname" would be read from
     outside it (transformers' cached_file joins the name to the directory as it is). Checked by name,
     not by where links lead: a hub cache's snapshot files are links into its blobs/ directory."""
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--init-from-hf {source!r}: {INDEX} cannot be read ({type(e).__name__}: "
-                          f"{str(e)[:200]!r}); download the whole model directory") from None
+    weight_map = read_json_object(source, index).get("weight_map")
     if not isinstance(weight_map, dict):
-        raise ConfigError(f"--init-from-hf {source!r}: {INDEX}'s weight_map is a {type(weight_map).__name__}, "
-                          f"not a mapping of tensor names to shard files")
+        raise ConfigError(f"--init-from-hf {source!r}: {INDEX}'s weight_map is "
+                          f"{'missing' if weight_map is None else json_kind(weight_map)}, not a mapping of tensor "
+                          f"names to shard files; download the whole model directory again")
     for tensor, name in weight_map.items():
-        parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+        if not isinstance(name, str):
+            raise ConfigError(f"--init-from-hf {source!r}: {INDEX}'s weight_map[{tensor!r}] is {json_kind(name)} "
+                              f"({json.dumps(name)[:60]}), not a shard file's name; download the whole model "
+                              f"directory again")
+        parts = PurePosixPath(name).parts
         if not parts or parts[0] == "/" or ".." in parts:
             raise ConfigError(f"--init-from-hf {source!r}: {INDEX} names {name!r} for {tensor!r}, which is not a "
                               f"file inside the model directory; only shard files inside it are read")
@@ -89,14 +148,37 @@ def _by_file(weight_map: Dict[str, Path], names) -> Dict[Path, List[str]]:
     return out
 
 
-def stored_shapes(weight_map: Dict[str, Path]) -> Dict[str, Tuple[int, ...]]:
-    """The stored shape of every tensor (safetensors headers only)."""
-    from safetensors import safe_open
+def stored_shapes(source: str, weight_map: Dict[str, Path]) -> Dict[str, Tuple[int, ...]]:
+    """The stored shape of every tensor (safetensors headers only); a ConfigError for a file that is
+    not safetensors or lacks a tensor the index places in it."""
     shapes = {}
     for path, names in _by_file(weight_map, weight_map).items():
-        with safe_open(str(path), framework="pt", backend="pread") as f:
+        with open_safetensors(source, path) as f:
+            held = set(f.keys())
+            absent = [name for name in names if name not in held]
+            if absent:
+                raise ConfigError(f"--init-from-hf {source!r}: {INDEX} places {absent[0]!r} in {path.name}, which "
+                                  f"does not hold it; download the whole model directory again")
             shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in names})
     return shapes
+
+
+def check_hf_tensors(source: str, config: GPTConfig) -> None:
+    """Every tensor the run's model is read from is in `source`'s safetensors, their headers read
+    (before any process group: `load_hf_shards_into` would fail on the first one missing)."""
+    from model.hf.shards import hf_sources
+    shapes = stored_shapes(source, safetensors_weight_map(source))
+    wanted = [name for held in hf_sources(config, fused_experts=_fused(shapes)).values() for name in held.names]
+    missing = [name for name in wanted if name not in shapes]
+    if missing:
+        raise ConfigError(f"--init-from-hf {source!r} has no tensor {missing[0]!r} ({len(missing)} of the "
+                          f"{len(wanted)} this run's model reads are missing); pass a complete {config.arch} model "
+                          f"directory as transformers' save_pretrained writes it")
+
+
+def _fused(shapes: Dict[str, Tuple[int, ...]]) -> bool:
+    """Whether the experts are stored fused (one (E, ., .) tensor), not one tensor per expert."""
+    return any(name.endswith(".mlp.experts.gate_up_proj") for name in shapes)
 
 
 def load_hf_shards_into(module: torch.nn.Module, source: str, config: GPTConfig, pipeline: bool, tp_rank: int,
@@ -107,14 +189,12 @@ def load_hf_shards_into(module: torch.nn.Module, source: str, config: GPTConfig,
     one tensor per expert (save_pretrained's and the hub's format) or from transformers' fused
     (E, ., .) tensors (save_pretrained(save_original_format=False)), whichever the files hold."""
     import torch
-    from safetensors import safe_open
 
     from model.hf.convert import dense_name
     from model.hf.shards import hf_sources, shard_plan
     weight_map = safetensors_weight_map(source)
-    shapes = stored_shapes(weight_map)
-    fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in shapes)
-    sources = hf_sources(config, fused_experts=fused)
+    shapes = stored_shapes(source, weight_map)
+    sources = hf_sources(config, fused_experts=_fused(shapes))
     plans = {}
     for name, param in module.named_parameters():
         key = dense_name(name, config) if pipeline else name
@@ -138,7 +218,7 @@ def load_hf_shards_into(module: torch.nn.Module, source: str, config: GPTConfig,
             if plan.padding is not None:
                 param[plan.padding:].zero_()  # vocab padding rows, zeros as at init (contract 4)
         for path, names in _by_file(weight_map, destinations).items():
-            with safe_open(str(path), framework="pt", backend="pread") as f:
+            with open_safetensors(source, path) as f:
                 for name in names:
                     for place, piece, transpose in destinations[name]:
                         value = f.get_slice(name)[piece.index]

@@ -13,6 +13,8 @@ trust_remote_code) and weights are safetensors.
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
 from launch.errors import ConfigError
@@ -40,35 +42,94 @@ _REQUIREMENTS: List[Tuple[str, Callable[[GPTConfig], Tuple[Any, ...]], str]] = [
 ]
 
 
+# The sizes and counts of the families' config.json (GPT-2's names, then Llama's and the mixtures
+# of experts'): transformers checks their type, not their sign, and 0 heads divides by zero
+# (LlamaConfig.validate_architecture's hidden_size % num_attention_heads). Those a config may leave
+# null transformers derives (num_key_value_heads: num_attention_heads).
+_SIZES = ("n_layer", "n_head", "n_embd", "n_positions", "n_inner", "vocab_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size", "head_dim",
+          "max_position_embeddings", "num_local_experts", "num_experts", "num_experts_per_tok",
+          "moe_intermediate_size", "decoder_sparse_step")
+_NULLABLE_SIZES = ("n_inner", "num_key_value_heads", "head_dim")
+
+
 def read_hf_config(source: str):
     """The GPT2Config, LlamaConfig, MixtralConfig, Qwen3MoeConfig or OlmoeConfig of a model
     directory or hub id (config.json only, no weights)."""
     import transformers
-    from transformers import GPT2Config, LlamaConfig
 
     from model.hf.moe import MODEL_TYPES
+    raw = _config_dict(source)
+    model_type = raw.get("model_type")
+    if model_type not in ("gpt2", "llama", *MODEL_TYPES):  # a tuple: a list's model_type is unhashable
+        known = ", ".join(repr(t) for t in ("gpt2", "llama", *MODEL_TYPES))
+        raise ConfigError(f"--init-from-hf {source!r} is a {model_type!r} model, not GPT-2, Llama, "
+                          f"Mixtral, Qwen3-MoE or OLMoE (model_type {known}); only those formats can be imported")
+    _check_sizes(source, raw)
+    # GPT2Config.from_pretrained would read any model type's config.json (with a warning).
+    classes = {"gpt2": "GPT2Config", "llama": "LlamaConfig",
+               **{family: MODEL_TYPES[family].config_class for family in MODEL_TYPES}}
+    hf = _from_dict(source, getattr(transformers, classes[model_type]), raw)
+    _check_rope(source, getattr(hf, "rope_parameters", None) or {})
+    return hf
+
+
+def _config_dict(source: str) -> Dict[str, Any]:
+    """config.json of `source` as a dict; a local one's shape checked before transformers indexes it."""
+    from transformers import GPT2Config
 
     from data.hub import hub_errors_only
+    from launch.checkpoints.hf_safetensors import read_json_object
+    local = source if os.path.isfile(source) else os.path.join(source, "config.json")  # as transformers reads
+    if os.path.exists(local):
+        read_json_object(source, Path(local))
     try:
         with hub_errors_only():
             raw, _ = GPT2Config.get_config_dict(source)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError, RecursionError) as e:  # TypeError: a hub copy's null
         raw, why = {}, f" ({type(e).__name__})"
     else:
         why = ""  # transformers 5 returns {} for a local directory without config.json
-    if not raw:
+    if not raw or not isinstance(raw, dict):
         raise ConfigError(f"--init-from-hf {source!r}: no readable config.json{why}; pass a transformers "
                           f"model directory (or a hub id that is cached)")
-    # GPT2Config.from_pretrained would read any model type's config.json (with a warning).
-    if raw.get("model_type") == "llama":
-        return LlamaConfig.from_dict(raw)
-    if raw.get("model_type") in MODEL_TYPES:
-        return getattr(transformers, MODEL_TYPES[raw["model_type"]].config_class).from_dict(raw)
-    if raw.get("model_type") != "gpt2":
-        known = ", ".join(repr(t) for t in ("gpt2", "llama", *MODEL_TYPES))
-        raise ConfigError(f"--init-from-hf {source!r} is a {raw.get('model_type')!r} model, not GPT-2, Llama, "
-                          f"Mixtral, Qwen3-MoE or OLMoE (model_type {known}); only those formats can be imported")
-    return GPT2Config.from_dict(raw)
+    return raw
+
+
+def _check_sizes(source: str, raw: Dict[str, Any]) -> None:
+    for key in _SIZES:
+        value = raw.get(key)
+        if key not in raw or (value is None and key in _NULLABLE_SIZES):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"--init-from-hf {source!r}: config.json has {key}={repr(value)[:60]}, not a positive "
+                              f"integer; the file is damaged: download the whole model directory again")
+
+
+def _from_dict(source: str, config_class, raw: Dict[str, Any]):
+    """`config_class.from_dict(raw)`; the errors of its validation (of the fields' types, strictly:
+    huggingface_hub's StrictDataclassFieldValidationError; of RoPE's parameters) as a ConfigError."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from launch.checkpoints.hf_safetensors import one_line
+    try:
+        return config_class.from_dict(raw)
+    except (StrictDataclassError, TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as e:
+        raise ConfigError(f"--init-from-hf {source!r}: config.json is not a valid {config_class.__name__} "
+                          f"({type(e).__name__}: {one_line(e)}); download the whole model directory again") from None
+
+
+def _check_rope(source: str, rope: Dict[str, Any]) -> None:
+    """RoPE's numbers, which transformers checks by key, not by type (hf_model_fields' float() of
+    rope_theta "x" would raise ValueError)."""
+    from model.config import LLAMA3_SCALING_KEYS
+    for key in ("rope_theta", *LLAMA3_SCALING_KEYS):
+        value = rope.get(key)
+        if key in rope and (isinstance(value, bool) or not isinstance(value, (int, float))
+                            or not 0 < value < float("inf")):
+            raise ConfigError(f"--init-from-hf {source!r}: config.json has rope_parameters {key}="
+                              f"{repr(value)[:60]}, not a positive number; the file is damaged: download the whole "
+                              f"model directory again")
 
 
 def hf_model_fields(hf) -> Dict[str, Any]:
@@ -121,8 +182,8 @@ def check_hf_source(source: str, config: GPTConfig, resuming: bool) -> None:
     if resuming:
         raise ConfigError("--init-from-hf starts a new run from weights, --load resumes one: pass only one")
     _check_config(source, read_hf_config(source), config)
-    from launch.checkpoints.hf_safetensors import safetensors_weight_map
-    safetensors_weight_map(source)  # a ConfigError when there are none (pytorch_model.bin only)
+    from launch.checkpoints.hf_safetensors import check_hf_tensors
+    check_hf_tensors(source, config)  # a ConfigError when there are none (pytorch_model.bin only)
 
 
 def _check_config(source: str, hf, config: GPTConfig) -> None:
