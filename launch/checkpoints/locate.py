@@ -3,19 +3,27 @@
 A save directory's layout and commit protocol: launch/checkpoints/store.py. `--load` takes a
 save directory (the checkpoint its `latest` names) or one tag directory; only complete
 checkpoints (with complete.json, every file of its manifest at its recorded size), and an
-unreadable complete.json or `latest` is an error, never a reason to take an older checkpoint.
+unreadable complete.json or `latest` is an error, never a reason to take an older checkpoint. So
+is a complete.json of another shape or of a newer version (`check_manifest`), a `latest` naming
+anything but a tag directory of its own, and a tag that is a symbolic link: one line each, before
+any process group starts.
 """
 import dataclasses
 import json
+import os
 import re
+import shlex
 import sys
+import types
+import typing
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Dict, List, Optional, Tuple
 
 from data.fingerprint import fingerprint_changes
 from launch.errors import ConfigError
 from model.config import ARCH_SWITCHES, ModelConfig
+from model.moe_config import MoEConfig
 
 COMPLETE = "complete.json"
 LATEST = "latest"
@@ -66,21 +74,164 @@ class CheckpointRef:
 
 def read_complete(path: Path) -> Optional[Dict[str, Any]]:
     """complete.json of tag directory `path`, or None if it has none (an interrupted save). One
-    that exists but cannot be read is an error: loading an older checkpoint instead would
-    silently throw away training."""
+    that exists but cannot be read, or is no manifest (`check_manifest`), is an error: loading an
+    older checkpoint instead would silently throw away training."""
     manifest = path / COMPLETE
     if not manifest.exists():
         return None
     try:
-        meta = json.loads(manifest.read_text())
-        missing = [key for key in REQUIRED if key not in meta]
-        if missing:
-            raise ValueError(f"no {', '.join(missing)}")
-    except (OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"checkpoint {path} has an unreadable {COMPLETE} ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); restore it or load another "
-                          f"checkpoint (a tag directory) explicitly") from None
+        meta = json.loads(manifest.read_text(encoding="utf-8"))
+    # ValueError: not UTF-8, not JSON, or an integer past 4300 digits; RecursionError: nested too deep
+    except (OSError, ValueError, RecursionError) as e:
+        raise _unreadable(path, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    check_manifest(path, meta)
     return meta
+
+
+def _unreadable(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"checkpoint {str(path)!r} has an unreadable {COMPLETE} ({why}); restore it or load another "
+                       f"checkpoint (a tag directory) explicitly")
+
+
+INT64_MAX = 2 ** 63 - 1
+"""The largest count a manifest holds: steps, samples and sizes become torch's int64."""
+STAGES = (0, 1, 2, 3)
+
+
+def _count(value: Any, least: int = 0) -> bool:
+    return type(value) is int and least <= value <= INT64_MAX  # type(): a JSON true is no count
+
+
+def _name(value: Any) -> bool:
+    return type(value) is str and value.isprintable()
+
+
+def _optional(value: Any, kind: type) -> bool:
+    return value is None or type(value) is kind
+
+
+_ABSENT = object()
+"""A manifest's key that is not there (its message says "no KEY")."""
+
+
+def _shown(value: Any) -> str:
+    """A value read from a file, for a one-line message: a string as repr, anything else as JSON
+    spells it (true, null), control characters escaped by both; a long one cut."""
+    text = repr(value) if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 100 else text[:100] + "..."
+
+
+def _inside(name: str) -> bool:
+    """Whether a manifest's file name lies inside the tag directory: relative, no `..`."""
+    parts = PurePosixPath(name).parts
+    return bool(parts) and not PurePosixPath(name).is_absolute() and ".." not in parts
+
+
+def check_manifest(path: Path, meta: Any) -> None:
+    """The keys of complete.json that a resume, an export or an evaluation reads, each of its type
+    and range: a manifest of another shape (hand-edited, cut, another program's) is refused here
+    in one line naming the key, not as a TypeError or KeyError wherever the key is first read."""
+    def need(key: str, value: Any, ok: bool, expected: str) -> None:
+        if not ok:
+            found = f"no {key}" if value is _ABSENT else f"{key}={_shown(value)}"
+            raise _unreadable(path, f"{found}, expected {expected}")
+    if not isinstance(meta, dict):
+        raise _unreadable(path, f"it holds {_shown(meta)}, not a JSON object")
+    missing = [key for key in REQUIRED if key not in meta]
+    if missing:
+        raise _unreadable(path, f"no {', '.join(missing)}")
+    for key in ("step", "samples"):
+        need(key, meta[key], _count(meta[key]), f"an integer from 0 to {INT64_MAX}")
+    origin = meta.get("data_origin_samples", 0)
+    need("data_origin_samples", origin, _count(origin) and origin <= meta["samples"], "an integer from 0 to samples")
+    for key in ("parent", "wandb_run_id"):
+        need(key, meta.get(key), _optional(meta.get(key), str), "a string or null")
+    for key in ("data_state", "data_fingerprint"):
+        need(key, meta.get(key), _optional(meta.get(key), dict), "an object or null")
+    need(FUSED_LLAMA, meta.get(FUSED_LLAMA), _optional(meta.get(FUSED_LLAMA), bool), "true, false or null")
+    stage = meta.get(ENGINE_ZERO_STAGE, 0)
+    need(ENGINE_ZERO_STAGE, stage, type(stage) is int and stage in STAGES, "0, 1, 2 or 3")
+    files = meta["files"]
+    need("files", files, isinstance(files, dict), "an object of file names and sizes")
+    for name, size in files.items():
+        need("a file name in files", name, _inside(name), "a path inside the checkpoint directory")
+        need(f"files[{_shown(name)}]", size, _count(size), "a size in bytes")
+    recipe = meta["recipe"]
+    need("recipe", recipe, isinstance(recipe, dict), "an object")
+    for key in ("model", "train", "data"):
+        need(f"recipe.{key}", recipe.get(key, _ABSENT), isinstance(recipe.get(key), dict), "an object")
+    tokenizer = recipe["data"].get("tokenizer", _ABSENT)  # an export's, unless it names its own
+    need("recipe.data.tokenizer", tokenizer, type(tokenizer) is str, "a tokenizer's name or directory")
+    _check_saved_train(need, recipe["train"])
+    _check_saved_layout(need, meta["layout"], _check_saved_model(path, recipe["model"]).n_layer, len(files))
+
+
+def _check_saved_train(need, train: Dict[str, Any]) -> None:
+    """What a resume compares with the run's recipe (check_compatible) and an export reads."""
+    stage, batch, precision = (train.get(key, _ABSENT) for key in ("zero_stage", "global_batch_size", "precision"))
+    need("recipe.train.zero_stage", stage, type(stage) is int and stage in STAGES, "0, 1, 2 or 3")
+    need("recipe.train.global_batch_size", batch, _count(batch, 1), "an integer >= 1")
+    optimizer = train.get("optimizer", "adamw")  # checkpoints from before train.optimizer: AdamW's
+    need("recipe.train.precision", precision, _name(precision), "a name such as fp32")
+    need("recipe.train.optimizer", optimizer, _name(optimizer), "a name such as adamw")  # messages repeat it
+    need("recipe.train.seed", train.get("seed", 0), _fits(train.get("seed", 0), int), "an integer")
+
+
+def _check_saved_layout(need, layout: Any, n_layer: int, n_files: int) -> None:
+    """(tp, pp, dp, cp, ep) and the stage boundaries `parts`: pp + 1 layer indices from 0 up."""
+    need("layout", layout, isinstance(layout, dict), "an object of tp, pp, dp")
+    for key in ("tp", "pp", "dp", "cp", "ep"):
+        value = layout.get(key, 1 if key in ("cp", "ep") else _ABSENT)  # a checkpoint from before cp or ep: 1
+        need(f"layout.{key}", value, _count(value, 1), "an integer >= 1")
+    need("layout.pp", layout["pp"], layout["pp"] <= n_layer, f"at most model.n_layer={n_layer} (a block per stage)")
+    if "parts" in layout:
+        parts = layout["parts"]
+        need("layout.parts", parts, parts == [] or isinstance(parts, list) and len(parts) == layout["pp"] + 1
+             and all(_count(p) for p in parts) and parts[0] == 0 and parts == sorted(parts),
+             f"{layout['pp'] + 1} layer indices from 0 up (the stage boundaries) or []")
+    else:  # fill_saved_parts cuts the pipeline by counting blocks, each of which DeepSpeed saved as a file
+        need("recipe.model.n_layer", n_layer, n_layer <= n_files,
+             f"at most the {n_files} files of the checkpoint (one per block at least)")
+
+
+MODEL_KEYS, MOE_KEYS = ({f.name for f in dataclasses.fields(kind)} for kind in (ModelConfig, MoEConfig))
+
+
+def _check_saved_model(path: Path, model: Dict[str, Any]) -> ModelConfig:
+    """The saved recipe's model: its keys all known to this version (else a newer version saved
+    it, and the model it names cannot be built here), each of its field's type, and valid."""
+    moe = model.get("moe")
+    if not _optional(moe, dict):
+        raise _unreadable(path, f"recipe.model.moe={_shown(moe)}, expected an object or null")
+    unknown = sorted(set(model) - MODEL_KEYS) + sorted(f"moe.{key}" for key in set(moe or ()) - MOE_KEYS)
+    if unknown:
+        raise ConfigError(f"checkpoint {str(path)!r} was written by a newer version: its recipe has "
+                          f"model.{_shown(unknown[0])[1:-1]}, a key this version does not know; resume or export it "
+                          f"with the version that saved it (or a newer one)")
+    hints, moe_hints = typing.get_type_hints(ModelConfig), typing.get_type_hints(MoEConfig)
+    fields = [(f"model.{key}", value, hints[key]) for key, value in model.items() if key != "moe"]
+    fields += [(f"model.moe.{key}", value, moe_hints[key]) for key, value in (moe or {}).items()]
+    for key, value, kind in fields:
+        if not _fits(value, kind):
+            name = str(kind).replace("typing.", "") if typing.get_origin(kind) else kind.__name__
+            raise _unreadable(path, f"recipe.{key}={_shown(value)}, expected {name}")
+    try:
+        config = ModelConfig(**model)
+        config.validate()
+    except ValueError as e:  # model/config.py names the field and its value
+        raise _unreadable(path, f"recipe.{str(e).splitlines()[0][:300]}") from None
+    return config
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    """Whether a JSON value is of a config field's type: an int no bool, a float any finite number."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # Optional[T], T | None
+        return any(_fits(value, choice) for choice in typing.get_args(kind))
+    if kind is float:
+        return _count(abs(value)) if type(value) is int else type(value) is float and abs(value) < float("inf")
+    if kind is int:
+        return type(value) is int and _count(abs(value))
+    return type(value) is (typing.get_origin(kind) or kind)  # str, bool, NoneType, a dict
 
 
 def find_checkpoint(load: Path) -> CheckpointRef:
@@ -93,7 +244,7 @@ def find_checkpoint(load: Path) -> CheckpointRef:
         actual = path.stat().st_size if path.is_file() else None
         if actual != size:
             found = "missing" if actual is None else f"{actual} bytes"
-            raise ConfigError(f"checkpoint {ref.path} is damaged: {name} is {found}, expected {size} bytes; "
+            raise ConfigError(f"checkpoint {str(ref.path)!r} is damaged: {name!r} is {found}, expected {size} bytes; "
                               f"load an older checkpoint (a tag directory) instead")
     return ref
 
@@ -130,14 +281,32 @@ def refuse_another_runs_save_dir(save: Path, resume_from: Optional[CheckpointRef
     of them, is refused in one line: its start would move them aside and remove `latest`
     (store.prepare_save_dir), and `--keep-last` would then delete them. A requeue (`--save DIR
     --load DIR`) resumes from DIR's checkpoints, or finds none there and starts at step 1. Every
-    rank calls this before the data and torch.distributed; it reads `save` and writes nothing."""
-    if not save.is_dir() or resumes_from(resume_from, save):
+    rank calls this before the data and torch.distributed; it reads `save` and writes nothing.
+    A tag after the resumed step that is a symbolic link (or no directory) is refused too, requeue
+    or not: the set-aside leaves it (store._own), and the save of that step would write its files
+    wherever the link leads."""
+    if not save.is_dir():
+        return
+    resumed = resume_from.meta["step"] if resume_from is not None else 0
+    blocking = next((p for p in sorted(save.iterdir()) if (step_of(p.name) or 0) > resumed and not_a_tag_dir(p)), None)
+    if blocking is not None:
+        raise ConfigError(f"--save {str(save)!r}: {not_a_tag_dir(blocking)}, where this run would save step "
+                          f"{step_of(blocking.name)}; remove it or save into another directory")
+    if resumes_from(resume_from, save):
         return
     complete = sorted(p.name for p in save.iterdir() if step_of(p.name) is not None and (p / COMPLETE).is_file())
     if complete:
         raise ConfigError(f"--save {str(save)!r} holds the checkpoints of another run (the latest: {complete[-1]}, "
                           f"step {step_of(complete[-1])}), which this run would move aside: pass --load "
                           f"{str(save)!r} to resume that run, --save another directory, or remove them")
+
+
+def not_a_tag_dir(path: Path) -> Optional[str]:
+    """None when `path` is missing or a real directory, else what it is, for a one-line message:
+    a save into a tag directory that is a symbolic link writes its files wherever it leads."""
+    if path.is_symlink():
+        return f"{path.name!r} is a symbolic link to {os.readlink(path)!r}, which a save would write through"
+    return f"{path.name!r} is not a directory" if path.exists() and not path.is_dir() else None
 
 
 def own_tag(root: Path, tag: Any) -> bool:
@@ -157,9 +326,10 @@ def history(root: Path, tag: Optional[str]) -> List[Path]:
     while own_tag(root, tag) and (root / tag / COMPLETE).is_file() and root / tag not in chain:
         chain.append(root / tag)
         try:
-            tag = json.loads((root / tag / COMPLETE).read_text()).get("parent")
-        except (OSError, ValueError, AttributeError) as e:
-            print(f"warning: the history of {root / tag} stops there: its {COMPLETE} cannot be read ({e})",
+            tag = json.loads((root / tag / COMPLETE).read_text(encoding="utf-8")).get("parent")
+        except (OSError, ValueError, AttributeError, RecursionError) as e:
+            print(f"warning: the history of {str(root / tag)!r} stops there: its {COMPLETE} cannot be read "
+                  f"({type(e).__name__}: {_shown(str(e))[1:-1]})",
                   file=sys.stderr, flush=True)
             break
     return chain
@@ -168,8 +338,8 @@ def history(root: Path, tag: Optional[str]) -> List[Path]:
 def _newest_of_one_run(root: Path) -> Optional[str]:
     """The newest complete tag of `root` when every complete tag there lies in its history (the parent
     chain of the manifests: one run's saves), else None (which continues the run is not recorded)."""
-    complete = sorted(p.name for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None
-                      and (p / COMPLETE).exists())
+    complete = sorted(p.name for p in root.iterdir()
+                      if own_tag(root, p.name) and p.is_dir() and (p / COMPLETE).exists())
     if not complete:
         return None
     chain = {p.name for p in history(root, complete[-1])}
@@ -198,30 +368,49 @@ def _locate(load: Path) -> CheckpointRef:
     """`load` is a save directory (the checkpoint its `latest` names) or one tag directory."""
     if not load.is_dir():
         raise ConfigError(f"--load {str(load)!r}: no such directory")
+    if load.is_symlink() and (load / COMPLETE).exists():
+        raise ConfigError(f"--load {str(load)!r} is a symbolic link to a checkpoint, {str(load.resolve())!r}: a "
+                          f"checkpoint is a real directory in its save directory (a save or --keep-last there "
+                          f"would reach through a link); load it where it lies: --load {_shell_arg(load.resolve())}")
     meta = read_complete(load)
     if meta is not None:
         return CheckpointRef(load.parent, load.name, meta)
-    latest = load / LATEST
-    if latest.exists():
-        try:
-            tag = latest.read_text().strip()
-        except OSError as e:
-            raise ConfigError(f"{latest} cannot be read ({type(e).__name__}: {e}); load a checkpoint "
-                              f"(a tag directory) explicitly") from None
-        meta = read_complete(load / tag) if tag and (load / tag).is_dir() else None
+    if (load / LATEST).exists():
+        tag = _latest_of(load)
+        meta = read_complete(load / tag) if (load / tag).is_dir() else None
         if meta is None:
-            raise ConfigError(f"{latest} names {tag!r}, which is not a complete checkpoint in {load}; "
-                              f"load a checkpoint (a tag directory) explicitly")
+            raise ConfigError(f"--load {str(load)!r}: its {LATEST} names {tag!r}, which is not a complete checkpoint "
+                              f"in it; load a checkpoint (a tag directory) explicitly")
         return CheckpointRef(load, tag, meta)
-    complete = sorted(p.name for p in load.iterdir() if p.is_dir() and (p / COMPLETE).exists())
+    complete = sorted(p.name for p in load.iterdir() if p.is_dir() and not p.is_symlink() and (p / COMPLETE).exists())
     if complete:  # no `latest`: which of them continues the run is not recorded, so do not guess
         raise ConfigError(f"--load {str(load)!r} has no {LATEST} file but complete checkpoints "
-                          f"({', '.join(complete[-3:])}); load one of them explicitly, e.g. --load "
-                          f"{load / complete[-1]}")
+                          f"({', '.join(map(repr, complete[-3:]))}); load one of them explicitly, e.g. --load "
+                          f"{_shell_arg(load / complete[-1])}")
     if any(load.iterdir()):
         raise ConfigError(f"--load {str(load)!r} holds no complete checkpoint (no {COMPLETE}); "
                           f"it is not a checkpoint directory or every save in it was interrupted")
     raise ConfigError(f"--load {str(load)!r} is empty: no checkpoint to resume from")
+
+
+def _latest_of(load: Path) -> str:
+    """The tag `load`/latest names: a tag directory of `load` itself (`own_tag`), so that a `latest`
+    naming "../other-run/step00000005", an absolute path or a link never leads out of `load`."""
+    try:
+        tag = (load / LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8
+        raise ConfigError(f"--load {str(load)!r}: its {LATEST} cannot be read ({type(e).__name__}: "
+                          f"{_shown(str(e))[1:-1]}); load a checkpoint (a tag directory) explicitly") from None
+    if not own_tag(load, tag):
+        raise ConfigError(f"--load {str(load)!r}: its {LATEST} names {_shown(tag)}, which is no tag directory of it "
+                          f"(stepNNNNNNNN, no path, no symbolic link); load a checkpoint (a tag directory) explicitly")
+    return tag
+
+
+def _shell_arg(path: Path) -> str:
+    """`path` as an argument of a command line to copy: quoted for a shell, escaped (repr) when it
+    holds control characters, which a message must not print raw."""
+    return shlex.quote(str(path)) if str(path).isprintable() else repr(str(path))
 
 
 def data_position(ref: CheckpointRef, fingerprint: Dict[str, Any], restart: bool) -> Tuple[Optional[dict], int]:
@@ -236,7 +425,7 @@ def data_position(ref: CheckpointRef, fingerprint: Dict[str, Any], restart: bool
     changes = fingerprint_changes(saved, fingerprint) if saved is not None else []
     if changes:
         more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
-        raise ConfigError(f"checkpoint {ref.path} was saved with other data: {'; '.join(changes[:3])}{more}; "
+        raise ConfigError(f"checkpoint {str(ref.path)!r} was saved with other data: {'; '.join(changes[:3])}{more}; "
                           f"its data position would deal other samples (some trained twice, others never): resume "
                           f"with the data it was saved with, or pass --restart-data to start the data order again "
                           f"at step {ref.meta['step'] + 1}")
@@ -248,10 +437,10 @@ def refuse_unfused_llama(ref: CheckpointRef) -> None:
     longer has (q_proj, k_proj, v_proj, gate_proj, up_proj) in every file DeepSpeed wrote: refused
     in one line that says how to carry its weights over."""
     if ModelConfig(**ref.meta["recipe"]["model"]).resolved().arch == "llama" and not ref.meta.get(FUSED_LLAMA):
-        raise ConfigError(f"checkpoint {ref.path} holds Llama blocks with separate q/k/v (and gate/up) projections, "
-                          f"saved before they were fused into qkv_proj and gate_up_proj; export it with the gpt3d "
-                          f"version that saved it (launch/export_hf.py --load {ref.path} --out DIR) and start from "
-                          f"the export with --init-from-hf DIR")
+        raise ConfigError(f"checkpoint {str(ref.path)!r} holds Llama blocks with separate q/k/v (and gate/up) "
+                          f"projections, saved before they were fused into qkv_proj and gate_up_proj; export it with "
+                          f"the gpt3d version that saved it (launch/export_hf.py --load {_shell_arg(ref.path)} --out "
+                          f"DIR) and start from the export with --init-from-hf DIR")
 
 
 def same_layout(saved: Dict[str, Any], layout: Dict[str, Any]) -> bool:
@@ -291,18 +480,19 @@ def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Di
     # The shape first, then the switches (a different n_embd also changes the derived ffn_hidden_size).
     for key in sorted(set(saved_model) | set(model), key=lambda k: (k in ARCH_SWITCHES, k)):
         if saved_model.get(key) != model.get(key) and key not in free:
-            raise ConfigError(f"checkpoint {ref.path} has model.{key}={saved_model.get(key)!r}, this run "
+            raise ConfigError(f"checkpoint {str(ref.path)!r} has model.{key}={saved_model.get(key)!r}, this run "
                               f"{model.get(key)!r}: a checkpoint only resumes the model it was saved from")
     saved_batch, batch = ref.meta["recipe"]["train"]["global_batch_size"], recipe_dict["train"]["global_batch_size"]
     if saved_batch != batch:
-        raise ConfigError(f"checkpoint {ref.path} has train.global_batch_size={saved_batch}, this run {batch}: "
+        raise ConfigError(f"checkpoint {str(ref.path)!r} has train.global_batch_size={saved_batch}, this run {batch}: "
                           f"the data position and the LR schedule count steps of that batch; resume with "
                           f"--set train.global_batch_size={saved_batch}")
     # Checkpoints from before train.optimizer existed are AdamW's.
     optimizers = (ref.meta["recipe"]["train"].get("optimizer", "adamw"), recipe_dict["train"]["optimizer"])
     if optimizers[0] != optimizers[1]:
-        raise ConfigError(f"checkpoint {ref.path} has train.optimizer={optimizers[0]}, this run {optimizers[1]}: "
-                          f"the optimizer state is that optimizer's; resume with --set train.optimizer={optimizers[0]}")
+        raise ConfigError(f"checkpoint {str(ref.path)!r} has train.optimizer={optimizers[0]}, this run "
+                          f"{optimizers[1]}: the optimizer state is that optimizer's; resume with --set "
+                          f"train.optimizer={optimizers[0]}")
     saved, stages = ref.meta["layout"], (saved_zero_stage(ref.meta), _built_zero_stage(recipe_dict, layout))
     if same_layout(saved, layout) and stages[0] == stages[1]:
         return  # DeepSpeed's own loader
@@ -312,8 +502,8 @@ def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Di
         if stage == 0 and (recipe["train"]["precision"] == "fp16" or moe):
             what = "a mixture of experts" if moe else "fp16"
             raise ConfigError(
-                f"checkpoint {ref.path} was saved at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}{_ep(saved)} "
-                f"with ZeRO-{stages[0]}, this run is tp={layout['tp']} pp={layout['pp']} dp={layout['dp']}"
+                f"checkpoint {str(ref.path)!r} was saved at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}"
+                f"{_ep(saved)} with ZeRO-{stages[0]}, this run is tp={layout['tp']} pp={layout['pp']} dp={layout['dp']}"
                 f"{_ep(layout)} with ZeRO-{stages[1]}, stage boundaries {list(saved['parts'])} and this run "
                 f"{list(layout.get('parts', ()))}: re-sharding {what} needs ZeRO-1 on both sides, and the {side}'s is "
                 f"ZeRO-0; resume at the saved layout with --set train.zero_stage={ref.meta['recipe']['train']['zero_stage']} "

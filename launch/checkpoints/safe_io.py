@@ -91,9 +91,12 @@ def fsync_dir(path: PathLike) -> None:
 
 
 def write_durably(path: Path, text: str) -> None:
-    """Replace `path` atomically: a temporary file, fsynced, renamed over it, then its directory fsynced."""
+    """Replace `path` atomically: a temporary file, fsynced, renamed over it, then its directory fsynced.
+    The temporary file is a new one: whatever had its name (a link too) is removed, never written through."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a killed process's, or a link: never written through (O_EXCL creates a new file)
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -13,7 +13,7 @@ A save directory:
                                    step, layout, resolved recipe, every file's size, the parent
     DIR/abandoned-<UTC time>/      tags after the one a run resumed from, moved aside at start
 Nothing outside DIR is moved or deleted: only its own tag and abandoned-* directories (no links),
-and a save into a directory of another run's checkpoints is refused.
+and a save into a directory of another run's checkpoints, or through a link named as a tag, is refused.
 `--load` takes only complete checkpoints, and an unreadable manifest or `latest` is an error;
 `--keep-last K` keeps the K newest of the parent chain. Loads are torch.load(weights_only=True)."""
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from launch.checkpoints import slow_save, zero0_state
 from launch.checkpoints.expert_files import experts_apart, has_experts, load_experts, save_experts
 from launch.checkpoints.locate import (COMPLETE, ENGINE_ZERO_STAGE, FUSED_LLAMA, LATEST, CheckpointRef, history,
-                                       resumes_from, same_layout, saved_zero_stage, step_of, tag_for)
+                                       not_a_tag_dir, resumes_from, same_layout, saved_zero_stage, step_of, tag_for)
 from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
 from launch.errors import ConfigError
 
@@ -121,8 +121,11 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     (data/fingerprint.py) and where the data order began, which a resume checks; `layout_auto`:
     how --layout auto chose the layout (launch/runtime/auto_layout.py: AutoChoice). Returns the tag
     directory."""
-    use_safe_engine(engine)  # each rank fsyncs the files it writes
     tag = tag_for(step)
+    if not_a_tag_dir(root / tag) is not None:  # made since the start (locate.refuse_another_runs_save_dir)
+        raise ConfigError(f"--save {str(root)!r}: {not_a_tag_dir(root / tag)}, where this run saves step {step}; "
+                          f"remove it and resume with --load {str(root)!r}")
+    use_safe_engine(engine)  # each rank fsyncs the files it writes
     client_state = {"step": step, "samples": samples, "recipe": recipe_dict}
     zero_stage = engine.zero_optimization_stage()
     if zero_stage == 0:  # the optimizer state by parameter name, for a re-shard (zero0_state.py)

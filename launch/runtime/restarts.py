@@ -67,7 +67,7 @@ def read_starts(save: Path) -> List[Dict[str, Any]]:
     for line in lines:
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
             continue
         if (isinstance(record, dict) and isinstance(record.get("from_step"), (int, type(None)))
                 and not isinstance(record.get("from_step"), bool)

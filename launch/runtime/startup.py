@@ -88,14 +88,19 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     if resume_from is not None:
         from launch.checkpoints.locate import check_compatible, data_position
         check_compatible(resume_from, resolved_recipe_dict(recipe, vocab_size), vars(layout))
-        data_state, origin = data_position(resume_from, fingerprint, args.restart_data)
-        data.check_data_state(data_state, resume_from.meta["samples"] - origin)
+        try:
+            data_state, origin = data_position(resume_from, fingerprint, args.restart_data)
+            data.check_data_state(data_state, resume_from.meta["samples"] - origin)
+        except (KeyError, TypeError, AttributeError, IndexError) as e:  # what complete.json's check leaves to data/
+            raise ConfigError(f"checkpoint {str(resume_from.path)!r} has a data position or fingerprint this "
+                              f"version cannot read ({type(e).__name__}: {str(e)[:200]}); resume with "
+                              f"--restart-data, or load another checkpoint") from None
         if resume_from.meta["step"] >= recipe.train.steps and args.save is not None \
                 and args.load.resolve() == args.save.resolve():  # a requeue after the end: done, not wrong
-            raise AlreadyFinished(f"checkpoint {resume_from.path} is at step {resume_from.meta['step']} of "
+            raise AlreadyFinished(f"checkpoint {str(resume_from.path)!r} is at step {resume_from.meta['step']} of "
                                   f"--steps {recipe.train.steps}: the run has finished, nothing to do")
         if resume_from.meta["step"] >= recipe.train.steps:
-            raise ConfigError(f"checkpoint {resume_from.path} is at step {resume_from.meta['step']}, "
+            raise ConfigError(f"checkpoint {str(resume_from.path)!r} is at step {resume_from.meta['step']}, "
                               f"not before --steps {recipe.train.steps}: nothing to train")
     elif args.restart_data:
         raise ConfigError("--restart-data restarts the data order of a resumed run: it needs --load")

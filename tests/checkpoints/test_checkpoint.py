@@ -105,7 +105,7 @@ def test_a_requeue_has_no_dead_ends(parity_runs, tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(["--recipe", str(TINY), "--steps", str(STEPS), "--save", str(done), "--load", str(done)]) == 0
     out, err = capsys.readouterr()
-    assert err == "" and out.splitlines()[-1] == (f"checkpoint {done / f'step{STEPS:08d}'} is at step {STEPS} of "
+    assert err == "" and out.splitlines()[-1] == (f"checkpoint {str(done / f'step{STEPS:08d}')!r} is at step {STEPS} of "
                                                   f"--steps {STEPS}: the run has finished, nothing to do"), out
     _one_line_error(["--load", str(done), "--steps", str(STEPS)], capsys, f"step {STEPS}", "nothing to train")
 
