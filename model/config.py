@@ -11,6 +11,8 @@ its own projections (q/k/v fused, o; gate/up fused, down) and accepts every valu
 No torch here: the planner and the recipe loader read it without starting torch.
 """
 import dataclasses
+import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -31,6 +33,24 @@ ARCH_SWITCHES = ("position", "rope_theta", "norm", "norm_eps", "mlp", "ffn_hidde
 """The switches an `arch` preset fills when the recipe leaves them null."""
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 """The keys of `model.rope_scaling` (Llama 3's, transformers' rope_parameters of rope_type llama3)."""
+
+# Bounds far above any published model, so that a typo (a size of 10**18) is one line at start-up
+# instead of a table of that many layers built for minutes or a float overflow in the formulas.
+MAX_LAYERS = 4096
+"""The deepest published language models have about 100-130 blocks (GPT-3 96, PaLM 540B 118,
+Llama 3.1 405B 126); DeepNet's research models 1,000 (Wang et al. 2022)."""
+MAX_HEADS = 4096
+"""Llama 3.1 405B and MT-NLG 530B have 128 attention heads."""
+MAX_WIDTH = 2 ** 20
+"""Any width: n_embd (MT-NLG 530B: 20480), head_size, the MLP's (PaLM 540B: 73728), an expert's."""
+MAX_POSITIONS = 2 ** 24
+"""seq_len, max_positions and original_max_position_embeddings (Llama 4 Scout: 10,485,760 positions)."""
+MAX_VOCAB = 2 ** 24
+"""vocab_size and vocab_pad_multiple (Gemma 3's vocabulary: 262,144 tokens)."""
+INT_RANGES = {"n_layer": MAX_LAYERS, "n_head": MAX_HEADS, "n_kv_head": MAX_HEADS, "n_embd": MAX_WIDTH,
+              "head_size": MAX_WIDTH, "ffn_hidden_size": MAX_WIDTH, "seq_len": MAX_POSITIONS,
+              "max_positions": MAX_POSITIONS, "vocab_size": MAX_VOCAB, "vocab_pad_multiple": MAX_VOCAB}
+"""The integer fields, each from 1 to its bound (null, where allowed, is not checked here)."""
 
 
 def llama_ffn_hidden_size(n_embd: int, multiple_of: int = 256) -> int:
@@ -60,6 +80,20 @@ def preset_values(arch: str, n_embd: int, n_head: int) -> Dict[str, Any]:
     if arch == "olmoe":  # Muennighoff et al. 2024: q/k RMSNorm over the whole projection, top-k unnormalised
         return dict(llama, qk_norm="projection", norm_topk_prob=False)
     return llama
+
+
+def shown(value: Any) -> str:
+    """A value for a one-line message: an integer past 40 digits as its size (Python refuses to write
+    out one past 4,300 digits), anything else as repr."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 40:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    return repr(value)
+
+
+def finite_number(value: Any) -> bool:
+    """A number (not a bool) that is a finite float: not NaN (no comparison holds), an infinity or an
+    integer past float's range (math.isfinite raises OverflowError on one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= sys.float_info.max
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 1) -> int:
@@ -171,14 +205,11 @@ class ModelConfig:
         """Raise ValueError naming the field, its value and the fix (launch/ reports it as bad input,
         exit 2; this module does not import launch/). How the heads and widths split over tp and
         the blocks over pp are the layout's rules (launch/config/layout.py)."""
-        for key in ("n_layer", "n_head", "n_embd", "seq_len"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+        self._validate_ranges()  # first: the preset's widths below are computed from these numbers
+        self.moe.validate_ranges()
         if self.head_size is None and self.n_embd % self.n_head != 0:
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head} (or set "
                              f"model.head_size)")
-        if self.head_size is not None and self.head_size < 1:
-            raise ValueError(f"model.head_size={self.head_size} must be >= 1 (null is n_embd / n_head)")
         if self.arch not in ARCHS:
             raise ValueError(f"model.arch={self.arch!r} is not one of {', '.join(ARCHS)}")
         full = self.resolved()  # the arch preset's switches filled in
@@ -195,14 +226,18 @@ class ModelConfig:
                              f"n_kv_head = n_head, a GELU MLP, no q/k norm and no experts; set model.arch=llama, "
                              f"which takes every switch")
         if full.arch in MOE_ARCHS and not full.moe.enabled:
-            raise ValueError(f"model.arch={full.arch} with model.moe.num_experts=0: the {full.arch} preset is a "
-                             f"mixture of experts; set model.moe.num_experts (and experts_per_token)")
+            raise ValueError(f"model.arch={full.arch} with model.moe.num_experts={full.moe.num_experts}: the "
+                             f"{full.arch} preset is a mixture of experts; set model.moe.num_experts (and "
+                             f"experts_per_token)")
         full.moe.validate(full.ffn_hidden_size)
         if full.moe.enabled and full.mlp != "swiglu":
             raise ValueError(f"model.mlp={full.mlp!r} with model.moe.num_experts={full.moe.num_experts}: the experts "
                              f"are SwiGLU MLPs; set model.mlp=swiglu")
-        if full.norm_eps <= 0 or full.rope_theta <= 0:
-            raise ValueError(f"model.norm_eps={full.norm_eps} and model.rope_theta={full.rope_theta} must be > 0")
+        if not 0 < full.norm_eps < 1:  # written so that NaN fails too (a checkpoint's JSON may hold one)
+            raise ValueError(f"model.norm_eps={shown(full.norm_eps)} must be > 0 and < 1 (1e-5 or 1e-6 in the presets)")
+        if not full.rope_theta > 0:
+            raise ValueError(f"model.rope_theta={shown(full.rope_theta)} must be > 0 (10000 in Llama 2, 500000 in "
+                             f"Llama 3)")
         full._validate_rope_scaling()
         if full.position == "rope" and full.head_dim % 2:
             raise ValueError(f"model.position=rope needs an even head size, n_embd/n_head = "
@@ -212,18 +247,34 @@ class ModelConfig:
         if kv < 1 or full.n_head % kv:
             raise ValueError(f"model.n_kv_head={kv} must divide model.n_head={full.n_head} (each key/value head serves "
                              f"n_head/n_kv_head query heads; 1 is multi-query, null is n_head)")
-        if self.max_positions is not None and (full.position != "rope" or self.max_positions < 1):
-            raise ValueError(f"model.max_positions={self.max_positions} needs model.position=rope and a value >= 1 "
-                             f"(learned positions have model.seq_len rows); drop it or set model.position=rope")
-        if self.vocab_pad_multiple < 1:
-            raise ValueError(f"model.vocab_pad_multiple={self.vocab_pad_multiple} must be >= 1")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"model.vocab_size={self.vocab_size} must be >= 1 (or null for the tokenizer's)")
+        if self.max_positions is not None and full.position != "rope":
+            raise ValueError(f"model.max_positions={self.max_positions} needs model.position=rope (learned "
+                             f"positions have model.seq_len rows); drop it or set model.position=rope")
+
+    def _validate_ranges(self) -> None:
+        """Each number in its range (INT_RANGES; the floats' NaN and infinities are the recipe loader's,
+        but a comparison written so that NaN fails keeps a checkpoint's or a caller's out too)."""
+        for key, most in INT_RANGES.items():
+            value = getattr(self, key)
+            if value is not None and not 1 <= value <= most:
+                null = " (or null)" if self.__dataclass_fields__[key].default is None else ""
+                raise ValueError(f"model.{key}={shown(value)} must be >= 1 and <= {most}{null}")
+        if not 1 <= self.moe.moe_every <= self.n_layer:
+            raise ValueError(f"model.moe.moe_every={shown(self.moe.moe_every)} must be >= 1 and <= model.n_layer="
+                             f"{self.n_layer}: block i is an MoE block when (i + 1) % moe_every == 0")
+        width = self.moe.expert_ffn_hidden_size
+        if width is not None and not 1 <= width <= MAX_WIDTH:
+            raise ValueError(f"model.moe.expert_ffn_hidden_size={shown(width)} must be >= 1 and <= {MAX_WIDTH} "
+                             f"(null takes model.ffn_hidden_size)")
+        if not 0 < self.init_std <= 1:  # N(0, 1) weights already grow each layer's output sqrt(n_embd)-fold
+            raise ValueError(f"model.init_std={shown(self.init_std)} must be > 0 and <= 1 (GPT-2 and Llama: 0.02)")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+            raise ValueError(f"model.dropout={shown(self.dropout)} must be in [0, 1)")
 
     def _validate_rope_scaling(self) -> None:
-        """rope_scaling: null, or Llama 3's four numbers with 0 < low_freq_factor < high_freq_factor."""
+        """rope_scaling: null, or Llama 3's four numbers as transformers' _validate_llama3_rope_parameters
+        wants them: factor >= 1, 0 < low_freq_factor < high_freq_factor, a whole number of original
+        positions (model/transformer/rotary.py divides by each)."""
         scaling = self.rope_scaling
         if scaling is None:
             return
@@ -231,14 +282,23 @@ class ModelConfig:
         if self.position != "rope":
             raise ValueError(f"model.rope_scaling is set with model.position={self.position!r}: it scales RoPE's "
                              f"frequencies; set model.position=rope or drop model.rope_scaling")
-        if sorted(scaling) != sorted(LLAMA3_SCALING_KEYS):
-            raise ValueError(f"model.rope_scaling has keys {', '.join(sorted(scaling)) or 'none'}; Llama 3's scaling "
-                             f"takes exactly {keys} (e.g. 32, 1, 4, 8192 for Llama 3.2)")
-        bad = [k for k in LLAMA3_SCALING_KEYS if isinstance(scaling[k], bool)
-               or not isinstance(scaling[k], (int, float)) or scaling[k] <= 0]
-        if bad or scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
-            raise ValueError(f"model.rope_scaling={scaling!r}: {keys} must be numbers > 0 with low_freq_factor < "
-                             f"high_freq_factor")
+        if set(scaling) != set(LLAMA3_SCALING_KEYS):  # the keys may be anything YAML or JSON reads: no sorting
+            given = ", ".join(key if isinstance(key, str) else shown(key) for key in scaling) or "none"
+            raise ValueError(f"model.rope_scaling has keys {given}; Llama 3's scaling takes exactly {keys} (e.g. 32, "
+                             f"1, 4, 8192 for Llama 3.2)")
+        for key, rule in (("factor", ">= 1"), ("low_freq_factor", "> 0"), ("high_freq_factor", "> 0")):
+            value = scaling[key]
+            if not finite_number(value) or not (value >= 1 if rule == ">= 1" else value > 0):
+                raise ValueError(f"model.rope_scaling.{key}={shown(value)} must be a finite number {rule} (Llama 3.2: "
+                                 f"factor 32, low_freq_factor 1, high_freq_factor 4)")
+        positions = scaling["original_max_position_embeddings"]
+        if isinstance(positions, bool) or not isinstance(positions, int) or not 1 <= positions <= MAX_POSITIONS:
+            raise ValueError(f"model.rope_scaling.original_max_position_embeddings={shown(positions)} must be a whole "
+                             f"number >= 1 and <= {MAX_POSITIONS} (Llama 3: 8192)")
+        if scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
+            raise ValueError(f"model.rope_scaling low_freq_factor={scaling['low_freq_factor']} and high_freq_factor="
+                             f"{scaling['high_freq_factor']}: they must be numbers > 0 with low_freq_factor < "
+                             f"high_freq_factor (Llama 3: 1 and 4)")
 
 
 @dataclass(kw_only=True)

@@ -13,6 +13,9 @@ BALANCES = ("aux_loss", "bias", "none")
 BALANCE_SCOPES = ("micro_batch", "global_batch")
 MOE_SWITCHES = ("router", "norm_topk_prob")
 """The switches of this section an `arch` preset fills when the recipe leaves them null."""
+MAX_EXPERTS = 4096
+"""The bound of num_experts, experts_per_token and shared_experts: twice Switch-C's 2048 experts (Fedus
+et al. 2022); DeepSeek-V3 has 256, Qwen3-MoE 128. Every block builds each expert as a module of its own."""
 
 
 @dataclass(kw_only=True)
@@ -72,10 +75,21 @@ class MoEConfig:
     def is_moe_block(self, layer_index: int) -> bool:
         return self.enabled and (layer_index + 1) % self.moe_every == 0
 
+    def validate_ranges(self) -> None:
+        """Each count and coefficient in its range, MoE or not (moe_every and the expert width: model/config.py,
+        which knows n_layer and the widths' bound). Written so that NaN fails too."""
+        for key, least in (("num_experts", 0), ("experts_per_token", 1), ("shared_experts", 0)):
+            value = getattr(self, key)
+            if not least <= value <= MAX_EXPERTS:
+                raise ValueError(f"model.moe.{key}={value} must be >= {least} and <= {MAX_EXPERTS}"
+                                 f"{' (0: a dense model)' if key == 'num_experts' else ''}")
+        for key in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"model.moe.{key}={getattr(self, key)} must be >= 0 (0 turns it off)")
+
     def validate(self, ffn_hidden_size: Optional[int]) -> None:
-        """Raise ValueError naming the field, its value and the fix (layout rules, ep: launch/config/layout.py)."""
-        if self.num_experts < 0:
-            raise ValueError(f"model.moe.num_experts={self.num_experts} must be >= 0 (0: a dense model)")
+        """Raise ValueError naming the field, its value and the fix (layout rules, ep: launch/config/layout.py);
+        the ranges of validate_ranges hold already."""
         if not self.enabled:
             return
         E, k = self.num_experts, self.experts_per_token
@@ -86,9 +100,6 @@ class MoEConfig:
         if width is None or width < 1:
             raise ValueError(f"model.moe.expert_ffn_hidden_size={self.expert_ffn_hidden_size} must be >= 1 "
                              f"(null takes model.ffn_hidden_size)")
-        if self.shared_experts < 0 or self.moe_every < 1:
-            raise ValueError(f"model.moe.shared_experts={self.shared_experts} must be >= 0 and "
-                             f"model.moe.moe_every={self.moe_every} >= 1")
         if self.router not in ROUTERS:
             raise ValueError(f"model.moe.router={self.router!r} is not one of {', '.join(ROUTERS)}")
         if self.router_dtype not in ROUTER_DTYPES:
@@ -104,11 +115,6 @@ class MoEConfig:
             raise ValueError(f"model.moe.balance_scope=global_batch counts the load-balancing loss over the global "
                              f"batch, but model.moe.balance={self.balance!r} has no such loss; set balance=aux_loss "
                              f"or balance_scope=micro_batch")
-        if self.bias_update_rate < 0:
-            raise ValueError(f"model.moe.bias_update_rate={self.bias_update_rate} must be >= 0")
-        if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
-            raise ValueError(f"model.moe.aux_loss_coef={self.aux_loss_coef} and model.moe.z_loss_coef="
-                             f"{self.z_loss_coef} must be >= 0")
 
     def expert_width(self, ffn_hidden_size: int) -> int:
         """Each expert's MLP width: expert_ffn_hidden_size, or the model's ffn_hidden_size when null."""

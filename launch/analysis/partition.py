@@ -10,7 +10,8 @@ first stage and the final norm and head on the last. The result is DeepSpeed's `
 holds layers parts[k]:parts[k+1] of model/gpt/pipe.py's table (docs/planner-and-metrics.md)."""
 import dataclasses
 import functools
-from typing import List, Optional, Sequence, Tuple, Union
+import itertools
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from launch.analysis import formulas
 from launch.config.layout import Layout, check_partition
@@ -121,46 +122,87 @@ def check_muon_stages(recipe: Recipe, layout: Layout, vocab_size: int) -> None:
 
 def _from_counts(kinds: Tuple[str, ...], counts: List[int]) -> List[int]:
     """Boundaries from blocks per stage: stage k starts at its first block (stage 0 at layer 0)."""
-    first_block = kinds.index("block")
-    parts = [0] + [first_block + sum(counts[:k]) for k in range(1, len(counts))] + [len(kinds)]
-    return parts
+    starts = list(itertools.accumulate(counts[:-1], initial=kinds.index("block")))  # running sums: linear in pp
+    return [0] + starts[1:] + [len(kinds)]
 
 
-@functools.lru_cache(maxsize=None)  # an O(l^2 p) Python loop; the planner's search asks often
+@functools.lru_cache(maxsize=None)
 def _type_block_parts(kinds: Tuple[str, ...], pp: int) -> Tuple[int, ...]:
-    from deepspeed.runtime.utils import partition_balanced  # imported late: a slow import
-    weights = [int(name == "block") for name in kinds]
-    return tuple(int(x) for x in partition_balanced(weights, pp))
+    """DeepSpeed's "type:Block" (runtime/utils.py partition_balanced of weight 1 per block, 0 per other
+    layer) in closed form: its dynamic program takes O(l^2 p) numpy scalar steps, over a minute at 10,000
+    layers. On this table (one run of blocks, other layers around it) it gives the first n % pp stages one
+    block more and cuts just before a block (the same cuts for every n and pp <= n: checked against it in
+    tests/analysis/test_partition_scale.py)."""
+    n = kinds.count("block")
+    if pp > n:  # a stage without a block, which the layout refuses: DeepSpeed's own answer, cheap for so few
+        from deepspeed.runtime.utils import partition_balanced  # imported late: a slow import
+        return tuple(int(x) for x in partition_balanced([int(name == "block") for name in kinds], pp))
+    q, extra = divmod(n, pp)
+    return tuple(_from_counts(kinds, [q + 1] * extra + [q] * (pp - extra)))
 
 
 @functools.lru_cache(maxsize=None)
 def _balanced_parts(kinds: Tuple[str, ...], costs: Tuple[int, ...], pp: int) -> Tuple[int, ...]:
-    """Blocks per stage (each >= 1) minimising the largest stage cost, exactly, by dynamic
-    programming over the block counts; integer costs, so no rounding decides. DeepSpeed's
-    partition_balanced minimises the spread (largest minus smallest) instead, which is not the
-    same optimum. Among optimal cuts, later stages take as many blocks as they can: under 1F1B
-    they hold fewer micro-batches in flight, so this keeps the first stage's activations low."""
-    first, n = kinds.index("block"), kinds.count("block")
-    # cost(i, j): blocks i..j-1 plus, on the first and last stage, the layers before and after them.
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    """Blocks per stage (each >= 1) minimising the largest stage cost, exactly; integer costs, so no
+    rounding decides. DeepSpeed's partition_balanced minimises the spread (largest minus smallest)
+    instead, which is not the same optimum. Among optimal cuts, later stages take as many blocks as
+    they can: under 1F1B they hold fewer micro-batches in flight, so this keeps the first stage's
+    activations low.
 
-    def cost(i: int, j: int) -> int:
+    The least largest cost is found by bisection over the cost (`_fits` checks one in O(pp log l) on
+    prefix sums), not by a table over every stage and block count, which is O(l^2 pp): half a minute
+    at 10,000 layers. The costs are >= 0, so a stage's cost only grows with its blocks: the first k
+    stages can end at any block from k to the furthest a greedy fill reaches, and the cut taken from
+    the last stage is the first block whose stage to the current end stays within the optimum."""
+    first, n = kinds.index("block"), kinds.count("block")
+    if pp > n:
+        raise ValueError(f"{pp} stages need at least {pp} blocks, got {n}")
+    prefix = list(itertools.accumulate(costs, initial=0))
+
+    def cost(i: int, j: int) -> int:  # blocks i..j-1 plus, on the first and last stage, the layers before and after
         start = 0 if i == 0 else first + i
         stop = len(kinds) if j == n else first + j
         return prefix[stop] - prefix[start]
 
-    # best[k][j]: the least possible largest cost of the first j blocks on k stages.
-    infinity = float("inf")
-    best = [[infinity] * (n + 1) for _ in range(pp + 1)]
-    best[0][0] = 0
-    for k in range(1, pp + 1):
-        for j in range(k, n + 1):
-            best[k][j] = min(max(best[k - 1][i], cost(i, j)) for i in range(k - 1, j))
-    target, counts, j = best[pp][n], [], n
-    for k in range(pp, 0, -1):  # from the last stage: the most blocks that keep the optimum
-        i = min(i for i in range(k - 1, j) if best[k - 1][i] <= target and cost(i, j) <= target)
+    # Every stage holds a block, so the optimum is at least the dearest single block (with its
+    # neighbours on the first and last stage) and at most everything on one stage.
+    low, high = max(cost(i, i + 1) for i in range(n)), cost(0, n)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if _fits(cost, n, pp, middle) else (middle + 1, high)
+    counts, j = [], n
+    for k in range(pp, 1, -1):  # from the last stage: the most blocks that keep the optimum
+        i = max(k - 1, _first_within(cost, j, low))
         counts.append(j - i)
         j = i
-    return tuple(_from_counts(kinds, counts[::-1]))
+    return tuple(_from_counts(kinds, [j] + counts[::-1]))
+
+
+def _first_within(cost: Callable[[int, int], int], j: int, limit: int) -> int:
+    """The first block i < j whose stage i..j-1 costs at most `limit` (j if none): the cost falls as i grows."""
+    low, high = 0, j
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if cost(middle, j) <= limit else (middle + 1, high)
+    return low
+
+
+def _last_within(cost: Callable[[int, int], int], i: int, stop: int, limit: int) -> int:
+    """The last end j in i+1..stop whose stage i..j-1 costs at most `limit` (i if none)."""
+    low, high = i, stop
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if cost(i, middle) <= limit else (low, middle - 1)
+    return low
+
+
+def _fits(cost: Callable[[int, int], int], n: int, pp: int, limit: int) -> bool:
+    """Whether n blocks fit on pp stages of >= 1 block each, none costing more than `limit` (at least
+    every single block's cost): the first pp - 1 stages filled greedily reach some block `reach`, and
+    can end anywhere from pp - 1 to it; the last stage must start where its cost to the end fits."""
+    if pp == 1:
+        return cost(0, n) <= limit
+    reach = 0
+    for _ in range(pp - 1):
+        reach = _last_within(cost, reach, n - 1, limit)  # the last stage keeps at least one block
+    return max(pp - 1, _first_within(cost, n, limit)) <= reach
