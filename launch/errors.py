@@ -2,6 +2,7 @@
 report it (one line, exit code 2). The lowest layer of launch/ (docs/design.md, Layers of launch/)."""
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -20,10 +21,21 @@ class AlreadyFinished(Exception):
 BAD_INPUT_EXIT = 2
 
 
+PRINTING_RANK_GRACE_S = 10.0
+"""How long a rank other than 0 waits before it exits on bad input (below)."""
+
+
 def report_bad_input(error: Exception) -> int:
-    """Print `error: ...` once for the whole job (global rank 0 only); return exit code 2."""
+    """Print `error: ...` once for the whole job (global rank 0 only); return exit code 2.
+
+    The other ranks, which found the same error, leave only after a grace: DeepSpeed's launcher
+    kills every rank as soon as one exits non-zero, and a rank 1 that exited first took rank 0 down
+    before it printed (a run that ended with exit 2 and no line). Rank 0 exits within the grace,
+    and the launcher then stops the waiting ranks."""
     if os.environ.get("RANK", "0") == "0":
-        print(f"error: {printable(str(error))}", file=sys.stderr)
+        print(f"error: {printable(str(error))}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(PRINTING_RANK_GRACE_S)
     return BAD_INPUT_EXIT
 
 
