@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from data.cache import build_once, default_cache_dir
 from data.hub import hub_errors_only
+from data.json_files import one_line, read_json_object
 from data.spec import DataError
 
 BUILTIN = "builtin"
@@ -128,31 +129,10 @@ def _check_json_object(path: Path, where: str) -> None:
     """A DataError naming `path`'s file unless it is absent or a UTF-8 JSON object."""
     if not path.exists():
         return
-    try:
-        data = path.read_bytes()
-        value = json.loads(data.decode("utf-8"))
-    except OSError as e:  # a directory of that name, no permission
-        why = f"cannot be read ({type(e).__name__}: {e.strerror})"
-    except UnicodeDecodeError as e:
-        why = f"is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
-    except ValueError as e:  # json.JSONDecodeError; an integer past Python's 4,300 digits
-        why = f"is not valid JSON ({_one_line(e)})"
-    except RecursionError:  # json.loads recurses per nested array or object
-        why = "is nested too deeply to read as JSON"
-    else:
-        if isinstance(value, dict):
-            return
-        why = f"is {_json_kind(value)}, not a JSON object"
-    raise DataError(f"{where}: {path.name} {why}; save the tokenizer again with save_pretrained, "
-                    f"or use 'builtin'") from None
-
-
-def _json_kind(value) -> str:
+    value, why = read_json_object(path)
     if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    return {list: "a list", str: "a string"}.get(type(value), "a number")
+        raise DataError(f"{where}: {path.name} {why}; save the tokenizer again with save_pretrained, "
+                        f"or use 'builtin'")
 
 
 def _malformed_file(error: Exception, local: bool) -> bool:
@@ -167,13 +147,8 @@ def _malformed_file(error: Exception, local: bool) -> bool:
 
 def _what_failed(error: Exception) -> str:
     if type(error) is Exception:  # of loading, only tokenizers' TokenizerFast.from_file raises these
-        return f"tokenizer.json is not a tokenizers serialization ({_one_line(error)})"
-    return f"transformers cannot load a tokenizer from it ({type(error).__name__}: {_one_line(error)})"
-
-
-def _one_line(error: Exception) -> str:
-    """An exception's message on one line, cut short and escaped (it may quote the file's bytes)."""
-    return repr(" ".join(str(error).split())[:200])
+        return f"tokenizer.json is not a tokenizers serialization ({one_line(error)})"
+    return f"transformers cannot load a tokenizer from it ({type(error).__name__}: {one_line(error)})"
 
 
 def _auto_map(name: str) -> str:

@@ -5,7 +5,7 @@ loader uses this class as its `data` section.
 """
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 
 class DataError(ValueError):
@@ -67,7 +67,7 @@ class DataSpec:
     stall_timeout_s: float = 0.0
     """The longest a rank's draw of its micro-batches may wait (reading, tokenizing, or its replica's
     reading rank) before the run is hung, with a line naming the file or URL being read
-    (launch/runtime/hang_watchdog.py). 0: 0.8 x train.dist_timeout_s (480 s by default): a storage
+    (launch/resilience/hang_watchdog.py). 0: 0.8 x train.dist_timeout_s (480 s by default): a storage
     stall of minutes recovers. Below train.dist_timeout_s."""
     val_split: Optional[str] = None
     """A held-out split for validation (`validation`); wins over val_fraction."""
@@ -140,22 +140,31 @@ packages of some). Others are refused before any is opened: fsspec's ftp:// back
 as it is made, and its socket errors are no DataError."""
 
 
-def check_url_scheme(where: str, value: Any) -> None:
-    """Each URL of `value` (a string, or lists and mappings of them: data.data_files' forms) has a
-    scheme of URL_SCHEMES, as fsspec spells them (lower case); the value is repeated with repr,
-    which escapes a control character. Run after check_no_credentials: the value is repeated."""
+def each_string(where: str, value: Any) -> Iterator[Tuple[str, str]]:
+    """(where, string) for each string of `value`: a string, or lists and mappings of them
+    (data.data_files' forms, a data.mix source), each named as a message shows it."""
     if isinstance(value, dict):
         for key, item in value.items():
-            check_url_scheme(f"{where}.{key}" if isinstance(key, str) and key.isidentifier()
-                             else f"{where}[{key!r}]", item)
+            yield from each_string(f"{where}.{key}" if isinstance(key, str) and key.isidentifier()
+                                   else f"{where}[{key!r}]", item)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            check_url_scheme(f"{where}[{i}]", item)
-    elif isinstance(value, str) and "://" in value:  # data/files.py: is_url
-        scheme = value.split("://", 1)[0]
+            yield from each_string(f"{where}[{i}]", item)
+    elif isinstance(value, str):
+        yield where, value
+
+
+def check_url_scheme(where: str, value: Any) -> None:
+    """Each URL of `value` has a scheme of URL_SCHEMES, as fsspec spells them (lower case); the
+    value is repeated with repr, which escapes a control character. Run after check_no_credentials:
+    the value is repeated."""
+    for place, text in each_string(where, value):
+        if "://" not in text:  # data/files.py: is_url
+            continue
+        scheme = text.split("://", 1)[0]
         if scheme not in URL_SCHEMES:
             case = " (fsspec spells schemes in lower case)" if scheme.lower() in URL_SCHEMES else ""
-            raise DataError(f"{where}={value[:200]!r}: {scheme[:40]!r} is not a scheme data reads{case}; give a "
+            raise DataError(f"{place}={text[:200]!r}: {scheme[:40]!r} is not a scheme data reads{case}; give a "
                             f"local path, a hub id, or a URL of {', '.join(s + '://' for s in URL_SCHEMES)}")
 
 
@@ -175,18 +184,11 @@ def check_no_credentials(where: str, value: Any) -> None:
     data.mix source); other values pass (their type is checked elsewhere). Schemes are compared
     without case (RFC 3986 3.1; urllib3's parse_url lowercases them): `HTTPS://...?sig=` is the
     same signed URL, and even a URL no reader here takes must not be echoed."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            check_no_credentials(f"{where}.{key}" if isinstance(key, str) and key.isidentifier()
-                                 else f"{where}[{key!r}]", item)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            check_no_credentials(f"{where}[{i}]", item)
-    elif isinstance(value, str):
-        for url in URL.finditer(value):
+    for place, text in each_string(where, value):
+        for url in URL.finditer(text):
             scheme, authority = url.groups()
-            if "@" in authority or (scheme.lower() in ("http", "https") and "?" in value[url.start():]):
-                shown = f"{where}={scheme}://{authority.rpartition('@')[2]}/..."
+            if "@" in authority or (scheme.lower() in ("http", "https") and "?" in text[url.start():]):
+                shown = f"{place}={scheme}://{authority.rpartition('@')[2]}/..."
                 shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in shown)  # one line
                 raise DataError(f"{shown} carries credentials (user:password@ or a ?query): "
                                 f"they would be saved with the recipe and logged; give them to the backend's "

@@ -1,5 +1,5 @@
 """Transformers weights in safetensors: read this rank's shards lazily (`--init-from-hf`), and
-write an export shard by shard (issue 24, item 7; the experts of a mixture of experts, issue 26).
+write an export shard by shard (the experts of a mixture of experts).
 
 Each parameter of the local stage gets its plan (model/hf/shards.py: which stored tensors and
 which slices of them); each piece is read with safetensors' `get_slice(name)[index]` straight
@@ -21,6 +21,7 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
+from data.json_files import json_kind, one_line, read_json_object
 from launch.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the checks before the start import no torch
@@ -41,40 +42,13 @@ def _cached(source: str, filename: str) -> Optional[str]:
                            _raise_exceptions_for_connection_errors=False)
 
 
-def read_json_object(source: str, path: Path) -> Dict[str, Any]:
-    """The JSON object in `path`, a file of `source`, or a ConfigError naming the file: transformers
-    indexes config.json as a mapping unchecked (null: TypeError "argument of type 'NoneType' is not
-    iterable") and json raises for bytes that are not UTF-8 JSON."""
-    try:
-        data = path.read_bytes()
-        value = json.loads(data.decode("utf-8"))
-    except OSError as e:
-        why = f"cannot be read ({type(e).__name__}: {e.strerror})"
-    except UnicodeDecodeError as e:
-        why = f"is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
-    except ValueError as e:  # json.JSONDecodeError; an integer past Python's 4,300 digits
-        why = f"is not valid JSON ({one_line(e)})"
-    except RecursionError:  # json.loads recurses per nested array or object
-        why = "is nested too deeply to read as JSON"
-    else:
-        if isinstance(value, dict):
-            return value
-        why = f"is {json_kind(value)}, not a JSON object"
-    raise ConfigError(f"--init-from-hf {source!r}: {path.name} {why}; download the whole model directory "
-                      f"again (or save it with save_pretrained)") from None
-
-
-def json_kind(value: Any) -> str:
+def read_hf_json(source: str, path: Path) -> Dict[str, Any]:
+    """The JSON object in `path`, a file of `source`, or a ConfigError naming the file and why."""
+    value, why = read_json_object(path)
     if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    return {list: "a list", str: "a string", dict: "a JSON object"}.get(type(value), "a number")
-
-
-def one_line(error: BaseException) -> str:
-    """An exception's message on one line, cut short and escaped (it may quote a file's bytes)."""
-    return repr(" ".join(str(error).split())[:200])
+        raise ConfigError(f"--init-from-hf {source!r}: {path.name} {why}; download the whole model directory "
+                          f"again (or save it with save_pretrained)")
+    return value
 
 
 @contextlib.contextmanager
@@ -124,7 +98,7 @@ def _index_weight_map(source: str, index: Path) -> Dict[str, str]:
     The names come from the source: "../../etc/hostname" or "/etc/hostname" would be read from
     outside it (transformers' cached_file joins the name to the directory as it is). Checked by name,
     not by where links lead: a hub cache's snapshot files are links into its blobs/ directory."""
-    weight_map = read_json_object(source, index).get("weight_map")
+    weight_map = read_hf_json(source, index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ConfigError(f"--init-from-hf {source!r}: {INDEX}'s weight_map is "
                           f"{'missing' if weight_map is None else json_kind(weight_map)}, not a mapping of tensor "

@@ -79,10 +79,10 @@ def _config_dict(source: str) -> Dict[str, Any]:
     from transformers import GPT2Config
 
     from data.hub import hub_errors_only
-    from launch.checkpoints.hf_safetensors import read_json_object
+    from launch.checkpoints.hf_safetensors import read_hf_json
     local = source if os.path.isfile(source) else os.path.join(source, "config.json")  # as transformers reads
     if os.path.exists(local):
-        read_json_object(source, Path(local))
+        read_hf_json(source, Path(local))
     try:
         with hub_errors_only():
             raw, _ = GPT2Config.get_config_dict(source)
@@ -111,7 +111,7 @@ def _from_dict(source: str, config_class, raw: Dict[str, Any]):
     huggingface_hub's StrictDataclassFieldValidationError; of RoPE's parameters) as a ConfigError."""
     from huggingface_hub.errors import StrictDataclassError
 
-    from launch.checkpoints.hf_safetensors import one_line
+    from data.json_files import one_line
     try:
         return config_class.from_dict(raw)
     except (StrictDataclassError, TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as e:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.file_tree import file_tree
 from helpers.parity_runs import REFERENCE, SAVE_AT, STEPS
 from helpers.distributed import run_distributed, uses_deepspeed
 from helpers.launcher import TINY, launch_forked, read_metrics
@@ -33,7 +34,7 @@ def test_bad_checkpoints_are_one_line_errors(parity_runs, tmp_path, monkeypatch,
         (["--load", str(ck), "--set", "model.n_embd=32"], ["model.n_embd=64", "32"]),
         (["--load", str(ck), "--steps", str(STEPS)], [f"step {STEPS}", "nothing to train"]),
         (["--save-every", "2"], ["need --save"]),
-        # Issue 34 item 5: the data's fingerprint (data/fingerprint.py), cached data here.
+        # The data's fingerprint (data/fingerprint.py), cached data here.
         (["--load", str(ck), "--seed", "7"], ["other data", "train.seed was", "now 7", "--restart-data",
                                               f"step {STEPS + 1}"]),
         (["--load", str(ck), "--set", "data.shuffle=false"], ["data.shuffle was True, now False"]),
@@ -79,7 +80,7 @@ def test_one_command_line_starts_a_run_and_resumes_it(parity_runs, tmp_path, cap
 
 
 def test_a_requeue_has_no_dead_ends(parity_runs, tmp_path, monkeypatch, capsys):
-    """Issue 35: `--save DIR --load DIR` rerun after a save killed between its complete.json and
+    """`--save DIR --load DIR` rerun (a requeued job) after a save killed between its complete.json and
     `latest` resumes the newest complete checkpoint when the manifests' parent chain holds every
     complete one (the first save has no parent at all), and stays an error when it does not; a
     rerun after the last step exits 0 with one line, where a --load of another directory is
@@ -126,17 +127,17 @@ def _one_line_error(argv, capsys, *words):
 def test_a_save_into_another_runs_checkpoints_is_refused(parity_runs, tmp_path, monkeypatch, capsys):
     """`--save DIR` where DIR holds complete checkpoints this run does not resume from (no --load,
     or --load of another directory or of a tag there): one line naming DIR, its latest step and
-    the ways on, exit 2, before the data is read, DIR byte for byte as it was (before, its `latest`
-    was removed and its steps moved aside). Resuming DIR itself saves there as before: --load DIR,
+    the ways on, exit 2, before the data is read, DIR byte for byte as it was (taken over, its `latest`
+    would be removed and its steps moved aside). Resuming DIR itself saves there as before: --load DIR,
     and --load of an older tag of DIR, whose later tag moves aside; a fresh --save into a directory
     of only a save cut short starts."""
-    import launch.runtime.startup as startup
-    from launch.runtime.cli import parse_training_args
+    import launch.trainer.startup as startup
+    from launch.config.cli import parse_training_args
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     ck = _copy_checkpoints(parity_runs, tmp_path)  # steps 3 and 5 (latest)
     another = _copy_checkpoints(parity_runs, tmp_path / "another")
-    before = _tree(ck)
+    before = file_tree(ck)
     read_data = startup.load_run_data
 
     def no_data(*args, **kwargs):
@@ -146,14 +147,14 @@ def test_a_save_into_another_runs_checkpoints_is_refused(parity_runs, tmp_path, 
         _one_line_error(["--save", str(ck)] + load, capsys, f"--save {str(ck)!r} holds the checkpoints of another run",
                         "(the latest: step00000005, step 5)", f"pass --load {str(ck)!r} to resume",
                         "--save another directory", "remove them")
-        assert _tree(ck) == before, load
+        assert file_tree(ck) == before, load
     monkeypatch.setattr(startup, "load_run_data", read_data)
 
     def prepare(*argv):
         return startup.prepare_training_job(parse_training_args(["--recipe", str(TINY), "--steps", str(STEPS + 2),
                                                                  *argv], ""))
     assert prepare("--save", str(ck), "--load", str(ck)).resume_from.tag == "step00000005"  # a requeue
-    assert _tree(ck) == before
+    assert file_tree(ck) == before
     assert prepare("--save", str(ck), "--load", str(ck / "step00000003")).resume_from.tag == "step00000003"
     aside, = ck.glob("abandoned-*")
     assert [p.name for p in aside.iterdir()] == ["step00000005"] and (ck / "latest").read_text() == "step00000003"
@@ -212,23 +213,12 @@ def test_keep_last_follows_the_history_not_the_names(tmp_path):
         ["latest", "step00000001", "step00000003", "step00000004", "step00000005"]
 
 
-def _tree(root: Path) -> dict:
-    """Every entry under `root`, links not followed: a file's bytes, a link's target, a directory."""
-    entries = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = Path(folder) / name
-            entries[str(path.relative_to(root))] = (f"link to {os.readlink(path)}" if path.is_symlink() else
-                                                    path.read_bytes() if path.is_file() else "directory")
-    return entries
-
-
 def test_pruning_never_leaves_the_save_directory(tmp_path):
     """--keep-last and the set-aside at start act only on the save directory's own entries. A
     complete.json whose parent names another run's checkpoint ("../other-run/step00000001", an
     absolute path, a path through a link, a tag that is a link) ends the history there; a link
     named like a tag or abandoned-* is neither moved nor pruned. The other run's directory stays
-    byte for byte (before, its checkpoint was moved into the save directory and deleted)."""
+    byte for byte: its checkpoint is never moved into the save directory and deleted there."""
     from launch.checkpoints import store as checkpoint
     from launch.checkpoints.locate import CheckpointRef
     other = tmp_path / "other-run"
@@ -237,7 +227,7 @@ def test_pruning_never_leaves_the_save_directory(tmp_path):
         (other / f"step{step:08d}" / "SENTINEL").write_text("another run's checkpoint")
     (other / "set-aside").mkdir()
     (other / "set-aside" / "SENTINEL").write_text("another run's files")
-    before = _tree(other)
+    before = file_tree(other)
     parents = {"relative": "../other-run/step00000001", "absolute": str(other / "step00000001"),
                "through-a-link": "into-other/step00000001", "a-linked-tag": "step00000002"}
     links = ["abandoned-20261202T000000Z", "into-other", "step00000002"]
@@ -252,7 +242,7 @@ def test_pruning_never_leaves_the_save_directory(tmp_path):
         assert [p.name for p in checkpoint.history(root, "step00000006")] == ["step00000006", "step00000005"], case
         checkpoint._prune_in_background(root, "step00000006", keep_last=1)  # as save() calls it
         checkpoint._pruning.join()
-        assert _tree(other) == before, case
+        assert file_tree(other) == before, case
         assert sorted(p.name for p in root.iterdir()) == sorted(links + ["step00000006"]), case
         assert all((root / link).is_symlink() for link in links), case
     root = tmp_path / "resumed"  # resumed at step 1: its step 3 moves aside, the linked step 9 stays
@@ -262,7 +252,7 @@ def test_pruning_never_leaves_the_save_directory(tmp_path):
     checkpoint.prepare_save_dir(root, CheckpointRef(root, "step00000001", {"step": 1}), is_writer=True)
     aside, = root.glob("abandoned-*")
     assert [p.name for p in aside.iterdir()] == ["step00000003"] and (root / "step00000009").is_symlink()
-    assert _tree(other) == before
+    assert file_tree(other) == before
 
 
 def test_prepare_save_dir_moves_later_tags_aside(tmp_path, capsys):
@@ -299,8 +289,8 @@ def test_prepare_save_dir_moves_later_tags_aside(tmp_path, capsys):
 @pytest.mark.slow
 def test_resume_from_an_older_tag_keeps_this_runs_history(parity_runs, tmp_path):
     """Resume the (1,1,1) parity run from step 3 into its own save directory, which holds its
-    step 5 (latest), with --save-every 1 --keep-last 2. The old step 5 moves aside (before, the
-    new step 4 overwrote nothing and --keep-last sorted by name), and --keep-last prunes what was
+    step 5 (latest), with --save-every 1 --keep-last 2. The old step 5 moves aside (it is not in the
+    new run's history, whatever the tags' names sort as), and --keep-last prunes what was
     set aside at the next save; the new run saves 4 and 5, prunes step 3 (its parent, the third
     newest of its history), and its steps 4-5 and final weights are the uninterrupted run's, bit
     for bit."""
@@ -346,8 +336,8 @@ def _durable_and_safe_body(root: Path):
     from launch.checkpoints.safe_io import UnsafeCheckpoint
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
-    from launch.runtime.engine import build_engine
-    from launch.runtime.run_inputs import resolved_recipe_dict
+    from launch.engine.engine import build_engine
+    from launch.feed.run_inputs import resolved_recipe_dict
     from model.parallel.state import init_parallel_state
 
     recipe = load_recipe(TINY, [])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.file_tree import file_tree
 from helpers.launcher import TINY
 from launch.checkpoints.locate import find_resume_point
 from launch.errors import ConfigError
@@ -22,7 +23,7 @@ def _meta(**changes):
     """A complete.json that find_checkpoint takes (a manifest of no files, as test_resume_changes.py
     writes) and a tiny.yaml run resumes: its recipe as trained, with the builtin tokenizer's vocabulary."""
     from launch.config.recipe import load_recipe
-    from launch.runtime.run_inputs import resolved_recipe_dict
+    from launch.feed.run_inputs import resolved_recipe_dict
     meta = {"step": 5, "samples": 80, "layout": {"tp": 1, "pp": 1, "dp": 1, "parts": [0, 6]},
             "recipe": resolved_recipe_dict(load_recipe(TINY, []), 4096), "files": {}, "parent": None}
     meta.update(changes)
@@ -46,17 +47,6 @@ def _refused(load: Path, *words, save=None) -> str:
     for word in words:
         assert word in message, (word, message)
     return message
-
-
-def _tree(root: Path) -> dict:
-    """Every entry under `root`, links not followed: a file's bytes, a link's target, a directory."""
-    entries = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = Path(folder) / name
-            entries[str(path.relative_to(root))] = (f"link to {os.readlink(path)}" if path.is_symlink() else
-                                                    path.read_bytes() if path.is_file() else "directory")
-    return entries
 
 
 def _with(path, value):
@@ -181,7 +171,7 @@ def test_a_link_named_as_a_tag_is_never_loaded_nor_written_through(tmp_path):
     from launch.checkpoints import store
     from launch.checkpoints.locate import refuse_another_runs_save_dir
     elsewhere = _elsewhere(tmp_path)
-    before = _tree(elsewhere)
+    before = file_tree(elsewhere)
     ck = _save_dir(tmp_path / "ck", _meta(), latest=b"step00000008")
     (ck / "step00000008").symlink_to(elsewhere / "step00000008")
     _refused(ck, "its latest names 'step00000008', which is no tag directory of it")
@@ -198,7 +188,7 @@ def test_a_link_named_as_a_tag_is_never_loaded_nor_written_through(tmp_path):
     assert (ck / "step00000008").is_symlink() and not list(ck.glob("abandoned-*"))
     with pytest.raises(ConfigError, match="'step00000008' is a symbolic link .* where this run saves step 8"):
         store.save(None, ck, 8, 128, {}, {}, keep_last=1, is_writer=True)  # a link made during the run
-    assert _tree(elsewhere) == before
+    assert file_tree(elsewhere) == before
 
 
 def test_a_durable_write_never_follows_a_link_at_its_temporary_name(tmp_path):
@@ -215,7 +205,7 @@ def test_a_durable_write_never_follows_a_link_at_its_temporary_name(tmp_path):
 
 def test_a_start_record_nested_too_deep_is_left_out(tmp_path):
     """starts.jsonl, which a requeue reads: a line nested past the recursion limit is no record."""
-    from launch.runtime.restarts import read_starts
+    from launch.resilience.restarts import read_starts
     record = {"started": "2026-12-01T00:00:00Z", "from_step": None, "ended": "rank 0: boom"}
     (tmp_path / "starts.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n" + json.dumps(record) + "\n")
     assert read_starts(tmp_path) == [record]
@@ -246,8 +236,8 @@ def test_through_train_main_exit_2_one_line(tmp_path, monkeypatch, capsys):
     elsewhere = _elsewhere(tmp_path)
     ck = _save_dir(tmp_path / "ck", _meta())
     (ck / "step00000008").symlink_to(elsewhere / "step00000008")
-    before = (_tree(elsewhere), _tree(ck))
+    before = (file_tree(elsewhere), file_tree(ck))
     _one_line_exit_2(["--load", str(ck / "step00000008")], capsys, "is a symbolic link to a checkpoint")
     _one_line_exit_2(["--save", str(ck), "--load", str(ck), "--steps", "9"], capsys,
                      "'step00000008' is a symbolic link to", "where this run would save step 8")
-    assert (_tree(elsewhere), _tree(ck)) == before
+    assert (file_tree(elsewhere), file_tree(ck)) == before
