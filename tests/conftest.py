@@ -8,7 +8,7 @@ from pathlib import Path
 # workers keep both cores busy, and a process of two OpenMP threads whose second core is taken
 # spins at barriers, 16x slower per step (a one-process llama-tiny run beside a busy core: 125
 # tokens/s at 2 threads, 2,079 at 1; docs/testing.md, "Where the time goes"). Ranks honour it
-# (launch/runtime/distributed.py: threads_per_rank). Set it yourself to override.
+# (launch/engine/distributed.py: threads_per_rank). Set it yourself to override.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402 (after the thread setting: torch reads it when first imported)
@@ -33,7 +33,7 @@ class FastTierPopen(subprocess.Popen):
     def __init__(self, args, *rest, **kwargs):
         words = [str(w) for w in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
         refused = [w for w in words if Path(w).name == "deepspeed"
-                   or (w.endswith(".py") and Path(w).parent.name == "bench")]
+                   or (w.endswith(".py") and "bench" in Path(w).parts[:-1])]
         if refused:
             refuse_in_fast_tier(refused[0])
         super().__init__(args, *rest, **kwargs)

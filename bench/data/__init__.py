@@ -1,0 +1,2 @@
+"""The data pipeline against the model that consumes it: tokenizing, loading, mixtures, streaming
+over HTTP."""
