@@ -1,4 +1,4 @@
-"""Bits per byte of the validation text (issue 37): the validation loss with the tokenizer taken out.
+"""Bits per byte of the validation text: the validation loss with the tokenizer taken out.
 
 A loss in nats per token depends on how many tokens the tokenizer cuts the text into; the same
 loss per UTF-8 byte of that text does not, so runs with different tokenizers (or vocabulary

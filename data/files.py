@@ -1,4 +1,4 @@
-"""Where a streamed source's files are, and their bytes by range (issue 22).
+"""Where a streamed source's files are, and their bytes by range.
 
 A source name resolves to a list of files on one `fsspec` filesystem:
 - local paths and globs (`corpus/*.parquet`);
@@ -138,7 +138,7 @@ def file_urls(name: str, config: Optional[str], split: str, revision: Optional[s
 
 
 def refuse_hub_options(label: str, config: Optional[str], revision: Optional[str], data_files) -> None:
-    """A URL or a local file names its data itself: a hub option there would be ignored (issue 34)."""
+    """A URL or a local file names its data itself: a hub option there would be silently ignored, so it is refused."""
     given = [f"data.{k}={v!r}" for k, v in (("config", config), ("revision", revision), ("data_files", data_files))
              if v is not None]
     if given:

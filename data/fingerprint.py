@@ -1,4 +1,4 @@
-"""What decides which samples each step draws, saved in every checkpoint (issue 34, item 5).
+"""What decides which samples each step draws, saved in every checkpoint.
 
 A resume continues the data from its saved position: the sample count (cached data) or each
 stream's unit and row (streaming). That position means the same samples only under the same
@@ -6,7 +6,7 @@ dealing. Measured before this check: `shuffle_buffer` 8 -> 16 on a resume traine
 and 16 never; one file added to the glob retrained 109 of 461 documents already trained; an
 upstream commit to an unpinned hub dataset does the same. So the checkpoint keeps this
 fingerprint, and a resume whose data differs is refused in one line naming what changed
-(launch/runtime/startup.py), unless `--restart-data` asks for the data order to start again.
+(launch/trainer/startup.py), unless `--restart-data` asks for the data order to start again.
 
 The fingerprint holds what the dealing depends on, and nothing that does not (a mirror of the
 same files under another URL, a file's mtime): the run's seed, sequence length and tokenizer;

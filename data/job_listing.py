@@ -1,8 +1,8 @@
 """What rank 0 computes once for the whole job, read by every other rank (`once_per_job`): first of
-all a source's files listed once per job (issue 34, item 3): rank 0 lists them (a hub id's
+all a source's files listed once per job: rank 0 lists them (a hub id's
 resolution, a glob's directory listing, one HEAD per file) and puts the listing in the job's
-rendezvous store; every other rank reads it there. Before, every process listed (1,024 hub
-resolutions and 1,024 x files HEADs at once at 1,024 GPUs), then one process per node (128).
+rendezvous store; every other rank reads it there. Listing in every process would mean 1,024 hub
+resolutions and 1,024 x files HEADs at once at 1,024 GPUs, and one process per node still 128.
 
 The store is torch's TCPStore at MASTER_ADDR:MASTER_PORT, opened before the process group starts
 (the data is checked first, so that bad input fails before anything heavy), with multi_tenant=True

@@ -1,4 +1,4 @@
-"""Multiple-choice tasks scored by log-likelihood (issue 37), as lm-evaluation-harness and llm.c
+"""Multiple-choice tasks scored by log-likelihood, as lm-evaluation-harness and llm.c
 score HellaSwag: each choice's continuation gets the summed log-probability of its tokens given
 the context; the prediction is the choice with the highest sum (acc), or with the highest sum per
 character of the choice (acc_norm).

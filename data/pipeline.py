@@ -27,7 +27,7 @@ def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]
     unchanged, and nothing is fetched ahead, so the source's position (a checkpoint's
     data_state) stays exactly what was trained. Pinning goes through DeepSpeed's accelerator
     (on CPU it pins nothing and the copy to the CPU returns the tensor itself), so a test's
-    accelerator sees the same calls a GPU gets (tests/runtime/test_device_sync.py, issue 24)."""
+    accelerator sees the same calls a GPU gets (tests/runtime/test_device_sync.py)."""
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
     return ((accelerator.pin_memory(x).to(device, non_blocking=True),
@@ -38,7 +38,7 @@ def shared_from_reader(batches: Optional[Iterator[Batch]], groups: List, shape: 
                        device: torch.device) -> Iterator[Batch]:
     """The replica's reader reads the micro-batches (`batches`) and broadcasts each over every
     group of `groups` in order; each other rank passes None, reads nothing and receives over its
-    one group (launch/runtime/replica_reader.py). The reader is rank 0 of each group. The ranks of
+    one group (launch/feed/replica_reader.py). The reader is rank 0 of each group. The ranks of
     a replica train on the same data, so reading and tokenizing it once per replica is enough."""
     import torch.distributed as dist
     while True:
@@ -122,7 +122,7 @@ class RunData(ABC):
 
     def feed(self, batches: Iterator[Batch], groups: List, reads: bool, device: torch.device) -> Iterator[Batch]:
         """What DeepSpeed's engine draws from: `batches` on the device (`on_device`); over
-        `groups` (streamed data: launch/runtime/replica_reader.py), only the replica's reader
+        `groups` (streamed data: launch/feed/replica_reader.py), only the replica's reader
         (`reads`) reads and tokenizes them, and the others receive them (`shared_from_reader`).
         `batches` stays the source of the position a checkpoint records."""
         if not groups:  # cached data (a memory-mapped slice, cheap on every rank), or a replica of one rank

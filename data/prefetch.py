@@ -1,4 +1,4 @@
-"""Read ahead: an iterator drawn by a background thread into a bounded queue (issue 22).
+"""Read ahead: an iterator drawn by a background thread into a bounded queue.
 
 Streaming reads and tokenizes in bursts: every stream refills its shuffle block (shuffle_buffer
 windows) at once, and the streams of a rank refill at the same step, every shuffle_buffer x

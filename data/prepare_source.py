@@ -108,7 +108,7 @@ def unit_windows(source: StreamSource, unit: Unit, tokenizer: PreTrainedTokenize
 
 def validation_windows_across_units(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int,
                                     n: int) -> np.ndarray:
-    """Up to `n` validation windows sampled across `source`'s units (issue 34): in the order
+    """Up to `n` validation windows sampled across `source`'s units: in the order
     `unit_order(units, VAL_SEED)`, the first min(units, MAX_VAL_UNITS) of them give ceil(n / used)
     windows each (each unit's first windows, its documents packed on their own); when some hold
     fewer, a second pass takes more from those that hold more, in the same order, and then further
@@ -168,8 +168,8 @@ def _stream_tokens(source: StreamSource, stream: int, n_streams: int, seed: int,
 def check_streams(spec: DataSpec, source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq_len: int, seed: int,
                   global_batch_size: int, windows_per_stream: Optional[int] = None) -> Optional[int]:
     """`read_and_check_streams`, done by one process per node and remembered in the data cache
-    under the units and every setting the answer depends on (issue 34: a line format's check reads
-    a whole unit per stream, which every process of every run repeated). A failed check is not
+    under the units and every setting the answer depends on (a line format's check reads
+    a whole unit per stream, too much for every process of every run to repeat). A failed check is not
     remembered: each process raises the same one-line error."""
     key = hashlib.sha256(json.dumps([STREAM_CHECK_VERSION, source.reader.fingerprint(), len(source.units),
                                      [source.reader.identity(source.units[i]) for i in (0, -1)],

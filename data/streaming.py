@@ -1,6 +1,6 @@
 """Streaming mode: documents read unit by unit (data/units.py: parquet row groups, byte ranges of
 line files), tokenized and packed on the fly in a fixed number of logical streams, with a
-position that resumes by reading one unit per stream (docs/design.md contract 14, issue 22).
+position that resumes by reading one unit per stream (docs/design.md contract 14).
 
 Epoch e of the units is a permutation drawn from (seed, e); stream t takes its units t, t + S,
 t + 2S... (S = `data.streams`, unset: the global batch size B, `default_streams`) and reads only

@@ -1,7 +1,7 @@
 """Documents -> one flat token stream (EOS after every document), stored compactly on disk.
 
-A document's ids are what `tokenizer(text)` gives with the tokenizer's own defaults (issue 24:
-Llama 3's prepends BOS, GPT-2's and the builtin add nothing), so training sees what
+A document's ids are what `tokenizer(text)` gives with the tokenizer's own defaults
+(Llama 3's prepends BOS, GPT-2's and the builtin add nothing), so training sees what
 transformers sees for the same text; then EOS, the document separator, unless the tokenizer
 appended it already.
 

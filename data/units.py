@@ -1,4 +1,4 @@
-"""A streamed source cut into units, the pieces that streams read whole (issue 22).
+"""A streamed source cut into units, the pieces that streams read whole.
 
 - parquet: a row group; its bytes are the text column's chunk, found in the file's footer.
 - JSON Lines (.jsonl, .json) and text (.txt, .md): a byte range of `data.unit_bytes` of a file;
@@ -42,7 +42,7 @@ FOOTER_THREADS = 16
 FIRST_RECORD_READ = 4096  # bytes of a line file's first read for its first record
 FOOTERS_KEPT = 32
 """Parquet footers a process keeps (least recently used evicted): a footer of 700 row groups x 10
-columns is ~10 MiB, and a rank touching 2,000 files would otherwise keep them all (issue 34)."""
+columns is ~10 MiB, and a rank touching 2,000 files would otherwise keep them all."""
 MAX_PARQUET_UNIT_BYTES = 2 ** 30
 """A row group whose text column holds more (uncompressed) is refused: a unit is read, decoded
 and held whole, so one 2 GB row group costs ~14 GB of memory per stream that reads it."""
@@ -67,9 +67,9 @@ class Unit:
 
 class UnitTable(Sequence[Unit]):
     """A source's units as one (N, 5) int64 array of (file, part, start, stop, text_bytes): 40 B a
-    unit in every process, where a list of Unit objects took ~210 B (bench/streaming_data.py,
-    section 5) and, read from the cached JSON list, 1.4M units of a FineWeb-sized corpus cost
-    640 MiB per process (issue 34). Indexing gives a Unit; a slice or `take`, a table."""
+    unit in every process, where a list of Unit objects takes ~210 B (bench/data/streaming_data.py,
+    section 5) and, read from a cached JSON list, 1.4M units of a FineWeb-sized corpus would cost
+    640 MiB per process. Indexing gives a Unit; a slice or `take`, a table."""
 
     def __init__(self, rows: np.ndarray):
         self.rows = rows.reshape(-1, 5).astype(np.int64, copy=False)  # (N, 5)

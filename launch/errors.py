@@ -6,7 +6,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-_REPO = str(Path(__file__).resolve().parents[1])  # launch/errors.py
+REPO_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout this code runs from (launch/errors.py is its lowest layer, so every layer may read it)."""
 
 
 class ConfigError(Exception):
@@ -49,7 +50,7 @@ def printable(text: str) -> str:
 def our_file(filename: str) -> Optional[str]:
     """`filename` relative to the repository when it is this repository's code, else None (a
     virtual environment inside the checkout, as CI makes one, is not ours)."""
-    if not filename.startswith(_REPO + os.sep):
+    if not filename.startswith(str(REPO_ROOT) + os.sep):
         return None
-    relative = os.path.relpath(filename, _REPO)
+    relative = os.path.relpath(filename, REPO_ROOT)
     return None if "site-packages" in relative.split(os.sep) else relative

@@ -5,7 +5,7 @@ also multiple-choice tasks (acc, acc_norm), the same at every layout.
 
 The weights decide the model's shape; the recipe decides the data and the batch: the recipe of
 the checkpoint by default, `--recipe` otherwise (recipes/demo.yaml for --init-from-hf). Every
-layout gives the same numbers (launch/runtime/evaluation.py).
+layout gives the same numbers (launch/evaluation/evaluation.py).
 """
 import argparse
 import sys
@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import List, Optional
 
 from data.spec import DataError
+from launch.config.cli import OneLineErrorParser
 from launch.config.recipe import refuse_credentials
 from launch.errors import ConfigError, report_bad_input
-from launch.runtime.cli import OneLineErrorParser
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -49,11 +49,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = parse_args(argv)
-        from launch.runtime.evaluation import prepare_evaluation
+        from launch.evaluation.evaluation import prepare_evaluation
         job = prepare_evaluation(args)
     except (ConfigError, DataError) as e:
         return report_bad_input(e)
-    from launch.runtime.evaluation import evaluate_weights
+    from launch.evaluation.evaluation import evaluate_weights
     evaluate_weights(job)
     return 0
 

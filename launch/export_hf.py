@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import List, Optional
 
 from launch.checkpoints.hf_export import export
+from launch.config.cli import OneLineErrorParser
 from launch.config.recipe import refuse_credentials
 from launch.errors import ConfigError, report_bad_input
-from launch.runtime.cli import OneLineErrorParser
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:

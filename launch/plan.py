@@ -26,9 +26,9 @@ from typing import List, Optional
 
 from launch.analysis.plan_report import plan_output, plot
 from launch.analysis.plan_setup import GPUS
+from launch.config.cli import OneLineErrorParser
 from launch.config.recipe import PRECISIONS, RECOMPUTE_MODES, SCHEDULES
 from launch.errors import ConfigError, report_bad_input
-from launch.runtime.cli import OneLineErrorParser
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -87,7 +87,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     hw.add_argument("--calibrate", action="store_true",
                     help="measure this machine's GEMMs (the candidates' shapes, in --precision) and memory "
                          "bandwidth, with min(--gpus, --gpus-per-node) processes at once on CPU; cached under "
-                         "$GPT3D_CACHE/calibration (launch/runtime/calibrate.py)")
+                         "$GPT3D_CACHE/calibration (launch/autotune/calibrate.py)")
     hw.add_argument("--profile", type=Path, metavar="FILE.json",
                     help="a device profile saved by --calibrate (another machine's, or a given table)")
     out = p.add_argument_group("output")
@@ -104,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parse_args(argv)
         measure = None
         if args.calibrate:
-            from launch.runtime.calibrate import calibrated_profile  # torch: only when measuring
+            from launch.autotune.calibrate import calibrated_profile  # torch: only when measuring
             measure = calibrated_profile
         output, chosen = plan_output(args, measure)
     except ConfigError as e:

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 from data.spec import DataError
+from launch.config.cli import OneLineErrorParser
 from launch.config.recipe import load_recipe
 from launch.errors import ConfigError, report_bad_input
-from launch.runtime.cli import OneLineErrorParser
 
 
 def main(argv=None) -> int:

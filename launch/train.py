@@ -2,26 +2,26 @@
 
 On CPU: `deepspeed --num_gpus 16 launch/train.py --tp 4 --pp 4` runs the same layout as 16
 processes over gloo. `python launch/train.py` runs one process.
-Order of work: parse and validate everything (exit 2 on bad input, launch/runtime/startup.py),
+Order of work: parse and validate everything (exit 2 on bad input, launch/trainer/startup.py),
 then start torch.distributed, build the pipeline and DeepSpeed engine, then train
-(launch/runtime/loop.py).
+(launch/trainer/loop.py).
 """
 import os
 import sys
 from typing import List, Optional
 
 from data.spec import DataError
+from launch.config.cli import parse_training_args
 from launch.errors import AlreadyFinished, ConfigError, report_bad_input
-from launch.runtime.cli import parse_training_args
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = parse_training_args(argv, __doc__)
         if not args.verbose:
-            from launch.runtime.console import silence_known_noise
+            from launch.engine.console import silence_known_noise
             silence_known_noise()
-        from launch.runtime.startup import prepare_training_job
+        from launch.trainer.startup import prepare_training_job
         job = prepare_training_job(args)
     except (ConfigError, DataError) as e:
         return report_bad_input(e)
@@ -30,10 +30,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(e, flush=True)
         return 0
     try:
-        from launch.runtime.loop import run_training
+        from launch.trainer.loop import run_training
         run_training(job)
     except Exception as e:  # one line naming this rank and the cause; every other rank stops too
-        from launch.runtime.failure import report_failure
+        from launch.resilience.failure import report_failure
         report_failure(e)
     return 0
 

@@ -2,8 +2,8 @@
 step, with its calls, elements and bytes, as launch/instruments/comm_counter.py measures it, so a
 measurement can be checked to the byte. Any ModelConfig the repository builds (parameter counts
 from launch/analysis/formulas.py), with or without sequence parallelism, at any context-parallel
-degree (the Ulysses all-to-alls, Jacobs et al. 2023 [J23], issue 25), with experts at any expert-parallel
-degree (the token all-to-alls of model/transformer/moe.py, issue 26: launch/analysis/experts.py).
+degree (the Ulysses all-to-alls, Jacobs et al. 2023 [J23]), with experts at any expert-parallel
+degree (the token all-to-alls of model/transformer/moe.py: launch/analysis/experts.py).
 
 Payload = what this rank hands to the call (all-gather: its own shard). Each term beyond the
 leading ones of docs/design.md (Formulas), and what is not counted: docs/planner-and-metrics.md,
@@ -37,7 +37,7 @@ def partition_header_elements(tp: int) -> int:
 
 def stage_vector_params_per_rank(config: ModelConfig, tp: int, pp: int, stage: int,
                                  parts: Optional[Sequence[int]] = None) -> int:
-    """The vectors (biases, norms: launch/runtime/engine.py's no-weight-decay group) one rank of `stage`
+    """The vectors (biases, norms: launch/engine/engine.py's no-weight-decay group) one rank of `stage`
     holds: per block the column-parallel biases split over t and the replicated rest, the final
     norm on the last stage. GPT-2: 7h/t + 6h per block and 2h; Llama: 2h per block and h."""
     column, replicated = formulas.block_vector_params(config)
@@ -82,7 +82,7 @@ def kv_gathered_elements(config: ModelConfig, tp: int) -> Tuple[int, int]:
 
 def cp_all_to_all_elements(config: ModelConfig, tp: int, cp: int, micro_batch: int) -> Tuple[int, int, int]:
     """(queries, keys, values): the elements one rank hands to each all-to-all of a block's
-    attention per micro-batch (Ulysses [J23], issue 25). Sequence to heads takes this rank's
+    attention per micro-batch (Ulysses [J23]). Sequence to heads takes this rank's
     (b, heads, s/cp, d) and returns (b, heads/cp, s, d): the queries' a/t heads, the keys' and
     values' cp * cp_kv_heads_per_rank heads (replicated before the exchange where t*cp > kv).
     The attention output goes back, heads to sequence, with the queries' size; in backward each
@@ -115,8 +115,8 @@ def comm_per_rank_per_step(config: GPTConfig, layout: Layout, stage: int, first_
                            element_bytes: int = 4, cp: int = 1, gradient_reduce: bool = True) -> Dict[Key, Volume]:
     """{(purpose, role, op): (calls, elements, bytes)} of one rank of pipeline stage `stage` in one
     training step. element_bytes: activations and gradients (4 for fp32; 2 for bf16 activations).
-    cp: the context-parallel degree; layout.dp the replicas, DeepSpeed's data axis dp * cp ranks
-    (issue 25): every sequence tensor is this rank's s/cp tokens, ZeRO-1 splits over dp * cp.
+    cp: the context-parallel degree; layout.dp the replicas, DeepSpeed's data axis dp * cp ranks:
+    every sequence tensor is this rank's s/cp tokens, ZeRO-1 splits over dp * cp.
     gradient_reduce: False where the engine skips the gradient reduction (engine_memory.reduces_gradients)."""
     t, p, m = layout.tp, layout.pp, layout.grad_accum_steps
     d = layout.dp * cp  # DeepSpeed's data axis: the gradient all-reduce and ZeRO-1's partitions

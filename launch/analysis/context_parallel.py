@@ -1,4 +1,4 @@
-"""Context parallelism in the planner (issue 25; Ulysses, Jacobs et al. 2023): the bytes of its
+"""Context parallelism in the planner (Ulysses, Jacobs et al. 2023): the bytes of its
 all-to-alls. The layout rules are the run's (launch/config/layout.py check_context_parallel), the
 activation count at cp is memory_formulas.model_activation_bytes_per_layer's, the exact per-call
 volumes comm_formulas'."""

@@ -1,6 +1,6 @@
-"""What the planner's cost model knows about a device (issue 36): the FLOP/s its GEMMs reach at
+"""What the planner's cost model knows about a device: the FLOP/s its GEMMs reach at
 each shape, its memory bandwidth and a fixed cost per micro-batch, either measured on the job's
-own devices (launch/runtime/calibrate.py, cached per device and software) or taken from the
+own devices (launch/autotune/calibrate.py, cached per device and software) or taken from the
 datasheet (one flat fraction of peak at every shape, the planner's rule before calibration).
 
 A GEMM's rate depends on its shape: a rank's GEMMs shrink with tp (columns), cp and the
@@ -10,7 +10,7 @@ and otherwise takes the nearest measured shape. Memory bandwidth bounds a micro-
 each one reads every weight of the rank and adds into its gradient (`bytes_per_weight`).
 
 A calibration on one machine's processes also times the model's own pieces as each candidate
-runs them (launch/runtime/calibrate_blocks.py): a dense and an MoE block, forward and backward,
+runs them (launch/autotune/calibrate_blocks.py): a dense and an MoE block, forward and backward,
 and the embedding with the head and loss, at the candidate's tp, ep, micro-batch and tokens, in
 real TP and EP groups with every process busy at once. That time holds what the GEMM table
 cannot see: the element-wise ops, each op's dispatch, the TP and EP collectives and their
@@ -68,7 +68,7 @@ class DeviceProfile:
     bytes and the optimizer's arithmetic (the engine's and the loop's own collectives and bookkeeping)."""
     per_tensor_microbatch_s: Optional[float] = None
     """Seconds a micro-batch costs per parameter tensor of the rank (ZeRO's gradient hook on each),
-    launch/runtime/calibrate_engine.py; None: unmeasured (no such cost)."""
+    launch/autotune/calibrate_engine.py; None: unmeasured (no such cost)."""
     per_tensor_step_s: Optional[float] = None
     """Seconds a step costs per parameter tensor of the rank (its reduction, clipping and copy back)."""
     optimizer_s_per_param: Optional[float] = None

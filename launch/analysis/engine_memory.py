@@ -41,7 +41,7 @@ def built_zero_stage(zero_stage: int, precision: str, data_ranks: int, experts: 
     """The ZeRO stage the run's engine is built with: the recipe's `zero_stage`, except 0 for a dense
     fp32 model on one data-parallel rank (dp x cp = 1). There ZeRO-1 partitions nothing and only
     adds a flat fp32 copy of every weight, its gradient hooks and copies, and a wrapped optimizer
-    step (issue 39: 25-35 ms of a 900 ms tp 2 step). fp16 keeps ZeRO-1 (its ZeRO-0 is another
+    step (25-35 ms of a 900 ms tp 2 step). fp16 keeps ZeRO-1 (its ZeRO-0 is another
     optimizer, FP16_Optimizer, whose checkpoints launch/checkpoints/reshard.py does not read), bf16
     has no ZeRO-0 path, and a mixture of experts keeps its expert files' ZeRO-1 layout."""
     return 0 if data_ranks == 1 and precision == "fp32" and not experts else zero_stage
@@ -50,7 +50,7 @@ def built_zero_stage(zero_stage: int, precision: str, data_ranks: int, experts: 
 def reduces_gradients(precision: str, zero_stage: int, data_ranks: int) -> bool:
     """Whether the engine runs DeepSpeed's data-parallel gradient reduction: not a ZeRO-0 fp32 one
     on one data rank, where it would flatten every gradient, all-reduce it over that one rank and
-    copy it back (launch/runtime/engine.py switches it off: 9 ms of a 750 ms tp 2 step, issue 39)."""
+    copy it back (launch/engine/engine.py switches it off: 9 ms of a 750 ms tp 2 step)."""
     return not (zero_stage == 0 and precision == "fp32" and data_ranks == 1)
 
 
@@ -80,7 +80,7 @@ def model_state_bytes_per_rank(precision: str, zero_stage: int, dp: int, matrice
     """{weights, gradients, optimizer, buffers}: bytes one rank holds at the end of backward
     (the peak of the model states: every gradient and, from the first step on, the optimizer's
     state), for a stage of `matrices` weight-decayed and `vectors` other parameters on this rank
-    (launch/runtime/engine.py: param_groups, two groups)."""
+    (launch/engine/engine.py: param_groups, two groups)."""
     if precision not in ELEMENT_BYTES or zero_stage not in (0, 1):
         raise ValueError(f"precision={precision!r} zero_stage={zero_stage}: fp32, bf16 or fp16 at ZeRO 0 or 1")
     element, params = ELEMENT_BYTES[precision], matrices + vectors
@@ -96,7 +96,7 @@ def model_state_bytes_per_rank(precision: str, zero_stage: int, dp: int, matrice
 
 def reduce_dtype(precision: str) -> str:
     """The dtype the run's DP all-reduce uses unless the recipe sets deepspeed.communication_data_type:
-    fp32 for bf16 (launch/runtime/ds_config.py sets it, docs/design.md contract 8), else the model's."""
+    fp32 for bf16 (launch/engine/ds_config.py sets it, docs/design.md contract 8), else the model's."""
     return "fp32" if precision == "bf16" else precision
 
 

@@ -1,4 +1,4 @@
-"""Mixture of experts in the planner (issue 26): what an MoE block (model/transformer/moe.py) holds, computes,
+"""Mixture of experts in the planner: what an MoE block (model/transformer/moe.py) holds, computes,
 keeps for backward and sends, for launch/analysis/formulas.py, memory_formulas.py, comm_formulas.py
 and planner.py.
 

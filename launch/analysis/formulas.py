@@ -96,7 +96,7 @@ def stage_params_per_rank(n_layer: int, hidden: int, vocab: int, seq_len: int, t
 
 def block_matmul_params(m: ModelConfig, layer_index: Optional[int] = None, active: bool = False) -> int:
     """Weights of one block's matrices: q and o (h x a*d each), k and v (h x kv*d each), and the
-    MLP's up and down (h x f each) plus gate with SwiGLU; in an MoE block (issue 26) the router, the
+    MLP's up and down (h x f each) plus gate with SwiGLU; in an MoE block the router, the
     routed experts (all E, or with `active` the k a token uses) and the shared experts instead of
     the MLP (launch/analysis/experts.py). `layer_index` None: the model's typical block, MoE when
     it has experts. GPT-2: 4h^2 + 8h^2 = 12h^2."""
@@ -130,7 +130,7 @@ def _embedding_and_edge_params(m: ModelConfig) -> int:
 def model_params(m: ModelConfig, active: bool = False) -> int:
     """Every parameter of the model (unpadded vocabulary, a tied head counted once): the token
     embedding, a separate head, the position table, the blocks and the final norm. With experts
-    (issue 26) every expert counts; `active`: the parameters one token uses, the k routed experts
+    every expert counts; `active`: the parameters one token uses, the k routed experts
     of each MoE block (plus its router and shared experts) instead of all E."""
     column, replicated = block_vector_params(m)
     if not m.moe.enabled:  # every block the same
@@ -177,7 +177,7 @@ def model_flops_per_step_of(m: ModelConfig, global_batch: int, seq_len: int, rec
     o, gate, up, down: GQA and SwiGLU change these counts), 4*s*a*d per token for QK^T and @V
     (all query heads, whatever n_kv_head), 2hV for the head; backward twice the forward. In the
     closed form's shape, so GPT-2 (block matrices 12h^2) gives its float exactly. With experts
-    (issue 26) the active weights: each MoE block's router, k routed experts and shared experts."""
+    the active weights: each MoE block's router, k routed experts and shared experts."""
     B, s, l, h, V = global_batch, seq_len, m.n_layer, m.n_embd, m.vocab_size
     if m.moe.enabled:  # the blocks' mean active matrices (MoE and dense blocks differ when moe_every > 1)
         blocks = sum(block_matmul_params(m, i, active=True) for i in range(l)) / (l * 12 * h ** 2)

@@ -2,7 +2,7 @@
 activations a block and a pipeline stage keep for backward.
 
 Pure functions of the model dimensions and the layout, used by the planner (launch/plan.py),
-bench/activation_memory.py and the tests that check them against measured memory. Sources and
+bench/memory/activation_memory.py and the tests that check them against measured memory. Sources and
 symbols as in launch/analysis/formulas.py: [K22] Korthikanti et al. 2022, [R20] Rajbhandari et
 al. 2020 (ZeRO), [N21] Narayanan et al. 2021, [J23] Jacobs et al. 2023 (DeepSpeed-Ulysses);
 s sequence, b micro-batch, h hidden, a heads, t tp, cp the context-parallel degree.
@@ -103,14 +103,14 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
         inputs q, k, v already counted) stores neither;
     Per token: `layernorm_stat_bytes` for each LayerNorm's mean and 1/std, or each RMSNorm's 1/rms.
     RoPE adds its cos and sin tables, 2*s*d*E per block (independent of b).
-    Context parallelism (`cp`, Ulysses [J23], issue 25): a rank holds n = s/cp tokens of every
+    Context parallelism (`cp`, Ulysses [J23]): a rank holds n = s/cp tokens of every
     sequence, so every per-token term above counts n tokens; the attention core runs after the
     all-to-all on the whole sequence for a/(t*cp) heads, so its inputs and logsumexp are the same
     1/cp, but the math path's scores are (a/(t*cp)) x s x s (the core's s stays s), the fused
     path keeps its output apart from the o_proj input (E*a*d/h more), K and V hold
     `cp_kv_heads_per_rank` heads of s tokens (at least one: replicated where t*cp > kv), and RoPE's
     tables cover the whole sequence's positions.
-    Mixture of experts (issue 26): an MoE block (block `layer_index`; None: MoE when the model has
+    Mixture of experts: an MoE block (block `layer_index`; None: MoE when the model has
     experts) keeps its router's, routed rows' and shared experts' tensors instead of the MLP's
     (experts.moe_mlp_activation_bytes: the n*b tokens every TP rank routes, E/ep experts per rank)."""
     s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
@@ -147,7 +147,7 @@ def model_activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: 
 
 
 def cp_kv_heads_per_rank(n_kv_head: int, tp: int, cp: int) -> int:
-    """Key/value heads one rank attends with after the Ulysses exchange (issue 25): its
+    """Key/value heads one rank attends with after the Ulysses exchange: its
     n_head/(t*cp) query heads use n_kv_head/(t*cp) of them when that divides, else the one their
     group shares (replicated over the t*cp/n_kv_head ranks that use it; launch/analysis/planner.py
     checks that one of the two divides)."""
@@ -166,7 +166,7 @@ def weight_grad_stash_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch:
                whole on every rank), the first MLP projection(s) f/t (two with SwiGLU), down h.
     When tp > n_kv_head the fused q/k/v weight is built from its gathered key/value rows, not the
     parameter itself: its gradient is computed at once (model/transformer/llama.py).
-    An MoE block (issue 26) stashes its router's, experts' and shared experts' instead of the MLP's
+    An MoE block stashes its router's, experts' and shared experts' instead of the MLP's
     (experts.moe_weight_grad_stash_bytes)."""
     s, b, h, a, t = seq_len, micro_batch, m.n_embd, m.n_head, tp
     d, kv, f = m.head_dim, m.n_kv_head, m.ffn_hidden_size

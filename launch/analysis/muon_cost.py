@@ -1,11 +1,11 @@
-"""Muon in the planner (issue 38; launch/runtime/muon.py): its memory, its traffic and its
+"""Muon in the planner (launch/optim/muon.py): its memory, its traffic and its
 Newton-Schulz FLOPs per step, on the busiest rank of a pipeline stage.
 
 - Memory: one fp32 momentum per element of a Muon matrix (AdamW keeps two moments: Muon saves
   4 bytes per such element), partitioned by ZeRO-1 like AdamW's moments, over the data axis
   (dp x cp ranks; an expert matrix over its expert-data-parallel group, dp x cp / ep).
-- ZeRO-1: every matrix has an owner rank in its data group (launch/runtime/muon_owners.py), chosen
-  by `assign_owners`, and a finisher among the owner's TP peers (launch/runtime/muon_tp_owners.py),
+- ZeRO-1: every matrix has an owner rank in its data group (launch/optim/muon_owners.py), chosen
+  by `assign_owners`, and a finisher among the owner's TP peers (launch/optim/muon_tp_owners.py),
   chosen the same way. During the step a rank holds its owned matrices (as TP shards) and their
   update, the TP all-to-alls' send and receive buffers and its finished matrices whole with their
   updates: about 6 x 4 bytes per owned element. Traffic received: the two data-group all-to-alls,
@@ -25,7 +25,7 @@ from launch.analysis.experts import is_moe_block
 from model.config import ModelConfig
 
 FP32 = 4
-NS_STEPS = 5  # launch/runtime/newton_schulz.py
+NS_STEPS = 5  # launch/optim/newton_schulz.py
 Matrix = Tuple[int, int, int]  # (rows, cols, how many)
 STEP_BUFFERS = 6  # the owned (or local) elements' copies during a step: U's, the update's, 2 per TP all-to-all
 
@@ -61,7 +61,7 @@ def _busiest_share(flops: List[int], ranks: int) -> int:
 
 def _busiest_finisher(flops: List[int], owners: int, tp: int) -> int:
     """The Newton-Schulz FLOPs of the busiest rank when `owners` data ranks own the matrices and each
-    owner's TP peers split its matrices (launch/runtime/muon_tp_owners.py)."""
+    owner's TP peers split its matrices (launch/optim/muon_tp_owners.py)."""
     owner = assign_owners(flops, owners)
     return max((_busiest_share([f for f, o in zip(flops, owner) if o == rank], tp) for rank in range(owners)), default=0)
 
@@ -113,7 +113,7 @@ def muon_stage_cost(m: ModelConfig, blocks: Sequence[int], tp: int, data_axis: i
                         newton_schulz_flops=_busiest_share(dense_flops + expert_flops, tp))
     owned = local_dense / data_axis + local_experts / expert_axis  # elements of the matrices a rank owns
     exchanged = 2 * (local_dense * (data_axis - 1) / data_axis ** 2 + local_experts * (expert_axis - 1) / expert_axis ** 2)
-    # the owners' unit is a listed group of matrices (k of one shape), as the runtime's is a parameter
+    # the owners' unit is a listed group of matrices (k of one shape), as launch/optim/'s is a parameter
     flops = _busiest_finisher(dense_flops, data_axis, tp) + _busiest_finisher(expert_flops, expert_axis, tp)
     return MuonCost(momentum_bytes=FP32 * (local_dense // data_axis + local_experts // expert_axis),
                     step_buffer_bytes=round(STEP_BUFFERS * FP32 * owned),

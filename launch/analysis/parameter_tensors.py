@@ -1,6 +1,6 @@
-"""Parameter tensors one rank of each pipeline stage holds (issue 36): the pipeline engine's
+"""Parameter tensors one rank of each pipeline stage holds: the pipeline engine's
 costs per tensor (ZeRO's gradient hook on each, its reduction and copy back at the step;
-launch/runtime/calibrate_engine.py) are charged by this count, not by bytes.
+launch/autotune/calibrate_engine.py) are charged by this count, not by bytes.
 
 Counted from the model's own modules, built once per model on the meta device (no memory, no
 process group): each layer of the layer table (model/gpt/layer_table.py) holds the dense GPT's

@@ -1,5 +1,5 @@
 """Where the pipeline is cut into stages: the one partition function of the training run
-(launch/runtime/engine.py hands its boundaries to model/gpt/pipe.py), the planner, the memory and
+(launch/engine/engine.py hands its boundaries to model/gpt/pipe.py), the planner, the memory and
 communication formulas and the tests, so that predictions and the real PipelineModule agree.
 
 `train.partition`: `balanced` (default) minimises the largest stage's forward + backward FLOPs

@@ -49,7 +49,7 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
     if comm_dtype not in (None, "fp32", "bf16", "fp16"):
         raise ConfigError(f"deepspeed.communication_data_type={comm_dtype!r} must be fp32, bf16 or fp16")
     cut = parse_partition(args.partition) if args.partition is not None else rt.partition if rt else DEFAULT
-    # train.cp arrives with the run's recipe fields (issue 25); a recipe without it plans cp = 1.
+    # train.cp arrives with the run's recipe fields; a recipe without it plans cp = 1.
     recipe_cp = rt.cp if rt else None
     setup = Setup(gpus=args.gpus, tp=args.tp, pp=args.pp, cp=pick(args.cp, recipe_cp, 1),
                   ep=pick(args.ep, rt.ep if rt else None, 1),

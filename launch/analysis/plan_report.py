@@ -109,7 +109,7 @@ def _stage_lines(plan: Dict[str, Any]) -> List[str]:
 
 
 def _moe_lines(plan: Dict[str, Any], model: ModelConfig, where: Dict[str, str]) -> Dict[str, List[str]]:
-    """The report's lines about the experts (issue 26), by place: none for a dense model."""
+    """The report's lines about the experts, by place: none for a dense model."""
     moe = model.resolved().moe
     if not moe.enabled:
         return {"model": [], "roles": [], "memory": []}
@@ -267,7 +267,7 @@ def plot(path: Path, plan: Dict[str, Any]) -> None:
 
 def plan_output(args: argparse.Namespace, measure: Optional[Measure] = None) -> Tuple[str, Dict[str, Any]]:
     """(the text or JSON to print, the plan to draw) for launch/plan.py's arguments; `measure`
-    (launch/runtime/calibrate.py: calibrated_profile, for --calibrate) makes this machine's profile
+    (launch/autotune/calibrate.py: calibrated_profile, for --calibrate) makes this machine's profile
     from the GEMM shapes the plan needs, the dtype and the processes of a node."""
     model, setup, hw = resolve(args)
     check_precision(setup)  # before --search, which skips the layouts that fail their checks

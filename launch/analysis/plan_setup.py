@@ -62,10 +62,10 @@ class Setup:
     grad_accum_fusion: bool = True
     """train.grad_accum_fusion: in bf16 the weight matrices' gradients go straight into the fp32 buffer."""
     cp: int = 1
-    """Context-parallel degree (issue 25): each rank holds s/cp tokens of every sequence; the
+    """Context-parallel degree: each rank holds s/cp tokens of every sequence; the
     replicas are dp = gpus / (tp * cp * pp), DeepSpeed's data axis dp * cp ranks."""
     ep: int = 1
-    """Expert-parallel degree (issue 26): each MoE block's experts split over ep ranks of the data
+    """Expert-parallel degree: each MoE block's experts split over ep ranks of the data
     axis; ZeRO-1 splits the experts' optimizer state over the dp * cp / ep ranks that hold them."""
     optimizer: str = "adamw"
     """train.optimizer: adamw, or muon (one momentum per hidden matrix element instead of two moments,
@@ -101,8 +101,8 @@ class Hardware:
     memory_bytes: Optional[float] = None
     """Per-device budget; None checks nothing."""
     profile: Optional[DeviceProfile] = None
-    """GEMM rates by shape, memory bandwidth and the fixed cost per micro-batch (issue 36):
-    measured here (launch/runtime/calibrate.py) or the datasheet's; None: `efficiency` of peak
+    """GEMM rates by shape, memory bandwidth and the fixed cost per micro-batch:
+    measured here (launch/autotune/calibrate.py) or the datasheet's; None: `efficiency` of peak
     at every shape, no bandwidth floor."""
 
     def device_profile(self) -> DeviceProfile:
@@ -143,9 +143,9 @@ def check_setup(model: ModelConfig, setup: Setup) -> Layout:
 
 def rank_groups(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> Dict[str, List[List[int]]]:
     """Global ranks of every TP, CP, PP and DP group, from the topology the training run builds:
-    DeepSpeed's data axis holds dp x cp ranks, CP fastest (data index = dp_rank * cp + cp_rank,
-    issue 25); "data" is that axis (ZeRO-1, the gradient all-reduce), "dp" the replicas; "ep" the
-    expert-parallel groups (runs of ep ranks of the data axis, issue 26), "expert_data" the ranks
+    DeepSpeed's data axis holds dp x cp ranks, CP fastest (data index = dp_rank * cp + cp_rank);
+    "data" is that axis (ZeRO-1, the gradient all-reduce), "dp" the replicas; "ep" the
+    expert-parallel groups (runs of ep ranks of the data axis), "expert_data" the ranks
     holding the same experts."""
     from model.parallel.state import (build_topology, context_parallel_groups, expert_data_parallel_groups,
                                       expert_parallel_groups)

@@ -8,10 +8,10 @@ gradient traffic at its memory bandwidth when that is slower, launch/analysis/de
 plus the profile's engine cost per micro-batch, fixed and per parameter tensor of the rank; its TP all-reduces and one activation and
 one gradient over the PP link, at the intra-node bandwidth when the group sits in one node), the
 schedule (1F1B or ZB-H1) simulated over the engine's own instruction streams with those times,
-then the DP gradient all-reduce, not overlapped. Context parallelism (cp, issue 25) splits every
+then the DP gradient all-reduce, not overlapped. Context parallelism (cp) splits every
 micro-batch's tokens over cp ranks: each rank computes 1/(tp*cp) of a stage's FLOPs, its TP and
 PP traffic is its s/cp tokens', its attention adds the Ulysses all-to-alls, and the gradient
-all-reduce runs over DeepSpeed's data axis, dp x cp ranks. Expert parallelism (ep, issue 26) splits
+all-reduce runs over DeepSpeed's data axis, dp x cp ranks. Expert parallelism (ep) splits
 each MoE block's experts over ep ranks of that axis: a rank computes the same share of the FLOPs
 (its experts receive, on average, as many rows as it routes), adds the all-to-alls that carry the
 rows to their experts and back, and reduces its experts' gradients over the dp x cp / ep ranks that
@@ -51,7 +51,7 @@ def gemm_shapes(model: ModelConfig, setup: Setup) -> Dict[str, Shape]:
 
 def block_case(model: ModelConfig, setup: Setup) -> Tuple[int, int, int, int]:
     """(tp, ep, micro-batch, tokens of a sequence on the rank): what a measured block's time
-    depends on (launch/runtime/calibrate_blocks.py)."""
+    depends on (launch/autotune/calibrate_blocks.py)."""
     return setup.tp, setup.ep, setup.micro_batch, model.seq_len // setup.cp
 
 
@@ -187,7 +187,7 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     groups_of = [stage_groups(arch, t, p, k, parts, e) for k in range(p)]
     indices = [experts.stage_block_indices(arch, parts, k) for k in range(p)]
     moe_blocks = [len(experts.moe_block_indices(arch, i)) for i in indices]
-    # Each rank's routed experts (issue 26): their ZeRO-1 group and gradient all-reduce span dp x cp / ep ranks.
+    # Each rank's routed experts: their ZeRO-1 group and gradient all-reduce span dp x cp / ep ranks.
     expert_params = [experts.stage_expert_params_per_rank(arch, t, e, parts, k) for k in range(p)]
     # ZeRO-1 and the gradient all-reduce span DeepSpeed's data axis: dp x cp ranks.
     memory = [stage_memory(model, setup, d * c, m, k, indices[k], groups_of[k], expert_params[k]) for k in range(p)]
@@ -263,7 +263,7 @@ def divisors(n: int) -> List[int]:
 def candidates(model: ModelConfig, setup: Setup, recomputes: Optional[List[str]] = None,
                schedules: Optional[List[str]] = None) -> Iterator[Setup]:
     """Every (tp, cp, pp, dp, micro-batch) for setup's GPUs and global batch, and for a model with
-    experts every ep among the divisors of dp x cp that divide E (issue 26), the rest of `setup`
+    experts every ep among the divisors of dp x cp that divide E, the rest of `setup`
     kept; with `recomputes` and `schedules`, each of them too (a schedule only at pp > 1, where it
     differs); not yet checked against the layout rules."""
     experts_count = model.resolved().moe.num_experts

@@ -32,7 +32,8 @@ def instruction_streams(schedule: str, pp: int, microbatches: int) -> List[list]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's schedule classes need no device
     from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-    from launch.analysis.zero_bubble_schedule import ZeroBubbleH1Schedule, runs_zero_bubble
+    from launch.analysis.zero_bubble_schedule import ZeroBubbleH1Schedule
+    from launch.config.layout import runs_zero_bubble
     cls = ZeroBubbleH1Schedule if runs_zero_bubble(schedule, pp) else TrainSchedule
     return [[cmd for step in cls(micro_batches=microbatches, stages=pp, stage_id=k) for cmd in step]
             for k in range(pp)]

@@ -23,7 +23,7 @@ def stage_groups(model: ModelConfig, tp: int, pp: int, stage: int, parts: List[i
 
 def params_with_bf16_grad(model: ModelConfig, setup: Setup, stage: int, blocks: int, vectors: int) -> Optional[int]:
     """The parameters of one rank of `stage` that still get a bf16 `.grad` under gradient-accumulation
-    fusion (launch/runtime/main_grad.py): the vectors (biases, norms), the learned positions, and
+    fusion (launch/optim/main_grad.py): the vectors (biases, norms), the learned positions, and
     Llama's fused q/k/v weight where TP ranks share key/value heads (the GEMM uses a weight built
     from the gathered heads, not the parameter). None: every parameter has one (no fusion)."""
     if not (setup.grad_accum_fusion and engine_memory.uses_bf16_optimizer(setup.precision, setup.zero)):
@@ -51,7 +51,7 @@ def activation_bytes_per_block(model: ModelConfig, setup: Setup, recompute: str,
 def stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, indices: List[int],
                   groups: Tuple[int, int], expert_params: int = 0) -> Dict[str, int]:
     """Bytes one rank of `stage` (blocks `indices`) holds at its peak. `groups`: its (matrices,
-    vectors); `expert_params` of those matrices are its routed experts (issue 26), whose ZeRO-1
+    vectors); `expert_params` of those matrices are its routed experts, whose ZeRO-1
     group is partitioned over the dp / ep ranks that hold the same experts, the rest over dp."""
     arch = model.resolved()
     blocks = len(indices)
@@ -80,7 +80,8 @@ def stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, 
              (moe_blocks, next((i for i in indices if experts.is_moe_block(arch, i)), None))]
     # ZB-H1: each stage keeps some micro-batches' weight-gradient inputs between their B and W
     # passes (launch/analysis/zero_bubble_schedule.py), the last stage the output layer's too.
-    from launch.analysis.zero_bubble_schedule import deferred_microbatches, runs_zero_bubble  # imports DeepSpeed
+    from launch.analysis.zero_bubble_schedule import deferred_microbatches  # imports DeepSpeed
+    from launch.config.layout import runs_zero_bubble
     stash, deferred = 0.0, 0
     if runs_zero_bubble(setup.schedule, setup.pp):
         deferred = deferred_microbatches(stage, m)

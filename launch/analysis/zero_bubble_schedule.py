@@ -1,6 +1,7 @@
 """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1) on DeepSpeed's own
-pipeline engine: the schedule class, its two instructions and its two rules, for the engine
-(launch/runtime/zero_bubble.py installs it) and the planner's simulator (schedule_sim.py).
+pipeline engine: the schedule class, its two instructions and how many micro-batches a stage
+defers, for the engine (launch/engine/zero_bubble.py installs it) and the planner's simulator
+(schedule_sim.py). Whether a run executes it at all is launch/config/layout.py's `runs_zero_bubble`.
 
 1F1B's backward of a micro-batch is one pass, B+W: the input gradients the previous stage waits
 for and the weight gradients nothing waits for. ZB-H1 splits it: `BackwardInputPass` (B) runs the
@@ -20,7 +21,7 @@ BackwardPass replaced by a B pass and W passes added:
     bubble (p-1)(T_F+T_B-T_W) whenever T_W <= T_B;
   - the rest before the gradient reductions of the step's end.
 W passes run in micro-batch order, so each gradient is summed in 1F1B's order: the same bits.
-Gradients received from the next stage go into a new buffer each (launch/runtime/zero_bubble.py:
+Gradients received from the next stage go into a new buffer each (launch/engine/zero_bubble.py:
 `_exec_recv_grads`).
 At pp = 1 there is no bubble to fill and 1F1B runs (the tied embedding would otherwise receive its
 two gradients in another order).
@@ -33,11 +34,6 @@ from deepspeed.runtime.pipe import schedule
 
 if TYPE_CHECKING:
     from deepspeed.runtime.pipe.schedule import PipeInstruction
-
-
-def runs_zero_bubble(schedule_name: str, pp: int) -> bool:
-    """Whether a run of `train.schedule` at `pp` stages executes ZB-H1 (at pp = 1, 1F1B runs)."""
-    return schedule_name == "zb-h1" and pp > 1
 
 
 def deferred_microbatches(stage: int, microbatches: int) -> int:

@@ -1,4 +1,4 @@
-"""The expert weights of a mixture-of-experts checkpoint (issue 26; docs/checkpoints.md).
+"""The expert weights of a mixture-of-experts checkpoint (docs/checkpoints.md).
 
 DeepSpeed's engine takes a model with experts (model/gpt/pipe.py's ExpertParallelMarker) down its MoE
 checkpoint path, which writes no pipeline layer files, and its pipeline module writes the layer

@@ -5,7 +5,7 @@ layer and TP rank) one layer at a time, merge its TP shards with model/hf/conver
 padding, and write it into safetensors shards (with their index when there are several); then
 config (the tokenizer's real BOS and EOS ids), generation config and tokenizer.
 One process, no DeepSpeed engine, no torch.distributed; only model weights, never optimizer state;
-at most one layer and one shard in memory, never the whole model (issue 24)."""
+at most one layer and one shard in memory, never the whole model."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -31,7 +31,7 @@ TAG = re.compile(r"step(\d{8})")
 REQUIRED = ("step", "samples", "layout", "recipe", "files")
 FUSED_LLAMA = "fused_llama_projections"
 """complete.json's mark (true) of a checkpoint whose Llama blocks hold the fused qkv_proj and
-gate_up_proj (issue 24); a Llama checkpoint without it has separate q/k/v and gate/up weights."""
+gate_up_proj; a Llama checkpoint without it has separate q/k/v and gate/up weights."""
 ENGINE_ZERO_STAGE = "engine_zero_stage"
 """complete.json's ZeRO stage of the engine that saved (launch/analysis/engine_memory.py:
 built_zero_stage; a checkpoint without it: the recipe's train.zero_stage)."""
@@ -42,7 +42,7 @@ def saved_zero_stage(meta: Dict[str, Any]) -> int:
 
 
 def _built_zero_stage(recipe_dict: Dict[str, Any], layout: Dict[str, Any]) -> int:
-    """The stage launch/runtime/ds_config.py builds: built_zero_stage, unless the recipe's deepspeed
+    """The stage launch/engine/ds_config.py builds: built_zero_stage, unless the recipe's deepspeed
     section sets one."""
     from launch.analysis.engine_memory import built_zero_stage
     train = recipe_dict["train"]
@@ -347,9 +347,9 @@ def _newest_of_one_run(root: Path) -> Optional[str]:
 
 
 HANG_STACKS = "hang-stacks"
-"""Where launch/runtime/hang_watchdog.py writes every rank's stacks, beside the checkpoints."""
+"""Where launch/resilience/hang_watchdog.py writes every rank's stacks, beside the checkpoints."""
 STARTS = "starts.jsonl"
-"""The save directory's record of the run's starts and how each ended (launch/runtime/restarts.py)."""
+"""The save directory's record of the run's starts and how each ended (launch/resilience/restarts.py)."""
 
 
 def _no_checkpoint_yet(root: Path) -> bool:
@@ -421,7 +421,7 @@ def data_position(ref: CheckpointRef, fingerprint: Dict[str, Any], restart: bool
     samples = ref.meta["samples"]
     if restart:
         return None, samples
-    saved = ref.meta.get("data_fingerprint")  # absent in checkpoints saved before issue 34
+    saved = ref.meta.get("data_fingerprint")  # absent from a checkpoint written without one
     changes = fingerprint_changes(saved, fingerprint) if saved is not None else []
     if changes:
         more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
@@ -447,15 +447,15 @@ def same_layout(saved: Dict[str, Any], layout: Dict[str, Any]) -> bool:
     """Same (tp, pp, dp, cp, ep) and the same stage boundaries: DeepSpeed's own loader restores each
     rank's flat ZeRO-1 partition, which holds the parameters of that rank's layers (and, with
     experts, its EP rank's experts), so another cut of the pipeline at the same layout re-shards too.
-    A checkpoint saved before cp or ep existed has 1."""
+    A checkpoint whose layout lacks cp or ep has 1."""
     return (all(saved[k] == layout[k] for k in ("tp", "pp", "dp"))
             and all(saved.get(k, 1) == layout.get(k, 1) for k in ("cp", "ep"))
             and list(saved.get("parts", ())) == list(layout.get("parts", ())))
 
 
 def fill_saved_parts(meta: Dict[str, Any]) -> None:
-    """Record in `meta` the stage boundaries of a checkpoint written before they were recorded:
-    those runs cut the pipeline by counting blocks (DeepSpeed's type:Block)."""
+    """Record in `meta` the stage boundaries of a checkpoint whose layout lacks them:
+    its run cut the pipeline by counting blocks (DeepSpeed's type:Block)."""
     if "parts" not in meta["layout"]:
         from launch.analysis.partition import stage_partition
         model = ModelConfig(**meta["recipe"]["model"]).resolved()
@@ -470,12 +470,12 @@ def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Di
     """The model shape, the global batch and the optimizer must match the checkpoint's; another
     layout or ZeRO stage re-shards (launch/checkpoints/reshard.py), which reads and writes ZeRO-1
     (and the bf16 optimizer's) state and fp32 ZeRO-0's of a dense model. Say which key differs."""
-    # Compared with every architecture switch filled from its preset: a checkpoint saved before
-    # the switches existed is the gpt2 preset.
+    # Compared with every architecture switch filled from its preset: a checkpoint without
+    # the switches is the gpt2 preset.
     saved_model, model = (dataclasses.asdict(ModelConfig(**section).resolved())
                           for section in (ref.meta["recipe"]["model"], recipe_dict["model"]))
-    # Free to change on resume: they leave every weight's shape and TP shard as they are (and
-    # checkpoints saved before `sequence_parallel` existed lack the key).
+    # Free to change on resume: they leave every weight's shape and TP shard as they are (and a
+    # checkpoint may lack the `sequence_parallel` key).
     free = ("dropout", "sequence_parallel")
     # The shape first, then the switches (a different n_embd also changes the derived ffn_hidden_size).
     for key in sorted(set(saved_model) | set(model), key=lambda k: (k in ARCH_SWITCHES, k)):

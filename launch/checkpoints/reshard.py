@@ -38,7 +38,7 @@ STEP = "step"  # a scalar per group; every other key of a group's state is shape
 
 def _moment_keys(group_state: dict) -> Tuple[str, ...]:
     """The per-element state of one saved param group: AdamW's MOMENTS, or Muon's `momentum_buffer`
-    (launch/runtime/muon.py, issue 38)."""
+    (launch/optim/muon.py)."""
     return tuple(k for k in group_state if k != STEP)
 
 
@@ -203,7 +203,7 @@ def _init_optimizer_state(optimizer, base: dict, zero0: bool) -> None:
     partitions, each parameter's fragment linked to them for `safe_set_full_optimizer_state`; or a
     ZeRO-0 engine's per-parameter state. (Allocated as the load went, ZeRO-0's state sat between
     the freed full tensors of the parameters read: 242 MiB more at 117M parameters, growing with the
-    model; bench/reshard_memory.py.)"""
+    model; bench/memory/reshard_memory.py.)"""
     step = base["state"][0][STEP]
     inner = optimizer if zero0 else optimizer.optimizer
     for group in inner.param_groups:

@@ -12,7 +12,7 @@ SLOW_SAVE_ENV = "GPT3D_SLOW_SAVE"
 
 def slow_save_s() -> float:
     """The extra seconds of each save (0 when unset); a ConfigError when malformed, which
-    launch/runtime/preflight.py raises before the start."""
+    launch/trainer/preflight.py raises before the start."""
     value = os.environ.get(SLOW_SAVE_ENV)
     if not value:
         return 0.0

@@ -119,7 +119,7 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     `data_state`: the streaming data position of the whole run (JSON, already gathered from the
     ranks), stored in complete.json for `--load`; `data_identity`: what decides the samples
     (data/fingerprint.py) and where the data order began, which a resume checks; `layout_auto`:
-    how --layout auto chose the layout (launch/runtime/auto_layout.py: AutoChoice). Returns the tag
+    how --layout auto chose the layout (launch/autotune/auto_layout.py: AutoChoice). Returns the tag
     directory."""
     tag = tag_for(step)
     if not_a_tag_dir(root / tag) is not None:  # made since the start (locate.refuse_another_runs_save_dir)

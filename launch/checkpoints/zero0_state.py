@@ -1,5 +1,5 @@
 """A ZeRO-0 engine's optimizer state by parameter name, so that launch/checkpoints/reshard.py
-re-shards it as it re-shards ZeRO-1's (issue 39: fp32 runs on one data rank build ZeRO-0,
+re-shards it as it re-shards ZeRO-1's (fp32 runs on one data rank build ZeRO-0,
 launch/analysis/engine_memory.py: built_zero_stage, and resume at dp > 1 under ZeRO-1, and back).
 
 DeepSpeed saves a ZeRO-0 engine's optimizer as torch's `optimizer.state_dict()` in each

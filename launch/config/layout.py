@@ -26,10 +26,10 @@ class Layout:
     """Micro-batches per pipeline per optimizer step (m = B / (b * dp))."""
     cp: int = 1
     """Context-parallel ranks per replica, each holding seq_len / cp tokens of every sequence
-    (train.cp, --cp; issue 25). Checkpoints saved before cp existed read as cp = 1."""
+    (train.cp, --cp). A checkpoint's layout without the key reads as cp = 1."""
     ep: int = 1
     """Expert-parallel ranks: each MoE block's experts split over ep ranks of DeepSpeed's data axis
-    (dp x cp ranks; train.ep, --ep; issue 26). Checkpoints saved before ep existed read as ep = 1."""
+    (dp x cp ranks; train.ep, --ep). A checkpoint's layout without the key reads as ep = 1."""
     parts: Tuple[int, ...] = ()
     """Stage boundaries over the pipeline layers (stage k holds parts[k]:parts[k+1]) from
     train.partition; they need the vocabulary, so launch/analysis/partition.py's `with_stage_boundaries`
@@ -93,14 +93,14 @@ def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, o
         raise ConfigError(f"deepspeed.pipeline.{partitioned[0]}=true with model.sequence_parallel, --tp {tp} "
                           f"--pp {pp}: stage outputs differ per TP rank under SP and cannot be partitioned; "
                           f"remove the key (SP already sends 1/tp of the sequence)")
-    if train_cfg.schedule == "zb-h1" and pp > 1:  # launch/analysis/zero_bubble_schedule.py: runs_zero_bubble
+    if runs_zero_bubble(train_cfg.schedule, pp):
         check_zero_bubble(recipe, pp)
     return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=recipe.train.ep, micro_batch_size=b,
                   global_batch_size=B, grad_accum_steps=B // (b * dp))
 
 
 def check_expert_parallel(recipe: Recipe, tp: int, data_ranks: int) -> None:
-    """What expert parallelism (issue 26) needs: ep ranks carved out of DeepSpeed's data axis (dp x cp
+    """What expert parallelism needs: ep ranks carved out of DeepSpeed's data axis (dp x cp
     ranks), whole experts per rank, and each expert's MLP split over tp."""
     model, ep = recipe.model.resolved(), recipe.train.ep
     if ep < 1:
@@ -142,6 +142,12 @@ def check_context_parallel(recipe: Recipe, tp: int, cp: int) -> None:
         raise ConfigError(f"model.n_kv_head={kv} with tp*cp = {tp}*{cp} = {tp * cp}: tp*cp must divide n_kv_head or "
                           f"n_kv_head must divide tp*cp (the key/value heads replicate over the ranks sharing one); "
                           f"choose a --cp for which it does")
+
+
+def runs_zero_bubble(schedule_name: str, pp: int) -> bool:
+    """Whether a run of `train.schedule` at `pp` stages executes ZB-H1: at pp = 1 there is no bubble to fill
+    and 1F1B runs (the tied embedding would otherwise receive its two gradients in another order)."""
+    return schedule_name == "zb-h1" and pp > 1
 
 
 def check_zero_bubble(recipe: Recipe, pp: int) -> None:

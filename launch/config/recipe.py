@@ -20,7 +20,7 @@ from launch.errors import ConfigError
 from model.config import GPTConfig, ModelConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "muon")  # launch/runtime/muon.py
+OPTIMIZERS = ("adamw", "muon")  # launch/optim/muon.py
 RECOMPUTE_MODES = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "zb-h1")  # launch/analysis/zero_bubble_schedule.py
 PARTITION_RULES = ("balanced", "blocks")  # launch/analysis/partition.py
@@ -28,7 +28,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 HEARTBEAT_INTERVAL_S = 2.0
 """Each rank's failure watcher writes its heartbeat and reads its successor's this often
-(launch/runtime/failure.py); train.heartbeat_timeout_s must be above it."""
+(launch/resilience/failure.py); train.heartbeat_timeout_s must be above it."""
 MIN_HANG_BOUND_S = 5.0
 """The shortest train.hang_timeout_s / first_step_timeout_s: a few heartbeats and store polls."""
 MAX_WAIT_S = 7 * 24 * 3600
@@ -52,18 +52,18 @@ class TrainSection:
     optimizer: str = "adamw"
     """adamw, or muon: Muon (momentum orthogonalised by Newton-Schulz, update scaled as Moonlight's so
     lr and weight_decay carry over) for the hidden matrices, AdamW for embeddings, the output head,
-    norms, biases and routers (issue 38; docs/design.md, "Muon at every layout")."""
+    norms, biases and routers (docs/design.md, "Muon at every layout")."""
     muon_momentum: float = 0.95
     """Muon's momentum mu (Keller Jordan's and Moonlight's 0.95), in [0, 1)."""
     muon_nesterov: bool = True
     """Muon orthogonalises G + mu M (Nesterov, as Moonlight's code) rather than M."""
     muon_ns_steps: int = 5
-    """Newton-Schulz steps of Muon's orthogonalisation (launch/runtime/newton_schulz.py), >= 1."""
+    """Newton-Schulz steps of Muon's orthogonalisation (launch/optim/newton_schulz.py), >= 1."""
     lr: float = 6e-4
     """Peak learning rate of AdamW (and of Muon, whose update is scaled to AdamW's RMS)."""
     min_lr_ratio: float = 0.1
     """Cosine decay toward lr * min_lr_ratio (reached one step after the last: the last step's lr is
-    just above it; launch/runtime/lr_schedule.py)."""
+    just above it; launch/optim/lr_schedule.py)."""
     warmup_steps: int = 10
     """Linear warm-up: step k <= warmup_steps uses lr * k / warmup_steps."""
     weight_decay: float = 0.1
@@ -80,7 +80,7 @@ class TrainSection:
     grad_accum_fusion: bool = True
     """bf16: the linears' weight-gradient GEMMs add into the optimizer's fp32 gradients, with no
     bf16 gradient to cast and add after each micro-batch (Megatron's gradient-accumulation
-    fusion, launch/runtime/main_grad.py); false: DeepSpeed's own accumulation. No effect in fp32/fp16."""
+    fusion, launch/optim/main_grad.py); false: DeepSpeed's own accumulation. No effect in fp32/fp16."""
     recompute: str = "none"
     """Activation recomputation (Korthikanti et al. 2022): none; selective (store q, k, v and
     recompute each attention core); full (store each block's input, recompute the block)."""
@@ -106,11 +106,11 @@ class TrainSection:
     """Collectives wait at most this long: if a rank dies, the others exit with an error. The last
     resort behind heartbeat_timeout_s."""
     heartbeat_timeout_s: float = 60.0
-    """A rank whose heartbeat (every 2 s, launch/runtime/failure.py) has not advanced this long is
+    """A rank whose heartbeat (every 2 s, launch/resilience/failure.py) has not advanced this long is
     declared lost and every rank exits; a store that does not answer this long means rank 0 is lost."""
     hang_timeout_s: float = 0.0
     """A step that has not ended after this many seconds is a hang: every rank writes its stacks,
-    one line names the ranks not where the others are, the job ends (launch/runtime/hang_watchdog.py).
+    one line names the ranks not where the others are, the job ends (launch/resilience/hang_watchdog.py).
     0: 10x the median of the recent steps (their data waits left out), at least 120 s. Below
     dist_timeout_s. Validation and eval.tasks are timed batch by batch against it; saves have
     save_timeout_s, data waits data.stall_timeout_s."""
@@ -127,7 +127,7 @@ class TrainSection:
     max_starts_without_progress: int = 3
     """A requeue (--save DIR --load DIR) is refused in one line, exit 2, once this many starts in a
     row began at the same checkpoint and none saved a newer one (DIR/starts.jsonl,
-    launch/runtime/restarts.py); 0: no cap."""
+    launch/resilience/restarts.py); 0: no cap."""
     partition: Union[str, List[int]] = "balanced"
     """Where the pipeline stages are cut: balanced (the least compute on the busiest stage, the
     output head and loss counted), blocks (equal numbers of blocks, DeepSpeed's type:Block) or
@@ -178,7 +178,7 @@ class TrainSection:
         if not self.heartbeat_timeout_s > HEARTBEAT_INTERVAL_S:
             raise ConfigError(f"train.heartbeat_timeout_s={self.heartbeat_timeout_s:g} must be above the heartbeat "
                               f"interval, {HEARTBEAT_INTERVAL_S:g} s (default 60)")
-        for name in ("hang_timeout_s", "first_step_timeout_s"):  # 0: derived (hang_watchdog.py)
+        for name in ("hang_timeout_s", "first_step_timeout_s"):  # 0: derived (launch/resilience/hang_watchdog.py)
             bound = getattr(self, name)
             if bound != 0 and not MIN_HANG_BOUND_S <= bound < self.dist_timeout_s:
                 raise ConfigError(f"train.{name}={bound:g} must be 0 (derived), or at least {MIN_HANG_BOUND_S:g} s and "
@@ -224,7 +224,7 @@ class TrainSection:
             # launch/analysis/partition.py: check_muon_stages).
             raise muon_stage_error(list(self.partition), f"train.partition={list(self.partition)}")
         if self.optimizer == "muon" and self.precision == "fp16" and self.zero_stage == 0:
-            # DeepSpeed's FP16 optimizer regroups the fp32 weights in a way launch/runtime/muon_partitions.py does not read.
+            # DeepSpeed's FP16 optimizer regroups the fp32 weights in a way launch/optim/muon_partitions.py does not read.
             raise ConfigError("train.optimizer=muon with train.precision=fp16 needs train.zero_stage=1 "
                               "(DeepSpeed's ZeRO-0 fp16 optimizer is not supported with Muon)")
 
@@ -242,7 +242,7 @@ class TrainSection:
 
 
 def muon_stage_error(counts: List[int], cut: str) -> ConfigError:
-    """train.optimizer=muon needs a hidden matrix on every stage (launch/runtime/engine.py:
+    """train.optimizer=muon needs a hidden matrix on every stage (launch/engine/engine.py:
     _muon_param_groups): the error for blocks per stage `counts`, cut by `cut`, with a cut that
     moves a block from the fullest stage to each empty one."""
     fixed = list(counts)
@@ -263,14 +263,14 @@ class WandbSection:
     """online, offline or disabled; `--wandb` overrides."""
 
     def validate(self) -> None:
-        """Raise ConfigError on an unknown mode (an online run's API key: launch/runtime/preflight.py)."""
+        """Raise ConfigError on an unknown mode (an online run's API key: launch/trainer/preflight.py)."""
         if self.mode not in WANDB_MODES:
             raise ConfigError(f"wandb.mode={self.mode!r} is not one of {', '.join(WANDB_MODES)} (--wandb overrides it)")
 
 
 @dataclass
 class EvalSection:
-    """Downstream tasks scored while training (issue 37; docs/evaluation.md)."""
+    """Downstream tasks scored while training (docs/evaluation.md)."""
     tasks: List[str] = field(default_factory=list)
     """Multiple-choice tasks, each NAME=PATH (a JSON Lines file of HellaSwag's, ARC's or PIQA's schema)."""
     every: int = 0

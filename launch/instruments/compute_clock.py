@@ -1,4 +1,4 @@
-"""Each rank's compute seconds per step (issue 23, stragglers): the time inside its pipeline
+"""Each rank's compute seconds per step, for naming stragglers: the time inside its pipeline
 passes (forward, backward, ZB-H1's B and W), not the time it waits on its peers in sends,
 receives and gradient reductions, which are instructions of their own. A slow GPU, a throttled
 host or a noisy neighbour shows up on its own rank; its pipeline neighbours only wait longer

@@ -213,7 +213,7 @@ def earlier_records(path: Path, last_step: int) -> List[str]:
 def keep_records_until(path: Path, last_step: int) -> None:
     """Cut a resumed run's metrics file to its records up to `last_step`, never in place: the kept
     lines go to a new file, made durable, then renamed over the old one, so a process killed
-    meanwhile leaves the old file whole (issue 35), and the resumed run appends to the new one."""
+    meanwhile leaves the old file whole, and the resumed run appends to the new one."""
     kept = earlier_records(path, last_step)
     cut = path.with_name(path.name + ".resuming")
     with open(cut, "w") as f:

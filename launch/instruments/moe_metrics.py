@@ -1,4 +1,4 @@
-"""The per-step metrics of a mixture-of-experts run (issue 26; docs/planner-and-metrics.md): the
+"""The per-step metrics of a mixture-of-experts run (docs/planner-and-metrics.md): the
 load-balancing and z-losses, and how many assignments each expert of each MoE block received.
 
 Each MoE block records every training micro-batch's values once, already summed over the ranks

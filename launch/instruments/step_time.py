@@ -1,6 +1,6 @@
-"""A run's predicted step time beside the measured one (issue 36, item 4): what the console
+"""A run's predicted step time beside the measured one: what the console
 summary and every `--metrics-out` record print, and the measured median after warm-up at the end.
-The prediction itself: launch/runtime/step_prediction.py."""
+The prediction itself: launch/autotune/step_prediction.py."""
 import statistics
 from dataclasses import dataclass, field
 from typing import List, Optional

@@ -1,10 +1,10 @@
-"""Stragglers named (issue 23), cheaply at thousands of ranks (issue 35, items 6 and 7).
+"""Stragglers named, cheaply at thousands of ranks.
 
 Each step every rank gives five numbers, gathered by ONE all-gather of a (world x 5) float64
 tensor (`gather_step_numbers`): its compute seconds (launch/instruments/compute_clock.py), its
 seconds waited on data, its step's peak allocated and reserved bytes, and whether it received a
 stop signal; the maxima of the last three are the record's memory peaks and the ranks' agreed stop
-(launch/runtime/signals.py), so the step needs no second collective for them (issue 39).
+(launch/resilience/signals.py), so the step needs no second collective for them.
 
 **The unit judged is the in-pass group** (`in_pass_group`): the ranks that wait on each other
 inside a forward or backward pass, the TP x CP ranks of one replica of a stage (with expert
@@ -20,10 +20,10 @@ slow rank is seen only as a slow step (step_time_s, and the compute_s summary's 
 **A slow data reader is named**: a rank whose wait on data is above DATA_SHARE of the step time
 for STREAK steps in a row gets one line per spell (its rank and host, not only the step's max).
 
-Cost at 4,096 ranks (bench/straggler_watch.py): the watch holds O(world) numpy arrays and
+Cost at 4,096 ranks (bench/faults/straggler_watch.py): the watch holds O(world) numpy arrays and
 judges a step with two sorts (ranks by group, groups by stage); each group's leave-one-out
-median is read from its stage's sorted times in O(1). The rule before issue 35 compared every
-rank with every other rank of its stage: seconds per step and O(world^2) memory."""
+median is read from its stage's sorted times in O(1). Comparing every
+rank with every other rank of its stage would cost seconds per step and O(world^2) memory."""
 import math
 import socket
 from dataclasses import dataclass
@@ -45,7 +45,7 @@ class StepNumbers:
     data_wait_s: np.ndarray
     peak_allocated: int
     peak_reserved: Optional[int]  # None when no rank's device reports reserved memory
-    stop_requested: bool  # any rank was signalled to stop (launch/runtime/signals.py)
+    stop_requested: bool  # any rank was signalled to stop (launch/resilience/signals.py)
 
 
 def gather_step_numbers(compute_s: float, data_wait_s: float, allocated: int, reserved: Optional[int],
@@ -208,7 +208,7 @@ class StragglerWatch:
 
 
 def summarise_seconds(seconds: Sequence[float], stages: Sequence[int]) -> Dict[str, object]:
-    """A step's per-rank seconds as a metrics record keeps them at any world size (issue 35: at
+    """A step's per-rank seconds as a metrics record keeps them at any world size (at
     4,096 ranks the list would be most of the record): the largest, the median and the rank with
     the largest (the first, on a tie), over all ranks and over each pipeline stage's ranks. Plain
     Python numbers: the record is JSON."""

@@ -60,7 +60,7 @@ class PositionEmbedding(nn.Module):
     hidden states cross pipeline stages (docs/design.md contract 7). With sequence parallelism the
     input is TP rank r's chunk, positions [r*T/t, (r+1)*T/t). Under context parallelism these are
     offsets inside CP rank c's shard, which starts at c*T/cp: every token takes the row of its
-    global position (issue 25)."""
+    global position."""
 
     def __init__(self, config: GPTConfig, tp_group: Group = None,
                  dropout_rng: Callable[[], ContextManager] = contextlib.nullcontext, cp_group: Group = None):

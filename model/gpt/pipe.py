@@ -114,12 +114,12 @@ class TokenMeanLoss:
     """The pipeline's loss_fn: the step's loss is the mean next-token loss over every counted token
     of the step (labels other than IGNORE_INDEX), across its micro-batches, DP replicas and CP shards,
     so the objective does not depend on the micro-batch size or on how many tokens each micro-batch
-    counts (issue 33; Megatron-LM's calculate_per_token_loss).
+    counts (Megatron-LM's calculate_per_token_loss).
 
     DeepSpeed divides each micro-batch's loss by the gradient-accumulation steps m and averages the
     gradients (and the reported loss) over its data axis, dp x cp ranks. A micro-batch therefore
     returns its sum of token losses over `tokens_per_share` = N / (m x dp x cp), N the step's
-    counted tokens, which the run sets before each step (launch/runtime/step_tokens.py): the m x dp
+    counted tokens, which the run sets before each step (launch/feed/step_tokens.py): the m x dp
     x cp shares then average to sum / N. A micro-batch without counted tokens returns 0, not NaN.
     Without it (a caller that drives the engine itself), each micro-batch is its own mean over its
     counted tokens (model/parallel/context_parallel.py: token_weighted_mean).
@@ -164,7 +164,7 @@ def pipeline_config(sequence_parallel: bool) -> Dict[str, Any]:
 class ExpertParallelMarker(MoE):
     """What tells DeepSpeed's engine that the model has experts (it looks for a `deepspeed.moe.layer.MoE`
     module, then reduces, partitions and norms the expert parameters by their groups: see
-    launch/runtime/experts.py). No parameters and never called: our MoE blocks are model/transformer/moe.py's."""
+    launch/engine/experts.py). No parameters and never called: our MoE blocks are model/transformer/moe.py's."""
 
     def __init__(self, num_experts: int, ep_size: int):
         torch.nn.Module.__init__(self)  # not MoE.__init__, which would build DeepSpeed's own experts

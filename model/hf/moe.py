@@ -202,7 +202,7 @@ def from_moe_state_dict(hf: Mapping[str, Any], config: GPTConfig) -> Dict[str, A
 
 class MoEFields(dict):
     """The `model.moe` fields a transformers config fixes, as a mapping (a recipe's `--set` items);
-    equal to a MoEConfig with these values (launch/runtime/evaluation.py compares the recipe's
+    equal to a MoEConfig with these values (launch/evaluation/evaluation.py compares the recipe's
     `model.moe` with the weights')."""
 
     def __eq__(self, other):

@@ -1,6 +1,6 @@
 """Which stored transformers tensors, and which slices of them, make one rank's shard of each of our
 parameters: the plan that `--init-from-hf` reads lazily (launch/checkpoints/hf_safetensors.py),
-so that no rank materialises a tensor it does not hold (issue 24: 2.3x the fp32 model per rank).
+so that no rank materialises a tensor it does not hold (whole tensors on every rank cost 2.3x the fp32 model per rank).
 
 A plan is "this rank's tensor = these pieces, each a slice of a stored tensor written to a place
 of this rank's tensor, then zero rows (vocab padding)"; each piece is (transformers name, a slice

@@ -6,7 +6,7 @@ whole sequence of a head shard, and back (`all_to_all_sequence_to_heads`,
 `all_to_all_heads_to_sequence`; each is the other's backward). Shapes are attention's
 (B, heads, T, d); CP rank r holds tokens [r T/cp, (r+1) T/cp) and heads [r H/cp, (r+1) H/cp).
 
-Expert parallelism (issue 26) sends each token to the ranks of its experts and back: an all-to-all
+Expert parallelism sends each token to the ranks of its experts and back: an all-to-all
 of rows with variable split sizes over the EP group (`all_to_all_to_experts`, and
 `all_to_all_from_experts` for the return; each is the other's backward), the sizes exchanged
 first (`exchange_counts`). Every helper is the identity when the group is None.

@@ -1,4 +1,4 @@
-"""The run side of context parallelism (issue 25; Jacobs et al. 2023, DeepSpeed-Ulysses): which
+"""The run side of context parallelism (Jacobs et al. 2023, DeepSpeed-Ulysses): which
 tokens a CP rank holds and the token-weighted loss over the CP group. The attention's
 all-to-alls live in model/parallel/mappings.py, the whole sequence's document ids in model/transformer/documents.py.
 

@@ -9,9 +9,9 @@ Axis order is (pipe, data, model): the TP ranks of one stage are adjacent global
 DeepSpeed's engine knows three axes only. Its "data" axis holds dp x cp ranks, cp fastest
 (data index = dp_rank * cp + cp_rank): the CP ranks of one replica are adjacent after TP, and
 DeepSpeed's gradient all-reduce and ZeRO-1 partition run over dp x cp, which is what CP needs,
-since the weights are replicated over CP and their gradients summed over it (issue 25).
+since the weights are replicated over CP and their gradients summed over it.
 
-Expert parallelism (ep, issue 26) is carved out of the same data axis: consecutive runs of ep
+Expert parallelism (ep) is carved out of the same data axis: consecutive runs of ep
 data indices form an expert-parallel (EP) group, whose ranks hold different experts of each MoE
 block and exchange tokens by all-to-all; the ranks at the same place of every run form the
 expert-data-parallel group, over which the replicas of those experts sum their gradients.

@@ -1,5 +1,5 @@
 """Deferred weight gradients, for the zero-bubble pipeline schedule ZB-H1 (Qi et al. 2023;
-launch/analysis/zero_bubble_schedule.py is the schedule, launch/runtime/zero_bubble.py runs it,
+launch/analysis/zero_bubble_schedule.py is the schedule, launch/engine/zero_bubble.py runs it,
 docs/pipeline-schedules.md explains it).
 
 A linear's backward is B, dL/dX = G W (which the stage before waits for), and W, dL/dW = G^T X
@@ -10,8 +10,8 @@ one's gradients to `.grad` as AccumulateGrad would. Micro-batches run in the ord
 deferred, so every gradient is the 1F1B one to the bit. Biases, norms, embeddings and a fused
 q/k/v weight built from gathered key/value heads (not a parameter) stay in B.
 
-Gradient-accumulation fusion (Megatron-LM's, issue 24): a weight that carries `main_grad`, its fp32
-gradient in the BF16 optimizer's buffer (launch/runtime/main_grad.py), gets its gradient added
+Gradient-accumulation fusion (Megatron-LM's): a weight that carries `main_grad`, its fp32
+gradient in the BF16 optimizer's buffer (launch/optim/main_grad.py), gets its gradient added
 there by the weight-gradient GEMM itself (`add_product_into`), in B or in W, and keeps no `.grad`:
 no bf16 gradient to allocate, zero, cast and add into fp32 after every micro-batch."""
 import contextlib
@@ -83,7 +83,7 @@ def first_that_runs_right(ways: Dict[str, Callable], trial: Callable[[str, Calla
 
 def mixed_gemm_path(device: torch.device) -> str:
     """The first of `_MIXED_GEMMS` this torch runs correctly on `device`, tried once on a 2 x 2
-    product (bench/gpu_check.py reports which, and its error against an fp32 GEMM)."""
+    product (bench/gpu/gpu_check.py reports which, and its error against an fp32 GEMM)."""
     if device.type not in _CHOSEN_PATH:
         a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=torch.bfloat16)
         want = torch.tensor([[8.0, 11.0], [16.0, 23.0]], device=device)

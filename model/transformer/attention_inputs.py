@@ -1,7 +1,7 @@
 """What every attention core of one pipeline stage needs for one micro-batch, built once and shared
-by the stage's blocks (issue 24): RoPE's cos/sin for the positions in use and, with the document
-mask, the mask (model/transformer/documents.py). Before, each block rebuilt the cos/sin tables in every call
-and in every recompute.
+by the stage's blocks: RoPE's cos/sin for the positions in use and, with the document
+mask, the mask (model/transformer/documents.py), rather than the cos/sin tables rebuilt by each block in every
+call and in every recompute.
 
 - Positions 0..T-1 (no document mask): the tables depend on (T, device, dtype) alone, so one pair
   serves every micro-batch; under torch.compile they are built inside the block's graph instead

@@ -116,7 +116,7 @@ class MLP(nn.Module):
 
 
 def query_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The dtype of the attention's queries: the hidden states', or autocast's (bench/throughput.py)."""
+    """The dtype of the attention's queries: the hidden states', or autocast's (bench/step/throughput.py)."""
     device = hidden.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 

@@ -70,8 +70,7 @@ def _ordered_blocks(member: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 def block_document_mask(segments: torch.Tensor, block_size: int = FLEX_BLOCK) -> Any:
     """(B, T) segment ids -> flex_attention's BlockMask of the same rule (one for all heads), from
     the document starts alone: (B, T) integers and (B, T/block, T/block) block tables, never a
-    (T, T) tensor (create_block_mask evaluates the rule on every (q, kv) pair: 5.6 GiB at 8 x 8192,
-    issue 24)."""
+    (T, T) tensor (create_block_mask evaluates the rule on every (q, kv) pair: 5.6 GiB at 8 x 8192)."""
     from torch.nn.attention.flex_attention import BlockMask
     B, T = segments.shape
     n = -(-T // block_size)
@@ -100,7 +99,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if isinstance(mask, torch.Tensor):
         if enable_gqa and k.size(-3) != q.size(-3):
             # On CUDA SDPA has no flash or memory-efficient kernel for a mask with enable_gqa: it would
-            # take the math kernel and its (B, heads, T, T) scores (issue 24; the CPU flash kernel
+            # take the math kernel and its (B, heads, T, T) scores (the CPU flash kernel
             # takes either). Query head i reads key/value head i // groups, as enable_gqa does.
             # (B, kv, T, d) -> (B, heads, T, d)
             groups = q.size(-3) // k.size(-3)

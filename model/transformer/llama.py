@@ -3,7 +3,7 @@
 q, k and v are one column-parallel GEMM (`qkv_proj`, rows [Q; K; V]) and gate and up another
 (`gate_up_proj`, rows [G; U]): each part of the fused weight is split over tp on its own, so
 rank r's rows are [Q_r; K_r; V_r] and [G_r; U_r] and one GEMM gives it its heads and its MLP
-columns (issue 24; export splits them into transformers' q/k/v and gate/up, model/hf/llama.py).
+columns (export splits them into transformers' q/k/v and gate/up, model/hf/llama.py).
 K and V are a plain row split over tp: at tp > n_kv_head the ranks that share a key/value head
 each store a true shard of its rows, all-gathered in forward and reduce-scattered in backward,
 so the gradient norm, the optimizer and checkpoints treat it as any column-parallel weight

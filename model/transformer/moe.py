@@ -129,7 +129,7 @@ class Router(nn.Module):
 
     model.moe.router_dtype fp32 (the default): x and W_r cast to fp32 for the GEMM (the stored weight
     keeps its dtype), so the logits, and after them the softmax, top-k and router losses, are fp32:
-    bf16 logits tie at the k-th place for some tokens of every batch (issue 33: 5.8-7.2% at E = 128,
+    bf16 logits tie at the k-th place for some tokens of every batch (5.8-7.2% at E = 128,
     k = 8), and ties go to the lower expert. `activations`: the GEMM in x's dtype, upcast after it.
 
     Always through the deferrable linear (model/parallel/weight_grad.py), in 1F1B too: for so few output rows

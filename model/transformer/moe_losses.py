@@ -54,7 +54,7 @@ class MoEStatistics:
         self._calls: Dict[int, int] = {}
 
     def start_step(self, masks: List[torch.Tensor], step_tokens: torch.Tensor) -> None:
-        """Before a step (launch/runtime/step_tokens.py): its micro-batches' masks and counted tokens."""
+        """Before a step (launch/feed/step_tokens.py): its micro-batches' masks and counted tokens."""
         self.step_masks, self.step_tokens, self._calls = masks, step_tokens, {}
 
     @torch.compiler.disable  # Python state that changes per call: dynamo would guard on it and recompile

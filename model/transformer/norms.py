@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
     the statistics in fp32, the weight applied after casting back. The weight's gradient is summed
     over `sequence_parallel_group` as LayerNorm's is.
 
-    The normalisation is `F.rms_norm` without a weight (one fused kernel on GPUs, issue 24) and
+    The normalisation is `F.rms_norm` without a weight (one fused kernel on GPUs) and
     the weight a separate multiply: F.rms_norm with the weight multiplies it in fp32 before
     rounding to bf16, transformers after, so only this split gives transformers' numbers
     (tests/model/test_llama.py compares both in fp32 and bf16)."""

@@ -1,4 +1,4 @@
-"""The activations a block saves for backward, measured by bench/activation_memory.py (every
+"""The activations a block saves for backward, measured by bench/memory/activation_memory.py (every
 tensor autograd saves, distinct storages, parameters excluded), equal Korthikanti et al. 2022's
 tensor-by-tensor count (launch/analysis/memory_formulas.py) with fp32 elements, fp32 CPU dropout masks and the
 LayerNorm statistics, to the byte: at tp=1 and tp=2, with and without sequence parallelism,
@@ -7,7 +7,7 @@ without (its fused kernel, a logsumexp per row and head)."""
 import pytest
 import torch.distributed as dist
 
-from bench.activation_memory import MODES, block_saved_bytes
+from bench.memory.activation_memory import MODES, block_saved_bytes
 from helpers.distributed import run_distributed, uses_deepspeed
 from launch.analysis.memory_formulas import activation_bytes_per_layer
 from model.parallel.state import init_parallel_state

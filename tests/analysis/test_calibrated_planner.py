@@ -1,4 +1,4 @@
-"""The planner's cost model against given device profiles, and a real calibration (issue 36).
+"""The planner's cost model against given device profiles, and a real calibration.
 
 - A GEMM table slower at fewer rows: a micro-batch's compute costs what the table says for its
   rows (b x seq_len / cp), interpolated in log rows between measured ones, and the ranking follows;
@@ -85,7 +85,7 @@ def test_a_data_groups_all_reduce_costs_what_the_table_says_at_its_size(tmp_path
 
 
 def _group_bandwidths_on_4_processes():
-    from launch.runtime.calibrate import group_bandwidths
+    from launch.autotune.calibrate import group_bandwidths
     measured = group_bandwidths(4)  # two groups of 2 at once; 4 itself is the whole group's link_bw
     assert sorted(measured) == ["all_reduce:2", "all_to_all:2"], measured
     assert all(0 < rate < float("inf") for rate in measured.values()), measured
@@ -139,15 +139,15 @@ def test_calibration_measures_each_shape_and_block_once_and_caches_it(tmp_path, 
     ("tiny.yaml", 8, {"tp": 1, "pp": 2, "cp": 2, "partition": "blocks"}),
     ("moe-tiny.yaml", 4, {"tp": 1, "pp": 2, "ep": 2})])
 def test_a_run_predicts_what_the_planner_prints_for_its_layout(recipe, world, flags, tmp_path, monkeypatch, capsys):
-    """The run's own prediction (launch/runtime/step_prediction.py, from the recipe and the
+    """The run's own prediction (launch/autotune/step_prediction.py, from the recipe and the
     derived layout, with this machine's cached calibration) equals launch/plan.py's for the same
     recipe, layout and profile given by flags: the recipe's fields reach the planner as its flags do."""
     from data.builtin import BUILTIN_VOCAB_SIZE
-    from launch.runtime.calibrate import cache_path, device_name
     from launch.analysis.partition import with_stage_boundaries
+    from launch.autotune.calibrate import cache_path, device_name
+    from launch.autotune.step_prediction import predict_step_time
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
-    from launch.runtime.step_prediction import predict_step_time
     monkeypatch.setenv("GPT3D_CALIBRATION", str(tmp_path))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("LOCAL_SIZE", raising=False)
@@ -170,10 +170,10 @@ def test_layout_auto_trains_the_planners_first_pick_and_keeps_the_axes_given(tmp
     """--layout auto on 4 processes with a cached calibration: the job's layout is the first row of
     launch/plan.py --search with the same profile, and with --pp 2 given, the first row with pp 2;
     an axis no layout can keep (--tp 3) is one line."""
-    from launch.runtime.calibrate import cache_path, device_name
+    from launch.autotune.calibrate import cache_path, device_name
+    from launch.config.cli import parse_training_args
     from launch.errors import ConfigError
-    from launch.runtime.cli import parse_training_args
-    from launch.runtime.startup import prepare_training_job
+    from launch.trainer.startup import prepare_training_job
     monkeypatch.setenv("GPT3D_CALIBRATION", str(tmp_path))  # the test's own calibrations; the data cache stays
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -215,10 +215,10 @@ def test_auto_sweep_trains_the_fastest_measured_of_the_top_predicted(tmp_path, m
     fastest measured trial, not the planner's first, and records what it measured."""
     import re
 
-    from launch.runtime.calibrate import cache_path, device_name
-    from launch.runtime.cli import parse_training_args
-    from launch.runtime.distributed import free_port
-    from launch.runtime.startup import prepare_training_job
+    from launch.autotune.calibrate import cache_path, device_name
+    from launch.config.cli import parse_training_args
+    from launch.engine.distributed import free_port
+    from launch.trainer.startup import prepare_training_job
     monkeypatch.setenv("GPT3D_CALIBRATION", str(tmp_path))
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                         ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):

@@ -1,4 +1,4 @@
-"""The planner's context parallelism (issue 25) against independent counts: the activation bytes
+"""The planner's context parallelism against independent counts: the activation bytes
 at cp against what autograd saves for a block run on a seq/cp shard (plus what Ulysses' exchange
 changes, computed here from its shapes), the all-to-all elements against the head-by-head shapes
 of the exchange's interface, the CP and DP groups against DeepSpeed's topology coordinates, the
@@ -29,7 +29,7 @@ CONFIGS = {"gpt2": GPTConfig(arch="gpt2", n_layer=1, n_head=4, n_embd=32, seq_le
 
 
 def _saved_block_bytes(config: GPTConfig) -> int:
-    from bench.activation_memory import saved_activation_bytes
+    from bench.memory.activation_memory import saved_activation_bytes
     from model.transformer.block import Block
     block = Block(config, 0, None).train()
     x = torch.randn(B, config.seq_len, config.n_embd, requires_grad=True)
@@ -83,7 +83,7 @@ def test_all_to_all_elements_are_the_exchanges_shapes(a, kv, tp, cp):
         assert queries == b * (a // tp) * (s // cp) * d
         assert keys == values == sum(b * _kv_heads_needed(config, tp, cp, tp_rank, c) * (s // cp) * d
                                      for c in range(cp))
-    if kv == a:  # the issue's count: 4 all-to-alls of b*s*h/(tp*cp) per block per micro-batch
+    if kv == a:  # Ulysses' count (Jacobs et al. 2023): 4 all-to-alls of b*s*h/(tp*cp) per block per micro-batch
         assert queries + keys + values + queries == 4 * b * s * config.n_embd // (tp * cp)
     m, blocks = 5, 3
     volumes = cp_comm_per_rank_per_step(config, tp, cp, b, m, blocks, element_bytes=2)
@@ -202,11 +202,11 @@ def test_long_context_recipe_states_the_planners_memory(capsys):
 
 @pytest.mark.slow
 def test_real_context_parallel_blocks_save_what_the_planner_counts():
-    """bench/context_memory.py: GPT-2 (with and without selective recompute) and a GQA Llama block
+    """bench/memory/context_memory.py: GPT-2 (with and without selective recompute) and a GQA Llama block
     on cp = 4 gloo processes, each rank's real Ulysses block on its s/cp tokens, save exactly the
     bytes the planner's formula counts, on every rank (cp = 2 is the bench's too; one size of 4
     ranks tells s/cp from any other share, at half the test's time)."""
-    from bench.context_memory import configs, measure
+    from bench.memory.context_memory import configs, measure
     seq_len, batch = 64, 2
     for cp in (4,):
         for name, per_rank in measure(cp, seq_len, batch).items():

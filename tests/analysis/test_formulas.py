@@ -44,7 +44,7 @@ def test_zero_1_is_4_plus_12_over_d_bytes_per_param():
 
 
 def test_128_gpu_example():
-    """72 layers, hidden 10240, tp=4, pp=4, micro 8, global 256 on 128 GPUs (issue 5): dp = 8 and
+    """72 layers, hidden 10240, tp=4, pp=4, micro 8, global 256 on 128 GPUs: dp = 8 and
     m = 4 micro-batches per pipeline (the planner derives them: tests/analysis/test_plan.py, 128_gpu_example)."""
     pp, m = 4, 4
     gpt2 = ModelConfig(n_layer=72).resolved()

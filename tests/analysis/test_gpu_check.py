@@ -1,6 +1,6 @@
-"""bench/gpu_check.py: its bad input, the corpus its document-mask check rests on, and (slow) that a
+"""bench/gpu/gpu_check.py: its bad input, the corpus its document-mask check rests on, and (slow) that a
 check which fails, or runs past its budget, is one row while the table and the JSON keep every
-check (issue 33, item 7), on one CPU device: the case an H200 takes.
+check, on one CPU device: the case an H200 takes.
 
 The document-mask check compares data.document_mask against the causal path on one document: the
 two are the same attention only if no window's input holds an EOS (each EOS starts a document).
@@ -13,13 +13,13 @@ import sys
 import numpy as np
 import pytest
 
-from bench import gpu_check, gpu_check_rows, gpu_check_runs
+from bench.gpu import gpu_check, gpu_check_rows, gpu_check_runs
 from data.builtin import load_tokenizer
 from data.windows import prepare_streams, windows
 from launch.config.recipe import load_recipe
 from helpers.launcher import REPO
 
-GPU_CHECK = REPO / "bench" / "gpu_check.py"
+GPU_CHECK = REPO / "bench" / "gpu" / "gpu_check.py"
 
 
 @pytest.mark.parametrize("flags, named", [(["--checks", "parity,mfu"], "--checks mfu"),
@@ -83,7 +83,7 @@ def test_a_failing_check_is_one_row_and_the_table_and_json_keep_every_check(tmp_
     GPU run would): that check is one ERROR row with train.py's one-line cause, and its log keeps
     the traceback; the zb-h1 and fusion checks after it still run (zb-h1 skipped, with the reason),
     and every row is printed as the JSON holds it; exit 1. (The throughput and document-mask rows
-    train for tens of seconds each on CPU: they are left to `python bench/gpu_check.py --cpu
+    train for tens of seconds each on CPU: they are left to `python bench/gpu/gpu_check.py --cpu
     --devices 1`; what the document-mask row compares, flex against causal attention on one
     document, is tests/model/test_document_mask.py's subject.)"""
     checks = ["parity", "zb-h1", "grad-accum-fusion"]

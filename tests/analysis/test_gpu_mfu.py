@@ -1,4 +1,4 @@
-"""The GPT-2 recipes and bench/gpu_mfu.py.
+"""The GPT-2 recipes and bench/gpu/gpu_mfu.py.
 
 The recipes: they parse, their parameter counts are the published ones, they are valid at a
 cluster layout and offline with the embedded tokenizer, and the benchmark's step sizes fit one
@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from helpers import step_clock
-from bench import gpu_mfu
+from bench.gpu import gpu_mfu
 from data.builtin import BUILTIN_VOCAB_SIZE
 from helpers.flop_count import counted_flops
 from launch import plan
 from launch.analysis import formulas
 from launch.config.layout import check_and_derive_layout
 from launch.config.recipe import load_recipe
-from launch.runtime.run_inputs import check_vocab
+from launch.feed.run_inputs import check_vocab
 from model.config import GPTConfig, padded_vocab_size
 from model.gpt.model import GPT
 
@@ -94,7 +94,7 @@ def test_gpu_mfu_tiny_on_cpu_reports_the_built_models_flops(tmp_path):
     (tests/helpers/step_clock.py)."""
     steps, warmup = 2, 1
     peak_tflops = 1e-3  # an explicit peak makes MFU a number on CPU too
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_mfu.py"), "--tiny", "--recipes", "gpt2-124m",
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "gpu_mfu.py"), "--tiny", "--recipes", "gpt2-124m",
                            "--steps", str(steps), "--warmup", str(warmup), "--json"], cwd=REPO, capture_output=True,
                           text=True, timeout=900,
                           env=dict(os.environ, GPT3D_PEAK_TFLOPS=str(peak_tflops), **step_clock.env(tmp_path)))

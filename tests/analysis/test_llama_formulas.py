@@ -89,7 +89,7 @@ def test_general_formulas_are_gpt2_closed_forms_for_gpt2(l, h, a, V, s):
 # ------------------------------------------------------------------ activation memory
 
 def _saved_block_bytes(config: GPTConfig, batch: int, dtype: torch.dtype = torch.float32) -> int:
-    from bench.activation_memory import saved_activation_bytes
+    from bench.memory.activation_memory import saved_activation_bytes
     from model.transformer.block import Block
     block = Block(config, 0, None).train().to(dtype)
     x = torch.randn(batch, config.seq_len, config.n_embd, requires_grad=True, dtype=dtype)
@@ -151,7 +151,7 @@ OFFLINE = ["data.name=builtin", "data.config=null", "data.tokenizer=builtin", "d
 @pytest.mark.parametrize("name,tp", [("tinyllama-1.1b", 4), ("llama3.2-1b", 8), ("llama2-7b", 8)])
 def test_gpu_recipes_name_their_tokenizer_and_run_offline(name, tp):
     from data.builtin import BUILTIN_VOCAB_SIZE
-    from launch.runtime.run_inputs import check_vocab
+    from launch.feed.run_inputs import check_vocab
     path = REPO / "recipes" / f"{name}.yaml"
     recipe = load_recipe(path, [])
     assert recipe.data.tokenizer != "builtin" and recipe.model.arch == "llama"

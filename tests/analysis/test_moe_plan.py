@@ -1,4 +1,4 @@
-"""The planner's mixture of experts (issue 26) against independent counts: the published parameter
+"""The planner's mixture of experts against independent counts: the published parameter
 counts of Mixtral-8x7B, Qwen3-30B-A3B and OLMoE-1B-7B from their recipes, total and active counts
 against per-family hand formulas and against the parameters of built models, the FLOPs against a
 hand count of the active weights, an MoE block's activations against what autograd saves, the
@@ -129,7 +129,7 @@ def test_moe_block_activations_are_what_autograd_saves(moe, dtype):
     """One MoE block at tp = ep = 1 (fused attention: dropout 0): the planner's count of its saved
     tensors (the routed rows, the experts' SwiGLU, indices, the router's fp32 tensors, the shared
     experts) equals the bytes autograd saves, to the byte."""
-    from bench.activation_memory import saved_activation_bytes
+    from bench.memory.activation_memory import saved_activation_bytes
     from model.transformer.block import Block
     config = GPTConfig(arch="mixtral", n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=50, dropout=0.0,
                        moe=dict(dict(aux_loss_coef=0.01), **moe))

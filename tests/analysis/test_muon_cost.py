@@ -1,7 +1,7 @@
-"""Muon in the planner (launch/analysis/muon_cost.py, issue 38), in process: the logical matrices it
-counts are those the optimizer finds in the built model (launch/runtime/muon_matrices.py) for GPT-2,
+"""Muon in the planner (launch/analysis/muon_cost.py), in process: the logical matrices it
+counts are those the optimizer finds in the built model (launch/optim/muon_matrices.py) for GPT-2,
 Llama (grouped-query attention) and an MoE recipe, and its Newton-Schulz FLOPs are what torch's
-FLOP counter counts in launch/runtime/newton_schulz.py."""
+FLOP counter counts in launch/optim/newton_schulz.py."""
 from collections import Counter
 
 import pytest
@@ -11,8 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from helpers.launcher import LLAMA_TINY, MOE_TINY, TINY
 from launch.analysis.muon_cost import FP32, dense_matrices, expert_matrices, muon_stage_cost, newton_schulz_flops
 from launch.config.recipe import load_recipe
-from launch.runtime.muon_matrices import matrix_layout, muon_matrices
-from launch.runtime.newton_schulz import orthogonalise
+from launch.optim.muon_matrices import matrix_layout, muon_matrices
+from launch.optim.newton_schulz import orthogonalise
 from model.gpt.model import GPT
 
 

@@ -120,7 +120,7 @@ def test_planner_balanced_beats_blocks_on_the_demo(capsys, compute_only):
     assert balanced["step_time_s"] < blocks["step_time_s"]
     assert balanced["bubble_fraction"] < blocks["bubble_fraction"]
     assert balanced["bubble_fraction_equal_stages"] == pytest.approx(1 / 9)
-    assert abs(balanced["bubble_fraction"] - 1 / 9) < 0.05  # the issue's target, as predicted
+    assert abs(balanced["bubble_fraction"] - 1 / 9) < 0.05  # near the equal stages' bubble, as predicted
     assert _plan(capsys, compute_only, "--partition", "1,3")["blocks_per_stage"] == [1, 3]
 
 

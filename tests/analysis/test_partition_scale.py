@@ -1,7 +1,7 @@
 """launch/analysis/partition.py at scale: the balanced cut (bisection over the largest stage's cost)
-gives exactly the cuts of the dynamic program it replaced (copied below as the reference), the
+gives exactly the cuts of the O(l^2 pp) dynamic program (written out below as the reference), the
 blocks rule exactly DeepSpeed's partition_balanced over weights 1 per block (its "type:Block"), and
-100,000 layers partition in well under a second where the table took minutes."""
+100,000 layers partition in well under a second where that table takes minutes."""
 import random
 import signal
 import time
@@ -17,7 +17,7 @@ LLAMA = dict(arch="llama", n_head=4, n_kv_head=2, n_embd=64, seq_len=32)  # embe
 
 
 def reference_balanced_parts(kinds, costs, pp):
-    """The O(l^2 pp) dynamic program partition.py used before, verbatim but for its cache: best[k][j] is
+    """The O(l^2 pp) dynamic program, without a cache, the reference for partition.py: best[k][j] is
     the least largest cost of the first j blocks on k stages; from the last stage, the most blocks."""
     first, n = kinds.index("block"), kinds.count("block")
     prefix = [0]

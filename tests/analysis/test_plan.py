@@ -91,7 +91,7 @@ BAD = [  # (argv, words the message must contain)
     (["--gpus", "8", "--zero", "0", "--search"], ["--zero 0 with bf16", "--zero 1", "--precision fp32"]),
     (["--gpus", "8", "--precision", "fp8"], ["--precision", "invalid choice"]),
     (["--gpus", "8", "--recipe", "recipes/nope.yaml"], ["recipes/nope.yaml", "not found"]),
-    # Expert parallelism (issue 26): ep against the data axis and the experts, and a dense model.
+    # Expert parallelism: ep against the data axis and the experts, and a dense model.
     (["--recipe", "recipes/mixtral-8x7b.yaml", "--gpus", "8", "--ep", "3"], ["--ep 3", "does not divide", "8"]),
     (["--recipe", "recipes/mixtral-8x7b.yaml", "--gpus", "32", "--ep", "16"], ["num_experts=8", "--ep 16"]),
     (["--recipe", "recipes/mixtral-8x7b.yaml", "--gpus", "8", "--ep", "0"], ["--ep 0", ">= 1"]),

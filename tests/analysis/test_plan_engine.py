@@ -1,5 +1,5 @@
-"""The planner's model states are what DeepSpeed's engine allocates (issue 24): on each rank, the
-real engine of the training run (launch/runtime/engine.py, AdamW, after one step so that Adam's
+"""The planner's model states are what DeepSpeed's engine allocates: on each rank, the
+real engine of the training run (launch/engine/engine.py, AdamW, after one step so that Adam's
 lazily built state exists) is stopped at the end of the next step's backward, the peak of the
 model states, and the distinct storages of every tensor it holds are summed: the module's
 parameters, their .grad, the optimizer's state and master weights and DeepSpeed's own buffers
@@ -86,14 +86,14 @@ def _engine_holds_the_planned_bytes():
     from launch.analysis.stage_memory import stage_groups
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
+    from launch.engine.engine import build_engine
     from launch.instruments.comm_counter import CommCounter
-    from launch.runtime.engine import build_engine
     from model.parallel.state import init_parallel_state
 
     gpu = GPUS["H100"]
     for recipe_path, overrides, tp, pp in LAYOUTS:
         recipe = load_recipe(recipe_path, overrides + FEW_MICRO_BATCHES)
-        # The training run's layout and stage boundaries (launch/runtime/startup.py).
+        # The training run's layout and stage boundaries (launch/trainer/startup.py).
         layout = with_stage_boundaries(check_and_derive_layout(recipe, dist.get_world_size(), tp, pp, True), recipe,
                                        VOCAB)
         config = recipe.gpt_config(VOCAB)
@@ -132,7 +132,7 @@ def _engine_holds_the_planned_bytes():
         groups = stage_groups(config, tp, pp, state.pp_rank, list(engine.module.parts))
         reduced = sum(nbytes for (purpose, _, _), (_, _, nbytes) in counter.counts["step 1"].items()
                       if purpose == "dp-grads")
-        # The stage built: ZeRO-0 for fp32 at dp 1 (issue 39), which skips the reduction there.
+        # The stage built: ZeRO-0 for fp32 at dp 1, which skips the reduction there.
         predicted = engine_memory.dp_allreduce_bytes(train.precision, engine.zero_optimization_stage(), layout.dp, *groups)
         assert reduced == predicted, f"{where}: DP all-reduce moved {reduced} bytes, planned {predicted}"
         assert plan["comm_bytes_per_step"]["dp"] == (predicted if layout.dp > 1 else 0)

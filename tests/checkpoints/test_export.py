@@ -24,7 +24,7 @@ from launch import evaluate, export_hf, train
 from launch.checkpoints import hf_export
 from launch.config.layout import check_and_derive_layout
 from launch.config.recipe import load_recipe
-from launch.runtime.run_inputs import load_run_data
+from launch.feed.run_inputs import load_run_data
 from helpers.launcher import REPO, TINY, launch_forked, read_metrics
 from helpers.multiple_choice_task import TASK, write_task
 from model.config import GPTConfig

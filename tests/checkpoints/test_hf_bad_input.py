@@ -229,7 +229,8 @@ def test_a_malformed_index_is_one_line(case, llama_dir, tmp_path):
 
 
 def test_a_damaged_shard_or_one_without_its_tensors_is_one_line(llama_dir, tmp_path):
-    """Before, an index's shards were opened only after the process group started."""
+    """A damaged shard, or one without a tensor its index places there, is one line before the process
+    group starts."""
     path, weight_map = _sharded(llama_dir, tmp_path)
     (path / "model-00002-of-00002.safetensors").write_bytes(b"xx")
     with pytest.raises(ConfigError) as error:
@@ -247,7 +248,8 @@ def test_a_damaged_shard_or_one_without_its_tensors_is_one_line(llama_dir, tmp_p
 
 
 def test_a_missing_tensor_is_one_line_before_the_start(llama_dir, tmp_path):
-    """Before, the first rank to plan its shard raised KeyError, after the process group started."""
+    """A tensor missing from the file is one line before the process group starts, not a KeyError on
+    the first rank to plan its shard."""
     path = _copy(llama_dir, tmp_path)
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.1.mlp.down_proj.weight"]

@@ -2,7 +2,7 @@
 launch/checkpoints/hf_safetensors.py): on every TP rank at tp 1, 2 and 4, for GPT-2 (tied head,
 Conv1D weights, fused QKV), Llama with a tied and an untied head (grouped-query heads shared by
 two ranks at tp 4), from one file and from a sharded directory with its index, every parameter
-equals the split of the whole model that transformers loads (the path before issue 24), bit for
+equals the split of the whole model that transformers loads, bit for
 bit, vocabulary padding included. A source without safetensors, or with an index naming a file
 outside the model directory, is refused in one line."""
 import dataclasses
@@ -83,7 +83,7 @@ def test_a_source_without_safetensors_is_refused_in_one_line(tmp_path):
                          ids=["parent", "absolute", "through-a-subdirectory"])
 def test_an_index_naming_a_file_outside_the_model_directory_is_refused(entry, tmp_path, monkeypatch):
     """A weight_map entry that leads out of the model directory is refused in one line naming it,
-    though the file it names is a valid shard (before, it was read from there). A shard in a
+    though the file it names is a valid shard, which is never read. A shard in a
     subdirectory of the model directory is read as before."""
     config = CASES["gpt2"]
     model, elsewhere = tmp_path / "model", tmp_path / "elsewhere"

@@ -216,7 +216,7 @@ def test_gpt2_weights_need_the_gpt2_switches(tmp_path):
         assert "\n" not in str(error.value)
 
 
-# ------------------------------------------------------------------ the tokenizer's convention (issue 24)
+# ------------------------------------------------------------------ the tokenizer's convention
 
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3, "Pack my box with five dozen liquor jugs.", ""]
 

@@ -1,4 +1,4 @@
-"""Checkpoints of mixture-of-experts runs (issue 26; docs/checkpoints.md, "Mixture of experts").
+"""Checkpoints of mixture-of-experts runs (docs/checkpoints.md, "Mixture of experts").
 
 Every expert is saved once per TP rank, by the first EP group, into `experts/` files named by the
 global expert ids they hold (launch/checkpoints/expert_files.py); the layer files hold the rest. In
@@ -33,7 +33,7 @@ def _moe_engine(tp: int, ep: int, zero_stage: int = 1):
 
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
-    from launch.runtime.engine import build_engine
+    from launch.engine.engine import build_engine
     from model.parallel.state import init_parallel_state
     recipe = load_recipe(MOE_TINY, [f"train.ep={ep}", f"train.zero_stage={zero_stage}"])
     layout = check_and_derive_layout(recipe, dist.get_world_size(), tp, 1, True)
@@ -45,7 +45,7 @@ def _moe_engine(tp: int, ep: int, zero_stage: int = 1):
 
 def _train_step(engine, layout, state, config, step: int) -> float:
     """One optimizer step on random tokens of (step, dp rank): the TP ranks of a replica see the same."""
-    from launch.runtime.experts import set_router_loss_scale
+    from launch.engine.experts import set_router_loss_scale
     generator = torch.Generator().manual_seed(1000 * step + state.dp_rank)
     tokens = torch.randint(0, VOCAB, (layout.grad_accum_steps, layout.micro_batch_size, config.seq_len + 1),
                            generator=generator)
@@ -73,7 +73,7 @@ def _save_and_resume_body(root: Path, zero_stage: int):
 
     from launch.checkpoints import expert_files, store
     from launch.checkpoints.locate import find_checkpoint
-    from launch.runtime.run_inputs import resolved_recipe_dict
+    from launch.feed.run_inputs import resolved_recipe_dict
     recipe, layout, state, config, engine = _moe_engine(1, 2, zero_stage)
     _train_step(engine, layout, state, config, 1)
     store.save(engine, root, 1, 16, resolved_recipe_dict(recipe, VOCAB), vars(layout), 0,
@@ -213,7 +213,7 @@ def test_resume_at_another_tp_dp_and_ep_matches(ep2_run, tmp_path):
 @pytest.mark.slow
 def test_evaluate_an_ep2_checkpoint_at_ep1(ep2_run, tmp_path):
     """launch/evaluate.py on the (1,1,2,ep2) run's last checkpoint in one process: its validation
-    loss; and the task the run scored after that step at ep 2 (issue 37: the gold choices' mean
+    loss; and the task the run scored after that step at ep 2 (the gold choices' mean
     log-likelihood within 1e-5, the same acc and acc_norm) scored again at ep 1."""
     out, scores = tmp_path / "eval.json", tmp_path / "tasks.jsonl"
     proc = launch_forked(1, ["--load", ep2_run["dir"] / "ck", "--batches", "1", "--set", "train.ep=1",

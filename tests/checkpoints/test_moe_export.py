@@ -419,7 +419,7 @@ def test_an_evaluation_takes_the_model_from_config_json(tmp_path):
     (model.moe as a mapping): the recipe's model is the source's; a --set that contradicts it is refused."""
     import argparse
 
-    from launch.runtime.evaluation import evaluation_recipe
+    from launch.evaluation.evaluation import evaluation_recipe
     config = CASES["qwen3_moe"]
     source = _saved_hf(config, tmp_path, fused=False)
     args = argparse.Namespace(load=None, init_from_hf=source, recipe=None, overrides=[], cp=None)

@@ -28,10 +28,10 @@ def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
 
 
 def test_a_change_of_zero_stage_re_shards_except_fp16_and_experts_at_zero_0(tmp_path):
-    """Issue 39: fp32 on one data rank builds ZeRO-0 (launch/analysis/engine_memory.py:
+    """fp32 on one data rank builds ZeRO-0 (launch/analysis/engine_memory.py:
     built_zero_stage), so a checkpoint re-shards between ZeRO-0 and ZeRO-1, at another layout or at
-    the same one (a dp 1 checkpoint saved by ZeRO-1 before the change). fp16's ZeRO-0 state and a
-    mixture of experts' at ZeRO-0 do not re-shard: one line naming both stages and how to resume."""
+    the same one (a dp 1 checkpoint saved by ZeRO-1, as a recipe's deepspeed section can force).
+    fp16's ZeRO-0 state and a mixture of experts' at ZeRO-0 do not re-shard: one line naming both stages and how to resume."""
     from launch.checkpoints.locate import ENGINE_ZERO_STAGE, CheckpointRef, check_compatible
     from launch.config.recipe import Recipe
     from launch.errors import ConfigError

@@ -1,4 +1,4 @@
-"""A source's identity (issue 34, items 5 and 7), on a directory of data files read the way
+"""A source's identity, on a directory of data files read the way
 `datasets` reads a hub repository: `data.data_files` selects its files; a resume whose revision or
 files differ from the checkpoint's is refused naming the change; hub options given to a URL or a
 file, which name their data themselves, are refused instead of ignored."""

@@ -1,11 +1,11 @@
-"""A 1,024-rank job dealt in one process, without torch.distributed (issue 34, "Proof").
+"""A 1,024-rank job dealt in one process, without torch.distributed.
 
 Every rank's coordinates come from DeepSpeed's own topology, the reading rank of each replica
-from launch/runtime/replica_reader.py, its slots of the batch and its streams from
+from launch/feed/replica_reader.py, its slots of the batch and its streams from
 data/streaming.py, and each stream's units from the epoch's permutation: the code a real rank
 runs, for 1,024 of them. Checked at dp = 1, 8, 64, 1,024 (as many as the recipe's batch allows)
 with the GPU recipes' streams:
-- every unit of an epoch is read by exactly one rank of the job (the old 16 streams fail this);
+- every unit of an epoch is read by exactly one rank of the job (a fixed 16 streams fails this);
 - a rank reading a real corpus holds within docs/data.md's memory bound per rank.
 """
 import tracemalloc
@@ -23,7 +23,7 @@ from data.streaming import (StreamingBatches, default_streams, rank_slots, strea
 from data.tokens import document_tokens
 from helpers.stream_corpus import write_corpus
 from launch.config.recipe import load_recipe
-from launch.runtime.replica_reader import replica_readers
+from launch.feed.replica_reader import replica_readers
 from model.parallel.state import build_topology
 
 WORLD = 1024

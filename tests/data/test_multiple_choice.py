@@ -1,4 +1,4 @@
-"""Tasks named without a path (issue 37; data/multiple_choice.py: HUB_TASKS) are read by `datasets`
+"""Tasks named without a path (data/multiple_choice.py: HUB_TASKS) are read by `datasets`
 from the hub: here from local copies laid out as the hub lays them (parquet files per split, a
 config per folder declared in the dataset card), through the same `load_dataset` call. The rows in
 the hub's types (HellaSwag's label a string, ARC's choices a struct) give the examples a local

@@ -1,5 +1,5 @@
 """What a rank is reading while its data stalls (data/reading.py), against storage that really
-stalls: the test server (bench/range_server.py) holds every data request, so the read-ahead
+stalls: the test server (tests/helpers/range_server.py) holds every data request, so the read-ahead
 worker (or the trainer's own thread) waits inside a real range request, and `reading_now` must
 name the source, the file's URL and the unit it waits on, then nothing once the reads end."""
 import re

@@ -1,5 +1,5 @@
-"""Streaming data by units (issue 22), on local parquet, JSON Lines and text files and on the same
-files over HTTP (bench/range_server.py, which counts the bytes it sends): units read every
+"""Streaming data by units, on local parquet, JSON Lines and text files and on the same
+files over HTTP (tests/helpers/range_server.py, which counts the bytes it sends): units read every
 document once; held-out units never train and do not move with shuffling, epochs, streams or
 the files' location; the samples of a step do not depend on dp; a resume from a position is
 exact; reading ahead changes nothing; bad data fails before training in one line."""
@@ -251,7 +251,7 @@ def test_streaming_run_over_http_resumes_exactly_and_matches_one_process(corpus,
                                # Context parallelism: the CP ranks of a replica read the same samples
                                # (each its sequence shard), TP rank 0 of each reading for its TP peer.
                                ("tp2-cp2", 4, ["--tp", "2", "--cp", "2"]),
-                               # One reader per replica (issue 34 item 2): the last stage and the CP
+                               # One reader per replica: the last stage and the CP
                                # peers receive the micro-batches from the first stage's reader.
                                ("pp2-cp2", 4, ["--pp", "2", "--cp", "2"]),
                                ("resumed", 2, ["--load", str(tmp_path / "ck" / "step00000003")])):
@@ -264,8 +264,8 @@ def test_streaming_run_over_http_resumes_exactly_and_matches_one_process(corpus,
     assert [r["step"] for r in dp2] == [1, 2, 3, 4, 5] and [r["step"] for r in resumed] == [4, 5]
     assert all(0 <= r["data_wait_s"] < r["step_time_s"] for r in dp2)  # a part of the step, measured
     # One replica's 5 steps are read once whatever its layout (after the first run, dp2, the
-    # validation windows and stream checks come from the data cache): before item 2, cp 2 read 2x
-    # and pp 2 x cp 2 4x what one process reads.
+    # validation windows and stream checks come from the data cache): a reader per rank would read
+    # 2x at cp 2 and 4x at pp 2 x cp 2 what one process reads.
     for name in ("tp2-cp2", "pp2-cp2"):
         assert fetched[name] <= 1.1 * fetched["one"], (name, fetched)
     for other in (dp2, runs["tp2-cp2"], runs["pp2-cp2"]):
@@ -290,7 +290,7 @@ def test_streaming_run_over_http_resumes_exactly_and_matches_one_process(corpus,
 
 
 def _resume_with_other_data_is_refused(corpus, common, tmp_path, monkeypatch, capsys):
-    """Issue 34 items 5 and 7: the step-3 checkpoint's data fingerprint against a resume whose data
+    """The step-3 checkpoint's data fingerprint against a resume whose data
     deals other samples: a shuffle block of 16, a file added to the glob; a revision for a URL.
     Each is one line, exit 2, naming the change, before any process starts (launch/train.py's main
     in this process).

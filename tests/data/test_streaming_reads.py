@@ -1,4 +1,4 @@
-"""What a streaming job fetches (issue 22), counted by the test server (bench/range_server.py) and
+"""What a streaming job fetches, counted by the test server (tests/helpers/range_server.py) and
 checked against the files' own layout read by pyarrow: every unit is fetched once per epoch by
 one rank, and nothing but the text column's chunks and the footers; a resume fetches the same
 bytes at step 3 as at step 30; validation fetches about what its windows hold; start-up fetches
@@ -18,7 +18,7 @@ from helpers.stream_steps import windows_per_step
 N_DOCS, N_FILES, GROUP_ROWS = 8000, 10, 16  # 500 row groups of 16 documents
 SEQ_LEN, B, MICRO = 63, 32, 4
 STEPS = 50  # about a third of an epoch of the parquet files
-READ_BOUND = 1.1  # issue 34: fetched <= 1.1 x the consumed units' bytes + footers (issue 22 asked 1.15)
+READ_BOUND = 1.1  # fetched <= 1.1 x the consumed units' bytes + footers
 
 
 @pytest.fixture(scope="module")

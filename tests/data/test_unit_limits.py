@@ -1,7 +1,7 @@
-"""Bounded memory when streaming parquet (issue 34, item 4): a process keeps at most FOOTERS_KEPT
+"""Bounded memory when streaming parquet: a process keeps at most FOOTERS_KEPT
 footers however many files it reads, and still reads every row group's texts as pyarrow does;
 a row group too large to be one unit is refused in one line naming the file. The streams serve
-every dp (item 1)."""
+every dp."""
 import os
 
 import pyarrow.parquet as pq
@@ -59,8 +59,8 @@ def test_the_read_share_is_the_dealing_s():
 
 def _prepare_job(world: int, files: str, *settings: str):
     from helpers.launcher import TINY
-    from launch.runtime.cli import parse_training_args
-    from launch.runtime.startup import prepare_training_job
+    from launch.config.cli import parse_training_args
+    from launch.trainer.startup import prepare_training_job
     os.environ["WORLD_SIZE"] = str(world)
     return prepare_training_job(parse_training_args(
         ["--recipe", str(TINY), "--set", f"data.name={files}", "--set", "data.streaming=true",

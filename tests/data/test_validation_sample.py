@@ -1,4 +1,4 @@
-"""Streaming validation sampled across the held-out units (issue 34, item 6), not the first ones
+"""Streaming validation sampled across the held-out units, not the first ones
 in file order: the windows come from most of the files that hold held-out units, the same on
 every build and whatever the training seed; a unit short of its share is made up by the others,
 then by further units (data/prepare_source.py's validation_windows_across_units)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launch.runtime.distributed import launcher_command
+from launch.engine.distributed import launcher_command
 from helpers.launcher import REPO, TINY, launch_forked, read_metrics
 
 
@@ -136,8 +136,8 @@ def _freeze_one_rank(tmp_path, frozen: int):
     """A pp=3 job, its collectives allowed 600 s, with rank `frozen` SIGSTOPped after step 3:
     its silence stalls the others inside a collective as a frozen GPU peer does on NCCL. Every
     other rank must exit within train.heartbeat_timeout_s (8) + 15 s, and a sibling must SIGKILL
-    the frozen one, so that the `deepspeed` command itself ends within the timeout + 10 s (issue 35:
-    its launcher would otherwise wait 30 s for the frozen child). Returns the job's output and its
+    the frozen one, so that the `deepspeed` command itself ends within the timeout + 10 s (without
+    that its launcher waits 30 s for the frozen child). Returns the job's output and its
     metrics file; the checkpoint directory's `latest` is complete."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     job = _start(3, ["--pp", "3", "--steps", "1000", "--save", str(ck), "--save-every", "2",

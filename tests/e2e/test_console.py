@@ -1,8 +1,8 @@
-"""The console of a default run shows our lines, not the library noise launch/runtime/console.py names;
+"""The console of a default run shows our lines, not the library noise launch/engine/console.py names;
 `--verbose` shows it again (so the noise is real and the filter is what hides it)."""
 import pytest
 
-from launch.runtime.console import KNOWN_NOISE
+from launch.engine.console import KNOWN_NOISE
 from helpers.launcher import TINY, launch
 
 pytestmark = pytest.mark.slow  # multi-process training runs (the fast tier: tests/e2e/test_parity.py)

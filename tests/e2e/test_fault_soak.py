@@ -1,4 +1,4 @@
-"""A small fault soak (bench/fault_soak.py runs the larger one: N=8 steps, K=5 kills, freezes
+"""A small fault soak (bench/faults/fault_soak.py runs the larger one: N=8 steps, K=5 kills, freezes
 and SIGTERMs): the (1,2,1) parity run's command, saving every step, its rank 0 frozen (SIGSTOP:
 silent, as a hung GPU is on NCCL) after step 1, the job ended by the heartbeat, and resumed:
 every step's loss and gradient norm and the final checkpoint's weights and optimizer state
@@ -9,7 +9,7 @@ import pytest
 
 from helpers.parity_runs import STEPS
 
-from bench import fault_soak
+from bench.faults import fault_soak
 
 
 @pytest.mark.waits

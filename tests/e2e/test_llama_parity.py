@@ -28,7 +28,7 @@ RECOMPUTE = {(2, 2, 2): "full", (2, 2, 2, "sp"): "selective"}
 # (4,4,1) only there too: four stages are GPT-2's test, tp = 4 over 2 key/value heads is (4,1,1)'s.
 LAYOUTS = [layout[:3] + ("llama",) + layout[3:] + ("docmask",) + ((RECOMPUTE[layout],) if layout in RECOMPUTE else ())
            for layout in GPT2_LAYOUTS + GPT2_SP_LAYOUTS if layout not in ((1, 1, 2), (4, 4, 1))]
-# Context parallelism with the mask (issue 25): documents crossing the CP shards' boundaries, and
+# Context parallelism with the mask: documents crossing the CP shards' boundaries, and
 # (tp, cp, pp, dp) = (2,2,1,1) with SP, where tp x cp = 4 ranks share the 2 key/value heads.
 CP_LAYOUTS = [(1, 1, 1, "llama", "cp2", "docmask"), (2, 1, 1, "llama", "sp", "cp2", "docmask")]
 LAYOUTS += CP_LAYOUTS

@@ -1,4 +1,4 @@
-"""Layout parity for the mixture of experts (issue 26; docs/design.md contract 18): recipes/moe-tiny.yaml
+"""Layout parity for the mixture of experts (docs/design.md contract 18): recipes/moe-tiny.yaml
 (every block MoE: 8 experts, 2 per token, one shared expert, Qwen3's q/k norm; clipping active) gives
 the same losses, gradient norms, validation losses and router losses (load-balancing and z-loss),
 fp32, relative difference <= 1e-5 per step, at (tp, pp, dp, ep) = (1,1,2,2), (2,2,2,2), (1,2,4,4),
@@ -7,7 +7,7 @@ fp32, relative difference <= 1e-5 per step, at (tp, pp, dp, ep) = (1,1,2,2), (2,
 experts' weight gradients too, is 1F1B to the bit at (1,2,2,2). The runs are the session's parity
 runs (conftest.py: parity_runs, tags "moe" and "ep<N>").
 
-Issue 33: the other balancing options, model.moe.balance=bias (the routers' expert biases) and
+The other balancing options, model.moe.balance=bias (the routers' expert biases) and
 balance_scope=global_batch (f counted over the previous step's global batch), each the same at
 (tp, cp, pp, dp, ep) = (1,2,1,1,2) as at (1,1,1), with a resume of the bias run at that layout
 (the biases are read back from the checkpoint); and bf16 with the gradient-accumulation fusion at

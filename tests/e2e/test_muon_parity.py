@@ -1,4 +1,4 @@
-"""Muon at every layout (issue 38): the first 5 steps of recipes/tiny.yaml with train.optimizer=muon
+"""Muon at every layout: the first 5 steps of recipes/tiny.yaml with train.optimizer=muon
 (fp32, ZeRO-1: Muon inside DeepSpeed's ZeRO-1 optimizer, gradient clipping active) give the same
 loss, gradient norm and validation loss, relative difference <= 1e-5, as at (1,1,1): at (tp, pp, dp) =
 (2,2,2) and (4,1,2) with sequence parallelism (flat dp partitions sent to and from their owner
@@ -8,7 +8,7 @@ ranks, each owned matrix finished by one of the owner's TP peers from every peer
 at (2,1,2) with expert parallelism 2 (each expert's fused gate-up and down, TP-gathered, owned within
 the expert-data-parallel group) against its own (1,1,1) Muon run.
 In bf16 (DeepSpeed's BF16 optimizer holds the fp32 master partition Muon updates, its pieces cut
-otherwise than ZeRO-1's: launch/runtime/muon_partitions.py), (1,1,2) against the bf16 (1,1,1) Muon
+otherwise than ZeRO-1's: launch/optim/muon_partitions.py), (1,1,2) against the bf16 (1,1,1) Muon
 run, within the bf16 parity tolerances (tests/helpers/parity_runs.py: BF16_RTOL).
 The update against Moonlight's written out per matrix: tests/runtime/test_muon.py."""
 import pytest
@@ -18,8 +18,8 @@ from helpers.parity_runs import BF16_RTOL, REFERENCE, STEPS
 RTOL = 1e-5
 # (tp, pp, dp) and tags (tests/helpers/parity_runs.py); each against the (1,1,1) Muon run of its recipe.
 # (1,4,1): middle stages hold no embedding; DeepSpeed's ZeRO-1 norm needs as many param groups on every
-# stage (launch/runtime/engine.py: _muon_param_groups), else the step hangs.
-# (4,1,2) with SP: four TP peers share each owner's Newton-Schulz (launch/runtime/muon_tp_owners.py).
+# stage (launch/engine/engine.py: _muon_param_groups), else the step hangs.
+# (4,1,2) with SP: four TP peers share each owner's Newton-Schulz (launch/optim/muon_tp_owners.py).
 LAYOUTS = [(2, 2, 2, "sp", "muon"), (4, 1, 2, "sp", "muon"), (1, 4, 1, "muon"), (1, 1, 2, "cp2", "muon"),
            (2, 1, 2, "moe", "ep2", "muon")]
 

@@ -1,4 +1,4 @@
-"""Muon against an implementation that shares nothing with ours (issue 38): transformers' GPT-2,
+"""Muon against an implementation that shares nothing with ours: transformers' GPT-2,
 trained in this process with a plain Muon written from the papers (tests/helpers/plain_muon.py)
 for Q, K, V, the attention projection, c_fc and the MLP projection, each logical matrix on its own,
 and torch's own AdamW for the embeddings, norms and biases, from the same initial weights (ours,
@@ -20,7 +20,7 @@ from helpers.plain_muon import PlainMuon
 from launch import export_hf
 from launch.config.layout import check_and_derive_layout
 from launch.config.recipe import load_recipe
-from launch.runtime.run_inputs import load_run_data
+from launch.feed.run_inputs import load_run_data
 from model.gpt.model import GPT
 from model.hf.gpt2 import gpt2_config_kwargs, to_gpt2_state_dict
 

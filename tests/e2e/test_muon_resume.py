@@ -1,4 +1,4 @@
-"""Muon's checkpoints (issue 38): the shared (2,2,2) Muon parity run with sequence parallelism saves
+"""Muon's checkpoints: the shared (2,2,2) Muon parity run with sequence parallelism saves
 after step 3 (its momentum in DeepSpeed's ZeRO-1 partition files, next to AdamW's moments of the
 other parameters). Resumed there, steps 4-5 are the uninterrupted run's bits; resumed at (1,2,4),
 launch/checkpoints/reshard.py re-shards the momentum like Adam's moments (merged over TP, cut for
@@ -37,7 +37,7 @@ def test_muon_resumes(parity_runs, tmp_path, layout):
             [(m["loss"], m["grad_norm"], m.get("val_loss")) for m in run["metrics"][SAVE_AT:]]
         return
     assert "re-sharded from tp=2 pp=2 dp=2" in out
-    assert ("ZeRO-1 state re-sharded for ZeRO-0" in out) == (layout[2] == 1)  # one data rank: ZeRO-0 (issue 39)
+    assert ("ZeRO-1 state re-sharded for ZeRO-0" in out) == (layout[2] == 1)  # one data rank: ZeRO-0
     for x, y in zip(run["metrics"][SAVE_AT:], again):
         assert x["lr"] == y["lr"]
         for key in ("loss", "grad_norm", "val_loss"):
@@ -45,7 +45,7 @@ def test_muon_resumes(parity_runs, tmp_path, layout):
 
 
 def test_muon_zero0_checkpoint_resumes_at_zero1(parity_runs, tmp_path):
-    """The single process's Muon run built ZeRO-0 (issue 39): its momentum, by parameter name in the
+    """The single process's Muon run built ZeRO-0: its momentum, by parameter name in the
     model-states file (launch/checkpoints/zero0_state.py), re-sharded into (1,1,2)'s ZeRO-1
     partitions; steps 4-5 match the uninterrupted run within fp32 rounding."""
     run = parity_runs[(1, 1, 1, "muon")]

@@ -4,7 +4,7 @@ The first 5 optimizer steps of recipes/tiny.yaml (fp32, ZeRO-1, gradient clippin
 learning rate that moves the loss) give the same loss and gradient norm, relative difference
 <= 1e-5, at (tp, pp, dp) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,2) and (4,4,1), and with
 sequence parallelism (`model.sequence_parallel`) at (2,2,2) and (4,1,1), with context parallelism
-(--cp 2, issue 25) at (tp, cp, pp, dp) = (1,2,1,1), (2,2,1,1), (1,2,2,1), (1,2,1,2) and, with SP,
+(--cp 2) at (tp, cp, pp, dp) = (1,2,1,1), (2,2,1,1), (1,2,2,1), (1,2,1,2) and, with SP,
 (2,2,2,1); in bf16, (2,2,2) with
 sequence parallelism, (1,2,1) and (tp, cp, pp, dp) = (1,2,1,1) within BF16_RTOL of a bf16 (1,1,1). Each layout is launched
 once per session, when a test first asks for it (conftest.py: parity_runs, its ranks forked as

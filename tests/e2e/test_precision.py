@@ -2,7 +2,7 @@
 
 recipes/tiny.yaml in fp16 at (1,1,1) and (2,2,2), 5 steps (conftest.py: parity_runs with the
 "fp16" tag; DeepSpeed's CPU capability check lifted as conftest.py says). The loss scale starts
-at 2**16 (launch/runtime/ds_config.py) and, with the runs' loss_scale_window of 2, doubles in steps 3
+at 2**16 (launch/engine/ds_config.py) and, with the runs' loss_scale_window of 2, doubles in steps 3
 and 5: its changes show in the metrics, the same at both layouts, and the
 losses agree within fp16 rounding. The (2,2,2) checkpoint resumed at (1,2,1) (re-sharded)
 continues with the saved scale and its growth counter, and the same losses within FP16_RTOL.
@@ -18,7 +18,7 @@ FP16 = REFERENCE + ("fp16",), (2, 2, 2, "fp16")
 # gradient norms within 7.9e-4; fp16's unit roundoff is 2**-11 = 4.9e-4, so one rounding of a
 # gradient norm's terms already moves it that much. The resume compares against the same numbers.
 FP16_RTOL = {"loss": 1e-3, "val_loss": 1e-3, "grad_norm": 1e-2}
-INITIAL_SCALE, WINDOW = 2.0 ** 16, 2  # launch/runtime/ds_config.py; conftest.py: FP16_SETTINGS
+INITIAL_SCALE, WINDOW = 2.0 ** 16, 2  # launch/engine/ds_config.py; conftest.py: FP16_SETTINGS
 
 
 def _rel(a: float, b: float) -> float:

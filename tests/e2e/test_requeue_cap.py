@@ -1,4 +1,4 @@
-"""A requeue never loops (launch/runtime/restarts.py): one command line (`--save DIR --load DIR`)
+"""A requeue never loops (launch/resilience/restarts.py): one command line (`--save DIR --load DIR`)
 rerun after each failure, as a scheduler's requeue does, is refused once
 train.max_starts_without_progress (3) starts in a row began at the same checkpoint. The record's
 logic in process: tests/runtime/test_restarts.py."""
@@ -37,7 +37,7 @@ def test_a_requeue_that_fails_the_same_way_is_refused_after_three_starts(tmp_pat
     assert re.fullmatch(re.escape(
         f"error: --save {ck}: the last 3 starts all began at the checkpoint of step 2 and none saved a newer one "
         f"(train.max_starts_without_progress=3); the last failure: stopping: rank 1 failed: RuntimeError: fault "
-        f"injected by GPT3D_FAULT_INJECT=1:3 before step 3 (at launch/runtime/failure.py:LINE in "
+        f"injected by GPT3D_FAULT_INJECT=1:3 before step 3 (at launch/resilience/failure.py:LINE in "
         f"maybe_inject_fault). Another start would fail the same way: fix the cause, then remove "
         f"{ck / 'starts.jsonl'} or raise train.max_starts_without_progress (0: no cap)").replace("LINE", r"\d+"),
         lines[0]), lines[0]

@@ -63,7 +63,7 @@ def test_resume_at_another_layout_matches(parity_runs, tmp_path, saved, layout):
     metrics = tmp_path / "resumed.jsonl"
     out = _resume(parity_runs[saved]["dir"] / "ck" / f"step{SAVE_AT:08d}", layout, metrics)
     assert f"at step {SAVE_AT}" in out and "re-sharded from tp=2 pp=2 dp=2" in out
-    # One data rank builds ZeRO-0 (issue 39): ZeRO-1's partitions re-sharded into its parameters.
+    # One data rank builds ZeRO-0: ZeRO-1's partitions re-sharded into its parameters.
     assert ("ZeRO-1 state re-sharded for ZeRO-0" in out) == (layout[2] == 1), out[-2000:]
     again = read_metrics(metrics)
     assert [m["step"] for m in again] == list(range(SAVE_AT + 1, STEPS + 1))
@@ -75,7 +75,7 @@ def test_resume_at_another_layout_matches(parity_runs, tmp_path, saved, layout):
 
 
 def test_resume_at_another_cp(parity_runs, tmp_path):
-    """Context parallelism (issue 25): the weights do not depend on cp, only the ZeRO-1 partition
+    """Context parallelism: the weights do not depend on cp, only the ZeRO-1 partition
     over DeepSpeed's data axis (dp x cp ranks) does. Saved at (tp, cp, pp, dp) = (1,2,1,2): resumed
     there, bit for bit; at cp=1 (re-sharded over 2 data ranks instead of 4), and the single process's
     checkpoint at cp=2, within fp32 rounding of the uninterrupted runs (which match each other)."""
@@ -95,7 +95,7 @@ def test_resume_at_another_cp(parity_runs, tmp_path):
              parity_runs[REFERENCE]["metrics"])]:
         out, other = resume(name, ckpt, layout, cp)
         assert "re-sharded" in out, out[-2000:]
-        # The single process's checkpoint is ZeRO-0's (issue 39), read into cp=2's ZeRO-1 partitions.
+        # The single process's checkpoint is ZeRO-0's, read into cp=2's ZeRO-1 partitions.
         assert ("ZeRO-0 state re-sharded for ZeRO-1" in out) == (name == "cp2"), out[-2000:]
         assert [m["step"] for m in other] == [SAVE_AT + 1, STEPS]
         for got, want in zip(other, full[SAVE_AT:]):

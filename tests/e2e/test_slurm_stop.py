@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers.launcher import REPO, TINY, read_metrics
-from launch.runtime.distributed import free_port
+from launch.engine.distributed import free_port
 
 SCRIPT = REPO / "launch" / "slurm" / "train.sbatch"
 STUBS = REPO / "tests" / "helpers" / "slurm_stubs"

@@ -1,5 +1,5 @@
-"""ZeRO stage 0 in fp32: what a run on one data rank builds (issue 39: launch/analysis/engine_memory.py:
-built_zero_stage), with our gradient norm and clipping (launch/runtime/grad_norm.py).
+"""ZeRO stage 0 in fp32: what a run on one data rank builds (launch/analysis/engine_memory.py:
+built_zero_stage), with our gradient norm and clipping (launch/optim/grad_norm.py).
 
 DeepSpeed 0.19.8 gives no norm in that mode (`get_global_grad_norm()` is None) and its own
 clipping miscounts replicated parameters across pipeline stages; the parity runs at dp 1 (the
@@ -34,9 +34,9 @@ def test_one_data_rank_builds_zero0_and_matches_zero1(parity_runs):
 
 
 def test_a_zero1_checkpoint_at_dp1_resumes_at_zero0(parity_runs, tmp_path):
-    """Saved after step 3 by ZeRO-1 at (1,1,1) (the recipe's deepspeed section forces the stage, as
-    every fp32 dp 1 run was built before issue 39), resumed without it: the engine is ZeRO-0, the
-    state re-sharded into it, the RNG states kept, and steps 4-5 match the uninterrupted reference."""
+    """Saved after step 3 by ZeRO-1 at (1,1,1) (the recipe's deepspeed section forces the stage),
+    resumed without it: the engine is ZeRO-0, the state re-sharded into it, the RNG states kept,
+    and steps 4-5 match the uninterrupted reference."""
     ck = tmp_path / "ck"
     common = ["--recipe", str(TINY), "--steps", str(STEPS)]
     proc = launch_forked(1, common + ["--save", str(ck), "--save-every", str(SAVE_AT), "--set",

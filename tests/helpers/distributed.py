@@ -11,7 +11,7 @@ import sys
 import traceback
 
 from helpers.forked import run_forked
-from launch.runtime.distributed import free_port
+from launch.engine.distributed import free_port
 
 
 def run_body(rank: int, world_size: int, port: int, fn, args) -> None:
@@ -24,7 +24,7 @@ def run_body(rank: int, world_size: int, port: int, fn, args) -> None:
     torch.set_num_threads(1)
     try:
         if fn.__dict__.get("uses_deepspeed"):
-            from launch.runtime.distributed import init_distributed
+            from launch.engine.distributed import init_distributed
             init_distributed(600, dist_backend="gloo", verbose=False)
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -53,15 +53,15 @@ def uses_deepspeed(fn):
 
 
 def sgd_engine(config, state, micro_batch_size: int, micro_batches: int, full_recompute: bool = False):
-    """The training run's engine (launch/runtime/engine.py) for `config` (a GPTConfig) on this
+    """The training run's engine (launch/engine/engine.py) for `config` (a GPTConfig) on this
     process group, in fp32 with ZeRO-0, no clipping and plain SGD of lr 1 instead of AdamW: one
     step's update is minus the gradient averaged over `micro_batches` micro-batches and dp."""
     import torch
     import torch.distributed as dist
 
-    from launch.runtime.engine import build_engine
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import Recipe
+    from launch.engine.engine import build_engine
     from model.config import ModelConfig
 
     recipe = Recipe(model=ModelConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(ModelConfig)}))

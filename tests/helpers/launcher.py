@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from helpers.forked import run_forked
-from launch.runtime.distributed import free_port, launcher_command
+from launch.engine.distributed import free_port, launcher_command
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny.yaml"

@@ -1,8 +1,8 @@
-"""A small multiple-choice task for the evaluation tests (issue 37)."""
+"""A small multiple-choice task for the evaluation tests."""
 import json
 from pathlib import Path
 
-# A HellaSwag-schema task (issue 37): WikiHow's bracket artefacts, a context longer than the
+# A HellaSwag-schema task: WikiHow's bracket artefacts, a context longer than the
 # model's 32 positions (cut on the left), endings of different lengths (acc_norm differs from acc).
 TASK = [
     {"activity_label": "Cooking", "ctx_a": "A man takes a pan [title] off the stove.", "ctx_b": "he",

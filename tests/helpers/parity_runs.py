@@ -16,7 +16,7 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 4, 1)]
 # Sequence parallelism on: with pipeline stages (its chunks cross stage boundaries whole) and at
 # tp=4. The Llama family runs the same layouts (tests/e2e/test_llama_parity.py).
 SP_LAYOUTS = [(2, 2, 2, "sp"), (4, 1, 1, "sp")]
-# Context parallelism (issue 25), tag "cp<N>": as (tp, cp, pp, dp) = (1,2,1,1), (2,2,1,1), (1,2,2,1),
+# Context parallelism, tag "cp<N>": as (tp, cp, pp, dp) = (1,2,1,1), (2,2,1,1), (1,2,2,1),
 # (1,2,1,2) and (2,2,2,1) with SP; the Llama family adds the document mask (tests/e2e/test_llama_parity.py).
 CP_LAYOUTS = [(1, 1, 1, "cp2"), (2, 1, 1, "cp2"), (1, 2, 1, "cp2"), (1, 1, 2, "cp2"), (2, 2, 1, "sp", "cp2")]
 # The fast tier's only launches (docs/testing.md, The fast tier): (2,2,2) has every kind of
@@ -83,7 +83,7 @@ class ParityRuns:
     saves a checkpoint after step SAVE_AT. runs[layout] = {metrics, dir (checkpoints under
     dir/ck), stdout, stderr}. (1,1,2) also writes a wandb offline run. Tags after (tp, pp, dp): "sp"
     (sequence parallelism), a precision of PRECISIONS (fp32 without one), "llama" (recipes/llama-tiny.yaml
-    instead of recipes/tiny.yaml), "moe" (recipes/moe-tiny.yaml), "docmask" (data.document_mask), "cp<N>" (--cp N: N times the ranks), "ep<N>" (--ep N), "zb-h1" (train.schedule), "muon" (train.optimizer: Muon, issue 38), "bias" and "global" (BALANCE_TAGS), a mode of RECOMPUTE_MODES (train.recompute: the
+    instead of recipes/tiny.yaml), "moe" (recipes/moe-tiny.yaml), "docmask" (data.document_mask), "cp<N>" (--cp N: N times the ranks), "ep<N>" (--ep N), "zb-h1" (train.schedule), "muon" (train.optimizer: Muon), "bias" and "global" (BALANCE_TAGS), a mode of RECOMPUTE_MODES (train.recompute: the
     same losses, other code paths), "compile" (train.compile: each block compiled)."""
 
     def __init__(self, tmp_path_factory):

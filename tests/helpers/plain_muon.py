@@ -1,4 +1,4 @@
-"""Muon written from its papers, for tests to check launch/runtime/muon.py against (issue 38): Keller
+"""Muon written from its papers, for tests to check launch/optim/muon.py against: Keller
 Jordan's `zeropower_via_newtonschulz5` (github.com/KellerJordan/Muon) and Moonlight's Algorithm 1
 with Nesterov momentum (Liu et al. 2025, "Muon is Scalable for LLM Training", and their reference
 code), one whole logical matrix at a time, in fp32."""

@@ -41,10 +41,10 @@ import torch._dynamo  # noqa: F401,E402  (torch.optim imports it when the optimi
 import transformers  # noqa: F401,E402
 
 import data.run  # noqa: F401,E402
-import launch.runtime.engine  # noqa: F401,E402
-import launch.runtime.evaluation  # noqa: F401,E402
-import launch.runtime.loop  # noqa: F401,E402
-import launch.runtime.startup  # noqa: F401,E402
+import launch.engine.engine  # noqa: F401,E402
+import launch.evaluation.evaluation  # noqa: F401,E402
+import launch.trainer.loop  # noqa: F401,E402
+import launch.trainer.startup  # noqa: F401,E402
 from helpers.distributed import run_body  # noqa: E402  (tests/ is on PYTHONPATH: helpers/forked.py)
 
 STOP_GRACE_S = 5  # after one rank failed, the others get this long to exit on their own

@@ -1,5 +1,5 @@
-"""A clock a test advances by hand (launch/runtime/clock.py): a day of a run in a second."""
-from launch.runtime.clock import Clock
+"""A clock a test advances by hand (launch/resilience/clock.py): a day of a run in a second."""
+from launch.resilience.clock import Clock
 
 
 class SimulatedClock(Clock):

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data.builtin import builtin_corpus
-from bench.range_server import RangeServer
+from helpers.range_server import RangeServer
 
 ID = re.compile(r"w(\d+)x")
 

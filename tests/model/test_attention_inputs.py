@@ -1,7 +1,7 @@
 """RoPE's cos/sin tables and the document mask are built once per micro-batch per stage and shared by
-its blocks (model/transformer/attention_inputs.py, issue 24), counted with torch's profiler against the kernels
+its blocks (model/transformer/attention_inputs.py), counted with torch's profiler against the kernels
 of one build of the tables (`rope_cos_sin` run alone), not a hard-coded number: a 2-block Llama
-forward computes the cos and sin kernels of one build, where each block used to build its own. A
+forward computes the cos and sin kernels of one build, not one build per block. A
 micro-batch's entry dies with its segment tensor, so nothing outlives it. That DeepSpeed's full
 recompute, interleaved with the next micro-batch's forward by 1F1B, finds its micro-batch's entry
 instead of building it again is checked in tests/model/test_document_mask.py's pipeline test.

@@ -16,7 +16,7 @@ import stat
 import pytest
 
 from helpers.parity_runs import REFERENCE, STEPS
-from launch.runtime.compiler import blocks_to_compile, compile_unavailable, cpp_compiler_candidates
+from launch.engine.compiler import blocks_to_compile, compile_unavailable, cpp_compiler_candidates
 from helpers.launcher import TINY, launch_forked, read_metrics
 
 RTOL = 1e-5

@@ -1,4 +1,4 @@
-"""The CUDA-only branches we ship, run on CPU on the meta device (issue 33): torch's meta kernels
+"""The CUDA-only branches we ship, run on CPU on the meta device: torch's meta kernels
 check dtypes, shapes and strides as the CUDA kernels do, and `runs_cuda_kernels`
 (model/parallel/weight_grad.py) sends meta tensors down the CUDA branches. Each test runs a branch
 forward and backward, in fp32 and bf16, with gradient-accumulation fusion (an fp32 `main_grad`) on
@@ -11,8 +11,8 @@ outcome of the probe is forced in turn.
   expert in fp32 (meta's grouped GEMM takes bf16 only, as CUDA's own kernel; CUDA's fp32 fallback
   copies the offsets to the host), the weight gradient through each of `_GROUPED_MIXED_GEMMS`, and
   ZB-H1's deferred W pass. torch 2.13 refuses a grouped GEMM with fp32 output from bf16 operands
-  ("If output dtype provided, it must be torch.bfloat16."), which the fused bf16 MoE backward
-  called before issue 33;
+  ("If output dtype provided, it must be torch.bfloat16."), which a fused bf16 MoE backward
+  would call;
 - the router in fp32 and in the activations' dtype, route and both router losses;
 - the chunked vocab-parallel loss (no CUDA-only branch: its dtypes and shapes);
 - flex attention with our BlockMask, chosen on meta as on CUDA. flex_attention refuses the meta

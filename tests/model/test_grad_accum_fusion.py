@@ -1,4 +1,4 @@
-"""Gradient-accumulation fusion (`train.grad_accum_fusion`, launch/runtime/main_grad.py; issue 24):
+"""Gradient-accumulation fusion (`train.grad_accum_fusion`, launch/optim/main_grad.py):
 in bf16 the linears' weight-gradient GEMMs add into DeepSpeed's fp32 gradient buffer, so a
 micro-batch's backward and the engine's gradient handling after it make no element-wise pass over
 those weights. Counted with torch.profiler against the same engine with the fusion switched off
@@ -48,8 +48,8 @@ def _train(tp: int, pp: int, overrides: list, steps: int):
 
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
-    from launch.runtime.engine import build_engine
-    from launch.runtime.grad_norm import last_grad_norm
+    from launch.engine.engine import build_engine
+    from launch.optim.grad_norm import last_grad_norm
     from model.parallel.state import init_parallel_state
 
     dp = dist.get_world_size() // (tp * pp)

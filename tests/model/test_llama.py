@@ -22,7 +22,7 @@ from torch.nn import functional
 from helpers.distributed import run_distributed, sgd_engine, uses_deepspeed
 from launch.config.recipe import load_recipe
 from launch.errors import ConfigError
-from launch.runtime.run_inputs import resolved_recipe_dict
+from launch.feed.run_inputs import resolved_recipe_dict
 from model.config import GPTConfig, ModelConfig, llama_ffn_hidden_size
 from model.gpt.layer_table import pipeline_layers
 from model.gpt.model import GPT

@@ -1,8 +1,8 @@
-"""The Llama block in fewer kernels (issue 24 item 2), against transformers' LlamaDecoderLayer and
+"""The Llama block in fewer kernels, against transformers' LlamaDecoderLayer and
 LlamaRMSNorm as the independent reference:
 - one block with the same weights: the same output and input gradient, and, counted by
   torch.profiler, one GEMM per weight matrix: 4 forward and 8 backward where transformers' block
-  (separate q, k, v, gate, up, as ours were) runs 7 and 14;
+  (separate q, k, v, gate, up) runs 7 and 14;
 - RMSNorm (F.rms_norm, then the weight) gives LlamaRMSNorm's numbers bit for bit in fp32 and bf16,
   forward, and its gradients within rounding.
 """

@@ -110,7 +110,7 @@ def test_router_weights_follow_their_definitions():
 
 def test_an_fp32_router_picks_the_fp32_experts_where_bf16_logits_tie():
     """bf16 activations and router weight, 128 experts, top-8, Gaussian tokens: bf16 logits tie at
-    the k-th place for some tokens (issue 33: 5.8-7.2%; ties go to the lower expert), fp32 logits of
+    the k-th place for some tokens (5.8-7.2%; ties go to the lower expert), fp32 logits of
     the same bf16 values for none. router_dtype fp32 picks the experts of the fp32 reference; the
     router in the activations' dtype picks others for some tokens."""
     E, k, h = 128, 8, 256

@@ -162,8 +162,8 @@ def _train(schedule_name: str, tp: int, pp: int, overrides: list, steps: int):
 
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
-    from launch.runtime.engine import build_engine
-    from launch.runtime.grad_norm import last_grad_norm
+    from launch.engine.engine import build_engine
+    from launch.optim.grad_norm import last_grad_norm
     from model.parallel.state import init_parallel_state
 
     recipe = load_recipe(TINY, [f"train.schedule={schedule_name}"] + overrides)

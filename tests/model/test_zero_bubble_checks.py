@@ -70,7 +70,7 @@ def _zero_bubble_engine(compiled: bool = False):
 
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
-    from launch.runtime.engine import build_engine
+    from launch.engine.engine import build_engine
     from model.parallel.state import init_parallel_state
 
     recipe = load_recipe(TINY, ["train.schedule=zb-h1"])
@@ -93,7 +93,7 @@ def _weight_matrices(engine) -> list:
 
 @uses_deepspeed
 def _first_step_check():
-    from launch.runtime.zero_bubble import WEIGHT_PASSES, check_weight_passes_ran
+    from launch.engine.zero_bubble import WEIGHT_PASSES, check_weight_passes_ran
 
     engine, layout, step = _zero_bubble_engine()
     zero_bubble_schedule = engine._train_schedule
@@ -120,7 +120,7 @@ def test_first_step_check_fails_when_no_weight_pass_ran():
 
 @uses_deepspeed
 def _compiled_engine_defers():
-    from launch.runtime.zero_bubble import WEIGHT_PASSES, check_weight_passes_ran
+    from launch.engine.zero_bubble import WEIGHT_PASSES, check_weight_passes_ran
 
     eager, _, eager_step = _zero_bubble_engine()
     eager_losses = [eager_step(0), eager_step(1)]

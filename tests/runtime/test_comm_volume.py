@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from bench.comm_volume import OVERRIDES, STEPS, compare, run_model
+from bench.step.comm_volume import OVERRIDES, STEPS, compare, run_model
 from launch.analysis import formulas, partition
 from launch.analysis.comm_formulas import comm_per_rank_per_step, cp_comm_per_rank_per_step, stage_vector_params_per_rank
 from launch.config.layout import Layout
@@ -24,7 +24,7 @@ from model.config import GPTConfig
 from model.gpt.model import GPT
 
 # id -> (recipe, --set overrides, (tp, pp, dp), the purposes that must appear). fp32 at dp 1 builds
-# ZeRO-0, which skips the gradient reduction over its one data rank (issue 39): no dp-grads there.
+# ZeRO-0, which skips the gradient reduction over its one data rank: no dp-grads there.
 RUNS = {
     "gpt2-tp2-pp2-dp1": (TINY, [], (2, 2, 1), {"tp-forward", "tp-backward", "tp-loss", "pp-activations", "pp-grads",
                                                "pp-tp-gather", "pp-shape", "tied-grads"}),
@@ -47,7 +47,7 @@ BOOKKEEPING_LIMIT = 256  # bytes per rank per step: a few scalars (loss, grad no
 def run(request, tmp_path_factory):
     recipe, overrides, (tp, pp, dp), _ = RUNS[request.param]
     out = tmp_path_factory.mktemp("counts")
-    # bench/comm_volume.py's measure(), its ranks forked (tests/helpers/launcher.py): the same run and counts.
+    # bench/step/comm_volume.py's measure(), its ranks forked (tests/helpers/launcher.py): the same run and counts.
     proc = launch_forked(tp * pp * dp, ["--recipe", str(recipe), "--tp", str(tp), "--pp", str(pp),
                                         "--comm-counts", str(out)]
                          + [arg for o in OVERRIDES + overrides for arg in ("--set", o)])
@@ -104,7 +104,7 @@ def test_exact_formulas_contain_the_design_leading_terms():
                                       {"arch": "llama", "bias": True, "norm": "layernorm"}],
                          ids=["gpt2", "llama", "llama-bias-layernorm"])
 def test_zero1_vector_group_is_the_built_models(switches):
-    """ZeRO-1 gathers the weight-decay groups separately (launch/runtime/engine.py: parameters of
+    """ZeRO-1 gathers the weight-decay groups separately (launch/engine/engine.py: parameters of
     dim < 2 apart); the launches' groups are multiples of 2*d, so their measured gather sees only
     the sum. Here the vector group's size against the built dense model's parameters."""
     config = GPTConfig(n_layer=3, n_head=4, n_embd=64, seq_len=32, vocab_size=300, **switches)
@@ -115,7 +115,7 @@ def test_zero1_vector_group_is_the_built_models(switches):
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2), (1, 4)], ids=lambda v: str(v))
 def test_context_parallel_all_to_alls_are_four_per_block_each_way(tmp_path, tp, cp):
-    """Ulysses (issue 25; docs/design.md contract 17), counted by --comm-counts on every rank:
+    """Ulysses (docs/design.md contract 17), counted by --comm-counts on every rank:
     per block per micro-batch 4 all-to-alls in forward (q, k, v to heads, the output back) and 4
     in backward, each of this rank's b x s/cp x h/tp elements (GPT-2: as many key/value heads as
     query heads), over the CP group; no other collective is named for CP. The planner's formula

@@ -1,11 +1,11 @@
-"""The log lines launch/runtime/console.py names are dropped from DeepSpeed's logger, and nothing
+"""The log lines launch/engine/console.py names are dropped from DeepSpeed's logger, and nothing
 else: checked in process on DeepSpeed's own logger, with the tracker that writes the line."""
 import logging
 
 from deepspeed.utils import logger
 from deepspeed.utils.pin_memory_tracker import _tracker, track_pinned_memory
 
-from launch.runtime.console import _KnownLogNoise, silence_known_noise
+from launch.engine.console import _KnownLogNoise, silence_known_noise
 
 
 class _Collect(logging.Handler):

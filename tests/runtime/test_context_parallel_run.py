@@ -1,4 +1,4 @@
-"""Context parallelism, the run side (issue 25; docs/design.md contract 17): the fourth axis inside
+"""Context parallelism, the run side (docs/design.md contract 17): the fourth axis inside
 DeepSpeed's data axis, and what each CP rank computes outside attention against the dense,
 single-process reference: the document ids, the learned positions of its tokens (global, with and without the document mask, with sequence parallelism) and the loss,
 whose token-weighted mean over the CP group is F.cross_entropy's over the whole sequences with
@@ -25,8 +25,8 @@ CONFIG = dict(vocab_size=64, n_layer=1, n_head=4, n_embd=16, seq_len=16, dropout
 
 @pytest.mark.parametrize("tp,cp,pp,dp", [(2, 2, 2, 2), (1, 4, 1, 2), (2, 2, 1, 1)])
 def test_topology_keeps_tp_adjacent_then_cp(tp, cp, pp, dp):
-    """Global rank = ((stage * dp + replica) * cp + cp rank) * tp + tp rank: the order the issue
-    fixes, derived here by hand; DeepSpeed's data axis holds dp x cp, cp fastest."""
+    """Global rank = ((stage * dp + replica) * cp + cp rank) * tp + tp rank: the order
+    model/parallel/state.py sets out, derived here by hand; DeepSpeed's data axis holds dp x cp, cp fastest."""
     topology = build_topology(tp, pp, dp, cp)
     groups = sorted(map(tuple, context_parallel_groups(topology, cp)))
     want = sorted(tuple(((stage * dp + replica) * cp + c) * tp + t for c in range(cp))

@@ -1,7 +1,7 @@
-"""The GPU-only work of a training step, seen on CPU (issue 24, item 8): the device sync before
-the step clock stops (launch/runtime/loop.py: timed_train_batch) and the pinned, non-blocking
+"""The GPU-only work of a training step, seen on CPU: the device sync before
+the step clock stops (launch/trainer/loop.py: timed_train_batch) and the pinned, non-blocking
 copies of the micro-batches (data/pipeline.py: on_device). On DeepSpeed's CPU accelerator both
-are no-ops, so deleting either left every other test green.
+are no-ops, so deleting either would leave every other test green.
 
 Our code reaches the device through DeepSpeed's accelerator (get_accelerator), so one real
 training step runs here under a subclass of the CPU accelerator that records what a GPU would be
@@ -55,12 +55,12 @@ def _one_step_on_a_recording_accelerator():
 
     from data.pipeline import on_device
     from launch.config.recipe import load_recipe
-    from launch.runtime import loop
+    from launch.trainer import loop
     from model.parallel.state import init_parallel_state
 
     events, copies = [], []
     set_accelerator(recording_accelerator(events, copies))
-    # The loop's clock, read as before, each read recorded in order with the syncs.
+    # The loop's clock, read as usual, each read recorded in order with the syncs.
     loop.time = types.SimpleNamespace(perf_counter=lambda: events.append("clock") or time.perf_counter())
     register_optimizer_step_post_hook(lambda *_: events.append("optimizer step"))
 

@@ -53,7 +53,7 @@ CASES = [
      ["train.first_step_timeout_s=30", "at least train.hang_timeout_s=60"]),
     (1, ["--set", "wandb.mode=cloud"], ["wandb.mode='cloud'", "online, offline, disabled"]),
     (1, ["--set", "train.zero_stage=0", "--set", "train.precision=bf16"], ["zero_stage=0", "bf16", "zero_stage=1"]),
-    # Muon (issue 38): the optimizer's name, its momentum and steps, the one precision x ZeRO it refuses.
+    # Muon: the optimizer's name, its momentum and steps, the one precision x ZeRO it refuses.
     (1, ["--set", "train.optimizer=sgd"], ["train.optimizer='sgd'", "adamw, muon"]),
     (1, ["--set", "train.optimizer=muon", "--set", "train.muon_momentum=1"], ["train.muon_momentum=1", "[0, 1)"]),
     (1, ["--set", "train.optimizer=muon", "--set", "train.muon_ns_steps=0"], ["train.muon_ns_steps=0", ">= 1"]),
@@ -61,7 +61,7 @@ CASES = [
      ["train.optimizer=muon", "fp16", "train.zero_stage=1"]),
     (2, ["--pp", "2", "--set", "train.optimizer=muon", "--set", "train.partition=[4, 0]"],
      ["train.optimizer=muon", "blocks per stage [4, 0]", "train.partition=[3, 1]"]),
-    # Tasks scored while training (issue 37): a schedule without tasks, an item without a path, a missing file.
+    # Tasks scored while training: a schedule without tasks, an item without a path, a missing file.
     (1, ["--set", "eval.every=100"], ["eval.every=100", "no eval.tasks"]),
     (1, ["--set", "eval.tasks=[mmlu]"], ["eval.tasks 'mmlu'", "NAME=PATH", "arc_easy"]),
     (1, ["--set", "eval.tasks=[hellaswag=/no/such.jsonl]"], ["task file '/no/such.jsonl' does not exist"]),
@@ -76,7 +76,7 @@ CASES = [
      ["deepspeed.bf16.immediate_grad_update=true", "zb-h1 --pp 2", "dropped"]),
     (2, ["--pp", "2", "--set", "train.schedule=zb-h1", "--set", "deepspeed.bfloat16.immediate_grad_update=true"],
      ["deepspeed.bfloat16.immediate_grad_update=true", "zb-h1 --pp 2"]),
-    # Context parallelism (issue 25): the world, the heads, the sequence (with SP: x tp), the key/value heads.
+    # Context parallelism: the world, the heads, the sequence (with SP: x tp), the key/value heads.
     (3, ["--cp", "2"], ["world size 3", "tp*cp*pp = 1*2*1 = 2"]),
     (1, ["--cp", "0"], ["--cp 0", ">= 1"]),
     (6, ["--cp", "3"], ["n_head=4", "tp*cp = 1*3 = 3"]),
@@ -86,7 +86,7 @@ CASES = [
      ["sequence length 30", "cp*tp = 2*2 = 4 (sequence parallel)"]),
     (2, ["--recipe", "recipes/llama-tiny.yaml", "--cp", "2", "--set", "model.n_head=12", "--set", "model.n_embd=96",
          "--set", "model.n_kv_head=3"], ["n_kv_head=3", "tp*cp = 1*2 = 2"]),
-    # Mixture of experts (issue 26): ep against the data-parallel ranks and the experts, k, options it cannot use.
+    # Mixture of experts: ep against the data-parallel ranks and the experts, k, options it cannot use.
     (4, ["--recipe", "recipes/moe-tiny.yaml", "--pp", "2", "--ep", "4"], ["--ep 4", "2 data-parallel ranks"]),
     (6, ["--recipe", "recipes/moe-tiny.yaml", "--ep", "3", "--set", "train.global_batch_size=12"],
      ["model.moe.num_experts=8", "--ep 3"]),
@@ -199,7 +199,7 @@ def test_wandb_online_without_api_key_is_refused_before_start(tmp_path, monkeypa
     (tmp_path / "netrc").write_text("machine example.com login u password p\n")
     _one_line_exit_2(["--wandb", "online"], capsys, "--wandb online", "WANDB_API_KEY", "wandb login")
     # with a netrc entry, the check lets it through (to wandb itself, not run here)
-    from launch.runtime.preflight import wandb_api_key_present
+    from launch.trainer.preflight import wandb_api_key_present
     (tmp_path / "netrc").write_text("machine api.wandb.ai login user password 0123456789abcdef\n")
     assert wandb_api_key_present()
 
@@ -250,7 +250,7 @@ def test_fp16_where_the_accelerator_has_none_is_refused_before_start(supported, 
     lifts it for fp16 runs): refused where it says no, accepted where it says yes."""
     from deepspeed.accelerator import get_accelerator
 
-    from launch.runtime.distributed import check_precision_supported
+    from launch.engine.distributed import check_precision_supported
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: supported)
@@ -298,7 +298,7 @@ def test_deepspeed_without_a_zero_bubble_hook_is_refused_before_start(owner, mem
     else:
         monkeypatch.setattr(cls, member, replacement)
     # Unrefused, the run would start: fail here instead of in a rank's one-line exit (os._exit)
-    monkeypatch.setattr("launch.runtime.loop.run_training", lambda job: pytest.fail("training started"))
+    monkeypatch.setattr("launch.trainer.loop.run_training", lambda job: pytest.fail("training started"))
     hook = "PipelineEngine._train_schedule" if member == "train_batch" else f"{owner}.{member}"
     _one_line_exit_2(["--pp", "2", "--set", "train.schedule=zb-h1"], capsys, f"DeepSpeed {deepspeed.__version__}",
                      hook, "train.schedule=1f1b")

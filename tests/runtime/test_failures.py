@@ -1,6 +1,6 @@
 """A failure on one rank after torch.distributed started ends every rank within 60 s, each with
-one line on stderr naming itself and the cause (launch/runtime/failure.py); what can be checked before
-the start is refused there (launch/runtime/preflight.py). 4 processes at tp=2 pp=2, as the issue tried."""
+one line on stderr naming itself and the cause (launch/resilience/failure.py); what can be checked before
+the start is refused there (launch/trainer/preflight.py). 4 processes at tp=2 pp=2."""
 import json
 import os
 import subprocess
@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from launch.runtime.distributed import launcher_command
+from launch.engine.distributed import launcher_command
 from helpers.launcher import REPO, TINY
 
 LIMIT_S = 60  # after the failure, every rank is gone within this
-START_LIMIT_S = 60  # the issue's bound for a refusal before the start, the launcher's own start
+START_LIMIT_S = 60  # the bound on a refusal before the start, the launcher's own start
 # and 4 processes importing torch and DeepSpeed included (8 s for one process here)
 
 
@@ -61,7 +61,7 @@ def test_exception_on_one_rank_stops_all_ranks_with_one_line_each(tmp_path):
     assert "step 2/" not in out
     assert "recvValue failed" not in err  # rank 0 kept the store until rank 3 was done with it
     lines = _error_lines(err)
-    cause = "RuntimeError: fault injected by GPT3D_FAULT_INJECT=3:2 before step 2 (at launch/runtime/failure.py:"
+    cause = "RuntimeError: fault injected by GPT3D_FAULT_INJECT=3:2 before step 2 (at launch/resilience/failure.py:"
     assert len(lines) == 4, err[-3000:]
     by_rank = {int(line.split()[2].rstrip(":")): line for line in lines}
     assert sorted(by_rank) == [0, 1, 2, 3], lines
@@ -75,7 +75,7 @@ def test_exception_on_one_rank_stops_all_ranks_with_one_line_each(tmp_path):
 def test_threads_per_rank_from_deepspeed_launcher_environment(tmp_path):
     """DeepSpeed's launcher exports LOCAL_SIZE, not LOCAL_WORLD_SIZE: the ranks of a node share
     its cores by that count, not by the world size (which spans every node)."""
-    from launch.runtime.distributed import threads_per_rank
+    from launch.engine.distributed import threads_per_rank
     cmd = launcher_command(2, REPO / "tests" / "helpers" / "dump_env.py") + [str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -105,7 +105,7 @@ def test_failure_line_keeps_the_cause_and_its_origin():
     """A device error that mentions NCCL is reported as itself (first lines, where it was raised),
     not as "another rank died"; only a lost connection or a timeout gets the peer hint."""
     import inspect
-    from launch.runtime.failure import describe
+    from launch.resilience.failure import describe
     line = inspect.getsourcelines(_raise)[1] + 1
     cuda = describe(_caught("NCCL error in: ProcessGroupNCCL.cpp:1234, unhandled cuda error\n"
                             "ncclUnhandledCudaError: Call to CUDA function failed.\n"
@@ -135,7 +135,7 @@ def test_failure_line_keeps_the_cause_and_its_origin():
 def test_threads_per_rank_count_the_cpus_this_process_may_use():
     """Pinned to one CPU (as taskset, a cgroup cpuset or SLURM does), a rank counts one, not the
     machine's CPUs."""
-    from launch.runtime.distributed import usable_cpus
+    from launch.engine.distributed import usable_cpus
     allowed = os.sched_getaffinity(0)
     one = {min(allowed)}
     try:
@@ -150,7 +150,7 @@ def test_threads_per_rank_honour_omp_num_threads():
     """An explicit OMP_NUM_THREADS (the user's, torchrun's 1 for several ranks, DeepSpeed's
     --bind_cores_to_rank share) is each rank's thread count; unset or empty, the node's CPUs over
     its ranks."""
-    from launch.runtime.distributed import threads_per_rank
+    from launch.engine.distributed import threads_per_rank
     assert threads_per_rank({"OMP_NUM_THREADS": "3", "LOCAL_SIZE": "2"}, cpu_count=64, world_size=2) == 3
     assert threads_per_rank({"OMP_NUM_THREADS": "", "LOCAL_SIZE": "2"}, cpu_count=64, world_size=2) == 32
     assert threads_per_rank({"LOCAL_SIZE": "4"}, cpu_count=64, world_size=8) == 16

@@ -1,5 +1,5 @@
-"""ZeRO-0's gradient norm and clipping (launch/runtime/grad_norm.py, docs/design.md contract 5),
-in process: the engine the run builds (launch/runtime/engine.py) at tp=2 pp=2 in fp32 ZeRO-0 on
+"""ZeRO-0's gradient norm and clipping (launch/optim/grad_norm.py, docs/design.md contract 5),
+in process: the engine the run builds (launch/engine/engine.py) at tp=2 pp=2 in fp32 ZeRO-0 on
 four gloo ranks, one step of recipes/tiny.yaml on random tokens, against the dense GPT of the same
 seed in each rank. The norm is the dense gradient's norm (TP shards counted on every TP rank,
 replicated parameters once, the tied embedding once); every rank's gradient, as the optimizer
@@ -31,9 +31,9 @@ def _dense_shard(full: torch.Tensor, name: str, group, padded_vocab: int) -> tor
 
 @uses_deepspeed
 def _zero0_norm_is_the_dense_norm():
-    from launch.runtime.engine import build_engine
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
+    from launch.engine.engine import build_engine
     from model.hf.convert import dense_name
     from model.gpt.model import GPT
     from model.parallel.cross_entropy import vocab_parallel_cross_entropy

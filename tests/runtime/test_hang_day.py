@@ -9,9 +9,9 @@ from datetime import timedelta
 import pytest
 
 from helpers.simulated_clock import SimulatedClock
-from launch.runtime.hang_watchdog import GATHER_S, HANG_FLOOR_S, WINDOW, HangWatchdog
+from launch.resilience.hang_watchdog import GATHER_S, HANG_FLOOR_S, WINDOW, HangWatchdog
 
-WAITING = "in torch.distributed.all_reduce (from launch/runtime/step_tokens.py:51)"
+WAITING = "in torch.distributed.all_reduce (from launch/feed/step_tokens.py:51)"
 HOUR = 3600.0
 
 
@@ -123,7 +123,7 @@ def test_a_simulated_day_raises_no_false_alarm_and_finds_the_hang_at_hour_20(tmp
                 run.one_rank_in(1, "data", 300.0)
     steps = sum(1 for _ in run.ranks[0].intervals)
     assert steps == WINDOW  # a bounded window, full after hours of steps
-    run.ranks[1].where = "at launch/runtime/failure.py:82 in maybe_inject_fault"
+    run.ranks[1].where = "at launch/resilience/failure.py:82 in maybe_inject_fault"
     hung_at = run.clock.now()
     with pytest.raises(Published) as published:
         run.elapse(HANG_FLOOR_S + 2 * GATHER_S)
@@ -131,7 +131,7 @@ def test_a_simulated_day_raises_no_false_alarm_and_finds_the_hang_at_hour_20(tmp
     assert HANG_FLOOR_S < seconds <= HANG_FLOOR_S + 2, seconds  # both ranks reported: no gather wait
     line = published.value.line
     assert line.startswith("rank 1: hang: no step ended for 121 s (bound 120 s, train.hang_timeout_s"), line
-    assert f"rank 1 at launch/runtime/failure.py:82 in maybe_inject_fault, while 1 other rank waits {WAITING}" in line
+    assert f"rank 1 at launch/resilience/failure.py:82 in maybe_inject_fault, while 1 other rank waits {WAITING}" in line
 
 
 def test_a_save_longer_than_the_step_bound_is_not_a_hang_and_one_past_its_own_bound_is(tmp_path):

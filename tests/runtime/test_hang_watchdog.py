@@ -1,7 +1,7 @@
-"""The hang watchdog (issue 35 item 2): a rank that sleeps inside its step with its heartbeat
+"""The hang watchdog: a rank that sleeps inside its step with its heartbeat
 healthy ends the job within the bound, every rank's stacks are written, and one line names the
 rank that is not in the collective the others wait in. And what each rank costs rank 0's store:
-two connections (item 6), which is what the open-file check counts."""
+two connections, which is what the open-file check counts."""
 import os
 import pickle
 import re
@@ -13,9 +13,9 @@ import pytest
 from helpers.children import end, exit_code, fork, redirect_output
 from helpers.distributed import run_body
 from helpers.launcher import TINY, launch_forked, read_metrics
-from launch.runtime.distributed import STORE_CLIENTS_PER_RANK, ensure_open_file_limit, free_port, record_collectives
-from launch.runtime.hang_line import hang_line
+from launch.engine.distributed import STORE_CLIENTS_PER_RANK, ensure_open_file_limit, free_port, record_collectives
 from launch.errors import ConfigError
+from launch.resilience.hang_line import hang_line
 
 BOUND_S = 3.0
 
@@ -27,8 +27,8 @@ def _steps_until_one_rank_hangs(stacks: str, hung_rank: int, hung_step: int) -> 
     waiting rank's all-reduce fails, and the line it says is the published cause."""
     import torch
     import torch.distributed as dist
-    from launch.runtime.failure import FailureWatcher, maybe_inject_fault, report_failure
-    from launch.runtime.hang_watchdog import HangWatchdog
+    from launch.resilience.failure import FailureWatcher, maybe_inject_fault, report_failure
+    from launch.resilience.hang_watchdog import HangWatchdog
     rank, world = dist.get_rank(), dist.get_world_size()
     hang = HangWatchdog(rank, world, Path(stacks), hang_timeout_s=BOUND_S, first_step_timeout_s=60)
     FailureWatcher(rank, world, heartbeat_timeout_s=60, hang=hang)
@@ -86,7 +86,7 @@ def test_a_rank_sleeping_in_its_step_is_named_and_every_rank_leaves_its_stacks(t
     named = lines[0].split("stopping: ", 1)[1]
     assert all(line.endswith(named) for line in lines), lines  # one cause, said by every rank
     assert re.match(r"rank 1 failed: hang: no step ended for [345] s \(bound 3 s", named), named
-    assert "rank 1 at launch/runtime/failure.py:" in named and "in maybe_inject_fault" in named, named
+    assert "rank 1 at launch/resilience/failure.py:" in named and "in maybe_inject_fault" in named, named
     assert "while 2 other ranks wait in torch.distributed.all_reduce (from tests/runtime/test_hang_watchdog.py:" in named
     assert named.endswith(f"every rank's stacks are in {tmp_path}/rank-*.txt"), named
     stacks = {r: (tmp_path / f"rank-{r:05d}.txt").read_text() for r in range(3)}
@@ -121,7 +121,7 @@ def test_a_training_run_with_a_hung_rank_ends_with_its_name_and_keeps_its_saves(
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 2 and all("stopping: rank 1 failed: hang: no step ended for " in line for line in lines), lines
     assert re.search(r"no step ended for [5-9] s \(bound 5 s", lines[0]), lines
-    assert "rank 1 at launch/runtime/failure.py:" in lines[0] and "while 1 other rank waits in torch.distributed." \
+    assert "rank 1 at launch/resilience/failure.py:" in lines[0] and "while 1 other rank waits in torch.distributed." \
         in lines[0], lines
     assert sorted(p.name for p in (save / "hang-stacks").iterdir()) == ["flight-recorder", "rank-00000.txt",
                                                                         "rank-00001.txt"]
@@ -131,7 +131,7 @@ def test_a_training_run_with_a_hung_rank_ends_with_its_name_and_keeps_its_saves(
 
 
 def test_the_line_names_who_is_not_where_the_others_are(tmp_path):
-    wait = "in torch.distributed.all_reduce (from launch/runtime/loop.py:170)"
+    wait = "in torch.distributed.all_reduce (from launch/trainer/loop.py:170)"
     recv = "in torch.distributed.recv (from deepspeed p2p)"
     outside = "at model/gpt/pipe.py:40 in forward"
     step = "no step ended for 61 s (bound 60 s, train.hang_timeout_s / train.first_step_timeout_s)"
@@ -174,7 +174,7 @@ def _store_sockets(port: int) -> int:
 
 def _count_store_connections() -> None:
     import torch.distributed as dist
-    from launch.runtime.failure import FailureWatcher
+    from launch.resilience.failure import FailureWatcher
     port = int(os.environ["MASTER_PORT"])
     watcher = FailureWatcher(dist.get_rank(), dist.get_world_size(), heartbeat_timeout_s=60)
     deadline = time.monotonic() + 20

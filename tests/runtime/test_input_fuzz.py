@@ -55,9 +55,9 @@ def trainable(job) -> None:
 
 def valid_meta():
     """complete.json as a real save writes it for tiny.yaml at (1,1,1), with no files to check."""
-    from launch.runtime.cli import parse_training_args
-    from launch.runtime.run_inputs import resolved_recipe_dict
-    from launch.runtime.startup import prepare_training_job
+    from launch.config.cli import parse_training_args
+    from launch.feed.run_inputs import resolved_recipe_dict
+    from launch.trainer.startup import prepare_training_job
     job = prepare_training_job(parse_training_args(["--recipe", "recipes/tiny.yaml", "--steps", "2"]))
     return {"step": 1, "samples": job.recipe.train.global_batch_size, "layout": vars(job.layout),
             "recipe": resolved_recipe_dict(job.recipe, job.vocab_size), ENGINE_ZERO_STAGE: 0, "world_size": 1,
@@ -73,7 +73,7 @@ def test_fuzzed_start_up_input_is_one_line_or_a_trainable_job(tmp_path, monkeypa
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     accepted_jobs = []
-    monkeypatch.setattr("launch.runtime.loop.run_training", lambda job: accepted_jobs.append(job))
+    monkeypatch.setattr("launch.trainer.loop.run_training", lambda job: accepted_jobs.append(job))
     fuzz = InputFuzz(SEED, tmp_path, builtin_tokenizer_dir(), valid_meta())
     capsys.readouterr()
     outcomes, failures, slowest = Counter(), [], (0.0, None)

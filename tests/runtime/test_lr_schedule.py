@@ -1,4 +1,4 @@
-"""The learning-rate schedule (launch/runtime/lr_schedule.py) against the formula written out here:
+"""The learning-rate schedule (launch/optim/lr_schedule.py) against the formula written out here:
 step s (1-based) of N with W warm-up steps uses peak * s / W while s <= W, then the cosine from
 peak down to peak * min_lr_ratio over the steps after the warm-up, (1 + cos(pi * (s - W - 1) / (N - W))) / 2
 of the way; the cosine would reach min_lr_ratio at step N + 1. Checked on the schedule function and
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers.distributed import run_distributed, uses_deepspeed
-from launch.runtime.lr_schedule import lr_ratio, warmup_cosine
+from launch.optim.lr_schedule import lr_ratio, warmup_cosine
 from helpers.launcher import TINY
 
 PEAK, MIN_RATIO = 3e-3, 0.1
@@ -60,9 +60,9 @@ WARMUP, STEPS = 3, 8
 def _engine_lrs_follow_the_formula():
     """tiny.yaml in one process: the lr each AdamW step of DeepSpeed's engine reads from its
     parameter groups (both: decayed and not), and the lr the training loop logs before the step."""
-    from launch.runtime.engine import build_engine
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
+    from launch.engine.engine import build_engine
     from model.parallel.state import init_parallel_state
 
     recipe = load_recipe(TINY, [f"train.steps={STEPS}", f"train.warmup_steps={WARMUP}", f"train.lr={PEAK}",
@@ -77,7 +77,7 @@ def _engine_lrs_follow_the_formula():
     tokens = torch.randint(0, 64, (STEPS, 2, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
     seen, logged = [], []
     for batch in tokens:
-        logged.append(engine.get_lr()[0])  # what launch/runtime/loop.py logs as this step's lr
+        logged.append(engine.get_lr()[0])  # what launch/trainer/loop.py logs as this step's lr
         engine.train_batch(iter([(batch[:, :-1], batch[:, 1:])]))
         seen.append(calls[:])
         calls.clear()

@@ -136,7 +136,7 @@ def test_resumed_metrics_file_keeps_the_steps_before_the_checkpoint(tmp_path):
 
 
 def test_a_resume_never_rewrites_the_metrics_file_in_place(tmp_path):
-    """Issue 35: the kept records go to a new file renamed over the old one, so the old file (here
+    """The kept records go to a new file renamed over the old one, so the old file (here
     held open, as by a process killed mid-resume, or a reader) keeps every record it had, and the
     new one holds the kept steps, then the resumed run's."""
     path = tmp_path / "m.jsonl"

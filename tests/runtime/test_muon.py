@@ -1,6 +1,6 @@
-"""Muon (launch/runtime/muon.py, issue 38), in process.
+"""Muon (launch/optim/muon.py), in process.
 
-- Newton-Schulz (launch/runtime/newton_schulz.py) against an SVD: the result is U p(S) V^T with
+- Newton-Schulz (launch/optim/newton_schulz.py) against an SVD: the result is U p(S) V^T with
   p Keller Jordan's quintic applied 5 times, to fp32 rounding, and its singular values lie in the
   documented [0.68, 1.14] on random matrices (whose singular values are >= 3e-3 of the norm).
 - The sharded update equals the one-device update: on four gloo ranks (tp 2 x dp 2), matrices laid
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from helpers.distributed import run_distributed
 from helpers.plain_muon import PlainMuon
-from launch.runtime.newton_schulz import NS_COEFFICIENTS, orthogonalise
+from launch.optim.newton_schulz import NS_COEFFICIENTS, orthogonalise
 
 TP, DP = 2, 2
 LR, WEIGHT_DECAY, MOMENTUM = 0.02, 0.1, 0.95
@@ -72,7 +72,7 @@ def _shard(full: torch.Tensor, dim: int, parts, tp_rank: int) -> torch.Tensor:
 
 
 def _sharded_update_is_the_dense_update():
-    from launch.runtime.muon import FlatPartition, Muon
+    from launch.optim.muon import FlatPartition, Muon
     rank = dist.get_rank()
     tp_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]
     dp_groups = [dist.new_group(r) for r in ([0, 2], [1, 3])]
@@ -112,7 +112,7 @@ def _sharded_update_is_the_dense_update():
         assert sum(map(bool, by_rank)) >= busy, by_rank
 
     def recording(orthogonalised):  # counts the (rows, cols) of every Newton-Schulz this rank runs
-        return mock.patch("launch.runtime.muon.orthogonalise", side_effect=lambda x, steps: (
+        return mock.patch("launch.optim.muon.orthogonalise", side_effect=lambda x, steps: (
             orthogonalised.append(tuple(x.shape)), orthogonalise(x, steps))[1])
 
     # fp32 ZeRO-0: the optimizer holds the TP shards themselves; the TP peers split the matrices

@@ -31,9 +31,9 @@ def _default_zero_stage_step(precision: str):
     import torch.distributed as dist
     from deepspeed.runtime.pipe import schedule
 
-    from launch.runtime.engine import build_engine
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
+    from launch.engine.engine import build_engine
     from model.parallel.state import init_parallel_state
 
     recipe = load_recipe(TINY, [f"train.zero_stage={Recipe().train.zero_stage}", f"train.precision={precision}"])

@@ -1,5 +1,5 @@
 """The save directory's record of starts and the cap on a requeue loop, in process
-(launch/runtime/restarts.py); the launched proof, five starts of one failing command:
+(launch/resilience/restarts.py); the launched proof, five starts of one failing command:
 tests/e2e/test_requeue_cap.py."""
 import json
 
@@ -8,8 +8,8 @@ import pytest
 from helpers.launcher import TINY
 from launch.checkpoints.locate import CheckpointRef, find_resume_point
 from launch.errors import ConfigError
-from launch.runtime import failure
-from launch.runtime.restarts import KEEP, StartRecord, read_starts, refuse_a_requeue_loop
+from launch.resilience import failure
+from launch.resilience.restarts import KEEP, StartRecord, read_starts, refuse_a_requeue_loop
 from launch.train import main
 
 

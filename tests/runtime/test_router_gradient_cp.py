@@ -1,6 +1,6 @@
-"""The router losses' gradient at cp 2 (issue 33): the run's engine on two gloo processes, (tp, cp, pp,
+"""The router losses' gradient at cp 2: the run's engine on two gloo processes, (tp, cp, pp,
 dp, ep) = (1,2,1,1,2), one step of three micro-batches with the scale the run sets
-(launch/runtime/experts.py: set_router_loss_scale), against the single-process GPT of the same seed
+(launch/engine/experts.py: set_router_loss_scale), against the single-process GPT of the same seed
 and batches. Each router weight's gradient is the dense one to fp32 rounding.
 
 The router losses are weighted up here (load balancing 0.5, z-loss 0.05), so that their share of the
@@ -42,8 +42,8 @@ def dense_router_gradients():
 
 @uses_deepspeed
 def _router_gradients_at_cp2_match_the_dense_model():
-    from launch.runtime.experts import set_router_loss_scale
-    from launch.runtime.step_tokens import count_step_tokens
+    from launch.engine.experts import set_router_loss_scale
+    from launch.feed.step_tokens import count_step_tokens
     from model.hf.convert import dense_name
     from model.parallel.context_parallel import sequence_shards
     from model.parallel.state import init_parallel_state

@@ -1,7 +1,7 @@
 """A rank that falls silent, checked in process (forked processes on one TCPStore, no launcher):
 a peer whose heartbeat stops is declared lost, a frozen store means rank 0 is lost, and a stop
-request leaves after train.stop_grace_s when the step never ends (launch/runtime/failure.py,
-launch/runtime/signals.py). The launched frozen-rank tests are in tests/e2e/test_checkpoint_crashes.py."""
+request leaves after train.stop_grace_s when the step never ends (launch/resilience/failure.py,
+launch/resilience/signals.py). The launched frozen-rank tests are in tests/e2e/test_checkpoint_crashes.py."""
 import os
 import signal
 import time
@@ -19,7 +19,7 @@ def _blocked_rank(grace_s: float, ready: Path, out: Path) -> None:
         redirect_output(out)
         from datetime import timedelta
         import torch.distributed as dist
-        from launch.runtime.signals import StopRequest
+        from launch.resilience.signals import StopRequest
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(hours=1))
         StopRequest(3, grace_s)
         ready.touch()
@@ -76,7 +76,7 @@ def test_a_second_request_leaves_at_once_while_the_step_never_ends(tmp_path):
     """A signal more than SAME_REQUEST_S after the first is a second request: exit at once. (The
     window runs from when the rank's thread took the first signal, which a loaded machine may
     delay: the second comes 1.5 s after the window.)"""
-    from launch.runtime.signals import SAME_REQUEST_S
+    from launch.resilience.signals import SAME_REQUEST_S
     code, seconds, out = _run_signalled(tmp_path, _blocked_rank, (60.0,), [SAME_REQUEST_S + 1.5], limit_s=12)
     assert code == 128 + signal.SIGTERM, out
     assert seconds < SAME_REQUEST_S + 4.0, seconds
@@ -91,9 +91,9 @@ def _steps_of_one_rank(steps, grace_s: float, ready: Path, out: Path) -> None:
     try:
         redirect_output(out)
         import torch.distributed as dist
-        from launch.runtime.distributed import free_port
+        from launch.engine.distributed import free_port
         from launch.instruments.stragglers import gather_step_numbers
-        from launch.runtime.signals import StopRequest
+        from launch.resilience.signals import StopRequest
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         stop = StopRequest(0, grace_s)
         for kind, seconds, *mark in steps:
@@ -104,7 +104,7 @@ def _steps_of_one_rank(steps, grace_s: float, ready: Path, out: Path) -> None:
                     time.sleep(seconds)
                 continue
             time.sleep(seconds)
-            # as launch/runtime/loop.py: the flags ride in the step's all-gather
+            # as launch/trainer/loop.py: the flags ride in the step's all-gather
             if stop.agreed(gather_step_numbers(seconds, 0.0, 0, None, stop.signalled, "cpu").stop_requested):
                 with stop.saving():
                     time.sleep(0.5)
@@ -117,7 +117,7 @@ def _steps_of_one_rank(steps, grace_s: float, ready: Path, out: Path) -> None:
 
 @pytest.mark.waits
 def test_a_stop_request_never_cuts_a_save_or_a_long_step_short(tmp_path):
-    """Issue 35, with train.stop_grace_s=1: SIGTERM twice (0.3 s apart, one request) during a 2.5 s
+    """With train.stop_grace_s=1, SIGTERM twice (0.3 s apart, one request) during a 2.5 s
     periodic save: the save ends, the next step ends, the run saves and exits 0. And SIGTERM at the
     start of a 1.5 s step, after steps as long: the wait is twice the longest step, so it saves."""
     during_save = [("step", 0.2), ("step", 0.2), ("save", 2.5, "signal here"), ("step", 0.2)]
@@ -134,14 +134,14 @@ def _a_save_signalled_twice(stop_save: bool, ready: Path, out: Path) -> None:
     """A forked child: a one-rank process group, a StopRequest (grace 1 s), two 0.2 s steps, then a
     5 s save: the stop's own (`stop_save`: the parent's first SIGTERM comes in the 0.5 s step before
     it, so the ranks agree to stop after that step) or a periodic one (the first SIGTERM comes at its
-    start). "committed" ends the save; `saved` follows as launch/runtime/loop.py calls it, then
+    start). "committed" ends the save; `saved` follows as launch/trainer/loop.py calls it, then
     "trained on" if the rank goes on. Never returns."""
     try:
         redirect_output(out)
         import torch.distributed as dist
+        from launch.engine.distributed import free_port
         from launch.instruments.stragglers import gather_step_numbers
-        from launch.runtime.distributed import free_port
-        from launch.runtime.signals import StopRequest
+        from launch.resilience.signals import StopRequest
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         stop = StopRequest(0, 1.0)
         for _ in range(2):
@@ -171,7 +171,7 @@ def test_a_later_request_during_a_save_lets_it_finish(tmp_path, stop_save):
     """A SIGTERM 3.5 s after the first (a second request) while a 5 s save runs: one line says the
     save finishes first; the rank leaves right after it, without training on: exit 0 after the
     stop's own save (every rank agreed to stop there), 128+15 after a periodic one."""
-    from launch.runtime.signals import SAME_REQUEST_S
+    from launch.resilience.signals import SAME_REQUEST_S
     code, seconds, out = _run_signalled(tmp_path, _a_save_signalled_twice, (stop_save,),
                                         [SAME_REQUEST_S + 1.5], limit_s=15)
     expected = 0 if stop_save else 128 + signal.SIGTERM
@@ -194,7 +194,7 @@ def _watchers_one_falls_silent(silent: Path, out: Path) -> None:
         import torch.distributed as dist
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0")
-        from launch.runtime.failure import FailureWatcher
+        from launch.resilience.failure import FailureWatcher
         rank0 = FailureWatcher(0, 2, heartbeat_timeout_s=3)
         rank1 = FailureWatcher(1, 2, heartbeat_timeout_s=3)
         rank0.completed(6)
@@ -260,7 +260,7 @@ def _watchers_of(port: int, ready: Path, out: Path) -> None:
     try:
         redirect_output(out)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1")
-        from launch.runtime.failure import FailureWatcher
+        from launch.resilience.failure import FailureWatcher
         watchers = [FailureWatcher(rank, 3, heartbeat_timeout_s=3) for rank in (1, 2)]
         for watcher in watchers:  # either may be the first to leave on a loaded machine
             watcher.completed(4)
@@ -325,7 +325,7 @@ def _frozen_then_resumed(ready: Path, out: Path) -> None:
         import torch.distributed as dist
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(hours=1))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0")
-        from launch.runtime.failure import FailureWatcher
+        from launch.resilience.failure import FailureWatcher
         FailureWatcher(0, 1, heartbeat_timeout_s=3)
         ready.touch()
         time.sleep(60)

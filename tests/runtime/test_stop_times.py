@@ -1,10 +1,10 @@
-"""The stop request's clock (launch/runtime/signals.py: StopTimes) driven by a simulated clock: a
+"""The stop request's clock (launch/resilience/signals.py: StopTimes) driven by a simulated clock: a
 day of steps and hour-long saves runs in milliseconds. With real signals and processes:
 tests/runtime/test_silent_rank.py."""
 from pathlib import Path
 
 from helpers.simulated_clock import SimulatedClock
-from launch.runtime.signals import SAME_REQUEST_S, StopTimes, saved_line
+from launch.resilience.signals import SAME_REQUEST_S, StopTimes, saved_line
 
 
 def _steps(times: StopTimes, clock: SimulatedClock, seconds: float, n: int) -> None:

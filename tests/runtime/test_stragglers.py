@@ -1,8 +1,8 @@
-"""Stragglers named (issue 23), cheaply at thousands of ranks (issue 35, items 6 and 7): the rule
+"""Stragglers named, cheaply at thousands of ranks: the rule
 against hand-made step times and against a brute-force reference written out below, the in-pass
 groups against DeepSpeed's topology, slow data readers, the one all-gather of a step's numbers on
 3 gloo processes, and a launched run in which GPT3D_SLOW_INJECT slows one rank's passes. The
-metrics record's summary of every rank's compute time (issue 35: max, median and slowest rank,
+metrics record's summary of every rank's compute time (max, median and slowest rank,
 overall and per stage; the whole list only with --metrics-per-rank)."""
 import random
 import statistics
@@ -283,9 +283,9 @@ def _held_bytes(stages, groups) -> int:
 
 
 def test_the_watch_holds_memory_linear_in_the_world():
-    """O(world), not O(world^2) (the rule before issue 35 kept every rank's list of peers: 64x the
+    """O(world), not O(world^2) (a watch that keeps every rank's list of peers holds 64x the
     bytes for 8x the ranks): 8x the ranks, at most ~8x the bytes. Times are measured by
-    bench/straggler_watch.py, not in a test."""
+    bench/faults/straggler_watch.py, not in a test."""
     small, large = (_held_bytes(*roles(8, 8, dp)) for dp in (8, 64))
     assert large <= 9 * small, (small, large)
 

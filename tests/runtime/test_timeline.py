@@ -12,8 +12,8 @@ from helpers import chart_pixels
 from launch.analysis import formulas
 from launch.analysis.pipeline_chart import COLOURS
 from launch.analysis.schedule_sim import simulate_schedule
+from launch.engine.distributed import free_port
 from launch.instruments.timeline import install_timeline_recorder, measured_bubble, stage_busy_seconds
-from launch.runtime.distributed import free_port
 from helpers.launcher import TINY, launch_forked
 
 

@@ -1,5 +1,5 @@
 """The step's loss is the mean over every counted token of the step (model/gpt/pipe.py: TokenMeanLoss,
-launch/runtime/step_tokens.py; issue 33): with labels of -100 spread unevenly over the micro-batches
+launch/feed/step_tokens.py): with labels of -100 spread unevenly over the micro-batches
 and the two DP replicas, and one sequence without any counted token, micro-batch 1 (4 micro-batches
 per replica) and micro-batch 4 (one) give the same loss and the same update, and the loss is
 F.cross_entropy's mean over the whole global batch on the single-process GPT of the same seed.
@@ -47,8 +47,8 @@ def _train_step(config, micro_batch: int, inputs, labels, pp: int = 1):
     """(reported loss, {name: update}) of one SGD step at lr 1 of the run's engine on the two ranks as
     dp 2 (each rank 4 sequences) or pp 2 (8), in micro-batches of `micro_batch`, fed as the run feeds
     them; the update of this rank's parameters."""
-    from launch.runtime.experts import set_router_loss_scale
-    from launch.runtime.step_tokens import RouterTokens, count_step_tokens
+    from launch.engine.experts import set_router_loss_scale
+    from launch.feed.step_tokens import RouterTokens, count_step_tokens
     from model.parallel.state import init_parallel_state
     sequences = inputs.size(0) * pp // dist.get_world_size()
     micro_batches = sequences // micro_batch
