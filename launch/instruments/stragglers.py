@@ -55,10 +55,12 @@ def gather_step_numbers(compute_s: float, data_wait_s: float, allocated: int, re
     calls it). float64 holds byte counts exactly up to 2^53 (8 PiB)."""
     import torch
     import torch.distributed as dist
+
+    from model.parallel.torch_compat import all_gather_single
     mine = torch.tensor([compute_s, data_wait_s, allocated, -1 if reserved is None else reserved, float(stop_requested)],
                         dtype=torch.float64, device=device)
     every = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.float64, device=device)  # flat: gloo refuses 2-D
-    dist.all_gather_single(every, mine)
+    all_gather_single(every, mine)
     table = every.cpu().numpy().reshape(-1, mine.numel())
     top_reserved = int(table[:, 3].max())
     return StepNumbers(compute_s=table[:, 0].copy(), data_wait_s=table[:, 1].copy(),

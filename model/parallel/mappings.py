@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from model.parallel.torch_compat import all_gather_single, reduce_scatter_single
+
 Group = Optional[dist.ProcessGroup]
 
 
@@ -64,12 +66,12 @@ def all_gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     Into one rank-major (t*B, T/t, ...) tensor (`all_gather_single`, torch's name for
     all_gather_into_tensor), then one copy to batch-first order; none at B = 1. The list form
     (`all_gather` + `cat`) copies twice: NCCL and gloo gather into a flat buffer and copy out to
-    the list, then `cat` copies again (#15)."""
+    the list, then `cat` copies again."""
     if group is None:
         return x
     t, x = dist.get_world_size(group), x.contiguous()
     gathered = torch.empty((t * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(gathered, x, group=group)
+    all_gather_single(gathered, x, group=group)
     return gathered.view(t, *x.shape).movedim(0, 1).reshape(x.size(0), -1, *x.shape[2:])  # (B, T, ...)
 
 
@@ -78,14 +80,14 @@ def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
 
     One copy to rank-major order (t*B, T/t, ...), none at B = 1, then `reduce_scatter_single`
     (torch's name for reduce_scatter_tensor); the list form copies each chunk and the collective
-    flattens the list again (#15)."""
+    flattens the list again."""
     if group is None:
         return x
     t = dist.get_world_size(group)
     B, T = x.shape[:2]
     ranked = x.reshape(B, t, T // t, *x.shape[2:]).movedim(1, 0).reshape(t * B, T // t, *x.shape[2:])
     out = torch.empty((B, T // t) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, ranked, group=group)
+    reduce_scatter_single(out, ranked, group=group)
     return out
 
 
@@ -93,7 +95,7 @@ def gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     """(rows, ...) on each rank -> (t * rows, ...), rank order: the collective's own layout, no copy."""
     x = x.contiguous()
     out = torch.empty((dist.get_world_size(group) * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, x, group=group)
+    all_gather_single(out, x, group=group)
     return out
 
 
@@ -102,7 +104,7 @@ def _reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((x.size(0) // dist.get_world_size(group),) + tuple(x.shape[1:]), dtype=x.dtype,
                       device=x.device)
-    dist.reduce_scatter_single(out, x, group=group)
+    reduce_scatter_single(out, x, group=group)
     return out
 
 

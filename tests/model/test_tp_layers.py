@@ -331,3 +331,20 @@ def _overlap_body():
 
 def test_column_parallel_backward_all_reduces_while_it_computes_the_weight_gradient():
     run_distributed(_overlap_body, 2)
+
+
+def _sequence_mappings_without_the_2_13_names():
+    """As on torch 2.11 and 2.12, which have only all_gather_into_tensor / reduce_scatter_tensor."""
+    import importlib
+
+    import model.parallel.mappings as mappings
+    import model.parallel.torch_compat as torch_compat
+    del dist.all_gather_single, dist.reduce_scatter_single
+    importlib.reload(torch_compat)
+    importlib.reload(mappings)  # the same module dict: the wrappers imported above call the old names now
+    assert mappings.all_gather_single is dist.all_gather_into_tensor
+    _sequence_mappings_body()
+
+
+def test_sequence_collectives_run_on_a_torch_without_the_2_13_names():
+    run_distributed(_sequence_mappings_without_the_2_13_names, 2)
