@@ -36,17 +36,17 @@ from pathlib import Path
 from bench import REPO
 
 
-# (module, attribute) of launch/trainer/loop.py's per-step calls; loop.py imports them inside
-# run_training, so wrapping the module attribute before it runs times every call.
+# (module, attribute) of launch/trainer/loop.py's per-step calls, wrapped where the loop looks
+# them up (its module globals, read at each call), before run_training runs.
 LOOP_FUNCTIONS = {
-    "count_step_tokens": ("launch.feed.step_tokens", "count_step_tokens"),
-    "device sync": ("launch.instruments.metrics", "synchronize_device"),
-    "memory peak reset": ("launch.instruments.metrics", "reset_step_memory_peak"),
-    "memory peak read": ("launch.instruments.metrics", "local_step_memory_peak"),
-    "gather_step_numbers": ("launch.instruments.stragglers", "gather_step_numbers"),
-    "after_moe_step": ("launch.engine.experts", "after_moe_step"),
-    "router loss scale": ("launch.engine.experts", "set_router_loss_scale"),
-    "loss_scale": ("launch.instruments.metrics", "loss_scale"),
+    "count_step_tokens": ("launch.trainer.loop", "count_step_tokens"),
+    "device sync": ("launch.trainer.loop", "synchronize_device"),
+    "memory peak reset": ("launch.trainer.loop", "reset_step_memory_peak"),
+    "memory peak read": ("launch.trainer.loop", "local_step_memory_peak"),
+    "gather_step_numbers": ("launch.trainer.loop", "gather_step_numbers"),
+    "after_moe_step": ("launch.trainer.loop", "after_moe_step"),
+    "router loss scale": ("launch.trainer.loop", "set_router_loss_scale"),
+    "loss_scale": ("launch.trainer.loop", "loss_scale"),
     "timed_train_batch": ("launch.trainer.loop", "timed_train_batch"),  # the draw, train_batch, the sync
 }
 LOOP_METHODS = {

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Tuple
@@ -101,9 +100,8 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
 
     from launch.engine.distributed import shut_down_distributed, start_rank
     from launch.engine.ds_config import evaluation_config
-    from launch.feed.step_tokens import count_step_tokens
+    from launch.evaluation.validation import mean_loss, perplexity
     from launch.instruments.metrics import is_logging_rank
-    from model.parallel.context_parallel import sequence_shards
     from model.parallel.state import init_parallel_state
     from model.gpt.pipe import build_pipeline
 
@@ -121,22 +119,17 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
     engine, _, _, _ = deepspeed.initialize(model=pipe, config=evaluation_config(recipe, layout))
     on_validation = data.has_validation
 
-    def mean_loss(batches) -> float:
-        # One eval_batch is one global batch (grad_accum_steps micro-batches per pipeline), averaged
-        # over micro-batches and dp ranks by DeepSpeed and broadcast to every stage.
-        # Each a mean over the global batch's counted tokens (launch/feed/step_tokens.py).
-        batches = sequence_shards(batches, state.cp_rank, state.cp_size)  # each CP rank its tokens
-        return sum(engine.eval_batch(data_iter=count_step_tokens(engine, batches, layout.grad_accum_steps)).item()
-                   for _ in range(n_batches)) / n_batches
+    def loss_over(batches) -> float:
+        return mean_loss(engine, batches, n_batches, state, layout.grad_accum_steps)
 
     if on_validation:  # a mixture: each source's own loss, then their weighted mean; bits per byte weighted alike
         from data.bits_per_byte import validation_loss_and_bpb
         loss, by_source, bpb = validation_loss_and_bpb(
-            data, lambda part: mean_loss(part.val_batches(state.dp_rank, layout.dp, n_batches)),
+            data, lambda part: loss_over(part.val_batches(state.dp_rank, layout.dp, n_batches)),
             lambda part: n_batches, with_bpb=is_logging_rank(state.global_rank))
     else:
-        loss, by_source, bpb = mean_loss(data.train_batches(state.dp_rank, layout.dp)), None, None
-    result = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "batches": n_batches,
+        loss, by_source, bpb = loss_over(data.train_batches(state.dp_rank, layout.dp)), None, None
+    result = {"loss": loss, "ppl": perplexity(loss), "batches": n_batches,
               "tokens": n_batches * layout.global_batch_size * recipe.seq_len,
               "data": "validation" if on_validation else "train", "source": str(args.load or args.init_from_hf),
               "layout": vars(layout)}
@@ -150,7 +143,7 @@ def evaluate_weights(job: EvaluationJob) -> Dict[str, Any]:
               f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp={layout.dp}"
               + (f" ep={layout.ep}" if experts else "") + ")", flush=True)
         for label, source_loss in (by_source or {}).items():
-            print(f"  {label}: loss {source_loss:.6f} ppl {math.exp(min(source_loss, 50.0)):.4f}", flush=True)
+            print(f"  {label}: loss {source_loss:.6f} ppl {perplexity(source_loss):.4f}", flush=True)
         if args.json_out is not None:
             args.json_out.write_text(json.dumps(result, indent=1) + "\n")
     if job.tasks:
