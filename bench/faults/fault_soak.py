@@ -40,7 +40,7 @@ KINDS = ("kill", "freeze", "term")
 def start(run_dir: Path, steps: int, resume: bool) -> subprocess.Popen:
     """`deepspeed --num_gpus 2 launch/train.py --pp 2 ...` saving every step into run_dir/ck; with
     `resume`, the one command a scheduler would rerun after every fault: `--save ck --load ck`,
-    which starts at step 1 while ck holds no checkpoint (docs/checkpoints.md)."""
+    which starts at step 1 while ck holds no checkpoint (docs/resilience.md, "Requeues")."""
     ck = run_dir / "ck"
     cmd = launcher_command(WORLD, REPO / "launch" / "train.py") + [
         "--recipe", str(TINY), "--pp", "2", "--steps", str(steps),

@@ -15,7 +15,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see --help)")
 
 
-def parse_training_args(argv: Optional[List[str]], description: str = "") -> argparse.Namespace:
+def training_parser(description: str = "") -> OneLineErrorParser:
+    """launch/train.py's flags, as docs/configuration.md's table lists them (tests/runtime/test_flag_table.py
+    holds the two equal); the checks across flags are parse_training_args's."""
     p = OneLineErrorParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help="YAML recipe (default: %(default)s)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
@@ -60,6 +62,11 @@ def parse_training_args(argv: Optional[List[str]], description: str = "") -> arg
                    help="show every library message, including the known-harmless ones launch/engine/console.py "
                    "silences")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_training_args(argv: Optional[List[str]], description: str = "") -> argparse.Namespace:
+    p = training_parser(description)
     args = p.parse_args(argv)
     refuse_credentials("--init-from-hf", args.init_from_hf)  # a hub id or a directory; a URL is logged
     if args.auto_sweep is not None and (args.layout != "auto" or args.auto_sweep < 1):

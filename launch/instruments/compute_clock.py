@@ -3,7 +3,7 @@ passes (forward, backward, ZB-H1's B and W), not the time it waits on its peers 
 receives and gradient reductions, which are instructions of their own. A slow GPU, a throttled
 host or a noisy neighbour shows up on its own rank; its pipeline neighbours only wait longer
 between passes. (TP peers of a slow rank wait inside the pass, in its all-reduces, and look as
-slow: docs/checkpoints.md, "Stragglers".)
+slow: docs/resilience.md, "Stragglers".)
 
 On an accelerator the passes are timed by device events, read once after the step's
 synchronisation, so timing adds no synchronisation of its own; on CPU by the host clock.

@@ -1,5 +1,5 @@
 """One rank fails after torch.distributed started: every rank exits within seconds, each with one
-line on stderr that names itself and the cause (docs/checkpoints.md, "A failing rank"), where
+line on stderr that names itself and the cause (docs/resilience.md, "A failing rank"), where
 otherwise its peers would fail or hang in their next collective without saying why.
 
 The failing rank publishes "rank Q: <cause>" under one key of the rendezvous store (rank 0's

@@ -6,7 +6,7 @@ The heartbeats (launch/resilience/failure.py) find a rank that is gone or frozen
 heartbeat: a rank sleeping or spinning inside its step, a deadlocked main thread that released
 the GIL, a rank stuck in a collective while the others moved on to another, a hung kernel.
 
-Progress is not only a step ending. Each long phase of a run has its own rule (docs/checkpoints.md,
+Progress is not only a step ending. Each long phase of a run has its own rule (docs/resilience.md,
 "A hung step"), because a real run has 10-minute saves, 30-minute evaluations and storage stalls:
 - a step: train.hang_timeout_s, or when 0, HANG_FACTOR x the median of the last WINDOW step
   intervals (data waits left out), at least HANG_FLOOR_S; the first step of each start gets

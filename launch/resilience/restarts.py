@@ -1,5 +1,5 @@
 """The save directory's record of a run's starts, and the cap that ends a requeue loop
-(docs/checkpoints.md, "Saving and resuming").
+(docs/resilience.md, "Requeues").
 
 A scheduler that reruns one command line after every failure (`--save DIR --load DIR`, a SLURM
 requeue) reruns a deterministic failure (a bad node, an error at step N, a hang) for ever, each

@@ -96,7 +96,7 @@ def test_kill_during_save_keeps_latest_complete(tmp_path):
 def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     """SIGTERM to the `deepspeed` command, which dies of it at once (on one node DeepSpeed's runner
     installs no handler) and forwards nothing: it returns while its ranks still run (what
-    docs/checkpoints.md says: a scheduler waiting on it would kill them mid-save). The ranks see it
+    docs/resilience.md says: a scheduler waiting on it would kill them mid-save). The ranks see it
     gone and stop as on SIGTERM: every rank finishes the step, they save together and exit 0; the
     same command with --load resumes. (A SIGTERM to a rank itself: the fault soak, and the
     frozen-peer test below; the same request's rules in process: tests/runtime/test_silent_rank.py.)"""

@@ -134,7 +134,7 @@ def test_bf16_resume_at_another_layout(tmp_path):
 
 
 def test_one_command_rerun_after_each_failure_trains_the_uninterrupted_model(parity_runs, tmp_path):
-    """A scheduler's requeue (docs/checkpoints.md): the same `--save DIR --load DIR` command run
+    """A scheduler's requeue (docs/resilience.md, "Requeues"): the same `--save DIR --load DIR` command run
     three times. The first starts at step 1 on a DIR that does not exist and fails at step 3
     (GPT3D_FAULT_INJECT), the second resumes from its step-2 checkpoint and fails at step 5, the
     third resumes from step 4 and finishes: steps 1-5 are bitwise the uninterrupted (1,1,1) run's."""
