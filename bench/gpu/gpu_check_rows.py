@@ -119,7 +119,7 @@ def planned_memory(recipe_path: Path, recipe) -> int:
            "--layers", str(m.n_layer), "--hidden", str(m.n_embd), "--heads", str(m.n_head),
            "--seq-len", str(recipe.seq_len), "--vocab", str(m.vocab_size),
            "--vocab-pad-multiple", str(m.vocab_pad_multiple), "--micro-batch", str(t.micro_batch_size),
-           "--global-batch", str(t.global_batch_size), "--ep", str(t.ep), "--recompute", t.recompute_mode]
+           "--global-batch", str(t.global_batch_size), "--ep", str(t.ep), "--recompute", t.recompute]
     proc = subprocess_run(cmd)
     return json.loads(proc.stdout.strip().splitlines()[-1])["memory_per_device_bytes"]
 

@@ -107,7 +107,7 @@ def with_stage_boundaries(layout: Layout, recipe: Recipe, vocab_size: int) -> La
     with the vocabulary resolved."""
     model = dataclasses.replace(recipe.model, vocab_size=vocab_size).resolved()
     parts = stage_partition(model, layout.pp, recipe.train.partition, recipe.seq_len,
-                            recipe.train.recompute_mode == "full")
+                            recipe.train.recompute == "full")
     return dataclasses.replace(layout, parts=tuple(parts))
 
 

@@ -25,7 +25,7 @@ def planner_inputs(recipe: Recipe, layout: Layout, vocab_size: int):
     # The run's own cut (its stage boundaries, as blocks per stage), else the recipe's rule.
     cut = tuple(blocks_per_stage(model.resolved(), list(layout.parts))) if layout.parts else train.partition
     setup = Setup(gpus=layout.world_size, tp=layout.tp, pp=layout.pp, micro_batch=layout.micro_batch_size,
-                  global_batch=layout.global_batch_size, zero=train.zero_stage, recompute=train.recompute_mode,
+                  global_batch=layout.global_batch_size, zero=train.zero_stage, recompute=train.recompute,
                   partition=cut if isinstance(cut, (str, tuple)) else tuple(cut), schedule=train.schedule,
                   precision=train.precision, communication_data_type=recipe.deepspeed.get("communication_data_type"),
                   reduce_bucket_elements=int(recipe.deepspeed.get("zero_optimization", {}).get(
@@ -35,29 +35,30 @@ def planner_inputs(recipe: Recipe, layout: Layout, vocab_size: int):
 
 
 def this_device_hardware(precision: str, local_processes: int):
-    """(Hardware, how its profile was found) for the machine this rank runs on, or (None, why)."""
+    """(Hardware, how its profile was found) for the machine this rank runs on, or (None, why).
+    launch/plan.py --gpu this, --layout auto and every run's prediction all take this one
+    (plan_setup.device_hardware: the device's name matched exactly, its memory less the headroom,
+    its calibration or datasheet, links never free)."""
+    import dataclasses
+
     import torch
 
-    from launch.analysis.device_profile import DeviceProfile, datasheet_profile
-    from launch.analysis.plan_setup import GPUS, Hardware
+    from launch.analysis.device_profile import DeviceProfile
+    from launch.analysis.plan_setup import device_hardware, known_gpu
     from launch.autotune.calibrate import cache_path, device_name
     name = device_name(local_processes)
     cached = cache_path(name, precision)
     profile = DeviceProfile.from_json(cached.read_text()) if cached.exists() else None
-    gpu = next((GPUS[key] for key in GPUS if key in name.upper()), None) if torch.cuda.is_available() else None
-    if profile is None and gpu is None:
+    on_gpu = torch.cuda.is_available()
+    if profile is None and not (on_gpu and known_gpu(name)):
         return None, (f"no calibration of {name!r} in {precision}: `python launch/plan.py --recipe RECIPE --gpus "
                       f"{local_processes} --precision {precision} --calibrate` measures one")
-    if profile is None:
-        profile = datasheet_profile(name, gpu.peak_flops, 0.5, gpu.memory_bw)
-    # A CPU has no datasheet: its calibration's rates and links stand for everything (one
-    # process alone has no links to cost).
-    links = profile.link_bw or float("inf")
-    hardware = Hardware(peak_flops=gpu.peak_flops if gpu else max(profile.gemm.values(), default=1.0),
-                        intra_node_bw=gpu.intra_node_bw if gpu else links,
-                        inter_node_bw=gpu.inter_node_bw if gpu else links, gpus_per_node=local_processes,
-                        profile=profile)
-    return hardware, None
+    # A GPU's memory is its own (torch's total less the headroom); a CPU's is not checked, and its
+    # calibration's rates and links stand for everything.
+    total = torch.cuda.get_device_properties(torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+                                             ).total_memory if on_gpu else None
+    hardware, notes = device_hardware(name, total, profile, local_processes, precision)
+    return (hardware if on_gpu else dataclasses.replace(hardware, notes=())), None
 
 
 def predict_step_time(recipe: Recipe, layout: Layout, vocab_size: int) -> StepPrediction:

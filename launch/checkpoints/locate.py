@@ -4,9 +4,9 @@ A save directory's layout and commit protocol: launch/checkpoints/store.py. `--l
 save directory (the checkpoint its `latest` names) or one tag directory; only complete
 checkpoints (with complete.json, every file of its manifest at its recorded size), and an
 unreadable complete.json or `latest` is an error, never a reason to take an older checkpoint. So
-is a complete.json of another shape or of a newer version (`check_manifest`), a `latest` naming
-anything but a tag directory of its own, and a tag that is a symbolic link: one line each, before
-any process group starts.
+is a complete.json of another format (CHECKPOINT_FORMAT), of another shape or of a newer version
+(`check_manifest`), a `latest` naming anything but a tag directory of its own, and a tag that is
+a symbolic link: one line each, before any process group starts.
 """
 import dataclasses
 import json
@@ -28,17 +28,22 @@ from model.moe_config import MoEConfig
 COMPLETE = "complete.json"
 LATEST = "latest"
 TAG = re.compile(r"step(\d{8})")
-REQUIRED = ("step", "samples", "layout", "recipe", "files")
-FUSED_LLAMA = "fused_llama_projections"
-"""complete.json's mark (true) of a checkpoint whose Llama blocks hold the fused qkv_proj and
-gate_up_proj; a Llama checkpoint without it has separate q/k/v and gate/up weights."""
+CHECKPOINT_FORMAT = 1
+"""complete.json's "format": what its keys and the files beside it mean. This version reads this
+format only, and a checkpoint of any other (or of none) is refused in one line at --load: it is
+resumed by the version that wrote it. A change to what a save writes that an older reader would
+misread (a key renamed or its meaning changed, a weight renamed, files laid out anew) raises it,
+and then every key the new format writes is required, so no reader keeps a branch per older save."""
 ENGINE_ZERO_STAGE = "engine_zero_stage"
 """complete.json's ZeRO stage of the engine that saved (launch/analysis/engine_memory.py:
-built_zero_stage; a checkpoint without it: the recipe's train.zero_stage)."""
+built_zero_stage), which may differ from the recipe's train.zero_stage."""
+REQUIRED = ("format", "step", "samples", "layout", "recipe", "files", ENGINE_ZERO_STAGE, "world_size",
+            "wandb_run_id", "data_state", "data_fingerprint", "data_origin_samples", "parent", "layout_auto")
+"""Every key store.save writes into complete.json in CHECKPOINT_FORMAT."""
 
 
 def saved_zero_stage(meta: Dict[str, Any]) -> int:
-    return meta.get(ENGINE_ZERO_STAGE, meta["recipe"]["train"]["zero_stage"])
+    return meta[ENGINE_ZERO_STAGE]
 
 
 def _built_zero_stage(recipe_dict: Dict[str, Any], layout: Dict[str, Any]) -> int:
@@ -46,7 +51,7 @@ def _built_zero_stage(recipe_dict: Dict[str, Any], layout: Dict[str, Any]) -> in
     section sets one."""
     from launch.analysis.engine_memory import built_zero_stage
     train = recipe_dict["train"]
-    built = built_zero_stage(train["zero_stage"], train["precision"], layout["dp"] * layout.get("cp", 1),
+    built = built_zero_stage(train["zero_stage"], train["precision"], layout["dp"] * layout["cp"],
                              ModelConfig(**recipe_dict["model"]).moe.enabled)
     return (recipe_dict.get("deepspeed") or {}).get("zero_optimization", {}).get("stage", built)
 
@@ -137,19 +142,20 @@ def check_manifest(path: Path, meta: Any) -> None:
             raise _unreadable(path, f"{found}, expected {expected}")
     if not isinstance(meta, dict):
         raise _unreadable(path, f"it holds {_shown(meta)}, not a JSON object")
+    check_format(path, meta)
     missing = [key for key in REQUIRED if key not in meta]
     if missing:
         raise _unreadable(path, f"no {', '.join(missing)}")
     for key in ("step", "samples"):
         need(key, meta[key], _count(meta[key]), f"an integer from 0 to {INT64_MAX}")
-    origin = meta.get("data_origin_samples", 0)
+    origin = meta["data_origin_samples"]
     need("data_origin_samples", origin, _count(origin) and origin <= meta["samples"], "an integer from 0 to samples")
+    need("world_size", meta["world_size"], _count(meta["world_size"], 1), "an integer >= 1")
     for key in ("parent", "wandb_run_id"):
-        need(key, meta.get(key), _optional(meta.get(key), str), "a string or null")
-    for key in ("data_state", "data_fingerprint"):
-        need(key, meta.get(key), _optional(meta.get(key), dict), "an object or null")
-    need(FUSED_LLAMA, meta.get(FUSED_LLAMA), _optional(meta.get(FUSED_LLAMA), bool), "true, false or null")
-    stage = meta.get(ENGINE_ZERO_STAGE, 0)
+        need(key, meta[key], _optional(meta[key], str), "a string or null")
+    for key in ("data_state", "data_fingerprint", "layout_auto"):  # null: no stream positions, no data, no auto
+        need(key, meta[key], _optional(meta[key], dict), "an object or null")
+    stage = meta[ENGINE_ZERO_STAGE]
     need(ENGINE_ZERO_STAGE, stage, type(stage) is int and stage in STAGES, "0, 1, 2 or 3")
     files = meta["files"]
     need("files", files, isinstance(files, dict), "an object of file names and sizes")
@@ -163,54 +169,65 @@ def check_manifest(path: Path, meta: Any) -> None:
     tokenizer = recipe["data"].get("tokenizer", _ABSENT)  # an export's, unless it names its own
     need("recipe.data.tokenizer", tokenizer, type(tokenizer) is str, "a tokenizer's name or directory")
     _check_saved_train(need, recipe["train"])
-    _check_saved_layout(need, meta["layout"], _check_saved_model(path, recipe["model"]).n_layer, len(files))
+    _check_saved_layout(need, meta["layout"], _check_saved_model(path, recipe["model"]).n_layer)
+
+
+def check_format(path: Path, meta: Dict[str, Any]) -> None:
+    """A complete.json of another CHECKPOINT_FORMAT than this version's, or of none, in one line."""
+    found = meta.get("format", _ABSENT)
+    if type(found) is not int or found != CHECKPOINT_FORMAT:  # type(): a JSON true is no format
+        shown = "no format" if found is _ABSENT else f"format {_shown(found)}"
+        raise ConfigError(f"checkpoint {str(path)!r} has {shown}; this version reads format {CHECKPOINT_FORMAT}: "
+                          f"resume it with the version that wrote it")
 
 
 def _check_saved_train(need, train: Dict[str, Any]) -> None:
     """What a resume compares with the run's recipe (check_compatible) and an export reads."""
-    stage, batch, precision = (train.get(key, _ABSENT) for key in ("zero_stage", "global_batch_size", "precision"))
+    stage, batch, precision, optimizer, seed = (train.get(key, _ABSENT) for key in
+                                                ("zero_stage", "global_batch_size", "precision", "optimizer", "seed"))
     need("recipe.train.zero_stage", stage, type(stage) is int and stage in STAGES, "0, 1, 2 or 3")
     need("recipe.train.global_batch_size", batch, _count(batch, 1), "an integer >= 1")
-    optimizer = train.get("optimizer", "adamw")  # checkpoints from before train.optimizer: AdamW's
     need("recipe.train.precision", precision, _name(precision), "a name such as fp32")
     need("recipe.train.optimizer", optimizer, _name(optimizer), "a name such as adamw")  # messages repeat it
-    need("recipe.train.seed", train.get("seed", 0), _fits(train.get("seed", 0), int), "an integer")
+    need("recipe.train.seed", seed, _fits(seed, int), "an integer")
 
 
-def _check_saved_layout(need, layout: Any, n_layer: int, n_files: int) -> None:
-    """(tp, pp, dp, cp, ep) and the stage boundaries `parts`: pp + 1 layer indices from 0 up."""
-    need("layout", layout, isinstance(layout, dict), "an object of tp, pp, dp")
+def _check_saved_layout(need, layout: Any, n_layer: int) -> None:
+    """(tp, pp, dp, cp, ep) and the stage boundaries `parts`: pp + 1 layer indices from 0 up, or []
+    (a pipeline cut by DeepSpeed, by counting blocks)."""
+    need("layout", layout, isinstance(layout, dict), "an object of tp, pp, dp, cp, ep, parts")
     for key in ("tp", "pp", "dp", "cp", "ep"):
-        value = layout.get(key, 1 if key in ("cp", "ep") else _ABSENT)  # a checkpoint from before cp or ep: 1
+        value = layout.get(key, _ABSENT)
         need(f"layout.{key}", value, _count(value, 1), "an integer >= 1")
     need("layout.pp", layout["pp"], layout["pp"] <= n_layer, f"at most model.n_layer={n_layer} (a block per stage)")
-    if "parts" in layout:
-        parts = layout["parts"]
-        need("layout.parts", parts, parts == [] or isinstance(parts, list) and len(parts) == layout["pp"] + 1
-             and all(_count(p) for p in parts) and parts[0] == 0 and parts == sorted(parts),
-             f"{layout['pp'] + 1} layer indices from 0 up (the stage boundaries) or []")
-    else:  # fill_saved_parts cuts the pipeline by counting blocks, each of which DeepSpeed saved as a file
-        need("recipe.model.n_layer", n_layer, n_layer <= n_files,
-             f"at most the {n_files} files of the checkpoint (one per block at least)")
+    parts = layout.get("parts", _ABSENT)
+    need("layout.parts", parts, parts == [] or isinstance(parts, list) and len(parts) == layout["pp"] + 1
+         and all(_count(p) for p in parts) and parts[0] == 0 and parts == sorted(parts),
+         f"{layout['pp'] + 1} layer indices from 0 up (the stage boundaries) or []")
 
 
 MODEL_KEYS, MOE_KEYS = ({f.name for f in dataclasses.fields(kind)} for kind in (ModelConfig, MoEConfig))
 
 
 def _check_saved_model(path: Path, model: Dict[str, Any]) -> ModelConfig:
-    """The saved recipe's model: its keys all known to this version (else a newer version saved
-    it, and the model it names cannot be built here), each of its field's type, and valid."""
-    moe = model.get("moe")
-    if not _optional(moe, dict):
-        raise _unreadable(path, f"recipe.model.moe={_shown(moe)}, expected an object or null")
-    unknown = sorted(set(model) - MODEL_KEYS) + sorted(f"moe.{key}" for key in set(moe or ()) - MOE_KEYS)
+    """The saved recipe's model: every key of it (a save writes the model resolved, every switch
+    set), all known to this version (else a newer version saved it, and the model it names cannot
+    be built here), each of its field's type, and valid."""
+    moe = model.get("moe", _ABSENT)
+    if not isinstance(moe, dict):
+        raise _unreadable(path, "no recipe.model.moe" if moe is _ABSENT else f"recipe.model.moe={_shown(moe)}, "
+                                                                           f"expected an object")
+    unknown = sorted(set(model) - MODEL_KEYS) + sorted(f"moe.{key}" for key in set(moe) - MOE_KEYS)
     if unknown:
         raise ConfigError(f"checkpoint {str(path)!r} was written by a newer version: its recipe has "
                           f"model.{_shown(unknown[0])[1:-1]}, a key this version does not know; resume or export it "
                           f"with the version that saved it (or a newer one)")
+    missing = sorted(MODEL_KEYS - set(model)) + sorted(f"moe.{key}" for key in MOE_KEYS - set(moe))
+    if missing:
+        raise _unreadable(path, f"no recipe.model.{missing[0]}")
     hints, moe_hints = typing.get_type_hints(ModelConfig), typing.get_type_hints(MoEConfig)
     fields = [(f"model.{key}", value, hints[key]) for key, value in model.items() if key != "moe"]
-    fields += [(f"model.moe.{key}", value, moe_hints[key]) for key, value in (moe or {}).items()]
+    fields += [(f"model.moe.{key}", value, moe_hints[key]) for key, value in moe.items()]
     for key, value, kind in fields:
         if not _fits(value, kind):
             name = str(kind).replace("typing.", "") if typing.get_origin(kind) else kind.__name__
@@ -237,8 +254,6 @@ def _fits(value: Any, kind: Any) -> bool:
 def find_checkpoint(load: Path) -> CheckpointRef:
     """The checkpoint `--load` names, verified against its manifest of file sizes."""
     ref = _locate(load)
-    fill_saved_parts(ref.meta)
-    refuse_unfused_llama(ref)
     for name, size in ref.meta["files"].items():
         path = ref.path / name
         actual = path.stat().st_size if path.is_file() else None
@@ -421,7 +436,7 @@ def data_position(ref: CheckpointRef, fingerprint: Dict[str, Any], restart: bool
     samples = ref.meta["samples"]
     if restart:
         return None, samples
-    saved = ref.meta.get("data_fingerprint")  # absent from a checkpoint written without one
+    saved = ref.meta["data_fingerprint"]  # null: saved with no data behind it (store.save's default)
     changes = fingerprint_changes(saved, fingerprint) if saved is not None else []
     if changes:
         more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
@@ -429,53 +444,29 @@ def data_position(ref: CheckpointRef, fingerprint: Dict[str, Any], restart: bool
                           f"its data position would deal other samples (some trained twice, others never): resume "
                           f"with the data it was saved with, or pass --restart-data to start the data order again "
                           f"at step {ref.meta['step'] + 1}")
-    return ref.meta.get("data_state"), ref.meta.get("data_origin_samples", 0)
-
-
-def refuse_unfused_llama(ref: CheckpointRef) -> None:
-    """A Llama checkpoint saved before its projections were fused names weights this model no
-    longer has (q_proj, k_proj, v_proj, gate_proj, up_proj) in every file DeepSpeed wrote: refused
-    in one line that says how to carry its weights over."""
-    if ModelConfig(**ref.meta["recipe"]["model"]).resolved().arch == "llama" and not ref.meta.get(FUSED_LLAMA):
-        raise ConfigError(f"checkpoint {str(ref.path)!r} holds Llama blocks with separate q/k/v (and gate/up) "
-                          f"projections, saved before they were fused into qkv_proj and gate_up_proj; export it with "
-                          f"the gpt3d version that saved it (launch/export_hf.py --load {_shell_arg(ref.path)} --out "
-                          f"DIR) and start from the export with --init-from-hf DIR")
+    return ref.meta["data_state"], ref.meta["data_origin_samples"]
 
 
 def same_layout(saved: Dict[str, Any], layout: Dict[str, Any]) -> bool:
     """Same (tp, pp, dp, cp, ep) and the same stage boundaries: DeepSpeed's own loader restores each
     rank's flat ZeRO-1 partition, which holds the parameters of that rank's layers (and, with
-    experts, its EP rank's experts), so another cut of the pipeline at the same layout re-shards too.
-    A checkpoint whose layout lacks cp or ep has 1."""
-    return (all(saved[k] == layout[k] for k in ("tp", "pp", "dp"))
-            and all(saved.get(k, 1) == layout.get(k, 1) for k in ("cp", "ep"))
-            and list(saved.get("parts", ())) == list(layout.get("parts", ())))
-
-
-def fill_saved_parts(meta: Dict[str, Any]) -> None:
-    """Record in `meta` the stage boundaries of a checkpoint whose layout lacks them:
-    its run cut the pipeline by counting blocks (DeepSpeed's type:Block)."""
-    if "parts" not in meta["layout"]:
-        from launch.analysis.partition import stage_partition
-        model = ModelConfig(**meta["recipe"]["model"]).resolved()
-        meta["layout"]["parts"] = stage_partition(model, meta["layout"]["pp"], "blocks")
+    experts, its EP rank's experts), so another cut of the pipeline at the same layout re-shards too."""
+    return (all(saved[k] == layout[k] for k in ("tp", "pp", "dp", "cp", "ep"))
+            and list(saved["parts"]) == list(layout["parts"]))
 
 
 def _ep(layout: Dict[str, Any]) -> str:
-    return f" ep={layout['ep']}" if layout.get("ep", 1) > 1 else ""
+    return f" ep={layout['ep']}" if layout["ep"] > 1 else ""
 
 
 def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Dict[str, int]) -> None:
     """The model shape, the global batch and the optimizer must match the checkpoint's; another
     layout or ZeRO stage re-shards (launch/checkpoints/reshard.py), which reads and writes ZeRO-1
     (and the bf16 optimizer's) state and fp32 ZeRO-0's of a dense model. Say which key differs."""
-    # Compared with every architecture switch filled from its preset: a checkpoint without
-    # the switches is the gpt2 preset.
+    # Compared with every architecture switch filled from its preset (the run's recipe may leave them null).
     saved_model, model = (dataclasses.asdict(ModelConfig(**section).resolved())
                           for section in (ref.meta["recipe"]["model"], recipe_dict["model"]))
-    # Free to change on resume: they leave every weight's shape and TP shard as they are (and a
-    # checkpoint may lack the `sequence_parallel` key).
+    # Free to change on resume: they leave every weight's shape and TP shard as they are.
     free = ("dropout", "sequence_parallel")
     # The shape first, then the switches (a different n_embd also changes the derived ffn_hidden_size).
     for key in sorted(set(saved_model) | set(model), key=lambda k: (k in ARCH_SWITCHES, k)):
@@ -487,8 +478,7 @@ def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Di
         raise ConfigError(f"checkpoint {str(ref.path)!r} has train.global_batch_size={saved_batch}, this run {batch}: "
                           f"the data position and the LR schedule count steps of that batch; resume with "
                           f"--set train.global_batch_size={saved_batch}")
-    # Checkpoints from before train.optimizer existed are AdamW's.
-    optimizers = (ref.meta["recipe"]["train"].get("optimizer", "adamw"), recipe_dict["train"]["optimizer"])
+    optimizers = (ref.meta["recipe"]["train"]["optimizer"], recipe_dict["train"]["optimizer"])
     if optimizers[0] != optimizers[1]:
         raise ConfigError(f"checkpoint {str(ref.path)!r} has train.optimizer={optimizers[0]}, this run "
                           f"{optimizers[1]}: the optimizer state is that optimizer's; resume with --set "
@@ -505,6 +495,6 @@ def check_compatible(ref: CheckpointRef, recipe_dict: Dict[str, Any], layout: Di
                 f"checkpoint {str(ref.path)!r} was saved at tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}"
                 f"{_ep(saved)} with ZeRO-{stages[0]}, this run is tp={layout['tp']} pp={layout['pp']} dp={layout['dp']}"
                 f"{_ep(layout)} with ZeRO-{stages[1]}, stage boundaries {list(saved['parts'])} and this run "
-                f"{list(layout.get('parts', ()))}: re-sharding {what} needs ZeRO-1 on both sides, and the {side}'s is "
+                f"{list(layout['parts'])}: re-sharding {what} needs ZeRO-1 on both sides, and the {side}'s is "
                 f"ZeRO-0; resume at the saved layout with --set train.zero_stage={ref.meta['recipe']['train']['zero_stage']} "
                 f"(and its cut: --set train.partition=[blocks per stage])")

@@ -142,8 +142,8 @@ def iter_training_state(ckpt: Path, saved_layout: Dict[str, int], layers: ModelC
     tp, pp = saved_layout["tp"], saved_layout["pp"]
     # DeepSpeed's data axis, over which the ZeRO-1 files are partitioned, held dp x cp ranks
     # (model/parallel/state.py); the weights themselves do not depend on cp.
-    dp = saved_layout["dp"] * saved_layout.get("cp", 1)
-    ep = saved_layout.get("ep", 1)
+    dp = saved_layout["dp"] * saved_layout["cp"]
+    ep = saved_layout["ep"]
     wanted = set(wanted)
     mp_ranks = slice_ranks(tp, pp, dp)
     done: Set[str] = set()

@@ -1,7 +1,7 @@
 """Test hook: GPT3D_SLOW_SAVE="SECONDS" makes every rank wait that long after writing its files,
 before the save's barrier and commit (launch/checkpoints/store.py: save), so that a test can signal
 the ranks inside a save: the scheduler's time limit landing in the stop's save
-(tests/e2e/test_slurm_stop.py, docs/checkpoints.md "Preemption"). Unset, it does nothing."""
+(tests/e2e/test_slurm_stop.py, docs/resilience.md "Preemption"). Unset, it does nothing."""
 import os
 import time
 

@@ -10,7 +10,8 @@ A save directory:
                                    (pipeline layer, TP rank, EP rank), named by the global expert
                                    ids it holds (expert_files.py); the layer files hold the rest
     DIR/step00000042/complete.json written last, by rank 0, after every rank has saved and fsynced:
-                                   step, layout, resolved recipe, every file's size, the parent
+                                   its format, step, layout, resolved recipe, every file's size,
+                                   the parent (locate.py: REQUIRED)
     DIR/abandoned-<UTC time>/      tags after the one a run resumed from, moved aside at start
 Nothing outside DIR is moved or deleted: only its own tag and abandoned-* directories (no links),
 and a save into a directory of another run's checkpoints, or through a link named as a tag, is refused.
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from launch.checkpoints import slow_save, zero0_state
 from launch.checkpoints.expert_files import experts_apart, has_experts, load_experts, save_experts
-from launch.checkpoints.locate import (COMPLETE, ENGINE_ZERO_STAGE, FUSED_LLAMA, LATEST, CheckpointRef, history,
+from launch.checkpoints.locate import (CHECKPOINT_FORMAT, COMPLETE, ENGINE_ZERO_STAGE, LATEST, CheckpointRef, history,
                                        not_a_tag_dir, resumes_from, same_layout, saved_zero_stage, step_of, tag_for)
 from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
 from launch.errors import ConfigError
@@ -118,7 +119,8 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     resumed run continues) and then prunes in the background, while the others train on.
     `data_state`: the streaming data position of the whole run (JSON, already gathered from the
     ranks), stored in complete.json for `--load`; `data_identity`: what decides the samples
-    (data/fingerprint.py) and where the data order began, which a resume checks; `layout_auto`:
+    (data/fingerprint.py) and where the data order began, which a resume checks (default: no
+    fingerprint, the order begun at sample 0, for a save with no data behind it); `layout_auto`:
     how --layout auto chose the layout (launch/autotune/auto_layout.py: AutoChoice). Returns the tag
     directory."""
     tag = tag_for(step)
@@ -134,16 +136,19 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     with experts_apart(engine) if experts else contextlib.nullcontext():
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     if experts:
-        save_experts(engine, root / tag, layout.get("ep", 1))
+        save_experts(engine, root / tag, layout["ep"])
     rng_dir = root / tag / "rng"
     rng_dir.mkdir(parents=True, exist_ok=True)
     save_durably(_rng_state(), rng_dir / f"rank_{dist.get_rank()}.pt")
     slow_save.wait_if_asked(dist.get_rank())  # a test hook, nothing unless GPT3D_SLOW_SAVE is set
     dist.barrier()  # every rank's files are on disk before the checkpoint is declared complete
     if is_writer:
-        meta = {"step": step, "samples": samples, "layout": layout, "recipe": recipe_dict, ENGINE_ZERO_STAGE: zero_stage,
-                "world_size": dist.get_world_size(), "wandb_run_id": wandb_run_id, "data_state": data_state,
-                "parent": _latest_tag(root), FUSED_LLAMA: True, "layout_auto": layout_auto, **(data_identity or {})}
+        identity = data_identity or {"data_fingerprint": None, "data_origin_samples": 0}
+        meta = {"format": CHECKPOINT_FORMAT, "step": step, "samples": samples, "layout": layout,
+                "recipe": recipe_dict, ENGINE_ZERO_STAGE: zero_stage, "world_size": dist.get_world_size(),
+                "wandb_run_id": wandb_run_id, "data_state": data_state,
+                "data_fingerprint": identity["data_fingerprint"], "data_origin_samples": identity["data_origin_samples"],
+                "parent": _latest_tag(root), "layout_auto": layout_auto}
         _commit(root, tag, meta)
         _prune_in_background(root, tag, keep_last)
     return root / tag
@@ -215,6 +220,6 @@ def load(engine: PipelineEngine, ref: CheckpointRef, layout: Dict[str, int], sta
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ref.path}")
     if experts:
-        load_experts(engine, ref.path, layout.get("ep", 1))
+        load_experts(engine, ref.path, layout["ep"])
     _set_rng_state(load_safely(ref.path / "rng" / f"rank_{dist.get_rank()}.pt"))
     return client_state

@@ -26,10 +26,10 @@ class Layout:
     """Micro-batches per pipeline per optimizer step (m = B / (b * dp))."""
     cp: int = 1
     """Context-parallel ranks per replica, each holding seq_len / cp tokens of every sequence
-    (train.cp, --cp). A checkpoint's layout without the key reads as cp = 1."""
+    (train.cp, --cp)."""
     ep: int = 1
     """Expert-parallel ranks: each MoE block's experts split over ep ranks of DeepSpeed's data axis
-    (dp x cp ranks; train.ep, --ep). A checkpoint's layout without the key reads as ep = 1."""
+    (dp x cp ranks; train.ep, --ep)."""
     parts: Tuple[int, ...] = ()
     """Stage boundaries over the pipeline layers (stage k holds parts[k]:parts[k+1]) from
     train.partition; they need the vocabulary, so launch/analysis/partition.py's `with_stage_boundaries`

@@ -84,9 +84,6 @@ class TrainSection:
     recompute: str = "none"
     """Activation recomputation (Korthikanti et al. 2022): none; selective (store q, k, v and
     recompute each attention core); full (store each block's input, recompute the block)."""
-    activation_checkpoint_interval: int = 0
-    """Full recompute: checkpoint every k blocks (0 means 1). k > 0 with recompute=none is the
-    older spelling of recompute=full, kept for existing recipes."""
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b (DeepSpeed's) or zb-h1 (zero-bubble H1, Qi et al. 2023: weight
     gradients deferred into 1F1B's idle slots; launch/analysis/zero_bubble_schedule.py). The same losses."""
@@ -152,15 +149,8 @@ class TrainSection:
             raise ConfigError("train.zero_stage=0 with train.precision=bf16: DeepSpeed 0.19.8 has no ZeRO-0 bf16 "
                               "path with fp32 gradient accumulation; set train.zero_stage=1")
         self._validate_optimizer()
-        if self.activation_checkpoint_interval < 0:
-            raise ConfigError(f"train.activation_checkpoint_interval={self.activation_checkpoint_interval} "
-                              f"must be >= 0")
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"train.recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-        if self.recompute == "selective" and self.activation_checkpoint_interval > 0:
-            raise ConfigError(f"train.recompute=selective with train.activation_checkpoint_interval="
-                              f"{self.activation_checkpoint_interval}: the interval is for full recompute; "
-                              f"set train.recompute=full or train.activation_checkpoint_interval=0")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"train.schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -228,18 +218,6 @@ class TrainSection:
             raise ConfigError("train.optimizer=muon with train.precision=fp16 needs train.zero_stage=1 "
                               "(DeepSpeed's ZeRO-0 fp16 optimizer is not supported with Muon)")
 
-    @property
-    def recompute_mode(self) -> str:
-        """none, selective or full, with the older `activation_checkpoint_interval` alone read as full."""
-        if self.recompute == "none" and self.activation_checkpoint_interval > 0:
-            return "full"
-        return self.recompute
-
-    @property
-    def full_recompute_interval(self) -> int:
-        """Blocks per checkpoint for PipelineModule; 0 when blocks are not recomputed whole."""
-        return max(1, self.activation_checkpoint_interval) if self.recompute_mode == "full" else 0
-
 
 def muon_stage_error(counts: List[int], cut: str) -> ConfigError:
     """train.optimizer=muon needs a hidden matrix on every stage (launch/engine/engine.py:
@@ -306,7 +284,7 @@ class Recipe:
         """The model to build: this recipe's model section with the tokenizer's vocabulary resolved
         (and its EOS, which starts each document under data.document_mask)."""
         return GPTConfig(**dict(dataclasses.asdict(self.model), vocab_size=vocab_size), seed=self.train.seed,
-                         recompute_attention=self.train.recompute_mode == "selective",
+                         recompute_attention=self.train.recompute == "selective",
                          document_mask=self.data.document_mask, eos_token_id=eos_token_id)
 
     def to_dict(self) -> Dict[str, Any]:

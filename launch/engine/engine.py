@@ -25,7 +25,7 @@ def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config:
         return " ".join(str(g) for g in lists)
     train_cfg = recipe.train
     flops = [sum(f) for f in stage_flops(config, pipe.parts, layout.micro_batch_size, recipe.seq_len,
-                                         train_cfg.recompute_mode == "full")]
+                                         train_cfg.recompute == "full")]
     cp = layout.cp
     print(f"layout: world {layout.world_size} = tp {layout.tp} x " + (f"cp {cp} x " if cp > 1 else "")
           + f"pp {layout.pp} x dp {layout.dp} (axis order pipe, data, model: TP ranks adjacent"
@@ -45,7 +45,7 @@ def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config:
         if recipe.model.sequence_parallel and layout.tp > 1 else f"(b, T{per_cp}, h) = ({b}, {seq_local}, h)"
     schedule = train_cfg.schedule if runs_zero_bubble(train_cfg.schedule, layout.pp) or train_cfg.schedule == "1f1b" \
         else f"1f1b ({train_cfg.schedule} needs pp > 1)"
-    print(f"activations: {shard} per rank between TP linears and across stages; recompute {train_cfg.recompute_mode}; "
+    print(f"activations: {shard} per rank between TP linears and across stages; recompute {train_cfg.recompute}; "
           f"schedule {schedule}", flush=True)
 
 
@@ -107,7 +107,8 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
         from launch.engine.experts import register_expert_groups
         register_expert_groups(state)
     with quiet_stdout(not verbose):  # DeepSpeed's own layer listing: the role map shows it
-        pipe = build_pipeline(config, state, train_cfg.full_recompute_interval, parts=layout.parts or None)
+        checkpoint_every = 1 if train_cfg.recompute == "full" else 0  # full recompute: every block's input
+        pipe = build_pipeline(config, state, checkpoint_every, parts=layout.parts or None)
     if compiled:  # in place, before DeepSpeed wraps the module: each block compiles on its first call
         compile_blocks(pipe)
     if init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them

@@ -29,7 +29,7 @@ from torch.nn import functional
 
 from model.config import GPTConfig
 from model.parallel.all_to_all import all_to_all_from_experts, all_to_all_to_experts, exchange_counts
-from model.parallel.layers import group_rank, group_size, mark_sequence_parallel, split_rows
+from model.parallel.layers import group_rank, group_size, mark_sequence_parallel, mark_tensor_parallel, split_rows
 from model.parallel.mappings import (Group, all_gather_sequence, copy_to_tp_region,
                                      gather_from_sequence_parallel_region, reduce_from_tp_region,
                                      reduce_scatter_to_sequence_parallel_region)
@@ -108,12 +108,11 @@ class ExpertMLPs(nn.Module):
             down.append(split_rows(full_down.t(), tp_rank, tp_size).t())  # (h, f/t)
         self.gate_up_proj = nn.Parameter(torch.stack(gate_up))  # (E/ep, 2f/t, h)
         self.down_proj = nn.Parameter(torch.stack(down).contiguous())  # (E/ep, h, f/t)
-        for param, dim in ((self.gate_up_proj, 1), (self.down_proj, 2)):
-            param.tensor_model_parallel = True  # each TP rank holds a shard: counted on every one (contract 5)
-            param.partition_dim = dim
-            param.partition_stride = 1
+        # Each TP rank holds a shard: counted on every one (contract 5).
+        mark_tensor_parallel(self.gate_up_proj, partition_dim=1, sections=(f, f))
+        mark_tensor_parallel(self.down_proj, partition_dim=2)
+        for param in (self.gate_up_proj, self.down_proj):
             mark_expert(param, ep_size)
-        self.gate_up_proj.partition_sections = (f, f)
 
     def forward(self, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
         """(M, h) rows grouped by local expert (`rows`: how many each) -> (M, h) partial sums over TP."""

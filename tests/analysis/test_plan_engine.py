@@ -116,7 +116,7 @@ def _engine_holds_the_planned_bytes():
 
         train = recipe.train
         setup = Setup(gpus=layout.world_size, tp=tp, pp=pp, micro_batch=train.micro_batch_size,
-                      global_batch=train.global_batch_size, zero=train.zero_stage, recompute=train.recompute_mode,
+                      global_batch=train.global_batch_size, zero=train.zero_stage, recompute=train.recompute,
                       partition=train.partition, schedule=train.schedule, precision=train.precision,
                       grad_accum_fusion=train.grad_accum_fusion)
         plan = estimate_plan(dataclasses.replace(recipe.model, vocab_size=VOCAB), setup,

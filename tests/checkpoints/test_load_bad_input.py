@@ -1,7 +1,7 @@
 """A malformed `--load` is one line, exit 2, before any process group starts: a complete.json of
-another shape or of a newer version, a `latest` that is not a tag of its directory, a link named
+another format, of another shape or of a newer version, a `latest` that is not a tag of its directory, a link named
 as a tag. And nothing outside the save directory is read as a checkpoint of it or written through
-a link (launch/checkpoints/locate.py: check_manifest, _latest_of, refuse_another_runs_save_dir;
+a link (launch/checkpoints/locate.py: check_format, check_manifest, _latest_of, refuse_another_runs_save_dir;
 store.py: save; safe_io.py: write_durably; pruning: test_checkpoint.py). Every checkpoint here is a hand-written complete.json: no training."""
 import json
 import os
@@ -12,6 +12,7 @@ import pytest
 
 from helpers.file_tree import file_tree
 from helpers.launcher import TINY
+from helpers.manifest import complete_json
 from launch.checkpoints.locate import find_resume_point
 from launch.errors import ConfigError
 from launch.train import main
@@ -20,14 +21,12 @@ TAG = "step00000005"
 
 
 def _meta(**changes):
-    """A complete.json that find_checkpoint takes (a manifest of no files, as test_resume_changes.py
-    writes) and a tiny.yaml run resumes: its recipe as trained, with the builtin tokenizer's vocabulary."""
+    """A complete.json that find_checkpoint takes (a manifest of no files) and a tiny.yaml run
+    resumes: its recipe as trained, with the builtin tokenizer's vocabulary."""
     from launch.config.recipe import load_recipe
     from launch.feed.run_inputs import resolved_recipe_dict
-    meta = {"step": 5, "samples": 80, "layout": {"tp": 1, "pp": 1, "dp": 1, "parts": [0, 6]},
-            "recipe": resolved_recipe_dict(load_recipe(TINY, []), 4096), "files": {}, "parent": None}
-    meta.update(changes)
-    return meta
+    layout = {"tp": 1, "pp": 1, "dp": 1, "parts": [0, 6]}
+    return complete_json(resolved_recipe_dict(load_recipe(TINY, []), 4096), layout, **changes)
 
 
 def _save_dir(root: Path, manifest, latest: bytes = TAG.encode()) -> Path:
@@ -64,9 +63,9 @@ def _with(path, value):
 
 
 def test_a_hand_written_manifest_loads(tmp_path):
-    """The baseline each case below changes: it loads, without a parent (a run's first save) too."""
+    """The baseline each case below changes: it loads, with a parent and without (null: a run's first save)."""
     assert find_resume_point(_save_dir(tmp_path / "a", _meta()), None, is_writer=True).meta["step"] == 5
-    assert find_resume_point(_save_dir(tmp_path / "b", _with("parent", None)), None, is_writer=True).tag == TAG
+    assert find_resume_point(_save_dir(tmp_path / "b", _meta(parent="step00000004")), None, is_writer=True).tag == TAG
 
 
 @pytest.mark.parametrize("manifest,words", [
@@ -81,6 +80,10 @@ def test_a_hand_written_manifest_loads(tmp_path):
     (json.dumps(_with("recipe", None)).encode(), ["(no recipe)"]),
     (json.dumps(_with("layout", None)).encode(), ["(no layout)"]),
     (json.dumps(_with("files", None)).encode(), ["(no files)"]),
+    (json.dumps(_with("engine_zero_stage", None)).encode(), ["(no engine_zero_stage)"]),
+    (json.dumps(_with("data_fingerprint", None)).encode(), ["(no data_fingerprint)"]),
+    (json.dumps(_with("data_origin_samples", None)).encode(), ["(no data_origin_samples)"]),
+    (json.dumps(_with("world_size", 0)).encode(), ["world_size=0, expected an integer >= 1"]),
     (json.dumps(_with("step", "7")).encode(), ["step='7', expected an integer from 0 to"]),
     (json.dumps(_with("step", -1)).encode(), ["step=-1, expected an integer from 0 to"]),
     (json.dumps(_meta()).replace('"step": 5', '"step": 1e400').encode(), ["step=Infinity"]),
@@ -93,17 +96,22 @@ def test_a_hand_written_manifest_loads(tmp_path):
     (json.dumps(_with("recipe.data", None)).encode(), ["no recipe.data, expected an object"]),
     (json.dumps(_with("recipe.data.tokenizer", 7)).encode(), ["recipe.data.tokenizer=7, expected a tokenizer's"]),
     (json.dumps(_with("recipe.train.global_batch_size", "16")).encode(), ["recipe.train.global_batch_size='16'"]),
+    (json.dumps(_with("recipe.train.optimizer", None)).encode(), ["no recipe.train.optimizer"]),
     (json.dumps(_with("recipe.train.optimizer", "adamw\x1b[2J")).encode(), ["recipe.train.optimizer='adamw\\x1b[2J'"]),
     (json.dumps(_with("recipe.model.n_embd", "64")).encode(), ["recipe.model.n_embd='64', expected int"]),
     (json.dumps(_with("recipe.model.dropout", float("nan"))).encode(), ["recipe.model.dropout=NaN, expected float"]),
     (json.dumps(_with("recipe.model.arch", "gpt5")).encode(), ["recipe.model.arch='gpt5' is not one of"]),
     (json.dumps(_with("recipe.model.n_layer", 0)).encode(), ["recipe.model.n_layer=0 must be >= 1"]),
-    (json.dumps(_with("recipe.model.moe", 3)).encode(), ["recipe.model.moe=3, expected an object or null"]),
+    (json.dumps(_with("recipe.model.moe", 3)).encode(), ["recipe.model.moe=3, expected an object"]),
+    (json.dumps(_with("recipe.model.moe", None)).encode(), ["no recipe.model.moe"]),
+    (json.dumps(_with("recipe.model.sequence_parallel", None)).encode(), ["no recipe.model.sequence_parallel"]),
+    (json.dumps(_with("recipe.model.moe.num_experts", None)).encode(), ["no recipe.model.moe.num_experts"]),
     (json.dumps(_with("layout", "tp=1")).encode(), ["layout='tp=1', expected an object"]),
     (json.dumps(_with("layout.tp", "1")).encode(), ["layout.tp='1', expected an integer >= 1"]),
+    (json.dumps(_with("layout.ep", None)).encode(), ["no layout.ep, expected an integer >= 1"]),
     (json.dumps(_with("layout.pp", 9)).encode(), ["layout.pp=9, expected at most model.n_layer=4"]),
     (json.dumps(_with("layout.parts", "0,6")).encode(), ["layout.parts='0,6', expected 2 layer indices"]),
-    (json.dumps(_with("layout.parts", None)).encode(), ["recipe.model.n_layer=4, expected at most the 0 files"]),
+    (json.dumps(_with("layout.parts", None)).encode(), ["no layout.parts, expected 2 layer indices"]),
     (json.dumps(_with("files", [])).encode(), ["files=[], expected an object"]),
     (json.dumps(_with("files", {"../../etc/passwd": 1})).encode(), ["'../../etc/passwd', expected a path inside"]),
     (json.dumps(_with("files", {"a.pt": "1"})).encode(), ["files['a.pt']='1', expected a size in bytes"]),
@@ -118,6 +126,19 @@ def test_a_manifest_of_another_shape_is_one_line(manifest, words, tmp_path):
     _refused(ck, f"checkpoint {str(ck / TAG)!r} has an unreadable complete.json (", *words,
              "restore it or load another checkpoint")
     _refused(ck / TAG, "has an unreadable complete.json", *words)  # the tag directory itself
+
+
+@pytest.mark.parametrize("found,shown", [(None, "no format"), (0, "format 0"), (2, "format 2"), ("1", "format '1'"),
+                                         (True, "format true")])
+def test_a_manifest_of_another_format_is_one_line_naming_it(found, shown, tmp_path):
+    """Format 1 is what this version writes and reads (launch/checkpoints/locate.py: CHECKPOINT_FORMAT);
+    any other, or none, is refused before any other key is read, whatever the rest holds."""
+    bare = {"step": 5} if found is None else {"format": found}  # the rest of the manifest missing too
+    for name, meta in (("whole", _with("format", found)), ("bare", bare)):
+        ck = _save_dir(tmp_path / name / "ck", meta)
+        message = _refused(ck, f"checkpoint {str(ck / TAG)!r} has {shown}; this version reads format 1: resume it "
+                               f"with the version that wrote it")
+        assert "unreadable" not in message
 
 
 @pytest.mark.parametrize("key", ["model.new_thing", "model.moe.new_thing"])
@@ -230,6 +251,12 @@ def test_through_train_main_exit_2_one_line(tmp_path, monkeypatch, capsys):
     _one_line_exit_2(["--load", str(_save_dir(tmp_path / "newer", _with("recipe.model.new_thing", 1)))], capsys,
                      "was written by a newer version: its recipe has model.new_thing")
     _one_line_exit_2(["--load", str(_save_dir(tmp_path / "step", _with("step", "7")))], capsys, "step='7'")
+    for found, shown in ((None, "no format"), (0, "format 0"), (2, "format 2")):
+        ck = _save_dir(tmp_path / f"format-{found}", _with("format", found))
+        kept = file_tree(ck)
+        _one_line_exit_2(["--save", str(ck), "--load", str(ck)], capsys,
+                         f"checkpoint {str(ck / TAG)!r} has {shown}; this version reads format 1")
+        assert file_tree(ck) == kept
     out = _save_dir(tmp_path / "out", _meta(step=7, samples=112))
     _one_line_exit_2(["--load", str(_save_dir(tmp_path / "abs", _meta(), str(out / TAG).encode()))], capsys,
                      f"its latest names {str(out / TAG)!r}, which is no tag directory of it")

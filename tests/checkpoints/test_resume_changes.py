@@ -1,24 +1,19 @@
 """What a resume may change (launch/checkpoints/locate.py: check_compatible, find_checkpoint), checked
 on complete.json contents before any engine: sequence parallelism may change and the shape may not;
-the ZeRO stage may change where the state re-shards; a Llama checkpoint from before the fused
-projections is one line saying how to carry it over."""
-import json
-
+the ZeRO stage may change where the state re-shards."""
 import pytest
 
-from helpers.launcher import TINY
+from helpers.manifest import complete_json
 
 
 def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
-    """SP leaves every weight's shape and shard alone: a checkpoint saved without it (or before
-    the key existed) resumes with it; a different n_embd is still refused."""
+    """SP leaves every weight's shape and shard alone: a checkpoint saved without it resumes with
+    it; a different n_embd is still refused."""
     from launch.checkpoints.locate import CheckpointRef, check_compatible
     from launch.config.recipe import Recipe
     from launch.errors import ConfigError
-    layout = {"tp": 2, "pp": 2, "dp": 1}
-    saved = Recipe().to_dict()
-    del saved["model"]["sequence_parallel"]  # a checkpoint from before the switch
-    ref = CheckpointRef(tmp_path, "step00000005", {"recipe": saved, "layout": layout})
+    layout = {"tp": 2, "pp": 2, "dp": 1, "cp": 1, "ep": 1, "parts": []}
+    ref = CheckpointRef(tmp_path, "step00000005", complete_json(Recipe().to_dict(), layout))
     now = Recipe()
     now.model.sequence_parallel = True
     check_compatible(ref, now.to_dict(), layout)
@@ -37,7 +32,7 @@ def test_a_change_of_zero_stage_re_shards_except_fp16_and_experts_at_zero_0(tmp_
     from launch.errors import ConfigError
 
     def layout(tp, pp, dp, parts=(0, 3, 6)):
-        return {"tp": tp, "pp": pp, "dp": dp, "parts": list(parts)}
+        return {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "ep": 1, "parts": list(parts)}
 
     def recipe(**train):
         r = Recipe()
@@ -47,14 +42,14 @@ def test_a_change_of_zero_stage_re_shards_except_fp16_and_experts_at_zero_0(tmp_
         return r.to_dict()
 
     def ref(saved_recipe, saved_layout, stage=None):
-        meta = {"recipe": saved_recipe, "layout": saved_layout}
-        if stage is not None:
+        meta = complete_json(saved_recipe, saved_layout)
+        if stage is not None:  # else the recipe's
             meta[ENGINE_ZERO_STAGE] = stage
         return CheckpointRef(tmp_path, "step00000005", meta)
 
     check_compatible(ref(recipe(), layout(2, 1, 2), 1), recipe(), layout(2, 1, 1))  # ZeRO-1 -> ZeRO-0
     check_compatible(ref(recipe(), layout(1, 1, 1), 0), recipe(), layout(1, 1, 2))  # ZeRO-0 -> ZeRO-1
-    check_compatible(ref(recipe(), layout(1, 1, 1)), recipe(), layout(1, 1, 1))  # saved before: ZeRO-1 -> ZeRO-0
+    check_compatible(ref(recipe(), layout(1, 1, 1), 1), recipe(), layout(1, 1, 1))  # forced ZeRO-1 -> ZeRO-0
     fp16 = recipe(precision="fp16", zero_stage=0)
     with pytest.raises(ConfigError, match=r"saved at tp=1 pp=1 dp=2 with ZeRO-0, this run is tp=2 pp=1 dp=1 with "
                                           r"ZeRO-0.*re-sharding fp16 needs ZeRO-1 on both sides, and the checkpoint's "
@@ -66,27 +61,3 @@ def test_a_change_of_zero_stage_re_shards_except_fp16_and_experts_at_zero_0(tmp_
     moe["model"].update(arch="mixtral", moe={"num_experts": 4, "experts_per_token": 2})
     with pytest.raises(ConfigError, match="re-sharding a mixture of experts needs ZeRO-1 on both sides, and the run's"):
         check_compatible(ref(dict(moe, train=recipe()["train"]), layout(1, 1, 2), 1), moe, layout(1, 1, 1))
-
-
-def test_llama_checkpoint_with_separate_projections_is_refused_in_one_line(tmp_path):
-    """A Llama checkpoint saved before q/k/v and gate/up were fused (complete.json without the
-    mark) names weights the model no longer has: one line saying how to carry them over, before
-    any engine; a GPT-2 checkpoint without the mark and a marked Llama one pass."""
-    from launch.checkpoints.locate import FUSED_LLAMA, find_checkpoint
-    from launch.config.recipe import load_recipe
-    from launch.errors import ConfigError
-    from helpers.launcher import LLAMA_TINY
-    for name, recipe, marked, refused in (("old-llama", LLAMA_TINY, False, True), ("llama", LLAMA_TINY, True, False),
-                                          ("gpt2", TINY, False, False)):
-        tag = tmp_path / name / "step00000005"
-        tag.mkdir(parents=True)
-        meta = {"step": 5, "samples": 80, "layout": {"tp": 1, "pp": 1, "dp": 1, "parts": [0, 6]},
-                "recipe": load_recipe(recipe, []).to_dict(), "files": {}, **({FUSED_LLAMA: True} if marked else {})}
-        (tag / "complete.json").write_text(json.dumps(meta))
-        if not refused:
-            find_checkpoint(tag)
-            continue
-        with pytest.raises(ConfigError) as error:
-            find_checkpoint(tag)
-        message = str(error.value)
-        assert "separate q/k/v (and gate/up) projections" in message and "--init-from-hf" in message and "\n" not in message

@@ -44,7 +44,7 @@ def _saved(data, step=3):
     """A checkpoint's record of the run's data (what launch/checkpoints/store.py writes)."""
     return CheckpointRef(root=Path("ck"), tag=f"step{step:08d}",
                          meta={"step": step, "samples": 4 * step, "data_fingerprint": data_fingerprint(data),
-                               "data_state": None})
+                               "data_state": None, "data_origin_samples": 0})
 
 
 def test_data_files_select_the_files_of_a_repository(repository, tokenizer, stream_cache):

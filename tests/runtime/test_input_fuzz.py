@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from data.builtin import builtin_tokenizer_dir
 from helpers.input_fuzz import InputFuzz
-from launch.checkpoints.locate import ENGINE_ZERO_STAGE, FUSED_LLAMA
+from launch.checkpoints.locate import CHECKPOINT_FORMAT, ENGINE_ZERO_STAGE
 from launch.train import main
 
 CASES = 400
@@ -59,9 +59,10 @@ def valid_meta():
     from launch.feed.run_inputs import resolved_recipe_dict
     from launch.trainer.startup import prepare_training_job
     job = prepare_training_job(parse_training_args(["--recipe", "recipes/tiny.yaml", "--steps", "2"]))
-    return {"step": 1, "samples": job.recipe.train.global_batch_size, "layout": vars(job.layout),
-            "recipe": resolved_recipe_dict(job.recipe, job.vocab_size), ENGINE_ZERO_STAGE: 0, "world_size": 1,
-            "wandb_run_id": None, "data_state": None, "parent": None, FUSED_LLAMA: True, "layout_auto": None,
+    return {"format": CHECKPOINT_FORMAT, "step": 1, "samples": job.recipe.train.global_batch_size,
+            "layout": vars(job.layout), "recipe": resolved_recipe_dict(job.recipe, job.vocab_size),
+            ENGINE_ZERO_STAGE: 0, "world_size": 1, "wandb_run_id": None, "data_state": None, "parent": None,
+            "layout_auto": None,
             "data_fingerprint": job.data_fingerprint, "data_origin_samples": 0, "files": {}}
 
 

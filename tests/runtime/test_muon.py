@@ -167,13 +167,12 @@ def test_a_checkpoint_resumes_only_with_its_optimizer(tmp_path):
     """Muon's state is a momentum per Muon matrix, AdamW's two moments: a checkpoint of one optimizer
     resumed with the other is one line that names both (launch/checkpoints/locate.py)."""
     import pytest
+    from helpers.manifest import complete_json
     from launch.checkpoints.locate import CheckpointRef, check_compatible
     from launch.config.recipe import Recipe
     from launch.errors import ConfigError
-    layout = {"tp": 1, "pp": 1, "dp": 1}
-    saved = Recipe().to_dict()
-    del saved["train"]["optimizer"]  # a checkpoint from before the key: AdamW's
-    ref = CheckpointRef(tmp_path, "step00000005", {"recipe": saved, "layout": layout})
+    layout = {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1, "parts": []}
+    ref = CheckpointRef(tmp_path, "step00000005", complete_json(Recipe().to_dict(), layout))  # AdamW's
     now = Recipe()
     check_compatible(ref, now.to_dict(), layout)
     now.train.optimizer = "muon"

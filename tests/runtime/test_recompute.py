@@ -1,7 +1,6 @@
 """Activation recomputation (`train.recompute`) changes memory, not maths: with dropout on, at
-tp=2 pp=2, full recompute (DeepSpeed's checkpointing of whole blocks, also through the older
-`train.activation_checkpoint_interval`) and selective recompute (the attention core, under
-torch.utils.checkpoint) replay the same dropout masks (default RNG and the per-TP-rank RNG of
+tp=2 pp=2, full recompute (DeepSpeed's checkpointing of whole blocks) and selective recompute
+(the attention core, under torch.utils.checkpoint) replay the same dropout masks (default RNG and the per-TP-rank RNG of
 attention dropout) and give the same losses and gradient norms as the run that keeps its
 activations. The same holds with sequence parallelism, whose residual and embedding dropout
 draw from the per-TP-rank RNG."""
@@ -30,7 +29,7 @@ def _assert_same(kept, recomputed):
 
 def test_recompute_replays_dropout_and_matches(tmp_path):
     kept = _run(tmp_path, "kept", [])
-    _assert_same(kept, _run(tmp_path, "interval", ["--set", "train.activation_checkpoint_interval=1"]))
+    _assert_same(kept, _run(tmp_path, "full", ["--set", "train.recompute=full"]))
     _assert_same(kept, _run(tmp_path, "selective", ["--set", "train.recompute=selective"]))
 
 
