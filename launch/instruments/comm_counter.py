@@ -160,7 +160,8 @@ class CommCounter:
 
     def install(self, engine: PipelineEngine) -> None:
         for op in PAYLOAD_ARGUMENT:
-            setattr(dist, op, self.wrap(op, getattr(dist, op)))
+            if hasattr(dist, op):  # the *_single names are torch 2.13's (model/parallel/torch_compat.py)
+                setattr(dist, op, self.wrap(op, getattr(dist, op)))
         # DeepSpeed's TorchBackend caches these two functions when it is built: wrap the cached ones.
         backend = importlib.import_module("deepspeed.comm.comm").cdb
         for attribute, op in (("all_gather_function", "all_gather_into_tensor"),
