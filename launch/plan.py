@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from launch.analysis.plan_report import plan_output, plot
+from launch.analysis.plan_args import THIS_DEVICE
 from launch.analysis.plan_setup import GPUS
 from launch.config.cli import OneLineErrorParser
 from launch.config.recipe import PRECISIONS, RECOMPUTE_MODES, SCHEDULES
@@ -69,12 +70,16 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     lay.add_argument("--partition", metavar="balanced|blocks|N,N,...",
                      help="where stages are cut: balanced compute, equal blocks, or blocks per stage "
                           "(default: the recipe's train.partition, else balanced)")
-    hw = p.add_argument_group("hardware (defaults per --gpu: " + "; ".join(
-        f"{name} {g.peak_flops / 1e12:.0f} TFLOP/s, {g.memory_gib:g} GiB, {g.intra_node_bw / 1e9:.0f} GB/s "
-        f"in node, {g.inter_node_bw / 1e9:.0f} GB/s across" for name, g in GPUS.items()) + ")")
-    hw.add_argument("--gpu", choices=sorted(GPUS), default="H100", help="GPU type (default H100)")
-    hw.add_argument("--gpu-memory", type=float, help="GiB per device (plan: no check if absent; "
-                                                    "--search: the --gpu's memory)")
+    hw = p.add_argument_group("hardware (--gpu: a datasheet entry of launch/analysis/plan_setup.py GPUS, matched to "
+                              "the name torch reports, e.g. H100 " + ", ".join(
+        f"{g.peak_flops / 1e12:.0f} TFLOP/s, {g.memory_gib:g} GiB, {g.intra_node_bw / 1e9:.0f} GB/s in node, "
+        f"{g.inter_node_bw / 1e9:.0f} GB/s across" for g in [GPUS["H100"]]) + "; or `this`)")
+    hw.add_argument("--gpu", choices=sorted(GPUS) + [THIS_DEVICE], default="H100",
+                    help="GPU type (default H100, the SXM); `this`: the GPU this process sees, its name, memory "
+                         "and cached calibration as --layout auto takes them")
+    hw.add_argument("--gpu-memory", type=float, help="GiB per device (plan: no check if absent; --search: the "
+                                                    "--gpu's memory less a headroom for the CUDA context and "
+                                                    "fragmentation)")
     hw.add_argument("--gpus-per-node", type=int, default=8, help="(default 8)")
     hw.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU")
     hw.add_argument("--intra-node-gbps", type=float, help="GB/s per GPU one way inside a node")

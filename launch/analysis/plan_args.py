@@ -7,10 +7,10 @@ import argparse
 import dataclasses
 from typing import Any, Tuple
 
-from launch.analysis.device_profile import DeviceProfile, datasheet_profile
+from launch.analysis.device_profile import DeviceProfile
 from launch.analysis.engine_memory import REDUCE_BUCKET_ELEMENTS
 from launch.analysis.partition import DEFAULT, parse_partition
-from launch.analysis.plan_setup import GIB, GPUS, Hardware, Setup
+from launch.analysis.plan_setup import GIB, GPUS, Hardware, Setup, device_hardware
 from model.config import ModelConfig
 from launch.config.recipe import load_recipe
 from launch.errors import ConfigError
@@ -43,7 +43,7 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
                                 seq_len=pick(args.seq_len, rm and rm.seq_len, GPT3["seq_len"]),
                                 vocab_size=vocab if vocab is not None else GPT3["vocab"],
                                 vocab_pad_multiple=pick(args.vocab_pad_multiple, rm and rm.vocab_pad_multiple, 1))
-    recompute = args.recompute or (rt.recompute_mode if rt else "none")
+    recompute = args.recompute or (rt.recompute if rt else "none")
     ds_settings = recipe.deepspeed if rm is not None else {}  # the recipe's own DeepSpeed settings
     comm_dtype = ds_settings.get("communication_data_type")
     if comm_dtype not in (None, "fp32", "bf16", "fp16"):
@@ -63,8 +63,7 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
                       "reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)),
                   grad_accum_fusion=rt.grad_accum_fusion if rt else True, expert_load=args.expert_load,
                   optimizer=args.optimizer or (rt.optimizer if rt else "adamw"))
-    gpu = GPUS[args.gpu]
-    memory = args.gpu_memory if args.gpu_memory is not None else (gpu.memory_gib if args.search else None)
+    memory = args.gpu_memory
     for name, value in [("--gpu-memory", memory), ("--peak-tflops", args.peak_tflops),
                         ("--intra-node-gbps", args.intra_node_gbps), ("--inter-node-gbps", args.inter_node_gbps),
                         ("--gpus-per-node", args.gpus_per_node), ("--top", args.top)]:
@@ -78,17 +77,42 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
         raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]")
     if args.calibrate and args.profile is not None:
         raise ConfigError("--calibrate measures a profile and --profile reads one: give one of them")
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else gpu.peak_flops
-    hardware = Hardware(peak_flops=peak,
-                        intra_node_bw=args.intra_node_gbps * 1e9 if args.intra_node_gbps else gpu.intra_node_bw,
-                        inter_node_bw=args.inter_node_gbps * 1e9 if args.inter_node_gbps else gpu.inter_node_bw,
-                        gpus_per_node=args.gpus_per_node, efficiency=args.efficiency,
-                        memory_bytes=memory * GIB if memory is not None else None,
-                        profile=datasheet_profile(args.gpu, peak, args.efficiency, gpu.memory_bw, args.roofline,
-                                                  setup.precision))
+    hardware = device_hardware_of(args, setup.precision)
+    # --gpu-memory is the budget as given; else --search keeps a candidate within the device's
+    # memory less the headroom (plan_setup.usable_memory_bytes); a single plan checks nothing.
+    hardware = dataclasses.replace(hardware, memory_bytes=memory * GIB if memory is not None else
+                                   hardware.memory_bytes if args.search else None)
     if args.profile is not None:
         hardware = dataclasses.replace(hardware, profile=read_profile(args.profile))
     return model, setup, hardware
+
+
+THIS_DEVICE = "this"
+"""--gpu this: the GPU this process sees, as --layout auto and a run's prediction take it."""
+
+
+def device_hardware_of(args: argparse.Namespace, precision: str) -> Hardware:
+    """--gpu's Hardware: a datasheet entry (GPUS) with the flags' overrides, or with `--gpu this`
+    the device here through the one function --layout auto uses (step_prediction.this_device_hardware)."""
+    if args.gpu == THIS_DEVICE:
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--gpu {THIS_DEVICE}: no GPU is visible here; name one of {', '.join(sorted(GPUS))}")
+        from launch.autotune.step_prediction import this_device_hardware
+        hardware, why_not = this_device_hardware(precision, args.gpus_per_node)
+        if hardware is None:  # an unknown device, not calibrated yet (--calibrate without --gpu this caches one)
+            raise ConfigError(f"--gpu {THIS_DEVICE}: {why_not}")
+        overrides = {"peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
+                     "intra_node_bw": args.intra_node_gbps and args.intra_node_gbps * 1e9,
+                     "inter_node_bw": args.inter_node_gbps and args.inter_node_gbps * 1e9}
+        return dataclasses.replace(hardware, **{k: v for k, v in overrides.items() if v})
+    gpu = GPUS[args.gpu]
+    gpu = dataclasses.replace(gpu, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else gpu.peak_flops,
+                              intra_node_bw=args.intra_node_gbps * 1e9 if args.intra_node_gbps else gpu.intra_node_bw,
+                              inter_node_bw=args.inter_node_gbps * 1e9 if args.inter_node_gbps else gpu.inter_node_bw)
+    hardware, _ = device_hardware(args.gpu, None, None, args.gpus_per_node, precision, args.efficiency, args.roofline,
+                                  gpu=gpu)
+    return hardware
 
 
 def read_profile(path) -> DeviceProfile:

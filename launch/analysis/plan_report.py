@@ -11,7 +11,8 @@ from launch.analysis import formulas
 from launch.analysis.device_profile import DeviceProfile, Shape
 from launch.analysis.plan_args import resolve
 from launch.analysis.plan_setup import GIB, Hardware, Setup, check_precision
-from launch.analysis.planner import block_case, estimate_plan, gemm_shapes, search, valid_candidates, why
+from launch.analysis.planner import (MODEL_ERROR, block_case, estimate_plan, gemm_shapes, pick_first, search,
+                                     valid_candidates, why)
 from model.config import ModelConfig
 from launch.config.recipe import RECOMPUTE_MODES
 from launch.errors import ConfigError
@@ -210,6 +211,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         + f"), MFU {plan['mfu_estimate']:.0%}; "
         + cost_model(hw),
     ]
+    lines += [f"note: {n}" for n in hw.notes]
     lines += [""] + [f"warning: {w}" for w in notes] if notes else []
     return "\n".join(lines)
 
@@ -233,7 +235,32 @@ def links(hw: Hardware) -> str:
     return f"{hw.intra_node_bw / 1e9:.0f} GB/s in node, {hw.inter_node_bw / 1e9:.0f} GB/s across"
 
 
-def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setup, hw: Hardware) -> str:
+def short(plan: Dict[str, Any]) -> str:
+    return (f"tp {plan['tp']} cp {plan['cp']} pp {plan['pp']} ep {plan['ep']} micro-batch {plan['micro_batch']} "
+            f"recompute {plan['recompute']}" + (f" {plan['schedule']}" if plan["pp"] > 1 else "")
+            + f" ({plan['step_time_s']:.4g} s)")
+
+
+def ties_line(pick: Dict[str, Any], ties: List[Dict[str, Any]], tolerance: float = MODEL_ERROR) -> str:
+    """One line: the candidates predicted within the model's measured error of the fastest, which
+    the pick (the conventional one among them) could not be told apart from; '' when none."""
+    axes = lambda plan: tuple(plan[k] for k in ("tp", "cp", "pp", "ep"))  # noqa: E731
+    others = {}
+    for plan in ties:  # the fastest of each other (tp, cp, pp, ep) the model could not separate
+        if axes(plan) != axes(pick):
+            others.setdefault(axes(plan), plan)
+    if not ties:
+        return ""
+    shown = list(others.values())
+    listed = (", ".join(short(plan) for plan in shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+              if shown else "only its own micro-batch and recompute variants")
+    return (f"near-tie: {len(ties) + 1} candidates ({len(shown) + 1} parallel layouts) are predicted within "
+            f"{tolerance:.0%} of the fastest, the cost model's measured median error; the pick is the conventional "
+            f"one (TP in a node, fewest parallel axes): {short(pick)}; not separated from {listed}")
+
+
+def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setup, hw: Hardware,
+                  ties: Optional[List[Dict[str, Any]]] = None) -> str:
     budget = f"{hw.memory_bytes / GIB:g} GiB" if hw.memory_bytes else "none"
     moe = any(sum(r["moe_blocks_per_stage"]) for r in plans[:1])  # an ep column for a model with experts
     ep_column = lambda r: f"{r['ep']:>3} " if moe else ""  # noqa: E731
@@ -247,7 +274,8 @@ def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setu
                      f"{r['microbatches_per_pipeline']:>4} {r['bubble_fraction']:>7.1%} "
                      f"{r['memory_per_device_bytes'] / GIB:>6.1f} {r['step_time_s']:>8.2f} "
                      f"{r['mfu_estimate']:>4.0%}  {why(r)}")
-    return "\n".join(lines)
+    tie = ties_line(plans[0], ties or []) if plans else ""
+    return "\n".join(lines + [f"note: {n}" for n in hw.notes] + ([tie] if tie else []))
 
 
 def plot(path: Path, plan: Dict[str, Any]) -> None:
@@ -287,10 +315,12 @@ def plan_output(args: argparse.Namespace, measure: Optional[Measure] = None) -> 
             raise ConfigError(f"none of the {len(valid)} valid layouts for {setup.gpus} GPUs and global batch "
                               f"{setup.global_batch} fits {hw.memory_bytes / GIB:g} GiB per device; "
                               f"try --recompute selective or full, --zero 1, more --gpus or a larger --gpu-memory")
-        chosen, output = plans[0], search_report(plans, len(valid), args.top, setup, hw)
+        plans, ties = pick_first(plans)
+        chosen, output = plans[0], search_report(plans, len(valid), args.top, setup, hw, ties)
         if args.json:
             output = json.dumps({"search": plans[:args.top], "valid_layouts": len(valid),
-                                 "fitting_layouts": len(plans)})
+                                 "fitting_layouts": len(plans), "not_separated": len(ties),
+                                 "memory_budget_bytes": hw.memory_bytes, "device_notes": list(hw.notes)})
     else:
         chosen = estimate_plan(model, setup, hw)
         notes = warnings(chosen, model, setup, hw)

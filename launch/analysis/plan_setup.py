@@ -22,19 +22,113 @@ GIB = 2 ** 30
 @dataclass(frozen=True)
 class GPU:
     peak_flops: float
-    """Dense bf16 FLOP/s (formulas.PEAK_FLOPS_BF16)."""
+    """Dense bf16 FLOP/s (no sparsity)."""
     memory_gib: float
+    """The vendor's memory size (HBM's "GB" are GiB of chips; a device reports a little less)."""
     intra_node_bw: float
-    """Bytes/s per GPU, one direction, inside a node (NVLink 4: 900 GB/s both ways; NVLink 3: 600)."""
+    """Bytes/s per GPU, one direction, inside a node (NVLink, xGMI, else PCIe)."""
     inter_node_bw: float
-    """Bytes/s per GPU, one direction, across nodes (one 400 Gb/s NDR or 200 Gb/s HDR NIC per GPU)."""
+    """Bytes/s per GPU, one direction, across nodes (one NIC per GPU, as in the vendor's reference node)."""
     memory_bw: float
-    """Bytes/s of device memory, the datasheet's (H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80 GB SXM 2.0 TB/s)."""
+    """Bytes/s of device memory, the datasheet's."""
+    names: Tuple[str, ...] = ()
+    """The device's name as torch.cuda.get_device_name reports it: matched whole, never as a part
+    ("NVIDIA GH200 480GB" is not an H200, "NVIDIA H100 PCIe" not the SXM)."""
+    source: str = ""
+    """The datasheet the numbers are from."""
 
 
-GPUS: Dict[str, GPU] = {"H100": GPU(formulas.PEAK_FLOPS_BF16["H100"], 80, 450e9, 50e9, 3.35e12),
-                        "H200": GPU(formulas.PEAK_FLOPS_BF16["H200"], 141, 450e9, 50e9, 4.8e12),
-                        "A100": GPU(formulas.PEAK_FLOPS_BF16["A100"], 80, 300e9, 25e9, 2.039e12)}
+# Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM, PCIe, NVL columns); NVIDIA H200 datasheet;
+# NVIDIA H800 product brief (NVLink 400 GB/s); NVIDIA H20 (HGX H20) datasheet; NVIDIA A100
+# datasheet (40/80 GB, SXM/PCIe); NVIDIA DGX B200 / HGX B200 datasheet (8 TB/s, NVLink 5 1.8 TB/s);
+# NVIDIA L40S datasheet (PCIe 4.0, no NVLink); AMD Instinct MI300X datasheet (7 Infinity Fabric
+# links, 896 GB/s in all). Link figures are both directions on the sheets; halved here. The NIC
+# across nodes: 400 Gb/s NDR per GPU (DGX H100/B200), 200 Gb/s HDR for A100 (DGX A100); PCIe cards
+# are capped by their slot (PCIe 5.0 x16 64 GB/s, 4.0 x16 32 GB/s a direction).
+_HOPPER_NIC, _AMPERE_NIC = 50e9, 25e9
+GPUS: Dict[str, GPU] = {
+    "H100": GPU(formulas.PEAK_FLOPS_BF16["H100"], 80, 450e9, _HOPPER_NIC, 3.35e12,
+                ("NVIDIA H100 80GB HBM3",), "NVIDIA H100 datasheet, SXM5"),
+    "H100-PCIe": GPU(756e12, 80, 64e9, _HOPPER_NIC, 2.0e12, ("NVIDIA H100 PCIe",), "NVIDIA H100 datasheet, PCIe"),
+    "H100-NVL": GPU(835e12, 94, 64e9, _HOPPER_NIC, 3.9e12, ("NVIDIA H100 NVL",),
+                    "NVIDIA H100 datasheet, NVL (the NVLink bridge joins pairs only: PCIe 5.0 between pairs)"),
+    "H200": GPU(formulas.PEAK_FLOPS_BF16["H200"], 141, 450e9, _HOPPER_NIC, 4.8e12, ("NVIDIA H200",),
+                "NVIDIA H200 datasheet, SXM"),
+    "H200-NVL": GPU(835e12, 141, 64e9, _HOPPER_NIC, 4.8e12, ("NVIDIA H200 NVL",),
+                    "NVIDIA H200 datasheet, NVL (bridges of 2 or 4: PCIe 5.0 beyond them)"),
+    "H800": GPU(989e12, 80, 200e9, _HOPPER_NIC, 3.35e12, ("NVIDIA H800",), "NVIDIA H800 SXM5 (NVLink 400 GB/s)"),
+    "H20": GPU(148e12, 96, 450e9, _HOPPER_NIC, 4.0e12, ("NVIDIA H20",), "NVIDIA HGX H20 datasheet"),
+    "A100": GPU(formulas.PEAK_FLOPS_BF16["A100"], 80, 300e9, _AMPERE_NIC, 2.039e12, ("NVIDIA A100-SXM4-80GB",),
+                "NVIDIA A100 datasheet, 80 GB SXM"),
+    "A100-40GB": GPU(312e12, 40, 300e9, _AMPERE_NIC, 1.555e12, ("NVIDIA A100-SXM4-40GB",),
+                     "NVIDIA A100 datasheet, 40 GB SXM"),
+    "A100-PCIe": GPU(312e12, 80, 32e9, _AMPERE_NIC, 1.935e12, ("NVIDIA A100 80GB PCIe",),
+                     "NVIDIA A100 datasheet, 80 GB PCIe"),
+    "A100-PCIe-40GB": GPU(312e12, 40, 32e9, _AMPERE_NIC, 1.555e12, ("NVIDIA A100-PCIE-40GB",),
+                          "NVIDIA A100 datasheet, 40 GB PCIe"),
+    "B200": GPU(2.25e15, 180, 900e9, _HOPPER_NIC, 8.0e12, ("NVIDIA B200",),
+                "NVIDIA HGX B200 datasheet (36 PFLOP/s bf16 with sparsity for 8 GPUs)"),
+    "L40S": GPU(362e12, 48, 32e9, _AMPERE_NIC, 0.864e12, ("NVIDIA L40S",), "NVIDIA L40S datasheet (PCIe 4.0)"),
+    "MI300X": GPU(1307e12, 192, 448e9, _HOPPER_NIC, 5.3e12, ("AMD Instinct MI300X",), "AMD Instinct MI300X datasheet"),
+}
+
+UNKNOWN_INTRA_NODE_BW = 32e9
+"""An unknown device's links in a node when none were measured: PCIe 4.0 x16, one direction (the
+slowest link a current accelerator node has between its devices)."""
+UNKNOWN_INTER_NODE_BW = 12.5e9
+"""An unknown device's links across nodes: one 100 Gb/s NIC per device."""
+
+HEADROOM_BYTES = 2 * GIB
+"""Device memory a training process cannot give to tensors, whatever the model: the CUDA context
+and its loaded kernels (about 0.5 GiB on a Hopper with lazy loading), cuBLAS and cuDNN
+workspaces and NCCL's communicator buffers (tens to hundreds of MiB each)."""
+HEADROOM_FRACTION = 0.05
+"""And PyTorch's caching allocator's fragmentation: blocks reserved but not allocated at the peak."""
+
+
+def usable_memory_bytes(total_bytes: float) -> float:
+    """What the planner lets a rank's predicted memory reach: the device's total less the headroom
+    (an "80 GB" H100, 79.1 GiB reported, gives 73.2 GiB)."""
+    return total_bytes * (1 - HEADROOM_FRACTION) - HEADROOM_BYTES
+
+
+def known_gpu(device_name: str) -> Optional[Tuple[str, GPU]]:
+    """The datasheet entry whose reported name is exactly `device_name` (case and spacing aside), else None."""
+    key = " ".join(device_name.split()).casefold()
+    return next(((label, gpu) for label, gpu in GPUS.items() if key in {n.casefold() for n in gpu.names}), None)
+
+
+def device_hardware(name: str, total_memory_bytes: Optional[float], profile: Optional[DeviceProfile],
+                    gpus_per_node: int, precision: str = "bf16", efficiency: float = 0.5, roofline: bool = False,
+                    gpu: Optional[GPU] = None) -> Tuple["Hardware", List[str]]:
+    """The one place a device becomes the planner's Hardware (launch/plan.py's --gpu, and on a GPU
+    what --layout auto and every run's prediction use): the datasheet of `gpu`, else of the entry
+    named exactly `name`; its memory budget `total_memory_bytes` (the device's own, else the
+    datasheet's) less the headroom; its calibration `profile`, else the datasheet's flat rate; links
+    measured, else the datasheet's, else a stated conservative default, never free. Returns the
+    lines to print about what was assumed."""
+    notes = []
+    if gpu is None:
+        found = known_gpu(name)
+        gpu = found[1] if found else None
+    total = total_memory_bytes if total_memory_bytes is not None else (gpu.memory_gib * GIB if gpu else None)
+    if profile is None:
+        if gpu is None:
+            raise ConfigError(f"no datasheet or calibration of {name!r}: `launch/plan.py --calibrate` on it measures one")
+        profile = datasheet_profile(name, gpu.peak_flops, efficiency, gpu.memory_bw, roofline, precision)
+    if gpu is not None:
+        intra, inter = gpu.intra_node_bw, gpu.inter_node_bw
+    else:
+        intra = profile.link_bw or UNKNOWN_INTRA_NODE_BW
+        inter = min(intra, UNKNOWN_INTER_NODE_BW)
+        how = "measured" if profile.link_bw else "assumed (PCIe 4.0 x16)"
+        notes.append(f"{name!r} has no datasheet entry: links {how} {intra / 1e9:.3g} GB/s in a node and "
+                     f"{inter / 1e9:.3g} GB/s across (one 100 Gb/s NIC a device assumed), peak from its fastest "
+                     f"measured GEMM")
+    peak = gpu.peak_flops if gpu else max(list(profile.gemm.values()) + [profile.flat_rate or 0.0], default=1.0) or 1.0
+    return Hardware(peak_flops=peak, intra_node_bw=intra, inter_node_bw=inter, gpus_per_node=gpus_per_node,
+                    efficiency=efficiency, memory_bytes=usable_memory_bytes(total) if total else None,
+                    profile=profile, notes=tuple(notes)), notes
 
 
 @dataclass(frozen=True)
@@ -104,6 +198,8 @@ class Hardware:
     """GEMM rates by shape, memory bandwidth and the fixed cost per micro-batch:
     measured here (launch/autotune/calibrate.py) or the datasheet's; None: `efficiency` of peak
     at every shape, no bandwidth floor."""
+    notes: Tuple[str, ...] = ()
+    """What was assumed about the device and must be said (an unknown device's links)."""
 
     def device_profile(self) -> DeviceProfile:
         return self.profile or datasheet_profile("datasheet", self.peak_flops, self.efficiency, None)

@@ -96,13 +96,15 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     arch = model.resolved()
     # An MoE block's shared experts add a dense MLP's two all-reduces (three with full recompute): half the block's.
     shared_tp_bytes = tp_bytes_per_block / 2 if arch.moe.enabled and arch.moe.shared_experts else 0.0
-    ep_bytes_per_block = experts.ep_bytes_per_step(arch, setup.ep, c, b, 1, 1, engine_memory.ELEMENT_BYTES[
-        setup.precision], setup.recompute) * (setup.ep - 1) / setup.ep  # all-to-all: 1/ep stays on the rank
+    # The busiest EP rank's all-to-all bytes (its load x the mean rows) and experts' rows; none at ep 1.
+    load = experts.busiest_rank_load(setup.expert_load, setup.ep)
+    ep_bytes_per_block = experts.ep_busiest_rank_bytes_per_block(arch, setup.ep, c, b, engine_memory.ELEMENT_BYTES[
+        setup.precision], setup.recompute, setup.expert_load)
     profile, shapes = hw.device_profile(), gemm_shapes(model, setup)
     rate = {kind: profile.gemm_rate(*shape) for kind, shape in shapes.items()}
     routed = [n * expert_flops_per_block(model, b, setup.full_recompute) for n in moe_blocks]
-    # A block's experts finish with the busiest one: its share of the rows is expert_load x the mean.
-    gemm = [((forward + backward - e) / rate["dense"] + (e * setup.expert_load / rate["expert"] if e else 0.0)) / (t * c)
+    # A block's experts finish with the busiest rank's: its share of the rows is load x the mean.
+    gemm = [((forward + backward - e) / rate["dense"] + (e * load / rate["expert"] if e else 0.0)) / (t * c)
             for (forward, backward), e in zip(flops, routed)]
     # Every micro-batch reads each of the rank's weights and adds into its gradient: at least
     # that traffic's time at the memory bandwidth (a small micro-batch is bound by it).
@@ -123,7 +125,7 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
         again = 1 if setup.full_recompute else 0  # full recompute reruns each block's forward
         piece = {kind: measured[kind] + again * measured[kind + ".forward"] for kind in ("dense", "moe") if kind in measured}
         # Measured with random routing (about balanced): the busiest expert's extra rows added.
-        imbalance = [(setup.expert_load - 1.0) * e / rate["expert"] / (t * c) if e else 0.0 for e in routed]
+        imbalance = [(load - 1.0) * e / rate["expert"] / (t * c) if e else 0.0 for e in routed]
         compute = [(n - n_moe) * piece.get("dense", 0.0) + n_moe * piece.get("moe", 0.0) + imbalance[k]
                    + (measured["head"] if k == p - 1 else 0.0) + engine[k]
                    for k, (n, n_moe) in enumerate(zip(blocks, moe_blocks))]
@@ -318,6 +320,36 @@ def ranking_key(plan: Dict[str, Any]) -> Tuple:
     then less memory."""
     return (plan["step_time_s"], -plan["micro_batch"], RECOMPUTE_COST_ORDER[plan["recompute"]],
             plan["memory_per_device_bytes"])
+
+
+MODEL_ERROR = 0.20
+"""The cost model's median relative error against measured step times (docs/planner-and-metrics.md,
+"--search and the cost model": 20% over the sweep's 15 layouts). Predictions closer than this
+cannot be told apart."""
+
+
+def parallel_axes(plan: Dict[str, Any]) -> int:
+    """How many of tp, cp, pp and ep the layout uses (data parallelism alone: 0)."""
+    return sum(plan[axis] > 1 for axis in ("tp", "cp", "pp", "ep"))
+
+
+def conventional_key(plan: Dict[str, Any]) -> Tuple:
+    """The layout practice starts from: TP inside a node, then fewer parallel axes."""
+    return (not plan["groups_within_node"]["tp"], parallel_axes(plan))
+
+
+def pick_first(plans: List[Dict[str, Any]], tolerance: float = MODEL_ERROR
+               ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """(`plans` fastest first by `ranking_key`, except that the pick leads: among those predicted
+    within `tolerance` of the fastest, the most conventional (`conventional_key`), then the fastest
+    of those; the others within `tolerance`, fastest first: what the model cannot separate from it).
+    launch/plan.py --search and --layout auto both order by this."""
+    ranked = sorted(plans, key=ranking_key)
+    if not ranked:
+        return ranked, []
+    near = [plan for plan in ranked if plan["step_time_s"] <= ranked[0]["step_time_s"] * (1 + tolerance)]
+    pick = min(near, key=lambda plan: (conventional_key(plan), ranking_key(plan)))
+    return [pick] + [plan for plan in ranked if plan is not pick], [plan for plan in near if plan is not pick]
 
 
 def why(plan: Dict[str, Any]) -> str:

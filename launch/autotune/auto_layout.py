@@ -6,11 +6,13 @@ rank builds the same layout even if their machines would measure differently. Th
 this machine's cached calibration, else a known GPU's datasheet; a CPU without a calibration is
 calibrated first (rank 0 measures the candidates' GEMM shapes with as many processes as the node
 runs, while the other ranks wait). Each candidate must pass the run's own layout rules
-(launch/config/layout.py, CPU rules included) and fit the device's memory (a GPU's; a CPU's is not
-checked). Axes given on the command line (--tp, --pp, --cp, --ep, and recompute and schedule
+(launch/config/layout.py, CPU rules included) and fit the device's memory (a GPU's total less a
+headroom, plan_setup.usable_memory_bytes; a CPU's is not checked). Axes given on the command line (--tp, --pp, --cp, --ep, and recompute and schedule
 given with --set) are kept; otherwise recompute and schedule are chosen too. Precision and ZeRO
 stay the recipe's. The candidates are ranked by predicted step time, equal times by fewer, larger
-micro-batches, then less recomputation (launch/analysis/planner.py: ranking_key). With --auto-sweep K the
+micro-batches, then less recomputation (launch/analysis/planner.py: ranking_key); among those
+predicted within the model's measured error of the fastest, the conventional layout is picked
+(planner.pick_first), as launch/plan.py --search --gpu this orders them. With --auto-sweep K the
 K first are measured for a few steps each and the fastest measured is trained
 (launch/autotune/auto_sweep.py)."""
 import argparse
@@ -72,7 +74,8 @@ def _fixed_axes(args) -> Dict[str, Any]:
 
 
 def _hardware(recipe: Recipe, model, setup, local: int):
-    """This machine's profile as Hardware: cached calibration, known GPU, or a calibration now."""
+    """This machine's profile as Hardware: cached calibration, known GPU, or a calibration now
+    (step_prediction.this_device_hardware, as launch/plan.py --gpu this takes it)."""
     from launch.analysis.planner import block_case, gemm_shapes, valid_candidates
     from launch.autotune.calibrate import calibrated_profile
     from launch.autotune.step_prediction import this_device_hardware
@@ -89,10 +92,11 @@ def _hardware(recipe: Recipe, model, setup, local: int):
 
 
 def rank_layouts(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: int, local: int,
-                 on_cpu: bool) -> Tuple[List[Dict[str, Any]], str]:
-    """(every candidate that passes the run's rules and fits, fastest first; the cost model)."""
-    from launch.analysis.plan_report import cost_model
-    from launch.analysis.planner import candidates, estimate_plan, ranking_key
+                 on_cpu: bool) -> Tuple[List[Dict[str, Any]], str, List[str]]:
+    """(every candidate that passes the run's rules and fits, in launch/plan.py --search's order
+    (planner.pick_first); the cost model; the lines to print about the device and near-ties)."""
+    from launch.analysis.plan_report import cost_model, ties_line
+    from launch.analysis.planner import candidates, estimate_plan, pick_first, ranking_key
     from launch.autotune.step_prediction import planner_inputs
     from launch.config.layout import check_and_derive_layout
     base = dataclasses.replace(recipe.train, cp=1, ep=1)
@@ -125,7 +129,10 @@ def rank_layouts(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: 
         if layout not in seen:
             seen.add(layout)
             distinct.append(plan)
-    return distinct, cost_model(hardware).removeprefix("cost model: ")
+    # launch/plan.py --search's order: within the model's error of the fastest, the conventional layout first.
+    distinct, ties = pick_first(distinct)
+    said = [f"note: {n}" for n in hardware.notes] + ([ties_line(distinct[0], ties)] if ties else [])
+    return distinct, cost_model(hardware).removeprefix("cost model: "), said
 
 
 def _one_rank_layout(world: int, recipe: Recipe):
@@ -140,7 +147,7 @@ def choose(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: int, l
     """Rank 0's decision as JSON: the choice and the top candidates (at least `sweep` of them, with
     a rendezvous port for each trial), or the refusal's line."""
     try:
-        ranked, model_used = rank_layouts(recipe, world, fixed, vocab_size, local, on_cpu)
+        ranked, model_used, said = rank_layouts(recipe, world, fixed, vocab_size, local, on_cpu)
     except ConfigError as e:
         return {"refused": str(e)}
     if not ranked:
@@ -156,7 +163,7 @@ def choose(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: int, l
     return {"choice": dict(tp=best["tp"], pp=best["pp"], cp=best["cp"], ep=best["ep"], micro_batch=best["micro_batch"],
                            recompute=best["recompute"], schedule=best["schedule"],
                            predicted_step_time_s=best["step_time_s"], ranked=len(ranked), cost_model=model_used),
-            "top": top, "trial_ports": [free_port() for _ in top[:sweep]]}
+            "top": top, "trial_ports": [free_port() for _ in top[:sweep]], "said": said}
 
 
 def _swept_choice(args, decision: dict, planned: AutoChoice, world: int, fixed: Dict[str, int]) -> AutoChoice:
@@ -200,6 +207,6 @@ def auto_layout(args, recipe: Recipe, world: int, vocab_size: int, on_cpu: bool)
     if sweep:
         choice = _swept_choice(args, decision, choice, world, fixed)
     if rank0:
-        print(choice.line(), flush=True)
+        print("\n".join(decision.get("said", []) + [choice.line()]), flush=True)
     chosen = argparse.Namespace(**{**vars(args), "overrides": list(args.overrides) + choice.overrides()})
     return training_recipe(chosen), choice

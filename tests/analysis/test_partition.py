@@ -11,7 +11,6 @@ from launch.analysis import partition
 from launch.analysis.device_profile import DeviceProfile
 from launch.analysis.formulas import PEAK_FLOPS_BF16
 from launch.analysis.schedule_sim import idle_fraction, simulate_schedule
-from launch.checkpoints.locate import fill_saved_parts
 from launch.plan import main
 from model.config import ModelConfig
 
@@ -77,13 +76,6 @@ def test_recompute_and_seq_len_enter_the_costs():
     assert recomputed[block][0] == plain[block][0] and recomputed[block][1] == 3 * plain[block][0]
     assert recomputed[-1] == plain[-1]  # the head is never recomputed
     assert partition.layer_flops(model, 1, seq_len=16)[block][0] < plain[block][0]
-
-
-def test_checkpoint_without_recorded_parts_was_cut_by_blocks():
-    meta = {"layout": {"tp": 1, "pp": 3, "dp": 1}, "recipe": {"model": {"n_layer": 4, "n_head": 4, "n_embd": 64,
-                                                                      "seq_len": 32, "vocab_size": 4096}}}
-    fill_saved_parts(meta)
-    assert meta["layout"]["parts"] == [0, 4, 5, 8]  # [embed, wpe, b0, b1] [b2] [b3, ln_f, head]
 
 
 def test_per_stage_simulation_against_hand_derived_spans():
