@@ -22,7 +22,7 @@ padded to a multiple of 2*d elements (nccl_start_alignment_factor), so those ter
 padded sizes. Scalars (AdamW's step counts, kept on the host; the last gradient norm) are not
 model states and are not counted.
 """
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
@@ -114,3 +114,16 @@ def dp_allreduce_bytes(precision: str, zero_stage: int, dp: int, matrices: int, 
     if uses_bf16_optimizer(precision, zero_stage):
         return element * (padded_group(matrices, dp) + padded_group(vectors, dp))
     return element * (matrices + vectors)
+
+
+def adamw_step_temporary_bytes(zero_stage: int, groups: List[Tuple[int, int]]) -> int:
+    """What torch's AdamW allocates during the step, beyond its state: AdamW.step updates one parameter
+    group per call, and its foreach path (_multi_tensor_adam: the default for CUDA tensors, which
+    DeepSpeed's torch_adam keeps by passing foreach=None) makes one fp32 tensor per parameter,
+    torch._foreach_sqrt(exp_avg_sqs), freed when the group is done: 4 bytes per element of the
+    largest group the rank steps. `groups`: each group's (elements, the ranks ZeRO-1 partitions it
+    over); ZeRO-1 steps each group's padded flat partition (padded_group / d), ZeRO-0 the
+    parameters. (The single-tensor path, CPU's default, holds 8 bytes of one tensor at a time:
+    the sqrt and its quotient.)"""
+    stepped = [padded_group(n, d) // d if zero_stage >= 1 else n for n, d in groups if n]
+    return FP32 * max(stepped, default=0)

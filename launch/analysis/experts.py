@@ -203,3 +203,32 @@ def ep_bytes_per_step(m: ModelConfig, ep: int, cp: int, micro_batch: int, microb
     """Bytes one rank hands to the expert-parallel all-to-alls per step."""
     return sum(nbytes for _, _, nbytes in ep_comm_per_rank_per_step(m, ep, cp, micro_batch, microbatches,
                                                                     moe_blocks, element_bytes, recompute).values())
+
+
+# ---------------------------------------------------------------- imbalance across the EP ranks
+
+def busiest_rank_load(expert_load: float, ep: int) -> float:
+    """The busiest EP rank's routed rows over the mean rank's: `expert_load` (the max over the mean
+    of the tokens each expert-parallel rank receives) at ep > 1, and 1 at
+    ep = 1: a rank holding every expert computes and receives all N*k rows whatever the routing,
+    so nothing straggles there."""
+    return expert_load if ep > 1 else 1.0
+
+
+def ep_busiest_rank_bytes_per_block(m: ModelConfig, ep: int, cp: int, micro_batch: int, element_bytes: int,
+                                    recompute: str = "none", expert_load: float = 1.0) -> float:
+    """Bytes the busiest EP rank moves off itself in one MoE block's all-to-alls per micro-batch (the
+    time of an all-to-all is its busiest rank's): the counts (E int64) as ep_comm_by_pass has them,
+    and every row exchange at load x the mean rank's N*k rows (the dispatch and the backward
+    combine deliver its load x N*k rows to it, the forward combine and the backward dispatch hand
+    them back); 1/ep of them stay on the rank. Nothing at ep = 1."""
+    if ep == 1:
+        return 0.0
+    load = busiest_rank_load(expert_load, ep)
+    counts = rows = 0
+    for (_, purpose), (_, _, nbytes) in ep_comm_by_pass(m, ep, cp, micro_batch, 1, 1, element_bytes, recompute).items():
+        if purpose == "ep-counts":
+            counts += nbytes
+        else:
+            rows += nbytes
+    return (counts + load * rows) * (ep - 1) / ep

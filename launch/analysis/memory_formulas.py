@@ -190,3 +190,47 @@ def head_weight_grad_stash_bytes(m: ModelConfig, seq_len: int, micro_batch: int,
     of the logits, the largest tensor of the model."""
     vocab = padded_vocab_size(m.vocab_size, tp, m.vocab_pad_multiple) // tp
     return element_bytes * seq_len * micro_batch * (m.n_embd + vocab)
+
+
+# ---------------------------------------------------------------- what a GPU run holds beyond the above
+
+FP32 = 4
+
+
+def logits_bytes(m: ModelConfig, seq_len: int, micro_batch: int, tp: int, element_bytes: int) -> int:
+    """The last stage's (b, s, V_pad/t) logits in the compute dtype: the head's output, which the loss
+    keeps from its forward to its backward and then overwrites with its own gradient
+    (model/parallel/cross_entropy.py, consume_logits: no second buffer; model/gpt/pipe.py frees them
+    after). One micro-batch's: the last stage runs each micro-batch's backward right after its forward."""
+    vocab = padded_vocab_size(m.vocab_size, tp, m.vocab_pad_multiple) // tp
+    return element_bytes * seq_len * micro_batch * vocab
+
+
+def loss_temporary_bytes(m: ModelConfig, seq_len: int, micro_batch: int, tp: int) -> int:
+    """What the chunked vocab-parallel loss allocates on top of the logits: one fp32 (chunk, V_pad/t)
+    temporary at a time (the shifted exponentials in forward, the softmax in backward; chunk =
+    CHUNK_BYTES / (4 V_pad/t) tokens, at most the micro-batch's), and per token the max, sum of
+    exponentials and target logit (fp32), the local target (int64) and two masks (bool) it keeps."""
+    from model.parallel.cross_entropy import CHUNK_BYTES  # imports torch: only when planning
+    vocab = padded_vocab_size(m.vocab_size, tp, m.vocab_pad_multiple) // tp
+    tokens = seq_len * micro_batch
+    chunk = min(tokens, max(1, CHUNK_BYTES // (FP32 * vocab)))
+    return FP32 * chunk * vocab + tokens * (3 * FP32 + 8 + 2)
+
+
+# Per process, outside torch's allocator statistics (not measured here: no GPU in the tests; stated
+# so that a device's usable memory can be computed, launch/analysis/device_profile.py):
+CUDA_CONTEXT_BYTES = 512 * 2 ** 20  # the CUDA context and its loaded kernels: ~0.3-0.6 GiB under
+#                                     CUDA_MODULE_LOADING=LAZY (CUDA 11.7+), more without; an estimate
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2 ** 20  # cuBLAS docs (cublasSetWorkspace): 32 MiB recommended on
+#                                            Hopper (4 MiB before); torch keeps one per handle and
+#                                            stream, and a cuBLASLt one of the same size
+NCCL_BUFFSIZE = 4 * 2 ** 20  # NCCL docs, environment variables: NCCL_BUFFSIZE default 4 MiB
+NCCL_CHANNELS = 32  # NCCL's upper bound on channels (NCCL_MAX_NCHANNELS); fewer on most topologies
+
+
+def process_fixed_bytes(communicators: int) -> int:
+    """Memory one GPU process holds whatever the model: the CUDA context, cuBLAS's workspaces and,
+    per NCCL communicator (one per process group a rank belongs to), a send and a receive buffer of
+    NCCL_BUFFSIZE per channel. An upper estimate from the documented defaults, not a measurement."""
+    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + communicators * 2 * NCCL_BUFFSIZE * NCCL_CHANNELS

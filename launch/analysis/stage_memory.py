@@ -1,8 +1,10 @@
 """The bytes one rank of a pipeline stage holds at its peak, as the planner counts them
 (launch/analysis/planner.py: estimate_plan): the engine's model states for the ZeRO stage the run
 builds (engine_memory.py), the activations of the micro-batches alive at the peak per recompute
-mode, ZB-H1's stash of weight-gradient inputs and Muon's step buffers; checked against a real
-engine's tensors in tests/analysis/test_plan_engine.py."""
+mode, ZB-H1's stash of weight-gradient inputs, the last stage's logits and the loss's chunk, and
+the optimizer step's temporaries (AdamW's foreach buffers, Muon's step buffers), which replace the
+activations at the step; checked against a real engine's tensors in
+tests/analysis/test_plan_engine.py and torch's allocations in tests/analysis/test_gpu_memory_terms.py."""
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
@@ -98,12 +100,20 @@ def stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, 
            "activations": activations[setup.recompute], "activations_no_recompute": activations["none"],
            "activations_selective": activations["selective"], "activations_recompute": activations["full"],
            "weight_grad_stash": stash, "weight_grad_stash_microbatches": deferred}
-    out["total"] = sum(chosen.values()) + out["activations"] + stash
+    # The last stage's logits and the loss's fp32 chunk: alive with that micro-batch's activations.
+    last = stage == setup.pp - 1
+    out["logits"] = memory_formulas.logits_bytes(arch, s, b, t, element) if last else 0
+    out["loss_temporaries"] = memory_formulas.loss_temporary_bytes(arch, s, b, t) if last else 0
+    forward_peak = out["activations"] + stash + out["logits"] + out["loss_temporaries"]
+    # The optimizer step runs after the last backward, when activations are freed: its temporaries.
+    out["optimizer_step_temporaries"] = engine_memory.adamw_step_temporary_bytes(
+        setup.zero, [(groups[0] - expert_params, dp), (groups[1], dp), (expert_params, max(1, dp // setup.ep))])
+    out["total"] = sum(chosen.values()) + max(forward_peak, out["optimizer_step_temporaries"])
     if setup.optimizer == "muon":  # one fp32 momentum where AdamW keeps two moments; its step's buffers
         from launch.analysis.muon_cost import muon_stage_cost
         muon = muon_stage_cost(arch, indices, setup.tp, dp, setup.ep, setup.zero)
         out["optimizer"] -= muon.momentum_bytes
         out["muon_step_buffers"] = muon.step_buffer_bytes  # held during the step, when activations are freed
-        out["total"] = sum(chosen.values()) - muon.momentum_bytes + max(out["activations"] + stash,
-                                                                        muon.step_buffer_bytes)
+        out["optimizer_step_temporaries"] = muon.step_buffer_bytes  # its AdamW group steps tensor by tensor
+        out["total"] = sum(chosen.values()) - muon.momentum_bytes + max(forward_peak, muon.step_buffer_bytes)
     return {k: round(v) for k, v in out.items()}
