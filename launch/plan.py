@@ -111,7 +111,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.calibrate:
             from launch.autotune.calibrate import calibrated_profile  # torch: only when measuring
             measure = calibrated_profile
-        output, chosen = plan_output(args, measure)
+        this_device = None
+        if args.gpu == THIS_DEVICE:
+            from launch.autotune.step_prediction import this_device_hardware  # torch: only for --gpu this
+            this_device = this_device_hardware
+        output, chosen = plan_output(args, measure, this_device)
     except ConfigError as e:
         return report_bad_input(e)
     print(output)

@@ -5,7 +5,7 @@ plan_report.py, which turns the resolved plan into text, JSON and a chart: this 
 each input comes from."""
 import argparse
 import dataclasses
-from typing import Any, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from launch.analysis.device_profile import DeviceProfile
 from launch.analysis.engine_memory import REDUCE_BUCKET_ELEMENTS
@@ -19,7 +19,7 @@ GPT3 = {"layers": 96, "hidden": 12288, "seq_len": 2048, "vocab": 51200}
 GPT3_HEAD_DIM = 128
 
 
-def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
+def resolve(args: argparse.Namespace, this_device: Optional[Callable] = None) -> Tuple[ModelConfig, Setup, Hardware]:
     """(ModelConfig, Setup, Hardware) from flags > recipe > GPT-3 defaults."""
     rm = rt = None
     if args.recipe is not None:
@@ -77,7 +77,7 @@ def resolve(args: argparse.Namespace) -> Tuple[ModelConfig, Setup, Hardware]:
         raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]")
     if args.calibrate and args.profile is not None:
         raise ConfigError("--calibrate measures a profile and --profile reads one: give one of them")
-    hardware = device_hardware_of(args, setup.precision)
+    hardware = device_hardware_of(args, setup.precision, this_device)
     # --gpu-memory is the budget as given; else --search keeps a candidate within the device's
     # memory less the headroom (plan_setup.usable_memory_bytes); a single plan checks nothing.
     hardware = dataclasses.replace(hardware, memory_bytes=memory * GIB if memory is not None else
@@ -91,15 +91,15 @@ THIS_DEVICE = "this"
 """--gpu this: the GPU this process sees, as --layout auto and a run's prediction take it."""
 
 
-def device_hardware_of(args: argparse.Namespace, precision: str) -> Hardware:
+def device_hardware_of(args: argparse.Namespace, precision: str, this_device: Optional[Callable] = None) -> Hardware:
     """--gpu's Hardware: a datasheet entry (GPUS) with the flags' overrides, or with `--gpu this`
-    the device here through the one function --layout auto uses (step_prediction.this_device_hardware)."""
+    the device here through the one function --layout auto uses: `this_device`, which launch/plan.py
+    hands in (launch/autotune/step_prediction.py: this_device_hardware, a layer above this one)."""
     if args.gpu == THIS_DEVICE:
         import torch
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() or this_device is None:
             raise ConfigError(f"--gpu {THIS_DEVICE}: no GPU is visible here; name one of {', '.join(sorted(GPUS))}")
-        from launch.autotune.step_prediction import this_device_hardware
-        hardware, why_not = this_device_hardware(precision, args.gpus_per_node)
+        hardware, why_not = this_device(precision, args.gpus_per_node)
         if hardware is None:  # an unknown device, not calibrated yet (--calibrate without --gpu this caches one)
             raise ConfigError(f"--gpu {THIS_DEVICE}: {why_not}")
         overrides = {"peak_flops": args.peak_tflops and args.peak_tflops * 1e12,

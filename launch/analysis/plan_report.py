@@ -293,11 +293,13 @@ def plot(path: Path, plan: Dict[str, Any]) -> None:
               f"((p-1)/(m+p-1) = {plan['bubble_fraction_equal_stages']:.1%})")
 
 
-def plan_output(args: argparse.Namespace, measure: Optional[Measure] = None) -> Tuple[str, Dict[str, Any]]:
+def plan_output(args: argparse.Namespace, measure: Optional[Measure] = None,
+                this_device: Optional[Callable] = None) -> Tuple[str, Dict[str, Any]]:
     """(the text or JSON to print, the plan to draw) for launch/plan.py's arguments; `measure`
     (launch/autotune/calibrate.py: calibrated_profile, for --calibrate) makes this machine's profile
-    from the GEMM shapes the plan needs, the dtype and the processes of a node."""
-    model, setup, hw = resolve(args)
+    from the GEMM shapes the plan needs, the dtype and the processes of a node; `this_device`
+    (launch/autotune/step_prediction.py: this_device_hardware) resolves `--gpu this`."""
+    model, setup, hw = resolve(args, this_device)
     check_precision(setup)  # before --search, which skips the layouts that fail their checks
     if measure is not None:
         planned = list(valid_candidates(model, setup)) if args.search else [setup]
