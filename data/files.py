@@ -58,10 +58,15 @@ class SourceFiles:
     names: List[str]
     sizes: List[int]
     versions: List[str]
-    """What changes when a file's content does (mtime, ETag, blob id): part of the cache keys."""
+    """What changes when a file's content does, the best its filesystem offers (an LFS sha256 or
+    blob id on the hub, an ETag over HTTP and object stores, the mtime of a local file): part of
+    the cache keys and of the data fingerprint (data/fingerprint.py)."""
     format: str
     label: str
     """The source as the recipe names it, without credentials (for messages)."""
+    commit: Optional[str] = None
+    """The hub commit a hub source was read at (its revision resolved once per job; every path
+    names it, so no rank reads another commit mid-run); None off the hub."""
 
     def where(self, file: int) -> str:
         """File `file` as a person finds it: its URL, or its path on a local disk; no credentials."""
@@ -173,18 +178,47 @@ def _resolve(name: str, config: Optional[str], split: str, revision: Optional[st
     if len(suffixes) != 1 or next(iter(suffixes)) not in FORMATS:
         raise DataError(f"data.name={label!r}: files must share one of the suffixes {', '.join(FORMATS)}; "
                         f"got {sorted(suffixes)}")
+    paths, commit = _at_one_commit(fs, paths, label)
     with ThreadPoolExecutor(INFO_THREADS) as pool:  # one HEAD (or listing lookup) per file, overlapped
         infos = list(pool.map(lambda p: _info(fs, p, label), paths))
     root = posixpath.commonpath([posixpath.dirname(shown(p)) for p in paths])
     return {"fs_url": fs_url, "paths": paths, "names": [shown(posixpath.relpath(p, root) if root else p) for p in paths],
             "sizes": [size for size, _ in infos], "versions": [version for _, version in infos],
-            "format": FORMATS[suffixes.pop()]}
+            "format": FORMATS[suffixes.pop()], "commit": commit}
+
+
+COMMIT = re.compile(r"[0-9a-f]{40}$")
+
+
+def _at_one_commit(fs: fsspec.AbstractFileSystem, paths: List[str], label: str) -> Tuple[List[str], Optional[str]]:
+    """(the paths, each naming the hub commit its revision resolves to now, that commit) on the hub's
+    filesystem; (paths, None) elsewhere. A branch (`main`, the default) or a tag names a commit
+    that moves when the dataset is updated: HfFileSystem resolves it again at each call, so an
+    update mid-run would mix two commits. `datasets` names the commit already (hf://...@<sha>)."""
+    if not hasattr(fs, "resolve_path") or not paths:  # HfFileSystem only
+        return paths, None
+    try:
+        with reading(f"{label}: the hub commit of {shown(paths[0])}"), hub_errors_only():
+            first = fs.resolve_path(paths[0])
+            if not hasattr(first, "repo_id"):  # a hub path outside a repository (a bucket): no commit
+                return paths, None
+            revision = first.revision
+            if not COMMIT.match(revision or ""):
+                revision = fs._api.repo_info(first.repo_id, repo_type=first.repo_type, revision=revision).sha
+            resolved = [fs.resolve_path(p) for p in paths]
+    except Exception as e:
+        raise DataError(f"data.name={label!r}: the hub revision could not be resolved: {type(e).__name__}: "
+                        f"{shown(str(e).splitlines()[0][:200]) if str(e) else ''}") from None
+    if len({(r.repo_type, r.repo_id, r.revision) for r in resolved}) != 1:
+        raise DataError(f"data.name={label!r} names files of more than one hub repository or revision; "
+                        f"stream one repository at one revision per source")
+    return [type(r)(r.repo_type, r.repo_id, revision, r.path_in_repo).unresolve() for r in resolved], revision
 
 
 def _listing(listing: dict, label: str) -> SourceFiles:
     fs, _ = filesystem(listing["fs_url"], label)
     return SourceFiles(fs, listing["paths"], listing["names"], listing["sizes"], listing["versions"],
-                       listing["format"], label)
+                       listing["format"], label, listing.get("commit"))
 
 
 def _info(fs: fsspec.AbstractFileSystem, path: str, label: str) -> Tuple[int, str]:
@@ -199,6 +233,17 @@ def _info(fs: fsspec.AbstractFileSystem, path: str, label: str) -> Tuple[int, st
     if info.get("size") is None:
         raise DataError(f"data.name={label!r}: the server does not say the size of {shown(path)} (no Content-Length); "
                         f"streaming reads files by byte ranges")
-    version = next((str(info[k]) for k in ("ETag", "etag", "mtime", "LastModified", "last_commit", "blob_id")
-                    if info.get(k) is not None), "")
-    return int(info["size"]), version
+    return int(info["size"]), content_version(info)
+
+
+def content_version(info: dict) -> str:
+    """What changes when a file's content does, from fsspec's `info`: the LFS sha256 or the git blob
+    id (the hub: both hash the content), the ETag (HTTP, S3, GCS: the server's content identity),
+    else the mtime (a local file: its content changed in place moves it); "" when none is given."""
+    lfs = info.get("lfs")
+    sha256 = (lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)) if lfs else None
+    if sha256:
+        return f"sha256:{sha256}"
+    return next((f"{tag}:{info[k]}" for k, tag in (("blob_id", "blob"), ("ETag", "etag"), ("etag", "etag"),
+                                                   ("mtime", "mtime"), ("LastModified", "mtime"))
+                 if info.get(k) is not None), "")

@@ -8,12 +8,15 @@ upstream commit to an unpinned hub dataset does the same. So the checkpoint keep
 fingerprint, and a resume whose data differs is refused in one line naming what changed
 (launch/trainer/startup.py), unless `--restart-data` asks for the data order to start again.
 
-The fingerprint holds what the dealing depends on, and nothing that does not (a mirror of the
-same files under another URL, a file's mtime): the run's seed, sequence length and tokenizer;
+The fingerprint holds what the dealing depends on: the run's seed, sequence length and tokenizer;
 per source its split, revision, config, text field, validation split or fraction, shuffling; the
 streams, shuffle block and unit size, and each file's name (relative to the source's common
-directory) and size for streamed sources; the number of windows and a digest of a spread of them
-for cached ones; the mixture's labels and weights."""
+directory, so a mirror under another URL keeps it), size and content identity, the best its
+filesystem offers (data/files.py content_version: the hub's LFS sha256 or blob id, an ETag, a
+local file's mtime), and the hub commit a hub source was read at, for streamed sources; the
+number of windows and a digest of a spread of them for cached ones; the mixture's labels and
+weights. Content rewritten in place at the same size, or another directory with the same names
+and sizes, reads other documents at the same unit positions; a hub branch that moved, other files."""
 import hashlib
 import json
 from typing import Any, Dict, List, Optional
@@ -47,7 +50,9 @@ def _source(part, prefix: str) -> Dict[str, Any]:
         files = part.train_stream.reader.files if hasattr(part.train_stream.reader, "files") else None
         fields.update({f"{prefix}.{name}": getattr(spec, name) for name in ("streams", "shuffle_buffer", "unit_bytes")})
         if files is not None:
-            fields[f"{prefix}.files"] = [[name, size] for name, size in zip(files.names, files.sizes)]
+            fields[f"{prefix}.files"] = [[name, size, version] for name, size, version
+                                         in zip(files.names, files.sizes, files.versions)]
+            fields[f"{prefix}.commit"] = files.commit
         else:  # a dataset in memory read by row ranges (builtin, a save_to_disk directory)
             fields[f"{prefix}.units"] = part.train_stream.reader.fingerprint()
     else:
@@ -66,7 +71,13 @@ def fingerprint_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]
         if json.dumps(before) == json.dumps(after):  # JSON's view: a saved tuple is a list
             continue
         if key.endswith(".files") and before is not None and after is not None:
-            changes.append(f"{key}: {_file_changes(before, after)}")
+            changed = _file_changes(before, after)
+            if changed:
+                changes.append(f"{key}: {changed}")
+        elif key.endswith(".commit"):
+            changes.append(f"{key}: the hub revision moved from commit {_shown(before)} to {_shown(after)} (pin "
+                           f"data.revision={before} to read the commit it was saved with, or hf://...@{before}/... "
+                           f"in an hf:// URL)")
         elif key.endswith((".windows", ".tokenizer", ".units")):
             changes.append(f"{key} (its content) changed")
         else:
@@ -75,13 +86,20 @@ def fingerprint_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]
 
 
 def _file_changes(before: List[List[Any]], after: List[List[Any]]) -> str:
-    old, new = dict(map(tuple, before)), dict(map(tuple, after))
+    """"" when the same files, else what differs: each entry is [name, size, content identity]."""
+    old, new = ({entry[0]: tuple(entry[1:]) for entry in files} for files in (before, after))
+    same_size = [n for n in new if n in old and new[n][0] == old[n][0]]
     parts = []
     for what, names in (("added", [n for n in new if n not in old]), ("removed", [n for n in old if n not in new]),
-                        ("resized", [n for n in new if n in old and new[n] != old[n]])):
+                        ("resized", [n for n in new if n in old and new[n][0] != old[n][0]]),
+                        ("changed in place at the same size", [n for n in same_size if new[n][1] != old[n][1]])):
         if names:
             parts.append(f"{len(names)} {what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
-    return "; ".join(parts) or "the same files in another order"
+    if parts and "changed in place" in parts[-1]:
+        parts[-1] += ": another ETag, blob id or mtime"
+    if not parts and [e[0] for e in before] != [e[0] for e in after]:
+        return "the same files in another order"
+    return "; ".join(parts)
 
 
 def _shown(value: Optional[Any]) -> str:

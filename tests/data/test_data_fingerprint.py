@@ -1,7 +1,10 @@
 """A source's identity, on a directory of data files read the way
-`datasets` reads a hub repository: `data.data_files` selects its files; a resume whose revision or
-files differ from the checkpoint's is refused naming the change; hub options given to a URL or a
-file, which name their data themselves, are refused instead of ignored."""
+`datasets` reads a hub repository: `data.data_files` selects its files; a resume whose revision,
+files or files' content differ from the checkpoint's is refused naming the change (content
+rewritten in place at the same size: a local file's mtime, an HTTP file's ETag; a hub commit that
+moved, compared on two recorded fingerprints: the hub is not reachable offline); hub options given
+to a URL or a file, which name their data themselves, are refused instead of ignored."""
+import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +16,7 @@ from data.builtin import load_tokenizer
 from data.fingerprint import data_fingerprint
 from data.run import prepare_run_data
 from data.spec import DataError, DataSpec
+from helpers.range_server import RangeServer
 from helpers.stream_corpus import document_texts
 from launch.checkpoints.locate import CheckpointRef, data_position
 from launch.errors import ConfigError
@@ -79,3 +83,70 @@ def test_hub_options_for_files_that_name_themselves_are_refused(name, repository
                 prepare_run_data(spec, tokenizer, 15, seed=1, global_batch_size=4, micro_batch_size=2, evaluate=False)
             key = next(iter(option))
             assert f"data.{key}=" in str(refused.value) and "names its files itself" in str(refused.value), refused.value
+
+
+def _plain(folder: Path) -> None:
+    """The folder's parquet files rewritten uncompressed, without dictionaries or statistics: each
+    document's bytes lie in the file as they are, for _rewrite_in_place to change."""
+    for path in sorted(folder.glob("*.parquet")):
+        pq.write_table(pq.read_table(path), path, row_group_size=5, compression="NONE", use_dictionary=False,
+                       write_statistics=False)
+
+
+def _rewrite_in_place(path: Path, keep_mtime: bool) -> None:
+    """Other documents at the same size: the first document's ASCII letters in the other case, its
+    mtime moved on by a second or kept (set back after the write)."""
+    before, data = os.stat(path), path.read_bytes()
+    first = pq.read_table(path).column("text")[0].as_py().encode()
+    assert data.count(first) == 1
+    path.write_bytes(data.replace(first, first.swapcase()))
+    assert pq.read_table(path).column("text")[0].as_py().encode() == first.swapcase()
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns if keep_mtime else before.st_mtime_ns + 10**9))
+
+
+def test_local_content_changed_in_place_at_the_same_size_is_refused(repository, tokenizer, stream_cache):
+    """Same names, same sizes, another mtime: the unit positions would read other documents."""
+    glob = str(repository / "sample" / "*.parquet")
+    _plain(repository / "sample")
+    saved = _saved(_prepare(tokenizer, name=glob))
+    _rewrite_in_place(repository / "sample" / "part1.parquet", keep_mtime=False)
+    now = data_fingerprint(_prepare(tokenizer, name=glob))
+    with pytest.raises(ConfigError, match=r"data\.files: 1 changed in place at the same size \(part1\.parquet\): "
+                                          r"another ETag, blob id or mtime.*--restart-data"):
+        data_position(saved, now, restart=False)
+    assert data_position(saved, now, restart=True) == (None, 12)
+
+
+def test_an_http_file_whose_etag_changed_is_refused(repository, tokenizer, stream_cache):
+    """Over HTTP the server's ETag (a digest of the bytes, tests/helpers/range_server.py) is the
+    identity: content rewritten at the same size with its mtime set back is still seen."""
+    _plain(repository / "sample")
+    server = RangeServer(repository)
+    try:
+        url = f"{server.url}/sample/*.parquet"
+        saved = _saved(_prepare(tokenizer, name=url))
+        assert all(e[2].startswith("etag:") for e in saved.meta["data_fingerprint"]["data.files"])
+        assert data_position(saved, data_fingerprint(_prepare(tokenizer, name=url)), restart=False) == (None, 0)
+        _rewrite_in_place(repository / "sample" / "part2.parquet", keep_mtime=True)
+        with pytest.raises(ConfigError, match=r"1 changed in place at the same size \(part2\.parquet\)"):
+            data_position(saved, data_fingerprint(_prepare(tokenizer, name=url)), restart=False)
+    finally:
+        server.close()
+
+
+def test_a_hub_revision_that_moved_is_refused_naming_the_commit_to_pin(repository, tokenizer, stream_cache):
+    """Two recorded fingerprints of a hub source, its files' blob ids the same (an update that
+    touched other files) and its branch resolved to another commit: refused, naming the saved commit
+    to pin."""
+    base = data_fingerprint(_prepare(tokenizer, name=str(repository / "sample" / "*.parquet")))
+    saved = {**base, "data.files": [[n, s, f"blob:{i}"] for i, (n, s, _) in enumerate(base["data.files"])],
+             "data.commit": "a" * 40}
+    moved = {**saved, "data.commit": "b" * 40}
+    ref = _saved(_prepare(tokenizer, name=str(repository / "sample" / "*.parquet")))
+    ref.meta["data_fingerprint"] = saved
+    with pytest.raises(ConfigError) as refused:
+        data_position(ref, moved, restart=False)
+    assert f"the hub revision moved from commit {'a' * 40!r} to {'b' * 40!r} (pin data.revision={'a' * 40}" \
+        in str(refused.value) and "--restart-data" in str(refused.value) and "\n" not in str(refused.value)
+    ref.meta["data_fingerprint"] = base
+    assert data_position(ref, base, restart=False) == (None, 0)  # the same commit and files: resumes

@@ -6,6 +6,8 @@ data/streaming.py, and each stream's units from the epoch's permutation: the cod
 runs, for 1,024 of them. Checked at dp = 1, 8, 64, 1,024 (as many as the recipe's batch allows)
 with the GPU recipes' streams:
 - every unit of an epoch is read by exactly one rank of the job (a fixed 16 streams fails this);
+- at tp, pp, cp and dp layouts, the ranks the training loop's own wiring (replica_reader_groups)
+  lets read deal each unit once, the others in a group with their replica's reader;
 - a rank reading a real corpus holds within docs/data.md's memory bound per rank.
 """
 import tracemalloc
@@ -23,8 +25,8 @@ from data.streaming import (StreamingBatches, default_streams, rank_slots, strea
 from data.tokens import document_tokens
 from helpers.stream_corpus import write_corpus
 from launch.config.recipe import load_recipe
-from launch.feed.replica_reader import replica_readers
-from model.parallel.state import build_topology
+from launch.feed.replica_reader import replica_reader_groups, replica_readers
+from model.parallel.state import ParallelState, build_topology
 
 WORLD = 1024
 STREAM_STATE_BYTES = 4096  # docs/data.md: a stream's own state (generators, its carry, positions), about 3 KiB
@@ -66,6 +68,36 @@ def test_the_old_sixteen_streams_read_units_many_times_at_64_replicas():
     replicas (the check above would fail), and at dp 1,024 by 64."""
     assert Counter(reads_per_unit(1024, 16, 4, 2, 64, 2).tolist()) == {4: N_UNITS}
     assert Counter(reads_per_unit(1024, 16, 1, 1, 1024, 1).tolist()) == {64: N_UNITS}
+
+
+@pytest.mark.parametrize("tp,pp,dp,cp", [(2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 2, 2), (2, 3, 2, 2), (1, 4, 4, 1)])
+def test_the_runtime_wiring_lets_one_rank_of_each_replica_read(tp, pp, dp, cp, monkeypatch):
+    """The rule the training loop runs, replica_reader_groups, asked on every rank of the job with
+    its groups recorded instead of created: of the ranks that draw micro-batches (the first and the
+    last stage, DeepSpeed's pipeline), the ones it lets read deal every unit of an epoch exactly
+    once, and every other drawing rank shares a broadcast group with its replica's reader. Were
+    every drawing rank to read, units would be read tp x cp x (2 at pp > 1) times."""
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "new_group", lambda ranks: tuple(ranks))
+    topology, B, n_units = build_topology(tp, pp, dp, cp), 16, 64
+    reads, n_streams = np.zeros(n_units, dtype=np.int64), default_streams(B, n_units)
+    for rank in range(topology.world_size()):
+        coord = topology.get_coord(rank)
+        if coord.pipe not in (0, pp - 1):
+            continue  # a middle stage draws no micro-batch
+        state = ParallelState(topology=topology, global_rank=rank, tp_size=tp, pp_size=pp, dp_size=dp,
+                              tp_rank=coord.model, pp_rank=coord.pipe, dp_rank=coord.data // cp, tp_group=None,
+                              cp_size=cp, cp_rank=coord.data % cp)
+        groups, reading = replica_reader_groups(state, streamed=True)
+        if not reading:
+            reader = min(r for r in range(topology.world_size()) if topology.get_coord(r).pipe == 0
+                         and topology.get_coord(r).data // cp == coord.data // cp)
+            assert any(reader in group and rank in group for group in groups), (rank, groups)
+            continue
+        lo, hi = rank_slots(coord.data // cp, dp, B)
+        for stream in streams_of_slots(lo, hi, B, n_streams):
+            reads[stream_units(n_units, stream, n_streams, 1234, 0, True)] += 1
+    assert (reads == 1).all(), Counter(reads.tolist())
 
 
 def _held_by_one_unit(source, unit, tokenizer) -> int:

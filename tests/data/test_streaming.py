@@ -323,4 +323,4 @@ def _resume_with_other_data_is_refused(corpus, common, tmp_path, monkeypatch, ca
     meta = json.loads((tmp_path / "ck2" / "step00000005" / "complete.json").read_text())
     # The run's samples go on (5 steps of 16); the data's own position counts from step 4 (2 steps).
     assert meta["samples"] == 5 * 16 and meta["data_origin_samples"] == 3 * 16 and meta["data_state"]["step"] == 2
-    assert [name for name, _ in meta["data_fingerprint"]["data.files"]][-1] == "part9.parquet"
+    assert [entry[0] for entry in meta["data_fingerprint"]["data.files"]][-1] == "part9.parquet"

@@ -2,7 +2,9 @@
 requests (Python's http.server ignores them), directory listings that fsspec can glob, and a count
 of the body bytes it sent per file, so a test can say exactly what a job fetched. `fail_after`
 makes every data request after that many fail with 500 (a storage outage, for the failure tests);
-`held`, an Event, makes every data request wait until it is set (storage that stalls)."""
+`held`, an Event, makes every data request wait until it is set (storage that stalls). A HEAD
+answers the size and an ETag digested from the content, as object stores do."""
+import hashlib
 import html
 import re
 import threading
@@ -47,7 +49,7 @@ class RangeServer:
                 self.send_response(200)
                 self.send_header("Content-Length", str(path.stat().st_size))
                 self.send_header("Accept-Ranges", "bytes")
-                self.send_header("ETag", f'"{path.stat().st_mtime_ns}"')
+                self.send_header("ETag", f'"{server.etag(path)}"')
                 self.end_headers()
 
             def do_GET(self):
@@ -106,6 +108,13 @@ class RangeServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
+
+    @staticmethod
+    def etag(path: Path) -> str:
+        """A digest of the file's bytes, as S3's ETag of a single-part object (an MD5 of the content):
+        content rewritten at the same size and mtime gets another (digested at each HEAD, no cache
+        that an mtime set back would fool)."""
+        return hashlib.md5(path.read_bytes()).hexdigest()
 
     def reset(self) -> None:
         with self.lock:
