@@ -15,11 +15,22 @@ class OneLineErrorParser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see --help)")
 
 
+def local_path(text: str) -> Path:
+    """A path flag's value: a file or directory on this machine's filesystems. A URL (s3://bucket/run)
+    made a Path would be a relative directory named `s3:`, written in the working directory."""
+    if "://" in text:
+        refuse_credentials("the path", text)  # the message below repeats it
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a URL: checkpoints, metrics and the other outputs are written to a local or shared "
+            f"filesystem; give a directory there (object storage can be mounted, e.g. with mountpoint-s3 or gcsfuse)")
+    return Path(text)
+
+
 def training_parser(description: str = "") -> OneLineErrorParser:
     """launch/train.py's flags, as docs/configuration.md's table lists them (tests/runtime/test_flag_table.py
     holds the two equal); the checks across flags are parse_training_args's."""
     p = OneLineErrorParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help="YAML recipe (default: %(default)s)")
+    p.add_argument("--recipe", type=local_path, default=DEFAULT_RECIPE, help="YAML recipe (default: %(default)s)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, help="pipeline-parallel size (stages; default 1)")
     p.add_argument("--layout", choices=["auto"],
@@ -36,27 +47,27 @@ def training_parser(description: str = "") -> OneLineErrorParser:
     p.add_argument("--seed", type=int, help="seed (overrides train.seed)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set train.lr=3e-4 (repeatable)")
-    p.add_argument("--metrics-out", type=Path, help="JSON lines, one per optimizer step")
+    p.add_argument("--metrics-out", type=local_path, help="JSON lines, one per optimizer step")
     p.add_argument("--wandb", choices=WANDB_MODES, help="overrides wandb.mode")
-    p.add_argument("--save", type=Path, help="save checkpoints under this directory")
+    p.add_argument("--save", type=local_path, help="save checkpoints under this directory")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="save every N steps (and always at the end, or when signalled)")
     p.add_argument("--keep-last", type=int, default=0, metavar="K", help="keep only the K newest checkpoints")
-    p.add_argument("--load", type=Path, help="resume: a save directory (its latest complete checkpoint) or one "
+    p.add_argument("--load", type=local_path, help="resume: a save directory (its latest complete checkpoint) or one "
                    "checkpoint directory; --steps stays the run's total")
     p.add_argument("--restart-data", action="store_true",
                    help="with --load: start the data order again at the resume step instead of continuing it "
                         "(needed when the data changed since the checkpoint: files, streams, shuffle_buffer...)")
     p.add_argument("--init-from-hf", metavar="DIR_OR_NAME",
                    help="start from GPT-2- or Llama-format (transformers) weights of the recipe's model shape")
-    p.add_argument("--timeline", type=Path, metavar="FILE.png",
+    p.add_argument("--timeline", type=local_path, metavar="FILE.png",
                    help="draw the measured pipeline schedule (per-stage forward/backward times) of a few steps")
     p.add_argument("--timeline-steps", type=int, default=3, metavar="N",
                    help="steps --timeline records, after one warm-up step (default: %(default)s)")
     p.add_argument("--metrics-per-rank", action="store_true",
                    help="also write every rank's compute seconds per step (compute_s_by_rank) to --metrics-out; "
                    "by default a record keeps their max, median and slowest rank, overall and per stage")
-    p.add_argument("--comm-counts", type=Path, metavar="DIR",
+    p.add_argument("--comm-counts", type=local_path, metavar="DIR",
                    help="count each collective's bytes per step into DIR/rank{R}.json (bench/step/comm_volume.py)")
     p.add_argument("--verbose", action="store_true",
                    help="show every library message, including the known-harmless ones launch/engine/console.py "

@@ -57,6 +57,14 @@ CASES = [
     (1, ["--set", "train.optimizer=sgd"], ["train.optimizer='sgd'", "adamw, muon"]),
     (1, ["--set", "train.optimizer=muon", "--set", "train.muon_momentum=1"], ["train.muon_momentum=1", "[0, 1)"]),
     (1, ["--set", "train.optimizer=muon", "--set", "train.muon_ns_steps=0"], ["train.muon_ns_steps=0", ">= 1"]),
+    (1, ["--set", "train.optimizer=muon", "--set", "train.muon_lr_rule=kj"],
+     ["train.muon_lr_rule='kj'", "moonlight, keller, none"]),
+    (1, ["--set", "train.optimizer=muon", "--set", "train.muon_ns_dtype=fp16"], ["train.muon_ns_dtype='fp16'", "fp32, bf16"]),
+    (1, ["--set", "train.optimizer=muon", "--set", "train.muon_adamw_lr=0"], ["train.muon_adamw_lr=0", "> 0"]),
+    (1, ["--set", "train.optimizer=muon", "--set", "train.muon_adamw_beta1=1"], ["train.muon_adamw_beta1=1", "[0, 1)"]),
+    (1, ["--set", "train.optimizer=muon", "--set", "train.muon_adamw_beta2=-0.5"], ["train.muon_adamw_beta2=-0.5", "[0, 1)"]),
+    (1, ["--set", "train.optimizer=muon", "--set", "train.muon_adamw_weight_decay=-1"],
+     ["train.muon_adamw_weight_decay=-1", ">= 0"]),
     (1, ["--set", "train.optimizer=muon", "--set", "train.precision=fp16", "--set", "train.zero_stage=0"],
      ["train.optimizer=muon", "fp16", "train.zero_stage=1"]),
     (2, ["--pp", "2", "--set", "train.optimizer=muon", "--set", "train.partition=[4, 0]"],
@@ -126,6 +134,9 @@ CASES = [
     (1, ["--set", "deepspeed.zero_optimization.stage=3"], ["deepspeed.zero_optimization.stage=3", "0 or 1"]),
     (1, ["--set", "deepspeed.zero_optimization.reduce_bucket_size=abc"],
      ["DeepSpeed refuses it", "reduce_bucket_size", "valid integer"]),
+    # A URL given as an output or checkpoint path was a relative directory named `s3:` (Path collapses //).
+    (1, ["--save", "s3://bucket/run"], ["argument --save: 's3://bucket/run' is a URL", "mountpoint-s3"]),
+    (1, ["--load", "gs://bucket/run"], ["argument --load: 'gs://bucket/run' is a URL"]),
     # A key or value holding a line break or a terminal escape is printed escaped, on one line.
     (1, ["--set", "train.l\nr\x1b[2J=3"], ["unknown recipe key train.l\\nr\\x1b[2J"]),
 ]
