@@ -59,6 +59,25 @@ class TrainSection:
     """Muon orthogonalises G + mu M (Nesterov, as Moonlight's code) rather than M."""
     muon_ns_steps: int = 5
     """Newton-Schulz steps of Muon's orthogonalisation (launch/optim/newton_schulz.py), >= 1."""
+    muon_ns_dtype: Optional[str] = None
+    """fp32 or bf16: the precision of Newton-Schulz's matmuls; null: bf16 on a GPU (as Keller Jordan's
+    code and torch.optim.Muon), fp32 on a CPU. The layout-parity runs use fp32."""
+    muon_lr_rule: str = "moonlight"
+    """How Muon scales lr for an m x n matrix (m outputs, n inputs): moonlight, lr 0.2 sqrt(max(m, n))
+    (Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv:2502.16982: the update's RMS is AdamW's,
+    so AdamW's lr and weight_decay carry over; torch.optim.Muon's adjust_lr_fn="match_rms_adamw");
+    keller, lr sqrt(max(1, m / n)) (Keller Jordan, "Muon", 2024, kellerjordan.github.io/posts/muon;
+    torch.optim.Muon's default, lr about 0.02); none, lr. Weight decay is lr * weight_decay under each."""
+    muon_adamw_lr: Optional[float] = None
+    """With train.optimizer=muon, the peak lr of the AdamW group (embeddings, output head, norms,
+    biases, routers), on the same schedule; null: train.lr."""
+    muon_adamw_beta1: Optional[float] = None
+    """With train.optimizer=muon, the AdamW group's beta1; null: train.beta1."""
+    muon_adamw_beta2: Optional[float] = None
+    """With train.optimizer=muon, the AdamW group's beta2; null: train.beta2."""
+    muon_adamw_weight_decay: Optional[float] = None
+    """With train.optimizer=muon, the AdamW group's decoupled weight decay (on its >= 2-D parameters);
+    null: train.weight_decay, which then stays the Muon matrices' own."""
     lr: float = 6e-4
     """Peak learning rate of AdamW (and of Muon, whose update is scaled to AdamW's RMS)."""
     min_lr_ratio: float = 0.1
@@ -209,6 +228,20 @@ class TrainSection:
             raise ConfigError(f"train.muon_momentum={self.muon_momentum:g} must be in [0, 1) (default 0.95)")
         if self.muon_ns_steps < 1:
             raise ConfigError(f"train.muon_ns_steps={self.muon_ns_steps} must be >= 1 (default 5, Keller Jordan's)")
+        if self.muon_ns_dtype not in (None, "fp32", "bf16"):
+            raise ConfigError(f"train.muon_ns_dtype={self.muon_ns_dtype!r} is not one of fp32, bf16 "
+                              f"(or null: bf16 on a GPU, fp32 on a CPU)")
+        if self.muon_lr_rule not in ("moonlight", "keller", "none"):  # launch/optim/newton_schulz.py: LR_RULES
+            raise ConfigError(f"train.muon_lr_rule={self.muon_lr_rule!r} is not one of moonlight, keller, none")
+        if self.muon_adamw_lr is not None and not self.muon_adamw_lr > 0:
+            raise ConfigError(f"train.muon_adamw_lr={self.muon_adamw_lr:g} must be > 0 (or null: train.lr)")
+        for name in ("muon_adamw_beta1", "muon_adamw_beta2"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(self, name):g} must be in [0, 1) "
+                                  f"(or null: train.{name[len('muon_adamw_'):]})")
+        if self.muon_adamw_weight_decay is not None and self.muon_adamw_weight_decay < 0:
+            raise ConfigError(f"train.muon_adamw_weight_decay={self.muon_adamw_weight_decay:g} must be >= 0 "
+                              f"(or null: train.weight_decay)")
         if self.optimizer == "muon" and not isinstance(self.partition, str) and 0 in list(self.partition):
             # Before the data is read (the balanced rule's cut needs the vocabulary: checked after,
             # launch/analysis/partition.py: check_muon_stages).

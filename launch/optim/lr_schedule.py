@@ -3,6 +3,9 @@
 Ours rather than DeepSpeed's `WarmupCosineLR`, which (0.19.8) runs the first two optimizer
 steps at lr 0: it reports 0 before its first `step()` and its linear warmup starts at ratio 0.
 Here step 1 already uses peak / warmup_steps (Megatron, nanoGPT).
+The peak is each param group's own lr (LambdaLR keeps every group's initial lr and multiplies it by
+the same ratio): with train.optimizer=muon the Muon matrices' train.lr and the AdamW group's
+train.muon_adamw_lr follow one schedule.
 """
 import math
 from typing import Callable

@@ -1,11 +1,15 @@
 """Muon for the hidden matrices, AdamW for the rest: `train.optimizer: muon` (docs/design.md,
 "Muon at every layout").
 
-The update of each logical matrix W (m x n) is Moonlight's (Liu et al. 2025, "Muon is Scalable for
-LLM Training", Algorithm 1 with Nesterov momentum, as in their reference code):
-    M <- mu M + G;  U = G + mu M (Nesterov) or M
-    W <- W (1 - lr wd) - lr 0.2 sqrt(max(m, n)) NS(U)
-with NS Keller Jordan's Newton-Schulz iteration (launch/optim/newton_schulz.py). The momentum is
+The update of each logical matrix W (m x n) is torch.optim.Muon's (torch 2.13, torch/optim/_muon.py),
+Moonlight's Algorithm 1 with Nesterov momentum (Liu et al. 2025, "Muon is Scalable for LLM Training")
+with the momentum kept as an average:
+    B <- mu B + (1 - mu) G;  U = (1 - mu) G + mu B (Nesterov) or B
+    W <- W (1 - lr wd) - lr s(m, n) NS(U)
+with NS Keller Jordan's Newton-Schulz iteration and s(m, n) the lr rule (launch/optim/newton_schulz.py:
+moonlight 0.2 sqrt(max(m, n)), keller sqrt(max(1, m / n)), none 1). B is torch's `momentum_buffer`,
+element for element, so a state moved to or from torch.optim.Muon means the same; Moonlight's and
+Keller Jordan's running sum M = B / (1 - mu) gives the same NS(U) (NS normalises U first). The momentum is
 element-wise, so it lives wherever DeepSpeed keeps the parameter's fp32 state; NS needs the whole
 matrix, so before it each rank rebuilds the whole matrices of U:
 - DeepSpeed's ZeRO-1 and BF16 optimizers hand this optimizer one flat fp32 partition per param
@@ -25,6 +29,8 @@ The AdamW group gets torch's AdamW update (decoupled weight decay; state `exp_av
 its >= 2-D parameters only (embeddings, output head, routers; not norms or biases: GPT-2 / nanoGPT),
 chosen per parameter, or per element of a flat partition (`bind`), so that one AdamW group serves every
 stage (launch/engine/engine.py: _muon_param_groups). A Muon group's state is `momentum_buffer` and `step`.
+The AdamW group may have its own lr, betas and weight decay (train.muon_adamw_*: `muon_factory`); the
+lr schedule multiplies each group's own peak (launch/optim/lr_schedule.py).
 """
 from __future__ import annotations
 
@@ -38,12 +44,12 @@ from launch.analysis.muon_cost import assign_owners
 from launch.optim.muon_matrices import MatrixLayout, matrix_layout
 from launch.optim.muon_owners import OwnerExchange, from_owners, newton_schulz_cost, plan_exchange, to_owners
 from launch.optim.muon_tp_owners import finished_updates
-from launch.optim.newton_schulz import NS_STEPS, orthogonalise, update_scale
+from launch.optim.newton_schulz import NS_STEPS, ns_dtype, orthogonalise, update_scale
 
 if TYPE_CHECKING:  # annotations only
     from launch.config.recipe import TrainSection
 
-MOMENTUM_KEY = "momentum_buffer"  # torch SGD's name for the same buffer
+MOMENTUM_KEY = "momentum_buffer"  # torch.optim.Muon's name for the same buffer
 
 
 @dataclass
@@ -57,13 +63,15 @@ class FlatPartition:
 
 
 class Muon(torch.optim.Optimizer):
-    """Groups with `muon=True` hold Muon matrices (each gets `muon_layout`); the others are AdamW's."""
+    """Groups with `muon=True` hold Muon matrices (each gets `muon_layout`); the others are AdamW's.
+    `lr_rule`: moonlight, keller or none; `ns_dtype`: fp32, bf16 or None (bf16 on a GPU)."""
 
     def __init__(self, param_groups: List[dict], lr: float, weight_decay: float, betas: Tuple[float, float],
                  eps: float, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = NS_STEPS,
-                 tp_group: Optional[dist.ProcessGroup] = None):
+                 tp_group: Optional[dist.ProcessGroup] = None, lr_rule: str = "moonlight",
+                 ns_dtype: Optional[str] = None):
         defaults = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps, momentum=momentum,
-                        nesterov=nesterov, ns_steps=ns_steps, muon=False)
+                        nesterov=nesterov, ns_steps=ns_steps, lr_rule=lr_rule, ns_dtype=ns_dtype, muon=False)
         super().__init__(param_groups, defaults)
         self.tp_group = tp_group
         self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
@@ -116,21 +124,26 @@ class Muon(torch.optim.Optimizer):
             p.add_(update, alpha=-group["lr"])
 
     def _direction(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """U: the momentum updated with this step's gradient, or Nesterov's G + mu M."""
+        """U: the momentum average updated with this step's gradient, or Nesterov's (1 - mu) G + mu B
+        (torch.optim.Muon's lerps, so that `momentum_buffer` holds torch's numbers)."""
         state = self.state[p]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)
             state[MOMENTUM_KEY] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] += 1
         mu, g, buf = group["momentum"], p.grad, state[MOMENTUM_KEY]
-        buf.mul_(mu).add_(g)
-        return g.add(buf, alpha=mu) if group["nesterov"] else buf
+        buf.lerp_(g, 1 - mu)
+        return g.lerp(buf, mu) if group["nesterov"] else buf
 
     def _matrix_updates(self, shards: List[torch.Tensor], layouts: List[MatrixLayout], group: dict) -> List[torch.Tensor]:
-        """This rank's shard of 0.2 sqrt(max(m, n)) NS(part) for each logical part of each matrix
-        (collective over TP: each matrix orthogonalised on one TP peer, launch/optim/muon_tp_owners.py)."""
+        """This rank's shard of s(m, n) NS(part) for each logical part of each matrix (collective over
+        TP: each matrix orthogonalised on one TP peer, launch/optim/muon_tp_owners.py)."""
+        # .get: a group loaded from a save that predates these keys takes their defaults
+        rule, dtype = group.get("lr_rule", "moonlight"), group.get("ns_dtype")
+
         def update(part: torch.Tensor) -> torch.Tensor:  # part: (rows, cols) or (E/ep, rows, cols)
-            return orthogonalise(part, group["ns_steps"]) * update_scale(*part.shape[-2:])
+            return orthogonalise(part, group["ns_steps"], dtype=ns_dtype(dtype, part.device)) * update_scale(
+                *part.shape[-2:], rule)
         return finished_updates(shards, layouts, update, self.tp_group, self.tp_rank)
 
     def _flat_update(self, u: torch.Tensor, partition: FlatPartition, plan: OwnerExchange,
@@ -169,9 +182,19 @@ class Muon(torch.optim.Optimizer):
 
 
 def muon_factory(train_cfg: TrainSection, tp_group: Optional[dist.ProcessGroup]) -> Callable[[List[dict]], Muon]:
-    """What deepspeed.initialize calls with the parameter groups (launch/engine/engine.py: param_groups(..., muon=True))."""
+    """What deepspeed.initialize calls with the parameter groups (launch/engine/engine.py: param_groups(..., muon=True)).
+    The AdamW groups take train.muon_adamw_lr / _beta1 / _beta2 / _weight_decay where set (None: the
+    recipe's lr, beta1, beta2, weight_decay), the Muon group lr and weight_decay."""
+    def own(value, default):
+        return default if value is None else value
+
     def build(groups: List[dict]) -> Muon:
+        adamw = dict(lr=own(train_cfg.muon_adamw_lr, train_cfg.lr),
+                     betas=(own(train_cfg.muon_adamw_beta1, train_cfg.beta1), own(train_cfg.muon_adamw_beta2, train_cfg.beta2)),
+                     weight_decay=own(train_cfg.muon_adamw_weight_decay, train_cfg.weight_decay))
+        groups = [group if group.get("muon") else {**group, **adamw} for group in groups]
         return Muon(groups, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, betas=(train_cfg.beta1, train_cfg.beta2),
                     eps=train_cfg.eps, momentum=train_cfg.muon_momentum, nesterov=train_cfg.muon_nesterov,
-                    ns_steps=train_cfg.muon_ns_steps, tp_group=tp_group)
+                    ns_steps=train_cfg.muon_ns_steps, tp_group=tp_group, lr_rule=train_cfg.muon_lr_rule,
+                    ns_dtype=train_cfg.muon_ns_dtype)
     return build

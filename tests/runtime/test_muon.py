@@ -16,6 +16,7 @@
 import math
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -112,8 +113,8 @@ def _sharded_update_is_the_dense_update():
         assert sum(map(bool, by_rank)) >= busy, by_rank
 
     def recording(orthogonalised):  # counts the (rows, cols) of every Newton-Schulz this rank runs
-        return mock.patch("launch.optim.muon.orthogonalise", side_effect=lambda x, steps: (
-            orthogonalised.append(tuple(x.shape)), orthogonalise(x, steps))[1])
+        return mock.patch("launch.optim.muon.orthogonalise", side_effect=lambda x, steps, **kw: (
+            orthogonalised.append(tuple(x.shape)), orthogonalise(x, steps, **kw))[1])
 
     # fp32 ZeRO-0: the optimizer holds the TP shards themselves; the TP peers split the matrices
     params = shards()
@@ -166,7 +167,6 @@ def test_sharded_and_partitioned_update_is_the_dense_update():
 def test_a_checkpoint_resumes_only_with_its_optimizer(tmp_path):
     """Muon's state is a momentum per Muon matrix, AdamW's two moments: a checkpoint of one optimizer
     resumed with the other is one line that names both (launch/checkpoints/locate.py)."""
-    import pytest
     from helpers.manifest import complete_json
     from launch.checkpoints.locate import CheckpointRef, check_compatible
     from launch.config.recipe import Recipe
@@ -178,3 +178,123 @@ def test_a_checkpoint_resumes_only_with_its_optimizer(tmp_path):
     now.train.optimizer = "muon"
     with pytest.raises(ConfigError, match="train.optimizer=adamw, this run muon.*--set train.optimizer=adamw"):
         check_compatible(ref, now.to_dict(), layout)
+
+
+def _llama(seed: int):
+    """A tiny transformers Llama: separate nn.Linear q, k, v (grouped-query), o, gate, up, down
+    ((out, in), non-square) as torch.optim.Muon takes them, an untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+
+
+def _hidden(model):
+    """(Muon's matrices, the others): the blocks' 2-D weights, and the embeddings, head and norms."""
+    matrices = [p for name, p in model.named_parameters() if ".layers." in name and p.dim() == 2]
+    return matrices, [p for p in model.parameters() if all(p is not m for m in matrices)]
+
+
+TORCH_STEPS, WARMUP = 6, 2
+MOVED_RTOL, MOMENTUM_RTOL = 5e-3, 2e-3  # measured 6.3e-4, 2.2e-4 (keller)
+
+
+@pytest.mark.parametrize("rule,adjust_lr_fn", [("moonlight", "match_rms_adamw"), ("keller", "original")])
+def test_muon_trains_as_torch_muon_with_its_own_adamw(rule, adjust_lr_fn):
+    """Ours (built from a recipe by muon_factory, on the warmup-cosine schedule) against torch.optim.Muon
+    (torch/optim/_muon.py) for the blocks' matrices and torch.optim.AdamW for the rest, with its own lr,
+    betas and weight decay, both groups scheduled by the same LambdaLR ratio: from the same weights on
+    the same batches, the losses agree within 1e-5 at every step and after the last. torch runs
+    Newton-Schulz in bf16 on every device; here its one cast (`grad.bfloat16()`) gives an fp32 copy,
+    against ours at train.muon_ns_dtype=fp32. The two Newton-Schulz group the same polynomial apart
+    (fp32 rounding, 1e-6 of the result on random matrices), which the iteration amplifies on the small
+    singular values of a gradient (up to 3.4445^5): the weights agree within 5e-3 of how far they
+    moved, torch's `momentum_buffer` within 2e-3 of its largest element (a sum of gradients, 1/(1 - mu)
+    = 20x the average, is far outside); with torch's Newton-Schulz put in ours, all bit for bit."""
+    from launch.config.recipe import TrainSection
+    from launch.optim.lr_schedule import lr_ratio, warmup_cosine
+    from launch.optim.muon import MOMENTUM_KEY, muon_factory
+    train_cfg = TrainSection(optimizer="muon", lr=0.02 if rule == "keller" else 3e-3, weight_decay=0.1, beta1=0.9,
+                             beta2=0.95, muon_lr_rule=rule, muon_ns_dtype="fp32", muon_adamw_lr=8e-3,
+                             muon_adamw_beta1=0.8, muon_adamw_beta2=0.99, muon_adamw_weight_decay=0.05,
+                             steps=TORCH_STEPS, warmup_steps=WARMUP, min_lr_ratio=0.1)
+    ours, theirs = _llama(0), _llama(0)
+    start = [p.detach().clone() for p in theirs.parameters()]
+    matrices, others = _hidden(ours)
+    for p in matrices:  # the marks a TP linear carries (model/parallel/layers.py), at tp 1
+        p.partition_dim, p.partition_stride = 0, 1
+    optimizer = muon_factory(train_cfg, None)([{"params": matrices, "muon": True}, {"params": others}])
+    schedule = warmup_cosine(WARMUP, TORCH_STEPS, 0.1)(optimizer)
+
+    their_matrices, their_others = _hidden(theirs)
+    muon = torch.optim.Muon(their_matrices, lr=train_cfg.lr, weight_decay=0.1, momentum=0.95, nesterov=True,
+                            adjust_lr_fn=adjust_lr_fn)
+    adamw = torch.optim.AdamW([{"params": [p for p in their_others if p.dim() >= 2]},  # decay: embeddings, head
+                               {"params": [p for p in their_others if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=8e-3, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.05)
+    their_schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda i: lr_ratio(i, WARMUP, TORCH_STEPS, 0.1))
+                       for o in (muon, adamw)]
+
+    def fp32_copy(self):  # torch's Newton-Schulz, in fp32: its `grad.bfloat16()` is a copy it divides in place
+        return self.float().clone()
+
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(TORCH_STEPS):
+        tokens = torch.randint(0, 64, (4, 16), generator=generator)
+        losses = []
+        for model in (ours, theirs):
+            model.zero_grad()
+            loss = model(tokens, labels=tokens).loss
+            loss.backward()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1]), losses
+        optimizer.step()
+        schedule.step()
+        with mock.patch.object(torch.Tensor, "bfloat16", fp32_copy):
+            muon.step()
+        adamw.step()
+        for s in their_schedules:
+            s.step()
+    with torch.no_grad():
+        losses = [model(tokens, labels=tokens).loss.item() for model in (ours, theirs)]
+    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1]), losses
+    for (name, p), q, q0 in zip(ours.named_parameters(), theirs.parameters(), start):
+        assert (p - q).abs().max() <= MOVED_RTOL * (q - q0).abs().max(), (name, (p - q).abs().max(), (q - q0).abs().max())
+    for p, q in zip(matrices, their_matrices):  # the same numbers under the same key
+        buffer = muon.state[q][MOMENTUM_KEY]
+        assert (optimizer.state[p][MOMENTUM_KEY] - buffer).abs().max() <= MOMENTUM_RTOL * buffer.abs().max()
+
+
+def test_newton_schulz_in_bf16_is_torch_muons_precision():
+    """train.muon_ns_dtype: null is bf16 on a GPU (torch.optim.Muon's and Keller Jordan's), fp32 on a CPU;
+    at bf16 a step of ours departs from the fp32 step by bf16 rounding, as torch's (on CPU, relative
+    Frobenius distance: ours 3.9e-2, torch's 1.6e-2, ours from torch's 4.3e-2; torch's addmm rounds
+    b A + c A^2 once, ours twice)."""
+    from launch.optim.muon import Muon
+    from launch.optim.newton_schulz import ns_dtype
+    assert ns_dtype(None, torch.device("cpu")) == torch.float32
+    assert ns_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert ns_dtype("fp32", torch.device("cuda")) == torch.float32
+    torch.manual_seed(0)
+    start, grad = torch.randn(80, 32), torch.randn(80, 32)
+
+    def step(make):
+        p = torch.nn.Parameter(start.clone())
+        p.grad = grad.clone()
+        make(p).step()
+        return p.detach() - start
+
+    def ours(dtype):
+        def make(p):
+            p.partition_dim, p.partition_stride = 0, 1
+            return Muon([{"params": [p], "muon": True}], lr=0.02, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8,
+                        lr_rule="keller", ns_dtype=dtype)
+        return step(make)
+    theirs_bf16 = step(lambda p: torch.optim.Muon([p], lr=0.02, weight_decay=0.0))
+    fp32, bf16 = ours("fp32"), ours("bf16")
+
+    def dist_(a, b):
+        return (torch.linalg.matrix_norm(a - b) / torch.linalg.matrix_norm(b)).item()
+    for step_bf16 in (bf16, theirs_bf16):
+        assert 1e-3 < dist_(step_bf16, fp32) < 6e-2, dist_(step_bf16, fp32)
+    assert dist_(bf16, theirs_bf16) < 6e-2
