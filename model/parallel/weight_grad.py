@@ -41,7 +41,28 @@ def runs_cuda_kernels(tensor: torch.Tensor) -> bool:
 def add_product_into(main: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
     """main += left @ right, (out, N) @ (N, in) -> (out, in), with `main` an fp32 main gradient and
     the operands bf16: the GEMM accumulates into `main` itself (Megatron's gradient-accumulation
-    fusion), with no bf16 product, no cast and no separate add over the weight's elements."""
+    fusion), with no bf16 product, no cast and no separate add over the weight's elements. Inside a
+    compiled block, one opaque op (`gpt3d::add_product_into`) that runs this same code."""
+    if torch.compiler.is_compiling():
+        torch.ops.gpt3d.add_product_into(main, left, right)
+    else:
+        _add_product_into(main, left, right)
+
+
+# Dynamo cannot trace the probe below (try/except on kernels a build may lack): as a custom op with
+# its mutation declared, the compiled backward calls the eager code at run time and the block stays
+# one graph (torch.library.custom_op, torch >= 2.4).
+@torch.library.custom_op("gpt3d::add_product_into", mutates_args=("main",))
+def _add_product_op(main: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    _add_product_into(main, left, right)
+
+
+@_add_product_op.register_fake
+def _(main: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    return None
+
+
+def _add_product_into(main: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
     if runs_cuda_kernels(main) and left.dtype != main.dtype:
         _MIXED_GEMMS[mixed_gemm_path(main.device)](main, left, right)
     else:  # no mixed-dtype addmm on CPU: the operands (activation-sized) cast to fp32, where bf16 is
@@ -131,14 +152,15 @@ class WeightGradStore:
         and when every weight is a parameter (a leaf), Nones and the work queued. `holds`: the
         tensors `compute` reads (a linear's input and output gradient), which a deferred
         computation keeps alive until its W pass (`held_bytes`)."""
-        if not self.enabled and not any(hasattr(w, "main_grad") for w in weights):
-            return compute([None] * len(weights))  # compiled blocks keep this W in their backward graph
+        if not self.enabled:  # compiled blocks keep this W in their backward graph
+            return compute(main_grads(weights))
         return self._now_or_later(weights, compute, holds)
 
-    # Opaque to torch.compile: traced, the deferral flag would be read once, at a compiled block's
-    # first forward (AOT autograd traces the backward there, outside any B pass), and baked into
-    # the backward graph. Dynamo cannot trace a backward that calls this, so the linear's autograd
-    # Function runs eagerly between the compiled parts of the block and reads the flag when B runs.
+    # Opaque to torch.compile, in a run that defers only: traced, the deferral flag would be read
+    # once, at a compiled block's first forward (AOT autograd traces the backward there, outside any
+    # B pass), and baked into the backward graph. Dynamo cannot trace a backward that calls this, so
+    # the linear's autograd Function runs eagerly between the compiled parts of the block and reads
+    # the flag when B runs. Without deferral the add is `add_product_into`'s op, inside the graph.
     @torch.compiler.disable
     def _now_or_later(self, weights: Sequence[torch.Tensor], compute: GradCompute,
                       holds: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:

@@ -92,7 +92,29 @@ def add_grouped_product_into(main: torch.Tensor, left: torch.Tensor, right: torc
                              offsets: Optional[torch.Tensor], sizes: List[int], path: Optional[str] = None) -> None:
     """main[g] += left_g @ right_g for each expert g: main (E, out, in) fp32, left (out, M) and right
     (M, in) cut at the experts' rows (`offsets` for a grouped GEMM, None for a GEMM per expert).
-    `path`: one of `_GROUPED_MIXED_GEMMS` instead of the probed one (tests)."""
+    `path`: one of `_GROUPED_MIXED_GEMMS` instead of the probed one (tests). Inside a compiled block,
+    one opaque op, as `add_product_into`."""
+    if torch.compiler.is_compiling():
+        torch.ops.gpt3d.add_grouped_product_into(main, left, right, offsets, sizes, path)
+    else:
+        _add_grouped_product_into(main, left, right, offsets, sizes, path)
+
+
+# As weight_grad.py's `gpt3d::add_product_into`: the probe and the CPU grouped GEMM in fp32 (which
+# fake tensors refuse) run eagerly inside the compiled backward, one op with its mutation declared.
+@torch.library.custom_op("gpt3d::add_grouped_product_into", mutates_args=("main",))
+def _add_grouped_product_op(main: torch.Tensor, left: torch.Tensor, right: torch.Tensor, offsets: Optional[torch.Tensor],
+                            sizes: List[int], path: Optional[str]) -> None:
+    _add_grouped_product_into(main, left, right, offsets, sizes, path)
+
+
+@_add_grouped_product_op.register_fake
+def _(main, left, right, offsets, sizes, path) -> None:
+    return None
+
+
+def _add_grouped_product_into(main: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
+                              offsets: Optional[torch.Tensor], sizes: List[int], path: Optional[str]) -> None:
     if offsets is None:
         _gemm_per_expert_into(main, left, right, offsets, sizes)
     elif runs_cuda_kernels(main) and left.dtype != main.dtype:
