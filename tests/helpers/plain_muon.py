@@ -30,10 +30,12 @@ class PlainMuon:
     @torch.no_grad()
     def step(self, weight: torch.Tensor, grad: torch.Tensor, lr: float, weight_decay: float, dim: int = 0,
              parts=None) -> None:
-        """In place: M <- mu M + G; W <- W (1 - lr wd) - lr 0.2 sqrt(max(m, n)) NS(G + mu M), per part."""
+        """In place: M <- mu M + (1 - mu) G, W <- W (1 - lr wd) - lr 0.2 sqrt(max(m, n)) NS((1 - mu) G + mu M),
+        per part. The momentum is torch.optim.Muon's average; Moonlight's paper keeps the sum, 1/(1 - mu)
+        of it, the same direction once Newton-Schulz has normalised it."""
         buffer = self.buffers.setdefault(id(weight), torch.zeros_like(weight))
-        buffer.mul_(self.momentum).add_(grad)
-        direction = grad + self.momentum * buffer
+        buffer.lerp_(grad, 1 - self.momentum)
+        direction = grad.lerp(buffer, self.momentum)
         update = []
         for part in direction.split(list(parts or [weight.size(dim)]), dim=dim):
             m, n = part.shape[-2:]
