@@ -241,6 +241,8 @@ def test_auto_sweep_trains_the_fastest_measured_of_the_top_predicted(tmp_path, m
                                                       r"predicted \S+ s, measured (\S+) s a step", out)}
     assert sorted(trials) == [1, 16], out  # the planner's top 2, each measured
     fastest = min(trials, key=trials.get)
-    assert job.layout.micro_batch_size == fastest == 16 and job.layout_choice.swept == 2
+    # Which of the two measures faster is the machine's business (a loaded clean-clone run measured
+    # micro-batch 1 faster once); that the job trains the one that did is the sweep's.
+    assert job.layout.micro_batch_size == fastest and job.layout_choice.swept == 2
     assert job.layout_choice.measured_step_time_s == pytest.approx(trials[fastest], rel=1e-3)
     assert "the fastest measured of the 2 fastest predicted" in out
