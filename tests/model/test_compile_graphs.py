@@ -58,6 +58,7 @@ def test_the_gpu_branch_with_its_probe_stays_out_of_the_graph(monkeypatch):
     assert explained.graph_count == 1, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
 
 
+@pytest.mark.slow  # 8 s: the deferred W pass traced apart
 def test_zero_bubble_deferral_keeps_its_break(monkeypatch):
     """ZB-H1 (a run that defers) reads the B pass's flag when the backward runs, outside the graph:
     the linears break it, as docs/configuration.md says."""
@@ -65,7 +66,7 @@ def test_zero_bubble_deferral_keeps_its_break(monkeypatch):
     assert torch._dynamo.explain(_fused_block("llama", torch.bfloat16))(_input(torch.bfloat16, 0)).graph_count > 1
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])  # each 4-5 s
 def test_the_compiled_fused_block_adds_what_eager_adds(arch):
     """Two micro-batches through the compiled block (AOT autograd, which inductor takes) and through
     the eager one: the same main gradients to the bit, and no weight matrix's gradient in `.grad`."""

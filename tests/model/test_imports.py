@@ -2,6 +2,7 @@
 TYPE_CHECKING imports included): no cycle, model/ and data/ never import launch/, and model/ and
 launch/ each follow their layers (model/__init__.py; docs/design.md, Layers of launch/)."""
 import ast
+import functools
 from pathlib import Path
 from typing import Dict, List, Optional, Set
 
@@ -59,6 +60,7 @@ def imports_of(name: str, path: Path, known: Dict[str, Path]) -> Set[str]:
     return found
 
 
+@functools.cache  # read once per session (about 2 s): every test of this file reads the same tree
 def import_graph() -> Dict[str, Set[str]]:
     known = module_names()
     return {name: imports_of(name, path, known) for name, path in known.items()}
