@@ -9,11 +9,10 @@ layout gives the same numbers (launch/evaluation/evaluation.py).
 """
 import argparse
 import sys
-from pathlib import Path
 from typing import List, Optional
 
 from data.spec import DataError
-from launch.config.cli import OneLineErrorParser
+from launch.config.cli import OneLineErrorParser, local_path
 from launch.config.recipe import refuse_credentials
 from launch.errors import ConfigError, report_bad_input
 
@@ -21,9 +20,9 @@ from launch.errors import ConfigError, report_bad_input
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--load", type=Path, help="a save directory (its latest complete checkpoint) or one checkpoint")
+    source.add_argument("--load", type=local_path, help="a save directory (its latest complete checkpoint) or one checkpoint")
     source.add_argument("--init-from-hf", metavar="DIR_OR_NAME", help="a transformers GPT-2 or Llama model directory or hub id")
-    p.add_argument("--recipe", type=Path, help="data and batch sizes (default: the checkpoint's recipe, "
+    p.add_argument("--recipe", type=local_path, help="data and batch sizes (default: the checkpoint's recipe, "
                    "or recipes/demo.yaml with --init-from-hf)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
@@ -32,13 +31,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set data.val_fraction=0.05 (repeatable)")
     p.add_argument("--batches", type=int, help="global batches to evaluate (default: train.eval_batches)")
-    p.add_argument("--json-out", type=Path, help="write {loss, ppl, ...} here")
+    p.add_argument("--json-out", type=local_path, help="write {loss, ppl, ...} here")
     p.add_argument("--tasks", nargs="+", default=[], metavar="NAME[=PATH]",
                    help="multiple-choice tasks scored by log-likelihood: NAME=PATH of a JSON Lines file in HellaSwag's, "
                         "ARC's or PIQA's schema, or a hub task's name: hellaswag, arc_easy, arc_challenge, piqa "
                         "(docs/evaluation.md)")
     p.add_argument("--max-examples", type=int, default=0, metavar="N", help="score each task's first N examples")
-    p.add_argument("--metrics-out", type=Path,
+    p.add_argument("--metrics-out", type=local_path,
                    help="append one JSON record per task: task, acc, acc_norm, n and every choice's log-likelihood")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -11,20 +11,19 @@ on a laptop. Only the model weights are read, never the optimizer state.
 """
 import argparse
 import sys
-from pathlib import Path
 from typing import List, Optional
 
 from launch.checkpoints.hf_export import export
-from launch.config.cli import OneLineErrorParser
+from launch.config.cli import OneLineErrorParser, local_path
 from launch.config.recipe import refuse_credentials
 from launch.errors import ConfigError, report_bad_input
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", type=Path, required=True,
+    p.add_argument("--load", type=local_path, required=True,
                    help="a save directory (its latest complete checkpoint) or one checkpoint directory")
-    p.add_argument("--out", type=Path, required=True, help="the transformers model directory to write")
+    p.add_argument("--out", type=local_path, required=True, help="the transformers model directory to write")
     p.add_argument("--tokenizer", help="tokenizer name or directory (default: the checkpoint's data.tokenizer)")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out (files of the same name are replaced, others kept)")

@@ -21,13 +21,12 @@ Formulas: launch/analysis/formulas.py; cost model of --search: launch/analysis/p
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import List, Optional
 
 from launch.analysis.plan_report import plan_output, plot
 from launch.analysis.plan_args import THIS_DEVICE
 from launch.analysis.plan_setup import GPUS
-from launch.config.cli import OneLineErrorParser
+from launch.config.cli import OneLineErrorParser, local_path
 from launch.config.recipe import PRECISIONS, RECOMPUTE_MODES, SCHEDULES
 from launch.errors import ConfigError, report_bad_input
 
@@ -35,7 +34,7 @@ from launch.errors import ConfigError, report_bad_input
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (default: --recipe's, else GPT-3 175B's)")
-    m.add_argument("--recipe", type=Path, help="YAML recipe: model dims, batch sizes, zero, recompute")
+    m.add_argument("--recipe", type=local_path, help="YAML recipe: model dims, batch sizes, zero, recompute")
     m.add_argument("--layers", type=int, help="transformer blocks (GPT-3: 96)")
     m.add_argument("--hidden", type=int, help="hidden size (GPT-3: 12288)")
     m.add_argument("--heads", type=int, help="attention heads (GPT-3: hidden / 128)")
@@ -93,14 +92,14 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                     help="measure this machine's GEMMs (the candidates' shapes, in --precision) and memory "
                          "bandwidth, with min(--gpus, --gpus-per-node) processes at once on CPU; cached under "
                          "$GPT3D_CACHE/calibration (launch/autotune/calibrate.py)")
-    hw.add_argument("--profile", type=Path, metavar="FILE.json",
+    hw.add_argument("--profile", type=local_path, metavar="FILE.json",
                     help="a device profile saved by --calibrate (another machine's, or a given table)")
     out = p.add_argument_group("output")
     out.add_argument("--search", action="store_true",
                      help="rank every valid layout for --gpus (ignores --tp, --cp, --pp, --ep, --micro-batch)")
     out.add_argument("--top", type=int, default=10, help="layouts --search shows (default 10)")
     out.add_argument("--json", action="store_true", help="one JSON object instead of text")
-    out.add_argument("--plot", type=Path, metavar="FILE.png", help="draw the device grid and 1F1B schedule")
+    out.add_argument("--plot", type=local_path, metavar="FILE.png", help="draw the device grid and 1F1B schedule")
     return p.parse_args(argv)
 
 

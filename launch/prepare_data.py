@@ -6,17 +6,16 @@ the recipe through launch/config/recipe.py like launch/train.py does.
 """
 import sys
 import time
-from pathlib import Path
 
 from data.spec import DataError
-from launch.config.cli import OneLineErrorParser
+from launch.config.cli import OneLineErrorParser, local_path
 from launch.config.recipe import load_recipe
 from launch.errors import ConfigError, report_bad_input
 
 
 def main(argv=None) -> int:
     parser = OneLineErrorParser(description=__doc__)
-    parser.add_argument("--recipe", type=Path, required=True)
+    parser.add_argument("--recipe", type=local_path, required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     try:
         args = parser.parse_args(argv)

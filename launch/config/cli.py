@@ -16,13 +16,15 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def local_path(text: str) -> Path:
-    """A path flag's value: a file or directory on this machine's filesystems. A URL (s3://bucket/run)
-    made a Path would be a relative directory named `s3:`, written in the working directory."""
+    """Every entry point's path flags: a file or directory on this machine's filesystems. A URL
+    (s3://bucket/run) made a Path would be a relative directory named `s3:`, written in the working
+    directory."""
     if "://" in text:
         refuse_credentials("the path", text)  # the message below repeats it
         raise argparse.ArgumentTypeError(
-            f"{text!r} is a URL: checkpoints, metrics and the other outputs are written to a local or shared "
-            f"filesystem; give a directory there (object storage can be mounted, e.g. with mountpoint-s3 or gcsfuse)")
+            f"{text!r} is a URL: checkpoints, recipes, metrics and the other files are read and written on a local "
+            f"or shared filesystem; give a path there (object storage can be mounted, e.g. with mountpoint-s3 or "
+            f"gcsfuse)")
     return Path(text)
 
 

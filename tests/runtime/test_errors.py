@@ -378,3 +378,19 @@ def test_a_malformed_recipe_file_is_one_line(text, words, tmp_path, monkeypatch,
     assert err.count("\n") == 1 and err[:-1].isprintable(), err
     for word in words:
         assert word in err, (word, err)
+
+
+@pytest.mark.parametrize("script,argv", [
+    ("export_hf", ["--load", "/no/such", "--out", "s3://bucket/model"]),
+    ("evaluate", ["--load", "gs://bucket/run"]),
+    ("plan", ["--recipe", str(TINY), "--plot", "s3://bucket/plan.png"]),
+    ("prepare_data", ["--recipe", "https://host/recipe.yaml"]),
+])
+def test_every_entry_point_refuses_a_url_as_a_path(script, argv, tmp_path, monkeypatch, capsys):
+    """Path('s3://bucket/x') is the relative path s3:/bucket/x: an output there was written silently."""
+    import importlib
+    monkeypatch.chdir(tmp_path)
+    assert importlib.import_module(f"launch.{script}").main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: argument --") and "is a URL" in err and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())  # no directory named s3: or gs:
