@@ -20,6 +20,8 @@ from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tu
 
 import torch
 
+from model.parallel.compile_boundary import opaque_to_compile
+
 # The computation of some weights' gradients: given each weight's fp32 main gradient or None, it
 # adds into the main gradients and returns None for them, and returns the others' gradients.
 GradCompute = Callable[[Sequence[Optional[torch.Tensor]]], Sequence[Optional[torch.Tensor]]]
@@ -161,7 +163,7 @@ class WeightGradStore:
     # B pass), and baked into the backward graph. Dynamo cannot trace a backward that calls this, so
     # the linear's autograd Function runs eagerly between the compiled parts of the block and reads
     # the flag when B runs. Without deferral the add is `add_product_into`'s op, inside the graph.
-    @torch.compiler.disable
+    @opaque_to_compile
     def _now_or_later(self, weights: Sequence[torch.Tensor], compute: GradCompute,
                       holds: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
         if self.enabled and self._deferring and all(w.is_leaf and w.requires_grad for w in weights):

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from model.config import GPTConfig
+from model.parallel.compile_boundary import opaque_to_compile
 from model.parallel.mappings import Group
 from model.transformer.documents import (block_document_mask, dense_document_mask, document_positions,
                                          full_sequence_segments, uses_flex_attention)
@@ -96,7 +97,7 @@ class StageAttentionInputs:
             return causal_inputs(self.config, seq_len, device, dtype)
         return self._cached(segments, seq_len, device, dtype, cp_group)
 
-    @torch.compiler.disable  # Python-side bookkeeping: under train.compile the block's graph breaks here
+    @opaque_to_compile  # Python-side bookkeeping: under train.compile the block's graph breaks here
     def _cached(self, segments, seq_len, device, dtype, cp_group) -> AttentionInputs:
         if torch.is_inference_mode_enabled():  # inference tensors could not be saved for a later backward
             return causal_inputs(self.config, seq_len, device, dtype) if segments is None \

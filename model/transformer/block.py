@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.nn import functional
 
 from model.config import GPTConfig
+from model.parallel.compile_boundary import make_marked_methods_opaque
 from model.parallel.layers import ColumnParallelLinear, RowParallelLinear, group_size
 from model.parallel.mappings import Group
 from model.transformer.attention import AttentionCore, check_context_heads
@@ -167,6 +168,12 @@ class Block(nn.Module):
                               cp_group=cp_group, statistics=moe_statistics)
         else:
             self.mlp = (LlamaMLP if llama else MLP)(config, tp_group, generator, residual_rng)
+
+    def compile(self, *args, **kwargs) -> None:
+        """`nn.Module.compile`, after the methods dynamo must not trace are made opaque
+        (model/parallel/compile_boundary.py)."""
+        make_marked_methods_opaque()
+        super().compile(*args, **kwargs)
 
     def forward(self, x: Carried) -> Carried:  # (B, T, h) -> (B, T, h); (B, T/t, h) with SP; / cp with CP
         hidden, segments = x if self.document_mask else (x, None)

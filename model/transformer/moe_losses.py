@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from model.parallel.compile_boundary import opaque_to_compile
 from model.parallel.mappings import Group
 
 
@@ -57,7 +58,7 @@ class MoEStatistics:
         """Before a step (launch/feed/step_tokens.py): its micro-batches' masks and counted tokens."""
         self.step_masks, self.step_tokens, self._calls = masks, step_tokens, {}
 
-    @torch.compiler.disable  # Python state that changes per call: dynamo would guard on it and recompile
+    @opaque_to_compile  # Python state that changes per call: dynamo would guard on it and recompile
     def counted(self, layer_index: int) -> Optional[torch.Tensor]:
         """The mask of the micro-batch block `layer_index` routes now, or None. A block's router
         losses run once per micro-batch, in micro-batch order, in 1F1B and ZB-H1 alike (under full
