@@ -45,6 +45,12 @@ BF16_RTOL = {"loss": 1e-3, "val_loss": 1e-3, "grad_norm": 2e-2}
 # The bias moves 0.01 per step (DeepSeek-V3's 0.001 would barely change 5 steps' choices).
 BALANCE_TAGS = {"bias": ("model.moe.balance=bias", "model.moe.bias_update_rate=0.01"),
                 "global": ("model.moe.balance_scope=global_batch",)}
+# Muon's options, on a Muon run ("muon"): "keller", Keller Jordan's lr rule at his lr 0.02 with an
+# AdamW group of its own rate, betas and weight decay (each unlike the recipe's, so one ignored at a
+# layout shows). Newton-Schulz in bf16 is checked in process (tests/runtime/test_muon.py), not launched.
+MUON_TAGS = {"keller": ("train.muon_lr_rule=keller", "train.lr=0.02", "train.muon_adamw_lr=8.0e-3",
+                        "train.muon_adamw_beta1=0.8", "train.muon_adamw_beta2=0.99",
+                        "train.muon_adamw_weight_decay=0.01")}
 
 
 def layout_id(layout) -> str:
@@ -83,7 +89,7 @@ class ParityRuns:
     saves a checkpoint after step SAVE_AT. runs[layout] = {metrics, dir (checkpoints under
     dir/ck), stdout, stderr}. (1,1,2) also writes a wandb offline run. Tags after (tp, pp, dp): "sp"
     (sequence parallelism), a precision of PRECISIONS (fp32 without one), "llama" (recipes/llama-tiny.yaml
-    instead of recipes/tiny.yaml), "moe" (recipes/moe-tiny.yaml), "docmask" (data.document_mask), "cp<N>" (--cp N: N times the ranks), "ep<N>" (--ep N), "zb-h1" (train.schedule), "muon" (train.optimizer: Muon), "bias" and "global" (BALANCE_TAGS), a mode of RECOMPUTE_MODES (train.recompute: the
+    instead of recipes/tiny.yaml), "moe" (recipes/moe-tiny.yaml), "docmask" (data.document_mask), "cp<N>" (--cp N: N times the ranks), "ep<N>" (--ep N), "zb-h1" (train.schedule), "muon" (train.optimizer: Muon), "keller" (MUON_TAGS), "bias" and "global" (BALANCE_TAGS), a mode of RECOMPUTE_MODES (train.recompute: the
     same losses, other code paths), "compile" (train.compile: each block compiled)."""
 
     def __init__(self, tmp_path_factory):
@@ -124,6 +130,8 @@ class ParityRuns:
         muon = ["--set", "train.optimizer=muon"] if "muon" in layout else []
         balance = [arg for tag in layout[3:] if tag in BALANCE_TAGS for setting in BALANCE_TAGS[tag]
                    for arg in ("--set", setting)]
+        muon += [arg for tag in layout[3:] if tag in MUON_TAGS for setting in MUON_TAGS[tag]
+                 for arg in ("--set", setting)]
         recompute = [arg for tag in layout[3:] if tag in RECOMPUTE_MODES
                      for arg in ("--set", f"train.recompute={tag}")]
         precision = run_precision(layout)

@@ -11,7 +11,15 @@
   parameters, a matrix straddling the two pieces), against Moonlight's update written here from the
   paper, per logical matrix, on the whole matrices; and each logical matrix is orthogonalised by
   one rank of its TP group (ZeRO-0) or of its TP x DP ranks (ZeRO-1's owner ranks, then a finisher
-  among the owner's TP peers), the ranks sharing the work. The launched runs at every layout: tests/e2e/test_muon_parity.py (slow).
+  among the owner's TP peers), the ranks sharing the work. Then the same with Keller Jordan's lr rule
+  and Newton-Schulz in bf16, against our own one-device update with them (as a (1,1,1) run computes
+  it): equal bit for bit (measured); with fp32 Newton-Schulz on the finishers instead, up to 1.2e-3
+  off (at least 5e-4 per matrix), and with the rule on a shard's shape, 4.8e-3 (o_proj) and 1.2e-2
+  (the experts' down_proj). bf16 is checked here, not launched: there a layout's fp32 rounding
+  flips some bf16 roundings of Newton-Schulz's input, which leaves the bf16 runs as far apart as
+  bf16 from fp32 (tests/e2e/test_muon_parity.py). The launched runs at every layout:
+  tests/e2e/test_muon_parity.py (slow).
+- The recipe snippets of docs/design.md (Moonlight's and Keller Jordan's settings) load and validate.
 """
 import math
 from unittest import mock
@@ -35,6 +43,10 @@ MATRICES = {
     "experts.down_proj": ((2, 12, 10), 2, (10,)),  # (E, h, f)
 }
 GAP = 2  # elements between parameters in the flat buffer, as ZeRO-1's alignment padding leaves
+# Muon's options, each against our own one-device update with them (what a (1,1,1) run computes):
+# Keller Jordan's lr rule must take the whole matrix's shape (a shard's scales the row-parallel o_proj's
+# update by sqrt(12 / 8) at tp 2), and Newton-Schulz in bf16 must stay bf16 on the finishers.
+OPTIONS = dict(lr_rule="keller", ns_dtype="bf16")
 
 
 def test_newton_schulz_is_an_odd_polynomial_of_the_singular_values():
@@ -73,7 +85,7 @@ def _shard(full: torch.Tensor, dim: int, parts, tp_rank: int) -> torch.Tensor:
 
 
 def _sharded_update_is_the_dense_update():
-    from launch.optim.muon import FlatPartition, Muon
+    from launch.optim.muon import Muon
     rank = dist.get_rank()
     tp_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]
     dp_groups = [dist.new_group(r) for r in ([0, 2], [1, 3])]
@@ -98,9 +110,9 @@ def _sharded_update_is_the_dense_update():
             params.append(p)
         return params
 
-    def muon(params):
+    def muon(params, group=tp_group, **options):
         return Muon([{"params": params, "muon": True}], lr=LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95),
-                    eps=1e-8, momentum=MOMENTUM, tp_group=tp_group)
+                    eps=1e-8, momentum=MOMENTUM, tp_group=group, **options)
 
     every_part = sorted(shape[:dim] + (part,) + shape[dim + 1:]  # the logical matrices, whole, once a step
                         for shape, dim, parts in MATRICES.values() for part in parts for _ in grads)
@@ -116,9 +128,32 @@ def _sharded_update_is_the_dense_update():
         return mock.patch("launch.optim.muon.orthogonalise", side_effect=lambda x, steps, **kw: (
             orthogonalised.append(tuple(x.shape)), orthogonalise(x, steps, **kw))[1])
 
+    for options in ({}, OPTIONS):
+        if options:  # the one-device update with the same options: ours on the whole weights, as (1,1,1) runs it
+            tp_shards = shards()
+            whole = [torch.nn.Parameter(full[name].clone()) for name in MATRICES]
+            for p, marked in zip(whole, tp_shards):
+                p.partition_dim, p.partition_stride = marked.partition_dim, marked.partition_stride
+                if hasattr(marked, "partition_sections"):
+                    p.partition_sections = marked.partition_sections
+            one_device = muon(whole, group=None, **options)
+            for g in grads:
+                for p, name in zip(whole, MATRICES):
+                    p.grad = g[name]
+                one_device.step()
+            expected = {name: _shard(p.detach(), dim, parts, tp_rank)
+                        for p, (name, (_, dim, parts)) in zip(whole, MATRICES.items())}
+        _check_layouts(options, expected, shards, muon, grads, tp_rank, dp_rank, dp_group, tp_group, each_once,
+                       recording)
+
+
+def _check_layouts(options, expected, shards, muon, grads, tp_rank, dp_rank, dp_group, tp_group, each_once, recording):
+    """Two steps of Muon (with `options`) at tp 2 x dp 2 as ZeRO-0 and as ZeRO-1 hand it its
+    parameters, against `expected` (this rank's shard of each matrix after them)."""
+    from launch.optim.muon import FlatPartition
     # fp32 ZeRO-0: the optimizer holds the TP shards themselves; the TP peers split the matrices
     params = shards()
-    optimizer = muon(params)
+    optimizer = muon(params, **options)
     orthogonalised = []
     with recording(orthogonalised):
         for g in grads:
@@ -126,7 +161,7 @@ def _sharded_update_is_the_dense_update():
                 p.grad = _shard(g[name], MATRICES[name][1], MATRICES[name][2], tp_rank)
             optimizer.step()
     for p, name in zip(params, MATRICES):
-        torch.testing.assert_close(p.detach(), expected[name], rtol=1e-5, atol=1e-6, msg=f"ZeRO-0 {name}")
+        torch.testing.assert_close(p.detach(), expected[name], rtol=1e-5, atol=1e-6, msg=f"ZeRO-0 {name} {options}")
     each_once(orthogonalised, tp_group, TP, busy=TP)
 
     # ZeRO-1 / BF16: this dp rank's piece of the shards laid end to end with gaps, padded to dp pieces
@@ -144,7 +179,7 @@ def _sharded_update_is_the_dense_update():
 
     piece = torch.nn.Parameter(flat([p.detach() for p in params])[dp_rank * size:(dp_rank + 1) * size].clone())
     assert any(offset < size < offset + p.numel() for p, offset in zip(params, offsets))  # a matrix straddles the pieces
-    optimizer = muon(params)
+    optimizer = muon(params, **options)
     optimizer.param_groups[0]["params"] = [piece]  # what DeepSpeed's wrappers do
     optimizer.bind(piece, FlatPartition(params=params, offsets=offsets, dp_group=dp_group, dp_size=DP, dp_rank=dp_rank))
     orthogonalised = []
@@ -154,7 +189,7 @@ def _sharded_update_is_the_dense_update():
                               )[dp_rank * size:(dp_rank + 1) * size]
             optimizer.step()
     torch.testing.assert_close(piece.detach(), flat([expected[name] for name in MATRICES])[dp_rank * size:(dp_rank + 1) * size],
-                               rtol=1e-5, atol=1e-6, msg="ZeRO-1 flat partition")
+                               rtol=1e-5, atol=1e-6, msg=f"ZeRO-1 flat partition {options}")
     # Owner ranks over dp, then finishers over tp: once in the world. A parameter is the unit, so
     # the owner of c_attn alone (3 of the 11 parts, the costliest) leaves one of its TP peers idle.
     each_once(orthogonalised, None, TP * DP, busy=TP * DP - 1)
@@ -298,3 +333,27 @@ def test_newton_schulz_in_bf16_is_torch_muons_precision():
     for step_bf16 in (bf16, theirs_bf16):
         assert 1e-3 < dist_(step_bf16, fp32) < 6e-2, dist_(step_bf16, fp32)
     assert dist_(bf16, theirs_bf16) < 6e-2
+
+
+def test_the_documented_reference_settings_load_as_recipes(tmp_path):
+    """docs/design.md's Moonlight and Keller Jordan recipe snippets (the indented `train:` blocks of
+    its Muon section) load through the recipe loader, validate, and say what the text says."""
+    from pathlib import Path
+
+    from launch.config.recipe import load_recipe
+    text = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+    section = text[text.index("\n## Muon at every layout"):]
+    section = section[:section.index("\n## ", 1)]
+    snippets = []
+    for block in section.split("\n\n"):
+        if block.startswith("    train:"):
+            path = tmp_path / f"snippet{len(snippets)}.yaml"
+            path.write_text("\n".join(line[4:] for line in block.splitlines()) + "\n")
+            recipe = load_recipe(path, [])
+            recipe.validate()
+            snippets.append(recipe.train)
+    moonlight, keller = snippets
+    assert (moonlight.optimizer, moonlight.muon_lr_rule, moonlight.weight_decay) == ("muon", "moonlight", 0.1)
+    assert moonlight.muon_adamw_lr is None and moonlight.muon_adamw_weight_decay is None  # AdamW's lr and decay
+    assert (keller.optimizer, keller.muon_lr_rule, keller.lr, keller.muon_momentum) == ("muon", "keller", 0.02, 0.95)
+    assert keller.muon_nesterov and keller.muon_ns_steps == 5 and keller.muon_adamw_lr == 2e-3
