@@ -42,7 +42,8 @@ def train(recipe: Path, sets: Sequence[str], tp: int, pp: int, steps: int, out: 
         cmd += ["--set", item]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        print(f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
+        # The end of each stream: a DeepSpeed or compiler traceback runs to a few thousand characters.
+        print(f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-10000:]}", file=sys.stderr, flush=True)
         raise RunFailed(f"{recipe.stem} at tp={tp} pp={pp} exited {proc.returncode}: "
                         f"{error_line(proc.stderr + proc.stdout)}")
     records = [json.loads(line) for line in out.read_text().splitlines()]
