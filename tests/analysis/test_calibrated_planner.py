@@ -91,6 +91,7 @@ def _group_bandwidths_on_4_processes():
     assert all(0 < rate < float("inf") for rate in measured.values()), measured
 
 
+@pytest.mark.slow  # 8 gloo ranks timing collectives: 9 CPU-s
 def test_links_are_measured_in_groups_of_each_size_at_once():
     """The calibration's groups of 2 of 4 gloo processes, every group measuring together (real
     new_group and collectives: every rank creates every group in one order, or this hangs)."""

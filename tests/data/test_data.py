@@ -198,6 +198,7 @@ def test_empty_and_blank_data_are_clear_errors(tokenizer, fresh_cache, tmp_path)
         assert word in str(e.value), str(e.value)
 
 
+@pytest.mark.slow  # a fresh process (the hub's offline switch is read at import): 4.5 CPU-s
 def test_unknown_hub_dataset_exits_2():
     """In a fresh process with the hub offline (datasets reads that at import); a data.seq_len longer
     than the model's: tests/runtime/test_errors.py, in process."""

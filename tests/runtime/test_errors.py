@@ -226,6 +226,7 @@ def test_tokenizer_without_eos_is_refused_before_tokenizing(tmp_path, monkeypatc
                      f"data.tokenizer='{tmp_path / 'no-eos'}'")
 
 
+@pytest.mark.slow  # waits out the lock's timeout in a second process: 15 s
 def test_data_cache_lock_gives_up_naming_the_holder(tmp_path, monkeypatch, capsys):
     """A builder that hangs (here: one that sleeps) holds the lock of the builtin corpus; a run
     that needs the same file gives up after GPT3D_CACHE_LOCK_TIMEOUT_S with the holder's pid."""

@@ -17,7 +17,6 @@ from helpers.input_fuzz import InputFuzz
 from launch.checkpoints.locate import CHECKPOINT_FORMAT, ENGINE_ZERO_STAGE
 from launch.train import main
 
-CASES = 300
 SEED = 20261206
 CASE_BOUND_S = 20
 """A hang guard, not a timing: the slowest accepted case builds the data in about a second."""
@@ -66,7 +65,10 @@ def valid_meta():
             "data_fingerprint": job.data_fingerprint, "data_origin_samples": 0, "files": {}}
 
 
-def test_fuzzed_start_up_input_is_one_line_or_a_trainable_job(tmp_path, monkeypatch, capsys):
+# 100 cases in the fast tier, 200 more (another seed) in the whole suite: about 40 ms a case.
+@pytest.mark.parametrize("seed, n_cases", [(SEED, 100), pytest.param(SEED + 1, 200, marks=pytest.mark.slow)],
+                         ids=["100", "200-more"])
+def test_fuzzed_start_up_input_is_one_line_or_a_trainable_job(seed, n_cases, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(name, "1")  # a fuzzed hub name fails here, never downloads
@@ -75,12 +77,12 @@ def test_fuzzed_start_up_input_is_one_line_or_a_trainable_job(tmp_path, monkeypa
     monkeypatch.setenv("WORLD_SIZE", "1")
     accepted_jobs = []
     monkeypatch.setattr("launch.trainer.loop.run_training", lambda job: accepted_jobs.append(job))
-    fuzz = InputFuzz(SEED, tmp_path, builtin_tokenizer_dir(), valid_meta())
+    fuzz = InputFuzz(seed, tmp_path, builtin_tokenizer_dir(), valid_meta())
     capsys.readouterr()
     outcomes, failures, slowest = Counter(), [], (0.0, None)
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     try:
-        for case in fuzz.cases(CASES):
+        for case in fuzz.cases(n_cases):
             monkeypatch.setenv("WORLD_SIZE", str(case.world_size))
             accepted_jobs.clear()
             start = time.monotonic()
@@ -107,9 +109,9 @@ def test_fuzzed_start_up_input_is_one_line_or_a_trainable_job(tmp_path, monkeypa
                 failures.append((case.what, case.world_size, [a[:120] for a in case.argv], code, err[-600:]))
     finally:
         signal.signal(signal.SIGALRM, previous)
-    print(f"{CASES} cases: {dict(outcomes)}; slowest {slowest[0]:.1f} s ({slowest[1]})")
+    print(f"{n_cases} cases: {dict(outcomes)}; slowest {slowest[0]:.1f} s ({slowest[1]})")
     assert not failures, json.dumps(failures[:8], indent=1, ensure_ascii=True) + f"\n{len(failures)} failures"
-    assert outcomes["refused"] > CASES / 2 and outcomes["accepted"] > CASES / 20, outcomes  # the generator reaches both
+    assert outcomes["refused"] > n_cases / 2 and outcomes["accepted"] > n_cases / 20, outcomes  # the generator reaches both
 
 
 @pytest.mark.slow

@@ -82,6 +82,7 @@ def custom_code_tokenizer(tmp_path):
     return path
 
 
+@pytest.mark.slow  # a fresh process importing transformers: 4.5 CPU-s
 def test_a_tokenizer_asking_for_custom_code_is_refused_at_once(custom_code_tokenizer):
     """A real process with stdin an open pipe nobody answers, as a terminal nobody watches: left to
     its default, transformers asks there "Do you wish to run the custom code? [y/N]" and waits 15 s
