@@ -35,6 +35,13 @@ def json_kind(value: Any) -> str:
     return {list: "a list", str: "a string", dict: "a JSON object"}.get(type(value), "a number")
 
 
+def printable(text: str) -> str:
+    """`text` with every control character escaped as Python writes it (a line break as `\\n`, a
+    terminal escape as `\\x1b`): a key, path or URL scheme from the user may hold them, and printed
+    raw they split the one error line or drive the terminal."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 def one_line(error: BaseException) -> str:
     """An exception's message on one line, cut short and escaped (it may quote the file's bytes)."""
     return repr(" ".join(str(error).split())[:200])

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
+from data.json_files import printable
+
 
 class DataError(ValueError):
     """Bad data input (unknown dataset, missing column, empty data...): one line, exit 2."""
@@ -189,7 +191,7 @@ def check_no_credentials(where: str, value: Any) -> None:
             scheme, authority = url.groups()
             if "@" in authority or (scheme.lower() in ("http", "https") and "?" in text[url.start():]):
                 shown = f"{place}={scheme}://{authority.rpartition('@')[2]}/..."
-                shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in shown)  # one line
+                shown = printable(shown)  # one line
                 raise DataError(f"{shown} carries credentials (user:password@ or a ?query): "
                                 f"they would be saved with the recipe and logged; give them to the backend's "
                                 f"environment instead (HF_TOKEN, AWS_*, GOOGLE_APPLICATION_CREDENTIALS, a .netrc "

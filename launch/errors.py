@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from data.json_files import printable  # noqa: F401 (every entry point's one line escapes through it)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The checkout this code runs from (launch/errors.py is its lowest layer, so every layer may read it)."""
 
@@ -38,13 +40,6 @@ def report_bad_input(error: Exception) -> int:
     else:
         time.sleep(PRINTING_RANK_GRACE_S)
     return BAD_INPUT_EXIT
-
-
-def printable(text: str) -> str:
-    """`text` with every control character escaped as Python writes it (a line break as `\\n`, a
-    terminal escape as `\\x1b`): a key, path or URL scheme from the user may hold them, and printed
-    raw they split the one error line or drive the terminal."""
-    return "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in text)
 
 
 def our_file(filename: str) -> Optional[str]:

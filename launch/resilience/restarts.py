@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from launch.checkpoints.locate import STARTS
-from launch.errors import ConfigError
+from launch.errors import ConfigError, printable
 
 if TYPE_CHECKING:  # annotations only
     from launch.checkpoints.locate import CheckpointRef
@@ -47,7 +47,7 @@ _NO_LINE = "no line recorded: killed or lost, see the job's log"
 
 def _printable(text: str, limit: int = 500) -> str:
     """`text` on one line: control characters escaped, at most `limit` characters."""
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    text = printable(text)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
