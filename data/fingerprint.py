@@ -17,12 +17,14 @@ local file's mtime), and the hub commit a hub source was read at, for streamed s
 number of windows and a digest of a spread of them for cached ones; the mixture's labels and
 weights. Content rewritten in place at the same size, or another directory with the same names
 and sizes, reads other documents at the same unit positions; a hub branch that moved, other files."""
+import dataclasses
 import hashlib
 import json
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from data.spec import DataSpec
 from data.windows import tokenizer_fingerprint
 
 _SAMPLED_WINDOWS = 64  # cached windows digested: evenly spread, cheap at any corpus size
@@ -63,6 +65,17 @@ def _source(part, prefix: str) -> Dict[str, Any]:
     return fields
 
 
+def at_saved_commit(spec: DataSpec, saved: Optional[Dict[str, Any]]) -> DataSpec:
+    """The spec of a resumed run, an unpinned hub source (no data.revision) read at the commit its
+    checkpoint was saved with (`data.commit`), so that a branch that moved since does not refuse
+    the resume: the data is the saved commit's. Any other spec (pinned, off the hub, a mixture, no
+    saved fingerprint) as it is."""
+    commit = (saved or {}).get("data.commit")
+    if getattr(spec, "mix", None) or spec.revision is not None or not isinstance(commit, str):
+        return spec
+    return dataclasses.replace(spec, revision=commit)
+
+
 def fingerprint_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
     """What differs, one short phrase per field, in the fingerprint's order."""
     changes = []
@@ -70,6 +83,8 @@ def fingerprint_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]
         before, after = saved.get(key), now.get(key)
         if json.dumps(before) == json.dumps(after):  # JSON's view: a saved tuple is a list
             continue
+        if key.endswith(".revision") and before is None and after == saved.get(key[:-len("revision")] + "commit"):
+            continue  # an unpinned source resumed at its saved commit (at_saved_commit): the same data
         if key.endswith(".files") and before is not None and after is not None:
             changed = _file_changes(before, after)
             if changed:

@@ -6,18 +6,26 @@
 - csv: a whole file (quoted newlines make byte ranges unsafe).
 - a dataset in memory (`builtin`, a `save_to_disk` directory): a range of at most 10,000 rows,
   at least 64 units when the rows allow.
-Reading a unit fetches its bytes only (one range request; the footer of a parquet file once per
-process). The list of units of a parquet source needs every footer: one process builds it and
-caches it (data/cache.py's build_once); the others read the cached list.
+Reading a unit fetches its bytes only: one range request, no footer. The list of units of a
+parquet source needs every footer: rank 0 reads them once per job and shares the list through the
+job's rendezvous store (data/job_listing.py), each node caching it (data/cache.py's build_once). Beside
+each row group's byte range the list keeps what decoding its text chunk needs (rows, values, codec,
+page offsets, the column's type), from which a read writes a one-row-group footer of its own
+(`chunk_footer`): 1,000 nodes over 2,000 files would otherwise fetch 2,000 footers at every start
+and every process each footer again for its first unit of a file. A text column that this cannot
+describe (nested, an LZ4 codec, which pyarrow names alike for two framings) is read with its file's
+footer, once per process.
 
 Validation in streaming mode holds out whole units: the ceil(val_fraction x N) units whose
 identity (file path relative to the source's directory and unit number) hashes lowest. The rule
 depends on the units alone, not on the shuffle, the streams or the run.
 """
+import base64
 import hashlib
 import io
 import json
 import math
+import os
 import struct
 import threading
 from collections import OrderedDict
@@ -33,10 +41,11 @@ import pyarrow.parquet as pq
 
 from data.cache import build_once, default_cache_dir
 from data.files import SourceFiles
+from data.job_listing import in_a_job, once_per_job
 from data.reading import reading
 from data.spec import DataError
 
-UNITS_VERSION = 1  # bump when the cutting rule changes: units (and the cached lists) change with it
+UNITS_VERSION = 2  # bump when the cutting rule changes: units (and the cached lists) change with it
 MAX_ROWS_IN_MEMORY, MIN_UNITS_IN_MEMORY = 10_000, 64
 FOOTER_THREADS = 16
 FIRST_RECORD_READ = 4096  # bytes of a line file's first read for its first record
@@ -177,6 +186,93 @@ def line_units(sizes: Sequence[int], unit_bytes: int) -> UnitTable:
     return UnitTable(np.concatenate(tables) if tables else np.empty((0, 5), dtype=np.int64))
 
 
+CODECS = {"UNCOMPRESSED": 0, "SNAPPY": 1, "GZIP": 2, "BROTLI": 4, "ZSTD": 6}
+"""parquet.thrift's CompressionCodec of the codecs a chunk footer may name (not LZ4: pyarrow says
+"LZ4" for both LZ4 (Hadoop's framing) and LZ4_RAW, parquet-format issue PARQUET-2032)."""
+CHUNK_COLUMNS = 5
+"""Per unit of a parquet source: rows, values, data page offset (from the unit's start), uncompressed
+bytes, codec + 256 x (has a dictionary page); per file: physical type (-1: read with the footer),
+repetition, converted type (-1: none)."""
+
+
+class _Thrift:
+    """Thrift's compact protocol, the few types a parquet footer needs (parquet.thrift)."""
+
+    def __init__(self):
+        self.out, self.last = bytearray(), [0]
+
+    def varint(self, n: int) -> None:
+        while True:
+            byte, n = n & 0x7F, n >> 7
+            self.out.append(byte | (0x80 if n else 0))
+            if not n:
+                return
+
+    def field(self, fid: int, kind: int) -> None:
+        delta, self.last[-1] = fid - self.last[-1], fid
+        self.out.append(delta << 4 | kind)  # every field id here is at most 15 past the last
+
+    def int(self, fid: int, n: int, kind: int = 6) -> None:  # 5: i32, 6: i64, zigzag varints both
+        self.field(fid, kind)
+        self.varint((n << 1) ^ (n >> 63))
+
+    def string(self, fid: Optional[int], text: str) -> None:
+        if fid is not None:
+            self.field(fid, 8)
+        self.varint(len(text.encode()))
+        self.out += text.encode()
+
+    def list(self, fid: int, kind: int, n: int) -> None:
+        self.field(fid, 9)
+        self.out.append(n << 4 | kind if n < 15 else 0xF0 | kind)
+        if n >= 15:
+            self.varint(n)
+
+    def begin(self, fid: Optional[int] = None) -> None:
+        if fid is not None:
+            self.field(fid, 12)
+        self.last.append(0)
+
+    def end(self) -> None:
+        self.out.append(0)
+        self.last.pop()
+
+
+def chunk_footer(column: str, start: int, stop: int, chunk: Sequence[int], schema: Sequence[int]) -> pq.FileMetaData:
+    """A footer of one row group and one column, the unit's text chunk at its place in the file:
+    what pyarrow needs to decode it, from the unit table's columns (CHUNK_COLUMNS)."""
+    rows, values, data_at, uncompressed, codec = (int(v) for v in chunk)
+    ptype, repetition, converted = (int(v) for v in schema)
+    t = _Thrift()
+    t.begin()  # FileMetaData
+    t.int(1, 1, kind=5)  # version
+    t.list(2, 12, 2)  # schema: the root, then the text column
+    t.begin(), t.string(4, "schema"), t.int(5, 1, kind=5), t.end()
+    t.begin(), t.int(1, ptype, kind=5), t.int(3, repetition, kind=5), t.string(4, column)
+    if converted >= 0:
+        t.int(6, converted, kind=5)
+    t.end()
+    t.int(3, rows)
+    t.list(4, 12, 1)  # row_groups
+    t.begin(), t.list(1, 12, 1)  # RowGroup.columns
+    t.begin(), t.int(2, start), t.begin(3)  # ColumnChunk: file_offset, meta_data
+    t.int(1, ptype, kind=5)
+    t.list(2, 5, 3)  # encodings: PLAIN, RLE, RLE_DICTIONARY (the pages name their own)
+    t.varint(0), t.varint(3 << 1), t.varint(8 << 1)
+    t.list(3, 8, 1), t.string(None, column)
+    t.int(4, codec & 0xFF, kind=5), t.int(5, values), t.int(6, uncompressed), t.int(7, stop - start)
+    t.int(9, start + data_at)
+    if codec >> 8:
+        t.int(11, start)  # dictionary_page_offset: the chunk starts with its dictionary
+    t.end(), t.end()
+    t.int(2, uncompressed), t.int(3, rows), t.end()
+    # a current writer's name: pyarrow pads the chunk's range for old parquet-mr writers (PARQUET-816)
+    t.string(6, f"parquet-cpp-arrow version {pa.__version__}")
+    t.end()
+    blob = bytes(t.out)
+    return pq.read_metadata(pa.BufferReader(b"PAR1" + blob + struct.pack("<I", len(blob)) + b"PAR1"))
+
+
 class SparseFile(io.RawIOBase):
     """A remote file for pyarrow's parquet reader: the byte ranges already fetched, and a range
     request for anything else (pyarrow reads exactly the column chunk it was given)."""
@@ -270,9 +366,16 @@ class FileUnits(UnitSource):
                             f"in {self.label!r}; columns: {', '.join(names)}")
         return names.index(self.text_field)
 
-    def _file_units(self, file: int) -> List[Unit]:
+    def _file_units(self, file: int) -> Tuple[List[Unit], List[Tuple[int, ...]], Tuple[int, int, int]]:
+        """The file's row groups: their units, each one's CHUNK_COLUMNS, and the file's text column
+        (physical type, repetition, converted type; -1 first where a read needs the footer)."""
         meta, column = self.footer(file), self._text_column(file)
-        units = []
+        leaf = meta.schema.column(column)
+        converted = 0 if str(leaf.converted_type) == "UTF8" else \
+            -1 if str(leaf.converted_type) == "NONE" and leaf.logical_type.type == "NONE" else -2
+        plain = leaf.physical_type == "BYTE_ARRAY" and leaf.max_repetition_level == 0 and \
+            leaf.max_definition_level <= 1 and leaf.path == leaf.name and converted > -2
+        units, chunks = [], []
         for g in range(meta.num_row_groups):
             chunk = meta.row_group(g).column(column)
             start = min(chunk.dictionary_page_offset or chunk.data_page_offset, chunk.data_page_offset)
@@ -286,26 +389,58 @@ class FileUnits(UnitSource):
             # the chunk's uncompressed bytes less 4-byte lengths and page headers: a floor of its text
             text = chunk.total_uncompressed_size - 4 * rows - 256 * (1 + chunk.total_uncompressed_size // 65536)
             units.append(Unit(file, g, start, start + chunk.total_compressed_size, max(0, text)))
-        return units
+            plain = plain and chunk.compression in CODECS
+            chunks.append((rows, chunk.num_values, chunk.data_page_offset - start, chunk.total_uncompressed_size,
+                           CODECS.get(chunk.compression, 0) + 256 * bool(chunk.has_dictionary_page)))
+        return units, chunks, ((6 if plain else -1), leaf.max_definition_level, max(converted, -1))
 
     def _parquet_units(self) -> UnitTable:
-        """Every file's row groups from its footer, listed once per machine and cached."""
+        """Every file's row groups from its footer, listed by rank 0 once per job (and cached on
+        its node), read by every other rank from the job's store once per node."""
         key = self.fingerprint()
+        path = default_cache_dir() / "data" / f"units-{key}.npz"
 
         def build(tmp) -> None:
             with ThreadPoolExecutor(FOOTER_THREADS) as pool:  # footers of many files, overlapped
                 per_file = list(pool.map(self._file_units, range(len(self.files.paths))))
             with open(tmp, "wb") as f:
-                np.save(f, UnitTable.of(u for units in per_file for u in units).rows)
+                # compressed: it travels through the store to every node (small integers, ~4x smaller)
+                # int32: a unit's rows, values and bytes are below MAX_PARQUET_UNIT_BYTES
+                np.savez_compressed(f, units=UnitTable.of(u for units, _, _ in per_file for u in units).rows,
+                                    chunks=np.array([c for _, chunks, _ in per_file for c in chunks], dtype=np.int32
+                                                    ).reshape(-1, CHUNK_COLUMNS),
+                                    schema=np.array([s for _, _, s in per_file], dtype=np.int32).reshape(-1, 3))
 
-        return UnitTable(np.load(build_once(default_cache_dir() / "data" / f"units-{key}.npy", build)))
+        def shared() -> str:
+            return once_per_job(["units", key], lambda: base64.b64encode(build_once(path, build).read_bytes()).decode(),
+                                f"data.name={self.label!r}: rank 0 failed to list the row groups",
+                                f"data.name={self.label!r}: rank 0 did not list the row groups")
+
+        if not in_a_job():
+            build_once(path, build)
+        elif os.environ["RANK"] == "0":
+            shared()  # its own list (built, or cached by an earlier job), put in the store for every node
+        elif not path.exists():  # another name: rank 0 may hold `path`'s lock on this node while this rank waits for it
+            path = build_once(path.with_name(f"units-{key}-from-rank-0.npz"),
+                              lambda tmp: tmp.write_bytes(base64.b64decode(shared())))
+        with np.load(path) as saved:
+            self._chunks, self._schema = saved["chunks"], saved["schema"]
+            units = UnitTable(saved["units"])
+        self._first_unit = np.searchsorted(units.rows[:, 0], np.arange(len(self.files.paths)))
+        return units
 
     def _parquet_texts(self, unit: Unit) -> List[Optional[str]]:
         with reading(f"{self.label}: {self.files.where(unit.file)} row group {unit.part}"):
-            meta = self.footer(unit.file)
+            schema = self._schema[unit.file]
+            if schema[0] >= 0:  # the unit table says what decoding the chunk needs: no footer read
+                meta = chunk_footer(self.text_field, unit.start, unit.stop,
+                                    self._chunks[self._first_unit[unit.file] + unit.part], schema)
+                group = 0
+            else:
+                meta, group = self.footer(unit.file), unit.part
             chunk = SparseFile(self.files, unit.file, [(unit.start, self.files.read(unit.file, unit.start, unit.stop))])
             reader = pq.ParquetFile(pa.PythonFile(chunk, mode="r"), metadata=meta, pre_buffer=False)
-            return reader.read_row_group(unit.part, columns=[self.text_field]).column(0).to_pylist()
+            return reader.read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
 
     # -- lines --
 

@@ -77,6 +77,9 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
         refuse_another_runs_save_dir(args.save, resume_from)
     from launch.resilience.restarts import refuse_a_requeue_loop  # before the data: a refused requeue costs nothing
     refuse_a_requeue_loop(args.save, args.load, resume_from, recipe.train.max_starts_without_progress)
+    if resume_from is not None and not args.restart_data:  # an unpinned hub source: the commit it trained on
+        from data.fingerprint import at_saved_commit
+        recipe.data = at_saved_commit(recipe.data, resume_from.meta.get("data_fingerprint"))
     data, vocab_size = load_run_data(recipe, layout)
     layout = with_stage_boundaries(layout, recipe, vocab_size)  # the stage boundaries need the vocabulary
     check_muon_stages(recipe, layout, vocab_size)

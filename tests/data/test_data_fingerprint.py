@@ -150,3 +150,17 @@ def test_a_hub_revision_that_moved_is_refused_naming_the_commit_to_pin(repositor
         in str(refused.value) and "--restart-data" in str(refused.value) and "\n" not in str(refused.value)
     ref.meta["data_fingerprint"] = base
     assert data_position(ref, base, restart=False) == (None, 0)  # the same commit and files: resumes
+
+
+def test_an_unpinned_hub_source_resumes_at_its_saved_commit(repository, tokenizer, stream_cache):
+    """A resume of an unpinned hub source reads the commit its checkpoint saved (data.revision set
+    to it), and that pin is no change of the data; a pinned, a non-hub or a fresh source is kept."""
+    from data.fingerprint import at_saved_commit, fingerprint_changes
+    saved = {"data.revision": None, "data.commit": "a" * 40}
+    hub = DataSpec(name="org/corpus", streaming=True)
+    assert at_saved_commit(hub, saved).revision == "a" * 40
+    assert at_saved_commit(DataSpec(name="org/corpus", streaming=True, revision="v1"), saved).revision == "v1"
+    assert at_saved_commit(hub, {"data.revision": None, "data.commit": None}).revision is None
+    assert at_saved_commit(hub, None).revision is None
+    assert fingerprint_changes(saved, {"data.revision": "a" * 40, "data.commit": "a" * 40}) == []
+    assert fingerprint_changes(saved, {"data.revision": "b" * 40, "data.commit": "b" * 40}) != []

@@ -1,17 +1,22 @@
 """What a streaming job fetches, counted by the test server (tests/helpers/range_server.py) and
 checked against the files' own layout read by pyarrow: every unit is fetched once per epoch by
-one rank, and nothing but the text column's chunks and the footers; a resume fetches the same
-bytes at step 3 as at step 30; validation fetches about what its windows hold; start-up fetches
-footers only."""
+one rank, and nothing but the text column's chunks and the footers; a job of separate processes
+fetches each footer once and each byte once; a unit reads without its footer; a resume fetches
+the same bytes at step 3 as at step 30; validation fetches about what its windows hold; start-up
+fetches footers only."""
 import json
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from data.builtin import load_tokenizer
 from data.run import prepare_run_data
 from data.spec import DataSpec
+from data.files import resolve_files
 from data.streaming import merge_states
+from data.units import FileUnits
+from helpers.range_server import RangeServer
 from helpers.stream_corpus import served, window_ids, write_corpus
 from helpers.stream_steps import windows_per_step
 
@@ -39,9 +44,10 @@ def server(corpus):
 class ParquetLayout:
     """The corpus's bytes as pyarrow lays them out: each row group's text chunk and each footer."""
 
-    def __init__(self, corpus):
+    def __init__(self, corpus, n_files=N_FILES, group_rows=GROUP_ROWS):
+        self.n_files, self.group_rows = n_files, group_rows
         self.chunks, self.footers, self.sizes = {}, {}, {}
-        for f in range(N_FILES):
+        for f in range(n_files):
             name, path = f"part{f}.parquet", corpus / f"part{f}.parquet"
             meta, data = pq.ParquetFile(path).metadata, path.read_bytes()
             for g in range(meta.num_row_groups):
@@ -52,8 +58,8 @@ class ParquetLayout:
             self.footers[name] = 8 + int.from_bytes(data[-8:-4], "little")
 
     def unit_of_document(self, i: int):
-        per_file = N_DOCS // N_FILES
-        return i // per_file, i % per_file // GROUP_ROWS
+        per_file = N_DOCS // self.n_files
+        return i // per_file, i % per_file // self.group_rows
 
     def bytes_of(self, units) -> int:
         units = set(units)
@@ -115,7 +121,7 @@ def test_each_unit_is_fetched_once_by_the_rank_that_trains_it(streams, corpus, s
         footer_bytes = sum(end - start for requests, _ in per_rank for r in requests if r not in layout.chunks
                            for (_, start, end) in [r])
         assert chunk_bytes <= READ_BOUND * layout.bytes_of(consumed), (dp, streams, chunk_bytes, len(consumed))
-        assert footer_bytes <= dp * layout.all_footers()  # each process reads a footer at most once
+        assert footer_bytes == 0  # the unit list says what a read needs: no footer
 
 
 def test_line_units_fetch_about_what_they_train(corpus, server, tokenizer, stream_cache):
@@ -139,7 +145,7 @@ def test_line_units_fetch_about_what_they_train(corpus, server, tokenizer, strea
 def test_a_resume_fetches_the_same_at_step_3_and_30(corpus, server, tokenizer, stream_cache):
     """The bytes fetched before the first resumed step's batches do not grow with the step: equal
     within one unit per stream (each stream reopens the unit where its shuffle block starts), and
-    footers only of the files those units are in."""
+    no footer (the unit list says what a read needs)."""
     layout = ParquetLayout(corpus)
     spec, dp = _spec(f"{server.url}/part*.parquet"), 2
     data = _prepare(spec, tokenizer)
@@ -147,7 +153,7 @@ def test_a_resume_fetches_the_same_at_step_3_and_30(corpus, server, tokenizer, s
     for step in (3, 30):
         _, states = windows_per_step(data, dp, step)
         state = merge_states(states, spec.streams)
-        fresh = _prepare(spec, tokenizer)  # a new process's view: no footer read yet
+        fresh = _prepare(spec, tokenizer)  # a new process's view: the unit list from the cache
         requests = [r for rank_requests, _ in _rank_reads(server, fresh, tokenizer, dp, steps=1, start=step,
                                                           data_state=state) for r in rank_requests]
         assert all(r in layout.chunks or layout.is_footer(*r) for r in requests)
@@ -155,9 +161,9 @@ def test_a_resume_fetches_the_same_at_step_3_and_30(corpus, server, tokenizer, s
         footers[step] = {r[0] for r in requests if r not in layout.chunks}
     largest_unit = max(end - start for _, start, end in layout.chunks)
     assert abs(layout.bytes_of(units[30]) - layout.bytes_of(units[3])) <= spec.streams * largest_unit, units
-    for step in (3, 30):  # a unit or two per stream (30 steps trained ~45 units), footers of their files only
+    for step in (3, 30):  # a unit or two per stream (30 steps trained ~45 units), no footer
         assert spec.streams <= len(units[step]) <= 2 * spec.streams, units[step]
-        assert footers[step] == {f"part{f}.parquet" for f, _ in units[step]}, (footers[step], units[step])
+        assert not footers[step], footers[step]
 
 
 def test_validation_fetches_about_what_its_windows_hold(corpus, server, tokenizer, stream_cache):
@@ -180,13 +186,16 @@ def _resolve_on_each_rank(url: str, own_caches: str = "") -> None:
         os.environ["GPT3D_CACHE"] = f"{own_caches}/node{os.environ['RANK']}"
     files = resolve_files(url, None, "train", None)
     assert files.names == [f"part{f}.parquet" for f in range(N_FILES)], files.names
+    assert len(FileUnits(files, "text", 2 ** 20).units) == N_DOCS // GROUP_ROWS
 
 
 def test_the_files_are_resolved_once_per_job(corpus, server, tmp_path, monkeypatch):
     """Four ranks of one job, each on a node of its own, ask the server about the files once
     between them (rank 0, through the job's rendezvous store): one listing and one HEAD per file,
-    not four; a second job asks again (files may have changed between runs)."""
+    not four, and each footer once for the list of units; a second job asks again (files may have
+    changed between runs)."""
     from helpers.distributed import run_distributed
+    layout = ParquetLayout(corpus)
     monkeypatch.setenv("GPT3D_CACHE", str(tmp_path / "cache"))
     server.reset()
     _resolve_on_each_rank(f"{server.url}/part*.parquet")  # one process alone: it asks for itself
@@ -196,6 +205,8 @@ def test_the_files_are_resolved_once_per_job(corpus, server, tmp_path, monkeypat
         server.reset()
         run_distributed(_resolve_on_each_rank, 4, f"{server.url}/part*.parquet", str(tmp_path / f"job{launch}"))
         assert server.lookups == once, (launch, server.lookups)
+        assert all(layout.is_footer(*r) for r in server.requests)
+        assert server.total() == layout.all_footers(), (launch, server.total() / layout.all_footers())
     server.reset()  # a glob that matches nothing: rank 0's one line, on every rank
     _refused_on_each_rank(f"{server.url}/nothing*.parquet")
     alone = server.lookups
@@ -251,3 +262,100 @@ def test_a_line_sources_start_up_reading_is_done_once_per_node(server, tokenizer
     first_record = 4096
     assert alone - first_record < fetched[0] <= alone + 3 * first_record and fetched[1] <= 4 * first_record, \
         (alone, fetched)
+
+
+WRITERS = {"snappy": {}, "uncompressed": dict(compression="NONE"), "gzip": dict(compression="GZIP"),
+           "brotli": dict(compression="BROTLI"), "zstd": dict(compression="ZSTD"), "plain": dict(use_dictionary=False),
+           "pages v2": dict(data_page_version="2.0"), "many pages": dict(data_page_size=256),
+           "no statistics": dict(write_statistics=False), "lz4": dict(compression="LZ4")}
+
+
+def test_a_unit_reads_without_its_footer_as_pyarrow_reads_it(tmp_path, stream_cache):
+    """Row groups written every way pyarrow writes them (codecs, dictionary or not, page versions,
+    many pages, nulls, a required large_string column, bytes without a string annotation): once
+    the units are listed, each reads exactly its text chunk (no footer) and gives pyarrow's own
+    texts of that row group. An LZ4 file (two framings, one name in pyarrow) reads its footer once."""
+    texts = [None if i % 7 == 3 else f"doc {i} " + "word " * (i % 50) for i in range(150)]
+    tables = {name: (pa.table({"id": list(range(150)), "text": texts}), kw) for name, kw in WRITERS.items()}
+    required = pa.schema([pa.field("text", pa.large_string(), nullable=False)])
+    tables["required"] = (pa.table({"text": [t or "" for t in texts]}, schema=required), {})
+    tables["bytes"] = (pa.table({"text": [(t or "").encode() for t in texts]}), {})
+    for name, (table, kw) in tables.items():
+        pq.write_table(table, tmp_path / f"{name}.parquet", row_group_size=64, **kw)
+    server = RangeServer(tmp_path)
+    try:
+        for name in tables:
+            path = tmp_path / f"{name}.parquet"
+            files = resolve_files(f"{server.url}/{name}.parquet", None, "train", None)
+            FileUnits(files, "text", 2 ** 20)  # the listing, which reads the footer
+            server.reset()
+            source = FileUnits(files, "text", 2 ** 20)  # another process's: the listing from the cache
+            assert len(source.units) == 3 and not server.requests, name
+            for unit in source.units:
+                expected = pq.ParquetFile(path).read_row_group(unit.part, columns=["text"]).column(0).to_pylist()
+                assert source.texts(unit) == expected, (name, unit)
+            chunks = [(f"{name}.parquet", u.start, u.stop) for u in source.units]
+            footer = [r for r in server.requests if r not in chunks]
+            assert sorted(set(server.requests) - set(footer)) == sorted(chunks), name
+            assert len(footer) == (2 if name == "lz4" else 0), (name, footer)  # its length, then the footer
+    finally:
+        server.close()
+
+
+JOB_DP, JOB_STEPS, JOB_FILES, JOB_GROUP_ROWS = 8, 20, 8, 200  # 40 row groups of 200 documents
+
+
+@pytest.fixture(scope="module")
+def job_server(tmp_path_factory):
+    """Larger row groups than `corpus`'s: footers a few percent of the bytes, as in real data."""
+    yield from served(write_corpus(tmp_path_factory.mktemp("job"), N_DOCS, JOB_FILES, JOB_GROUP_ROWS))
+
+
+def _train_on_each_rank(url: str, caches: str, out: str) -> None:
+    """One rank of a job on a node of its own (its own data cache): it prepares the run's data and
+    draws its share of JOB_STEPS steps, then writes the documents its windows hold."""
+    import os
+    from pathlib import Path
+    rank, dp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ["GPT3D_CACHE"] = f"{caches}/node{rank}"
+    tokenizer = load_tokenizer("builtin")
+    data = _prepare(_spec(url, streams=None), tokenizer)
+    it = data.train_batches(rank, dp)
+    windows = [x for _ in range(JOB_STEPS * B // dp // MICRO) for x in next(it)[0]]
+    Path(out, f"rank{rank}.json").write_text(json.dumps(sorted(window_ids(tokenizer, windows))))
+
+
+def _union_bytes(requests) -> int:
+    """Bytes of the union of the requested ranges, file by file."""
+    total, by_file = 0, {}
+    for name, start, end in requests:
+        by_file.setdefault(name, []).append((start, end))
+    for ranges in by_file.values():
+        reach = -1
+        for start, end in sorted(ranges):
+            total += max(0, end - max(start, reach))
+            reach = max(reach, end)
+    return total
+
+
+@pytest.mark.slow  # 8 processes: ~45 CPU-s; the fast tier's 4 ranks list the units once per job
+def test_a_job_of_separate_processes_fetches_each_byte_once(job_server, tmp_path):
+    """Eight ranks, each a process on a node of its own sharing nothing but the job's rendezvous
+    store, train JOB_STEPS steps at dp 8 (a stream per sample): the server sends each byte once
+    (footers included: the unit table, with what a read needs of each row group, is built by rank
+    0 alone) and about what the ranks train."""
+    from helpers.distributed import run_distributed
+    server, layout = job_server, ParquetLayout(job_server.root, JOB_FILES, JOB_GROUP_ROWS)
+    server.reset()
+    run_distributed(_train_on_each_rank, JOB_DP, f"{server.url}/part*.parquet", str(tmp_path / "caches"),
+                    str(tmp_path))
+    requests = list(server.requests)
+    assert all(r in layout.chunks or layout.is_footer(*r) for r in requests), requests
+    trained = set().union(*({layout.unit_of_document(i) for i in json.loads((tmp_path / f"rank{r}.json").read_text())}
+                            for r in range(JOB_DP)))
+    sent, distinct = sum(end - start for _, start, end in requests), _union_bytes(requests)
+    footers = sum(end - start for r in requests if r not in layout.chunks for (_, start, end) in [r])
+    print(f"sent / distinct {sent / distinct:.3f}, sent / trained {sent / layout.bytes_of(trained):.3f}")
+    assert footers == layout.all_footers(), (footers, layout.all_footers())  # each once in the job, by rank 0
+    assert sent <= 1.1 * distinct, (sent, distinct)
+    assert sent <= READ_BOUND * layout.bytes_of(trained), (sent, layout.bytes_of(trained))
