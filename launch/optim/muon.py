@@ -138,8 +138,7 @@ class Muon(torch.optim.Optimizer):
     def _matrix_updates(self, shards: List[torch.Tensor], layouts: List[MatrixLayout], group: dict) -> List[torch.Tensor]:
         """This rank's shard of s(m, n) NS(part) for each logical part of each matrix (collective over
         TP: each matrix orthogonalised on one TP peer, launch/optim/muon_tp_owners.py)."""
-        # .get: a group loaded from a save that predates these keys takes their defaults
-        rule, dtype = group.get("lr_rule", "moonlight"), group.get("ns_dtype")
+        rule, dtype = group["lr_rule"], group["ns_dtype"]
 
         def update(part: torch.Tensor) -> torch.Tensor:  # part: (rows, cols) or (E/ep, rows, cols)
             return orthogonalise(part, group["ns_steps"], dtype=ns_dtype(dtype, part.device)) * update_scale(
