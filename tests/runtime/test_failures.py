@@ -16,8 +16,9 @@ START_LIMIT_S = 60  # the bound on a refusal before the start, the launcher's ow
 # and 4 processes importing torch and DeepSpeed included (8 s for one process here)
 
 
-def _start(args, env):
-    cmd = launcher_command(4, REPO / "launch" / "train.py") + ["--recipe", str(TINY), "--tp", "2", "--pp", "2"] + args
+def _start(args, env, tp=2, pp=2):
+    cmd = launcher_command(tp * pp, REPO / "launch" / "train.py") + ["--recipe", str(TINY), "--tp", str(tp),
+                                                                     "--pp", str(pp)] + args
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -32,7 +33,7 @@ def test_wandb_online_without_api_key_stops_before_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env.update(NETRC=str(tmp_path / "netrc"), WANDB_DIR=str(tmp_path))  # no key anywhere
     start = time.monotonic()
-    proc = _start(["--wandb", "online"], env)
+    proc = _start(["--wandb", "online"], env, pp=1)  # two ranks: one line for the job, not one a rank
     out, err = proc.communicate(timeout=300)
     seconds = time.monotonic() - start
     assert proc.returncode == 2, out[-3000:] + err[-3000:]
