@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from launch.analysis import engine_memory, formulas
 from launch.analysis.device_profile import DeviceProfile, datasheet_profile
+from launch.analysis.memory_formulas import process_fixed_bytes
 from launch.analysis import partition as partition_rules
 from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe, TrainSection
@@ -78,17 +79,22 @@ slowest link a current accelerator node has between its devices)."""
 UNKNOWN_INTER_NODE_BW = 12.5e9
 """An unknown device's links across nodes: one 100 Gb/s NIC per device."""
 
-HEADROOM_BYTES = 2 * GIB
-"""Device memory a training process cannot give to tensors, whatever the model: the CUDA context
-and its loaded kernels (about 0.5 GiB on a Hopper with lazy loading), cuBLAS and cuDNN
-workspaces and NCCL's communicator buffers (tens to hundreds of MiB each)."""
+RANK_COMMUNICATORS = 6
+"""The NCCL communicators a rank of a 3D run holds: its TP, PP, data-axis, EP and expert-data
+groups (model/parallel/state.py) and the world's (the run's barriers, DeepSpeed's own). A CP group
+or a pipeline neighbour's point-to-point pair adds one, but each is counted at NCCL's upper bound
+of channels (memory_formulas.NCCL_CHANNELS), which most topologies stay well below."""
+HEADROOM_BYTES = process_fixed_bytes(RANK_COMMUNICATORS)
+"""Device memory a training process cannot give to tensors, whatever the model (2.06 GiB): the CUDA
+context and its loaded kernels, cuBLAS's workspaces and NCCL's communicator buffers, counted in
+one place, memory_formulas.process_fixed_bytes."""
 HEADROOM_FRACTION = 0.05
 """And PyTorch's caching allocator's fragmentation: blocks reserved but not allocated at the peak."""
 
 
 def usable_memory_bytes(total_bytes: float) -> float:
     """What the planner lets a rank's predicted memory reach: the device's total less the headroom
-    (an "80 GB" H100, 79.1 GiB reported, gives 73.2 GiB)."""
+    (an "80 GB" H100, 79.1 GiB reported, gives 73.1 GiB)."""
     return total_bytes * (1 - HEADROOM_FRACTION) - HEADROOM_BYTES
 
 

@@ -10,23 +10,25 @@ On CPU the processes of a job share the cores, so `procs` copies of the measurem
 slowest copy's rate is kept: the oversubscription a run meets is part of what is measured. The
 copies then form a gloo group and time a ring all-reduce: the links of a job on this machine,
 the optimizer's update per parameter, and, given the model, its own blocks and head as each
-candidate runs them (launch/autotune/calibrate_blocks.py). A GPU measures its own GEMMs, memory and
-optimizer; its links stay the datasheet's until measured, and its blocks are costed from the GEMM
-table (one GPU cannot form the candidates' TP groups)."""
+candidate runs them (launch/autotune/calibrate_blocks.py) and DeepSpeed's engine around them
+(calibrate_engine.py). A GPU node runs the same code: one process per GPU (at most the node's
+GPUs), each on its own device, an NCCL group instead of gloo; every timing waits for the device's
+queue (calibrate_timing.py: a synchronize that is nothing on CPU). GEMMs are timed back to back,
+one synchronize per batch of calls, and an expert GEMM as all of a rank's local experts at once,
+through the model's own grouped GEMM (model/transformer/grouped_gemm.py)."""
 import dataclasses
 import multiprocessing
 import os
 import queue
 import platform
 import re
-import time
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from launch.analysis.device_profile import DeviceProfile, Shape, block_key, gemm_key, model_key
 from launch.autotune.calibrate_blocks import Case, time_pieces
 from launch.autotune.calibrate_engine import EngineOverheads, engine_overheads
-from launch.autotune.calibrate_timing import median_seconds
+from launch.autotune.calibrate_timing import back_to_back_rate, median_seconds, no_sync
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 MIN_SECONDS = 0.05   # per GEMM measurement, after one warm-up call
@@ -35,7 +37,13 @@ COPY_BYTES = {"cuda": 1 << 30, "cpu": 1 << 26}
 
 def _torch_device():
     import torch
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _synchronize() -> Callable[[], None]:
+    """What waits for this process's device: torch.cuda.synchronize on a GPU, nothing on CPU."""
+    import torch
+    return torch.cuda.synchronize if torch.cuda.is_available() else no_sync
 
 
 def _thread_setting() -> dict:
@@ -76,24 +84,62 @@ def cache_path(device: str, dtype: str) -> Path:
     return (Path(directory) if directory else default_cache_dir() / "calibration") / f"{slug}.json"
 
 
-def gemm_rate(shape: Shape, dtype: str) -> float:
-    """FLOP/s of x (m, k) @ w (k, n) on this process's device: one warm-up, then repeats for at
-    least MIN_SECONDS."""
+def gemm_call(shape: Shape, dtype: str) -> Tuple[Callable[[], object], float]:
+    """(x (m, k) @ w (k, n) on this process's device, its FLOPs)."""
     import torch
     device, (m, k, n) = _torch_device(), shape
     x = torch.randn(m, k, dtype=getattr(torch, DTYPES[dtype]), device=device)
     w = torch.randn(k, n, dtype=x.dtype, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    x @ w
-    sync()
-    calls, start = 0, time.perf_counter()
-    while True:
-        x @ w
-        calls += 1
-        sync()
-        elapsed = time.perf_counter() - start
-        if elapsed >= MIN_SECONDS:
-            return 2 * m * k * n * calls / elapsed
+    return (lambda: x @ w), 2 * m * k * n
+
+
+def expert_gemm(shape: Shape, experts: int, dtype: str) -> Tuple[Callable[[], object], float, object, object]:
+    """(the forward GEMM of `experts` local experts of `shape` (m rows each, k, n) as the model runs
+    it, one call for all of them (model/transformer/grouped_gemm.py: grouped_linear, torch's grouped
+    GEMM where it fits, else a GEMM per expert), its FLOPs, its rows (experts x m, k), its weights
+    (experts, n, k))."""
+    import torch
+
+    from model.transformer.grouped_gemm import expert_rows, grouped_linear
+    device, (m, k, n) = _torch_device(), shape
+    x = torch.randn(experts * m, k, dtype=getattr(torch, DTYPES[dtype]), device=device)
+    weight = torch.randn(experts, n, k, dtype=x.dtype, device=device)
+    rows = expert_rows(torch.full((experts,), m, dtype=torch.int64, device=device), [m] * experts)
+
+    def call():
+        with torch.no_grad():
+            return grouped_linear(x, weight, rows)
+    return call, experts * 2 * m * k * n, x, weight
+
+
+def gemm_rate(shape: Shape, dtype: str) -> float:
+    """FLOP/s of x (m, k) @ w (k, n) on this process's device, back to back for at least MIN_SECONDS."""
+    call, flops = gemm_call(shape, dtype)
+    return back_to_back_rate(call, flops, _synchronize(), MIN_SECONDS)
+
+
+def expert_gemm_rate(shape: Shape, experts: int, dtype: str) -> float:
+    """FLOP/s of `experts` experts' GEMMs of `shape` run together (`expert_gemm`), back to back: the
+    rate a rank's routed rows run at (a small expert's GEMM alone fills a fraction of a GPU)."""
+    call, flops, _, _ = expert_gemm(shape, experts, dtype)
+    return back_to_back_rate(call, flops, _synchronize(), MIN_SECONDS)
+
+
+def expert_counts(model, cases: Iterable[Case]) -> Dict[Shape, int]:
+    """Each expert GEMM shape of the block `cases` (planner.gemm_shapes's "expert") -> the experts
+    a rank holds there, E / ep; where cases of different ep share a shape, the fewest (a GPU runs
+    fewer small GEMMs at a lower rate: the conservative one)."""
+    from launch.analysis.plan_setup import Setup
+    from launch.analysis.planner import gemm_shapes
+    arch = model.resolved()
+    if not arch.moe.enabled:
+        return {}
+    counts: Dict[Shape, int] = {}
+    for tp, ep, b, tokens in cases:
+        setup = Setup(gpus=tp * ep, tp=tp, pp=1, micro_batch=b, global_batch=b, cp=model.seq_len // tokens, ep=ep)
+        shape = tuple(gemm_shapes(model, setup)["expert"])
+        counts[shape] = min(counts.get(shape, arch.moe.num_experts), arch.moe.num_experts // ep)
+    return counts
 
 
 def memory_bandwidth(dtype: str) -> float:
@@ -102,7 +148,7 @@ def memory_bandwidth(dtype: str) -> float:
     device = _torch_device()
     src = torch.empty(COPY_BYTES[device.type] // 2, dtype=torch.int16, device=device)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _synchronize()
     seconds = median_seconds(lambda: (dst.copy_(src), sync()), 5, before=sync)
     return 2 * src.numel() * src.element_size() / seconds
 
@@ -113,7 +159,7 @@ def optimizer_seconds_per_param() -> float:
     weight = torch.nn.Parameter(torch.zeros(COPY_BYTES[_torch_device().type] // 16, device=_torch_device()))
     weight.grad = torch.ones_like(weight)
     adam = torch.optim.AdamW([weight], lr=1e-3)
-    sync = torch.cuda.synchronize if weight.is_cuda else (lambda: None)
+    sync = _synchronize()
     return median_seconds(lambda: (adam.step(), sync()), 5, before=sync) / weight.numel()
 
 
@@ -125,18 +171,25 @@ def host_sync_seconds() -> float:
     return median_seconds(lambda: (counts + 1).tolist(), 101)
 
 
-def _all_reduce_seconds(tensor, repeats: int, group=None) -> float:
-    """Median seconds of an all-reduce of `tensor` in `group` (this process group by default), after
-    one warm-up, each call started together (a barrier of every process before it)."""
+def _collective_seconds(call: Callable[[], object], repeats: int) -> float:
+    """Median seconds of a collective `call` to its end on the device (gloo's on CPU, NCCL's on a
+    GPU), after one warm-up, each call started together (a barrier of every process before it)."""
     import torch.distributed as dist
-    return median_seconds(lambda: dist.all_reduce(tensor, group=group), repeats, before=dist.barrier)
+    sync = _synchronize()
+    return median_seconds(lambda: (call(), sync()), repeats, before=lambda: (dist.barrier(), sync()))
+
+
+def _all_reduce_seconds(tensor, repeats: int, group=None) -> float:
+    """Median seconds of an all-reduce of `tensor` in `group` (this process group by default)."""
+    import torch.distributed as dist
+    return _collective_seconds(lambda: dist.all_reduce(tensor, group=group), repeats)
 
 
 def link_bandwidth(procs: int, group=None) -> float:
     """Bus bytes/s of a ring all-reduce of 8 MiB in `group` of `procs` processes (this process
     group by default; 2(n-1)/n of the buffer per rank, the planner's ring factor), median of 5."""
     import torch
-    buffer = torch.ones(1 << 21, dtype=torch.float32)
+    buffer = torch.ones(1 << 21, dtype=torch.float32, device=_torch_device())
     return 2 * (procs - 1) / procs * buffer.numel() * buffer.element_size() / _all_reduce_seconds(buffer, 5, group)
 
 
@@ -146,9 +199,9 @@ def all_to_all_bandwidth(procs: int, group=None) -> float:
     exchanges), median of 5."""
     import torch
     import torch.distributed as dist
-    send = torch.ones(1 << 21, dtype=torch.float32)
+    send = torch.ones(1 << 21, dtype=torch.float32, device=_torch_device())
     received = torch.empty_like(send)
-    seconds = median_seconds(lambda: dist.all_to_all_single(received, send, group=group), 5, before=dist.barrier)
+    seconds = _collective_seconds(lambda: dist.all_to_all_single(received, send, group=group), 5)
     return (procs - 1) / procs * send.numel() * send.element_size() / seconds
 
 
@@ -173,35 +226,44 @@ def point_to_point_bandwidth() -> float:
     import torch
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
-    buffer = torch.ones(1 << 21, dtype=torch.float32)
+    buffer = torch.ones(1 << 21, dtype=torch.float32, device=_torch_device())
     peer = rank + 1 if rank % 2 == 0 else rank - 1
 
     def transfer():
         if peer < world:
             (dist.send if rank % 2 == 0 else dist.recv)(buffer, peer)
-    return buffer.numel() * buffer.element_size() / median_seconds(transfer, 5, before=dist.barrier)
+    return buffer.numel() * buffer.element_size() / _collective_seconds(transfer, 5)
 
 
 def link_latency() -> float:
     """Seconds of a one-element all-reduce in this process group, median of 21: what every
     collective costs besides its bytes."""
     import torch
-    return _all_reduce_seconds(torch.ones(1), 21)
+    return _all_reduce_seconds(torch.ones(1, device=_torch_device()), 21)
 
 
 def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, rank: int = 0, procs: int = 1,
              port: int = 0, results=None, model=None, cases: Sequence[Case] = (), links: bool = True,
-             engine: bool = True) -> dict:
-    """Every shape's GEMM rate, the memory bandwidth and the optimizer's rate in this process;
-    with `procs` > 1 also the link bandwidth of a gloo group of the processes; with `model`, its
+             engine: bool = True, experts: Optional[Dict[Shape, int]] = None) -> dict:
+    """Every shape's GEMM rate (an expert shape's, `experts`, for that many experts at once), the
+    memory bandwidth and the optimizer's rate in this process; with `procs` > 1 also the link
+    bandwidth of a group of the processes (gloo on CPU, NCCL on GPUs, one each); with `model`, its
     pieces at `cases` in that group (put on `results`, a queue). `links`, `engine`: also what a
     profile measures only once (the links; the engine's costs, with cases); a later calibration adds
     shapes and cases."""
     import torch
     if threads:
         torch.set_num_threads(threads)
-    measured = {"gemm": {gemm_key(*s): gemm_rate(s, dtype) for s in shapes}, "memory_bw": memory_bandwidth(dtype),
-                "optimizer_s_per_param": optimizer_seconds_per_param(), "host_sync_s": host_sync_seconds()}
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(rank)
+        if results is not None:  # a calibration process of its own: DeepSpeed's engine (the probe) on this
+            os.environ["DS_ACCELERATOR"] = "cuda"  # GPU, where launch/plan.py set cpu for the parent
+    experts = experts or {}
+    measured = {"gemm": {gemm_key(*s): expert_gemm_rate(s, experts[s], dtype) if s in experts else gemm_rate(s, dtype)
+                         for s in shapes},
+                "memory_bw": memory_bandwidth(dtype), "optimizer_s_per_param": optimizer_seconds_per_param(),
+                "host_sync_s": host_sync_seconds()}
     if procs > 1 or cases:
         import torch.distributed as dist
         from launch.engine.distributed import free_port
@@ -209,34 +271,39 @@ def _measure(shapes: List[Shape], dtype: str, threads: Optional[int] = None, ran
         # DeepSpeed's engine (the probe) reads the launcher's variables.
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(procs), LOCAL_WORLD_SIZE=str(procs),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs)
+        dist.init_process_group(BACKENDS[on_gpu], init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs)
         if procs > 1 and links:
             measured["link_bw"], measured["link_latency_s"] = link_bandwidth(procs), link_latency()
             measured["all_to_all_bw"], measured["p2p_bw"] = all_to_all_bandwidth(procs), point_to_point_bandwidth()
             measured["group_bw"] = dict(group_bandwidths(procs), **{f"all_reduce:{procs}": measured["link_bw"],
                                                                     f"all_to_all:{procs}": measured["all_to_all_bw"]})
         if cases:
-            measured["blocks"] = time_pieces(model, cases, dtype)
+            measured["blocks"] = time_pieces(model, cases, dtype, _torch_device(), _synchronize())
             if engine:
-                measured.update(dataclasses.asdict(engine_overheads(procs, dtype)))
+                measured.update(dataclasses.asdict(engine_overheads(procs, dtype, backend=BACKENDS[on_gpu])))
         dist.destroy_process_group()
     if results is not None:
         results.put(measured)
     return measured
 
 
+BACKENDS = {False: "gloo", True: "nccl"}
+"""The calibration's process group on CPU and on GPUs: the training run's own."""
+
+
 def _measured_at_once(shapes: List[Shape], dtype: str, procs: int, model=None, cases: Sequence[Case] = (),
-                      links: bool = True, engine: bool = True) -> dict:
-    """`_measure` in `procs` processes started together, each its rank's share of the cores; the
-    slowest rate of each (the slowest time of each piece), and their group's all-reduce bandwidth."""
+                      links: bool = True, engine: bool = True, experts: Optional[Dict[Shape, int]] = None) -> dict:
+    """`_measure` in `procs` processes started together, each its rank's share of the cores (on GPUs
+    its own device); the slowest rate of each (the slowest time of each piece), and their group's
+    all-reduce bandwidth."""
     if procs <= 1 and not cases:
-        return _measure(shapes, dtype)  # in this process: no process group, nothing left behind
+        return _measure(shapes, dtype, experts=experts)  # in this process: no process group, nothing left behind
     from launch.engine.distributed import free_port, threads_per_rank, usable_cpus
     threads, port = threads_per_rank(_thread_setting(), usable_cpus(), procs), free_port()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     ranks = [context.Process(target=_measure, args=(shapes, dtype, threads, r, procs, port, results, model, cases,
-                                                    links, engine)) for r in range(procs)]
+                                                    links, engine, experts)) for r in range(procs)]
     for process in ranks:
         process.start()
     measured = []
@@ -277,14 +344,15 @@ def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int 
     block case (launch/analysis/planner.py: block_case) it lacks, and saved again."""
     import torch
     on_gpu = torch.cuda.is_available()
-    procs = procs if not on_gpu else 1  # a GPU is its rank's own
+    procs = min(procs, torch.cuda.device_count()) if on_gpu else procs  # a process per GPU
+    cases = list(cases)
     device = device_name(procs)
     path = cache_path(device, dtype)
     profile = DeviceProfile.from_json(path.read_text()) if path.exists() else None
     if profile is None or profile.software != software():
         profile = DeviceProfile(device=device, source="calibrated", dtype=dtype, software=software())
     missing = sorted({tuple(s) for s in shapes} - set(profile.shapes()))
-    key = model_key(model) if model is not None and not on_gpu else None
+    key = model_key(model) if model is not None else None
     new_cases = [c for c in _runnable(cases, procs) if block_key(key, "head", *c) not in profile.blocks] if key else []
     # Links and the engine's costs are measured once: the links with 2+ processes (a profile of
     # before the group sizes measures them again), the engine's costs with the profile's first cases
@@ -294,7 +362,9 @@ def calibrated_profile(shapes: Iterable[Shape], dtype: str = "bf16", procs: int 
     if engine and not new_cases:
         new_cases = _runnable(cases, procs)[:1]
     if missing or new_cases or links or profile.memory_bw is None or profile.optimizer_s_per_param is None:
-        measured = _measured_at_once(missing, dtype, procs, model, new_cases, links=links, engine=engine)
+        experts = expert_counts(model, cases) if model is not None else {}
+        measured = _measured_at_once(missing, dtype, procs, model, new_cases, links=links, engine=engine,
+                                     experts={s: n for s, n in experts.items() if s in missing})
         profile.gemm.update(measured["gemm"])
         profile.blocks.update(measured.get("blocks", {}))
         profile.memory_bw = measured["memory_bw"] if profile.memory_bw is None else profile.memory_bw

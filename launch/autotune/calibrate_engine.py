@@ -14,7 +14,8 @@ probe's layer holds `n` tensors of WIDTH elements, and a step of m micro-batches
 
 timed at m in (1, PROBE_MICROBATCHES) and n in (FEW_TENSORS, MANY_TENSORS): the four corners give
 the four costs (the planner charges each stage by the tensors it holds). Every rank runs the same
-number of steps (the engine's collectives pair up)."""
+number of steps (the engine's collectives pair up). On GPUs the same probe runs on each process's
+device in the NCCL group, each timed step ended by a synchronize."""
 from dataclasses import dataclass
 
 PROBE_MICROBATCHES = 8
@@ -56,6 +57,8 @@ def _step_seconds(procs: int, micro_batches: int, tensors: int, dtype: str, zero
     from launch.autotune.calibrate_timing import median_seconds
     from launch.engine.console import quiet_stdout
     element = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro_batches,
               "train_batch_size": micro_batches * procs, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
@@ -67,21 +70,23 @@ def _step_seconds(procs: int, micro_batches: int, tensors: int, dtype: str, zero
                                 topology=PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=procs),
                                 loss_fn=lambda out, target: (out.float() - target.float()).square().mean())
         engine, *_ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=config)
-    sample = (torch.zeros(1, WIDTH, dtype=element), torch.zeros(1, WIDTH, dtype=element))
+    sample = (torch.zeros(1, WIDTH, dtype=element, device=device), torch.zeros(1, WIDTH, dtype=element, device=device))
 
     def batches():
         while True:
             yield sample
     data = batches()
-    return median_seconds(lambda: engine.train_batch(data), PROBE_STEPS, before=dist.barrier)
+    return median_seconds(lambda: (engine.train_batch(data), sync()), PROBE_STEPS,
+                          before=lambda: (dist.barrier(), sync()))
 
 
-def engine_overheads(procs: int, dtype: str, zero: int = 1) -> EngineOverheads:
-    """The engine's own costs (module docstring), in the group already started."""
+def engine_overheads(procs: int, dtype: str, zero: int = 1, backend: str = "gloo") -> EngineOverheads:
+    """The engine's own costs (module docstring), in the group already started (`backend`: gloo on
+    CPU, nccl on GPUs)."""
     from launch.engine.distributed import init_distributed
     # Adopts the calibration's process group; ours, not DeepSpeed's own: that one JIT-builds a CPU
     # shared-memory op first (35 s alone, 2-4 minutes beside the test suite, in each new environment).
-    init_distributed(600, dist_backend="gloo", verbose=False)
+    init_distributed(600, dist_backend=backend, verbose=False)
     per_step, per_microbatch = {}, {}
     for n in (FEW_TENSORS, MANY_TENSORS):
         one = _step_seconds(procs, 1, n, dtype, zero)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # annotations only: no import cost at run time
     from model.config import GPTConfig
 
 PEAK_TFLOPS_ENV = "GPT3D_PEAK_TFLOPS"
-"""Dense TFLOP/s per device that MFU divides by, for devices missing from formulas.PEAK_FLOPS_BF16."""
+"""Dense TFLOP/s per device that MFU divides by, for devices missing from launch/analysis/plan_setup.py's GPUS."""
 
 
 def is_logging_rank(global_rank: int) -> bool:
@@ -60,9 +60,13 @@ def peak_flops(device_name: Optional[str], override_tflops: Optional[str]) -> Tu
         return value * 1e12, f"{value:g} TFLOP/s from {PEAK_TFLOPS_ENV}"
     if device_name is None:
         return None, f"none on CPU (mfu is null; set {PEAK_TFLOPS_ENV} to compare against a peak)"
-    for gpu, flops in formulas.PEAK_FLOPS_BF16.items():
-        if gpu in device_name.upper():  # "NVIDIA H100 80GB HBM3" -> H100
-            return flops, f"{flops / 1e12:g} TFLOP/s ({gpu} dense bf16, device {device_name!r})"
+    # The planner's datasheet table, its names matched whole (plan_setup.known_gpu): "NVIDIA GH200
+    # 480GB" is no H200, "NVIDIA H100 PCIe" no SXM.
+    from launch.analysis.plan_setup import known_gpu
+    found = known_gpu(device_name)
+    if found:
+        gpu, flops = found[0], found[1].peak_flops
+        return flops, f"{flops / 1e12:g} TFLOP/s ({gpu} dense bf16, device {device_name!r})"
     return None, f"unknown device {device_name!r} (mfu is null; set {PEAK_TFLOPS_ENV})"
 
 
