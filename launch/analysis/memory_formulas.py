@@ -29,6 +29,15 @@ def model_state_bytes(params: float, dp: int, zero_stage: int) -> Dict[str, floa
             "optimizer": params * OPTIMIZER_BYTES / split(1)}
 
 
+def checkpoint_snapshot_bytes(params: float, dp: int, zero_stage: int, weight_bytes: int) -> float:
+    """Host memory of train.async_save's snapshot (launch/checkpoints/async_save.py) on the rank that
+    writes the most, data rank 0 of its stage: the layer files of its `params` local parameters at
+    `weight_bytes` each, and its share of the fp32 master weights and Adam moments (OPTIMIZER_BYTES
+    per parameter, split over dp from ZeRO-1 on [R20]). One snapshot at a time; an upper bound (fp32
+    weights under ZeRO-0 keep no separate master copy)."""
+    return params * weight_bytes + params * OPTIMIZER_BYTES / (dp if zero_stage >= 1 else 1)
+
+
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int,
                                tp: int = 1, recompute: bool = False, sequence_parallel: bool = False,
                                selective: bool = False, element_bytes: int = ACTIVATION_BYTES,

@@ -16,7 +16,9 @@ A save directory:
 Nothing outside DIR is moved or deleted: only its own tag and abandoned-* directories (no links),
 and a save into a directory of another run's checkpoints, or through a link named as a tag, is refused.
 `--load` takes only complete checkpoints, and an unreadable manifest or `latest` is an error;
-`--keep-last K` keeps the K newest of the parent chain. Loads are torch.load(weights_only=True)."""
+`--keep-last K` keeps the K newest of the parent chain. Loads are torch.load(weights_only=True).
+With train.async_save the same files and the same commit come from a background writer
+(async_save.py), after a host snapshot."""
 from __future__ import annotations
 
 import contextlib
@@ -31,10 +33,12 @@ import torch
 import torch.distributed as dist
 
 from launch.checkpoints import slow_save, zero0_state
+from launch.checkpoints.async_save import AsyncSaver
 from launch.checkpoints.expert_files import experts_apart, has_experts, load_experts, save_experts
 from launch.checkpoints.locate import (CHECKPOINT_FORMAT, COMPLETE, ENGINE_ZERO_STAGE, LATEST, CheckpointRef, history,
                                        not_a_tag_dir, resumes_from, same_layout, saved_zero_stage, step_of, tag_for)
-from launch.checkpoints.safe_io import fsync_dir, load_safely, save_durably, use_safe_engine, write_durably
+from launch.checkpoints.safe_io import (SafeCheckpointEngine, fsync_dir, load_safely, save_durably, use_safe_engine,
+                                       write_durably)
 from launch.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
@@ -114,15 +118,17 @@ def _set_aside_later_tags(root: Path, resume_from: Optional[CheckpointRef]) -> N
 def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dict: Dict[str, Any],
          layout: Dict[str, int], keep_last: int, is_writer: bool, wandb_run_id: Optional[str] = None,
          data_state: Optional[Dict[str, Any]] = None, data_identity: Optional[Dict[str, Any]] = None,
-         layout_auto: Optional[Dict[str, Any]] = None) -> Path:
+         layout_auto: Optional[Dict[str, Any]] = None, saver: Optional[AsyncSaver] = None) -> Path:
     """Every rank calls this; rank `is_writer` commits (it holds the wandb run, whose id a
     resumed run continues) and then prunes in the background, while the others train on.
     `data_state`: the streaming data position of the whole run (JSON, already gathered from the
     ranks), stored in complete.json for `--load`; `data_identity`: what decides the samples
     (data/fingerprint.py) and where the data order began, which a resume checks (default: no
     fingerprint, the order begun at sample 0, for a save with no data behind it); `layout_auto`:
-    how --layout auto chose the layout (launch/autotune/auto_layout.py: AutoChoice). Returns the tag
-    directory."""
+    how --layout auto chose the layout (launch/autotune/auto_layout.py: AutoChoice); `saver`
+    (train.async_save): return after a host snapshot of this rank's files, which `saver` writes and
+    commits in the background (async_save.py; the caller has waited for its previous save). Returns
+    the tag directory."""
     tag = tag_for(step)
     if not_a_tag_dir(root / tag) is not None:  # made since the start (locate.refuse_another_runs_save_dir)
         raise ConfigError(f"--save {str(root)!r}: {not_a_tag_dir(root / tag)}, where this run saves step {step}; "
@@ -133,25 +139,49 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     if zero_stage == 0:  # the optimizer state by parameter name, for a re-shard (zero0_state.py)
         client_state.update(zero0_state.client_state(engine))
     experts = has_experts(engine)
-    with experts_apart(engine) if experts else contextlib.nullcontext():
+    capture = saver.capture(engine) if saver is not None else None
+    with experts_apart(engine) if experts else contextlib.nullcontext(), _capturing(engine, capture):
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
-    if experts:
+    if experts:  # written here in both modes: a rank's experts are a small part of its files
         save_experts(engine, root / tag, layout["ep"])
     rng_dir = root / tag / "rng"
     rng_dir.mkdir(parents=True, exist_ok=True)
-    save_durably(_rng_state(), rng_dir / f"rank_{dist.get_rank()}.pt")
+    identity = data_identity or {"data_fingerprint": None, "data_origin_samples": 0}
+    meta = {"format": CHECKPOINT_FORMAT, "step": step, "samples": samples, "layout": layout,
+            "recipe": recipe_dict, ENGINE_ZERO_STAGE: zero_stage, "world_size": dist.get_world_size(),
+            "wandb_run_id": wandb_run_id, "data_state": data_state,
+            "data_fingerprint": identity["data_fingerprint"], "data_origin_samples": identity["data_origin_samples"],
+            "parent": None, "layout_auto": layout_auto}
+
+    def commit() -> None:
+        meta["parent"] = _latest_tag(root)  # read at the commit: the previous save's has been committed
+        _commit(root, tag, meta)
+        _prune_in_background(root, tag, keep_last)
+    rng_file = rng_dir / f"rank_{dist.get_rank()}.pt"
+    if saver is not None:
+        files = capture.files + [(rng_file, saver.snapshot.copy(_rng_state()))]
+        saver.start(files, dist.get_rank(), commit if is_writer else None)
+        return root / tag
+    save_durably(_rng_state(), rng_file)
     slow_save.wait_if_asked(dist.get_rank())  # a test hook, nothing unless GPT3D_SLOW_SAVE is set
     dist.barrier()  # every rank's files are on disk before the checkpoint is declared complete
     if is_writer:
-        identity = data_identity or {"data_fingerprint": None, "data_origin_samples": 0}
-        meta = {"format": CHECKPOINT_FORMAT, "step": step, "samples": samples, "layout": layout,
-                "recipe": recipe_dict, ENGINE_ZERO_STAGE: zero_stage, "world_size": dist.get_world_size(),
-                "wandb_run_id": wandb_run_id, "data_state": data_state,
-                "data_fingerprint": identity["data_fingerprint"], "data_origin_samples": identity["data_origin_samples"],
-                "parent": _latest_tag(root), "layout_auto": layout_auto}
-        _commit(root, tag, meta)
-        _prune_in_background(root, tag, keep_last)
+        commit()
     return root / tag
+
+
+@contextlib.contextmanager
+def _capturing(engine: PipelineEngine, capture: Optional[SafeCheckpointEngine]):
+    """DeepSpeed's save with `capture` (async_save.py) as its checkpoint engine: every file kept as a
+    host snapshot; then our safe engine again."""
+    if capture is None:
+        yield
+        return
+    safe, engine.checkpoint_engine = engine.checkpoint_engine, capture
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = safe
 
 
 def _latest_tag(root: Path) -> Optional[str]:

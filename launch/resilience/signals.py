@@ -26,7 +26,9 @@ What "in time" and "separate" mean (a stop request must not lose a save):
   signal then fails on its absence, with a line).
 
 After each save the logging rank says how long a stop needs: the longest step so far plus that
-save (`saved_line`), the least warning a scheduler should give before its kill.
+save (`saved_line`), the least warning a scheduler should give before its kill. An asynchronous
+save (train.async_save) holds the step loop only until it returns, but its background copies and
+write, which the end of the run waits for inside `saving`, still count toward the warning.
 
 The deadline logic reads a Clock (launch/resilience/clock.py) in StopTimes, so that a test drives
 days of steps and saves with a simulated clock; the listening thread only waits on its pipe until
@@ -45,7 +47,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from launch.resilience.clock import MONOTONIC, Clock
 from launch.resilience.failure import say_error
@@ -95,10 +97,19 @@ def _nothing(signum, frame) -> None:
     """The Python-level handler: the listening thread acts; this only keeps the default action away."""
 
 
-def saved_line(path: Path, save_s: float, longest_step_s: float) -> str:
-    """The logging rank's line after a save: how long it took, and the warning a stop needs."""
-    return (f"saved {path} in {save_s:.1f} s; a stop needs up to {longest_step_s + save_s:.1f} s (the longest "
-            f"step {longest_step_s:.1f} s + this save): signal at least that long before the kill")
+def saved_line(path: Path, save_s: float, longest_step_s: float, write_s: Optional[float] = None,
+               asynchronous: bool = False) -> str:
+    """The logging rank's line after a save: how long it took, and the warning a stop needs. An
+    asynchronous save (train.async_save) returned after `save_s`, but a stop still waits for its
+    background copies and write, whose last measured time is `write_s` (None before the first)."""
+    if not asynchronous:
+        return (f"saved {path} in {save_s:.1f} s; a stop needs up to {longest_step_s + save_s:.1f} s (the longest "
+                f"step {longest_step_s:.1f} s + this save): signal at least that long before the kill")
+    need = (f"up to {longest_step_s + save_s + write_s:.1f} s (the longest step {longest_step_s:.1f} s + this save "
+            f"+ the last background write, {write_s:.1f} s)" if write_s is not None else
+            f"the longest step {longest_step_s:.1f} s + this save + its background write (not yet measured)")
+    return (f"saved {path} in {save_s:.2f} s, copied and written in the background; a stop needs {need}: "
+            f"signal at least that long before the kill")
 
 
 class StopTimes:
@@ -266,15 +277,18 @@ class StopRequest:
             if signalled:
                 self._nudge()
 
-    def saved(self, path: Path, logging_rank: bool) -> None:
-        """After `saving()` ended with the save committed: the logging rank's `saved_line`; then,
-        if a later request came during the save, this rank leaves."""
+    def saved(self, path: Path, logging_rank: bool, write_s: Optional[float] = None, asynchronous: bool = False,
+              before_leaving: Callable[[], None] = lambda: None) -> None:
+        """After `saving()` ended with the save committed, or (`asynchronous`) its snapshot taken: the
+        logging rank's `saved_line`; then, if a later request came during the save, this rank leaves,
+        once `before_leaving()` (the background write and commit) returned."""
         with self._lock:
             save_s, step_s = self.times.last_save_s, self.times.longest_step_s
             leave = self._exit_code_after_save() if self._after_save is not None else None
         if logging_rank:
-            print(saved_line(path, save_s, step_s), flush=True)
+            print(saved_line(path, save_s, step_s, write_s, asynchronous), flush=True)
         if leave is not None:
+            before_leaving()
             print(f"rank {self.rank}: leaving after the save, as the {self._after_save.name} during it asked (exit "
                   f"{leave})", flush=True)
             os._exit(leave)

@@ -16,6 +16,7 @@ from deepspeed.accelerator import get_accelerator
 from data.reading import reading_now
 from launch.autotune.step_prediction import predict_step_time
 from launch.checkpoints import store
+from launch.checkpoints.async_save import AsyncSaver
 from launch.config.layout import runs_zero_bubble
 from launch.engine.compiler import blocks_to_compile
 from launch.engine.distributed import shut_down_distributed, start_rank
@@ -123,6 +124,9 @@ class Trainer:
         arithmetic = run_arithmetic(self.config, layout, recipe.seq_len, self.steps, prediction)
         self.tokens_per_step = arithmetic.tokens_per_step
         self.stop = StopRequest(state.global_rank, train_cfg.stop_grace_s)
+        # train.async_save: saves return after a host snapshot; one background write at a time.
+        self.saver = AsyncSaver(train_cfg.dist_timeout_s) if train_cfg.async_save and args.save else None
+        self.start_ended: Optional[Tuple[int, bool]] = None  # an async final save: recorded once committed
         self.metrics = metrics_logger(job, arithmetic, self.first_step) if self.logging_rank else None
         # With experts every stage's routers learn which tokens count (launch/feed/step_tokens.py).
         self.routers = (RouterTokens((layout.micro_batch_size, recipe.seq_len // layout.cp), layout.cp)
@@ -218,21 +222,45 @@ class Trainer:
     def save(self, step: int, stopping: bool) -> None:
         """A checkpoint after `step` (collective: every rank writes its shards); the last one of a
         start also ends its line in DIR/starts.jsonl."""
-        job, metrics = self.job, self.metrics
+        job, metrics, saver = self.job, self.metrics, self.saver
         with self.stop.saving(), self.hang.phase("save"):  # a save has its own bound, and a stop request waits for it
+            if saver is not None:
+                saver.wait()  # at most one save in flight: the previous one is written and committed first
             path = store.save(self.engine, self.args.save, step, self.samples, self.saved_recipe, vars(self.layout),
                               self.args.keep_last, is_writer=self.logging_rank,
                               wandb_run_id=metrics.wandb_run_id if metrics is not None else None,
                               data_state=self.data.gather_data_state(self.batches),
                               data_identity={"data_fingerprint": job.data_fingerprint,
                                              "data_origin_samples": job.data_origin_samples},
-                              layout_auto=dataclasses.asdict(job.layout_choice) if job.layout_choice else None)
-        if self.starts is not None and (stopping or step == self.steps):  # how this start ended
-            self.starts.ended(step, stopped=stopping)
-        self.stop.saved(path, self.logging_rank)  # how long a stop needs; leaves if a later request came during the save
+                              layout_auto=dataclasses.asdict(job.layout_choice) if job.layout_choice else None,
+                              saver=saver)
+        if stopping or step == self.steps:  # how this start ended, once its last save is committed
+            self.start_ended = (step, stopping)
+            if saver is None:
+                self.record_start_end()
+        # How long a stop needs; leaves if a later request came during the save (an asynchronous
+        # one once its background write is committed).
+        self.stop.saved(path, self.logging_rank, write_s=saver.write_s if saver is not None else None,
+                        asynchronous=saver is not None, before_leaving=self.finish_save)
+
+    def finish_save(self) -> None:
+        """train.async_save: wait for the last save's background write and commit, bounded as a save
+        is and never cut short by a later stop request; then record how this start ended."""
+        if self.saver is not None and self.saver.in_flight:
+            with self.stop.saving(), self.hang.phase("save"):
+                self.saver.wait()
+            if self.logging_rank:
+                print(f"checkpoint written and committed in the background in {self.saver.write_s:.1f} s", flush=True)
+        self.record_start_end()
+
+    def record_start_end(self) -> None:
+        if self.starts is not None and self.start_ended is not None:  # DIR/starts.jsonl
+            self.starts.ended(self.start_ended[0], stopped=self.start_ended[1])
+            self.start_ended = None
 
     def close(self) -> None:
         """The end of a run that trained to its last step or stopped: every rank, in this order."""
+        self.finish_save()  # train.async_save: the last save's background write, committed
         self.hang.finished()
         # The read-ahead thread ends before the interpreter does (a daemon thread inside pyarrow at
         # finalization aborts the process). A failure leaves by os._exit, where no finalization runs.

@@ -1,5 +1,6 @@
 """Checkpoints under real failures, through DeepSpeed's launcher on CPU: a SIGKILL while a
-checkpoint is being written leaves `latest` on a complete one; SIGTERM to the `deepspeed` command
+checkpoint is being written leaves `latest` on a complete one, and so does one during an
+asynchronous save's background write (the resume then bit for bit); SIGTERM to the `deepspeed` command
 makes every rank finish the step, save together and exit 0, and the run resumes; a frozen rank
 is named by the others, killed by a sibling and the job ends; a signalled rank whose peer is
 frozen leaves after the grace. (Bad checkpoints, durability, --keep-last:
@@ -7,6 +8,7 @@ tests/checkpoints/test_checkpoint.py; a second signal and the same request's rul
 tests/runtime/test_silent_rank.py. A killed rank on gloo: its peers' next collective fails at once
 with "a peer rank probably died" (tests/runtime/test_failures.py checks that line's hint); the
 heartbeat's part shows only with a rank that is silent but connected, the frozen ranks here.)"""
+import os
 import signal
 import subprocess
 import time
@@ -14,9 +16,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from launch.engine.distributed import launcher_command
 from helpers.launcher import REPO, TINY, launch_forked, read_metrics
+from helpers.parity_runs import STEPS
 
 
 def _train(n, tmp_path, name, extra, check=True):
@@ -89,6 +93,37 @@ def test_kill_during_save_keeps_latest_complete(tmp_path):
     step = int((ck / "latest").read_text()[len("step"):])
     _train(2, tmp_path, "after", ["--pp", "2", "--steps", str(step + 1), "--load", str(ck),
                                   "--set", "model.n_embd=256"])
+
+
+@pytest.mark.waits
+@pytest.mark.slow
+def test_kill_9_during_a_background_write_resumes_bitwise(tmp_path, parity_runs):
+    """train.async_save: SIGKILL rank 1 while step 4's files are written in the background (held
+    open by GPT3D_SLOW_SAVE before the agreement): `latest` still names step 2, step 4 has no
+    complete.json, and the resumed run ends where the uninterrupted (1,2,1) parity run does, losses
+    and weights bit for bit."""
+    ck, first = tmp_path / "ck", tmp_path / "first.jsonl"
+    async_run = ["--pp", "2", "--steps", str(STEPS), "--save", str(ck), "--set", "train.async_save=true"]
+    cmd = launcher_command(2, REPO / "launch" / "train.py") + ["--recipe", str(TINY)] + async_run + [
+        "--save-every", "2", "--metrics-out", str(first)]
+    job = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, GPT3D_SLOW_SAVE="8"), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    held = ck / "step00000004" / "rng" / "rank_1.pt"  # rank 1's last file: its writer now waits 8 s
+    assert _wait_for(held.exists), job.communicate()[0][-3000:]
+    assert (ck / "latest").read_text() == "step00000002"
+    _training_pids(job)[1].kill()
+    job.wait(timeout=120)
+    assert job.returncode != 0
+    assert (ck / "latest").read_text() == "step00000002" and not (ck / "step00000004" / "complete.json").exists()
+    _, resumed = _train(2, tmp_path, "resumed", async_run + ["--load", str(ck)])
+    full = parity_runs[(1, 2, 1)]
+    assert [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(resumed)] == \
+        [(m["step"], m["loss"], m["grad_norm"]) for m in full["metrics"][2:]]
+    layers = sorted((ck / f"step{STEPS:08d}").glob("layer_*"))
+    assert layers
+    for new in layers:
+        a, b = (torch.load(d / f"step{STEPS:08d}" / new.name, weights_only=True) for d in (ck, full["dir"] / "ck"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), new.name
 
 
 @pytest.mark.waits

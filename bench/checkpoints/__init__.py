@@ -1,0 +1,1 @@
+"""Checkpoints: how long a save blocks training, asynchronous against synchronous."""
