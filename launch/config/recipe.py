@@ -140,6 +140,11 @@ class TrainSection:
     stop_grace_s: float = 30.0
     """After SIGTERM/SIGINT a rank saves when the current step ends; if it has not ended within
     this many seconds, the rank leaves without saving (the last complete checkpoint resumes)."""
+    async_save: bool = False
+    """Saves return before their files are written: a background thread copies each rank's state to
+    host memory (the next optimizer step waits for the copies), writes, fsyncs and commits it
+    (launch/checkpoints/async_save.py); at most one save in flight, host memory one snapshot
+    (docs/checkpoints.md, Asynchronous saves)."""
     max_starts_without_progress: int = 3
     """A requeue (--save DIR --load DIR) is refused in one line, exit 2, once this many starts in a
     row began at the same checkpoint and none saved a newer one (DIR/starts.jsonl,
