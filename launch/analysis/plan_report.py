@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from launch.analysis import formulas
 from launch.analysis.device_profile import DeviceProfile, Shape
+from launch.analysis.memory_formulas import checkpoint_snapshot_bytes
 from launch.analysis.plan_args import resolve
 from launch.analysis.plan_setup import GIB, Hardware, Setup, check_precision
 from launch.analysis.planner import (MODEL_ERROR, block_case, estimate_plan, gemm_shapes, pick_first, search,
@@ -202,6 +203,9 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"  {total_label:<32}{gib(plan['memory_per_device_bytes'])}"
         + (f" of {hw.memory_bytes / GIB:g} GiB" if hw.memory_bytes else ""),
         *moe["memory"],
+        f"  {'host, with train.async_save':<32}"
+        f"{gib(checkpoint_snapshot_bytes(max(plan['params_per_stage']), d, plan['zero'], 4 if precision == 'fp32' else 2))}"
+        f"   (one checkpoint snapshot: the fullest stage's weights and its share of the optimizer state)",
         "",
         f"model FLOPs per step: {plan['model_flops_per_step']:.3e} "
         f"(executed with full recompute: {plan['model_flops_per_step_recompute']:.3e})",
