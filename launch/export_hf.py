@@ -14,15 +14,16 @@ import sys
 from typing import List, Optional
 
 from launch.checkpoints.hf_export import export
-from launch.config.cli import OneLineErrorParser, local_path
+from launch.config.cli import OneLineErrorParser, checkpoint_location, local_path
 from launch.config.recipe import refuse_credentials
 from launch.errors import ConfigError, report_bad_input
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", type=local_path, required=True,
-                   help="a save directory (its latest complete checkpoint) or one checkpoint directory")
+    p.add_argument("--load", type=checkpoint_location, required=True,
+                   help="a save directory (its latest complete checkpoint) or one checkpoint directory; local, "
+                        "s3:// or gs://")
     p.add_argument("--out", type=local_path, required=True, help="the transformers model directory to write")
     p.add_argument("--tokenizer", help="tokenizer name or directory (default: the checkpoint's data.tokenizer)")
     p.add_argument("--overwrite", action="store_true",
@@ -35,7 +36,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = parse_args(argv)
-        out = export(args.load, args.out, args.tokenizer, args.overwrite)
+        load = args.load
+        if isinstance(load, str):  # object storage: downloaded into the local staging directory first
+            from launch.checkpoints.object_store import fetch_checkpoint
+            load = fetch_checkpoint(load)
+        out = export(load, args.out, args.tokenizer, args.overwrite)
     except ConfigError as e:
         return report_bad_input(e)
     print(f"exported {args.load} to {out}")

@@ -18,7 +18,8 @@ and a save into a directory of another run's checkpoints, or through a link name
 `--load` takes only complete checkpoints, and an unreadable manifest or `latest` is an error;
 `--keep-last K` keeps the K newest of the parent chain. Loads are torch.load(weights_only=True).
 With train.async_save the same files and the same commit come from a background writer
-(async_save.py), after a host snapshot."""
+(async_save.py), after a host snapshot. A save directory on object storage (s3://, gs://) is a
+local staging directory committed as above, then uploaded in commit order (object_store.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -43,6 +44,7 @@ from launch.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: no import cost at run time
     from deepspeed.runtime.pipe.engine import PipelineEngine
+    from launch.checkpoints.object_store import RemoteDir
     from model.config import GPTConfig
     from model.parallel.state import ParallelState
 
@@ -118,7 +120,8 @@ def _set_aside_later_tags(root: Path, resume_from: Optional[CheckpointRef]) -> N
 def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dict: Dict[str, Any],
          layout: Dict[str, int], keep_last: int, is_writer: bool, wandb_run_id: Optional[str] = None,
          data_state: Optional[Dict[str, Any]] = None, data_identity: Optional[Dict[str, Any]] = None,
-         layout_auto: Optional[Dict[str, Any]] = None, saver: Optional[AsyncSaver] = None) -> Path:
+         layout_auto: Optional[Dict[str, Any]] = None, saver: Optional[AsyncSaver] = None,
+         remote: Optional[RemoteDir] = None) -> Path:
     """Every rank calls this; rank `is_writer` commits (it holds the wandb run, whose id a
     resumed run continues) and then prunes in the background, while the others train on.
     `data_state`: the streaming data position of the whole run (JSON, already gathered from the
@@ -127,8 +130,9 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     fingerprint, the order begun at sample 0, for a save with no data behind it); `layout_auto`:
     how --layout auto chose the layout (launch/autotune/auto_layout.py: AutoChoice); `saver`
     (train.async_save): return after a host snapshot of this rank's files, which `saver` writes and
-    commits in the background (async_save.py; the caller has waited for its previous save). Returns
-    the tag directory."""
+    commits in the background (async_save.py; the caller has waited for its previous save); `remote`
+    (--save s3://...): `root` is its staging directory, and the checkpoint committed there is then
+    published to the store (object_store.py). Returns the tag directory."""
     tag = tag_for(step)
     if not_a_tag_dir(root / tag) is not None:  # made since the start (locate.refuse_another_runs_save_dir)
         raise ConfigError(f"--save {str(root)!r}: {not_a_tag_dir(root / tag)}, where this run saves step {step}; "
@@ -167,6 +171,8 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     dist.barrier()  # every rank's files are on disk before the checkpoint is declared complete
     if is_writer:
         commit()
+    if remote is not None:
+        remote.publish(root / tag, meta, keep_last, is_writer)
     return root / tag
 
 

@@ -22,9 +22,27 @@ def local_path(text: str) -> Path:
     if "://" in text:
         refuse_credentials("the path", text)  # the message below repeats it
         raise argparse.ArgumentTypeError(
-            f"{text!r} is a URL: checkpoints, recipes, metrics and the other files are read and written on a local "
-            f"or shared filesystem; give a path there (object storage can be mounted, e.g. with mountpoint-s3 or "
-            f"gcsfuse)")
+            f"{text!r} is a URL: recipes, metrics and the other files are read and written on a local or shared "
+            f"filesystem; give a path there (object storage can be mounted, e.g. with mountpoint-s3 or gcsfuse; "
+            f"training's --save and --load take s3:// and gs:// themselves)")
+    return Path(text)
+
+
+CHECKPOINT_SCHEMES = ("s3://", "gs://", "gcs://")
+"""The object stores --save and --load take (launch/checkpoints/object_store.py)."""
+
+
+def checkpoint_location(text: str):
+    """--save and --load: a local path, or a URL of object storage (s3://, gs://), kept as text:
+    launch/checkpoints/object_store.py stages it through a local directory."""
+    if text.startswith(CHECKPOINT_SCHEMES):
+        refuse_credentials("the checkpoint URL", text)  # keys come from the environment, never the command line
+        return text
+    if "://" in text:
+        refuse_credentials("the path", text)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a URL: checkpoints are saved and loaded on a local or shared filesystem or on object "
+            f"storage ({', '.join(s + '...' for s in CHECKPOINT_SCHEMES[:2])})")
     return Path(text)
 
 
@@ -51,11 +69,12 @@ def training_parser(description: str = "") -> OneLineErrorParser:
                    help="override a recipe field, e.g. --set train.lr=3e-4 (repeatable)")
     p.add_argument("--metrics-out", type=local_path, help="JSON lines, one per optimizer step")
     p.add_argument("--wandb", choices=WANDB_MODES, help="overrides wandb.mode")
-    p.add_argument("--save", type=local_path, help="save checkpoints under this directory")
+    p.add_argument("--save", type=checkpoint_location, help="save checkpoints under this directory")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="save every N steps (and always at the end, or when signalled)")
     p.add_argument("--keep-last", type=int, default=0, metavar="K", help="keep only the K newest checkpoints")
-    p.add_argument("--load", type=local_path, help="resume: a save directory (its latest complete checkpoint) or one "
+    p.add_argument("--load", type=checkpoint_location,
+                   help="resume: a save directory (its latest complete checkpoint) or one "
                    "checkpoint directory; --steps stays the run's total")
     p.add_argument("--restart-data", action="store_true",
                    help="with --load: start the data order again at the resume step instead of continuing it "

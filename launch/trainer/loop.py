@@ -233,7 +233,7 @@ class Trainer:
                               data_identity={"data_fingerprint": job.data_fingerprint,
                                              "data_origin_samples": job.data_origin_samples},
                               layout_auto=dataclasses.asdict(job.layout_choice) if job.layout_choice else None,
-                              saver=saver)
+                              saver=saver, remote=job.remote_save)
         if stopping or step == self.steps:  # how this start ended, once its last save is committed
             self.start_ended = (step, stopping)
             if saver is None:

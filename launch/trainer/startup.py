@@ -43,6 +43,9 @@ class TrainingJob:
     """eval.tasks read: (name, data/multiple_choice.py Examples) of each."""
     layout_choice: Optional[Any] = None
     """--layout auto's pick (launch/autotune/auto_layout.py: AutoChoice), None for a layout given."""
+    remote_save: Optional[Any] = None
+    """--save on object storage (launch/checkpoints/object_store.py: RemoteDir; args.save is its
+    local staging directory), None for a local --save."""
 
 
 def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
@@ -64,6 +67,11 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     if runs_zero_bubble(recipe.train.schedule, layout.pp):
         from launch.engine.zero_bubble import check_deepspeed_hooks
         check_deepspeed_hooks(layout.pp)
+    if args.save is not None or args.load is not None:  # s3:// and gs://: local staging directories from here
+        from launch.checkpoints.object_store import stage
+        remote_save = stage(args, recipe.train.async_save)
+    else:
+        remote_save = None
     from launch.trainer.preflight import check_before_start
     check_before_start(recipe, args.metrics_out, args.save, args.timeline, args.comm_counts)
     from data.multiple_choice import read_tasks  # before the training data: a bad task file costs nothing
@@ -110,6 +118,9 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     if args.save is not None:  # last: only a run that passed every check moves files
         from launch.checkpoints.store import prepare_save_dir
         prepare_save_dir(args.save, resume_from, is_writer=os.environ["RANK"] == "0")
+        if remote_save is not None:
+            remote_save.prepare(resume_from, is_writer=os.environ["RANK"] == "0")
     return TrainingJob(args=args, recipe=recipe, layout=layout, data=data, vocab_size=vocab_size,
                        resume_from=resume_from, data_fingerprint=fingerprint, data_state=data_state,
-                       data_origin_samples=origin, layout_choice=layout_choice, tasks=tasks)
+                       data_origin_samples=origin, layout_choice=layout_choice, tasks=tasks,
+                       remote_save=remote_save)

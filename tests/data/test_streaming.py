@@ -160,7 +160,7 @@ def test_bad_streaming_data_fails_before_training(rows, words, tokenizer, stream
 
 
 def test_bad_sources_are_one_line_without_credentials(corpus, server, tokenizer, stream_cache):
-    cases = [("s3://bucket/corpus/*.parquet", ["needs s3fs", "pip install s3fs"]),
+    cases = [("az://bucket/corpus/*.parquet", ["needs adlfs", "pip install adlfs"]),  # s3fs is installed (checkpoints)
              (f"{server.url}/missing.parquet", ["no such file", "missing.parquet"]),
              (f"http://user:secret@{server.url[7:]}/part0.parquet", ["carries credentials", "environment"]),
              (f"{server.url}/part0.parquet?token=abc", ["carries credentials", "environment"]),

@@ -135,8 +135,8 @@ CASES = [
     (1, ["--set", "deepspeed.zero_optimization.reduce_bucket_size=abc"],
      ["DeepSpeed refuses it", "reduce_bucket_size", "valid integer"]),
     # A URL given as an output or checkpoint path was a relative directory named `s3:` (Path collapses //).
-    (1, ["--save", "s3://bucket/run"], ["argument --save: 's3://bucket/run' is a URL", "mountpoint-s3"]),
-    (1, ["--load", "gs://bucket/run"], ["argument --load: 'gs://bucket/run' is a URL"]),
+    (1, ["--save", "az://bucket/run"], ["argument --save: 'az://bucket/run' is a URL", "s3://"]),
+    (1, ["--load", "https://host/run"], ["argument --load: 'https://host/run' is a URL"]),
     # A key or value holding a line break or a terminal escape is printed escaped, on one line.
     (1, ["--set", "train.l\nr\x1b[2J=3"], ["unknown recipe key train.l\\nr\\x1b[2J"]),
 ]
