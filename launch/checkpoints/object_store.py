@@ -31,7 +31,8 @@ import shutil
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from launch.checkpoints.locate import COMPLETE, LATEST, CheckpointRef, own_tag, resumes_from, step_of
+from launch.checkpoints.locate import LATEST, CheckpointRef, own_tag, resumes_from, step_of
+from launch.checkpoints.manifest import COMPLETE
 from launch.checkpoints.safe_io import write_durably
 from launch.errors import ConfigError
 
@@ -68,7 +69,7 @@ def _job_id() -> str:
 
 
 def _within(name: Any) -> bool:
-    """A manifest's file name that stays inside the tag directory (locate.check_manifest refuses others)."""
+    """A manifest's file name that stays inside the tag directory (manifest.check_manifest refuses others)."""
     return isinstance(name, str) and bool(name) and not PurePosixPath(name).is_absolute() \
         and ".." not in PurePosixPath(name).parts
 
@@ -180,12 +181,12 @@ class RemoteDir:
             return all((local / name).is_file() and (local / name).stat().st_size == size
                        for name, size in files.items())
         except (ValueError, KeyError, TypeError, AttributeError):
-            return False  # locate.read_complete says what is wrong with it, after the download
+            return False  # manifest.read_complete says what is wrong with it, after the download
 
     def _download(self, tag: str, manifest: bytes) -> None:
         """The files complete.json names into a temporary directory, complete.json last, then renamed
         into place: a download cut short is never a complete checkpoint here. A manifest that cannot
-        be read comes alone, and locate.read_complete says what is wrong with it."""
+        be read comes alone, and manifest.read_complete says what is wrong with it."""
         tmp = self.local / f".download-{tag}-{os.getpid()}"
         remote = self._remote(tag)
         try:

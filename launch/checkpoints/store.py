@@ -36,8 +36,9 @@ import torch.distributed as dist
 from launch.checkpoints import slow_save, zero0_state
 from launch.checkpoints.async_save import AsyncSaver
 from launch.checkpoints.expert_files import experts_apart, has_experts, load_experts, save_experts
-from launch.checkpoints.locate import (CHECKPOINT_FORMAT, COMPLETE, ENGINE_ZERO_STAGE, LATEST, CheckpointRef, history,
-                                       not_a_tag_dir, resumes_from, same_layout, saved_zero_stage, step_of, tag_for)
+from launch.checkpoints.locate import (LATEST, CheckpointRef, history, not_a_tag_dir, resumes_from, same_layout,
+                                       saved_zero_stage, step_of, tag_for)
+from launch.checkpoints.manifest import CHECKPOINT_FORMAT, COMPLETE, ENGINE_ZERO_STAGE
 from launch.checkpoints.safe_io import (SafeCheckpointEngine, fsync_dir, load_safely, save_durably, use_safe_engine,
                                        write_durably)
 from launch.errors import ConfigError

@@ -17,7 +17,7 @@ from helpers.file_tree import file_tree
 from helpers.parity_runs import REFERENCE, SAVE_AT, STEPS
 from helpers.distributed import run_distributed, uses_deepspeed
 from helpers.launcher import TINY, launch_forked, read_metrics
-from launch.checkpoints.locate import REQUIRED
+from launch.checkpoints.manifest import REQUIRED
 from launch.train import main
 
 

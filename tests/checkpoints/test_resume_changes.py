@@ -27,7 +27,8 @@ def test_a_change_of_zero_stage_re_shards_except_fp16_and_experts_at_zero_0(tmp_
     built_zero_stage), so a checkpoint re-shards between ZeRO-0 and ZeRO-1, at another layout or at
     the same one (a dp 1 checkpoint saved by ZeRO-1, as a recipe's deepspeed section can force).
     fp16's ZeRO-0 state and a mixture of experts' at ZeRO-0 do not re-shard: one line naming both stages and how to resume."""
-    from launch.checkpoints.locate import ENGINE_ZERO_STAGE, CheckpointRef, check_compatible
+    from launch.checkpoints.locate import CheckpointRef, check_compatible
+    from launch.checkpoints.manifest import ENGINE_ZERO_STAGE
     from launch.config.recipe import Recipe
     from launch.errors import ConfigError
 

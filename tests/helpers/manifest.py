@@ -2,7 +2,7 @@
 hand-write one (no training): every key of the current format, each overridable."""
 from typing import Any, Dict
 
-from launch.checkpoints.locate import CHECKPOINT_FORMAT
+from launch.checkpoints.manifest import CHECKPOINT_FORMAT
 
 
 def complete_json(recipe: Dict[str, Any], layout: Dict[str, Any], **changes: Any) -> Dict[str, Any]:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from data.builtin import builtin_tokenizer_dir
 from helpers.input_fuzz import InputFuzz
-from launch.checkpoints.locate import CHECKPOINT_FORMAT, ENGINE_ZERO_STAGE
+from launch.checkpoints.manifest import CHECKPOINT_FORMAT, ENGINE_ZERO_STAGE
 from launch.train import main
 
 SEED = 20261206
