@@ -240,7 +240,7 @@ def document_mask(check: Check) -> List[dict]:
     FLOPs grows with the sequence), 6 steps (2 left out), compiled, no recompute. With --cpu the
     masked path is SDPA with a boolean mask (flex_attention has no CPU backward), llama-tiny."""
     corpus = runs.one_document_corpus(check.workdir / "one-document.jsonl")
-    sets = ["data.name=" + str(corpus), "data.config=null", "data.tokenizer=builtin", "data.streaming=false",
+    sets = ["data.name=" + str(corpus), "data.config=null", "data.revision=null", "data.tokenizer=builtin", "data.streaming=false",
             "data.val_fraction=0.0", "train.eval_every=0", "wandb.mode=disabled", "train.precision=bf16",
             "model.dropout=0.0"]
     if check.on_cpu:

@@ -27,7 +27,7 @@ RECIPES = ("gpt2-124m", "gpt2-350m", "gpt2-1.3b")
 # enough steps (64k, 64k, 32k tokens) to time, small enough for 30 of them in well under a minute.
 # llama3.2-1b (bench/gpu/gpu_check.py): 8 x 4 samples of 2048 tokens, 64k tokens as well.
 ACCUM = {"gpt2-124m": 4, "gpt2-350m": 8, "gpt2-1.3b": 4, "llama3.2-1b": 4}
-OFFLINE = ["data.name=builtin", "data.config=null", "data.tokenizer=builtin", "data.streaming=false",
+OFFLINE = ["data.name=builtin", "data.config=null", "data.revision=null", "data.tokenizer=builtin", "data.streaming=false",
            "data.val_fraction=0.0", "train.eval_every=0", "wandb.mode=disabled"]
 # --tiny: every recipe shrunk to a toy (2 blocks of 64, 32 tokens) that runs in seconds on CPU,
 # still bf16, still the GPT-2 vocabulary.

@@ -143,7 +143,7 @@ def test_activation_and_layer_flops_are_gpt2s_for_gpt2(l, h, a, s, b, t):
             formulas.layer_flops_per_microbatch(b, s, h, recompute)
 
 
-OFFLINE = ["data.name=builtin", "data.config=null", "data.tokenizer=builtin", "data.streaming=false",
+OFFLINE = ["data.name=builtin", "data.config=null", "data.revision=null", "data.tokenizer=builtin", "data.streaming=false",
            "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_kv_head=2", "model.ffn_hidden_size=176",
            "model.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_every=0"]
 
