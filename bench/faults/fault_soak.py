@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import psutil
 import torch
@@ -37,7 +37,7 @@ HEARTBEAT_TIMEOUT_S = 10  # a frozen rank is declared lost this long after its l
 KINDS = ("kill", "freeze", "term")
 
 
-def start(run_dir: Path, steps: int, resume: bool) -> subprocess.Popen:
+def start(run_dir: Path, steps: int, resume: bool, overrides: Sequence[str] = ()) -> subprocess.Popen:
     """`deepspeed --num_gpus 2 launch/train.py --pp 2 ...` saving every step into run_dir/ck; with
     `resume`, the one command a scheduler would rerun after every fault: `--save ck --load ck`,
     which starts at step 1 while ck holds no checkpoint (docs/resilience.md, "Requeues")."""
@@ -45,7 +45,7 @@ def start(run_dir: Path, steps: int, resume: bool) -> subprocess.Popen:
     cmd = launcher_command(WORLD, REPO / "launch" / "train.py") + [
         "--recipe", str(TINY), "--pp", "2", "--steps", str(steps),
         "--save", str(ck), "--save-every", "1", "--metrics-out", str(run_dir / "metrics.jsonl"),
-        "--set", f"train.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]
+        "--set", f"train.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"] + [a for o in overrides for a in ("--set", o)]
     if resume:
         cmd += ["--load", str(ck)]
     log = open(run_dir / "log.txt", "a")
@@ -115,7 +115,7 @@ def hit(job: subprocess.Popen, victim: psutil.Process, kind: str) -> None:
 
 
 def fault_once(run_dir: Path, steps: int, planned: int, rank: int, fraction: float,
-               kind: str = "kill") -> Optional[Dict[str, object]]:
+               kind: str = "kill", overrides: Sequence[str] = ()) -> Optional[Dict[str, object]]:
     """Start (or resume) the run; once it logs step `planned` (or the first step after its
     checkpoint, if that is later), wait `fraction` of two step times (a step and its save) and
     hit rank `rank` with fault `kind`; wait for the job to end. Returns what happened, or None if
@@ -125,7 +125,7 @@ def fault_once(run_dir: Path, steps: int, planned: int, rank: int, fraction: flo
     if target >= steps:
         return None
     launched = time.time_ns()
-    job = start(run_dir, steps, resume=True)
+    job = start(run_dir, steps, resume=True, overrides=overrides)
 
     def reached() -> bool:  # the metrics file as this launch rewrote it, not the killed run's
         return metrics.exists() and metrics.stat().st_mtime_ns > launched and steps_logged(metrics) >= target
@@ -188,7 +188,8 @@ def compare_checkpoints(a: Path, b: Path) -> List[str]:
 
 
 def soak(work: Path, steps: int, kills: int, seed: int,
-         reference: Optional[Tuple[Path, Path]] = None, kinds: Tuple[str, ...] = ("kill",)) -> Dict[str, object]:
+         reference: Optional[Tuple[Path, Path]] = None, kinds: Tuple[str, ...] = ("kill",),
+         overrides: Sequence[str] = ()) -> Dict[str, object]:
     """Run the soak in `work` with `kills` faults of `kinds`; `reference` = (metrics file, final
     checkpoint directory) of an uninterrupted run of the same command, or None to run it here.
     Returns the report."""
@@ -196,7 +197,7 @@ def soak(work: Path, steps: int, kills: int, seed: int,
     if reference is None:
         ref_dir = work / "uninterrupted"
         ref_dir.mkdir(parents=True)
-        if end(start(ref_dir, steps, resume=False), timeout=900) != 0:
+        if end(start(ref_dir, steps, resume=False, overrides=overrides), timeout=900) != 0:
             raise RuntimeError(f"the uninterrupted run failed: see {ref_dir / 'log.txt'}")
         reference = (ref_dir / "metrics.jsonl", ref_dir / "ck" / f"step{steps:08d}")
     reference_s = time.time() - started
@@ -209,9 +210,9 @@ def soak(work: Path, steps: int, kills: int, seed: int,
             for step in sorted(rng.sample(range(1, max(steps - 1, 2)), kills))]
     kind_rng = random.Random(f"{seed} kinds")  # its own generator: the plan above does not depend on the kinds
     kinds_drawn = [kinds[0] if len(kinds) == 1 else kind_rng.choice(kinds) for _ in plan]
-    events = [e for e in (fault_once(run_dir, steps, *planned, kind)
+    events = [e for e in (fault_once(run_dir, steps, *planned, kind, overrides)
                           for planned, kind in zip(plan, kinds_drawn)) if e is not None]
-    if latest_step(run_dir) < steps and end(start(run_dir, steps, resume=True), timeout=900) != 0:
+    if latest_step(run_dir) < steps and end(start(run_dir, steps, resume=True, overrides=overrides), timeout=900) != 0:
         raise RuntimeError(f"the last resume failed: see {run_dir / 'log.txt'}")
     ref, got = last_record_per_step(reference[0]), last_record_per_step(run_dir / "metrics.jsonl")
     differing = [s for s in range(1, steps + 1)
@@ -230,6 +231,8 @@ def main() -> None:
     p.add_argument("--faults", type=int, default=5, help="K, faults (default: %(default)s)")
     p.add_argument("--kinds", default=",".join(KINDS), help="the faults drawn from (default: %(default)s)")
     p.add_argument("--seed", type=int, default=3, help="fixes the plan (default %(default)s)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="a recipe override for every run of the soak, e.g. --set train.async_save=true (repeatable)")
     p.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temporary one)")
     args = p.parse_args()
     if not 1 <= args.faults <= args.steps - 2:
@@ -239,7 +242,7 @@ def main() -> None:
         p.error(f"--kinds {args.kinds!r}: a comma-separated choice of {', '.join(KINDS)}")
     work = args.keep or Path(tempfile.mkdtemp(prefix="fault_soak-"))
     try:
-        report = soak(work, args.steps, args.faults, args.seed, kinds=kinds)
+        report = soak(work, args.steps, args.faults, args.seed, kinds=kinds, overrides=args.overrides)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
