@@ -1,15 +1,18 @@
-"""The measured bubble of 1F1B and ZB-H1 side by side, each against its prediction.
+"""The measured bubble of 1F1B, ZB-H1 and interleaved 1F1B side by side, each against its prediction.
 
 For each pipeline depth p and micro-batch count m, trains the recipe (the demo with 8 blocks unless
 --recipe / --set say otherwise) for a few steps through DeepSpeed's launcher with p CPU processes,
 once per schedule, alternating, with `--timeline`: the run prints the bubble it measured (idle share
 of the stages between the first forward and the last backward of a step, mean of the recorded
 steps) and the one predicted by playing the same schedule with the measured mean pass times
-(launch/analysis/schedule_sim.py). m is set through the global batch (m = B / (b * dp), dp 1).
+(launch/analysis/schedule_sim.py; interleaved: launch/analysis/interleaved_schedule.py with each rank's
+mean chunk pass times). m is set through the global batch (m = B / (b * dp), dp 1). Interleaved runs
+(`--virtual-stages`, v chunks per rank) need m a multiple of p and the blocks divisible by p v.
 Beside them, (F+B-W)/(F+B+W) from ZB-H1's mean pass times: the share of 1F1B's bubble the paper's
 analysis leaves when a stage's W pass fills its wait (a third when F = B = W).
 
-    python bench/step/pipeline_schedule.py [--pp 2 4] [--microbatches 4 8] [--steps 4] [--repeats 1] [--json]
+    python bench/step/pipeline_schedule.py [--pp 2 4] [--microbatches 4 8] [--virtual-stages 2] [--steps 4]
+        [--repeats 1] [--json]
 
 On this CPU machine one process per core gives p=2 its own cores; p=4 shares 2 cores between 4
 processes, so a stage that waits frees its core for another: the bubble is still each stage's
@@ -40,7 +43,9 @@ def measure(recipe: Path, overrides: List[str], pp: int, microbatches: int, sche
             micro_batch: int) -> Dict[str, float]:
     """One run: {measured, predicted, formula} bubble fractions, from the timeline line it prints."""
     with tempfile.TemporaryDirectory() as tmp:
-        sets = overrides + [f"train.schedule={schedule}", f"train.global_batch_size={microbatches * micro_batch}",
+        v = int(schedule.split("-v")[1]) if schedule.startswith("interleaved-v") else 1
+        sets = overrides + [f"train.schedule={'1f1b' if v > 1 else schedule}", f"train.virtual_stages={v}",
+                            f"train.global_batch_size={microbatches * micro_batch}",
                             f"train.micro_batch_size={micro_batch}", "train.eval_every=0"]
         cmd = launcher_command(pp, REPO / "launch" / "train.py") + [
             "--recipe", str(recipe), "--pp", str(pp), "--steps", str(steps), "--timeline",
@@ -64,26 +69,38 @@ def main(argv=None) -> int:
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--virtual-stages", type=int, default=2,
+                        help="chunks per rank of the interleaved runs (1: none); only where m is a multiple of p")
     parser.add_argument("--steps", type=int, default=4, help="steps per run; all but the first are recorded")
     parser.add_argument("--repeats", type=int, default=1, help="runs per schedule, alternating; medians reported")
     parser.add_argument("--json", action="store_true", help="also print every measurement as one JSON line")
     args = parser.parse_args(argv)
     overrides = DEFAULT_SET if args.set is None else args.set
     rows = []
+    v = args.virtual_stages
     print(f"{'pp':>3} {'m':>3}  {'1f1b measured':>13} {'predicted':>9}  {'zb-h1 measured':>14} {'predicted':>9}  "
-          f"{'zb/1f1b':>7}  {'(F+B-W)/(F+B+W)':>15}  {'(p-1)/(m+p-1)':>13}  zb-h1 pass ms F/B/W per stage", flush=True)
+          f"{'zb/1f1b':>7}  {'(F+B-W)/(F+B+W)':>15}  {'(p-1)/(m+p-1)':>13}  "
+          + (f"{f'v={v} measured':>12} {'predicted':>9}  {f'v{v}/1f1b':>7}  {'(p-1)/(vm+p-1)':>14}  " if v > 1 else "")
+          + "zb-h1 pass ms F/B/W per stage", flush=True)
     for pp in args.pp:
         for m in args.microbatches:
             runs: Dict[str, List[Dict[str, float]]] = {"1f1b": [], "zb-h1": []}
+            interleaved = f"interleaved-v{v}"
+            if v > 1 and m % pp == 0:
+                runs[interleaved] = []
             for _ in range(args.repeats):
                 for schedule in runs:
-                    runs[schedule].append(measure(args.recipe, overrides, pp, m, schedule, args.steps, args.micro_batch))
+                    runs[schedule].append(measure(args.recipe, overrides, pp, m, schedule, args.steps,
+                                                  args.micro_batch))
             row = {"pp": pp, "microbatches": m, "runs": runs}
             for schedule, results in runs.items():
                 for key in ("measured", "predicted"):
                     row[f"{schedule}_{key}"] = median(r[key] for r in results)
             row["formula_1f1b"] = runs["1f1b"][0]["formula_1f1b"]
             row["ratio"] = row["zb-h1_measured"] / row["1f1b_measured"]
+            if interleaved in runs:  # the interleaved bubble: (p-1)/(v m + p - 1) with equal stages
+                row["interleaved_ratio"] = row[f"{interleaved}_measured"] / row["1f1b_measured"]
+                row["formula_interleaved"] = (pp - 1) / (v * m + pp - 1)
             # ZB-H1 shortens each stage's share of the bubble from F + B + W to F + B - W (Qi et al.
             # 2023, sec. 3.1): the ratio it can reach, from the mean pass times of its own runs.
             passes = [[median(r["pass_ms"][k][i] for r in runs["zb-h1"]) for i in range(3)] for k in range(pp)]
@@ -93,6 +110,9 @@ def main(argv=None) -> int:
             print(f"{pp:>3} {m:>3}  {row['1f1b_measured']:>13.1%} {row['1f1b_predicted']:>9.1%}  "
                   f"{row['zb-h1_measured']:>14.1%} {row['zb-h1_predicted']:>9.1%}  {row['ratio']:>7.2f}  "
                   f"{row['paper_ratio']:>15.2f}  {row['formula_1f1b']:>13.1%}  "
+                  + (f"{row[f'{interleaved}_measured']:>12.1%} {row[f'{interleaved}_predicted']:>9.1%}  "
+                     f"{row['interleaved_ratio']:>7.2f}  {row['formula_interleaved']:>14.1%}  "
+                     if interleaved in runs else f"{'-':>12} {'-':>9}  {'-':>7}  {'-':>14}  " if v > 1 else "")
                   + ", ".join("/".join(f"{t:.0f}" for t in stage) for stage in passes), flush=True)
     if args.json:
         print(json.dumps({"recipe": str(args.recipe), "set": overrides, "steps": args.steps, "rows": rows}))

@@ -233,6 +233,13 @@ def bubble_fraction(pp: int, microbatches: int) -> float:
     return (pp - 1) / (microbatches + pp - 1)
 
 
+def interleaved_bubble_fraction(pp: int, microbatches: int, virtual_stages: int) -> float:
+    """Interleaved 1F1B's bubble (v chunks per rank) as a fraction of the step: (p-1)/(v m + p-1),
+    (p-1)/(v m) of the ideal time [N21 sec. 2.2.2]; 1F1B's at v = 1
+    (launch/analysis/interleaved_schedule.py)."""
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+
+
 def mfu(model_flops: float, step_time_s: float, peak_flops: float, num_gpus: int) -> float:
     """Model FLOPs utilisation: model FLOPs / (time * peak * G) (no recompute FLOPs counted)."""
     return model_flops / (step_time_s * peak_flops * num_gpus)

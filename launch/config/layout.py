@@ -95,6 +95,8 @@ def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, o
                           f"remove the key (SP already sends 1/tp of the sequence)")
     if runs_zero_bubble(train_cfg.schedule, pp):
         check_zero_bubble(recipe, pp)
+    if train_cfg.virtual_stages > 1:
+        check_virtual_stages(recipe, pp, B // (b * dp))
     return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=recipe.train.ep, micro_batch_size=b,
                   global_batch_size=B, grad_accum_steps=B // (b * dp))
 
@@ -160,6 +162,59 @@ def check_zero_bubble(recipe: Recipe, pp: int) -> None:
             raise ConfigError(f"deepspeed.{key}.immediate_grad_update=true with train.schedule=zb-h1 --pp {pp}: "
                               f"the W passes' weight gradients would be dropped; remove the key or use "
                               f"train.schedule=1f1b")
+
+
+def check_interleaving(pp: int, virtual_stages: int, microbatches: int) -> None:
+    """Raise ConfigError (one line) unless Megatron's interleaved order exists for (p, v, m)."""
+    if virtual_stages < 1 or pp < 1 or microbatches < 1:
+        raise ConfigError(f"train.virtual_stages={virtual_stages}, --pp {pp} and {microbatches} micro-batches "
+                          f"must each be >= 1")
+    if virtual_stages > 1 and pp < 2:
+        raise ConfigError(f"train.virtual_stages={virtual_stages} with --pp {pp}: interleaving needs pipeline "
+                          f"stages to interleave; use --pp >= 2 or train.virtual_stages=1")
+    if virtual_stages > 1 and microbatches % pp:
+        raise ConfigError(f"train.virtual_stages={virtual_stages} with --pp {pp} and {microbatches} micro-batches "
+                          f"per step: interleaved 1F1B runs the micro-batches through each chunk in groups of pp "
+                          f"(Megatron-LM requires it too); use a global batch giving a multiple of {pp} "
+                          f"micro-batches, or train.virtual_stages=1")
+
+
+def check_virtual_stages(recipe: Recipe, pp: int, microbatches: int) -> None:
+    """train.virtual_stages > 1 (interleaved 1F1B, launch/engine/interleaved.py): what its order needs,
+    then what it has not been checked with (a parity test against v = 1), each in one line: a run
+    must not train something else than the recipe says."""
+    train_cfg, model = recipe.train, recipe.model
+    v, blocks = train_cfg.virtual_stages, model.n_layer
+    check_interleaving(pp, v, microbatches)
+    if blocks < pp * v:
+        raise ConfigError(f"train.virtual_stages={v} with --pp {pp}: model.n_layer={blocks} blocks are fewer than "
+                          f"the pp x v = {pp * v} chunks; choose v with pp x v at most {blocks}")
+    if train_cfg.partition == "blocks" and blocks % (pp * v):
+        raise ConfigError(f"train.virtual_stages={v} with --pp {pp} and train.partition=blocks: model.n_layer={blocks} "
+                          f"blocks do not divide into pp x v = {pp * v} equal chunks; choose v with pp x v dividing "
+                          f"{blocks}, or train.partition=balanced")
+    # What has no parity test against v = 1 yet (docs/pipeline-schedules.md, Interleaved stages).
+    untested = [name for name, used in [
+        ("train.schedule=zb-h1", train_cfg.schedule == "zb-h1"),  # W passes per chunk: ZB-V's placement
+        ("model.moe.num_experts > 0", model.moe.num_experts > 0), ("train.compile", train_cfg.compile),
+        ("data.document_mask", recipe.data.document_mask), ("train.optimizer=muon", train_cfg.optimizer == "muon"),
+        ("train.partition as a list", isinstance(train_cfg.partition, list)),
+        (f"train.precision={train_cfg.precision}", train_cfg.precision == "fp16")] if used]
+    if untested:
+        raise ConfigError(f"train.virtual_stages={v} with {untested[0]}: interleaved stages have not been checked "
+                          f"against v = 1 with it (docs/pipeline-schedules.md); use train.virtual_stages=1")
+
+
+def check_virtual_stages_resume(virtual_stages: int, saved_recipe: dict) -> None:
+    """A checkpoint resumes only at the train.virtual_stages it was saved at, else one line: at the same
+    (tp, pp, dp) DeepSpeed's loader would restore each rank's flat ZeRO-1 partition, which holds
+    the parameters of that rank's chunks at the saved v, into other layers (re-sharding across v is
+    not written yet; the layer files themselves are named by layer and do not depend on v)."""
+    saved = saved_recipe.get("train", {}).get("virtual_stages", 1)
+    if saved != virtual_stages:
+        raise ConfigError(f"--load of a checkpoint saved at train.virtual_stages={saved} with "
+                          f"train.virtual_stages={virtual_stages}: resuming at another number of chunks per rank is "
+                          f"not supported yet (docs/pipeline-schedules.md); set train.virtual_stages={saved}")
 
 
 def check_tensor_split(model: ModelConfig, tp: int) -> None:

@@ -106,6 +106,11 @@ class TrainSection:
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b (DeepSpeed's) or zb-h1 (zero-bubble H1, Qi et al. 2023: weight
     gradients deferred into 1F1B's idle slots; launch/analysis/zero_bubble_schedule.py). The same losses."""
+    virtual_stages: int = 1
+    """Chunks of the layer table per pipeline rank (interleaved 1F1B, Narayanan et al. 2021: chunk c of
+    rank r is stage r + c x pp, the bubble shrinks by v; launch/engine/interleaved.py). Needs pp > 1,
+    m a multiple of pp and n_layer divisible by pp x v; what it is not checked with yet is refused at
+    start-up (docs/pipeline-schedules.md, Interleaved stages)."""
     eval_every: int = 0
     """Validation loss every this many steps and at the last step; 0 disables."""
     eval_batches: int = 10
@@ -177,6 +182,9 @@ class TrainSection:
             raise ConfigError(f"train.recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"train.schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.virtual_stages < 1:
+            raise ConfigError(f"train.virtual_stages={self.virtual_stages} must be >= 1 (chunks of layers per "
+                              f"pipeline rank)")
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} and "
                               f"grad_clip={self.grad_clip} >= 0, min_lr_ratio={self.min_lr_ratio} in [0, 1]")

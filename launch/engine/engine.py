@@ -45,6 +45,8 @@ def print_role_map(recipe: Recipe, layout: Layout, state: ParallelState, config:
         if recipe.model.sequence_parallel and layout.tp > 1 else f"(b, T{per_cp}, h) = ({b}, {seq_local}, h)"
     schedule = train_cfg.schedule if runs_zero_bubble(train_cfg.schedule, layout.pp) or train_cfg.schedule == "1f1b" \
         else f"1f1b ({train_cfg.schedule} needs pp > 1)"
+    if train_cfg.virtual_stages > 1:
+        schedule = f"interleaved 1f1b, {train_cfg.virtual_stages} chunks per rank"
     print(f"activations: {shard} per rank between TP linears and across stages; recompute {train_cfg.recompute}; "
           f"schedule {schedule}", flush=True)
 
@@ -108,7 +110,11 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
         register_expert_groups(state)
     with quiet_stdout(not verbose):  # DeepSpeed's own layer listing: the role map shows it
         checkpoint_every = 1 if train_cfg.recompute == "full" else 0  # full recompute: every block's input
-        pipe = build_pipeline(config, state, checkpoint_every, parts=layout.parts or None)
+        parts = layout.parts or None
+        if train_cfg.virtual_stages > 1:  # pp x v stages, v chunks per rank (launch/engine/interleaved.py)
+            from launch.engine.interleaved import chunk_parts
+            parts = chunk_parts(recipe, layout.pp, config.vocab_size)
+        pipe = build_pipeline(config, state, checkpoint_every, parts=parts, virtual_stages=train_cfg.virtual_stages)
     if compiled:  # in place, before DeepSpeed wraps the module: each block compiles on its first call
         compile_blocks(pipe)
     if init_from_hf is not None:  # before deepspeed.initialize: the optimizer starts from them
@@ -134,5 +140,8 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
         attach_main_grads(engine.optimizer)
     if zero_bubble:
         use_zero_bubble_schedule(engine)
+    if train_cfg.virtual_stages > 1:  # interleaved 1F1B (launch/engine/interleaved.py)
+        from launch.engine.interleaved import use_interleaved_schedule
+        use_interleaved_schedule(engine, train_cfg.virtual_stages)
     grad_norm = Zero0GradNorm(engine, state.tp_rank, train_cfg.grad_clip, state.ep_group) if own_norm else None
     return engine, grad_norm

@@ -65,7 +65,7 @@ class TimelineRecorder:
         self.step = 0
         self.recording = False
         self.step_start = 0.0
-        self.count = {"F": 0, "B": 0, "W": 0}
+        self.count: dict = {}  # passes timed this step, per (kind, chunk)
         self.schedule = "1f1b"  # install_timeline_recorder says when the engine runs ZB-H1
 
     def timed(self, kind: str, handler: Callable) -> Callable:
@@ -82,9 +82,11 @@ class TimelineRecorder:
             get_accelerator().synchronize()
             end = time.perf_counter()
             # Both schedules run the forwards, the backwards and the W passes each in micro-batch
-            # order: the n-th of a kind is micro-batch n.
-            micro = self.count[kind]
-            self.count[kind] += 1
+            # order: the n-th of a kind is micro-batch n (of its chunk, interleaved: labelled chunk:n).
+            chunk = kwargs.get("chunk")
+            micro = self.count.get((kind, chunk), 0)
+            self.count[(kind, chunk)] = micro + 1
+            micro = micro if chunk is None else f"{chunk}:{micro}"
             self.steps[-1].append((engine.stage_id, kind, micro, start - self.step_start, end - self.step_start))
         return run
 
@@ -101,7 +103,7 @@ class TimelineRecorder:
                 dist.barrier()  # the common step start of the clock approximation (module docstring)
                 get_accelerator().synchronize()
                 self.steps.append([])
-                self.count = {"F": 0, "B": 0, "W": 0}
+                self.count = {}
                 self.step_start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
@@ -127,10 +129,17 @@ class TimelineRecorder:
         p, m = self.engine.num_stages, self.engine.micro_batches
         measured = measured_bubble(steps)
         passes = mean_pass_times(steps, p)
-        predicted = idle_fraction(simulate_schedule(self.schedule, p, m, *passes))
+        v = getattr(getattr(self.engine, "module", None), "virtual_stages", 1)
+        if v > 1:  # each pass one chunk's: launch/analysis/interleaved_schedule.py plays the order
+            from launch.analysis.interleaved_schedule import idle_fraction as interleaved_idle, simulate_interleaved
+            predicted = interleaved_idle(simulate_interleaved(p, v, m, passes[0], passes[1]))
+        else:
+            predicted = idle_fraction(simulate_schedule(self.schedule, p, m, *passes))
         numbers = (f"{self.schedule} bubble measured {measured:.1%} (mean of steps {self.first_step}-"
                    f"{self.first_step + len(steps) - 1}) vs predicted {predicted:.1%} from the measured "
-                   f"pass times; (p-1)/(m+p-1) = {formulas.bubble_fraction(p, m):.1%} with p={p}, m={m}")
+                   f"pass times; (p-1)/(m+p-1) = {formulas.bubble_fraction(p, m):.1%} with p={p}, m={m}"
+                   + (f", (p-1)/(vm+p-1) = {formulas.interleaved_bubble_fraction(p, m, v):.1%} with v={v}"
+                      if v > 1 else ""))
         busy = stage_busy_seconds(steps)
         busy_text = (", ".join(f"stage {k} {seconds:.3f} s" for k, seconds in enumerate(busy))
                      + f" (slowest / fastest {max(busy) / min(busy):.2f})")
@@ -163,6 +172,9 @@ def install_timeline_recorder(engine: PipelineEngine, steps: int, total_steps: i
         if instruction in handlers:
             handlers[instruction] = recorder.timed(kind, handlers[instruction])
     recorder.schedule = "zb-h1" if WeightPass in handlers else "1f1b"
+    chunks = getattr(getattr(engine, "module", None), "virtual_stages", 1)
+    if chunks > 1:  # launch/engine/interleaved.py: F and B per chunk
+        recorder.schedule = f"interleaved-v{chunks}"
     engine._INSTRUCTION_MAP = handlers  # an instance attribute: other engines keep the class's map
     engine.train_batch = recorder.train_batch(engine.train_batch)
     return recorder

@@ -191,8 +191,14 @@ class GPTPipelineModule(PipelineModule):
     parameter per micro-batch in backward would cost m times the calls."""
 
     def __init__(self, tp_group, parts: Optional[Sequence[int]] = None, experts: Optional[Tuple[int, int]] = None,
-                 **kwargs):
+                 virtual_stages: int = 1, **kwargs):
         self.given_parts = None if parts is None else tuple(parts)  # read by super().__init__
+        # Interleaved stages (Narayanan et al. 2021, sec. 2.2.2): this rank holds v chunks, chunk c
+        # being stage rank + c x pp of pp x v; `current_chunk` says which one `forward` runs
+        # (launch/engine/interleaved.py sets it around each pass).
+        self.virtual_stages, self.current_chunk = virtual_stages, 0
+        self.chunk_ranges: List[Tuple[int, int]] = []  # each chunk's range of forward_funcs
+        self.layer_indices: List[int] = []  # each entry of forward_funcs: its index in the layer table
         super().__init__(**kwargs)
         self.sequence_parallel_group = tp_group
         if experts is not None:  # (num_experts, ep): DeepSpeed's engine must see an MoE module
@@ -201,6 +207,8 @@ class GPTPipelineModule(PipelineModule):
     def _partition_layers(self, method: str = "uniform") -> None:
         """DeepSpeed's partition, or the stage boundaries the run computed (launch/analysis/partition.py):
         stage k builds layers parts[k]:parts[k+1], set as DeepSpeed's own methods set them."""
+        if self.virtual_stages > 1:
+            return self._partition_chunks(method)
         if self.given_parts is None:
             return super()._partition_layers(method)
         parts = list(self.given_parts)
@@ -211,19 +219,107 @@ class GPTPipelineModule(PipelineModule):
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=parts[stage], stop=parts[stage + 1])
 
+    def _partition_chunks(self, method: str) -> None:
+        """v chunks per rank: the given boundaries of pp x v stages (`parts`, pp x v + 1 of them), else
+        DeepSpeed's partition over pp x v stages; this rank's chunk c is stage rank + c x pp. `_build`
+        builds them all."""
+        pp, stage = self.num_stages, self._topo.get_coord(self.global_rank).pipe
+        if self.given_parts is not None:
+            parts = list(self.given_parts)
+            if len(parts) != pp * self.virtual_stages + 1 or parts[0] != 0 or parts[-1] != len(self._layer_specs):
+                raise ValueError(f"parts={parts} are not {pp} x {self.virtual_stages} stages over "
+                                 f"{len(self._layer_specs)} layers")
+            self.parts = parts
+        else:
+            self.num_stages = pp * self.virtual_stages
+            try:
+                super()._partition_layers(method)
+            finally:
+                self.num_stages = pp
+        self.chunk_bounds = [(self.parts[stage + c * pp], self.parts[stage + c * pp + 1])
+                             for c in range(self.virtual_stages)]
+        self._set_bounds(start=self.chunk_bounds[0][0], stop=self.chunk_bounds[0][1])
+
+    def _build(self) -> None:
+        """DeepSpeed's build of one range, once per chunk: the modules keep their names (their index
+        in the layer table), so the state dict does not depend on v or pp."""
+        if self.virtual_stages == 1:
+            super()._build()
+            self.chunk_ranges = [(0, len(self.forward_funcs))]
+            self.layer_indices = list(range(self._local_start, self._local_start + len(self.forward_funcs)))
+            return
+        for start, stop in self.chunk_bounds:
+            first = len(self.forward_funcs)
+            self._set_bounds(start=start, stop=stop)
+            super()._build()
+            self.chunk_ranges.append((first, len(self.forward_funcs)))
+            self.layer_indices += list(range(start, stop))
+        self._set_bounds(start=self.chunk_bounds[0][0], stop=self.chunk_bounds[0][1])
+
+    def stage_owner(self, layer_idx: int) -> int:
+        """The pipeline rank that builds layer `layer_idx` (DeepSpeed's tied groups read it)."""
+        stage = super().stage_owner(layer_idx) if self.virtual_stages == 1 else \
+            next(s for s in range(len(self.parts) - 1) if self.parts[s] <= layer_idx < self.parts[s + 1])
+        return stage % self.num_stages
+
+    def ckpt_layer_path(self, ckpt_dir, local_layer_idx):
+        """DeepSpeed's file name, from the layer's index in the layer table at any v (DeepSpeed's
+        adds the local index to the one range's start)."""
+        return self._at_layer(local_layer_idx, super().ckpt_layer_path, ckpt_dir)
+
+    def ckpt_layer_path_list(self, ckpt_dir, local_layer_idx):
+        return self._at_layer(local_layer_idx, super().ckpt_layer_path_list, ckpt_dir)
+
+    def _at_layer(self, local_layer_idx: int, method, ckpt_dir):
+        start = self._local_start
+        self._local_start = self.layer_indices[local_layer_idx] - local_layer_idx
+        try:
+            return method(ckpt_dir, local_layer_idx)
+        finally:
+            self._local_start = start
+
+    def forward(self, forward_input):
+        """DeepSpeed's forward over this rank's layers, or over the current chunk's at v > 1."""
+        if self.virtual_stages == 1:
+            return super().forward(forward_input)
+        start, stop = self.chunk_ranges[self.current_chunk]
+        funcs = self.forward_funcs[start:stop]  # bound now: a recompute in backward replays these
+
+        def run(first: int, last: int):
+            def exec_func(*inputs):
+                inputs = inputs[0] if len(inputs) == 1 else inputs
+                for layer in funcs[first:last]:
+                    inputs = layer(inputs)
+                return inputs
+            return exec_func
+        interval = self.activation_checkpoint_interval
+        if interval == 0:
+            return run(0, len(funcs))(forward_input)
+        x = forward_input
+        for first in range(0, len(funcs), interval):  # DeepSpeed's loop, over the chunk
+            last = min(first + interval, len(funcs))
+            x = x if isinstance(x, tuple) else (x,)
+            if self._is_checkpointable(funcs[first:last]):
+                x = self.activation_checkpoint_func(run(first, last), *x)
+            else:
+                x = run(first, last)(*x)
+        return x
+
     def get_tied_weights_and_groups(self):
         return super().get_tied_weights_and_groups() + [
             (param, self.sequence_parallel_group) for param in sequence_parallel_params(self)]
 
 
 def build_pipeline(config: GPTConfig, state: ParallelState, activation_checkpoint_interval: int = 0,
-                   parts: Optional[Sequence[int]] = None) -> PipelineModule:
+                   parts: Optional[Sequence[int]] = None, virtual_stages: int = 1) -> PipelineModule:
     """One PipelineModule on the run's topology, cut at `parts` (stage k holds layers
     parts[k]:parts[k+1]; the training run computes them from train.partition), else by counting
-    transformer blocks (DeepSpeed's type:Block)."""
+    transformer blocks (DeepSpeed's type:Block); with `virtual_stages` v > 1, pp x v stages (`parts`
+    then has pp x v + 1 boundaries), v chunks per rank."""
     seed_dropout_rngs(config.seed, state)
     experts = (config.moe.num_experts, state.ep_size) if config.moe.enabled else None
     return GPTPipelineModule(tp_group=state.tp_group, parts=parts, experts=experts,
+                             virtual_stages=virtual_stages,
                              layers=layer_specs(config, state),
                              topology=state.topology,
                              loss_fn=TokenMeanLoss(state),
@@ -234,10 +330,13 @@ def build_pipeline(config: GPTConfig, state: ParallelState, activation_checkpoin
 
 
 def stage_contents(pipe: PipelineModule, config: GPTConfig) -> List[Tuple[int, str]]:
-    """[(stage, 'layers a-b: names')] from DeepSpeed's partition boundaries `pipe.parts`."""
+    """[(stage, 'layers a-b: names')] from DeepSpeed's partition boundaries `pipe.parts` (pp x v stages
+    at v > 1, each named with its rank and chunk)."""
     names = [layer_name(kind, block, config.tie_embeddings) for kind, block in pipeline_layers(config)]
     out = []
+    interleaved = getattr(pipe, "virtual_stages", 1) > 1  # stage s is chunk s // pp of rank s % pp
     for stage in range(len(pipe.parts) - 1):
         start, stop = pipe.parts[stage], pipe.parts[stage + 1]
-        out.append((stage, f"layers {start}-{stop - 1}: {', '.join(names[start:stop])}"))
+        where = f"(rank {stage % pipe.num_stages}, chunk {stage // pipe.num_stages}) " if interleaved else ""
+        out.append((stage, f"{where}layers {start}-{stop - 1}: {', '.join(names[start:stop])}"))
     return out
