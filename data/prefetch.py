@@ -16,7 +16,10 @@ import atexit
 import queue
 import threading
 import weakref
-from typing import Iterator, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, List, Optional, TypeVar
+
+T, R = TypeVar("T"), TypeVar("R")
 
 CLOSE_WAIT_S = 10.0
 """How long `close` waits for the worker to end. Closed, it stops at its next unit read or
@@ -40,6 +43,29 @@ def stop_point() -> None:
     stopping = getattr(_worker, "stopping", None)
     if stopping is not None and stopping.is_set():
         raise Closed
+
+
+def fan_out(work: Callable[[T], R], items: List[T], threads: int) -> List[R]:
+    """`work` of each item, in order, on a pool of at most `threads` threads (pyarrow, fsspec and
+    the Rust tokenizer release the GIL, so a rank's streams open side by side instead of one after
+    another). Inside a ReadAhead's worker, the pool's threads stop at their `stop_point`s when it
+    is closed, as the worker itself does; the first exception is raised here."""
+    stopping = getattr(_worker, "stopping", None)
+
+    def run(item: T) -> R:
+        _worker.stopping = stopping
+        return work(item)
+
+    if len(items) <= 1 or threads <= 1:
+        return [work(item) for item in items]
+    with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="open-streams") as pool:
+        futures = [pool.submit(run, item) for item in items]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()  # what has not started does not start; the rest end at their next stop_point
+            raise
 
 
 class _Failed:

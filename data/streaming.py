@@ -12,17 +12,20 @@ the block taken) names an epoch, a unit of the stream's list and a row in it, so
 from that unit on and never what came before. The shuffle order and the position's fields:
 docs/data.md, "Streaming"."""
 import functools
+import itertools
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
+import pyarrow as pa
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from data.prefetch import ReadAhead, stop_point
+from data.prefetch import ReadAhead, fan_out, stop_point
 from data.spec import DataError
-from data.tokens import document_tokens
+from data.tokens import document_tokens, token_dtype
 from data.units import UnitSource, UnitTable, as_table
 
 Position = Tuple[int, int, int, int]  # (epoch, unit in the stream's list of the epoch, row in the unit, token offset)
@@ -86,6 +89,43 @@ def read_share(n_streams: int, dp: int) -> float:
     return touched * dp / n_streams
 
 
+OPEN_THREADS = 16
+"""Streams of a rank that read their first unit and fill their first shuffle block at once."""
+
+
+def unit_text_bytes(texts) -> int:
+    """What a stream holds of a unit's texts: its Arrow array (UnitSource.text_array: the UTF-8
+    bytes, offsets and validity), or where Arrow could not hold them, the list of Python strings
+    (CPython stores a string at 1, 2 or 4 bytes a character by its widest character, PEP 393,
+    plus a 49-80 byte header; the list 8 bytes a document)."""
+    if isinstance(texts, pa.Array):
+        return texts.get_total_buffer_size()
+    return sum(sys.getsizeof(t) for t in texts if t) + 8 * len(texts) + 56
+
+
+def rank_memory_bytes(streams: int, block: int, window: int, token_bytes: int, unit_bytes: float,
+                      read_ahead_windows: int, chunk_bytes: float, open_threads: int = OPEN_THREADS) -> float:
+    """docs/data.md's memory of one reading rank, above what it held before its streams opened:
+    `streams` R x (a shuffle block of `block` windows of `window` tokens + the unit's texts
+    (`unit_bytes`, unit_text_bytes) + a stream's tokens in making and state) + the read-ahead queue
+    (`read_ahead_windows` windows) + what the streams that read at once (min(R, OPEN_THREADS))
+    hold while a unit is read: the fetched chunk (`chunk_bytes`: a parquet unit's compressed text
+    column, a line unit's bytes) and a tokenizer batch's Python ids (~40 bytes a token).
+    What reading a unit allocates and frees (the fetched bytes, their copy, decompressed pages)
+    the allocators keep in part (glibc's heap, Arrow's mimalloc in each reading thread): counted
+    as a chunk a stream and half a unit's text a reading thread, which puts the formula within
+    0.93-1.03 of the peak RSS measured at 32 and 256 streams (bench/data/first_batch.py).
+    Footers (rank 0 listing, or a column the unit list cannot describe) are not in it."""
+    tokens = block * window * token_bytes
+    per_stream = tokens + unit_bytes + chunk_bytes + 2 * window * token_bytes + STREAM_STATE_BYTES
+    reading = min(streams, open_threads) * (chunk_bytes + unit_bytes / 2 + block * window * 40)
+    return streams * per_stream + read_ahead_windows * window * token_bytes + reading
+
+
+STREAM_STATE_BYTES = 4096
+"""A stream's generators, positions and window objects, about 3 KiB."""
+
+
 UNIT_END = ""
 """The text stream_documents gives after a unit's last document: a consumer that batches
 documents (for the tokenizer) takes what it holds now, so the next unit is read only when its
@@ -102,10 +142,12 @@ def stream_documents(source: StreamSource, stream: int, n_streams: int, seed: in
         mine = stream_units(len(source.units), stream, n_streams, seed, epoch, shuffle)
         for p in range(place, len(mine)):
             stop_point()  # a closed read-ahead's worker ends here, not after the block it refills
-            texts = source.reader.texts(source.units[mine[p]])
+            texts = source.reader.text_array(source.units[mine[p]])  # UTF-8: a str only while tokenized
+            arrow = isinstance(texts, pa.Array)
             for r in range(row, len(texts)):
-                if texts[r]:
-                    yield (epoch, p, r, 0), texts[r]
+                text = texts[r].as_py() if arrow else texts[r]
+                if text:
+                    yield (epoch, p, r, 0), text
             yield (epoch, p, len(texts), 0), UNIT_END
             row = 0
         yield (epoch, len(mine), 0, 0), None
@@ -113,36 +155,53 @@ def stream_documents(source: StreamSource, stream: int, n_streams: int, seed: in
 
 
 def packed_windows(docs: Iterator[Tuple[Position, Optional[str]]], tokenizer: PreTrainedTokenizerBase,
-                   window: int, skip_tokens: int = 0, batch_docs: int = 64
+                   window: int, skip_tokens: int = 0, batch_docs: int = 64, batch_tokens: Optional[int] = None
                    ) -> Iterator[Tuple[Position, Optional[np.ndarray]]]:
     """(position of its first token, window) in stream order; (end of epoch, None) after an
     epoch's last complete window. Each document is data/tokens.py's `document_tokens` of it (its
     tokens and EOS; empty ones dropped), so streaming packs what map-style does.
-    The first document loses its first `skip_tokens` tokens (a resume inside a document)."""
-    carry = np.empty(0, dtype=np.int64)
+    The first document loses its first `skip_tokens` tokens (a resume inside a document).
+    Tokens are held in the narrowest dtype of the vocabulary (data/tokens.py: token_dtype, 2 or 4
+    bytes, not int64's 8), and each window is its own array, not a view that would keep the whole
+    buffer it was cut from alive in the shuffle block.
+    Tokenization follows demand: a tokenizer batch holds the documents (at most `batch_docs`)
+    whose text should give the `batch_tokens` (default: 16 windows, a default shuffle block) that
+    the tokens held lack, at the characters per token seen so far. A stream's first block
+    tokenizes about that block, where 64 documents of 3.5 KB were 3x the 16 windows of 1,025
+    tokens it needed. The batching changes no token: each document is tokenized on its own."""
+    dtype = token_dtype(len(tokenizer))
+    batch_tokens = batch_tokens or 16 * window
+    seen_chars, seen_tokens = 0, 0
+    chars = 0  # of the documents in `batch`
+    carry = np.empty(0, dtype=dtype)
     pieces: List[Tuple[int, Position]] = []  # (index in carry, position of that token)
 
     def tokenized(batch):
+        nonlocal seen_chars, seen_tokens
         stop_point()
         ids = document_tokens([text for _, text in batch], tokenizer)
+        seen_chars, seen_tokens = seen_chars + chars, seen_tokens + sum(map(len, ids))
         return [(pos, doc) for (pos, _), doc in zip(batch, ids) if doc]
 
     batch: List[Tuple[Position, str]] = []
     for pos, text in docs:
         if text:
             batch.append((pos, text))
-            if len(batch) < batch_docs:
+            chars += len(text)
+            # 3 characters a token until some are seen: errs towards a second, small batch
+            per_token = seen_chars / seen_tokens if seen_tokens else 3.0
+            if len(batch) < batch_docs and chars < (batch_tokens - len(carry)) * per_token:
                 continue
         elif text == UNIT_END and not batch:
             continue
         for doc_pos, ids in tokenized(batch) if batch else []:
-            tokens = np.asarray(ids, dtype=np.int64)
+            tokens = np.asarray(ids, dtype=dtype)
             if skip_tokens:
                 tokens, doc_pos, skip_tokens = tokens[skip_tokens:], doc_pos[:3] + (skip_tokens,), 0
             pieces.append((len(carry), doc_pos))
             carry = np.concatenate([carry, tokens])
             while len(carry) >= window:
-                yield pieces[0][1], carry[:window]
+                yield pieces[0][1], carry[:window].copy()
                 carry = carry[window:]
                 if len(carry) == 0:  # a document ended with the window: the next one starts the next
                     pieces = []
@@ -151,7 +210,7 @@ def packed_windows(docs: Iterator[Tuple[Position, Optional[str]]], tokenizer: Pr
                 inside = [k for k, (i, _) in enumerate(shifted) if i <= 0][-1]  # holds the new first token
                 i, p = shifted[inside]
                 pieces = [(0, p[:3] + (p[3] - i,))] + shifted[inside + 1:]
-        batch = []
+        batch, chars = [], 0
         if text is None:  # end of epoch: the partial window is dropped
             carry, pieces = carry[:0], []
             yield pos, None
@@ -188,7 +247,8 @@ def stream_windows(source: StreamSource, tokenizer: PreTrainedTokenizerBase, seq
     """Stream `stream`'s endless windows, each with the state after it, from `state` on."""
     first, taken = state
     docs = stream_documents(source, stream, n_streams, seed, shuffle, first)
-    windows = shuffled_windows(packed_windows(docs, tokenizer, seq_len + 1, skip_tokens=first[3]),
+    windows = shuffled_windows(packed_windows(docs, tokenizer, seq_len + 1, skip_tokens=first[3],
+                                              batch_tokens=block * (seq_len + 1)),
                                block, seed, stream, shuffle)
     for i, item in enumerate(windows):
         if i >= taken:  # the resumed block's windows before `taken` were trained on already
@@ -209,6 +269,7 @@ class StepBatches:
                  read_ahead_steps: int = 0):
         self.global_batch_size, self.micro_batch_size, self.step = global_batch_size, micro_batch_size, step
         self.lo, self.hi = rank_slots(dp_rank, dp_size, global_batch_size)
+        self._unopened: List[Dict[int, Iterator]] = []  # the streams `open_streams` gave, not yet read
         produced = self._generate(step)
         per_step = -(-(self.hi - self.lo) // micro_batch_size)
         self._batches = ReadAhead(produced, read_ahead_steps * per_step, f"read-ahead dp{dp_rank}") \
@@ -227,7 +288,8 @@ class StepBatches:
         if done is not None:  # the step's last micro-batch: the step is consumed
             self.consumed(done[0])
             self.step += 1
-        return x, y
+        # int64 (the embedding's and the loss's index type) only for the micro-batch handed on
+        return torch.from_numpy(x.astype(np.int64)), torch.from_numpy(y.astype(np.int64))
 
     def close(self) -> None:
         """Stop the read-ahead thread, if any, and wait for it to end (bounded: data/prefetch.py);
@@ -243,7 +305,20 @@ class StepBatches:
         [t*B/S, (t+1)*B/S) of every global batch; each opens at its saved state (START when none)."""
         states = {t: saved.get(t, (START, 0))
                   for t in streams_of_slots(self.lo, self.hi, self.global_batch_size, n_streams)}
-        return states, {t: open_stream(t, state) for t, state in states.items()}
+        opened = {t: open_stream(t, state) for t, state in states.items()}
+        self._unopened.append(opened)
+        return states, opened
+
+    def _read_first_blocks(self) -> None:
+        """Every opened stream's first window drawn at once, OPEN_THREADS streams at a time: each
+        reads its first unit and fills its first shuffle block, which one after another made the
+        time to the first batch grow with the B/dp streams a rank reads (bench/data/first_batch.py).
+        The windows are the ones the streams give anyway; only when they are read changes."""
+        pending = [(opened, t) for opened in self._unopened for t in opened]
+        self._unopened = []
+        firsts = fan_out(lambda item: next(item[0][item[1]]), pending, OPEN_THREADS)
+        for (opened, t), first in zip(pending, firsts):
+            opened[t] = itertools.chain([first], opened[t])
 
     def step_windows(self, step: int) -> Tuple[List[np.ndarray], Any]:
         """This rank's windows of step `step` (the one after the previous call's), in slot order,
@@ -254,14 +329,17 @@ class StepBatches:
         """The stream states after the step (from `step_windows`) are now the position."""
         raise NotImplementedError
 
-    def _generate(self, step: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor, Optional[Tuple[Any]]]]:
-        """(input_ids, labels, (states after the step,) on its last micro-batch else None)."""
+    def _generate(self, step: int) -> Iterator[Tuple[np.ndarray, np.ndarray, Optional[Tuple[Any]]]]:
+        """(input_ids, labels, (states after the step,) on its last micro-batch else None): the
+        ids as views of one (b, seq_len + 1) array of the windows' own dtype (2 or 4 bytes a token),
+        which is what the read-ahead queue holds; `__next__` makes the int64 tensors."""
         b = self.micro_batch_size
+        self._read_first_blocks()
         while True:
             rows, after = self.step_windows(step)
             for i in range(0, len(rows), b):
-                batch = torch.from_numpy(np.stack(rows[i:i + b]).astype(np.int64, copy=False))  # (b, seq_len + 1)
-                yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), (after,) if i + b >= len(rows) else None
+                batch = np.stack(rows[i:i + b])  # (b, seq_len + 1)
+                yield batch[:, :-1], batch[:, 1:], (after,) if i + b >= len(rows) else None
             step += 1
 
 

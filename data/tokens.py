@@ -84,12 +84,13 @@ def write_token_stream(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizer
 
 def stream_tokens(docs: Iterable[dict], tokenizer: PreTrainedTokenizerBase, text_field: str,
                   batch_docs: int = 256) -> Iterator[np.ndarray]:
-    """The same stream as `write_token_stream`, produced on the fly in chunks (streaming mode)."""
+    """The same stream as `write_token_stream` (its dtype too), produced on the fly in chunks."""
     texts: List[str] = []
+    dtype = token_dtype(len(tokenizer))
     for doc in docs:
         texts.append(doc[text_field])
         if len(texts) == batch_docs:
-            yield np.fromiter((t for ids in tokenize_batch(texts, tokenizer) for t in ids), dtype=np.int64)
+            yield np.fromiter((t for ids in tokenize_batch(texts, tokenizer) for t in ids), dtype=dtype)
             texts = []
     if texts:
-        yield np.fromiter((t for ids in tokenize_batch(texts, tokenizer) for t in ids), dtype=np.int64)
+        yield np.fromiter((t for ids in tokenize_batch(texts, tokenizer) for t in ids), dtype=dtype)

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from data.builtin import load_tokenizer
 from data.prefetch import Closed
@@ -140,3 +141,72 @@ def test_closing_ends_a_block_refill_at_the_next_unit():
     read = units.read
     drawer.join(CLOSED_WITHIN_S)
     assert drawn and units.read == read < 20  # the drawer's wait ended; no unit read after close
+
+
+class DocUnits(UnitSource):
+    """Units of `per_unit` documents of the same length (~60 tokens each), counting the documents
+    tokenized and the reads in progress at once."""
+    label = "docs"
+
+    def __init__(self, n: int, per_unit: int, read_s: float = 0.0):
+        self.units, self.per_unit, self.read_s = UnitTable.of(Unit(0, i, i, i + 1) for i in range(n)), per_unit, read_s
+        self.lock, self.reading, self.most_at_once = threading.Lock(), 0, 0
+
+    def texts(self, unit: Unit):
+        with self.lock:
+            self.reading += 1
+            self.most_at_once = max(self.most_at_once, self.reading)
+        time.sleep(self.read_s)
+        with self.lock:
+            self.reading -= 1
+        return [f"unit {unit.part} document {d} says " * 10 for d in range(self.per_unit)]
+
+
+def doc_batches(units, read_ahead_steps, global_batch=B, micro=MICRO, seq_len=16, block=4):
+    source, tokenizer = StreamSource(units, units.units), load_tokenizer("builtin")
+    return StreamingBatches(lambda stream, state: stream_windows(source, tokenizer, seq_len, 1, True, block, stream,
+                                                                 global_batch, state),
+                            global_batch, global_batch, micro, 0, 1, 0, {}, read_ahead_steps)
+
+
+def test_the_queue_holds_one_narrow_array_per_micro_batch():
+    """What the read-ahead queue holds of a micro-batch is one (b, seq_len + 1) array of the
+    vocabulary's narrowest dtype (uint16 for the builtin 4,096 ids: 2 bytes a token, where
+    int64 inputs and labels held 16), the inputs and labels views of it; the trainer gets int64
+    tensors, the inputs' next tokens being the labels."""
+    batches = doc_batches(DocUnits(8, 50), read_ahead_steps=2)
+    x, y = next(batches)
+    while not batches._batches.queue.full():
+        time.sleep(0.01)
+    queued = list(batches._batches.queue.queue)
+    batches.close()
+    for qx, qy, _ in queued:
+        assert qx.dtype == qy.dtype == np.uint16 and qx.shape == qy.shape == (MICRO, 16)
+        assert qx.base is qy.base and qx.base.shape == (MICRO, 17)  # views of one array, no copies
+        assert np.array_equal(qx[:, 1:], qy[:, :-1])
+    assert x.dtype == y.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_streams_open_together_and_tokenize_what_their_first_block_needs(monkeypatch):
+    """A rank's streams read their first units side by side (a bounded pool), and a stream's
+    first block tokenizes about the documents its windows need, not a batch of 64: the batches
+    are the ones read one stream after another with 64-document tokenizer batches."""
+    import data.streaming as streaming
+    tokenized = []
+    counted = streaming.document_tokens
+    monkeypatch.setattr(streaming, "document_tokens", lambda texts, tok: tokenized.append(len(texts)) or counted(texts, tok))
+    units = DocUnits(16, 200, read_s=0.05)
+    together = doc_batches(units, 0, global_batch=8, micro=8)
+    first = next(together)
+    assert 1 < units.most_at_once <= streaming.OPEN_THREADS
+    per_doc = len(counted(["unit 0 document 0 says " * 10], load_tokenizer("builtin"))[0])
+    needed = -(-4 * 17 // per_doc)  # a block of 4 windows of 17 tokens
+    assert len(tokenized) >= 8 and max(tokenized) <= needed + 1 and sum(tokenized) <= 8 * (needed + 2), tokenized
+
+    monkeypatch.setattr(streaming, "OPEN_THREADS", 1)
+    packed = streaming.packed_windows  # batches of 64 documents (or to a unit's end), as before
+    monkeypatch.setattr(streaming, "packed_windows", lambda *a, **k: packed(*a, **{**k, "batch_tokens": 10 ** 9}))
+    units = DocUnits(16, 200, read_s=0.0)
+    alone = next(doc_batches(units, 0, global_batch=8, micro=8))
+    assert units.most_at_once == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, alone))
