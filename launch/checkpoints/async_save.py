@@ -28,7 +28,13 @@ gloo group of its own (created at the first asynchronous save, on every rank, in
 so the commit follows the last rank's durable files without the training thread taking part, and
 `latest` moves as soon as the slowest rank has written; a rank whose write failed vetoes the commit
 and every rank raises at its next wait. A rank killed during the write never joins: nothing
-commits, and the failure watcher (launch/resilience/failure.py) ends the others."""
+commits, and the failure watcher (launch/resilience/failure.py) ends the others.
+
+A save directory on object storage (object_store.py) is uploaded by the same thread after the local
+commit: each node's files, then a second agreement on the same group (whether every upload
+succeeded, in place of the synchronous publish's barrier on the default group, which the training
+thread is using meanwhile), then rank 0's complete.json, `latest` and pruning in the store. `wait`
+joins the upload too, so at most one save, upload included, is in flight."""
 from __future__ import annotations
 
 import contextlib
@@ -183,17 +189,29 @@ class AsyncSaver:
             return step(*args, **kwargs)
         optimizer.step, optimizer._snapshot_gate = step_after_the_snapshot, self
 
-    def start(self, files: List[Tuple[Path, Any]], rank: int, commit: Optional[Callable[[], None]]) -> None:
+    def start(self, files: List[Tuple[Path, Any]], rank: int, commit: Optional[Callable[[], None]],
+              publish: Optional[Callable[[Callable[[bool], bool]], None]] = None) -> None:
+        """`publish` (every rank, --save on object storage): after the commit, called with `agree` in
+        place of a barrier (object_store.py: RemoteDir.publish)."""
         assert self._thread is None, "at most one save in flight: wait() first"
         self._error = None
         self.snapshot.seal()
         self.copied.clear()
-        self._thread = threading.Thread(target=self._write, args=(files, rank, commit), name="checkpoint-write",
-                                        daemon=True)  # a failure leaves by os._exit; a normal end joins it
+        self._thread = threading.Thread(target=self._write, args=(files, rank, commit, publish),
+                                        name="checkpoint-write", daemon=True)  # a failure leaves by os._exit
         self._thread.start()
 
-    def _write(self, files: List[Tuple[Path, Any]], rank: int, commit: Optional[Callable[[], None]]) -> None:
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank's writer is `ok` (an all-reduce on this saver's own group, never the
+        training's default group, which the training thread uses meanwhile)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def _write(self, files: List[Tuple[Path, Any]], rank: int, commit: Optional[Callable[[], None]],
+               publish: Optional[Callable[[Callable[[bool], bool]], None]] = None) -> None:
         start = time.perf_counter()
+        agreed = None  # the agreement's answer; None if it raised (a rank gone): no collective after it
         try:
             try:
                 self.snapshot.fill()
@@ -208,14 +226,24 @@ class AsyncSaver:
             self._error = e
         try:
             # Every rank's files are durable before the commit; a rank whose write failed vetoes it.
-            written = torch.tensor([0 if self._error is not None else 1], dtype=torch.int32)
-            dist.all_reduce(written, op=dist.ReduceOp.MIN, group=self.group)
-            if written.item() == 0 and self._error is None:
+            agreed = self.agree(self._error is None)
+            if not agreed and self._error is None:
                 self._error = RuntimeError("another rank's write failed; this checkpoint is not committed")
             if commit is not None and self._error is None:
                 commit()
         except BaseException as e:
             self._error = self._error or e
+        if publish is not None and agreed is not None:
+            try:
+                # Every rank calls `agree` once more, inside publish or here: a rank whose write or
+                # local commit failed vetoes the upload's commit.
+                if self._error is None:
+                    publish(self.agree)
+                else:
+                    self.agree(False)
+            except BaseException as e:
+                print(f"rank {rank}: the background upload failed: {type(e).__name__}: {e}", flush=True)
+                self._error = self._error or e
         self.write_s = time.perf_counter() - start
 
     @property

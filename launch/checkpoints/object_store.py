@@ -10,6 +10,9 @@ there exactly as a local one, then published in the order that makes it a commit
        store itself (so it names every node's files);
     3. then `latest`, naming the tag; then `--keep-last` deletes the older tags of the history,
        each complete.json first (a half-deleted checkpoint is never complete).
+With train.async_save each rank's background writer (async_save.py) publishes after its local
+commit, with an all-reduce on its own process group in place of the barrier (an upload that
+failed on any node vetoes step 2): the training thread takes no part.
 A save cut short before step 2 leaves a tag without complete.json, which no load takes; one cut
 between 2 and 3 leaves `latest` naming the previous checkpoint. S3 and GCS read back what was
 written (strong read-after-write consistency), so the order written is the order read.
@@ -29,7 +32,7 @@ import json
 import os
 import shutil
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from launch.checkpoints.locate import LATEST, CheckpointRef, own_tag, resumes_from, step_of
 from launch.checkpoints.manifest import COMPLETE
@@ -232,14 +235,28 @@ class RemoteDir:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._remote(tag), recursive=True)
 
-    def publish(self, tag_dir: Path, meta: Dict[str, Any], keep_last: int, is_writer: bool) -> None:
+    def publish(self, tag_dir: Path, meta: Dict[str, Any], keep_last: int, is_writer: bool,
+                agree: Optional[Callable[[bool], bool]] = None) -> None:
         """After the local commit (every rank calls this): upload the tag directory, then complete.json,
-        then `latest`, then prune (the module's docstring)."""
-        import torch.distributed as dist
+        then `latest`, then prune (the module's docstring). `agree` (train.async_save's background
+        writer, async_save.py: AsyncSaver.agree): in place of the barrier, whether every rank's upload
+        succeeded, on the writer's own process group; one that failed vetoes the commit."""
         leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
-        if leader:
-            self.upload(tag_dir)
-        dist.barrier()  # every node's files are in the store before complete.json names them
+        if agree is None:
+            import torch.distributed as dist
+            if leader:
+                self.upload(tag_dir)
+            dist.barrier()  # every node's files are in the store before complete.json names them
+        else:
+            failed: Optional[BaseException] = None
+            try:
+                if leader:
+                    self.upload(tag_dir)
+            except BaseException as e:  # the other ranks must still reach the agreement
+                failed = e
+            if not agree(failed is None):
+                raise failed or RuntimeError(f"another node's upload to {self.url} failed; {tag_dir.name} is not "
+                                             f"committed there")
         if is_writer:
             self.commit(tag_dir.name, meta, keep_last)
         elif leader:
@@ -314,14 +331,12 @@ def store_errors(url: str):
                           f"the credentials and the endpoint (AWS_ENDPOINT_URL) in the environment") from None
 
 
-def stage(args: argparse.Namespace, async_save: bool) -> Optional[RemoteDir]:
+def stage(args: argparse.Namespace) -> Optional[RemoteDir]:
     """Every rank, at its start: a remote `--save` becomes its staging directory and a remote `--load`
     the checkpoint downloaded there (args.save and args.load are then local paths). Returns the remote
-    save directory, which store.save publishes to, or None."""
+    save directory, which store.save publishes to (with train.async_save, from the background writer),
+    or None."""
     remote = RemoteDir(args.save) if is_remote(args.save) else None
-    if remote is not None and async_save:
-        raise ConfigError(f"--save {remote.url}: train.async_save writes to a local or shared filesystem only; "
-                          f"save to object storage with train.async_save=false")
     loaded_here = False
     if is_remote(args.load):
         root, tag = split_tag(args.load)

@@ -19,7 +19,8 @@ and a save into a directory of another run's checkpoints, or through a link name
 `--keep-last K` keeps the K newest of the parent chain. Loads are torch.load(weights_only=True).
 With train.async_save the same files and the same commit come from a background writer
 (async_save.py), after a host snapshot. A save directory on object storage (s3://, gs://) is a
-local staging directory committed as above, then uploaded in commit order (object_store.py)."""
+local staging directory committed as above, then uploaded in commit order (object_store.py), by
+the background writer too with train.async_save."""
 from __future__ import annotations
 
 import contextlib
@@ -165,7 +166,11 @@ def save(engine: PipelineEngine, root: Path, step: int, samples: int, recipe_dic
     rng_file = rng_dir / f"rank_{dist.get_rank()}.pt"
     if saver is not None:
         files = capture.files + [(rng_file, saver.snapshot.copy(_rng_state()))]
-        saver.start(files, dist.get_rank(), commit if is_writer else None)
+        publish = None
+        if remote is not None:  # the writer's thread uploads after the local commit, agreeing on its own group
+            def publish(agree):
+                remote.publish(root / tag, meta, keep_last, is_writer, agree=agree)
+        saver.start(files, dist.get_rank(), commit if is_writer else None, publish)
         return root / tag
     save_durably(_rng_state(), rng_file)
     slow_save.wait_if_asked(dist.get_rank())  # a test hook, nothing unless GPT3D_SLOW_SAVE is set

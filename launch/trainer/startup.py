@@ -69,7 +69,7 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
         check_deepspeed_hooks(layout.pp)
     if args.save is not None or args.load is not None:  # s3:// and gs://: local staging directories from here
         from launch.checkpoints.object_store import stage
-        remote_save = stage(args, recipe.train.async_save)
+        remote_save = stage(args)
     else:
         remote_save = None
     from launch.trainer.preflight import check_before_start

@@ -2,7 +2,9 @@
 server started here (tests/helpers/s3_server.py: moto's server mode over HTTP), not a mock of boto.
 
 In process: an upload cut short before its commit leaves a tag without complete.json and `latest`
-naming the previous checkpoint, and no load takes it. Launched (slow): a 2-rank run saves to
+naming the previous checkpoint, and no load takes it; with train.async_save (2 ranks, each its own
+node), the background writer's upload leaves the synchronous save's objects, and one node's upload
+cut short vetoes the commit. Launched (slow): a 2-rank run saves to
 s3://.../run with --keep-last 2 over three saves; an export from the bucket equals the export of
 the run's own local files; an upload cut short at the last save, resumed by one process (another
 layout: ZeRO-1's partitions re-sharded) from the bucket with an empty cache (no shared disk),
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.distributed import run_distributed, uses_deepspeed
 from helpers.launcher import TINY, launch_forked, read_metrics
 from helpers.s3_server import s3_server
 from launch.errors import ConfigError
@@ -99,12 +102,91 @@ def test_an_upload_cut_short_is_never_a_checkpoint(s3, tmp_path, monkeypatch):
     def args(save, load):
         return type("Args", (), {"save": save, "load": load})()
     with pytest.raises(ConfigError, match="no complete.json"):
-        stage(args(None, f"s3://{BUCKET}/cut"), async_save=False)
-    # Another run saving into it (not resuming it), or saving asynchronously: one line each.
+        stage(args(None, f"s3://{BUCKET}/cut"))
+    # Another run saving into it (not resuming it): one line.
     with pytest.raises(ConfigError, match="holds the checkpoints of another run"):
-        stage(args(f"s3://{BUCKET}/cut", None), async_save=False)
-    with pytest.raises(ConfigError, match="train.async_save=false"):
-        stage(args(f"s3://{BUCKET}/new", None), async_save=True)
+        stage(args(f"s3://{BUCKET}/cut", None))
+
+
+@uses_deepspeed
+def _async_upload_body(tmp: Path, env: dict):
+    """Two ranks, each its own node (LOCAL_RANK is the rank, and each has its own staging disk)."""
+    import os
+    import threading
+    import torch
+    import torch.distributed as dist
+    from launch.checkpoints import store
+    from launch.checkpoints.async_save import AsyncSaver
+    from launch.checkpoints.object_store import RemoteDir
+    from launch.config.layout import check_and_derive_layout
+    from launch.config.recipe import load_recipe
+    from launch.engine.engine import build_engine
+    from launch.feed.run_inputs import resolved_recipe_dict
+    from model.parallel.state import init_parallel_state
+
+    rank = dist.get_rank()
+    os.environ.update(env, GPT3D_CACHE=str(tmp / f"cache{rank}"), LOCAL_RANK="0")
+    recipe = load_recipe(TINY, [])
+    layout = check_and_derive_layout(recipe, 2, 1, 1, True)
+    config = recipe.gpt_config(4096)
+    engine, _ = build_engine(recipe, layout, init_parallel_state(1, 1), config)
+    tokens = torch.randint(0, 4096, (16, 2, config.seq_len + 1), generator=torch.Generator().manual_seed(rank))
+
+    def batches(step):
+        return iter([(t[:, :-1], t[:, 1:]) for t in tokens[(step - 1) * 8:step * 8]])
+    engine.train_batch(batches(1))
+    recipe_dict = resolved_recipe_dict(recipe, 4096)
+    sync, background = RemoteDir(f"s3://{BUCKET}/sync"), RemoteDir(f"s3://{BUCKET}/async")
+    for remote in (sync, background):
+        remote.local.mkdir(parents=True, exist_ok=True)
+    store.save(engine, sync.local, 1, 16, recipe_dict, vars(layout), 0, is_writer=rank == 0, remote=sync)
+
+    def main_thread_only(collective):  # the default group is the training thread's
+        def checked(*args, group=None, **kwargs):
+            assert group is not None or threading.current_thread() is threading.main_thread(), \
+                f"{collective.__name__} on the default group from the background writer"
+            return collective(*args, group=group, **kwargs)
+        return checked
+    dist.barrier, dist.all_reduce = main_thread_only(dist.barrier), main_thread_only(dist.all_reduce)
+    saver = AsyncSaver()
+    store.save(engine, background.local, 1, 16, recipe_dict, vars(layout), 0, is_writer=rank == 0,
+               saver=saver, remote=background)
+    engine.train_batch(batches(2))  # the training thread's collectives meanwhile, on the default group
+    saver.wait()
+
+    # Step 2: rank 1's node uploads 2 of its files, then its upload raises: no rank commits it.
+    if rank == 1:
+        put = background.fs.put
+
+        def cut(lpaths, rpaths, **kwargs):
+            put(lpaths[:2], rpaths[:2], **kwargs)
+            raise OSError("connection reset")
+        background.fs.put = cut
+    store.save(engine, background.local, 2, 32, recipe_dict, vars(layout), 0, is_writer=rank == 0,
+               saver=saver, remote=background)
+    try:
+        saver.wait()
+        raise AssertionError("a cut upload was committed")
+    except RuntimeError as e:
+        assert ("connection reset" if rank == 1 else "another node's upload") in str(e), e
+
+
+def test_an_async_save_uploads_in_the_background_as_a_synchronous_one(s3, tmp_path):
+    """train.async_save with --save s3://: the background writer's upload leaves the objects (names
+    and bytes) that a synchronous save of the same state leaves, while the next step trains (no
+    collective of the writer's on the default group); a
+    node's upload cut after 2 files vetoes the commit on every rank, and `latest` stays on the
+    previous checkpoint."""
+    run_distributed(_async_upload_body, 2, tmp_path, s3)
+    fs, sync = _bucket("sync")
+    _, background = _bucket("async")
+    assert "step00000001/zero_pp_rank_1_mp_rank_00_optim_states.pt" in sync, sync  # rank 1's node's own file
+    assert {name: size for name, size in background.items() if not name.startswith("step00000002/")} == sync
+    for name in sync:
+        assert fs.cat_file(f"{BUCKET}/async/{name}") == fs.cat_file(f"{BUCKET}/sync/{name}"), name
+    assert fs.cat_file(f"{BUCKET}/async/latest") == b"step00000001"
+    cut = [name for name in background if name.startswith("step00000002/")]
+    assert cut and "step00000002/complete.json" not in cut, background  # the cut save's files, no commit
 
 
 def _run(nprocs: int, args, env) -> str:
