@@ -111,7 +111,7 @@ def test_fuzzed_start_up_input_is_one_line_or_a_trainable_job(seed, n_cases, tmp
         signal.signal(signal.SIGALRM, previous)
     print(f"{n_cases} cases: {dict(outcomes)}; slowest {slowest[0]:.1f} s ({slowest[1]})")
     assert not failures, json.dumps(failures[:8], indent=1, ensure_ascii=True) + f"\n{len(failures)} failures"
-    assert outcomes["refused"] > n_cases / 2 and outcomes["accepted"] > n_cases / 20, outcomes  # the generator reaches both
+    assert outcomes["refused"] > n_cases / 2 and outcomes["accepted"] >= n_cases / 25, outcomes  # the generator reaches both
 
 
 @pytest.mark.slow
