@@ -10,6 +10,7 @@
   python launch/plan.py ... --plot plan.png   # device grid + 1F1B schedule
   python launch/plan.py ... --partition blocks  # stages cut by block count (default: balanced)
   python launch/plan.py ... --schedule zb-h1 --plot zb.png  # the zero-bubble schedule, drawn
+  python launch/plan.py ... --pp 4 --virtual-stages 2   # interleaved 1F1B, 2 chunks per rank
 
 Model fields not given come from --recipe, else GPT-3 defaults (Brown et al. 2020, 175B):
 96 layers, hidden 12288, heads = hidden / 128, sequence 2048, vocabulary 51200 (GPT-2's
@@ -66,6 +67,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                           "(default: the recipe's, else bf16)")
     lay.add_argument("--schedule", choices=SCHEDULES,
                      help="pipeline schedule (default: the recipe's train.schedule, else 1f1b)")
+    lay.add_argument("--virtual-stages", type=int, metavar="V",
+                     help="chunks of the layer table per pipeline rank (interleaved 1F1B: bubble (p-1)/(v m), v "
+                          "times the point-to-point sends, a deeper warm-up's activations); default: the recipe's "
+                          "train.virtual_stages, else 1")
     lay.add_argument("--partition", metavar="balanced|blocks|N,N,...",
                      help="where stages are cut: balanced compute, equal blocks, or blocks per stage "
                           "(default: the recipe's train.partition, else balanced)")

@@ -58,6 +58,8 @@ def resolve(args: argparse.Namespace, this_device: Optional[Callable] = None) ->
                   zero=pick(args.zero, rt and rt.zero_stage, 1), recompute=recompute,
                   partition=cut if isinstance(cut, str) else tuple(cut),
                   schedule=args.schedule or (rt.schedule if rt else "1f1b"),
+                  virtual_stages=pick(getattr(args, "virtual_stages", None), rt and rt.virtual_stages, 1),
+                  compile=bool(rt and rt.compile), document_mask=bool(rm is not None and recipe.data.document_mask),
                   precision=args.precision or (rt.precision if rt else "bf16"), communication_data_type=comm_dtype,
                   reduce_bucket_elements=int(ds_settings.get("zero_optimization", {}).get(
                       "reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)),

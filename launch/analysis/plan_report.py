@@ -136,6 +136,8 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
     comm, where = plan["comm_bytes_per_step"], {k: "in node" if v else "across nodes"
                                                  for k, v in plan["groups_within_node"].items()}
     blocks = plan["blocks_per_stage"]
+    v = plan["virtual_stages"]
+    pp_split = f"the {model.n_layer} blocks into {p} stages" + (f" of {v} chunks" if v > 1 else "")
     k = plan["memory_fullest_stage"]
     mem = plan["memory_per_stage_bytes"][k]
     deferred = mem["weight_grad_stash_microbatches"]  # ZB-H1's, 0 under 1F1B
@@ -165,8 +167,10 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         f"with all heads), {where['cp']}",
         f"{'':12}groups: {_groups(plan['groups']['cp'])}",
         *moe["roles"],
-        f"{'PP':<5}{p:>5}  {f'the {model.n_layer} blocks into {p} stages':<44}"
-        f"{comm['pp'] / 1e9:.1f} GB each way per boundary (b*s*h per micro-batch), {where['pp']}",
+        f"{'PP':<5}{p:>5}  {pp_split:<44}"
+        f"{comm['pp'] / 1e9:.1f} GB each way per boundary (b*s*h per micro-batch"
+        + (f" and chunk: v = {plan['virtual_stages']}, {plan['pp_messages_per_step']} = m (p v - 1) sends a step in "
+           f"all" if plan["virtual_stages"] > 1 else "") + f"), {where['pp']}",
         f"{'':12}groups: {_groups(plan['groups']['pp'])}",
         f"{'DP':<5}{d:>5}  {f'the batch into {d} replicas':<44}"
         f"{comm['dp'] / 1e9:.1f} GB all-reduced (the local gradients, {plan['dp_allreduce_dtype']}"
@@ -180,8 +184,7 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
         + (f" (+ {_edge_layers(model)})" if p > 1 else ""),
         f"micro-batches per pipeline: m = {plan['global_batch']} / (micro {b} * dp {d}) = {m} "
         f"= gradient accumulation steps",
-        f"1F1B bubble: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {plan['bubble_fraction_equal_stages']:.4f} of the step "
-        f"with equal stages; {plan['schedule']} simulated with the stages below: {plan['bubble_fraction']:.4f}",
+        _bubble_line(plan),
         *_stage_lines(plan),
         f"parameters per device: {_count(plan['params_per_device'])} "
         f"(stages: {', '.join(_count(x) for x in plan['params_per_stage'][:8])}{', ...' if p > 8 else ''})",
@@ -220,6 +223,17 @@ def report(plan: Dict[str, Any], model: ModelConfig, hw: Hardware, notes: List[s
     return "\n".join(lines)
 
 
+def _bubble_line(plan: Dict[str, Any]) -> str:
+    """The equal-stages formula of the plan's schedule, and the simulated idle share."""
+    p, m, v = plan["pp"], plan["microbatches_per_pipeline"], plan["virtual_stages"]
+    if v > 1:
+        return (f"interleaved 1F1B bubble, v = {v} chunks per rank: (p-1)/(v m+p-1) = {p - 1}/{v * m + p - 1} = "
+                f"{plan['bubble_fraction_equal_stages']:.4f} of the step with equal stages ((p-1)/(v m) of the "
+                f"ideal); Megatron's order simulated with the stages below: {plan['bubble_fraction']:.4f}")
+    return (f"1F1B bubble: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {plan['bubble_fraction_equal_stages']:.4f} of the "
+            f"step with equal stages; {plan['schedule']} simulated with the stages below: {plan['bubble_fraction']:.4f}")
+
+
 def cost_model(hw: Hardware) -> str:
     """Where the predicted times come from: a calibration (device, shapes) or the datasheet."""
     profile = hw.device_profile()
@@ -242,6 +256,7 @@ def links(hw: Hardware) -> str:
 def short(plan: Dict[str, Any]) -> str:
     return (f"tp {plan['tp']} cp {plan['cp']} pp {plan['pp']} ep {plan['ep']} micro-batch {plan['micro_batch']} "
             f"recompute {plan['recompute']}" + (f" {plan['schedule']}" if plan["pp"] > 1 else "")
+            + (f" v {plan['virtual_stages']}" if plan.get("virtual_stages", 1) > 1 else "")
             + f" ({plan['step_time_s']:.4g} s)")
 
 
@@ -271,10 +286,11 @@ def search_report(plans: List[Dict[str, Any]], valid: int, top: int, setup: Setu
     lines = [f"{len(plans)} of {valid} valid layouts fit for {setup.gpus} GPUs, global batch {setup.global_batch}, "
              f"{setup.precision}, zero {setup.zero}, recompute {setup.recompute}, memory budget {budget}; "
              f"{cost_model(hw)}; {links(hw)}",
-             f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {ep_column({'ep': 'ep'})}{'micro':>5} {'m':>4} "
+             f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>4} {ep_column({'ep': 'ep'})}{'micro':>5} {'m':>4} "
              f"{'bubble':>7} {'GiB':>6} {'step s':>8} {'MFU':>4}  why (share of step time)"]
     for i, r in enumerate(plans[:top], 1):
-        lines.append(f"{i:>3} {r['tp']:>3} {r['cp']:>3} {r['pp']:>3} {r['dp']:>4} {ep_column(r)}{r['micro_batch']:>5} "
+        lines.append(f"{i:>3} {r['tp']:>3} {r['cp']:>3} {r['pp']:>3} {r['virtual_stages']:>2} {r['dp']:>4} "
+                     f"{ep_column(r)}{r['micro_batch']:>5} "
                      f"{r['microbatches_per_pipeline']:>4} {r['bubble_fraction']:>7.1%} "
                      f"{r['memory_per_device_bytes'] / GIB:>6.1f} {r['step_time_s']:>8.2f} "
                      f"{r['mfu_estimate']:>4.0%}  {why(r)}")
@@ -287,14 +303,22 @@ def plot(path: Path, plan: Dict[str, Any]) -> None:
     from launch.analysis.pipeline_chart import draw_plan  # matplotlib: only when drawing
     from launch.analysis.schedule_sim import simulate_schedule
     m, p, weight = plan["microbatches_per_pipeline"], plan["pp"], plan["stage_weight_grad_s"]
-    events = simulate_schedule(plan["schedule"], p, m, plan["stage_forward_s"],
-                               [b - w for b, w in zip(plan["stage_backward_s"], weight)], weight)
-    name = {"1f1b": "1F1B", "zb-h1": "ZB-H1"}[plan["schedule"]]
+    v = plan["virtual_stages"]
+    if v > 1:  # Megatron's interleaved order, each pass one chunk's (labelled chunk:micro-batch)
+        from launch.analysis.interleaved_schedule import simulate_interleaved
+        chunks = simulate_interleaved(p, v, m, [f / v for f in plan["stage_forward_s"]],
+                                      [b / v for b in plan["stage_backward_s"]])
+        events = [(rank, kind, f"{chunk}:{mb}", start, end) for rank, kind, chunk, mb, start, end in chunks]
+        name, formula = f"interleaved 1F1B, v={v}", f"(p-1)/(v m+p-1) = {plan['bubble_fraction_equal_stages']:.1%}"
+    else:
+        events = simulate_schedule(plan["schedule"], p, m, plan["stage_forward_s"],
+                                   [b - w for b, w in zip(plan["stage_backward_s"], weight)], weight)
+        name = {"1f1b": "1F1B", "zb-h1": "ZB-H1"}[plan["schedule"]]
+        formula = f"(p-1)/(m+p-1) = {plan['bubble_fraction_equal_stages']:.1%}"
     # The grid's columns are DeepSpeed's data axis, dp x cp ranks (CP fastest): its rank numbers.
     draw_plan(str(path), plan["tp"], p, plan["dp"] * plan["cp"], events,
               f"{name}, p={p}, m={m} (tp {plan['tp']}, cp {plan['cp']}, dp {plan['dp']}, micro {plan['micro_batch']}, blocks per stage "
-              f"{plan['blocks_per_stage']}): simulated bubble {plan['bubble_fraction']:.1%} "
-              f"((p-1)/(m+p-1) = {plan['bubble_fraction_equal_stages']:.1%})")
+              f"{plan['blocks_per_stage']}): simulated bubble {plan['bubble_fraction']:.1%} ({formula})")
 
 
 def plan_output(args: argparse.Namespace, measure: Optional[Measure] = None,

@@ -11,6 +11,7 @@ from launch.analysis import engine_memory, formulas
 from launch.analysis.device_profile import DeviceProfile, datasheet_profile
 from launch.analysis.memory_formulas import process_fixed_bytes
 from launch.analysis import partition as partition_rules
+from data.spec import DataSpec
 from launch.config.layout import Layout, check_and_derive_layout
 from launch.config.recipe import Recipe, TrainSection
 from launch.errors import ConfigError
@@ -152,6 +153,13 @@ class Setup:
     """train.partition: balanced, blocks or blocks per stage (launch/analysis/partition.py)."""
     schedule: str = "1f1b"
     """train.schedule: 1f1b or zb-h1 (launch/analysis/zero_bubble_schedule.py)."""
+    virtual_stages: int = 1
+    """train.virtual_stages: chunks of the layer table per pipeline rank (interleaved 1F1B,
+    launch/analysis/interleaved_schedule.py); 1: no interleaving."""
+    compile: bool = False
+    """The recipe's train.compile: only the run's refusal of it at v > 1 reads it."""
+    document_mask: bool = False
+    """The recipe's data.document_mask: only the run's refusal of it at v > 1 reads it."""
     precision: str = "bf16"
     """train.precision: fp32, bf16 or fp16; decides DeepSpeed's optimizer and its buffers
     (launch/analysis/engine_memory.py) and the bytes of every activation."""
@@ -235,9 +243,15 @@ def check_setup(model: ModelConfig, setup: Setup) -> Layout:
                           f"{per_replica}; use a multiple of {per_replica} GPUs, or a tp*cp*pp that divides "
                           f"{setup.gpus}")
     check_precision(setup)
-    recipe = Recipe(model=model,
+    interleaved = setup.virtual_stages > 1
+    recipe = Recipe(model=model, data=DataSpec(document_mask=setup.document_mask and interleaved),
                     train=TrainSection(micro_batch_size=setup.micro_batch, global_batch_size=setup.global_batch,
                                        precision=setup.precision, zero_stage=setup.zero, cp=setup.cp, ep=setup.ep,
+                                       # The run's refusals of v > 1 (check_virtual_stages) name the schedule and
+                                       # optimizer: passed where they apply, so a v = 1 plan is checked as before.
+                                       virtual_stages=setup.virtual_stages,
+                                       **(dict(schedule=setup.schedule, optimizer=setup.optimizer,
+                                               compile=setup.compile) if interleaved else {}),
                                        partition=setup.partition if isinstance(setup.partition, str)
                                        else list(setup.partition)))
     return check_and_derive_layout(recipe, setup.gpus, setup.tp, setup.pp, on_cpu=False)  # its dp: the replicas

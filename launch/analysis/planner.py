@@ -7,8 +7,9 @@ micro-batch (its FLOPs at the device profile's GEMM rate for the rank's shapes, 
 gradient traffic at its memory bandwidth when that is slower, launch/analysis/device_profile.py;
 plus the profile's engine cost per micro-batch, fixed and per parameter tensor of the rank; its TP all-reduces and one activation and
 one gradient over the PP link, at the intra-node bandwidth when the group sits in one node), the
-schedule (1F1B or ZB-H1) simulated over the engine's own instruction streams with those times,
-then the DP gradient all-reduce, not overlapped. Context parallelism (cp) splits every
+schedule (1F1B or ZB-H1) simulated over the engine's own instruction streams with those times
+(interleaved 1F1B at v > 1: Megatron's order with v equal chunk passes per slot, v times the PP
+transfers, launch/analysis/interleaved_schedule.py), then the DP gradient all-reduce, not overlapped. Context parallelism (cp) splits every
 micro-batch's tokens over cp ranks: each rank computes 1/(tp*cp) of a stage's FLOPs, its TP and
 PP traffic is its s/cp tokens', its attention adds the Ulysses all-to-alls, and the gradient
 all-reduce runs over DeepSpeed's data axis, dp x cp ranks. Expert parallelism (ep) splits
@@ -24,7 +25,7 @@ modelled compute (and their TP and EP collectives) by their measured times. Over
 import dataclasses
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from launch.analysis import engine_memory, experts, formulas
+from launch.analysis import engine_memory, experts, formulas, interleaved_schedule
 from launch.analysis import partition as partition_rules
 from launch.analysis.context_parallel import cp_bytes_per_step
 from launch.analysis.device_profile import Shape, bytes_per_weight
@@ -88,8 +89,11 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     tensors per rank (the engine's per-tensor costs; None: none charged)."""
     from launch.analysis.schedule_sim import idle_fraction, simulate_schedule
     b, s, h, t, p, c = setup.micro_batch, model.seq_len // setup.cp, model.n_embd, setup.tp, setup.pp, setup.cp
+    v = setup.virtual_stages
     tp_bytes_per_block = formulas.tp_allreduce_bytes_per_step(b, s, h, 1, 1, setup.full_recompute) * formulas.ring_allreduce_factor(t)
-    pp_comm = 2 * formulas.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0
+    # Interleaved, each of a rank's v chunks receives and sends an activation and a gradient per
+    # micro-batch: v times 1F1B's point-to-point traffic (Narayanan et al. 2021, sec. 2.2.2).
+    pp_comm = 2 * v * formulas.pp_p2p_bytes_per_step(b, s, h, 1) / bandwidth["pp"] if p > 1 else 0.0
     # An all-to-all keeps 1/cp of what each rank hands it and sends the rest.
     cp_bytes_per_block = cp_bytes_per_step(model, setup.tp, c, b, setup.precision, setup.recompute, 1, 1) * (c - 1) / c
     moe_blocks = moe_blocks or [0] * p
@@ -135,7 +139,7 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     # all-to-alls (4 forward, 4 backward), an MoE block's EP all-to-alls, the two PP transfers.
     calls = [(n * (6 if setup.full_recompute else 4) if t > 1 and measured is None else 0) + (n * 8 if c > 1 else 0)
              + (n_moe * (8 if setup.full_recompute else 5) if setup.ep > 1 and measured is None else 0)
-             + (2 if p > 1 else 0)
+             + (2 * v if p > 1 else 0)
              for n, n_moe in zip(blocks, moe_blocks)]
     # An MoE block waits once on the host for its split sizes (model/transformer/moe.py), again
     # when full recompute reruns its forward; a measured block holds its own.
@@ -147,10 +151,18 @@ def estimate_step_time(model: ModelConfig, setup: Setup, hw: Hardware, blocks: L
     stages = {"forward_s": forward, "backward_s": [slot[k] - forward[k] for k in range(p)], "weight_s": weight,
               "slot_s": slot, "memory_bound": [f > g for g, f in zip(gemm, floor)],
               "measured_blocks": measured is not None}
-    events = simulate_schedule(setup.schedule, p, m, forward, [stages["backward_s"][k] - weight[k] for k in range(p)],
-                               weight)
-    span = max(e[4] for e in events)
-    stages["bubble_fraction"] = idle_fraction(events) if p > 1 else 0.0
+    if v > 1:
+        # Megatron's interleaved order played with each chunk a 1/v share of its rank's slot (the
+        # chunks of a rank are equal: the search proposes v only where pp x v divides the layers).
+        chunk_events = interleaved_schedule.simulate_interleaved(
+            p, v, m, [f / v for f in forward], [(slot[k] - forward[k]) / v for k in range(p)])
+        span = max(e[5] for e in chunk_events)
+        stages["bubble_fraction"] = interleaved_schedule.idle_fraction(chunk_events)
+    else:
+        events = simulate_schedule(setup.schedule, p, m, forward, [stages["backward_s"][k] - weight[k] for k in range(p)],
+                                   weight)
+        span = max(e[4] for e in events)
+        stages["bubble_fraction"] = idle_fraction(events) if p > 1 else 0.0
     slowest = max(range(p), key=lambda k: slot[k])
     dp_comm = formulas.ring_allreduce_factor(setup.data_axis) * dp_bytes / bandwidth["data"]
     dp_comm += formulas.ring_allreduce_factor(setup.expert_data_axis) * expert_dp_bytes / bandwidth["expert_data"]
@@ -180,6 +192,7 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
     arch = model.resolved()  # every architecture switch set (GQA, SwiGLU, untied head, RoPE change the counts)
     l, h, s, V = model.n_layer, model.n_embd, model.seq_len, model.vocab_size
     t, p, d, m, b, c, e = setup.tp, setup.pp, layout.dp, layout.grad_accum_steps, setup.micro_batch, setup.cp, setup.ep
+    v = setup.virtual_stages
     # Cut as the run cuts (partition.with_stage_boundaries): only full recompute changes the FLOPs.
     parts = partition_rules.stage_partition(arch, p, setup.partition, s, setup.full_recompute)
     blocks = partition_rules.blocks_per_stage(arch, parts)
@@ -229,13 +242,15 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
         "partition": setup.partition if isinstance(setup.partition, str) else list(setup.partition),
         "stage_parts": parts, "blocks_per_stage": blocks, "parameter_tensors_per_stage": tensors, "layers_per_stage": max(blocks),
         "stage_flops_per_microbatch": [forward + backward for forward, backward in stage_flops],
-        "schedule": setup.schedule,
+        "schedule": setup.schedule, "virtual_stages": v,
         "stage_forward_s": stages["forward_s"], "stage_backward_s": stages["backward_s"],
         "stage_weight_grad_s": stages["weight_s"],
         "stage_time_s": stages["slot_s"],
         "microbatches_per_pipeline": m, "grad_accum_steps": m,
-        # The idle share of the simulated schedule; for 1F1B (p-1)/(m+p-1) only when the stages are equal.
-        "bubble_fraction": stages["bubble_fraction"], "bubble_fraction_equal_stages": formulas.bubble_fraction(p, m),
+        # The idle share of the simulated schedule; for 1F1B (p-1)/(m+p-1) only when the stages are
+        # equal, interleaved (p-1)/(v m + p-1).
+        "bubble_fraction": stages["bubble_fraction"],
+        "bubble_fraction_equal_stages": formulas.interleaved_bubble_fraction(p, m, v),
         "params_per_stage": params, "params_per_device": max(params),
         "memory_per_stage_bytes": memory, "memory_fullest_stage": fullest,
         "memory_per_device_bytes": memory[fullest]["total"],
@@ -246,8 +261,10 @@ def estimate_plan(model: ModelConfig, setup: Setup, hw: Hardware) -> Dict[str, A
                    + formulas.kv_gather_bytes_per_step(arch, t, max(blocks), m, setup.full_recompute)) if t > 1 else 0,
             "cp": cp_bytes_per_step(model, t, c, b, setup.precision, setup.recompute, max(blocks), m),
             "ep": experts.ep_bytes_per_step(arch, e, c, b, m, max(moe_blocks), element, setup.recompute),
-            "pp": formulas.pp_p2p_bytes_per_step(b, s // c, h, m) if p > 1 else 0,
+            "pp": v * formulas.pp_p2p_bytes_per_step(b, s // c, h, m) if p > 1 else 0,  # rank 0: v chunks send
             "dp": (dp_bytes if d * c > 1 else 0) + (expert_dp_bytes if d * c // e > 1 else 0)},
+        # Activation sends per step over the whole pipeline (as many gradients back): m (p v - 1).
+        "pp_messages_per_step": interleaved_schedule.p2p_messages_per_step(p, v, m) if p > 1 else 0,
         "dp_allreduce_dtype": setup.communication_data_type or engine_memory.reduce_dtype(setup.precision),
         "groups": groups, "groups_within_node": intra,
         "step_time_s": time["step"], "step_time_parts_s": time,
@@ -262,12 +279,27 @@ def divisors(n: int) -> List[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+VIRTUAL_STAGES = (1, 2, 4)
+"""The chunks per pipeline rank --search and --layout auto try (interleaved 1F1B)."""
+
+
+def virtual_stage_choices(n_layer: int, pp: int, microbatches: int, choices: Tuple[int, ...]) -> List[int]:
+    """Of `choices`, the v whose pp x v chunks divide the layers equally and whose interleaved order
+    exists (m a multiple of pp); v = 1 alone without pipeline stages."""
+    if pp == 1:
+        return [1]
+    return [v for v in choices if v == 1 or (n_layer % (pp * v) == 0 and microbatches % pp == 0)]
+
+
 def candidates(model: ModelConfig, setup: Setup, recomputes: Optional[List[str]] = None,
-               schedules: Optional[List[str]] = None) -> Iterator[Setup]:
+               schedules: Optional[List[str]] = None, virtual_stages: Optional[Tuple[int, ...]] = None
+               ) -> Iterator[Setup]:
     """Every (tp, cp, pp, dp, micro-batch) for setup's GPUs and global batch, and for a model with
     experts every ep among the divisors of dp x cp that divide E, the rest of `setup`
-    kept; with `recomputes` and `schedules`, each of them too (a schedule only at pp > 1, where it
-    differs); not yet checked against the layout rules."""
+    kept; with `recomputes`, `schedules` and `virtual_stages`, each of them too (a schedule only at
+    pp > 1, where it differs; a v only where virtual_stage_choices allows it, else setup's at
+    pp > 1, 1 at pp = 1); not yet checked against the layout rules (check_virtual_stages's refusals
+    among them)."""
     experts_count = model.resolved().moe.num_experts
     gpus, global_batch = setup.gpus, setup.global_batch
     for tp in divisors(gpus):
@@ -281,8 +313,13 @@ def candidates(model: ModelConfig, setup: Setup, recomputes: Optional[List[str]]
                     for ep in eps:
                         for recompute in recomputes or [setup.recompute]:
                             for schedule in (schedules or [setup.schedule]) if pp > 1 else [setup.schedule]:
-                                yield dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, ep=ep, micro_batch=b,
-                                                          recompute=recompute, schedule=schedule)
+                                m = global_batch // (dp * b)
+                                vs = (virtual_stage_choices(model.n_layer, pp, m, virtual_stages)
+                                      if virtual_stages else [setup.virtual_stages if pp > 1 else 1])
+                                for v in vs:
+                                    yield dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, ep=ep, micro_batch=b,
+                                                              recompute=recompute, schedule=schedule,
+                                                              virtual_stages=v)
 
 
 def valid_candidates(model: ModelConfig, setup: Setup) -> Iterator[Setup]:
@@ -297,9 +334,10 @@ def valid_candidates(model: ModelConfig, setup: Setup) -> Iterator[Setup]:
 
 
 def search(model: ModelConfig, setup: Setup, hw: Hardware) -> List[Dict[str, Any]]:
-    """Every valid candidate (`candidates`), fastest first; `fits` says whether it fits hw.memory_bytes."""
+    """Every valid candidate (`candidates`, v among VIRTUAL_STAGES), fastest first; `fits` says
+    whether it fits hw.memory_bytes."""
     found = []
-    for candidate in candidates(model, setup):
+    for candidate in candidates(model, setup, virtual_stages=VIRTUAL_STAGES):
         try:
             plan = estimate_plan(model, candidate, hw)
         except ConfigError:  # heads not divisible by tp*cp, fewer layers than stages, ...
@@ -334,8 +372,9 @@ def parallel_axes(plan: Dict[str, Any]) -> int:
 
 
 def conventional_key(plan: Dict[str, Any]) -> Tuple:
-    """The layout practice starts from: TP inside a node, then fewer parallel axes."""
-    return (not plan["groups_within_node"]["tp"], parallel_axes(plan))
+    """The layout practice starts from: TP inside a node, then fewer parallel axes, then no
+    interleaving (v = 1: fewer, larger point-to-point messages and a shallower warm-up)."""
+    return (not plan["groups_within_node"]["tp"], parallel_axes(plan), plan.get("virtual_stages", 1) > 1)
 
 
 def pick_first(plans: List[Dict[str, Any]], tolerance: float = MODEL_ERROR

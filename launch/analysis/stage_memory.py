@@ -75,6 +75,11 @@ def stage_memory(model: ModelConfig, setup: Setup, dp: int, m: int, stage: int, 
     dense_states, expert_states = states(setup.zero)
     chosen = {key: dense_states[key] + expert_states[key] for key in dense_states}
     inflight = memory_formulas.inflight_microbatches(setup.pp, m, stage)  # micro-batches alive at the peak
+    if setup.virtual_stages > 1:
+        # Interleaved 1F1B's deeper warm-up: rank r holds min(2 (p-r-1) + (v-1) p + 1, v m) chunks'
+        # activations, each 1/v of the stage's (Narayanan et al. 2021, sec. 2.2.2).
+        from launch.analysis.interleaved_schedule import activations_in_flight
+        inflight = activations_in_flight(stage, setup.pp, setup.virtual_stages, m)
     b, s, t = setup.micro_batch, model.seq_len // setup.cp, setup.tp  # this rank's tokens
     element = engine_memory.ELEMENT_BYTES[setup.precision]
     moe_blocks = len(experts.moe_block_indices(arch, indices))

@@ -1,5 +1,5 @@
-"""`--layout auto`: the planner chooses tp, pp, cp, ep, the micro-batch, recompute
-and schedule for this job's processes, and the run trains its pick.
+"""`--layout auto`: the planner chooses tp, pp, cp, ep, the micro-batch, recompute,
+schedule and virtual stages for this job's processes, and the run trains its pick.
 
 Rank 0 decides and the others read its decision (data/job_listing.py: once_per_job), so every
 rank builds the same layout even if their machines would measure differently. The profile is
@@ -7,8 +7,10 @@ this machine's cached calibration, else a known GPU's datasheet; a CPU without a
 calibrated first (rank 0 measures the candidates' GEMM shapes with as many processes as the node
 runs, while the other ranks wait). Each candidate must pass the run's own layout rules
 (launch/config/layout.py, CPU rules included) and fit the device's memory (a GPU's total less a
-headroom, plan_setup.usable_memory_bytes; a CPU's is not checked). Axes given on the command line (--tp, --pp, --cp, --ep, and recompute and schedule
-given with --set) are kept; otherwise recompute and schedule are chosen too. Precision and ZeRO
+headroom, plan_setup.usable_memory_bytes; a CPU's is not checked). Axes given on the command line (--tp, --pp, --cp, --ep, and recompute, schedule
+and virtual stages given with --set) are kept; otherwise recompute, schedule and train.virtual_stages
+(1, 2 or 4 chunks per rank where they divide the layers; never one check_virtual_stages refuses)
+are chosen too; with --auto-sweep the recipe's virtual stages, which its trials run. Precision and ZeRO
 stay the recipe's. The candidates are ranked by predicted step time, equal times by fewer, larger
 micro-batches, then less recomputation (launch/analysis/planner.py: ranking_key); among those
 predicted within the model's measured error of the fastest, the conventional layout is picked
@@ -40,6 +42,8 @@ class AutoChoice:
     cost_model: str
     recompute: str = "none"
     schedule: str = "1f1b"
+    virtual_stages: int = 1
+    """train.virtual_stages: chunks per pipeline rank (interleaved 1F1B)."""
     measured_step_time_s: Optional[float] = None
     """--auto-sweep: this layout's trial (median step time after warm-up); None without a sweep."""
     swept: int = 0
@@ -47,18 +51,21 @@ class AutoChoice:
 
     def overrides(self) -> List[str]:
         return [f"train.cp={self.cp}", f"train.ep={self.ep}", f"train.micro_batch_size={self.micro_batch}",
-                f"train.recompute={self.recompute}", f"train.schedule={self.schedule}"]
+                f"train.recompute={self.recompute}", f"train.schedule={self.schedule}",
+                f"train.virtual_stages={self.virtual_stages}"]
 
     def line(self) -> str:
         which = (f"the fastest measured of the {self.swept} fastest predicted ({self.measured_step_time_s:.4g} s "
                  f"measured) of {self.ranked} valid layouts" if self.swept else
                  f"the fastest of {self.ranked} valid layouts")
         return (f"layout auto: tp {self.tp}, pp {self.pp}, cp {self.cp}, ep {self.ep}, micro-batch {self.micro_batch}, "
-                f"recompute {self.recompute}, schedule {self.schedule}: "
+                f"recompute {self.recompute}, schedule {self.schedule}"
+                + (f", virtual stages {self.virtual_stages}" if self.virtual_stages > 1 else "") + ": "
                 f"predicted {self.predicted_step_time_s:.4g} s a step, {which} ({self.cost_model})")
 
 
-FREE_SETTINGS = {"recompute": "train.recompute", "schedule": "train.schedule"}
+FREE_SETTINGS = {"recompute": "train.recompute", "schedule": "train.schedule",
+                 "virtual_stages": "train.virtual_stages"}
 """The recipe's settings the planner also chooses, unless given with --set on the command line."""
 
 
@@ -70,6 +77,11 @@ def _fixed_axes(args) -> Dict[str, Any]:
         given = [o.split("=", 1)[1] for o in args.overrides if o.split("=", 1)[0].strip() == key]
         if given:
             fixed[setting] = given[-1].strip()
+    if "virtual_stages" in fixed:  # compared with the candidates' integers
+        try:
+            fixed["virtual_stages"] = int(fixed["virtual_stages"])
+        except ValueError:
+            raise ConfigError(f"--set train.virtual_stages={fixed['virtual_stages']}: not an integer") from None
     return fixed
 
 
@@ -96,7 +108,7 @@ def rank_layouts(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: 
     """(every candidate that passes the run's rules and fits, in launch/plan.py --search's order
     (planner.pick_first); the cost model; the lines to print about the device and near-ties)."""
     from launch.analysis.plan_report import cost_model, ties_line
-    from launch.analysis.planner import candidates, estimate_plan, pick_first, ranking_key
+    from launch.analysis.planner import VIRTUAL_STAGES, candidates, estimate_plan, pick_first, ranking_key
     from launch.autotune.step_prediction import planner_inputs
     from launch.config.layout import check_and_derive_layout
     base = dataclasses.replace(recipe.train, cp=1, ep=1)
@@ -107,12 +119,14 @@ def rank_layouts(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: 
     hardware = _hardware(recipe, model, setup, local)
     from launch.config.recipe import RECOMPUTE_MODES, SCHEDULES
     ranked = []
-    for candidate in candidates(model, setup, list(RECOMPUTE_MODES), list(SCHEDULES)):
+    # v among VIRTUAL_STAGES; the run's refusals of v > 1 (check_virtual_stages: experts, ZB-H1, ...)
+    # apply through check_and_derive_layout below, so a refused v is never a candidate.
+    for candidate in candidates(model, setup, list(RECOMPUTE_MODES), list(SCHEDULES), VIRTUAL_STAGES):
         if any(getattr(candidate, axis) != value for axis, value in fixed.items()):
             continue
         trial = dataclasses.replace(recipe, train=dataclasses.replace(
             recipe.train, cp=candidate.cp, ep=candidate.ep, micro_batch_size=candidate.micro_batch,
-            recompute=candidate.recompute, schedule=candidate.schedule))
+            recompute=candidate.recompute, schedule=candidate.schedule, virtual_stages=candidate.virtual_stages))
         try:
             check_and_derive_layout(trial, world, candidate.tp, candidate.pp, on_cpu)
             plan = estimate_plan(model, candidate, hardware)
@@ -125,7 +139,7 @@ def rank_layouts(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: 
     # its first (fastest, least recomputing) variant that fits, so the top few are different layouts.
     seen, distinct = set(), []
     for plan in ranked:
-        layout = tuple(plan[key] for key in ("tp", "pp", "cp", "ep", "micro_batch", "schedule"))
+        layout = tuple(plan[key] for key in ("tp", "pp", "cp", "ep", "micro_batch", "schedule", "virtual_stages"))
         if layout not in seen:
             seen.add(layout)
             distinct.append(plan)
@@ -146,6 +160,8 @@ def choose(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: int, l
            sweep: int = 0) -> dict:
     """Rank 0's decision as JSON: the choice and the top candidates (at least `sweep` of them, with
     a rendezvous port for each trial), or the refusal's line."""
+    if sweep:  # a trial runs the recipe's train.virtual_stages (auto_sweep.trial_command): rank only those
+        fixed = {"virtual_stages": recipe.train.virtual_stages, **fixed}
     try:
         ranked, model_used, said = rank_layouts(recipe, world, fixed, vocab_size, local, on_cpu)
     except ConfigError as e:
@@ -157,12 +173,14 @@ def choose(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: int, l
                            f"global batch {recipe.train.global_batch_size}); drop a fixed axis or start another "
                            f"number of processes"}
     best = ranked[0]
-    top = [{key: r[key] for key in ("tp", "pp", "cp", "dp", "ep", "micro_batch", "recompute", "schedule", "step_time_s")}
+    top = [{key: r[key] for key in ("tp", "pp", "cp", "dp", "ep", "micro_batch", "recompute", "schedule",
+                                    "virtual_stages", "step_time_s")}
            for r in ranked[:max(SHOWN, sweep)]]
     from launch.engine.distributed import free_port
     return {"choice": dict(tp=best["tp"], pp=best["pp"], cp=best["cp"], ep=best["ep"], micro_batch=best["micro_batch"],
                            recompute=best["recompute"], schedule=best["schedule"],
-                           predicted_step_time_s=best["step_time_s"], ranked=len(ranked), cost_model=model_used),
+                           virtual_stages=best["virtual_stages"], predicted_step_time_s=best["step_time_s"],
+                           ranked=len(ranked), cost_model=model_used),
             "top": top, "trial_ports": [free_port() for _ in top[:sweep]], "said": said}
 
 
@@ -181,6 +199,7 @@ def _swept_choice(args, decision: dict, planned: AutoChoice, world: int, fixed: 
     won = trials[best]
     return dataclasses.replace(planned, tp=won["tp"], pp=won["pp"], cp=won["cp"], ep=won["ep"],
                                micro_batch=won["micro_batch"], recompute=won["recompute"], schedule=won["schedule"],
+                               virtual_stages=won["virtual_stages"],
                                predicted_step_time_s=won["step_time_s"],
                                measured_step_time_s=times[best], swept=len(trials))
 

@@ -100,7 +100,7 @@ class RunArithmetic:
     model_flops_per_step: float
     """formulas.model_flops_per_step_of without recompute: what MFU counts."""
     bubble_fraction: float
-    """Predicted 1F1B bubble, (p-1)/(m+p-1)."""
+    """Predicted bubble with equal stages: 1F1B's (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1)."""
     peak_flops: Optional[float]
     """Per device; None where unknown (CPU): MFU is then null."""
     peak_source: str
@@ -109,6 +109,15 @@ class RunArithmetic:
     experts, router: formulas.model_params_active); None for a dense model."""
     prediction: Optional[StepPrediction] = None
     """The planner's step time for this layout on this device (launch/instruments/step_time.py)."""
+    virtual_stages: int = 1
+    """train.virtual_stages: chunks per pipeline rank (interleaved 1F1B when > 1)."""
+
+    def _bubble_line(self) -> str:
+        p, m, v = self.layout.pp, self.layout.grad_accum_steps, self.virtual_stages
+        if v > 1:  # Narayanan et al. 2021, sec. 2.2.2: each pass is 1/v of a stage's
+            return (f"  interleaved 1F1B bubble predicted (p-1)/(v m+p-1) = {p - 1}/{v * m + p - 1} = "
+                    f"{self.bubble_fraction:.1%} (v = {v} chunks per rank)")
+        return f"  1F1B bubble predicted (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {self.bubble_fraction:.1%}"
 
     def summary(self) -> str:
         l, p, m = self.layout, self.layout.pp, self.layout.grad_accum_steps
@@ -119,8 +128,8 @@ class RunArithmetic:
                 f"{l.dp}{ep}\n"
                 f"  per step: {m} micro-batches of {l.micro_batch_size} per pipeline x dp {l.dp} = "
                 f"{l.global_batch_size} samples = {self.tokens_per_step:,} tokens; {self.total_steps} steps\n"
-                f"  1F1B bubble predicted (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {self.bubble_fraction:.1%}\n"
-                f"  model FLOPs per step {self.model_flops_per_step:.4g} (no recompute); "
+                + self._bubble_line() +
+                f"\n  model FLOPs per step {self.model_flops_per_step:.4g} (no recompute); "
                 f"MFU peak per device: {self.peak_source}"
                 + ("\n" + self.prediction.summary_line() if self.prediction is not None else ""))
 
@@ -135,7 +144,7 @@ def accelerator_device_name() -> Optional[str]:
 
 
 def run_arithmetic(config: GPTConfig, layout: Layout, seq_len: int, total_steps: int,
-                   prediction: Optional[StepPrediction] = None) -> RunArithmetic:
+                   prediction: Optional[StepPrediction] = None, virtual_stages: int = 1) -> RunArithmetic:
     """From the model's GPTConfig, the layout, tokens per sample and steps (reads the device
     name and GPT3D_PEAK_TFLOPS for the MFU peak), and the planner's step time when known."""
     peak, source = peak_flops(accelerator_device_name(), os.environ.get(PEAK_TFLOPS_ENV))
@@ -144,7 +153,8 @@ def run_arithmetic(config: GPTConfig, layout: Layout, seq_len: int, total_steps:
         layout=layout, seq_len=seq_len, total_steps=total_steps,
         tokens_per_step=layout.global_batch_size * seq_len,
         model_flops_per_step=formulas.model_flops_per_step_of(config, layout.global_batch_size, seq_len),
-        bubble_fraction=formulas.bubble_fraction(layout.pp, layout.grad_accum_steps),
+        bubble_fraction=formulas.interleaved_bubble_fraction(layout.pp, layout.grad_accum_steps, virtual_stages),
+        virtual_stages=virtual_stages,
         peak_flops=peak, peak_source=source,
         active_params=formulas.model_params_active(config) if config.moe.enabled else None, prediction=prediction)
 

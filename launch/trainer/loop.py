@@ -121,7 +121,8 @@ class Trainer:
         # What each step reports, and how a run stops early.
         # The run summary prints it, with the planner's step time for this layout (rank 0 plans it).
         prediction = predict_step_time(recipe, layout, job.vocab_size) if self.logging_rank else None
-        arithmetic = run_arithmetic(self.config, layout, recipe.seq_len, self.steps, prediction)
+        arithmetic = run_arithmetic(self.config, layout, recipe.seq_len, self.steps, prediction,
+                                    train_cfg.virtual_stages)
         self.tokens_per_step = arithmetic.tokens_per_step
         self.stop = StopRequest(state.global_rank, train_cfg.stop_grace_s)
         # train.async_save: saves return after a host snapshot; one background write at a time.

@@ -124,13 +124,16 @@ def test_search_lists_every_valid_layout_fastest_first(capsys):
     plans = result["search"]
     times = [p["step_time_s"] for p in plans]
     assert times == sorted(times)
-    got = {(p["tp"], p["cp"], p["pp"], p["micro_batch"]) for p in plans}
+    got = {(p["tp"], p["cp"], p["pp"], p["micro_batch"], p["virtual_stages"]) for p in plans}
     # cp: each of the tp*cp ranks of a stage attends with whole heads (seq 256 divides by any cp here).
-    want = {(tp, cp, pp, b) for tp in range(1, gpus + 1) for cp in range(1, gpus + 1) for pp in range(1, layers + 1)
-            for b in range(1, global_batch + 1)
+    # v > 1 (interleaved 1F1B, 2 or 4 chunks a rank): pp x v dividing the layers, m a multiple of pp.
+    want = {(tp, cp, pp, b, v) for tp in range(1, gpus + 1) for cp in range(1, gpus + 1) for pp in range(1, layers + 1)
+            for b in range(1, global_batch + 1) for v in (1, 2, 4)
             if gpus % (tp * cp * pp) == 0 and heads % (tp * cp) == 0
-            and global_batch % (b * gpus // (tp * cp * pp)) == 0}
-    assert any(cp > 1 for _, cp, _, _ in want)
+            and global_batch % (b * gpus // (tp * cp * pp)) == 0
+            and (v == 1 or (pp > 1 and layers % (pp * v) == 0
+                            and global_batch // (b * gpus // (tp * cp * pp)) % pp == 0))}
+    assert any(cp > 1 for _, cp, _, _, _ in want) and any(v > 1 for *_, v in want)
     assert got == want and result["valid_layouts"] == result["fitting_layouts"] == len(want)
     for p in plans:
         assert p["tp"] * p["cp"] * p["pp"] * p["dp"] == gpus
