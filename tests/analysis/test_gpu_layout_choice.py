@@ -53,6 +53,7 @@ def _auto(recipe_name: str, world: int, fixed: dict):
     return rank_layouts(recipe, world, fixed, recipe.model.vocab_size, 8, on_cpu=False)
 
 
+@pytest.mark.slow  # two whole searches of llama2-7b and qwen3 on a faked H100 node: 14 s (the device path's other checks stay fast)
 def test_layout_auto_on_h100s_picks_what_plan_search_picks_and_it_fits(fake_gpu, capsys):
     """llama2-7b on 8 faked H100s, the recipe's recompute and schedule kept (plan.py --search keeps
     them): the pick is plan.py --search --gpu this's first row, with the same step time, and its

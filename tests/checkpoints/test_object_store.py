@@ -171,6 +171,7 @@ def _async_upload_body(tmp: Path, env: dict):
         assert ("connection reset" if rank == 1 else "another node's upload") in str(e), e
 
 
+@pytest.mark.slow  # two gloo ranks, two saves and a step each: ~8 CPU-s (the cut upload above stays fast)
 def test_an_async_save_uploads_in_the_background_as_a_synchronous_one(s3, tmp_path):
     """train.async_save with --save s3://: the background writer's upload leaves the objects (names
     and bytes) that a synchronous save of the same state leaves, while the next step trains (no
