@@ -78,8 +78,11 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 100 else text[:100] + "..."
 
 
-def _inside(name: str) -> bool:
-    """Whether a manifest's file name lies inside the tag directory: relative, no `..`."""
+def inside_tag_dir(name: Any) -> bool:
+    """Whether a manifest's file name lies inside the tag directory: a relative path, no `..` (also
+    what object storage downloads of a manifest it has not checked yet)."""
+    if not isinstance(name, str):
+        return False
     parts = PurePosixPath(name).parts
     return bool(parts) and not PurePosixPath(name).is_absolute() and ".." not in parts
 
@@ -112,7 +115,7 @@ def check_manifest(path: Path, meta: Any) -> None:
     files = meta["files"]
     need("files", files, isinstance(files, dict), "an object of file names and sizes")
     for name, size in files.items():
-        need("a file name in files", name, _inside(name), "a path inside the checkpoint directory")
+        need("a file name in files", name, inside_tag_dir(name), "a path inside the checkpoint directory")
         need(f"files[{_shown(name)}]", size, _count(size), "a size in bytes")
     recipe = meta["recipe"]
     need("recipe", recipe, isinstance(recipe, dict), "an object")

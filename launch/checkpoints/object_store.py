@@ -35,7 +35,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from launch.checkpoints.locate import LATEST, CheckpointRef, own_tag, resumes_from, step_of
-from launch.checkpoints.manifest import COMPLETE
+from launch.checkpoints.manifest import COMPLETE, inside_tag_dir
 from launch.checkpoints.safe_io import write_durably
 from launch.errors import ConfigError
 
@@ -69,12 +69,6 @@ def split_tag(url: str) -> Tuple[str, Optional[str]]:
 def _job_id() -> str:
     """What every rank of one job shares and the next job most likely does not: the rendezvous."""
     return f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
-
-
-def _within(name: Any) -> bool:
-    """A manifest's file name that stays inside the tag directory (manifest.check_manifest refuses others)."""
-    return isinstance(name, str) and bool(name) and not PurePosixPath(name).is_absolute() \
-        and ".." not in PurePosixPath(name).parts
 
 
 class RemoteDir:
@@ -193,7 +187,7 @@ class RemoteDir:
         tmp = self.local / f".download-{tag}-{os.getpid()}"
         remote = self._remote(tag)
         try:
-            names = [name for name in dict(json.loads(manifest)["files"]) if _within(name) and name != COMPLETE]
+            names = [name for name in dict(json.loads(manifest)["files"]) if inside_tag_dir(name) and name != COMPLETE]
         except (ValueError, KeyError, TypeError, AttributeError):
             names = []
         for name in names:
