@@ -1,7 +1,7 @@
 """Predicted against measured step times over a sweep of layouts: how well
 the planner's cost model ranks and times the layouts of this machine.
 
-    python bench/step/layout_sweep.py [--steps 8] [--repeats 1] [--groups tiny.yaml:8,...] [--json FILE]
+    python bench/step/layout_sweep.py [--steps 8] [--repeats 1] [--groups tiny.yaml:8,...] [--held-out] [--json FILE]
 
 For each recipe and process count of the sweep (tiny, llama-tiny and moe-tiny on 4 and 8
 processes), the machine is calibrated first (`launch/plan.py --search --calibrate`: the
@@ -18,6 +18,7 @@ its R runs: two runs of one layout minutes apart differ by up to 17% on this mac
 cannot tell an auto pick within 10% of the fastest from one that is not. Where the auto pick is
 one of the group's fixed layouts, the bench also reports that layout's fixed runs against the
 fastest: the pick measured beside the others in the same rounds. `--groups` runs a subset.
+`--held-out` runs HELD_OUT instead: groups the cost model was never revised against.
 """
 import argparse
 import json
@@ -44,6 +45,16 @@ SWEEP: Dict[Tuple[str, int], List[List[str]]] = {
                            ["--tp", "1", "--pp", "2", "--ep", "2"]],
     ("tiny.yaml", 8): [["--tp", "1", "--pp", "1"], ["--tp", "2", "--pp", "2"], ["--tp", "2", "--pp", "4"]],
 }
+# Groups the cost model was never revised against (named in docs/performance.md before their first
+# run): other recipes at other process counts, with micro-batch variants among the fixed layouts.
+MB1, MB4 = ["--set", "train.micro_batch_size=1"], ["--set", "train.micro_batch_size=4"]
+HELD_OUT: Dict[Tuple[str, int], List[List[str]]] = {
+    ("llama-tiny.yaml", 8): [["--tp", "1", "--pp", "1"], ["--tp", "1", "--pp", "1", *MB1], ["--tp", "2", "--pp", "2"],
+                             ["--tp", "1", "--pp", "2", "--cp", "2"]],
+    ("moe-tiny.yaml", 8): [["--tp", "1", "--pp", "1", "--ep", "2"], ["--tp", "1", "--pp", "1", "--ep", "4"],
+                           ["--tp", "2", "--pp", "1", "--ep", "2", *MB4]],
+    ("tiny.yaml", 2): [["--tp", "1", "--pp", "1"], ["--tp", "2", "--pp", "1"], ["--tp", "1", "--pp", "2", *MB4]],
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,12 +63,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="runs of each layout, in alternating rounds (default 1)")
     p.add_argument("--groups", default="", help="comma-separated RECIPE:PROCS of the sweep to run (default: all)")
     p.add_argument("--json", type=Path, help="write every run's numbers here")
+    p.add_argument("--held-out", action="store_true",
+                   help="run the held-out groups (never used to revise the cost model) instead of the sweep")
     args = p.parse_args()
     if args.steps <= WARM_UP:
         p.error(f"--steps {args.steps} must be above the {WARM_UP} warm-up steps")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats} must be at least 1")
-    known = {f"{recipe}:{procs}" for recipe, procs in SWEEP}
+    known = {f"{recipe}:{procs}" for recipe, procs in (HELD_OUT if args.held_out else SWEEP)}
     unknown = [g for g in args.groups.split(",") if g and g not in known]
     if unknown:
         p.error(f"--groups {','.join(unknown)}: not in the sweep; choose from {','.join(sorted(known))}")
@@ -122,13 +135,18 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def _errors(rows: Sequence[Dict[str, object]]) -> List[float]:
+    """|measured - predicted| / measured of each row."""
+    return [abs(r["measured"] - r["predicted"]) / r["measured"] for r in rows]
+
+
 def main() -> None:
     args = parse_args()
     rows: List[Dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         env = dict(os.environ, GPT3D_CALIBRATION=str(work / "calibration"))
-        for (recipe, procs), layouts in SWEEP.items():
+        for (recipe, procs), layouts in (HELD_OUT if args.held_out else SWEEP).items():
             if args.groups and f"{recipe}:{procs}" not in args.groups.split(","):
                 continue
             start = time.perf_counter()
@@ -150,6 +168,8 @@ def main() -> None:
                       f"({row['measured'] / row['predicted']:.2f}x){spread}", flush=True)
             fixed = [r for r in group if not r["auto"]]
             auto = next((r for r in group if r["auto"]), None)
+            if fixed:
+                print(f"  median relative error {statistics.median(_errors(fixed)):.0%}", flush=True)
             if len(fixed) >= 2:
                 print(f"  Spearman {spearman([r['predicted'] for r in fixed], [r['measured'] for r in fixed]):.2f}"
                       + (f"; auto pick ({_choice(auto['auto'])}) {auto['measured'] / min(r['measured'] for r in fixed):.2f}x "
@@ -163,7 +183,7 @@ def main() -> None:
                     auto["same_as"] = same["layout"]
             rows += group
     fixed = [r for r in rows if not r["auto"]]
-    errors = [abs(r["measured"] - r["predicted"]) / r["measured"] for r in fixed]
+    errors = _errors(fixed)
     print(f"all {len(fixed)} layouts: Spearman {spearman([r['predicted'] for r in fixed], [r['measured'] for r in fixed]):.2f}, "
           f"median relative error {statistics.median(errors):.0%} (targets: >= 0.8, <= 20%)")
     if args.json is not None:
