@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from data.fingerprint import fingerprint_changes
-from launch.checkpoints.manifest import COMPLETE, ENGINE_ZERO_STAGE, _shown, read_complete
+from launch.checkpoints.manifest import COMPLETE, ENGINE_ZERO_STAGE, shown_value, read_complete
 from launch.errors import ConfigError
 from model.config import ARCH_SWITCHES, ModelConfig
 
@@ -155,7 +155,7 @@ def history(root: Path, tag: Optional[str]) -> List[Path]:
             tag = json.loads((root / tag / COMPLETE).read_text(encoding="utf-8")).get("parent")
         except (OSError, ValueError, AttributeError, RecursionError) as e:
             print(f"warning: the history of {str(root / tag)!r} stops there: its {COMPLETE} cannot be read "
-                  f"({type(e).__name__}: {_shown(str(e))[1:-1]})",
+                  f"({type(e).__name__}: {shown_value(str(e))[1:-1]})",
                   file=sys.stderr, flush=True)
             break
     return chain
@@ -226,9 +226,9 @@ def _latest_of(load: Path) -> str:
         tag = (load / LATEST).read_text(encoding="utf-8").strip()
     except (OSError, ValueError) as e:  # ValueError: not UTF-8
         raise ConfigError(f"--load {str(load)!r}: its {LATEST} cannot be read ({type(e).__name__}: "
-                          f"{_shown(str(e))[1:-1]}); load a checkpoint (a tag directory) explicitly") from None
+                          f"{shown_value(str(e))[1:-1]}); load a checkpoint (a tag directory) explicitly") from None
     if not own_tag(load, tag):
-        raise ConfigError(f"--load {str(load)!r}: its {LATEST} names {_shown(tag)}, which is no tag directory of it "
+        raise ConfigError(f"--load {str(load)!r}: its {LATEST} names {shown_value(tag)}, which is no tag directory of it "
                           f"(stepNNNNNNNN, no path, no symbolic link); load a checkpoint (a tag directory) explicitly")
     return tag
 
@@ -261,9 +261,15 @@ def data_position(ref: CheckpointRef, fingerprint: Dict[str, Any], restart: bool
 def same_layout(saved: Dict[str, Any], layout: Dict[str, Any]) -> bool:
     """Same (tp, pp, dp, cp, ep) and the same stage boundaries: DeepSpeed's own loader restores each
     rank's flat ZeRO-1 partition, which holds the parameters of that rank's layers (and, with
-    experts, its EP rank's experts), so another cut of the pipeline at the same layout re-shards too."""
+    experts, its EP rank's experts), so another cut of the pipeline at the same layout re-shards too.
+    So do another train.virtual_stages and another cut of the chunks: at v > 1 a rank's partition holds
+    its v chunks' parameters (a checkpoint saved without them was saved at v = 1)."""
+    def chunks(side: Dict[str, Any]) -> Any:
+        found = side.get("chunk_parts", [])
+        return list(found) if isinstance(found, (list, tuple)) else found
     return (all(saved[k] == layout[k] for k in ("tp", "pp", "dp", "cp", "ep"))
-            and list(saved["parts"]) == list(layout["parts"]))
+            and list(saved["parts"]) == list(layout["parts"])
+            and saved.get("virtual_stages", 1) == layout.get("virtual_stages", 1) and chunks(saved) == chunks(layout))
 
 
 def _ep(layout: Dict[str, Any]) -> str:

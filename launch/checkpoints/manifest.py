@@ -71,7 +71,7 @@ _ABSENT = object()
 """A manifest's key that is not there (its message says "no KEY")."""
 
 
-def _shown(value: Any) -> str:
+def shown_value(value: Any) -> str:
     """A value read from a file, for a one-line message: a string as repr, anything else as JSON
     spells it (true, null), control characters escaped by both; a long one cut."""
     text = repr(value) if isinstance(value, str) else json.dumps(value)
@@ -93,10 +93,10 @@ def check_manifest(path: Path, meta: Any) -> None:
     in one line naming the key, not as a TypeError or KeyError wherever the key is first read."""
     def need(key: str, value: Any, ok: bool, expected: str) -> None:
         if not ok:
-            found = f"no {key}" if value is _ABSENT else f"{key}={_shown(value)}"
+            found = f"no {key}" if value is _ABSENT else f"{key}={shown_value(value)}"
             raise _unreadable(path, f"{found}, expected {expected}")
     if not isinstance(meta, dict):
-        raise _unreadable(path, f"it holds {_shown(meta)}, not a JSON object")
+        raise _unreadable(path, f"it holds {shown_value(meta)}, not a JSON object")
     check_format(path, meta)
     missing = [key for key in REQUIRED if key not in meta]
     if missing:
@@ -116,7 +116,7 @@ def check_manifest(path: Path, meta: Any) -> None:
     need("files", files, isinstance(files, dict), "an object of file names and sizes")
     for name, size in files.items():
         need("a file name in files", name, inside_tag_dir(name), "a path inside the checkpoint directory")
-        need(f"files[{_shown(name)}]", size, _count(size), "a size in bytes")
+        need(f"files[{shown_value(name)}]", size, _count(size), "a size in bytes")
     recipe = meta["recipe"]
     need("recipe", recipe, isinstance(recipe, dict), "an object")
     for key in ("model", "train", "data"):
@@ -131,7 +131,7 @@ def check_format(path: Path, meta: Dict[str, Any]) -> None:
     """A complete.json of another CHECKPOINT_FORMAT than this version's, or of none, in one line."""
     found = meta.get("format", _ABSENT)
     if type(found) is not int or found != CHECKPOINT_FORMAT:  # type(): a JSON true is no format
-        shown = "no format" if found is _ABSENT else f"format {_shown(found)}"
+        shown = "no format" if found is _ABSENT else f"format {shown_value(found)}"
         raise ConfigError(f"checkpoint {str(path)!r} has {shown}; this version reads format {CHECKPOINT_FORMAT}: "
                           f"resume it with the version that wrote it")
 
@@ -170,12 +170,12 @@ def _check_saved_model(path: Path, model: Dict[str, Any]) -> ModelConfig:
     be built here), each of its field's type, and valid."""
     moe = model.get("moe", _ABSENT)
     if not isinstance(moe, dict):
-        raise _unreadable(path, "no recipe.model.moe" if moe is _ABSENT else f"recipe.model.moe={_shown(moe)}, "
+        raise _unreadable(path, "no recipe.model.moe" if moe is _ABSENT else f"recipe.model.moe={shown_value(moe)}, "
                                                                            f"expected an object")
     unknown = sorted(set(model) - MODEL_KEYS) + sorted(f"moe.{key}" for key in set(moe) - MOE_KEYS)
     if unknown:
         raise ConfigError(f"checkpoint {str(path)!r} was written by a newer version: its recipe has "
-                          f"model.{_shown(unknown[0])[1:-1]}, a key this version does not know; resume or export it "
+                          f"model.{shown_value(unknown[0])[1:-1]}, a key this version does not know; resume or export it "
                           f"with the version that saved it (or a newer one)")
     missing = sorted(MODEL_KEYS - set(model)) + sorted(f"moe.{key}" for key in MOE_KEYS - set(moe))
     if missing:
@@ -186,7 +186,7 @@ def _check_saved_model(path: Path, model: Dict[str, Any]) -> ModelConfig:
     for key, value, kind in fields:
         if not _fits(value, kind):
             name = str(kind).replace("typing.", "") if typing.get_origin(kind) else kind.__name__
-            raise _unreadable(path, f"recipe.{key}={_shown(value)}, expected {name}")
+            raise _unreadable(path, f"recipe.{key}={shown_value(value)}, expected {name}")
     try:
         config = ModelConfig(**model)
         config.validate()
