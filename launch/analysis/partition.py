@@ -104,11 +104,14 @@ def stage_flops(model: ModelConfig, parts: Sequence[int], micro_batch: int, seq_
 
 def with_stage_boundaries(layout: Layout, recipe: Recipe, vocab_size: int) -> Layout:
     """The layout with the training run's stage boundaries: the recipe's train.partition on its model
-    with the vocabulary resolved."""
+    with the vocabulary resolved; at v > 1 also the pp x v chunks' (launch/engine/interleaved.py: chunk_parts)."""
     model = dataclasses.replace(recipe.model, vocab_size=vocab_size).resolved()
     parts = stage_partition(model, layout.pp, recipe.train.partition, recipe.seq_len,
                             recipe.train.recompute == "full")
-    return dataclasses.replace(layout, parts=tuple(parts))
+    v = layout.virtual_stages
+    chunks = stage_partition(model, layout.pp * v, recipe.train.partition, recipe.seq_len,
+                             recipe.train.recompute == "full") if v > 1 else ()
+    return dataclasses.replace(layout, parts=tuple(parts), chunk_parts=tuple(chunks))
 
 
 def check_muon_stages(recipe: Recipe, layout: Layout, vocab_size: int) -> None:

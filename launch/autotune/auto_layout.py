@@ -10,7 +10,7 @@ runs, while the other ranks wait). Each candidate must pass the run's own layout
 headroom, plan_setup.usable_memory_bytes; a CPU's is not checked). Axes given on the command line (--tp, --pp, --cp, --ep, and recompute, schedule
 and virtual stages given with --set) are kept; otherwise recompute, schedule and train.virtual_stages
 (1, 2 or 4 chunks per rank where they divide the layers; never one check_virtual_stages refuses)
-are chosen too; with --auto-sweep the recipe's virtual stages, which its trials run. Precision and ZeRO
+are chosen too (with --auto-sweep each trial runs its candidate's). Precision and ZeRO
 stay the recipe's. The candidates are ranked by predicted step time, equal times by fewer, larger
 micro-batches, then less recomputation (launch/analysis/planner.py: ranking_key); among those
 predicted within the model's measured error of the fastest, the conventional layout is picked
@@ -160,8 +160,6 @@ def choose(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: int, l
            sweep: int = 0) -> dict:
     """Rank 0's decision as JSON: the choice and the top candidates (at least `sweep` of them, with
     a rendezvous port for each trial), or the refusal's line."""
-    if sweep:  # a trial runs the recipe's train.virtual_stages (auto_sweep.trial_command): rank only those
-        fixed = {"virtual_stages": recipe.train.virtual_stages, **fixed}
     try:
         ranked, model_used, said = rank_layouts(recipe, world, fixed, vocab_size, local, on_cpu)
     except ConfigError as e:

@@ -27,7 +27,8 @@ TRAIN_SCRIPT = REPO_ROOT / "launch" / "train.py"
 
 def trial_command(args, candidate: Dict[str, int], metrics: Path) -> List[str]:
     """launch/train.py's command line for one trial: the recipe and its --set overrides, the
-    candidate's layout, TRIAL_STEPS steps, its metrics to `metrics`, and none of the run's outputs."""
+    candidate's layout (its virtual stages included), TRIAL_STEPS steps, its metrics to `metrics`,
+    and none of the run's outputs."""
     command = [sys.executable, str(TRAIN_SCRIPT), "--recipe", str(args.recipe)]
     for override in args.overrides:
         command += ["--set", override]
@@ -36,6 +37,8 @@ def trial_command(args, candidate: Dict[str, int], metrics: Path) -> List[str]:
     command += ["--tp", str(candidate["tp"]), "--pp", str(candidate["pp"]), "--cp", str(candidate["cp"]),
                 "--ep", str(candidate["ep"]), "--set", f"train.micro_batch_size={candidate['micro_batch']}",
                 "--set", f"train.recompute={candidate['recompute']}", "--set", f"train.schedule={candidate['schedule']}",
+                # The v the planner costed for it (after the recipe's --set: a trial runs the candidate's v).
+                "--set", f"train.virtual_stages={candidate.get('virtual_stages', 1)}",
                 "--steps", str(TRIAL_STEPS), "--set", "train.eval_every=0", "--wandb", "disabled",
                 "--metrics-out", str(metrics)]
     return command
@@ -73,7 +76,8 @@ def run_trials(args, candidates: List[Dict[str, int]], ports: List[int]) -> List
 def describe(candidate: Dict[str, int]) -> str:
     return (f"tp {candidate['tp']}, pp {candidate['pp']}, cp {candidate['cp']}, dp {candidate['dp']}, "
             f"ep {candidate['ep']}, micro-batch {candidate['micro_batch']}, recompute {candidate['recompute']}"
-            + (f", schedule {candidate['schedule']}" if candidate["pp"] > 1 else ""))
+            + (f", schedule {candidate['schedule']}" if candidate["pp"] > 1 else "")
+            + (f", virtual stages {candidate['virtual_stages']}" if candidate.get("virtual_stages", 1) > 1 else ""))
 
 
 def _last_line(log: Path) -> str:

@@ -1,5 +1,5 @@
 """The run's step time as the planner predicts it, checked against the measured one in every run.
-Rank 0 plans the run's own layout before step 1 (launch/analysis/planner.py,
+Rank 0 plans the run's own layout, its virtual stages included, before step 1 (launch/analysis/planner.py,
 the same estimate `launch/plan.py` prints). The device profile is this machine's calibration
 when one is cached (`launch/plan.py ... --calibrate`), else the datasheet of a known GPU; a CPU
 without a calibration gets no prediction, and the summary says how to make one.
@@ -22,15 +22,18 @@ def planner_inputs(recipe: Recipe, layout: Layout, vocab_size: int):
     from launch.analysis.partition import blocks_per_stage
     train = recipe.train
     model = dataclasses.replace(recipe.model, vocab_size=vocab_size, seq_len=recipe.seq_len)
-    # The run's own cut (its stage boundaries, as blocks per stage), else the recipe's rule.
-    cut = tuple(blocks_per_stage(model.resolved(), list(layout.parts))) if layout.parts else train.partition
+    # The run's own cut (its stage boundaries, as blocks per stage), else the recipe's rule. At v > 1 the
+    # rule, which the planner applies as the run does (blocks per stage are refused there: check_virtual_stages).
+    v = layout.virtual_stages
+    cut = tuple(blocks_per_stage(model.resolved(), list(layout.parts))) if layout.parts and v == 1 else train.partition
     setup = Setup(gpus=layout.world_size, tp=layout.tp, pp=layout.pp, micro_batch=layout.micro_batch_size,
                   global_batch=layout.global_batch_size, zero=train.zero_stage, recompute=train.recompute,
                   partition=cut if isinstance(cut, (str, tuple)) else tuple(cut), schedule=train.schedule,
                   precision=train.precision, communication_data_type=recipe.deepspeed.get("communication_data_type"),
                   reduce_bucket_elements=int(recipe.deepspeed.get("zero_optimization", {}).get(
                       "reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)),
-                  grad_accum_fusion=train.grad_accum_fusion, cp=layout.cp, ep=layout.ep, optimizer=train.optimizer)
+                  grad_accum_fusion=train.grad_accum_fusion, cp=layout.cp, ep=layout.ep, optimizer=train.optimizer,
+                  virtual_stages=v, compile=train.compile, document_mask=recipe.data.document_mask)
     return model, setup
 
 

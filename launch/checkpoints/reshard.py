@@ -14,7 +14,13 @@ Experts (a mixture-of-experts model) re-shard over (tp, ep) too: ZeRO-1 partitio
 parameter over its expert-data-parallel group (the data indices d with d % ep = r hold EP rank
 r's experts), so EP rank r's shard is read from those files only; the EP ranks' experts are
 stacked along dim 0 (model/hf/convert.py: merge_experts) and each rank reads only the saved EP ranks
-that hold its own experts (docs/checkpoints.md, "Mixture of experts")."""
+that hold its own experts (docs/checkpoints.md, "Mixture of experts").
+
+Interleaved stages (train.virtual_stages) re-shard with nothing of their own: at any v a rank's
+parameters are named by their index in the layer table (model/gpt/pipe.py builds each chunk under
+its layers' own names), so a saved rank's files, which hold its v chunks, are read by name like a
+stage's at v = 1; only the flat partitions differ, which is why a change of v comes here
+(launch/checkpoints/locate.py: same_layout)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -238,7 +244,8 @@ def load_resharded(engine: PipelineEngine, ckpt: Path, saved_layout: Dict[str, i
                    layers: ModelConfig, vocab_size: int, padded_vocab_size: int) -> None:
     """Fill `engine` (a fresh DeepSpeed pipeline engine with a ZeRO-1 or bf16 optimizer, or fp32
     ZeRO-0's bare one) with the weights, optimizer state, LR schedule and counters of checkpoint
-    `ckpt`, saved at `saved_layout` (tp, pp, dp), for this rank's stage and TP rank."""
+    `ckpt`, saved at `saved_layout` (tp, pp, dp, cp, ep, v and the cut), for this rank's stage (its
+    chunks) and TP rank."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     module: nn.Module = engine.module

@@ -34,6 +34,12 @@ class Layout:
     """Stage boundaries over the pipeline layers (stage k holds parts[k]:parts[k+1]) from
     train.partition; they need the vocabulary, so launch/analysis/partition.py's `with_stage_boundaries`
     sets them once it is known."""
+    virtual_stages: int = 1
+    """Chunks of the layer table per pipeline rank (train.virtual_stages; interleaved 1F1B at v > 1)."""
+    chunk_parts: Tuple[int, ...] = ()
+    """At v > 1 the boundaries of the pp x v chunks (chunk c of rank r is stage r + c x pp), set with
+    `parts`; () at v = 1. A checkpoint records both: each rank's ZeRO-1 partition holds its chunks'
+    parameters, so a resume at another v or another cut of the chunks re-shards."""
 
 
 def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, on_cpu: bool) -> Layout:
@@ -98,7 +104,7 @@ def check_and_derive_layout(recipe: Recipe, world_size: int, tp: int, pp: int, o
     if train_cfg.virtual_stages > 1:
         check_virtual_stages(recipe, pp, B // (b * dp))
     return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=recipe.train.ep, micro_batch_size=b,
-                  global_batch_size=B, grad_accum_steps=B // (b * dp))
+                  global_batch_size=B, grad_accum_steps=B // (b * dp), virtual_stages=train_cfg.virtual_stages)
 
 
 def check_expert_parallel(recipe: Recipe, tp: int, data_ranks: int) -> None:
@@ -205,16 +211,15 @@ def check_virtual_stages(recipe: Recipe, pp: int, microbatches: int) -> None:
                           f"against v = 1 with it (docs/pipeline-schedules.md); use train.virtual_stages=1")
 
 
-def check_virtual_stages_resume(virtual_stages: int, saved_recipe: dict) -> None:
-    """A checkpoint resumes only at the train.virtual_stages it was saved at, else one line: at the same
-    (tp, pp, dp) DeepSpeed's loader would restore each rank's flat ZeRO-1 partition, which holds
-    the parameters of that rank's chunks at the saved v, into other layers (re-sharding across v is
-    not written yet; the layer files themselves are named by layer and do not depend on v)."""
-    saved = saved_recipe.get("train", {}).get("virtual_stages", 1)
-    if saved != virtual_stages:
-        raise ConfigError(f"--load of a checkpoint saved at train.virtual_stages={saved} with "
-                          f"train.virtual_stages={virtual_stages}: resuming at another number of chunks per rank is "
-                          f"not supported yet (docs/pipeline-schedules.md); set train.virtual_stages={saved}")
+def fill_saved_virtual_stages(meta: dict) -> None:
+    """A checkpoint's layout records train.virtual_stages and the chunks' boundaries (`Layout`); one saved
+    before it did records neither. Its v is then its recipe's, and at v > 1 its chunks are unknown (None,
+    equal to no cut), so that a resume re-shards it (launch/checkpoints/locate.py: same_layout) rather
+    than restore each rank's flat optimizer state into layers that may be other ones."""
+    layout, train = meta["layout"], meta["recipe"]["train"]
+    if "virtual_stages" not in layout:
+        v = train.get("virtual_stages", 1)
+        layout.update(virtual_stages=v, chunk_parts=[] if v == 1 else None)
 
 
 def check_tensor_split(model: ModelConfig, tp: int) -> None:

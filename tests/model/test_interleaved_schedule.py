@@ -191,6 +191,86 @@ def test_train_refuses_virtual_stages_at_start_up(world_size, argv, words, monke
     assert all(word in err for word in words), err
 
 
+def test_the_runs_prediction_plans_its_own_virtual_stages(tmp_path, monkeypatch, capsys):
+    """The start-up prediction of a run at v = 2 (launch/autotune/step_prediction.py) is what
+    launch/plan.py --virtual-stages 2 prints for its recipe, layout and calibration, and not v = 1's."""
+    import json
+
+    from data.builtin import BUILTIN_VOCAB_SIZE
+    from helpers.launcher import TINY
+    from launch.analysis.device_profile import DeviceProfile, gemm_key
+    from launch.analysis.partition import with_stage_boundaries
+    from launch.autotune.calibrate import cache_path, device_name
+    from launch.autotune.step_prediction import predict_step_time
+    from launch.config.layout import check_and_derive_layout
+    from launch.config.recipe import load_recipe
+    from launch.plan import main
+    monkeypatch.setenv("GPT3D_CALIBRATION", str(tmp_path))
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    profile = cache_path(device_name(2), "fp32")
+    DeviceProfile(device=device_name(2), source="calibrated", dtype="fp32", memory_bw=5e9, link_bw=1e9,
+                  link_latency_s=1e-4, gemm={gemm_key(64, 64, 256): 1e11}).save(profile)
+    predicted, planned = {}, {}
+    for v in (1, 2):
+        recipe = load_recipe(TINY, ["model.n_layer=8", f"train.virtual_stages={v}"])
+        layout = with_stage_boundaries(check_and_derive_layout(recipe, 2, 1, 2, on_cpu=True), recipe,
+                                       BUILTIN_VOCAB_SIZE)
+        predicted[v] = predict_step_time(recipe, layout, BUILTIN_VOCAB_SIZE).seconds
+        assert main(["--recipe", str(TINY), "--layers", "8", "--gpus", "2", "--pp", "2", "--virtual-stages", str(v),
+                     "--profile", str(profile), "--json"]) == 0
+        planned[v] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step_time_s"]
+    assert predicted == pytest.approx(planned, rel=1e-12) and predicted[2] != pytest.approx(predicted[1]), predicted
+
+
+def test_an_auto_sweep_trial_runs_its_candidates_virtual_stages():
+    """--auto-sweep's trial of a candidate the planner costed at v = 2 trains at v = 2 (its command line
+    as launch/train.py reads it), whatever the recipe's --set says."""
+    import argparse
+
+    from helpers.launcher import TINY
+    from launch.autotune.auto_sweep import describe, trial_command
+    from launch.config.cli import parse_training_args, training_recipe
+    candidate = dict(tp=1, pp=2, cp=1, dp=1, ep=1, micro_batch=2, recompute="none", schedule="1f1b",
+                     virtual_stages=2, step_time_s=1.0)
+    args = argparse.Namespace(recipe=TINY, overrides=["model.n_layer=8", "train.virtual_stages=1"], seed=None)
+    command = trial_command(args, candidate, TINY.parent / "unused.jsonl")
+    assert command[1].endswith("train.py")
+    assert training_recipe(parse_training_args(command[2:], "")).train.virtual_stages == 2
+    assert describe(candidate).endswith("schedule 1f1b, virtual stages 2")
+
+
+def test_a_checkpoint_at_another_v_or_cut_of_the_chunks_re_shards():
+    """DeepSpeed's own loader restores a checkpoint only where each rank holds the same parameters: the
+    same v and, at v > 1, the same chunks (launch/checkpoints/locate.py: same_layout), not only the same
+    pp-stage boundaries. 8 blocks at pp = 2, balanced: v = 1 and v = 2 record the same stage boundaries;
+    full recompute (free to change on resume) moves a chunk boundary of v = 2 and none of v = 1. (The
+    losses of such resumes: tests/e2e/test_interleaved_resume.py.)"""
+    from data.builtin import BUILTIN_VOCAB_SIZE
+    from helpers.launcher import TINY
+    from launch.analysis.partition import with_stage_boundaries
+    from launch.checkpoints.locate import same_layout
+    from launch.config.layout import check_and_derive_layout, fill_saved_virtual_stages
+    from launch.config.recipe import load_recipe
+
+    def layout(v: int, recompute: str) -> dict:
+        recipe = load_recipe(TINY, ["model.n_layer=8", f"train.virtual_stages={v}", f"train.recompute={recompute}"])
+        return vars(with_stage_boundaries(check_and_derive_layout(recipe, 2, 1, 2, on_cpu=True), recipe,
+                                          BUILTIN_VOCAB_SIZE))
+    one, two, two_full = layout(1, "none"), layout(2, "none"), layout(2, "full")
+    assert one["parts"] == two["parts"] == two_full["parts"] and same_layout(one, layout(1, "full"))
+    assert not same_layout(one, two) and not same_layout(two, one)
+    assert len(two["chunk_parts"]) == 5 and two_full["chunk_parts"] != two["chunk_parts"]
+    assert not same_layout(two_full, two)
+    assert same_layout(dict(two, chunk_parts=list(two["chunk_parts"])), two)  # as complete.json reads back
+    # A checkpoint of a version that recorded no v: its recipe's v; at v > 1 it always re-shards.
+    for v, run, same in [(1, one, True), (2, one, False), (2, two, False)]:
+        meta = {"layout": {k: x for k, x in run.items() if k not in ("virtual_stages", "chunk_parts")},
+                "recipe": {"train": {"virtual_stages": v}}}
+        fill_saved_virtual_stages(meta)
+        assert same_layout(meta["layout"], run) == same, (v, meta["layout"])
+
+
 # ---------------------------------------------------------------- real engines, v = 1 against v = 2
 
 def _train_at(virtual_stages: int, tp: int, pp: int, overrides: list, steps: int):
