@@ -15,8 +15,9 @@ never hangs.
 import atexit
 import queue
 import threading
+import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Iterator, List, Optional, TypeVar
 
 T, R = TypeVar("T"), TypeVar("R")
@@ -27,7 +28,7 @@ tokenizer batch (`stop_point`); one that is still reading then (slow storage) is
 wait at exit (`_close_at_exit`)."""
 
 _worker = threading.local()  # in a worker thread: its ReadAhead's `stopping`, for stop_point
-_started: "weakref.WeakSet[ReadAhead]" = weakref.WeakSet()
+_started: "weakref.WeakSet" = weakref.WeakSet()  # ReadAheads and Openings, closed at exit
 
 
 class Closed(Exception):
@@ -45,27 +46,63 @@ def stop_point() -> None:
         raise Closed
 
 
+class Opening:
+    """`work` of each item, started now on at most `threads` threads that take the items in order
+    (pyarrow, fsspec and the Rust tokenizer release the GIL, so a rank's streams open side by side
+    instead of one after another); `futures[i].result()` waits for item i only. Inside a
+    ReadAhead's worker, the threads stop at their `stop_point`s when it is closed, as the worker
+    itself does. `close` skips the items not started and waits (bounded) for the threads."""
+
+    def __init__(self, work: Callable[[T], R], items: List[T], threads: int):
+        stopping = getattr(_worker, "stopping", None)
+        self.futures: List[Future] = [Future() for _ in items]
+        todo, lock = iter(list(zip(self.futures, items))), threading.Lock()
+
+        def run() -> None:
+            _worker.stopping = stopping
+            while True:
+                with lock:
+                    job = next(todo, None)
+                if job is None:
+                    return
+                future, item = job
+                if not future.set_running_or_notify_cancel():
+                    continue  # cancelled by `close`
+                try:
+                    future.set_result(work(item))
+                except BaseException as e:  # raised by the future's `result()`
+                    future.set_exception(e)
+
+        self.threads = [threading.Thread(target=run, name=f"open-streams_{i}", daemon=True)
+                        for i in range(max(1, min(threads, len(items))))]
+        for thread in self.threads:
+            thread.start()
+        _started.add(self)
+
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Cancel what has not started and wait up to `wait_s` for the threads to end (a thread
+        inside pyarrow at the interpreter's end aborts the process: ReadAhead.close). Safe to call
+        again."""
+        for future in self.futures:
+            future.cancel()
+        deadline = time.monotonic() + wait_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
 def fan_out(work: Callable[[T], R], items: List[T], threads: int) -> List[R]:
-    """`work` of each item, in order, on a pool of at most `threads` threads (pyarrow, fsspec and
-    the Rust tokenizer release the GIL, so a rank's streams open side by side instead of one after
-    another). Inside a ReadAhead's worker, the pool's threads stop at their `stop_point`s when it
-    is closed, as the worker itself does; the first exception is raised here."""
-    stopping = getattr(_worker, "stopping", None)
-
-    def run(item: T) -> R:
-        _worker.stopping = stopping
-        return work(item)
-
+    """`work` of each item, in order, on at most `threads` threads (`Opening`); the first
+    exception is raised here, and what has not started then does not start. (The streams open
+    with `Opening`; bench/data/first_batch.py's --old runs older streaming code with this.)"""
     if len(items) <= 1 or threads <= 1:
         return [work(item) for item in items]
-    with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="open-streams") as pool:
-        futures = [pool.submit(run, item) for item in items]
-        try:
-            return [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel()  # what has not started does not start; the rest end at their next stop_point
-            raise
+    opening = Opening(work, items, threads)
+    try:
+        return [f.result() for f in opening.futures]
+    except BaseException:
+        for f in opening.futures:
+            f.cancel()  # what has not started does not start; the rest end at their next stop_point
+        raise
 
 
 class _Failed:
@@ -144,5 +181,5 @@ def _close_at_exit() -> None:
     before it finalizes, while threads still run: a worker its owner never closed (an exception
     that left the training loop, a bench or test that drew and returned), or one that outlived
     `close`'s wait in a slow read, ends here instead of inside C++ at finalization."""
-    for read_ahead in list(_started):
-        read_ahead.close()
+    for worker in sorted(_started, key=lambda w: isinstance(w, Opening)):  # a ReadAhead first: it stops its Openings
+        worker.close()

@@ -12,9 +12,9 @@ the block taken) names an epoch, a unit of the stream's list and a row in it, so
 from that unit on and never what came before. The shuffle order and the position's fields:
 docs/data.md, "Streaming"."""
 import functools
-import itertools
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -23,7 +23,7 @@ import pyarrow as pa
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from data.prefetch import ReadAhead, fan_out, stop_point
+from data.prefetch import Opening, ReadAhead, stop_point
 from data.spec import DataError
 from data.tokens import document_tokens, token_dtype
 from data.units import UnitSource, UnitTable, as_table
@@ -136,19 +136,28 @@ def stream_documents(source: StreamSource, stream: int, n_streams: int, seed: in
                      start: Position, epochs: Optional[int] = None) -> Iterator[Tuple[Position, Optional[str]]]:
     """(position of its first token, text) of this stream's documents from `start`; (end of
     the unit, UNIT_END) after each unit; (end of epoch, None) after each epoch. Reads the units
-    from the start's on, whole, one at a time. Endless unless `epochs` is given."""
+    from the start's on, one at a time, each piece of a unit (UnitSource.text_pieces) when its
+    first document is needed. Endless unless `epochs` is given."""
     epoch, place, row, _ = start
     while epochs is None or epoch < epochs:
         mine = stream_units(len(source.units), stream, n_streams, seed, epoch, shuffle)
         for p in range(place, len(mine)):
-            stop_point()  # a closed read-ahead's worker ends here, not after the block it refills
-            texts = source.reader.text_array(source.units[mine[p]])  # UTF-8: a str only while tokenized
-            arrow = isinstance(texts, pa.Array)
-            for r in range(row, len(texts)):
-                text = texts[r].as_py() if arrow else texts[r]
-                if text:
-                    yield (epoch, p, r, 0), text
-            yield (epoch, p, len(texts), 0), UNIT_END
+            rows = 0  # of the unit's pieces before this one
+            # UTF-8 arrays (a str only while tokenized); a line unit in pieces, each read when its first
+            # document is needed (its first MiB, then the rest: data/units.py, LINE_FIRST_READ)
+            pieces = source.reader.text_pieces(source.units[mine[p]])
+            while True:
+                stop_point()  # a closed read-ahead's worker ends here, not after the block it refills
+                texts = next(pieces, None)
+                if texts is None:
+                    break
+                arrow = isinstance(texts, pa.Array)
+                for r in range(max(row - rows, 0), len(texts)):
+                    text = texts[r].as_py() if arrow else texts[r]
+                    if text:
+                        yield (epoch, p, rows + r, 0), text
+                rows += len(texts)
+            yield (epoch, p, rows, 0), UNIT_END
             row = 0
         yield (epoch, len(mine), 0, 0), None
         epoch, place = epoch + 1, 0
@@ -270,6 +279,7 @@ class StepBatches:
         self.global_batch_size, self.micro_batch_size, self.step = global_batch_size, micro_batch_size, step
         self.lo, self.hi = rank_slots(dp_rank, dp_size, global_batch_size)
         self._unopened: List[Dict[int, Iterator]] = []  # the streams `open_streams` gave, not yet read
+        self._opening: Optional[Opening] = None  # their first windows, drawn in the background
         produced = self._generate(step)
         per_step = -(-(self.hi - self.lo) // micro_batch_size)
         self._batches = ReadAhead(produced, read_ahead_steps * per_step, f"read-ahead dp{dp_rank}") \
@@ -292,11 +302,13 @@ class StepBatches:
         return torch.from_numpy(x.astype(np.int64)), torch.from_numpy(y.astype(np.int64))
 
     def close(self) -> None:
-        """Stop the read-ahead thread, if any, and wait for it to end (bounded: data/prefetch.py);
-        the training loop calls it (RunData.close_batches) at the end of the run and on a
+        """Stop the read-ahead thread, if any, and the threads still opening streams, and wait for
+        them to end (bounded: data/prefetch.py); the training loop calls it (RunData.close_batches) at the end of the run and on a
         failure path, and benches and tests that open many."""
         if isinstance(self._batches, ReadAhead):
-            self._batches.close()
+            self._batches.close()  # first: the streams opening in its name end at their next stop_point
+        if self._opening is not None:
+            self._opening.close()  # a stream not yet opened is not
 
     def open_streams(self, open_stream: Callable[[int, StreamState], Iterator[Tuple[np.ndarray, StreamState]]],
                      n_streams: int, saved: Dict[int, StreamState]
@@ -310,20 +322,31 @@ class StepBatches:
         return states, opened
 
     def _read_first_blocks(self) -> None:
-        """Every opened stream's first window drawn at once, OPEN_THREADS streams at a time: each
-        reads its first unit and fills its first shuffle block, which one after another made the
-        time to the first batch grow with the B/dp streams a rank reads (bench/data/first_batch.py).
-        The windows are the ones the streams give anyway; only when they are read changes."""
-        pending = [(opened, t) for opened in self._unopened for t in opened]
+        """Every opened stream's first window drawn in the background, OPEN_THREADS streams at a
+        time in slot order: each reads its first unit and fills its first shuffle block. Drawn one
+        after another, they made the time to the first batch grow with the B/dp streams a rank
+        reads; waited for all at once, it still did (bench/data/first_batch.py): a micro-batch now
+        waits for the streams of its own slots, so the first one is ready after the first streams
+        and the engine computes on it while the others open. The windows are the ones the streams
+        give anyway; only when they are read changes."""
+        pending = [(opened, t, opened[t]) for opened in self._unopened for t in opened]
         self._unopened = []
-        firsts = fan_out(lambda item: next(item[0][item[1]]), pending, OPEN_THREADS)
-        for (opened, t), first in zip(pending, firsts):
-            opened[t] = itertools.chain([first], opened[t])
+        if len(pending) <= 1 or OPEN_THREADS <= 1:
+            return  # each opens at its first draw
+        self._opening = Opening(lambda item: next(item[2]), pending, OPEN_THREADS)
+        for (opened, t, stream), first in zip(pending, self._opening.futures):
+            opened[t] = _first_then(first, stream)
 
     def step_windows(self, step: int) -> Tuple[List[np.ndarray], Any]:
         """This rank's windows of step `step` (the one after the previous call's), in slot order,
         and the stream states after it."""
         raise NotImplementedError
+
+    def step_rows(self, step: int) -> Tuple[Iterator[np.ndarray], Any]:
+        """`step_windows` as an iterator of the rank's hi - lo windows, drawn as they are asked
+        for, and the states after the step, complete once the iterator is exhausted."""
+        rows, after = self.step_windows(step)
+        return iter(rows), after
 
     def consumed(self, after: Any) -> None:
         """The stream states after the step (from `step_windows`) are now the position."""
@@ -333,14 +356,24 @@ class StepBatches:
         """(input_ids, labels, (states after the step,) on its last micro-batch else None): the
         ids as views of one (b, seq_len + 1) array of the windows' own dtype (2 or 4 bytes a token),
         which is what the read-ahead queue holds; `__next__` makes the int64 tensors."""
-        b = self.micro_batch_size
+        b, n = self.micro_batch_size, self.hi - self.lo
         self._read_first_blocks()
         while True:
-            rows, after = self.step_windows(step)
-            for i in range(0, len(rows), b):
-                batch = np.stack(rows[i:i + b])  # (b, seq_len + 1)
-                yield batch[:, :-1], batch[:, 1:], (after,) if i + b >= len(rows) else None
+            rows, after = self.step_rows(step)
+            for i in range(0, n, b):
+                batch = np.stack([next(rows) for _ in range(min(b, n - i))])  # (b, seq_len + 1)
+                last = i + b >= n
+                if last:  # the step's windows of other ranks' slots drawn too: `after` is complete
+                    rest = next(rows, None)
+                    assert rest is None, "a step gives hi - lo windows"
+                yield batch[:, :-1], batch[:, 1:], (after,) if last else None
             step += 1
+
+
+def _first_then(first: Future, rest: Iterator):
+    """A stream whose first window `first` is being drawn in the background: it, then the rest."""
+    yield first.result()
+    yield from rest
 
 
 class StreamingBatches(StepBatches):
@@ -355,13 +388,19 @@ class StreamingBatches(StepBatches):
         self.states, self.streams = self.open_streams(open_stream, n_streams, states)
 
     def step_windows(self, step: int) -> Tuple[List[np.ndarray], Dict[int, StreamState]]:
-        windows, after = [], {}
-        for s, stream in self.streams.items():
-            for j in range(self.per_stream):
-                w, after[s] = next(stream)
-                if self.lo <= s * self.per_stream + j < self.hi:
-                    windows.append(w)
-        return windows, after
+        rows, after = self.step_rows(step)
+        return list(rows), after
+
+    def step_rows(self, step: int) -> Tuple[Iterator[np.ndarray], Dict[int, StreamState]]:
+        after: Dict[int, StreamState] = {}
+
+        def rows() -> Iterator[np.ndarray]:  # stream by stream, in slot order
+            for s, stream in self.streams.items():
+                for j in range(self.per_stream):
+                    w, after[s] = next(stream)
+                    if self.lo <= s * self.per_stream + j < self.hi:
+                        yield w
+        return rows(), after
 
     def consumed(self, after: Dict[int, StreamState]) -> None:
         self.states.update(after)

@@ -11,7 +11,7 @@ parquet source needs every footer: rank 0 reads them once per job and shares the
 job's rendezvous store (data/job_listing.py), each node caching it (data/cache.py's build_once). Beside
 each row group's byte range the list keeps what decoding its text chunk needs (rows, values, codec,
 page offsets, the column's type), from which a read writes a one-row-group footer of its own
-(`chunk_footer`): 1,000 nodes over 2,000 files would otherwise fetch 2,000 footers at every start
+(data/parquet_footer.py): 1,000 nodes over 2,000 files would otherwise fetch 2,000 footers at every start
 and every process each footer again for its first unit of a file. A text column that this cannot
 describe (nested, an LZ4 codec, which pyarrow names alike for two framings) is read with its file's
 footer, once per process.
@@ -31,7 +31,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import datasets
 import numpy as np
@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 from data.cache import build_once, default_cache_dir
 from data.files import SourceFiles
 from data.job_listing import in_a_job, once_per_job
+from data.parquet_footer import CHUNK_COLUMNS, CODECS, chunk_footer
 from data.reading import reading
 from data.spec import DataError
 
@@ -55,6 +56,11 @@ columns is ~10 MiB, and a rank touching 2,000 files would otherwise keep them al
 MAX_PARQUET_UNIT_BYTES = 2 ** 30
 """A row group whose text column holds more (uncompressed) is refused: a unit is read, decoded
 and held whole, so one 2 GB row group costs ~14 GB of memory per stream that reads it."""
+LINE_FIRST_READ = 2 ** 20
+"""Bytes of a line unit a stream reads first: about what its first windows need (a default
+shuffle block, 16 windows of 2,049 tokens, is ~150 KB of text), where the whole unit is
+`data.unit_bytes` (8 MiB). The rest of the unit is read, in one more request, when its first
+document is needed, so a rank's 256 streams read 256 MiB before their first batch, not 2 GiB."""
 TAIL_READ = 64 * 1024
 """How far past a line unit's end one read looks for the end of its last line: at most 1/64 of
 the unit (at least 256 bytes), so the overshoot stays a small share of what the unit reads."""
@@ -107,6 +113,15 @@ def as_table(units: Sequence[Unit]) -> UnitTable:
     return units if isinstance(units, UnitTable) else UnitTable.of(units)
 
 
+def as_text_array(texts: List[Optional[str]]) -> Union[pa.Array, List[Optional[str]]]:
+    """The texts as one Arrow string array (UnitSource.text_array), or the list itself where Arrow
+    cannot hold them."""
+    try:
+        return pa.array(texts, type=pa.large_string())
+    except (pa.ArrowException, UnicodeEncodeError, TypeError):
+        return texts
+
+
 def unit_hash(identity: str) -> float:
     """blake2b of a unit's identity, as a number in [0, 1)."""
     return int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=8).digest(), "big") / 2.0 ** 64
@@ -138,11 +153,12 @@ class UnitSource:
         each document's widest, PEP 393) and ~60 more (1.6x for web text with an apostrophe ’ in
         every other document). The list itself where Arrow cannot hold it (a lone surrogate,
         which JSON's \\ud800 gives)."""
-        texts = self.texts(unit)
-        try:
-            return pa.array(texts, type=pa.large_string())
-        except (pa.ArrowException, UnicodeEncodeError, TypeError):
-            return texts
+        return as_text_array(self.texts(unit))
+
+    def text_pieces(self, unit: Unit) -> Iterator[Union[pa.Array, List[Optional[str]]]]:
+        """The unit's `text_array` in consecutive pieces, each read when it is asked for: a line
+        unit's first LINE_FIRST_READ bytes, then the rest; one piece for other units."""
+        yield self.text_array(unit)
 
     def head_texts(self, unit: Unit, max_bytes: int) -> Optional[List[Optional[str]]]:
         """The texts of a unit's first documents, from about its first `max_bytes`; None where a
@@ -199,93 +215,6 @@ def line_units(sizes: Sequence[int], unit_bytes: int) -> UnitTable:
         tables.append(np.stack([np.full_like(starts, f), np.arange(len(starts)), starts,
                                 np.minimum(starts + unit_bytes, size), np.full_like(starts, -1)], axis=1))
     return UnitTable(np.concatenate(tables) if tables else np.empty((0, 5), dtype=np.int64))
-
-
-CODECS = {"UNCOMPRESSED": 0, "SNAPPY": 1, "GZIP": 2, "BROTLI": 4, "ZSTD": 6}
-"""parquet.thrift's CompressionCodec of the codecs a chunk footer may name (not LZ4: pyarrow says
-"LZ4" for both LZ4 (Hadoop's framing) and LZ4_RAW, parquet-format issue PARQUET-2032)."""
-CHUNK_COLUMNS = 5
-"""Per unit of a parquet source: rows, values, data page offset (from the unit's start), uncompressed
-bytes, codec + 256 x (has a dictionary page); per file: physical type (-1: read with the footer),
-repetition, converted type (-1: none)."""
-
-
-class _Thrift:
-    """Thrift's compact protocol, the few types a parquet footer needs (parquet.thrift)."""
-
-    def __init__(self):
-        self.out, self.last = bytearray(), [0]
-
-    def varint(self, n: int) -> None:
-        while True:
-            byte, n = n & 0x7F, n >> 7
-            self.out.append(byte | (0x80 if n else 0))
-            if not n:
-                return
-
-    def field(self, fid: int, kind: int) -> None:
-        delta, self.last[-1] = fid - self.last[-1], fid
-        self.out.append(delta << 4 | kind)  # every field id here is at most 15 past the last
-
-    def int(self, fid: int, n: int, kind: int = 6) -> None:  # 5: i32, 6: i64, zigzag varints both
-        self.field(fid, kind)
-        self.varint((n << 1) ^ (n >> 63))
-
-    def string(self, fid: Optional[int], text: str) -> None:
-        if fid is not None:
-            self.field(fid, 8)
-        self.varint(len(text.encode()))
-        self.out += text.encode()
-
-    def list(self, fid: int, kind: int, n: int) -> None:
-        self.field(fid, 9)
-        self.out.append(n << 4 | kind if n < 15 else 0xF0 | kind)
-        if n >= 15:
-            self.varint(n)
-
-    def begin(self, fid: Optional[int] = None) -> None:
-        if fid is not None:
-            self.field(fid, 12)
-        self.last.append(0)
-
-    def end(self) -> None:
-        self.out.append(0)
-        self.last.pop()
-
-
-def chunk_footer(column: str, start: int, stop: int, chunk: Sequence[int], schema: Sequence[int]) -> pq.FileMetaData:
-    """A footer of one row group and one column, the unit's text chunk at its place in the file:
-    what pyarrow needs to decode it, from the unit table's columns (CHUNK_COLUMNS)."""
-    rows, values, data_at, uncompressed, codec = (int(v) for v in chunk)
-    ptype, repetition, converted = (int(v) for v in schema)
-    t = _Thrift()
-    t.begin()  # FileMetaData
-    t.int(1, 1, kind=5)  # version
-    t.list(2, 12, 2)  # schema: the root, then the text column
-    t.begin(), t.string(4, "schema"), t.int(5, 1, kind=5), t.end()
-    t.begin(), t.int(1, ptype, kind=5), t.int(3, repetition, kind=5), t.string(4, column)
-    if converted >= 0:
-        t.int(6, converted, kind=5)
-    t.end()
-    t.int(3, rows)
-    t.list(4, 12, 1)  # row_groups
-    t.begin(), t.list(1, 12, 1)  # RowGroup.columns
-    t.begin(), t.int(2, start), t.begin(3)  # ColumnChunk: file_offset, meta_data
-    t.int(1, ptype, kind=5)
-    t.list(2, 5, 3)  # encodings: PLAIN, RLE, RLE_DICTIONARY (the pages name their own)
-    t.varint(0), t.varint(3 << 1), t.varint(8 << 1)
-    t.list(3, 8, 1), t.string(None, column)
-    t.int(4, codec & 0xFF, kind=5), t.int(5, values), t.int(6, uncompressed), t.int(7, stop - start)
-    t.int(9, start + data_at)
-    if codec >> 8:
-        t.int(11, start)  # dictionary_page_offset: the chunk starts with its dictionary
-    t.end(), t.end()
-    t.int(2, uncompressed), t.int(3, rows), t.end()
-    # a current writer's name: pyarrow pads the chunk's range for old parquet-mr writers (PARQUET-816)
-    t.string(6, f"parquet-cpp-arrow version {pa.__version__}")
-    t.end()
-    blob = bytes(t.out)
-    return pq.read_metadata(pa.BufferReader(b"PAR1" + blob + struct.pack("<I", len(blob)) + b"PAR1"))
 
 
 class SparseFile(io.RawIOBase):
@@ -463,22 +392,37 @@ class FileUnits(UnitSource):
     # -- lines --
 
     def _lines(self, unit: Unit) -> List[bytes]:
-        """The lines that start in [start, stop): read from start - 1 (is start a line start?) to
-        stop, then on past stop until the last line ends."""
+        """The lines that start in [start, stop), read whole: [start - 1, stop) in one request."""
+        return [line for piece in self._line_pieces(unit, unit.stop - unit.start) for line in piece]
+
+    def _line_pieces(self, unit: Unit, first_bytes: int) -> Iterator[List[bytes]]:
+        """The lines that start in [start, stop), in pieces, each read when asked for: the complete
+        lines of [start - 1, start + first_bytes) (is start a line start?), then those of the rest
+        of the range, then the last line, read on past stop until it ends. A line cut by a read's
+        end is kept and completed by the next read: every byte is fetched once, and the pieces'
+        lines are the lines of the whole range."""
         f, size = unit.file, self.files.sizes[unit.file]
-        blob = self.files.read(f, max(0, unit.start - 1), unit.stop)
-        if unit.start > 0:
-            first = blob.find(b"\n")
-            if first < 0:
-                return []  # one line runs through the whole range: it belongs to an earlier unit
-            blob = blob[first + 1:]
-        end, tail = unit.stop, min(TAIL_READ, max(256, self.unit_bytes // 64))
-        while blob and not blob.endswith(b"\n") and end < size:
-            more = self.files.read(f, end, min(end + tail, size))
+        at, held, started = max(0, unit.start - 1), b"", unit.start == 0
+        for end in sorted({min(unit.stop, unit.start + first_bytes), unit.stop}):
+            blob, at = held + self.files.read(f, at, end), end
+            if not started:
+                cut = blob.find(b"\n")
+                if cut < 0:  # the line that runs in belongs to an earlier unit
+                    held = b""
+                    continue
+                blob, started = blob[cut + 1:], True
+            cut = blob.rfind(b"\n") + 1  # cut after a newline: "\r\n" stays whole for splitlines
+            if cut:
+                yield blob[:cut].splitlines()
+            held = blob[cut:]
+        if not held:
+            return  # no line starts in the range, or its last one ends at stop
+        tail = min(TAIL_READ, max(256, self.unit_bytes // 64))
+        while at < size:
+            more = self.files.read(f, at, min(at + tail, size))
             cut = more.find(b"\n")
-            blob += more if cut < 0 else more[:cut + 1]
-            end = end + len(more) if cut < 0 else size
-        return blob.splitlines()
+            held, at = held + (more if cut < 0 else more[:cut + 1]), at + len(more) if cut < 0 else size
+        yield held.splitlines()
 
     def _check_first_record(self) -> None:
         """The text field is in the first file's first record (parquet: in every footer), so a
@@ -496,12 +440,15 @@ class FileUnits(UnitSource):
         elif first.strip():
             self._line_texts(Unit(0, 0, 0, len(first) + 1), lines=[first])
 
-    def _line_texts(self, unit: Unit, lines: Optional[List[bytes]] = None) -> List[Optional[str]]:
+    def _line_texts(self, unit: Unit, lines: Optional[List[bytes]] = None, lines_before: int = 0
+                    ) -> List[Optional[str]]:
+        """The documents of `lines` (the unit's, read whole when None), the unit's lines from its
+        `lines_before`-th (for the line numbers errors give)."""
         if lines is None:
             with reading(f"{self.label}: {self.files.where(unit.file)} bytes {unit.start}-{unit.stop}"):
                 lines = self._lines(unit)
         texts: List[Optional[str]] = []
-        for n, line in enumerate(lines):
+        for n, line in enumerate(lines, start=lines_before):
             text = line.decode("utf-8", errors="replace")
             if self.files.format == "text":
                 texts.append(text)
@@ -543,6 +490,21 @@ class FileUnits(UnitSource):
 
     def text_array(self, unit: Unit) -> Union[pa.Array, List[Optional[str]]]:
         return self._parquet_column(unit) if self.files.format == "parquet" else super().text_array(unit)
+
+    def text_pieces(self, unit: Unit) -> Iterator[Union[pa.Array, List[Optional[str]]]]:
+        """A line unit's documents from its first LINE_FIRST_READ bytes, then from the rest, each
+        read when its first document is needed (the lines of the whole unit, in its order)."""
+        if self.files.format not in ("json", "text"):
+            yield self.text_array(unit)
+            return
+        pieces, lines_before = self._line_pieces(unit, LINE_FIRST_READ), 0
+        while True:
+            with reading(f"{self.label}: {self.files.where(unit.file)} bytes {unit.start}-{unit.stop}"):
+                lines = next(pieces, None)
+            if lines is None:
+                return
+            yield as_text_array(self._line_texts(unit, lines, lines_before))
+            lines_before += len(lines)
 
     def texts(self, unit: Unit) -> List[Optional[str]]:
         if self.files.format == "parquet":

@@ -5,6 +5,7 @@ the files' location; the samples of a step do not depend on dp; a resume from a 
 exact; reading ahead changes nothing; bad data fails before training in one line."""
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from data.cache import default_cache_dir
 from data.run import prepare_run_data
 from data.spec import DataError, DataSpec
 from data.streaming import merge_states
+from data.units import Unit, UnitSource, UnitTable
 from helpers.launcher import TINY, launch_forked, read_metrics
 from helpers.stream_corpus import document_texts, served, window_ids, write_corpus
 from helpers.stream_steps import windows_per_step
@@ -108,6 +110,50 @@ def test_samples_of_a_step_do_not_depend_on_dp(corpus, tokenizer, stream_cache):
     inline = prepare_run_data(_spec(corpus / "part*.parquet", read_ahead_steps=0), tokenizer, 15, seed=1,
                               global_batch_size=16, micro_batch_size=2, evaluate=False)
     assert _steps(inline, 2, 6) == _steps(data, 2, 6)  # reading ahead: the same batches and positions
+
+
+class GatedUnits(UnitSource):
+    """Units of 40 short documents; a read of any unit from `open_units` on waits for `gate` (up to
+    GATE_S seconds, then it is recorded in `waited`)."""
+    label = "gated"
+    GATE_S = 10.0
+
+    def __init__(self, n: int, open_units: int):
+        self.units, self.open_units = UnitTable.of(Unit(0, i, i, i + 1) for i in range(n)), open_units
+        self.gate, self.waited = threading.Event(), []
+
+    def texts(self, unit: Unit):
+        if unit.part >= self.open_units and not self.gate.wait(self.GATE_S):
+            self.waited.append(unit.part)
+        return [f"unit {unit.part} document {d} says " * 4 for d in range(40)]
+
+
+def test_the_first_micro_batch_waits_only_for_its_streams(tokenizer, monkeypatch):
+    """64 streams (one per sample) at dp 1 in micro-batches of 8: the first micro-batch is drawn
+    while the reads of streams 8-63 still wait on a gate (its slots are streams 0-7's), where
+    waiting for every stream's first block made the time to the first batch grow with B/dp; the
+    step's micro-batches are those of streams opened one at a time, at their first draw."""
+    import torch
+    from data.streaming import StreamingBatches, StreamSource, stream_windows
+
+    def step(units, threads):
+        monkeypatch.setattr("data.streaming.OPEN_THREADS", threads)
+        source = StreamSource(units, units.units)
+        batches = StreamingBatches(lambda stream, state: stream_windows(source, tokenizer, 16, 1, False, 4, stream,
+                                                                        64, state), 64, 64, 8, 0, 1, 0, {}, 0)
+        try:
+            first = next(batches)
+            waiting = not units.gate.is_set() and not units.waited
+            units.gate.set()
+            return waiting, [first] + [next(batches) for _ in range(7)]
+        finally:
+            batches.close()
+
+    gated = GatedUnits(64, 8)
+    waiting, drawn = step(gated, 16)
+    assert waiting, gated.waited  # the first micro-batch came while streams 8-63 could not read
+    _, alone = step(GatedUnits(64, 64), 1)
+    assert all(torch.equal(a, b) for pair, pair_alone in zip(drawn, alone) for a, b in zip(pair, pair_alone))
 
 
 def test_resume_from_a_position_is_exact_at_any_dp(corpus, tokenizer, stream_cache):

@@ -1,9 +1,10 @@
 """What a streaming job fetches, counted by the test server (tests/helpers/range_server.py) and
 checked against the files' own layout read by pyarrow: every unit is fetched once per epoch by
 one rank, and nothing but the text column's chunks and the footers; a job of separate processes
-fetches each footer once and each byte once; a unit reads without its footer; a resume fetches
-the same bytes at step 3 as at step 30; validation fetches about what its windows hold; start-up
-fetches footers only."""
+fetches each footer once and each byte once, at dp 8 and at pp 2 x cp 2 x dp 2; a unit reads
+without its footer; a line stream reads what its first windows need before the rest of its unit;
+a resume fetches the same bytes at step 3 as at step 30; validation fetches about what its
+windows hold; start-up fetches footers only."""
 import json
 
 import pyarrow as pa
@@ -235,6 +236,53 @@ def test_the_stream_check_reads_line_units_by_their_heads(corpus, server, tokeni
     assert server.total() <= streams * (head + 8 * 1024) + 4096 < size, (server.total(), size)
 
 
+def test_a_line_stream_reads_what_its_first_windows_need_first(corpus, server, tokenizer, stream_cache,
+                                                               monkeypatch):
+    """A JSON Lines stream reads the first LINE_FIRST_READ bytes of its unit (16 KiB of 128 KiB here)
+    before its first windows, the rest when its first document is needed: 4 streams fetch 4 x 16
+    KiB for their first step (8 windows of each), not 4 x 128 KiB; and 20 steps (past the first
+    read) fetch the bytes of whole-unit reads, each once (a line cut by the first read's end is
+    completed by the second), and give their windows and stream positions."""
+    import torch
+    unit_bytes, first = 128 * 1024, 16 * 1024
+    data = _prepare(_spec(f"{server.url}/all.jsonl", unit_bytes=unit_bytes), tokenizer)
+    step_one, windows, states, requests = {}, {}, {}, {}
+    for read in (unit_bytes, first):  # whole units (as before pieces), then the first 16 KiB first
+        monkeypatch.setattr("data.units.LINE_FIRST_READ", read)
+        server.reset()
+        batches = data.train_batches(0, 1)
+        drawn = [next(batches)[0] for _ in range(B // MICRO)]
+        step_one[read] = server.total()
+        drawn += [next(batches)[0] for _ in range(19 * B // MICRO)]
+        windows[read], states[read], requests[read] = torch.cat(drawn), batches.state(), list(server.requests)
+    streams = data.spec.streams
+    assert step_one[first] <= streams * (first + 1) and step_one[unit_bytes] >= streams * unit_bytes, step_one
+    assert torch.equal(windows[first], windows[unit_bytes]) and states[first] == states[unit_bytes]
+    # The same bytes as whole units, each once, in one more request a unit (its rest, read by step 20).
+    sent = {read: sum(end - start for _, start, end in requests[read]) for read in requests}
+    assert sent[first] == sent[unit_bytes] and _union_bytes(requests[first]) == _union_bytes(requests[unit_bytes])
+    assert len(requests[first]) == len(requests[unit_bytes]) + streams, requests
+
+
+def test_a_line_unit_in_pieces_holds_its_lines_once(tmp_path, monkeypatch):
+    """A text file of lines cut by units and by the first read anywhere (inside a line, at its
+    newline, a line longer than a unit, "\r\n" endings, no newline at the end): each unit's pieces
+    hold the lines that start in its range, in order, as the file's own line starts say."""
+    lines = [b"short", b"", b"x" * 300, b"crlf line\r", b"word " * 20, b"y" * 47, b"last, no newline"]
+    blob = b"\n".join(lines * 3)
+    (tmp_path / "lines.txt").write_bytes(blob)
+    starts = [0] + [i + 1 for i, byte in enumerate(blob) if byte == ord("\n")]
+    source = FileUnits(resolve_files(str(tmp_path / "lines.txt"), None, "train", None), "text", 64)
+    for read in (1, 7, 48, 64):
+        monkeypatch.setattr("data.units.LINE_FIRST_READ", read)
+        for unit in source.units:
+            owned = [a for a in starts if unit.start <= a < unit.stop]
+            expected = [blob[a:blob.find(b"\n", a) if b"\n" in blob[a:] else len(blob)] for a in owned]
+            expected = [line.decode() for part in expected for line in (part.splitlines() or [part])]
+            got = [text for piece in source.text_pieces(unit) for text in piece.to_pylist()]
+            assert got == expected == source.texts(unit), (read, unit)
+
+
 def _prepare_on_each_rank(url: str, unit_bytes: int) -> None:
     _prepare(_spec(url, unit_bytes=unit_bytes, val_fraction=0.1), load_tokenizer("builtin"), evaluate=True)
 
@@ -311,18 +359,31 @@ def job_server(tmp_path_factory):
     yield from served(write_corpus(tmp_path_factory.mktemp("job"), N_DOCS, JOB_FILES, JOB_GROUP_ROWS))
 
 
-def _train_on_each_rank(url: str, caches: str, out: str) -> None:
-    """One rank of a job on a node of its own (its own data cache): it prepares the run's data and
-    draws its share of JOB_STEPS steps, then writes the documents its windows hold."""
+def _train_on_each_rank(url: str, caches: str, out: str, pp: int, cp: int) -> None:
+    """One rank of a job at pp x cp x dp, on a node of its own (its own data cache): it prepares
+    the run's data and draws JOB_STEPS steps of micro-batches as the training loop does
+    (launch/trainer/loop.py): its dp rank's batches, fed through its replica's reader
+    (replica_reader_groups decides who reads; the others receive the reader's broadcasts). At pp 2
+    both stages draw (DeepSpeed's pipeline loads the inputs on the first, the labels on the last),
+    and each CP rank draws whole micro-batches (then keeps its sequence shard). It writes its dp
+    rank and the documents its windows hold."""
     import os
     from pathlib import Path
-    rank, dp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    import torch
+
+    from launch.feed.replica_reader import replica_reader_groups
+    from model.parallel.state import init_parallel_state
+    rank = int(os.environ["RANK"])
     os.environ["GPT3D_CACHE"] = f"{caches}/node{rank}"
+    state = init_parallel_state(1, pp, cp)
     tokenizer = load_tokenizer("builtin")
     data = _prepare(_spec(url, streams=None), tokenizer)
-    it = data.train_batches(rank, dp)
-    windows = [x for _ in range(JOB_STEPS * B // dp // MICRO) for x in next(it)[0]]
-    Path(out, f"rank{rank}.json").write_text(json.dumps(sorted(window_ids(tokenizer, windows))))
+    batches = data.train_batches(state.dp_rank, state.dp_size)
+    drawn = data.feed(batches, *replica_reader_groups(state, data.streamed), torch.device("cpu"))
+    windows = [x for _ in range(JOB_STEPS * B // state.dp_size // MICRO) for x in next(drawn)[0]]
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"dp": state.dp_rank,
+                                                         "docs": sorted(window_ids(tokenizer, windows))}))
 
 
 def _union_bytes(requests) -> int:
@@ -338,21 +399,26 @@ def _union_bytes(requests) -> int:
     return total
 
 
-@pytest.mark.slow  # 8 processes: ~45 CPU-s; the fast tier's 4 ranks list the units once per job
-def test_a_job_of_separate_processes_fetches_each_byte_once(job_server, tmp_path):
+@pytest.mark.slow  # 8 processes: ~55 CPU-s each layout; the fast tier's 4 ranks list the units once per job
+@pytest.mark.parametrize("pp,cp", [(1, 1), (2, 2)], ids=["dp8", "pp2-cp2-dp2"])
+def test_a_job_of_separate_processes_fetches_each_byte_once(pp, cp, job_server, tmp_path):
     """Eight ranks, each a process on a node of its own sharing nothing but the job's rendezvous
-    store, train JOB_STEPS steps at dp 8 (a stream per sample): the server sends each byte once
-    (footers included: the unit table, with what a read needs of each row group, is built by rank
-    0 alone) and about what the ranks train."""
+    store, train JOB_STEPS steps (a stream per sample) at dp 8, and at pp 2 x cp 2 x dp 2, where
+    the runtime's wiring lets one rank of each replica's four read: the server sends each byte
+    once (footers included: the unit table, with what a read needs of each row group, is built by
+    rank 0 alone) and about what the ranks train. Were every stage or CP rank to read, each unit
+    would be sent 2 or 4 times."""
     from helpers.distributed import run_distributed
     server, layout = job_server, ParquetLayout(job_server.root, JOB_FILES, JOB_GROUP_ROWS)
     server.reset()
     run_distributed(_train_on_each_rank, JOB_DP, f"{server.url}/part*.parquet", str(tmp_path / "caches"),
-                    str(tmp_path))
+                    str(tmp_path), pp, cp)
     requests = list(server.requests)
     assert all(r in layout.chunks or layout.is_footer(*r) for r in requests), requests
-    trained = set().union(*({layout.unit_of_document(i) for i in json.loads((tmp_path / f"rank{r}.json").read_text())}
-                            for r in range(JOB_DP)))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(JOB_DP)]
+    for got in ranks:  # every rank of a replica drew its reader's windows
+        assert got["docs"] == next(r["docs"] for r in ranks if r["dp"] == got["dp"]), got["dp"]
+    trained = set().union(*({layout.unit_of_document(i) for i in got["docs"]} for got in ranks))
     sent, distinct = sum(end - start for _, start, end in requests), _union_bytes(requests)
     footers = sum(end - start for r in requests if r not in layout.chunks for (_, start, end) in [r])
     print(f"sent / distinct {sent / distinct:.3f}, sent / trained {sent / layout.bytes_of(trained):.3f}")
