@@ -104,7 +104,7 @@ def stage_flops(model: ModelConfig, parts: Sequence[int], micro_batch: int, seq_
 
 def with_stage_boundaries(layout: Layout, recipe: Recipe, vocab_size: int) -> Layout:
     """The layout with the training run's stage boundaries: the recipe's train.partition on its model
-    with the vocabulary resolved; at v > 1 also the pp x v chunks' (launch/engine/interleaved.py: chunk_parts)."""
+    with the vocabulary resolved; at v > 1 also the pp x v chunks' (chunk c of rank r is stage r + c x pp), which the engine builds."""
     model = dataclasses.replace(recipe.model, vocab_size=vocab_size).resolved()
     parts = stage_partition(model, layout.pp, recipe.train.partition, recipe.seq_len,
                             recipe.train.recompute == "full")

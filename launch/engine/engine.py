@@ -112,8 +112,10 @@ def build_engine(recipe: Recipe, layout: Layout, state: ParallelState, config: G
         checkpoint_every = 1 if train_cfg.recompute == "full" else 0  # full recompute: every block's input
         parts = layout.parts or None
         if train_cfg.virtual_stages > 1:  # pp x v stages, v chunks per rank (launch/engine/interleaved.py)
-            from launch.engine.interleaved import chunk_parts
-            parts = chunk_parts(recipe, layout.pp, config.vocab_size)
+            if not layout.chunk_parts:  # one home for the cut: the checkpoint records these very boundaries
+                raise ValueError("virtual_stages > 1 needs the layout's chunk boundaries "
+                                 "(launch/analysis/partition.py: with_stage_boundaries)")
+            parts = list(layout.chunk_parts)
         pipe = build_pipeline(config, state, checkpoint_every, parts=parts, virtual_stages=train_cfg.virtual_stages)
     if compiled:  # in place, before DeepSpeed wraps the module: each block compiles on its first call
         compile_blocks(pipe)

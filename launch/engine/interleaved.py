@@ -18,27 +18,13 @@ right after its forward (both checked in tests/model/test_interleaved_schedule.p
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Dict, Iterator, List
+from typing import Dict, Iterator, List
 
 import torch.distributed as dist
 from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from launch.analysis.interleaved_schedule import Pass, forward_order, interleaved_order, peak_in_flight, stage_of
-
-if TYPE_CHECKING:  # annotations only
-    from launch.config.recipe import Recipe
-
-
-def chunk_parts(recipe: Recipe, pp: int, vocab_size: int) -> List[int]:
-    """The boundaries of the pp x v stages (pp x v + 1 layer indices) by the recipe's train.partition,
-    `balanced` counting the head's compute on the last chunk as on the last stage at v = 1
-    (launch/analysis/partition.py)."""
-    from launch.analysis.partition import stage_partition
-    train = recipe.train
-    model = dataclasses.replace(recipe.model, vocab_size=vocab_size).resolved()
-    return stage_partition(model, pp * train.virtual_stages, train.partition, recipe.seq_len, train.recompute == "full")
 
 
 SENDS = (schedule.SendActivation, schedule.SendGrad)

@@ -280,6 +280,7 @@ def _train_at(virtual_stages: int, tp: int, pp: int, overrides: list, steps: int
     import torch.distributed as dist
 
     from helpers.launcher import TINY
+    from launch.analysis.partition import with_stage_boundaries
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.engine.engine import build_engine
@@ -288,7 +289,8 @@ def _train_at(virtual_stages: int, tp: int, pp: int, overrides: list, steps: int
 
     recipe = load_recipe(TINY, ["model.n_layer=8", "train.eval_every=0", f"train.virtual_stages={virtual_stages}"]
                          + overrides)
-    layout = check_and_derive_layout(recipe, dist.get_world_size(), tp, pp, True)
+    # The stage boundaries as the trainer sets them (launch/trainer/startup.py): the engine reads the chunks' cut there
+    layout = with_stage_boundaries(check_and_derive_layout(recipe, dist.get_world_size(), tp, pp, True), recipe, 4096)
     state = init_parallel_state(tp, pp)
     config = recipe.gpt_config(4096)
     engine, own_norm = build_engine(recipe, layout, state, config)
@@ -312,9 +314,23 @@ def _train_at(virtual_stages: int, tp: int, pp: int, overrides: list, steps: int
 @uses_deepspeed
 def _interleaved_matches_1f1b(tp: int, pp: int, overrides: list, steps: int):
     from launch.engine.interleaved import InterleavedSchedule
-    losses, norms, params, _ = _train_at(1, tp, pp, overrides, steps)
+    if "train.precision=fp16" in overrides:  # a loss scale that overflows: two steps skip, the third trains
+        from launch.engine import ds_config
+        built = ds_config.deepspeed_config
+
+        def overflowing(*args, **kwargs):
+            config = built(*args, **kwargs)
+            config["fp16"]["initial_scale_power"] = 20
+            return config
+        ds_config.deepspeed_config, steps = overflowing, 3
+    losses, norms, params, one = _train_at(1, tp, pp, overrides, steps)
     v_losses, v_norms, v_params, engine = _train_at(2, tp, pp, overrides, steps)
     assert isinstance(engine._train_schedule(), InterleavedSchedule)
+    if "train.precision=fp16" in overrides:  # the same steps skipped on overflow, the same loss scale after
+        assert engine.fp16_enabled() and engine.skipped_steps == one.skipped_steps == 2, (engine.skipped_steps,
+                                                                                       one.skipped_steps)
+        assert engine.optimizer.cur_scale == one.optimizer.cur_scale, (engine.optimizer.cur_scale,
+                                                                      one.optimizer.cur_scale)
     module = engine.module
     assert len(module.chunk_ranges) == 2  # two chunks on every rank, not one range
     # Layer files are named by the layer's index in the table, as DeepSpeed names the module itself.
@@ -343,7 +359,9 @@ def _interleaved_matches_1f1b(tp: int, pp: int, overrides: list, steps: int):
     pytest.param(1, 2, 2, ["train.cp=2", "model.arch=llama", "model.n_kv_head=2"], marks=pytest.mark.slow),
     # tp 2 without SP: DeepSpeed partitions each stage's output over TP, reading is_first/last_stage.
     pytest.param(2, 2, 1, ["train.precision=bf16"], marks=pytest.mark.slow),
-], ids=["1-2-1-full-recompute", "1-4-1", "2-2-1-sp-selective", "1-2-1-cp2-llama", "2-2-1-bf16"])
+    # fp16: DeepSpeed's loss-scaled optimizer over both chunks of a rank, its overflow check over the pipeline.
+    pytest.param(1, 2, 1, ["train.precision=fp16"], marks=pytest.mark.slow),
+], ids=["1-2-1-full-recompute", "1-4-1", "2-2-1-sp-selective", "1-2-1-cp2-llama", "2-2-1-bf16", "1-2-1-fp16"])
 def test_interleaved_trains_the_same_model_as_1f1b(tp, pp, dp, overrides):
     """v = 2 against v = 1 on the same processes: the same training losses, gradient norms and weights
     after two steps of AdamW, and the same validation losses (one with 3 micro-batches, not a
