@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import psutil
 import torch
@@ -37,17 +37,20 @@ HEARTBEAT_TIMEOUT_S = 10  # a frozen rank is declared lost this long after its l
 KINDS = ("kill", "freeze", "term")
 
 
-def start(run_dir: Path, steps: int, resume: bool, overrides: Sequence[str] = ()) -> subprocess.Popen:
-    """`deepspeed --num_gpus 2 launch/train.py --pp 2 ...` saving every step into run_dir/ck; with
+def train_args(run_dir: Path, steps: int, resume: bool, overrides: Sequence[str] = ()) -> List[str]:
+    """`launch/train.py`'s arguments: tiny at pp 2 saving every step into run_dir/ck; with
     `resume`, the one command a scheduler would rerun after every fault: `--save ck --load ck`,
     which starts at step 1 while ck holds no checkpoint (docs/resilience.md, "Requeues")."""
     ck = run_dir / "ck"
-    cmd = launcher_command(WORLD, REPO / "launch" / "train.py") + [
-        "--recipe", str(TINY), "--pp", "2", "--steps", str(steps),
-        "--save", str(ck), "--save-every", "1", "--metrics-out", str(run_dir / "metrics.jsonl"),
-        "--set", f"train.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"] + [a for o in overrides for a in ("--set", o)]
-    if resume:
-        cmd += ["--load", str(ck)]
+    args = ["--recipe", str(TINY), "--pp", "2", "--steps", str(steps),
+            "--save", str(ck), "--save-every", "1", "--metrics-out", str(run_dir / "metrics.jsonl"),
+            "--set", f"train.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"] + [a for o in overrides for a in ("--set", o)]
+    return args + (["--load", str(ck)] if resume else [])
+
+
+def start(run_dir: Path, steps: int, resume: bool, overrides: Sequence[str] = ()) -> subprocess.Popen:
+    """`deepspeed --num_gpus 2 launch/train.py` with `train_args`, its output in run_dir/log.txt."""
+    cmd = launcher_command(WORLD, REPO / "launch" / "train.py") + train_args(run_dir, steps, resume, overrides)
     log = open(run_dir / "log.txt", "a")
     return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
@@ -189,10 +192,12 @@ def compare_checkpoints(a: Path, b: Path) -> List[str]:
 
 def soak(work: Path, steps: int, kills: int, seed: int,
          reference: Optional[Tuple[Path, Path]] = None, kinds: Tuple[str, ...] = ("kill",),
-         overrides: Sequence[str] = ()) -> Dict[str, object]:
+         overrides: Sequence[str] = (), last_resume: Optional[Callable[[Path, List[str]], int]] = None
+         ) -> Dict[str, object]:
     """Run the soak in `work` with `kills` faults of `kinds`; `reference` = (metrics file, final
-    checkpoint directory) of an uninterrupted run of the same command, or None to run it here.
-    Returns the report."""
+    checkpoint directory) of an uninterrupted run of the same command, or None to run it here;
+    `last_resume(run_dir, train_args)`, the exit code of the resume after the last fault, if not
+    DeepSpeed's launcher (the test suite forks its ranks: nothing hits that one). Returns the report."""
     started = time.time()
     if reference is None:
         ref_dir = work / "uninterrupted"
@@ -212,8 +217,11 @@ def soak(work: Path, steps: int, kills: int, seed: int,
     kinds_drawn = [kinds[0] if len(kinds) == 1 else kind_rng.choice(kinds) for _ in plan]
     events = [e for e in (fault_once(run_dir, steps, *planned, kind, overrides)
                           for planned, kind in zip(plan, kinds_drawn)) if e is not None]
-    if latest_step(run_dir) < steps and end(start(run_dir, steps, resume=True, overrides=overrides), timeout=900) != 0:
-        raise RuntimeError(f"the last resume failed: see {run_dir / 'log.txt'}")
+    if latest_step(run_dir) < steps:
+        code = (end(start(run_dir, steps, resume=True, overrides=overrides), timeout=900) if last_resume is None
+                else last_resume(run_dir, train_args(run_dir, steps, resume=True, overrides=overrides)))
+        if code != 0:
+            raise RuntimeError(f"the last resume failed: see {run_dir / 'log.txt'}")
     ref, got = last_record_per_step(reference[0]), last_record_per_step(run_dir / "metrics.jsonl")
     differing = [s for s in range(1, steps + 1)
                  if s not in got or (ref[s]["loss"], ref[s]["grad_norm"]) != (got[s]["loss"], got[s]["grad_norm"])]

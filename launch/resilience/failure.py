@@ -240,12 +240,14 @@ class FailureWatcher:
             if published is None:
                 continue
             if published.startswith(f"rank {self.rank}: lost:"):  # slow or resumed: the others have left
+                self._until_published(store)
                 self._leave(f"stopping: the other ranks declared this rank lost:{published.split(':', 2)[2]}")
             if published.startswith(f"rank {self.rank}: hang:"):  # its main thread will not get to it
                 try:
                     store.add(_ACK, 1)  # read: the publisher waits for every other rank, this one too
                 except Exception:
                     pass
+                self._until_published(store)
                 self._leave(f"stopping: rank {self.rank} failed:{published.split(':', 1)[1]}")
             if published.startswith(f"rank {self.rank}:"):  # our own report: the main thread is on it
                 return
@@ -263,6 +265,8 @@ class FailureWatcher:
         """Publish the cause `mine` ("rank Q: ..." or "every rank: ...") unless one is already there
         (then follow that one), say it, let `readers` other ranks read it, exit 1."""
         with _report_lock:
+            if self._stop.is_set():  # every rank finished its work (stop() was called): nothing to end
+                return
             published = store.compare_set(_KEY, "", mine).decode()
             if published != mine:
                 self._follow(store, published)
@@ -293,9 +297,16 @@ class FailureWatcher:
                                          else None)
                 except Exception:
                     pass
-            if self.rank == 0:
-                self._wait_for(store, lambda: store.check([_DONE]))
+            self._until_published(store)
             os._exit(1)
+
+    def _until_published(self, store) -> None:
+        """Rank 0, the store's host, leaving on another rank's report: first wait (bounded) until
+        the publisher is done with the store (it reads the acknowledgements, then marks the report
+        done); leaving at once closed the store under it, whose requests then failed with
+        "Broken pipe" on its stderr."""
+        if self.rank == 0:
+            self._wait_for(store, lambda: store.check([_DONE]))
 
     def _leave_frozen(self, gap_s: float) -> None:
         self._leave(f"stopping: this process did not run for {gap_s:.0f} s (stopped or starved), longer than "

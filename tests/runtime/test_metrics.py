@@ -15,7 +15,7 @@ from helpers.flop_count import counted_flops
 from launch.config.layout import Layout
 from launch.errors import ConfigError
 from launch.instruments import metrics
-from helpers.launcher import TINY, launch, read_metrics
+from helpers.launcher import TINY, launch_forked, read_metrics
 from model.config import GPTConfig
 from model.gpt.model import GPT
 
@@ -158,8 +158,11 @@ def run(tmp_path_factory):
     directory = tmp_path_factory.mktemp("metrics")
     out = directory / "metrics.jsonl"
     no_calibration = tmp_path_factory.mktemp("calibration")  # whatever this machine has cached elsewhere
-    proc = launch(2, ["--recipe", str(TINY), "--steps", str(STEPS), "--set", "train.eval_every=0",
-                      "--metrics-out", str(out)], env=dict(step_clock.env(directory), GPT3D_CALIBRATION=str(no_calibration)))
+    # Forked ranks (helpers/launcher.py: launch_forked): what this run computes and logs is the
+    # subject, not DeepSpeed's launcher (its two processes and the ranks' own imports of torch).
+    proc = launch_forked(2, ["--recipe", str(TINY), "--steps", str(STEPS), "--set", "train.eval_every=0",
+                             "--metrics-out", str(out)],
+                         env=dict(step_clock.env(directory), GPT3D_CALIBRATION=str(no_calibration)))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return read_metrics(out), proc.stdout, step_clock.read(directory, 2)
 

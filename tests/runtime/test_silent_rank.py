@@ -352,3 +352,50 @@ def test_a_resumed_frozen_rank_leaves_with_one_line(tmp_path):
             and "its peers have declared it lost" in lines[0], lines
     finally:
         end(pid)
+
+
+def _named_store_host(port_file: Path, out: Path) -> None:
+    """A forked child: rank 0 of a world of 2, hosting the store, its failure watcher running;
+    never returns (its watcher ends it)."""
+    try:
+        redirect_output(out)
+        from datetime import timedelta
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0")
+        from launch.resilience.failure import FailureWatcher
+        FailureWatcher(0, 2, heartbeat_timeout_s=60)
+        port_file.write_text(str(store.port))
+        time.sleep(60)
+    finally:
+        os._exit(99)
+
+
+@pytest.mark.waits
+def test_rank_0_named_in_another_ranks_report_keeps_the_store_until_the_publisher_is_done(tmp_path):
+    """Rank 1 publishes a hang line naming rank 0 (here the test, as rank 1): rank 0 reads it and
+    acknowledges, but leaves only once the publisher marked the report done, since its exit takes
+    the store with it (leaving at once, it closed the store under the publisher, whose last
+    requests failed with "Broken pipe")."""
+    from datetime import timedelta
+    import torch.distributed as dist
+    from launch.resilience.failure import _ACK, _DONE, _KEY
+    port_file, out = tmp_path / "port", tmp_path / "out"
+    host = fork(_named_store_host, port_file, out)
+    try:
+        assert wait_for_file(port_file), out.read_text() if out.exists() else "no output"
+        rank1 = dist.TCPStore("127.0.0.1", int(port_file.read_text()), is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=30))
+        rank1.compare_set(_KEY, "", "rank 0: hang: no step ended for 9 s (bound 5 s); rank 0 at x.py:1")
+        deadline = time.monotonic() + 20
+        while int(rank1.add(_ACK, 0)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert int(rank1.add(_ACK, 0)) == 1, out.read_text()
+        assert exit_code(host, limit_s=1.0) is None, out.read_text()  # still hosting the store
+        rank1.set(_DONE, "1")
+        assert exit_code(host, limit_s=5) == 1, out.read_text()
+        lines = [line for line in out.read_text().splitlines() if line.startswith("error: ")]
+        assert lines == ["error: rank 0: stopping: rank 0 failed: hang: no step ended for 9 s (bound 5 s); "
+                         "rank 0 at x.py:1"], out.read_text()
+    finally:
+        end(host)
