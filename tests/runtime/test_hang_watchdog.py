@@ -219,13 +219,14 @@ def test_rank_0_raises_its_open_file_limit_or_names_the_one_needed():
 @pytest.mark.slow  # it computes (not `waits`): a validation longer than the bound
 def test_a_validation_and_a_save_longer_than_the_hang_bound_train_to_the_last_step(tmp_path):
     """launch/train.py at dp 2 with a 5 s hang bound: at its last step, a validation longer than the
-    bound (110 batches of tiny.yaml made 4x as wide; timed batch by batch) and a save made to take
-    6 s (a save has its own rule), both inside the loop the watchdog times: the run ends, saved, and
-    nothing is reported."""
+    bound (170 batches of tiny.yaml made 4x as wide, its validation share doubled to hold them: about
+    8 s on a quiet 2-core machine; timed batch by batch) and a save made to take 6 s (a save has its
+    own rule), both inside the loop the watchdog times: the run ends, saved, and nothing is reported."""
     save, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     proc = launch_forked(2, ["--recipe", str(TINY), "--steps", "2", "--set", "train.hang_timeout_s=5",
                              "--set", "train.first_step_timeout_s=60", "--set", "train.eval_every=2",
-                             "--set", "model.n_embd=256", "--set", "train.eval_batches=110", "--save", str(save), "--save-every", "2",
+                             "--set", "model.n_embd=256", "--set", "train.eval_batches=170",
+                             "--set", "data.val_fraction=0.2", "--save", str(save), "--save-every", "2",
                              "--metrics-out", str(metrics)], env={"GPT3D_SLOW_SAVE": "6"}, timeout=300)
     assert proc.returncode == 0 and "error:" not in proc.stderr, proc.stderr[-3000:]
     records = read_metrics(metrics)
