@@ -268,8 +268,9 @@ class StepBatches:
     """Endless (input_ids, labels), each (b, seq_len) int64, of one dp rank, step after step from
     step `step`: the rank holds slots [lo, hi) of every global batch (its r-th contiguous 1/dp),
     drawn in micro-batches of b. A subclass gives each step's windows of those slots and the
-    stream states after the step (`step_windows`); they become its position (`consumed`) when the
-    step's last micro-batch is drawn, so a checkpoint records exactly what was trained. With
+    stream states after the step (`step_windows`, or `step_rows` to draw them as they are asked
+    for); they become its position (`consumed`) when the step's last micro-batch is drawn, so a
+    checkpoint records exactly what was trained. With
     `read_ahead_steps` > 0 a worker thread prepares that many steps ahead (data/prefetch.py);
     what it prepared is not part of the position until drawn. `waited_s` counts the seconds
     spent in drawing."""
@@ -387,11 +388,8 @@ class StreamingBatches(StepBatches):
         super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size, step, read_ahead_steps)
         self.states, self.streams = self.open_streams(open_stream, n_streams, states)
 
-    def step_windows(self, step: int) -> Tuple[List[np.ndarray], Dict[int, StreamState]]:
-        rows, after = self.step_rows(step)
-        return list(rows), after
-
     def step_rows(self, step: int) -> Tuple[Iterator[np.ndarray], Dict[int, StreamState]]:
+        """Drawn as asked for: a micro-batch waits only for its own streams (`_read_first_blocks`)."""
         after: Dict[int, StreamState] = {}
 
         def rows() -> Iterator[np.ndarray]:  # stream by stream, in slot order
