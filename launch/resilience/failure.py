@@ -354,7 +354,8 @@ class FailureWatcher:
                 published = self.store.compare_set(_KEY, "", mine).decode()
             except Exception as e:  # the store is gone, so rank 0 is: the cause, of which `error` is a symptom
                 self._leave(f"{_store_lost()} is gone ({type(e).__name__}): rank 0 probably died, see its log; "
-                            f"this rank then failed with {describe(error)}; last completed step here: {self.step}")
+                            f"this rank then failed with {describe(error)}; last completed step here: {self.step}",
+                            lost=(0, self._rank0_beat))
             if published != mine:
                 self._follow(self.store, published)
             say_error(mine.split(": ", 1)[1])

@@ -11,6 +11,7 @@ heartbeat's part shows only with a rank that is silent but connected, the frozen
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -165,36 +166,72 @@ def _gone(p: psutil.Process) -> bool:
 
 
 FROZEN_HEARTBEAT_S = 8  # four missed beats (every 2 s); shorter than the runs' 60 s default to keep the suite short
+# DeepSpeed's launcher, once a rank has exited, SIGTERMs the others and waits this long before its
+# SIGKILL (deepspeed/launcher/launch.py: terminate_process_tree): a frozen rank ignores the SIGTERM,
+# so without a sibling's SIGKILL a job ends no sooner than the heartbeat bound plus this.
+LAUNCHER_KILL_WAIT_S = 30
+
+
+class _TimedLines:
+    """A job's combined output read line by line in a thread, each line with the time it came:
+    a job that outlives its bound is reported with when each line came, not only what it said."""
+
+    def __init__(self, job: subprocess.Popen):
+        self.lines = []
+        self._thread = threading.Thread(target=self._read, args=(job.stdout,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append((time.monotonic(), line))
+
+    def text(self, join_timeout_s: float = 30.0) -> str:
+        """Everything, once the stream has ended (the ranks hold it until they exit)."""
+        self._thread.join(timeout=join_timeout_s)
+        return "".join(line for _, line in self.lines)
+
+    def since(self, start: float) -> str:
+        return "".join(f"{at - start:+7.1f} s  {line}" for at, line in self.lines
+                       if "real_accelerator.py" not in line)
 
 
 def _freeze_one_rank(tmp_path, frozen: int):
     """A pp=3 job, its collectives allowed 600 s, with rank `frozen` SIGSTOPped after step 3:
-    its silence stalls the others inside a collective as a frozen GPU peer does on NCCL. Every
-    other rank must exit within train.heartbeat_timeout_s (8) + 15 s, and a sibling must SIGKILL
-    the frozen one, so that the `deepspeed` command itself ends within the timeout + 10 s (without
-    that its launcher waits 30 s for the frozen child). Returns the job's output and its
-    metrics file; the checkpoint directory's `latest` is complete."""
+    its silence stalls the others inside a collective as a frozen GPU peer does on NCCL. The
+    others leave after train.heartbeat_timeout_s (8), and a sibling must SIGKILL the frozen one:
+    the `deepspeed` command ends sooner than its launcher's own kill could have ended it (the
+    heartbeat bound + 30 s). Returns the job's output and its metrics file; the checkpoint
+    directory's `latest` is complete."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     job = _start(3, ["--pp", "3", "--steps", "1000", "--save", str(ck), "--save-every", "2",
                      "--metrics-out", str(metrics), "--set", f"train.heartbeat_timeout_s={FROZEN_HEARTBEAT_S}",
                      "--set", "train.dist_timeout_s=600"])
+    output = _TimedLines(job)
     try:
         assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
         time.sleep(2.5)  # a heartbeat (every 2 s) after step 3: the line must name a step >= 3
         ranks = _training_pids(job)
         ranks[frozen].suspend()  # SIGSTOP
         frozen_at = time.monotonic()
-        # The whole job, launcher included; 20 s past the heartbeat bound on a loaded CI machine (a
-        # clean clone once took longer than 10 s there).
-        out, _ = job.communicate(timeout=FROZEN_HEARTBEAT_S + 20)
+        # The whole job, launcher included, before the launcher's own SIGKILL could have ended it:
+        # on an idle machine it ends about 12 s after the freeze; a niced test worker beside busy
+        # ones has taken more than 28 s.
+        try:
+            job.wait(timeout=FROZEN_HEARTBEAT_S + LAUNCHER_KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
         ended_s = time.monotonic() - frozen_at
         print(f"the job ended {ended_s:.1f} s after rank {frozen} froze")
-        assert all(_gone(p) for p in ranks), "a rank outlived the job"
     finally:
         if job.poll() is None:  # a failed check: leave nothing running (the frozen rank included)
             for p in _training_pids(job) + [psutil.Process(job.pid)]:
                 p.kill()
             job.wait(timeout=30)
+    out = output.text()
+    assert ended_s < FROZEN_HEARTBEAT_S + LAUNCHER_KILL_WAIT_S, (
+        f"the job outlived the freeze by {ended_s:.0f} s; its output, timed from the freeze:\n"
+        + output.since(frozen_at)[-6000:])
+    assert all(_gone(p) for p in ranks), "a rank outlived the job"
     assert job.returncode != 0, out[-3000:]
     assert f"sent SIGKILL to lost rank {frozen} (pid {ranks[frozen].pid} on this host)" in out, out[-3000:]
     print("\n".join(line for line in out.splitlines() if line.startswith("error: ")))
