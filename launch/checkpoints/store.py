@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from launch.checkpoints import slow_save, zero0_state
+from launch.checkpoints.commit_guard import committing
 from launch.checkpoints.async_save import AsyncSaver
 from launch.checkpoints.expert_files import experts_apart, has_experts, load_experts, save_experts
 from launch.checkpoints.locate import (LATEST, CheckpointRef, history, not_a_tag_dir, resumes_from, same_layout,
@@ -201,7 +202,13 @@ def _latest_tag(root: Path) -> Optional[str]:
 
 
 def _commit(root: Path, tag: str, meta: Dict[str, Any]) -> None:
-    """complete.json (with every file's size), then `latest`; each made durable before the next."""
+    """complete.json (with every file's size), then `latest`; each made durable before the next.
+    A rank that leaves meanwhile (commit_guard.py) waits for it to end."""
+    with committing():
+        _write_commit(root, tag, meta)
+
+
+def _write_commit(root: Path, tag: str, meta: Dict[str, Any]) -> None:
     tag_dir = root / tag
     meta["files"] = {str(f.relative_to(tag_dir)): f.stat().st_size for f in sorted(tag_dir.rglob("*")) if f.is_file()}
     for d in [tag_dir] + [d for d in tag_dir.rglob("*") if d.is_dir()]:

@@ -34,6 +34,7 @@ import traceback
 from datetime import timedelta
 from typing import Callable, Optional, Tuple
 
+from launch.checkpoints.commit_guard import exit_after_commit
 from launch.config.recipe import HEARTBEAT_INTERVAL_S
 from launch.errors import ConfigError, our_file
 from launch.resilience.clock import MONOTONIC, Clock
@@ -133,7 +134,7 @@ def report_failure(error: BaseException) -> None:
         traceback.print_exception(error)
     with _report_lock:
         say_error(describe(error))
-        os._exit(1)  # a normal exit could wait on a half-started process group
+        exit_after_commit(1)  # a normal exit could wait on a half-started process group
 
 
 class FailureWatcher:
@@ -278,7 +279,7 @@ class FailureWatcher:
                 store.set(_DONE, "1")
             except Exception:
                 pass
-            os._exit(1)
+            exit_after_commit(1)
 
     def _follow(self, store, published: str) -> None:
         """Another rank published `published` ("rank Q: cause"): acknowledge it, say it, exit 1;
@@ -298,7 +299,7 @@ class FailureWatcher:
                 except Exception:
                     pass
             self._until_published(store)
-            os._exit(1)
+            exit_after_commit(1)
 
     def _until_published(self, store) -> None:
         """Rank 0, the store's host, leaving on another rank's report: first wait (bounded) until
@@ -322,7 +323,7 @@ class FailureWatcher:
         say_error(line)
         if lost is not None:
             self._end_if_sibling(*lost)
-        os._exit(1)
+        exit_after_commit(1)
 
     def _end_if_sibling(self, rank: int, beat: Optional[str]) -> None:
         """SIGKILL lost rank `rank` if its last heartbeat says it runs on this host under this
@@ -364,7 +365,7 @@ class FailureWatcher:
                 self.store.set(_DONE, "1")
             except Exception:
                 pass
-            os._exit(1)
+            exit_after_commit(1)
 
     @staticmethod
     def _wait_for(store, condition) -> None:

@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Tuple
 
+from launch.checkpoints.commit_guard import exit_after_commit
 from launch.resilience.clock import MONOTONIC, Clock
 from launch.resilience.failure import say_error
 
@@ -214,7 +215,7 @@ class StopRequest:
                 say_error(f"the step did not end within {wait_s:g} s of the {self._first.name} (train.stop_grace_s="
                           f"{self.grace_s:g}, or twice the longest step); leaving without saving (the last complete "
                           f"checkpoint stays the resume point)", self.rank)
-                os._exit(128 + self._first)
+                exit_after_commit(128 + self._first)
             signum = os.read(fd, 1)[0]
             if signum in SIGNALS:  # else a nudge, or another signal with a Python handler
                 self._request(signal.Signals(signum))
@@ -236,7 +237,7 @@ class StopRequest:
                 line = (f"rank {self.rank}: {sig.name} again during a save: the save finishes first, then this rank "
                         f"leaves (exit {self._exit_code_after_save()})")
             else:
-                os._exit(128 + sig)  # a second request outside a save: no checkpoint, no clean-up
+                exit_after_commit(128 + sig)  # a second request outside a save: no checkpoint, no clean-up
         print(line, flush=True)
 
     def _exit_code_after_save(self) -> int:
@@ -291,4 +292,4 @@ class StopRequest:
             before_leaving()
             print(f"rank {self.rank}: leaving after the save, as the {self._after_save.name} during it asked (exit "
                   f"{leave})", flush=True)
-            os._exit(leave)
+            exit_after_commit(leave)

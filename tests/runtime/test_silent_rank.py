@@ -2,6 +2,7 @@
 a peer whose heartbeat stops is declared lost, a frozen store means rank 0 is lost, and a stop
 request leaves after train.stop_grace_s when the step never ends (launch/resilience/failure.py,
 launch/resilience/signals.py). The launched frozen-rank tests are in tests/e2e/test_checkpoint_crashes.py."""
+import json
 import os
 import signal
 import time
@@ -397,5 +398,60 @@ def test_rank_0_named_in_another_ranks_report_keeps_the_store_until_the_publishe
         lines = [line for line in out.read_text().splitlines() if line.startswith("error: ")]
         assert lines == ["error: rank 0: stopping: rank 0 failed: hang: no step ended for 9 s (bound 5 s); "
                          "rank 0 at x.py:1"], out.read_text()
+    finally:
+        end(host)
+
+
+def _store_host_committing(root: Path, ready: Path, out: Path) -> None:
+    """A forked child: rank 0 of a world of 2, hosting the store with its failure watcher, then
+    committing a checkpoint whose directory fsyncs take 0.75 s each (slow storage); never returns
+    (its watcher ends it)."""
+    try:
+        redirect_output(out)
+        from datetime import timedelta
+        import torch.distributed as dist
+        from launch.checkpoints import store as checkpoint_store
+        served = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(served.port), RANK="0")
+        from launch.resilience.failure import FailureWatcher
+        FailureWatcher(0, 2, heartbeat_timeout_s=60)
+        fsync_dir = checkpoint_store.fsync_dir
+
+        def slow_fsync_dir(path):
+            time.sleep(0.75)
+            fsync_dir(path)
+        checkpoint_store.fsync_dir = slow_fsync_dir
+        ready.write_text(str(served.port))
+        checkpoint_store._commit(root, "step00000002", {"step": 2})
+        time.sleep(60)
+    finally:
+        os._exit(99)
+
+
+@pytest.mark.waits
+def test_a_rank_leaving_on_another_ranks_failure_lets_its_commit_end(tmp_path):
+    """Rank 1 fails while rank 0 commits a checkpoint every rank has written (complete.json, then
+    `latest`, on storage slow to fsync): rank 0 follows the report, but leaves only once the commit
+    has ended, so the checkpoint stays the resume point (leaving at the report, it cut the commit:
+    no `latest`, and a requeued job started from the save before)."""
+    from datetime import timedelta
+    import torch.distributed as dist
+    import launch.checkpoints.store  # noqa: F401 (imported once here: the child forks with it)
+    from launch.resilience.failure import _DONE, _KEY
+    root, ready, out = tmp_path / "ck", tmp_path / "port", tmp_path / "out"
+    (root / "step00000002" / "global_step2").mkdir(parents=True)
+    (root / "step00000002" / "global_step2" / "layer_00-model_states.pt").write_bytes(b"0" * 64)
+    host = fork(_store_host_committing, root, ready, out)
+    try:
+        assert wait_for_file(ready), out.read_text() if out.exists() else "no output"
+        rank1 = dist.TCPStore("127.0.0.1", int(ready.read_text()), is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=30))
+        rank1.compare_set(_KEY, "", "rank 1: RuntimeError: boom (at x.py:1)")
+        rank1.set(_DONE, "1")  # the publisher is done with the store: rank 0 may leave as soon as it read it
+        assert exit_code(host, limit_s=20) == 1, out.read_text()
+        assert (root / "latest").read_text() == "step00000002", out.read_text()
+        assert json.loads((root / "step00000002" / "complete.json").read_text())["step"] == 2
+        lines = [line for line in out.read_text().splitlines() if line.startswith("error: ")]
+        assert lines == ["error: rank 0: stopping: rank 1 failed: RuntimeError: boom (at x.py:1)"], out.read_text()
     finally:
         end(host)
