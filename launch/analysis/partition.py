@@ -108,10 +108,21 @@ def with_stage_boundaries(layout: Layout, recipe: Recipe, vocab_size: int) -> La
     model = dataclasses.replace(recipe.model, vocab_size=vocab_size).resolved()
     parts = stage_partition(model, layout.pp, recipe.train.partition, recipe.seq_len,
                             recipe.train.recompute == "full")
-    v = layout.virtual_stages
-    chunks = stage_partition(model, layout.pp * v, recipe.train.partition, recipe.seq_len,
+    v, partition = layout.virtual_stages, recipe.train.partition
+    if v > 1 and not isinstance(partition, str):  # blocks per rank
+        partition = chunk_blocks(partition, layout.pp, v)
+    chunks = stage_partition(model, layout.pp * v, partition, recipe.seq_len,
                              recipe.train.recompute == "full") if v > 1 else ()
     return dataclasses.replace(layout, parts=tuple(parts), chunk_parts=tuple(chunks))
+
+
+def chunk_blocks(counts: Sequence[int], pp: int, v: int) -> List[int]:
+    """A train.partition list at v > 1, blocks per pipeline rank as at v = 1, as blocks per stage of the
+    pp x v (chunk c of rank r is stage r + c x pp): each rank's blocks split over its chunks, the earlier
+    chunks taking the remainder (the last rank's last chunk, which holds the head, the fewest). A rank
+    then holds the blocks the list gives it at any v (launch/config/layout.py: check_virtual_stages
+    refuses a list that would leave a chunk but the last empty)."""
+    return [counts[s % pp] // v + (s // pp < counts[s % pp] % v) for s in range(pp * v)]
 
 
 def check_muon_stages(recipe: Recipe, layout: Layout, vocab_size: int) -> None:

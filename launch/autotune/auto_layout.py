@@ -119,7 +119,7 @@ def rank_layouts(recipe: Recipe, world: int, fixed: Dict[str, int], vocab_size: 
     hardware = _hardware(recipe, model, setup, local)
     from launch.config.recipe import RECOMPUTE_MODES, SCHEDULES
     ranked = []
-    # v among VIRTUAL_STAGES; the run's refusals of v > 1 (check_virtual_stages: experts, ZB-H1, ...)
+    # v among VIRTUAL_STAGES; the run's refusals of v > 1 (check_virtual_stages: ZB-H1, compiled blocks, ...)
     # apply through check_and_derive_layout below, so a refused v is never a candidate.
     for candidate in candidates(model, setup, list(RECOMPUTE_MODES), list(SCHEDULES), VIRTUAL_STAGES):
         if any(getattr(candidate, axis) != value for axis, value in fixed.items()):

@@ -23,7 +23,8 @@ def planner_inputs(recipe: Recipe, layout: Layout, vocab_size: int):
     train = recipe.train
     model = dataclasses.replace(recipe.model, vocab_size=vocab_size, seq_len=recipe.seq_len)
     # The run's own cut (its stage boundaries, as blocks per stage), else the recipe's rule. At v > 1 the
-    # rule, which the planner applies as the run does (blocks per stage are refused there: check_virtual_stages).
+    # rule or list (blocks per rank, split over its chunks: partition.chunk_blocks), which the planner
+    # applies as the run does.
     v = layout.virtual_stages
     cut = tuple(blocks_per_stage(model.resolved(), list(layout.parts))) if layout.parts and v == 1 else train.partition
     setup = Setup(gpus=layout.world_size, tp=layout.tp, pp=layout.pp, micro_batch=layout.micro_batch_size,

@@ -187,8 +187,9 @@ def check_interleaving(pp: int, virtual_stages: int, microbatches: int) -> None:
 
 def check_virtual_stages(recipe: Recipe, pp: int, microbatches: int) -> None:
     """train.virtual_stages > 1 (interleaved 1F1B, launch/engine/interleaved.py): what its order needs,
-    then what it has not been checked with (a parity test against v = 1), each in one line: a run
-    must not train something else than the recipe says."""
+    what it does not run (ZB-H1, a train.partition list that leaves a chunk empty) and what it has not
+    been checked with (a parity test against v = 1: compiled blocks), each in one line: a run must not
+    train something else than the recipe says."""
     train_cfg, model = recipe.train, recipe.model
     v, blocks = train_cfg.virtual_stages, model.n_layer
     check_interleaving(pp, v, microbatches)
@@ -199,15 +200,20 @@ def check_virtual_stages(recipe: Recipe, pp: int, microbatches: int) -> None:
         raise ConfigError(f"train.virtual_stages={v} with --pp {pp} and train.partition=blocks: model.n_layer={blocks} "
                           f"blocks do not divide into pp x v = {pp * v} equal chunks; choose v with pp x v dividing "
                           f"{blocks}, or train.partition=balanced")
-    # What has no parity test against v = 1 yet (docs/pipeline-schedules.md, Interleaved stages).
-    untested = [name for name, used in [
-        ("train.schedule=zb-h1", train_cfg.schedule == "zb-h1"),  # W passes per chunk: ZB-V's placement
-        ("model.moe.num_experts > 0", model.moe.num_experts > 0), ("train.compile", train_cfg.compile),
-        ("data.document_mask", recipe.data.document_mask), ("train.optimizer=muon", train_cfg.optimizer == "muon"),
-        ("train.partition as a list", isinstance(train_cfg.partition, list))] if used]
-    if untested:
-        raise ConfigError(f"train.virtual_stages={v} with {untested[0]}: interleaved stages have not been checked "
-                          f"against v = 1 with it (docs/pipeline-schedules.md); use train.virtual_stages=1")
+    if train_cfg.schedule == "zb-h1":  # its W passes per chunk are ZB-V's placement, another schedule
+        raise ConfigError(f"train.virtual_stages={v} with train.schedule=zb-h1: interleaved stages run 1F1B only "
+                          f"(zero-bubble over chunks is ZB-V, not implemented); use train.virtual_stages=1 or "
+                          f"train.schedule=1f1b")
+    counts = train_cfg.partition  # blocks per rank, split over its chunks (launch/analysis/partition.py: chunk_blocks)
+    if isinstance(counts, list) and min(counts[:-1] + [counts[-1] + 1]) < v:
+        raise ConfigError(f"train.virtual_stages={v} with train.partition={counts}: each rank's blocks are split "
+                          f"over its {v} chunks, so each rank needs at least {v} blocks (the last rank {v - 1}: its "
+                          f"last chunk may hold only the head); give more, or train.partition=balanced")
+    # No parity test against v = 1 in the suite: it compiles every block cold (docs/pipeline-schedules.md).
+    if train_cfg.compile:
+        raise ConfigError(f"train.virtual_stages={v} with train.compile: interleaved stages have no parity test "
+                          f"against v = 1 with compiled blocks (docs/pipeline-schedules.md); use "
+                          f"train.virtual_stages=1 or train.compile=false")
 
 
 def fill_saved_virtual_stages(meta: dict) -> None:

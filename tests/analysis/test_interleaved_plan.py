@@ -70,23 +70,23 @@ def _vs(plans):
 
 
 def test_search_never_proposes_a_refused_v():
-    moe = load_recipe(MOE_TINY, []).model
-    model = dataclasses.replace(moe, vocab_size=512)
+    dense = dataclasses.replace(load_recipe(TINY, []).model, vocab_size=512)
     setup = Setup(gpus=4, tp=1, pp=1, micro_batch=2, global_batch=16, precision="fp32", zero=1)
-    offered = {c.virtual_stages for c in candidates(model, setup, virtual_stages=VIRTUAL_STAGES)}
-    assert offered > {1}  # the layers divide: v = 2 and 4 are tried, and refused (experts)
-    assert _vs(search(model, setup, HW)) == {1}
-    dense = dataclasses.replace(load_recipe(TINY, []).model, vocab_size=512)  # as many blocks, no experts
+    compiled = dataclasses.replace(setup, compile=True)
+    offered = {c.virtual_stages for c in candidates(dense, compiled, virtual_stages=VIRTUAL_STAGES)}
+    assert offered > {1}  # the layers divide: v = 2 and 4 are tried, and refused (compiled blocks)
+    assert _vs(search(dense, compiled, HW)) == {1}
     assert _vs(search(dense, setup, HW)) > {1}  # the run takes them
+    moe = dataclasses.replace(load_recipe(MOE_TINY, []).model, vocab_size=512)
+    assert _vs(search(moe, setup, HW)) > {1}  # experts too
 
 
 def test_layout_auto_never_picks_a_refused_v(monkeypatch):
     from launch.autotune import auto_layout
     monkeypatch.setattr(auto_layout, "_hardware", lambda *args: HW)
-    recipe = load_recipe(MOE_TINY, [])
-    ranked, _, _ = auto_layout.rank_layouts(recipe, 4, {}, 512, 4, on_cpu=False)
+    ranked, _, _ = auto_layout.rank_layouts(load_recipe(TINY, ["train.compile=true"]), 4, {}, 512, 4, on_cpu=False)
     assert ranked and _vs(ranked) == {1}
-    ranked, _, _ = auto_layout.rank_layouts(load_recipe(TINY, []), 4, {}, 512, 4, on_cpu=False)
+    ranked, _, _ = auto_layout.rank_layouts(load_recipe(MOE_TINY, []), 4, {}, 512, 4, on_cpu=False)
     assert _vs(ranked) > {1}
 
 
@@ -127,12 +127,13 @@ def test_run_summary_prints_the_interleaved_formula():
     assert "1F1B bubble predicted (p-1)/(m+p-1) = 3/11 = 27.3%" in run_arithmetic(config, layout, 16, 10).summary()
 
 
-@pytest.mark.parametrize("switch,key", [("compile", "train.compile"), ("document_mask", "data.document_mask")])
-def test_recipe_switches_the_run_refuses_at_v_above_1(switch, key):
-    """A recipe's train.compile or data.document_mask reach the run's check_virtual_stages (at v = 1 nothing)."""
+def test_recipe_switches_the_run_refuses_at_v_above_1():
+    """A recipe's train.compile reaches the run's check_virtual_stages (at v = 1 nothing); its
+    data.document_mask does too, which interleaved stages run."""
     from launch.analysis.plan_setup import check_setup
     from launch.errors import ConfigError
-    setup = Setup(gpus=2, tp=1, pp=2, micro_batch=1, global_batch=4, **{switch: True})
+    setup = Setup(gpus=2, tp=1, pp=2, micro_batch=1, global_batch=4, compile=True)
     check_setup(DENSE, setup)
-    with pytest.raises(ConfigError, match=f"virtual_stages=2 with {key}"):
+    with pytest.raises(ConfigError, match="virtual_stages=2 with train.compile"):
         check_setup(DENSE, dataclasses.replace(setup, virtual_stages=2))
+    check_setup(DENSE, dataclasses.replace(setup, compile=False, document_mask=True, virtual_stages=2))

@@ -172,15 +172,20 @@ def test_refused_in_one_line(pp, v, m, words):
 
 @pytest.mark.parametrize("world_size,argv,words", [
     (2, ["--pp", "2", "--set", "train.virtual_stages=2", "--set", "train.schedule=zb-h1"],
-     ["train.virtual_stages=2", "train.schedule=zb-h1", "train.virtual_stages=1"]),
+     ["train.virtual_stages=2", "train.schedule=zb-h1", "ZB-V", "train.virtual_stages=1"]),
+    (2, ["--pp", "2", "--set", "model.n_layer=8", "--set", "train.virtual_stages=2", "--set", "train.partition=[1,7]"],
+     ["train.partition=[1, 7]", "at least 2 blocks", "train.partition=balanced"]),
+    (2, ["--pp", "2", "--set", "model.n_layer=8", "--set", "train.virtual_stages=2", "--set", "train.compile=true"],
+     ["train.virtual_stages=2 with train.compile", "train.compile=false"]),
     (4, ["--pp", "4", "--set", "train.virtual_stages=2", "--set", "train.global_batch_size=6"],
      ["3 micro-batches", "multiple of 4"]),
     (2, ["--pp", "2", "--set", "train.virtual_stages=4"], ["n_layer=4", "pp x v = 8"]),
     (1, ["--set", "train.virtual_stages=0"], ["train.virtual_stages=0", ">= 1"]),
 ])
 def test_train_refuses_virtual_stages_at_start_up(world_size, argv, words, monkeypatch, capsys):
-    """What interleaving cannot run, and what it has no parity test with yet, stops the run before any
-    process group starts: one line, exit 2 (never another schedule under the recipe's name)."""
+    """What interleaving does not run (ZB-H1, a train.partition list with an empty chunk), and what it has
+    no parity test with (compiled blocks), stops the run before any process group starts: one line, exit 2 (never
+    another schedule or cut under the recipe's name)."""
     from helpers.launcher import TINY
     from launch.train import main
     monkeypatch.setenv("RANK", "0")
@@ -273,9 +278,14 @@ def test_a_checkpoint_at_another_v_or_cut_of_the_chunks_re_shards():
 
 # ---------------------------------------------------------------- real engines, v = 1 against v = 2
 
-def _train_at(virtual_stages: int, tp: int, pp: int, overrides: list, steps: int):
+EOS = 7  # the documents' first token under data.document_mask (any id of the 4096: the tokens are random)
+
+
+def _train_at(virtual_stages: int, tp: int, pp: int, overrides: list, steps: int, recipe_name: str = "tiny.yaml"):
     """(losses, grad norms, every parameter of the model after `steps` steps, gathered by name) of a
-    tiny run on this process group, with `virtual_stages` chunks per rank."""
+    tiny run of recipes/`recipe_name` on this process group, with `virtual_stages` chunks per rank.
+    Under data.document_mask its tokens hold documents (EOS at about 1 token in 5), so that the mask is not
+    the causal one."""
     import torch
     import torch.distributed as dist
 
@@ -284,27 +294,39 @@ def _train_at(virtual_stages: int, tp: int, pp: int, overrides: list, steps: int
     from launch.config.layout import check_and_derive_layout
     from launch.config.recipe import load_recipe
     from launch.engine.engine import build_engine
+    from launch.engine.experts import set_router_loss_scale
     from launch.optim.grad_norm import last_grad_norm
     from model.parallel.state import init_parallel_state
+    from model.transformer.moe_losses import stage_statistics
 
-    recipe = load_recipe(TINY, ["model.n_layer=8", "train.eval_every=0", f"train.virtual_stages={virtual_stages}"]
-                         + overrides)
+    sets = ["model.n_layer=8", "train.eval_every=0", f"train.virtual_stages={virtual_stages}"]
+    recipe = load_recipe(TINY.parent / recipe_name, sets + overrides)
     # The stage boundaries as the trainer sets them (launch/trainer/startup.py): the engine reads the chunks' cut there
     layout = with_stage_boundaries(check_and_derive_layout(recipe, dist.get_world_size(), tp, pp, True), recipe, 4096)
-    state = init_parallel_state(tp, pp)
-    config = recipe.gpt_config(4096)
+    state = init_parallel_state(tp, pp, layout.cp, layout.ep, experts=recipe.model.moe.enabled)  # as the trainer's
+    config = recipe.gpt_config(4096, eos_token_id=EOS)
     engine, own_norm = build_engine(recipe, layout, state, config)
-    tokens = torch.randint(0, 4096, (steps * layout.grad_accum_steps, layout.micro_batch_size, config.seq_len + 1),
-                           generator=torch.Generator().manual_seed(dist.get_rank() // (tp * pp)))
+    generator = torch.Generator().manual_seed(dist.get_rank() // (tp * pp))
+    shape = (steps * layout.grad_accum_steps, layout.micro_batch_size, config.seq_len + 1)
+    tokens = torch.randint(0, 4096, shape, generator=generator)
+    if recipe.data.document_mask:
+        tokens[torch.rand(shape, generator=generator) < 0.2] = EOS
+        assert (tokens[..., :-1] == EOS).sum(-1).float().mean() > 4  # documents a sequence: no causal mask
     losses, norms = [], []
     for step in range(steps):
         chunk = tokens[step * layout.grad_accum_steps:(step + 1) * layout.grad_accum_steps]
+        set_router_loss_scale(engine, layout)  # the router losses' backward scaled as the run's (no-op without experts)
         losses.append(engine.train_batch(iter([(t[:, :-1], t[:, 1:]) for t in chunk])).item())
         norms.append(float(last_grad_norm(engine, own_norm)))
     # Evaluation through the same engine: a step's batch again, and 3 micro-batches (not a multiple of pp).
     losses.append(engine.eval_batch(iter([(t[:, :-1], t[:, 1:]) for t in chunk])).item())
     losses.append(engine.eval_batch(iter([(t[:, :-1], t[:, 1:]) for t in chunk[:3]]), num_micro_batches=3).item())
     mine = {(name, state.tp_rank): param.detach().clone() for name, param in engine.module.named_parameters()}
+    statistics = stage_statistics(engine.module)
+    if statistics is not None:  # every block's router records (losses, assignments) summed over the steps and ranks
+        records = statistics.take()
+        dist.all_reduce(records)
+        mine[("router records", None)] = records
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     params = {key: value for part in every for key, value in part.items()}
@@ -312,7 +334,7 @@ def _train_at(virtual_stages: int, tp: int, pp: int, overrides: list, steps: int
 
 
 @uses_deepspeed
-def _interleaved_matches_1f1b(tp: int, pp: int, overrides: list, steps: int):
+def _interleaved_matches_1f1b(tp: int, pp: int, overrides: list, steps: int, recipe_name: str = "tiny.yaml"):
     from launch.engine.interleaved import InterleavedSchedule
     if "train.precision=fp16" in overrides:  # a loss scale that overflows: two steps skip, the third trains
         from launch.engine import ds_config
@@ -323,9 +345,11 @@ def _interleaved_matches_1f1b(tp: int, pp: int, overrides: list, steps: int):
             config["fp16"]["initial_scale_power"] = 20
             return config
         ds_config.deepspeed_config, steps = overflowing, 3
-    losses, norms, params, one = _train_at(1, tp, pp, overrides, steps)
-    v_losses, v_norms, v_params, engine = _train_at(2, tp, pp, overrides, steps)
+    losses, norms, params, one = _train_at(1, tp, pp, overrides, steps, recipe_name)
+    v_losses, v_norms, v_params, engine = _train_at(2, tp, pp, overrides, steps, recipe_name)
     assert isinstance(engine._train_schedule(), InterleavedSchedule)
+    if "train.optimizer=muon" in overrides:  # Muon's step, not AdamW's, under the recipe's name
+        assert any(group.get("muon") for group in engine.optimizer.param_groups)
     if "train.precision=fp16" in overrides:  # the same steps skipped on overflow, the same loss scale after
         assert engine.fp16_enabled() and engine.skipped_steps == one.skipped_steps == 2, (engine.skipped_steps,
                                                                                        one.skipped_steps)
@@ -333,6 +357,11 @@ def _interleaved_matches_1f1b(tp: int, pp: int, overrides: list, steps: int):
                                                                       one.optimizer.cur_scale)
     module = engine.module
     assert len(module.chunk_ranges) == 2  # two chunks on every rank, not one range
+    if "train.partition=[5,3]" in overrides:  # blocks per rank at any v: rank 0 holds 5, rank 1 3, split over
+        from model.transformer.block import Block  # its chunks, the earlier ones taking the remainder
+        chunks = [sum(isinstance(f, Block) for f in module.forward_funcs[a:b]) for a, b in module.chunk_ranges]
+        assert chunks == [[3, 2], [2, 1]][module.stage_id], (module.stage_id, chunks)
+        assert sum(isinstance(f, Block) for f in one.module.forward_funcs) == [5, 3][module.stage_id]
     # Layer files are named by the layer's index in the table, as DeepSpeed names the module itself.
     for local, layer in enumerate(module.forward_funcs):
         name = next((n for n, m in module.named_children() if m is layer), None)
@@ -352,8 +381,15 @@ def _interleaved_matches_1f1b(tp: int, pp: int, overrides: list, steps: int):
     assert worst <= (8e-3 if bf16 else 1e-5), worst
 
 
+# The experts' recipe (qwen3_moe: RoPE, GQA, routed and shared experts, router losses) with the document
+# mask and Muon: one run for what interleaving carries per micro-batch (segment ids across chunks, the
+# router losses' backward in each chunk) and the optimizer over both chunks' matrices, experts' included.
+MOE_DOCUMENTS_MUON = ["data.document_mask=true", "train.optimizer=muon", "train.partition=[5,3]"]
+
+
 @pytest.mark.parametrize("tp,pp,dp,overrides", [
     (1, 2, 1, ["train.recompute=full"]),
+    pytest.param(1, 2, 2, ["recipe=moe-tiny.yaml", "train.ep=2"] + MOE_DOCUMENTS_MUON, marks=pytest.mark.slow),
     pytest.param(1, 4, 1, [], marks=pytest.mark.slow),
     pytest.param(2, 2, 1, ["model.sequence_parallel=true", "train.recompute=selective"], marks=pytest.mark.slow),
     pytest.param(1, 2, 2, ["train.cp=2", "model.arch=llama", "model.n_kv_head=2"], marks=pytest.mark.slow),
@@ -361,9 +397,12 @@ def _interleaved_matches_1f1b(tp: int, pp: int, overrides: list, steps: int):
     pytest.param(2, 2, 1, ["train.precision=bf16"], marks=pytest.mark.slow),
     # fp16: DeepSpeed's loss-scaled optimizer over both chunks of a rank, its overflow check over the pipeline.
     pytest.param(1, 2, 1, ["train.precision=fp16"], marks=pytest.mark.slow),
-], ids=["1-2-1-full-recompute", "1-4-1", "2-2-1-sp-selective", "1-2-1-cp2-llama", "2-2-1-bf16", "1-2-1-fp16"])
+], ids=["1-2-1-full-recompute", "1-2-2-ep2-documents-muon", "1-4-1", "2-2-1-sp-selective",
+        "1-2-1-cp2-llama", "2-2-1-bf16", "1-2-1-fp16"])
 def test_interleaved_trains_the_same_model_as_1f1b(tp, pp, dp, overrides):
     """v = 2 against v = 1 on the same processes: the same training losses, gradient norms and weights
-    after two steps of AdamW, and the same validation losses (one with 3 micro-batches, not a
-    multiple of pp), within fp32 rounding."""
-    run_distributed(_interleaved_matches_1f1b, tp * pp * dp, tp, pp, overrides, 2)
+    after two steps (AdamW, or Muon), the same router records with experts, and the same validation
+    losses (one with 3 micro-batches, not a multiple of pp), within fp32 rounding."""
+    recipe = [o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")] or ["tiny.yaml"]
+    overrides = [o for o in overrides if not o.startswith("recipe=")]
+    run_distributed(_interleaved_matches_1f1b, tp * pp * dp, tp, pp, overrides, 2, recipe[0])
