@@ -254,7 +254,9 @@ ALL_TO_ALL_CONFIG = GPTConfig(arch="qwen3_moe", n_layer=2, n_head=4, n_kv_head=2
                               moe=dict(num_experts=8, experts_per_token=2, expert_ffn_hidden_size=12, shared_experts=1))
 
 
-@pytest.mark.parametrize("tp,ep,sp", [(1, 4, False), (2, 2, True)], ids=["tp1-ep4", "tp2-ep2-sp"])
+# tp 2 x ep 2 with SP in the fast tier; ep 4 (four processes, 9 CPU-s) in the full suite.
+@pytest.mark.parametrize("tp,ep,sp", [pytest.param(1, 4, False, marks=pytest.mark.slow), (2, 2, True)],
+                         ids=["tp1-ep4", "tp2-ep2-sp"])
 def test_moe_mlp_hands_the_all_to_alls_the_formula_counts(tp, ep, sp, tmp_path):
     """MoEMLP (model/transformer/moe.py) on 4 gloo processes: in forward one int64 count exchange then two row
     exchanges, in backward two, of the sizes ep_comm_by_pass gives (b x seq tokens of the replica

@@ -385,6 +385,7 @@ def _durable_and_safe_body(root: Path):
     assert not (root.parent / "ran").exists()
 
 
+@pytest.mark.slow  # two ranks save, resume and load a poisoned file (10 CPU-s)
 def test_save_is_durable_and_every_load_is_weights_only(tmp_path):
     """Every file of the checkpoint is fsynced (by the rank that wrote it) before the writer
     renames complete.json into place; the directories are fsynced and `latest` moves last.

@@ -190,6 +190,7 @@ def _resolve_on_each_rank(url: str, own_caches: str = "") -> None:
     assert len(FileUnits(files, "text", 2 ** 20).units) == N_DOCS // GROUP_ROWS
 
 
+@pytest.mark.slow  # separate processes (6 CPU-s)
 def test_the_files_are_resolved_once_per_job(corpus, server, tmp_path, monkeypatch):
     """Four ranks of one job, each on a node of its own, ask the server about the files once
     between them (rank 0, through the job's rendezvous store): one listing and one HEAD per file,
