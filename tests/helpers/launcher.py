@@ -39,8 +39,8 @@ def launch_forked(num_procs: int, args: List[str], env: Optional[Dict[str, str]]
     """The run `launch(num_procs, args, env)` starts (of launch/SCRIPT), its ranks forked from
     tests/helpers/rank_server.py: what each rank sees is the same (environment, argv, working directory;
     output in one stdout and one stderr), without every rank importing torch and DeepSpeed again.
-    For the training runs whose subject is what they compute; the tests of the launcher itself,
-    signals, failures and the console use `launch`. `acceptance`: one of the session's shared
+    For the runs whose subject is what the ranks do (train, refuse, fail); the tests of the launcher
+    itself, signals, frozen ranks and the console use `launch`. `acceptance`: one of the session's shared
     acceptance runs (conftest.py: ParityRuns), the only runs a fast test may start."""
     if not acceptance:
         refuse_in_fast_tier(f"launch/{script} on {num_procs} forked ranks")
