@@ -263,13 +263,9 @@ def same_layout(saved: Dict[str, Any], layout: Dict[str, Any]) -> bool:
     rank's flat ZeRO-1 partition, which holds the parameters of that rank's layers (and, with
     experts, its EP rank's experts), so another cut of the pipeline at the same layout re-shards too.
     So do another train.virtual_stages and another cut of the chunks: at v > 1 a rank's partition holds
-    its v chunks' parameters (a checkpoint saved without them was saved at v = 1)."""
-    def chunks(side: Dict[str, Any]) -> Any:
-        found = side.get("chunk_parts", [])
-        return list(found) if isinstance(found, (list, tuple)) else found
-    return (all(saved[k] == layout[k] for k in ("tp", "pp", "dp", "cp", "ep"))
-            and list(saved["parts"]) == list(layout["parts"])
-            and saved.get("virtual_stages", 1) == layout.get("virtual_stages", 1) and chunks(saved) == chunks(layout))
+    its v chunks' parameters."""
+    return (all(saved[k] == layout[k] for k in ("tp", "pp", "dp", "cp", "ep", "virtual_stages"))
+            and all(list(saved[k]) == list(layout[k]) for k in ("parts", "chunk_parts")))
 
 
 def _ep(layout: Dict[str, Any]) -> str:

@@ -15,12 +15,14 @@ from model.config import ModelConfig
 from model.moe_config import MoEConfig
 
 COMPLETE = "complete.json"
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
 """complete.json's "format": what its keys and the files beside it mean. This version reads this
 format only, and a checkpoint of any other (or of none) is refused in one line at --load: it is
 resumed by the version that wrote it. A change to what a save writes that an older reader would
 misread (a key renamed or its meaning changed, a weight renamed, files laid out anew) raises it,
-and then every key the new format writes is required, so no reader keeps a branch per older save."""
+and then every key the new format writes is required, so no reader keeps a branch per older save.
+Format 2: the layout records train.virtual_stages and the chunks' boundaries (a rank's ZeRO-1
+partition holds its v chunks' parameters, so a reader of format 1 would restore it into other layers)."""
 ENGINE_ZERO_STAGE = "engine_zero_stage"
 """complete.json's ZeRO stage of the engine that saved (launch/analysis/engine_memory.py:
 built_zero_stage), which may differ from the recipe's train.zero_stage."""
@@ -148,17 +150,30 @@ def _check_saved_train(need, train: Dict[str, Any]) -> None:
 
 
 def _check_saved_layout(need, layout: Any, n_layer: int) -> None:
-    """(tp, pp, dp, cp, ep) and the stage boundaries `parts`: pp + 1 layer indices from 0 up, or []
-    (a pipeline cut by DeepSpeed, by counting blocks)."""
-    need("layout", layout, isinstance(layout, dict), "an object of tp, pp, dp, cp, ep, parts")
-    for key in ("tp", "pp", "dp", "cp", "ep"):
+    """(tp, pp, dp, cp, ep, virtual_stages), the stage boundaries `parts`: pp + 1 layer indices from 0
+    up, or [] (a pipeline cut by DeepSpeed, by counting blocks), and at v > 1 the chunks' boundaries
+    `chunk_parts`: pp x v + 1 of them ([] at v = 1)."""
+    need("layout", layout, isinstance(layout, dict), "an object of tp, pp, dp, cp, ep, virtual_stages, parts, "
+                                                     "chunk_parts")
+    for key in ("tp", "pp", "dp", "cp", "ep", "virtual_stages"):
         value = layout.get(key, _ABSENT)
         need(f"layout.{key}", value, _count(value, 1), "an integer >= 1")
     need("layout.pp", layout["pp"], layout["pp"] <= n_layer, f"at most model.n_layer={n_layer} (a block per stage)")
     parts = layout.get("parts", _ABSENT)
-    need("layout.parts", parts, parts == [] or isinstance(parts, list) and len(parts) == layout["pp"] + 1
-         and all(_count(p) for p in parts) and parts[0] == 0 and parts == sorted(parts),
+    need("layout.parts", parts, parts == [] or _boundaries(parts, layout["pp"]),
          f"{layout['pp'] + 1} layer indices from 0 up (the stage boundaries) or []")
+    v, chunks = layout["virtual_stages"], layout.get("chunk_parts", _ABSENT)
+    if v == 1:
+        need("layout.chunk_parts", chunks, chunks == [], "[] at virtual_stages=1 (no chunks)")
+    else:
+        need("layout.chunk_parts", chunks, _boundaries(chunks, layout["pp"] * v),
+             f"{layout['pp'] * v + 1} layer indices from 0 up (the boundaries of pp x virtual_stages chunks)")
+
+
+def _boundaries(found: Any, stages: int) -> bool:
+    """`stages` + 1 layer indices from 0 up: where each stage's layers begin, and the end."""
+    return (isinstance(found, list) and len(found) == stages + 1 and all(_count(p) for p in found)
+            and found[0] == 0 and found == sorted(found))
 
 
 MODEL_KEYS, MOE_KEYS = ({f.name for f in dataclasses.fields(kind)} for kind in (ModelConfig, MoEConfig))

@@ -216,17 +216,6 @@ def check_virtual_stages(recipe: Recipe, pp: int, microbatches: int) -> None:
                           f"train.virtual_stages=1 or train.compile=false")
 
 
-def fill_saved_virtual_stages(meta: dict) -> None:
-    """A checkpoint's layout records train.virtual_stages and the chunks' boundaries (`Layout`); one saved
-    before it did records neither. Its v is then its recipe's, and at v > 1 its chunks are unknown (None,
-    equal to no cut), so that a resume re-shards it (launch/checkpoints/locate.py: same_layout) rather
-    than restore each rank's flat optimizer state into layers that may be other ones."""
-    layout, train = meta["layout"], meta["recipe"]["train"]
-    if "virtual_stages" not in layout:
-        v = train.get("virtual_stages", 1)
-        layout.update(virtual_stages=v, chunk_parts=[] if v == 1 else None)
-
-
 def check_tensor_split(model: ModelConfig, tp: int) -> None:
     """The MLP width and the key/value heads of a valid model (ModelConfig.validate) against --tp."""
     full = model.resolved()  # the arch preset's switches filled in

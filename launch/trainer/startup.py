@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from data.fingerprint import data_fingerprint
 from launch.analysis.partition import check_muon_stages, with_stage_boundaries
 from launch.config.cli import training_recipe
-from launch.config.layout import Layout, check_and_derive_layout, fill_saved_virtual_stages, runs_zero_bubble
+from launch.config.layout import Layout, check_and_derive_layout, runs_zero_bubble
 from launch.config.recipe import Recipe
 from launch.engine.distributed import (check_precision_supported, ensure_open_file_limit,
                                         ensure_single_process_env, on_cpu)
@@ -80,8 +80,6 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     if args.load is not None:
         from launch.checkpoints.locate import find_resume_point
         resume_from = find_resume_point(args.load, args.save, is_writer=os.environ["RANK"] == "0")
-        if resume_from is not None:  # a checkpoint of a version that recorded no v: its recipe's
-            fill_saved_virtual_stages(resume_from.meta)
     if args.save is not None:  # before the data: another run's checkpoints there cost nothing to refuse
         from launch.checkpoints.locate import refuse_another_runs_save_dir
         refuse_another_runs_save_dir(args.save, resume_from)

@@ -17,7 +17,7 @@ from helpers.file_tree import file_tree
 from helpers.parity_runs import REFERENCE, SAVE_AT, STEPS
 from helpers.distributed import run_distributed, uses_deepspeed
 from helpers.launcher import TINY, launch_forked, read_metrics
-from launch.checkpoints.manifest import REQUIRED
+from launch.checkpoints.manifest import CHECKPOINT_FORMAT, REQUIRED
 from launch.train import main
 
 
@@ -52,8 +52,10 @@ def test_bad_checkpoints_are_one_line_errors(parity_runs, tmp_path, monkeypatch,
     assert "is damaged" in err and layer.name in err
     meta = json.loads((ck / f"step{STEPS:08d}" / "complete.json").read_text())
     assert meta["step"] == STEPS and meta["recipe"]["model"]["vocab_size"] == 4096
-    # A real save writes format 1 and every key that format requires, and nothing the check leaves out.
-    assert meta["format"] == 1 and set(meta) == set(REQUIRED), set(meta) ^ set(REQUIRED)
+    # A real save writes format 2 and every key that format requires, and nothing the check leaves out;
+    # its layout records one chunk per pipeline rank and no chunk boundaries.
+    assert meta["format"] == 2 and set(meta) == set(REQUIRED), set(meta) ^ set(REQUIRED)
+    assert meta["layout"]["virtual_stages"] == 1 and meta["layout"]["chunk_parts"] == [], meta["layout"]
 
 
 def test_one_command_line_starts_a_run_and_resumes_it(parity_runs, tmp_path, capsys):
@@ -182,7 +184,7 @@ def test_unreadable_manifest_or_latest_is_an_error_not_an_older_checkpoint(parit
     manifest.write_text(good[:len(good) // 2])  # cut short
     _one_line_error(["--load", str(ck)], capsys, "step00000005", "unreadable complete.json", "JSONDecodeError")
     _one_line_error(["--load", str(ck / "step00000005")], capsys, "unreadable complete.json")
-    manifest.write_text(json.dumps({"format": 1, "step": 5}))  # parses, but is not a manifest
+    manifest.write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": 5}))  # parses, but is not a manifest
     _one_line_error(["--load", str(ck)], capsys, "unreadable complete.json", "no samples, layout, recipe, files")
     manifest.unlink()
     manifest.mkdir()  # reading it is an OSError

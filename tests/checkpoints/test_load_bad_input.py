@@ -112,6 +112,10 @@ def test_a_hand_written_manifest_loads(tmp_path):
     (json.dumps(_with("layout.pp", 9)).encode(), ["layout.pp=9, expected at most model.n_layer=4"]),
     (json.dumps(_with("layout.parts", "0,6")).encode(), ["layout.parts='0,6', expected 2 layer indices"]),
     (json.dumps(_with("layout.parts", None)).encode(), ["no layout.parts, expected 2 layer indices"]),
+    (json.dumps(_with("layout.virtual_stages", None)).encode(), ["no layout.virtual_stages, expected an integer >= 1"]),
+    (json.dumps(_with("layout.chunk_parts", [0, 3, 6])).encode(),
+     ["layout.chunk_parts=[0, 3, 6], expected [] at virtual_stages=1"]),
+    (json.dumps(_with("layout.virtual_stages", 2)).encode(), ["layout.chunk_parts=[], expected 3 layer indices"]),
     (json.dumps(_with("files", [])).encode(), ["files=[], expected an object"]),
     (json.dumps(_with("files", {"../../etc/passwd": 1})).encode(), ["'../../etc/passwd', expected a path inside"]),
     (json.dumps(_with("files", {"a.pt": "1"})).encode(), ["files['a.pt']='1', expected a size in bytes"]),
@@ -128,15 +132,16 @@ def test_a_manifest_of_another_shape_is_one_line(manifest, words, tmp_path):
     _refused(ck / TAG, "has an unreadable complete.json", *words)  # the tag directory itself
 
 
-@pytest.mark.parametrize("found,shown", [(None, "no format"), (0, "format 0"), (2, "format 2"), ("1", "format '1'"),
-                                         (True, "format true")])
+@pytest.mark.parametrize("found,shown", [(None, "no format"), (0, "format 0"), (1, "format 1"), (3, "format 3"),
+                                         ("2", "format '2'"), (True, "format true")])
 def test_a_manifest_of_another_format_is_one_line_naming_it(found, shown, tmp_path):
-    """Format 1 is what this version writes and reads (launch/checkpoints/locate.py: CHECKPOINT_FORMAT);
-    any other, or none, is refused before any other key is read, whatever the rest holds."""
+    """Format 2 is what this version writes and reads (launch/checkpoints/manifest.py: CHECKPOINT_FORMAT;
+    format 1 recorded no virtual stages); any other, or none, is refused before any other key is read,
+    whatever the rest holds."""
     bare = {"step": 5} if found is None else {"format": found}  # the rest of the manifest missing too
     for name, meta in (("whole", _with("format", found)), ("bare", bare)):
         ck = _save_dir(tmp_path / name / "ck", meta)
-        message = _refused(ck, f"checkpoint {str(ck / TAG)!r} has {shown}; this version reads format 1: resume it "
+        message = _refused(ck, f"checkpoint {str(ck / TAG)!r} has {shown}; this version reads format 2: resume it "
                                f"with the version that wrote it")
         assert "unreadable" not in message
 
@@ -251,11 +256,11 @@ def test_through_train_main_exit_2_one_line(tmp_path, monkeypatch, capsys):
     _one_line_exit_2(["--load", str(_save_dir(tmp_path / "newer", _with("recipe.model.new_thing", 1)))], capsys,
                      "was written by a newer version: its recipe has model.new_thing")
     _one_line_exit_2(["--load", str(_save_dir(tmp_path / "step", _with("step", "7")))], capsys, "step='7'")
-    for found, shown in ((None, "no format"), (0, "format 0"), (2, "format 2")):
+    for found, shown in ((None, "no format"), (1, "format 1"), (3, "format 3")):
         ck = _save_dir(tmp_path / f"format-{found}", _with("format", found))
         kept = file_tree(ck)
         _one_line_exit_2(["--save", str(ck), "--load", str(ck)], capsys,
-                         f"checkpoint {str(ck / TAG)!r} has {shown}; this version reads format 1")
+                         f"checkpoint {str(ck / TAG)!r} has {shown}; this version reads format 2")
         assert file_tree(ck) == kept
     out = _save_dir(tmp_path / "out", _meta(step=7, samples=112))
     _one_line_exit_2(["--load", str(_save_dir(tmp_path / "abs", _meta(), str(out / TAG).encode()))], capsys,

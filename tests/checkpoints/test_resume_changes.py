@@ -12,7 +12,7 @@ def test_sequence_parallelism_may_change_on_resume_the_shape_may_not(tmp_path):
     from launch.checkpoints.locate import CheckpointRef, check_compatible
     from launch.config.recipe import Recipe
     from launch.errors import ConfigError
-    layout = {"tp": 2, "pp": 2, "dp": 1, "cp": 1, "ep": 1, "parts": []}
+    layout = {"tp": 2, "pp": 2, "dp": 1, "cp": 1, "ep": 1, "virtual_stages": 1, "parts": [], "chunk_parts": []}
     ref = CheckpointRef(tmp_path, "step00000005", complete_json(Recipe().to_dict(), layout))
     now = Recipe()
     now.model.sequence_parallel = True
@@ -33,7 +33,8 @@ def test_a_change_of_zero_stage_re_shards_except_fp16_and_experts_at_zero_0(tmp_
     from launch.errors import ConfigError
 
     def layout(tp, pp, dp, parts=(0, 3, 6)):
-        return {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "ep": 1, "parts": list(parts)}
+        return {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "ep": 1, "virtual_stages": 1, "parts": list(parts),
+                "chunk_parts": []}
 
     def recipe(**train):
         r = Recipe()

@@ -206,7 +206,7 @@ def test_a_checkpoint_resumes_only_with_its_optimizer(tmp_path):
     from launch.checkpoints.locate import CheckpointRef, check_compatible
     from launch.config.recipe import Recipe
     from launch.errors import ConfigError
-    layout = {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1, "parts": []}
+    layout = {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1, "virtual_stages": 1, "parts": [], "chunk_parts": []}
     ref = CheckpointRef(tmp_path, "step00000005", complete_json(Recipe().to_dict(), layout))  # AdamW's
     now = Recipe()
     check_compatible(ref, now.to_dict(), layout)
