@@ -32,9 +32,7 @@ def restore(engine: PipelineEngine, resume_from: Optional[CheckpointRef], layout
               + ("" if stages[0] == stages[1] else f", ZeRO-{stages[0]} state re-sharded for ZeRO-{stages[1]}")
               + ("" if same_layout(saved, vars(layout)) else
                  f", re-sharded from tp={saved['tp']} pp={saved['pp']} dp={saved['dp']}"
-                 + (f" cp={saved.get('cp', 1)}" if layout.cp > 1 or saved.get("cp", 1) > 1 else "")
-                 + (f" ep={saved.get('ep', 1)}" if layout.ep > 1 or saved.get("ep", 1) > 1 else "")
-                 + (f" virtual_stages={saved.get('virtual_stages', 1)}" if layout.virtual_stages > 1
-                    or saved.get("virtual_stages", 1) != 1 else "") + " "
+                 + "".join(f" {key}={saved[key]}" for key in ("cp", "ep", "virtual_stages")
+                           if getattr(layout, key) > 1 or saved[key] > 1) + " "
                  f"(stage boundaries {list(saved['parts'])} -> {list(layout.parts)})"), flush=True)
     return step + 1, samples
