@@ -296,7 +296,7 @@ def metrics_logger(job: TrainingJob, arithmetic: RunArithmetic, first_step: int)
                              dataclasses.asdict(job.layout_choice) if job.layout_choice else None)),
                          arithmetic,
                          resume_after_step=first_step - 1 if resume_from is not None else None,
-                         wandb_run_id=resume_from.meta.get("wandb_run_id") if resume_from is not None else None)
+                         wandb_run_id=resume_from.meta["wandb_run_id"] if resume_from is not None else None)
 
 
 def timeline_recorder(engine: PipelineEngine, out: Optional[Path], steps_to_time: int, steps: int,

@@ -87,7 +87,7 @@ def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
     refuse_a_requeue_loop(args.save, args.load, resume_from, recipe.train.max_starts_without_progress)
     if resume_from is not None and not args.restart_data:  # an unpinned hub source: the commit it trained on
         from data.fingerprint import at_saved_commit
-        recipe.data = at_saved_commit(recipe.data, resume_from.meta.get("data_fingerprint"))
+        recipe.data = at_saved_commit(recipe.data, resume_from.meta["data_fingerprint"])
     data, vocab_size = load_run_data(recipe, layout)
     layout = with_stage_boundaries(layout, recipe, vocab_size)  # the stage boundaries need the vocabulary
     check_muon_stages(recipe, layout, vocab_size)
