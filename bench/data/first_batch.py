@@ -206,7 +206,7 @@ def main() -> None:
           f"{'RSS peak MiB':>12} {'formula MiB':>11} {'peak/formula':>12}")
     for r in rows:
         print(f"{r['old'][:8] or 'now':>8} {r['dp']:>3} {r['streams']:>7} {r['launch_s']:>8.2f} {r['first_s']:>8.2f} {r['first_cpu_s']:>11.2f} "
-              f"{r.get('step_s', float('nan')):>8.2f} "
+              f"{r['step_s']:>8.2f} "
               f"{r['first_rss'] / mib:>13.0f} {r['peak_rss'] / mib:>12.0f} " +
               (f"{'-':>11} {'-':>12}" if r["old"] else  # the formula is of the code as it is
                f"{r['predicted'] / mib:>11.0f} {r['peak_rss'] / r['predicted']:>12.2f}"))
