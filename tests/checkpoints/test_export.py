@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.nn import functional
 from safetensors.torch import load_file
-from transformers import GPT2Config, GPT2LMHeadModel, pipeline
+import transformers  # the model classes load on first use (transformers' lazy module), not at collection
 
 from helpers.fake_groups import fake_groups
 from launch import evaluate, export_hf, train
@@ -72,7 +72,7 @@ def test_hf_weights_round_trip_bitwise_through_every_tp_split():
     """export(import(w)) == w: GPT-2 weights -> shards of tp=2 and tp=4 -> merged -> GPT-2."""
     config = GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=8, vocab_size=97, vocab_pad_multiple=8)
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(**gpt2_config_kwargs(config)))
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2_config_kwargs(config)))
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_()  # every value distinct, biases and LayerNorms included
@@ -122,7 +122,7 @@ def _windows(batches, n_micro):
 
 
 def _hf_loss(path, x, y) -> float:
-    hf = GPT2LMHeadModel.from_pretrained(path).eval()
+    hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
     with torch.no_grad():
         logits = hf(x).logits
     return functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item()
@@ -141,7 +141,7 @@ def test_export_computes_our_loss_and_generates(run, data):
     val_loss = read_metrics(run / "m.jsonl")[-1]["val_loss"]  # the run's own, at tp=2 pp=2
     assert _close(ours, theirs) and _close(val_loss, theirs), (ours, theirs, val_loss)
 
-    generate = pipeline("text-generation", model=str(hf_dir))
+    generate = transformers.pipeline("text-generation", model=str(hf_dir))
     text = generate("The Python", max_new_tokens=8, do_sample=False)[0]["generated_text"]
     assert text.startswith("The Python") and len(generate.tokenizer(text)["input_ids"]) > 2
 
@@ -166,7 +166,7 @@ def _harness_hellaswag(hf_dir, docs, seq_len):
         text = text.strip().replace(" [title]", ". ")
         return re.sub("\\[.*?\\]", "", text).replace("  ", " ")
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     scores, acc, acc_norm = [], 0, 0
     for doc in docs:
         query = preprocess(doc["activity_label"] + ": " + doc["ctx_a"] + " " + doc["ctx_b"].capitalize())

@@ -15,7 +15,7 @@ import struct
 import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+import transformers  # the model classes load on first use (transformers' lazy module), not at collection
 
 from data.builtin import builtin_tokenizer_dir, load_tokenizer
 from data.spec import DataError
@@ -106,7 +106,7 @@ def test_a_malformed_tokenizer_stops_training_in_one_line(builtin_dir, tmp_path,
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama") / "model"
-    LlamaForCausalLM(LlamaConfig(**llama_config_kwargs(LLAMA))).save_pretrained(path)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config_kwargs(LLAMA))).save_pretrained(path)
     check_hf_source(str(path), LLAMA, resuming=False)  # the cases' directory before its damage passes
     return path
 
@@ -266,7 +266,7 @@ def tiny_gpt2_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "gpt2"
     tokenizer = load_tokenizer("builtin")
     config = load_recipe(TINY, []).gpt_config(len(tokenizer), tokenizer.eos_token_id)
-    GPT2LMHeadModel(GPT2Config(**gpt2_config_kwargs(config))).save_pretrained(path)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2_config_kwargs(config))).save_pretrained(path)
     check_hf_source(str(path), config, resuming=False)
     return path
 

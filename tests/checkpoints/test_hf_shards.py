@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+import transformers  # the model classes load on first use (transformers' lazy module), not at collection
 
 from helpers.fake_groups import fake_groups
 from launch.checkpoints.hf_safetensors import load_hf_shards_into
@@ -38,9 +38,9 @@ def _tp_model(config: GPTConfig, tp: int, rank: int, monkeypatch) -> GPT:
 def _saved(config: GPTConfig, path, max_shard_size):
     torch.manual_seed(0)
     if config.arch == "llama":
-        hf = LlamaForCausalLM(LlamaConfig(**llama_config_kwargs(config)))
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config_kwargs(config)))
     else:
-        hf = GPT2LMHeadModel(GPT2Config(**gpt2_config_kwargs(config)))
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2_config_kwargs(config)))
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_()  # every value distinct, norms and biases included
@@ -70,7 +70,7 @@ def test_lazy_shards_equal_the_split_of_the_whole_model(case, sharded, tmp_path,
 
 def test_a_source_without_safetensors_is_refused_in_one_line(tmp_path):
     config = CASES["llama-untied"]
-    hf = LlamaForCausalLM(LlamaConfig(**llama_config_kwargs(config)))
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config_kwargs(config)))
     hf.config.save_pretrained(tmp_path)
     torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
     with pytest.raises(ConfigError) as error:
@@ -131,7 +131,7 @@ def test_the_export_writes_shards_and_an_index_transformers_loads(tmp_path):
     assert len(files) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
     largest = max(t.numel() * t.element_size() for t in weights.values())
     assert all(f.stat().st_size <= max(limit, largest) + 4096 for f in files)  # + the header
-    loaded = LlamaForCausalLM.from_pretrained(tmp_path).state_dict()
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).state_dict()
     assert [k for k, v in weights.items() if not torch.equal(loaded[k], v)] == []
     ours = GPT(config)
     load_hf_shards_into(ours, str(tmp_path), config, False, 0, 1)

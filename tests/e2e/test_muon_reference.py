@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch.nn import functional
-from transformers import GPT2Config, GPT2LMHeadModel
+import transformers  # the model classes load on first use (transformers' lazy module), not at collection
 
 from helpers.launcher import TINY
 from helpers.parity_runs import STEPS
@@ -41,7 +41,7 @@ def test_muon_run_matches_plain_muon_on_transformers_gpt2(parity_runs, tmp_path)
     train_cfg = recipe.train
     run_data, vocab_size = load_run_data(recipe, check_and_derive_layout(recipe, 1, 1, 1, on_cpu=True))
     config = recipe.gpt_config(vocab_size)
-    hf = GPT2LMHeadModel(GPT2Config(**gpt2_config_kwargs(config)))
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2_config_kwargs(config)))
     hf.load_state_dict(to_gpt2_state_dict(GPT(config)), strict=False)  # the step-0 weights of every layout
 
     matrices = {name: (p, MUON_MATRICES[name.split(".", 3)[3]]) for name, p in hf.named_parameters()

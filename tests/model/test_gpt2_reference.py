@@ -2,7 +2,7 @@
 same weights, and the same gradients."""
 import torch
 from torch.nn import functional
-from transformers import GPT2Config, GPT2LMHeadModel
+import transformers  # the model classes load on first use (transformers' lazy module), not at collection
 
 from model.config import GPTConfig
 from model.gpt.model import GPT
@@ -14,7 +14,7 @@ def test_dense_gpt_matches_transformers_gpt2():
     config = GPTConfig(n_layer=2, n_head=4, n_embd=32, seq_len=16, vocab_size=97,
                        vocab_pad_multiple=8, seed=3)
     ours = GPT(config)
-    theirs = GPT2LMHeadModel(GPT2Config(**gpt2_config_kwargs(config)))
+    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2_config_kwargs(config)))
     missing, unexpected = theirs.load_state_dict(to_gpt2_state_dict(ours), strict=False)
     assert not unexpected and all(k.endswith("attn.bias") or k.endswith("masked_bias") for k in missing), (missing, unexpected)
     ours.eval(), theirs.eval()
