@@ -1,14 +1,15 @@
-"""Checkpoints under real failures, through DeepSpeed's launcher on CPU: a SIGKILL while a
-checkpoint is being written leaves `latest` on a complete one, and so does one during an
-asynchronous save's background write (the resume then bit for bit); SIGTERM to the `deepspeed` command
-makes every rank finish the step, save together and exit 0, and the run resumes; a frozen rank
-is named by the others, killed by a sibling and the job ends; a signalled rank whose peer is
-frozen leaves after the grace. (Bad checkpoints, durability, --keep-last:
+"""Checkpoints under real failures on CPU: a SIGKILL while a checkpoint is being written leaves
+`latest` on a complete one, and so does one during an asynchronous save's background write (the
+resume then bit for bit); SIGTERM to the `deepspeed` command makes every rank finish the step, save
+together and exit 0, and the run resumes; a frozen rank is named by the others, killed by a sibling
+and the job ends; a signalled rank whose peer is frozen leaves after the grace. The tests whose
+subject is DeepSpeed's launcher (its SIGTERM, its wait for a frozen rank) start it; those whose
+subject is what the ranks do (a save, a stop's grace) fork the same ranks (helpers/children.py:
+ForkedRun). (Bad checkpoints, durability, --keep-last:
 tests/checkpoints/test_checkpoint.py; a second signal and the same request's rules, in process:
 tests/runtime/test_silent_rank.py. A killed rank on gloo: its peers' next collective fails at once
 with "a peer rank probably died" (tests/runtime/test_failures.py checks that line's hint); the
 heartbeat's part shows only with a rank that is silent but connected, the frozen ranks here.)"""
-import os
 import signal
 import subprocess
 import threading
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from launch.engine.distributed import launcher_command
+from helpers.children import ForkedRun
 from helpers.launcher import REPO, TINY, launch_forked, read_metrics
 from helpers.parity_runs import STEPS
 
@@ -59,20 +61,32 @@ def _wait_for(predicate, timeout=240):
     return False
 
 
+def _forked(n, args, env=None) -> ForkedRun:
+    return ForkedRun(n, ["--recipe", str(TINY)] + args, env=env)
+
+
+def _output(run: ForkedRun) -> str:
+    """A forked run's output once it has ended (a failed check ends it first)."""
+    run.kill()
+    proc = run.result()
+    return (proc.stdout + proc.stderr)[-3000:]
+
+
 def _kill_while_saving(ck: Path) -> bool:
     """Run with a save every step and SIGKILL every rank as soon as a checkpoint directory
     exists without complete.json. True if the kill landed mid-save (a fast save can finish
     between the check and the kill; the caller retries)."""
     # A wider model makes each save take longer, so the kill lands inside one.
-    job = _start(2, ["--pp", "2", "--steps", "100", "--save", str(ck), "--save-every", "1",
-                     "--set", "model.n_embd=256"])
+    job = _forked(2, ["--pp", "2", "--steps", "100", "--save", str(ck), "--save-every", "1",
+                      "--set", "model.n_embd=256"])
+    ranks = job.ranks()
 
     def saving_now():
         return (ck / "latest").exists() and any(not (d / "complete.json").exists() for d in ck.glob("step*"))
-    assert _wait_for(saving_now), job.communicate()[0][-3000:]
-    for p in _training_pids(job):
+    assert _wait_for(saving_now), _output(job)
+    for p in ranks:
         p.kill()
-    job.wait(timeout=120)
+    assert job.result(timeout=120).returncode == -signal.SIGKILL
     latest = (ck / "latest").read_text()
     assert (ck / latest / "complete.json").exists()  # whatever the timing: latest is complete
     incomplete = [d.name for d in ck.glob("step*") if not (d / "complete.json").exists()]
@@ -105,16 +119,13 @@ def test_kill_9_during_a_background_write_resumes_bitwise(tmp_path, parity_runs)
     and weights bit for bit."""
     ck, first = tmp_path / "ck", tmp_path / "first.jsonl"
     async_run = ["--pp", "2", "--steps", str(STEPS), "--save", str(ck), "--set", "train.async_save=true"]
-    cmd = launcher_command(2, REPO / "launch" / "train.py") + ["--recipe", str(TINY)] + async_run + [
-        "--save-every", "2", "--metrics-out", str(first)]
-    job = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, GPT3D_SLOW_SAVE="8"), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+    job = _forked(2, async_run + ["--save-every", "2", "--metrics-out", str(first)], env={"GPT3D_SLOW_SAVE": "8"})
+    ranks = job.ranks()
     held = ck / "step00000004" / "rng" / "rank_1.pt"  # rank 1's last file: its writer now waits 8 s
-    assert _wait_for(held.exists), job.communicate()[0][-3000:]
+    assert _wait_for(held.exists), _output(job)
     assert (ck / "latest").read_text() == "step00000002"
-    _training_pids(job)[1].kill()
-    job.wait(timeout=120)
-    assert job.returncode != 0
+    ranks[1].kill()
+    assert job.result(timeout=120).returncode != 0
     assert (ck / "latest").read_text() == "step00000002" and not (ck / "step00000004" / "complete.json").exists()
     _, resumed = _train(2, tmp_path, "resumed", async_run + ["--load", str(ck)])
     full = parity_runs[(1, 2, 1)]
@@ -279,13 +290,12 @@ def test_sigterm_while_a_peer_is_frozen_leaves_after_the_grace(tmp_path):
     collectives allowed longer than the test): rank 0 leaves without a save within
     train.stop_grace_s (5) + 15 s, with one line, exit 128+15; `latest` stays complete."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    job = _start(2, ["--pp", "2", "--steps", "1000", "--save", str(ck), "--save-every", "2",
-                     "--metrics-out", str(metrics), "--set", "train.stop_grace_s=5",
-                     "--set", "train.heartbeat_timeout_s=600", "--set", "train.dist_timeout_s=600"])
-    ranks = []
+    job = _forked(2, ["--pp", "2", "--steps", "1000", "--save", str(ck), "--save-every", "2",
+                      "--metrics-out", str(metrics), "--set", "train.stop_grace_s=5",
+                      "--set", "train.heartbeat_timeout_s=600", "--set", "train.dist_timeout_s=600"])
     try:
+        ranks = job.ranks()
         assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
-        ranks = _training_pids(job)
         ranks[1].suspend()
         time.sleep(1.0)  # rank 0 is now waiting for rank 1 inside the step
         ranks[0].send_signal(signal.SIGTERM)
@@ -295,8 +305,10 @@ def test_sigterm_while_a_peer_is_frozen_leaves_after_the_grace(tmp_path):
         print(f"rank 0 left {seconds:.1f} s after SIGTERM")
         assert seconds >= 5.0
     finally:
-        (ranks[1] if ranks else job).kill()  # frozen: the launcher would wait 30 s for it
-        out, _ = job.communicate(timeout=60)
+        job.kill()  # rank 1 is frozen: the rank server would wait its own grace for it
+    proc = job.result()
+    assert proc.returncode == 128 + signal.SIGTERM, proc.returncode  # rank 0's, the first to exit
+    out = proc.stdout + proc.stderr
     assert "rank 0: SIGTERM received; saving after this step" in out, out[-3000:]
     line = next((line for line in out.splitlines() if line.startswith("error: rank 0: the step did not end")), "")
     assert ("of the SIGTERM (train.stop_grace_s=5, or twice the longest step); leaving without saving (the last "

@@ -1,9 +1,11 @@
 """The SLURM script (launch/slurm/train.sbatch) through the scheduler's stop sequence, with srun and
-scontrol stubbed (tests/helpers/slurm_stubs/: srun runs the tasks on this host and forwards its
-signals to them, scontrol records a requeue): the early warning (USR1 to the batch shell only,
-`--signal=B:USR1@N`), then the time limit (SIGTERM to every task and to the shell at once) while the
-stop's save runs. The save completes, `latest` names it, the job is requeued, and the requeued
-script resumes from it and finishes without another requeue."""
+scontrol stubbed (tests/helpers/slurm_stubs/: srun runs the tasks on this host, each the script's own
+`bash -c '... exec python launch/train.py'` up to its exec and then launch/train.py in a child forked
+from srun, which has imported torch and DeepSpeed once; it forwards its signals to them; scontrol
+records a requeue): the early warning (USR1 to the batch shell only, `--signal=B:USR1@N`), then the
+time limit (SIGTERM to every task and to the shell at once) while the stop's save runs. The save
+completes, `latest` names it, the job is requeued, and the requeued script resumes from it and
+finishes without another requeue."""
 import os
 import signal
 import subprocess
