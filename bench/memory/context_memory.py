@@ -29,11 +29,11 @@ def configs(seq_len: int):
     return [("gpt2", gpt2, False), ("gpt2 selective", gpt2, True), ("llama gqa kv 2", llama, False)]
 
 
-def _rank(rank: int, cp: int, port: int, seq_len: int, batch: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=cp)
-    torch.set_num_threads(1)
+def measure_this_rank(seq_len: int, batch: int) -> dict:
+    """{block name: bytes saved} on this rank of a gloo group of cp = world size processes (joined
+    already: the bench's spawned ranks, or a test's forked ones)."""
     from model.transformer.block import Block
+    cp = dist.get_world_size()
     group = dist.new_group(list(range(cp))) if cp > 1 else None
     measured = {}
     for name, config, selective in configs(seq_len):
@@ -41,7 +41,14 @@ def _rank(rank: int, cp: int, port: int, seq_len: int, batch: int, results) -> N
         block = Block(config, 0, None, cp_group=group).train()
         x = torch.randn(batch, seq_len // cp, HIDDEN, requires_grad=True)  # this rank's shard
         measured[name] = saved_activation_bytes(lambda: block(x), block.parameters())
-    results[rank] = measured
+    return measured
+
+
+def _rank(rank: int, cp: int, port: int, seq_len: int, batch: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=cp)
+    torch.set_num_threads(1)
+    results[rank] = measure_this_rank(seq_len, batch)
     dist.destroy_process_group()
 
 

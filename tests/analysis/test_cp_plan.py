@@ -200,18 +200,31 @@ def test_long_context_recipe_states_the_planners_memory(capsys):
     assert re.search(rf"activations \(recompute selective\)\s+{stated.group(2)} GiB", out)
 
 
+def _measure_cp_rank(seq_len: int, batch: int, out: Path) -> None:
+    """On each of cp gloo processes: the bench's measurement of this rank's blocks, as JSON."""
+    import torch.distributed as dist
+    from bench.memory.context_memory import measure_this_rank
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(measure_this_rank(seq_len, batch)))
+
+
 @pytest.mark.slow
-def test_real_context_parallel_blocks_save_what_the_planner_counts():
+def test_real_context_parallel_blocks_save_what_the_planner_counts(tmp_path):
     """bench/memory/context_memory.py: GPT-2 (with and without selective recompute) and a GQA Llama block
     on cp = 4 gloo processes, each rank's real Ulysses block on its s/cp tokens, save exactly the
     bytes the planner's formula counts, on every rank (cp = 2 is the bench's too; one size of 4
-    ranks tells s/cp from any other share, at half the test's time)."""
-    from bench.memory.context_memory import configs, measure
-    seq_len, batch = 64, 2
-    for cp in (4,):
-        for name, per_rank in measure(cp, seq_len, batch).items():
-            config, selective = next((c, sel) for n, c, sel in configs(seq_len) if n == name)
-            planned = memory_formulas.model_activation_bytes_per_layer(
-                config, seq_len, batch, selective=selective, element_bytes=4, mask_bytes=0,
-                layernorm_stat_bytes=4, fused_attention=True, cp=cp)
-            assert per_rank == [planned] * cp, (name, cp, per_rank, planned)
+    ranks tells s/cp from any other share, at half the test's time). The ranks are forked from
+    the rank server (helpers.distributed), not spawned as the bench's are: four fresh interpreters
+    importing torch cost more than the measurement."""
+    from bench.memory.context_memory import configs
+    from helpers.distributed import run_distributed
+    seq_len, batch, cp = 64, 2, 4
+    run_distributed(_measure_cp_rank, cp, seq_len, batch, tmp_path)
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(cp)]
+    measured = {name: [r[name] for r in per_rank] for name in per_rank[0]}
+    assert sorted(measured) == sorted(n for n, _, _ in configs(seq_len))
+    for name, per_rank in measured.items():
+        config, selective = next((c, sel) for n, c, sel in configs(seq_len) if n == name)
+        planned = memory_formulas.model_activation_bytes_per_layer(
+            config, seq_len, batch, selective=selective, element_bytes=4, mask_bytes=0,
+            layernorm_stat_bytes=4, fused_attention=True, cp=cp)
+        assert per_rank == [planned] * cp, (name, cp, per_rank, planned)

@@ -116,22 +116,26 @@ def test_fuzzed_start_up_input_is_one_line_or_a_trainable_job(seed, n_cases, tmp
 
 @pytest.mark.slow
 def test_fuzzed_bad_input_through_deepspeed_is_the_same_one_line(tmp_path, monkeypatch, capsys):
-    """A refused recipe file and checkpoint, through `deepspeed --num_gpus 2` as a user starts it: exit
-    code 2, the in-process error line once on stderr, no traceback, no rank started training."""
-    from helpers.launcher import REPO, launch
+    """A refused checkpoint through `deepspeed --num_gpus 2` as a user starts it, and a refused recipe
+    file on 2 ranks forked with the launcher's environment: exit code 2, the in-process error line
+    once on stderr, no traceback, no rank started training. One launch: what the launcher adds (its
+    exit code, its killing the waiting rank once rank 0 has printed) is the same for every refusal,
+    which all leave through report_bad_input; the recipe file's line and exit code are the ranks' own,
+    which the forked ranks show without another launcher and its ranks importing torch again."""
+    from helpers.launcher import REPO, launch, launch_forked
     monkeypatch.chdir(REPO)
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "RANK", "WORLD_SIZE"):
         monkeypatch.setenv(name, "1" if "OFFLINE" in name else "0" if name == "RANK" else "2")
     fuzz = InputFuzz(SEED + 1, tmp_path, builtin_tokenizer_dir(), valid_meta())
     capsys.readouterr()
-    for make in (fuzz.recipe_file, fuzz.checkpoint):
+    for make, start in ((fuzz.recipe_file, launch_forked), (fuzz.checkpoint, launch)):
         for _ in range(20):  # the first case of this kind refused in process
             case = make()
             if main(case.argv) == 2:
                 break
         line = capsys.readouterr().err
         assert line.startswith("error: "), (case.what, line)
-        proc = launch(2, case.argv, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, timeout=300)
+        proc = start(2, case.argv, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, timeout=300)
         assert proc.returncode == 2, (case.what, proc.stderr[-2000:])
         assert proc.stderr.count(line) == 1 and "Traceback" not in proc.stderr + proc.stdout, (case.what, line,
                                                                                              proc.stderr[-3000:])
