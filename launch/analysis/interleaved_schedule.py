@@ -22,6 +22,7 @@ With v = 1 it is 1F1B (DeepSpeed's TrainSchedule, PipeDream-Flush), warm-up p - 
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from launch.config.layout import check_interleaving
@@ -91,6 +92,12 @@ def _per_rank(times: Times, pp: int) -> List[float]:
     return [float(times)] * pp if isinstance(times, (int, float)) else [float(t) for t in times]
 
 
+@functools.lru_cache(maxsize=None)
+def _cached_order(pp: int, virtual_stages: int, microbatches: int) -> Tuple[Tuple[Pass, ...], ...]:
+    """interleaved_order, built once per (p, v, m): a planner search plays hundreds of layouts."""
+    return tuple(tuple(passes) for passes in interleaved_order(pp, virtual_stages, microbatches))
+
+
 def simulate_interleaved(pp: int, virtual_stages: int, microbatches: int, t_forward: Times, t_backward: Times,
                          t_p2p: float = 0.0, order: Optional[Sequence[Sequence[Pass]]] = None) -> List[Event]:
     """Play each rank's passes in order, each starting when its rank is free and its inputs exist:
@@ -99,7 +106,7 @@ def simulate_interleaved(pp: int, virtual_stages: int, microbatches: int, t_forw
     own forward and stage s + 1's backward (a gradient). Pass times are per chunk (a stage's time
     over v), one for all ranks or one per rank. Raises AssertionError if a rank waits for a pass
     that can never run (a deadlock) or runs a pass twice. Events sorted by rank and start."""
-    order = interleaved_order(pp, virtual_stages, microbatches) if order is None else order
+    order = _cached_order(pp, virtual_stages, microbatches) if order is None else order
     t_forward, t_backward = _per_rank(t_forward, pp), _per_rank(t_backward, pp)
     stages = pp * virtual_stages
     done: Dict[Tuple[str, int, int], Tuple[int, float]] = {}  # (kind, stage, micro-batch) -> (rank, end)

@@ -12,6 +12,7 @@ with the chart: the planner runs at every training run's start and needs no matp
 With equal stages this gives 1F1B's bubble (p-1)/(m+p-1) (Narayanan et al. 2021) and, when
 T_F = T_B = T_W, ZB-H1's (p-1)(T_F+T_B-T_W) (Qi et al. 2023, sec. 3.1): tests/model/test_zero_bubble.py.
 """
+import functools
 import os
 from typing import Dict, List, Sequence, Tuple, Union
 
@@ -39,25 +40,31 @@ def instruction_streams(schedule: str, pp: int, microbatches: int) -> List[list]
             for k in range(pp)]
 
 
-def _program(commands: list, stage: int, times: Dict[str, float]) -> List[tuple]:
-    """A stage's stream as ("pass", kind, seconds) and ("send" | "recv", peer, what)."""
-    from deepspeed.runtime.pipe import schedule
+@functools.lru_cache(maxsize=None)
+def _stream_shapes(schedule: str, pp: int, microbatches: int) -> Tuple[Tuple[tuple, ...], ...]:
+    """Every stage's stream as ("pass", "F" | "BW" | "B" | "W") and ("send" | "recv", peer, what),
+    "BW" being 1F1B's whole backward. Once per (schedule, p, m): DeepSpeed's schedule classes build
+    an object per instruction, most of the time of a planner search that plays hundreds of layouts."""
+    from deepspeed.runtime.pipe import schedule as ds_schedule
 
     from launch.analysis.zero_bubble_schedule import BackwardInputPass, WeightPass
-    passes = {schedule.ForwardPass: ("F", times["F"]),
-              schedule.BackwardPass: ("B", times["B"] + times["W"]),  # 1F1B's whole backward
-              BackwardInputPass: ("B", times["B"]), WeightPass: ("W", times["W"])}
-    p2p = {schedule.SendActivation: ("send", stage + 1, "activation"),
-           schedule.RecvActivation: ("recv", stage - 1, "activation"),
-           schedule.SendGrad: ("send", stage - 1, "gradient"),
-           schedule.RecvGrad: ("recv", stage + 1, "gradient")}
-    program = []
-    for cmd in commands:
-        if type(cmd) in passes:
-            program.append(("pass", *passes[type(cmd)]))
-        elif type(cmd) in p2p:
-            program.append(p2p[type(cmd)])
-    return program
+    passes = {ds_schedule.ForwardPass: "F", ds_schedule.BackwardPass: "BW", BackwardInputPass: "B", WeightPass: "W"}
+    shapes = []
+    for stage, commands in enumerate(instruction_streams(schedule, pp, microbatches)):
+        p2p = {ds_schedule.SendActivation: ("send", stage + 1, "activation"),
+               ds_schedule.RecvActivation: ("recv", stage - 1, "activation"),
+               ds_schedule.SendGrad: ("send", stage - 1, "gradient"),
+               ds_schedule.RecvGrad: ("recv", stage + 1, "gradient")}
+        shapes.append(tuple(("pass", passes[type(cmd)]) if type(cmd) in passes else p2p[type(cmd)]
+                            for cmd in commands if type(cmd) in passes or type(cmd) in p2p))
+    return tuple(shapes)
+
+
+def _program(shape: Sequence[tuple], times: Dict[str, float]) -> List[tuple]:
+    """A stage's stream as ("pass", kind, seconds) and ("send" | "recv", peer, what)."""
+    timed = {"F": ("F", times["F"]), "BW": ("B", times["B"] + times["W"]),  # 1F1B's whole backward
+             "B": ("B", times["B"]), "W": ("W", times["W"])}
+    return [("pass", *timed[step[1]]) if step[0] == "pass" else step for step in shape]
 
 
 def simulate_schedule(schedule: str, pp: int, microbatches: int, t_forward: Times, t_backward_input: Times,
@@ -68,8 +75,8 @@ def simulate_schedule(schedule: str, pp: int, microbatches: int, t_forward: Time
     def per_stage(times: Times) -> List[float]:
         return [float(times)] * pp if isinstance(times, (int, float)) else list(times)
     t_forward, t_backward_input, t_weight = per_stage(t_forward), per_stage(t_backward_input), per_stage(t_weight)
-    programs = [_program(commands, k, {"F": t_forward[k], "B": t_backward_input[k], "W": t_weight[k]})
-                for k, commands in enumerate(instruction_streams(schedule, pp, microbatches))]
+    programs = [_program(shape, {"F": t_forward[k], "B": t_backward_input[k], "W": t_weight[k]})
+                for k, shape in enumerate(_stream_shapes(schedule, pp, microbatches))]
     position, clock = [0] * pp, [0.0] * pp
     counts = [{"F": 0, "B": 0, "W": 0} for _ in range(pp)]
     events: List[Event] = []
