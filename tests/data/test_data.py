@@ -137,6 +137,25 @@ def _indices(windows_arr, dp, steps, B=8, b=2, start_sample=0, seed=3):
     return {k: sorted(v) for k, v in per_step.items()}
 
 
+def test_the_corpus_walk_finds_what_ast_walk_finds_in_its_order():
+    """The builtin corpus reads each standard-library module's definitions with a walk of its own
+    (statement lists only, data/builtin.py): the same nodes in ast.walk's order, on standard-library
+    modules and on one with a definition in each kind of body (try, except, match, with)."""
+    import ast
+    import sysconfig
+
+    from data.builtin import _definitions
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    every_body = ("def f():\n    'f'\n    try:\n        def g(): 'g'\n    except E:\n        def h(): 'h'\n"
+                  "    match x:\n        case 1:\n            class C: 'C'\n    with y:\n        async def i(): 'i'\n")
+    sources = [(root / name).read_text(encoding="utf-8") for name in
+               ("argparse.py", "typing.py", "asyncio/base_events.py", "json/decoder.py", "ast.py")] + [every_body]
+    for source in sources:
+        tree = ast.parse(source)
+        assert list(_definitions(tree)) == [n for n in ast.walk(tree) if isinstance(n, kinds)], source[:60]
+
+
 def test_dp_shards_are_disjoint_cover_the_epoch_and_do_not_depend_on_dp():
     n = 40  # 5 steps of 8 per epoch
     ids = np.repeat(np.arange(n)[:, None], 5, axis=1)

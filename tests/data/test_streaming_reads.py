@@ -284,28 +284,29 @@ def test_a_line_unit_in_pieces_holds_its_lines_once(tmp_path, monkeypatch):
             assert got == expected == source.texts(unit), (read, unit)
 
 
-def _prepare_on_each_rank(url: str, unit_bytes: int) -> None:
-    _prepare(_spec(url, unit_bytes=unit_bytes, val_fraction=0.1), load_tokenizer("builtin"), evaluate=True)
+def _prepare_on_each_rank(url: str, unit_bytes: int, cache: str) -> None:
+    import os
+    tokenizer = load_tokenizer("builtin")  # from the test's cache: a tokenizer trained afresh per node costs 5 CPU-s
+    os.environ["GPT3D_CACHE"] = cache  # the node's data cache
+    _prepare(_spec(url, unit_bytes=unit_bytes, val_fraction=0.1), tokenizer, evaluate=True)
 
 
-@pytest.mark.slow  # 4 ranks and three preparations: 15 s of the fast tier
-def test_a_line_sources_start_up_reading_is_done_once_per_node(server, tokenizer, tmp_path, monkeypatch):
+@pytest.mark.slow  # 9 ranks in three launches (~4 CPU-s)
+def test_a_line_sources_start_up_reading_is_done_once_per_node(server, tokenizer, tmp_path):
     """A JSON Lines source's start-up reads units (the streams' size check, the validation
     windows): one process alone fetches some bytes; four ranks of a launch fetch them once between
     them, not four times; a later run on the same node fetches none (the answers are remembered
     under the units, the tokenizer and the settings)."""
     from helpers.distributed import run_distributed
     url, unit_bytes = f"{server.url}/all.jsonl", 32 * 1024
-    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path / "alone"))
     server.reset()
-    run_distributed(_prepare_on_each_rank, 1, url, unit_bytes)
+    run_distributed(_prepare_on_each_rank, 1, url, unit_bytes, str(tmp_path / "alone"))
     alone = server.total()
     assert alone > 4 * unit_bytes, alone  # several units read: a stream's check and the validation windows
-    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path / "node"))
     fetched = []
     for run in (1, 2):
         server.reset()
-        run_distributed(_prepare_on_each_rank, 4, url, unit_bytes)
+        run_distributed(_prepare_on_each_rank, 4, url, unit_bytes, str(tmp_path / "node"))
         fetched.append(server.total())
     # Each rank still reads the first record of the file itself (its text field checked): 4 KiB.
     first_record = 4096
@@ -376,9 +377,12 @@ def _train_on_each_rank(url: str, caches: str, out: str, pp: int, cp: int) -> No
     from launch.feed.replica_reader import replica_reader_groups
     from model.parallel.state import init_parallel_state
     rank = int(os.environ["RANK"])
+    # The tokenizer from the test's cache (the module's fixture built it), before the node's own
+    # data cache: training the builtin BPE afresh on each of 8 nodes cost 5 CPU-s a rank, and the
+    # store never sees it (it is built from the Python's own text).
+    tokenizer = load_tokenizer("builtin")
     os.environ["GPT3D_CACHE"] = f"{caches}/node{rank}"
     state = init_parallel_state(1, pp, cp)
-    tokenizer = load_tokenizer("builtin")
     data = _prepare(_spec(url, streams=None), tokenizer)
     batches = data.train_batches(state.dp_rank, state.dp_size)
     drawn = data.feed(batches, *replica_reader_groups(state, data.streamed), torch.device("cpu"))
@@ -400,9 +404,9 @@ def _union_bytes(requests) -> int:
     return total
 
 
-@pytest.mark.slow  # 8 processes: ~55 CPU-s each layout; the fast tier's 4 ranks list the units once per job
+@pytest.mark.slow  # 8 processes (~4 CPU-s each layout); the fast tier's 4 ranks list the units once per job
 @pytest.mark.parametrize("pp,cp", [(1, 1), (2, 2)], ids=["dp8", "pp2-cp2-dp2"])
-def test_a_job_of_separate_processes_fetches_each_byte_once(pp, cp, job_server, tmp_path):
+def test_a_job_of_separate_processes_fetches_each_byte_once(pp, cp, job_server, tokenizer, tmp_path):
     """Eight ranks, each a process on a node of its own sharing nothing but the job's rendezvous
     store, train JOB_STEPS steps (a stream per sample) at dp 8, and at pp 2 x cp 2 x dp 2, where
     the runtime's wiring lets one rank of each replica's four read: the server sends each byte
