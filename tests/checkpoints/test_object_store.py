@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.builtin_cache import cache_with_builtin
 from helpers.distributed import run_distributed, uses_deepspeed
 from helpers.launcher import TINY, launch_forked, read_metrics
 from helpers.s3_server import s3_server
@@ -203,7 +204,7 @@ def test_save_prune_export_and_resume_at_another_layout_on_s3(s3, tmp_path, monk
     url = f"s3://{BUCKET}/run"
     full = tmp_path / "full.jsonl"
     _run(2, ["--save", url, "--save-every", "2", "--keep-last", "2", "--metrics-out", str(full)],
-         dict(s3, GPT3D_CACHE=str(tmp_path / "cache-a")))
+         dict(s3, GPT3D_CACHE=str(cache_with_builtin(tmp_path / "cache-a"))))
     fs, listed = _bucket("run")
     assert sorted({name.split("/")[0] for name in listed}) == ["latest", "step00000004", "step00000005"], listed
     assert fs.cat_file(f"{BUCKET}/run/latest") == b"step00000005"
@@ -229,7 +230,7 @@ def test_save_prune_export_and_resume_at_another_layout_on_s3(s3, tmp_path, monk
     fs.pipe_file(f"{BUCKET}/run/latest", b"step00000004")
     resumed = tmp_path / "resumed.jsonl"
     out = _run(1, ["--save", url, "--load", url, "--keep-last", "1", "--metrics-out", str(resumed)],
-               dict(s3, GPT3D_CACHE=str(tmp_path / "cache-b")))  # another node: nothing local
+               dict(s3, GPT3D_CACHE=str(cache_with_builtin(tmp_path / "cache-b"))))  # another node: no checkpoint files
     assert "deleted from s3://ckpt/run: step00000005" in out, out[-2000:]
     assert "at step 4 (64 samples consumed)" in out and "re-sharded from tp=1 pp=1 dp=2" in out, out[-2000:]
     [again] = read_metrics(resumed)

@@ -12,6 +12,7 @@ from data.run import prepare_run_data
 from data.sampler import micro_batches
 from data.spec import DataError, DataSpec
 from data.windows import prepare_streams, windows
+from helpers.builtin_cache import cache_with_builtin
 from helpers.distributed import run_distributed
 from helpers.launcher import REPO, TINY, launch_forked
 
@@ -106,12 +107,7 @@ def _outcomes(out_dir):
 @pytest.mark.slow
 def test_cache_is_built_once_across_processes_and_reused(docs, tmp_path, fresh_cache):
     paths = _write_formats(docs, tmp_path)
-    cache_dir = tmp_path / "shared-cache"
-    # The tokenizer is already cached; copy it so that only the data cache is new.
-    import shutil
-    for entry in fresh_cache.iterdir():
-        if entry.name.startswith(("builtin-bpe", "builtin-corpus")):
-            shutil.copytree(entry, cache_dir / entry.name)
+    cache_dir = cache_with_builtin(tmp_path / "shared-cache")  # only the data cache is new
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()

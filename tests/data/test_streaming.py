@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from data.builtin import load_tokenizer
-from data.cache import default_cache_dir
 from data.run import prepare_run_data
 from data.spec import DataError, DataSpec
 from data.streaming import merge_states
 from data.units import Unit, UnitSource, UnitTable
+from helpers.builtin_cache import cache_with_builtin
 from helpers.launcher import TINY, launch_forked, read_metrics
 from helpers.stream_corpus import document_texts, served, window_ids, write_corpus
 from helpers.stream_steps import windows_per_step
@@ -274,11 +274,7 @@ def _tp_feed_body(corpus_dir: str):
 
 def test_tp_peers_read_once_and_share(corpus, tmp_path, monkeypatch):
     from helpers.distributed import run_distributed
-    # A data cache of the test's own, with the shared builtin tokenizer copied in (not trained again).
-    for entry in default_cache_dir().iterdir():
-        if entry.name.startswith(("builtin-bpe", "builtin-corpus")):
-            shutil.copytree(entry, tmp_path / "cache" / entry.name)
-    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("GPT3D_CACHE", str(cache_with_builtin(tmp_path / "cache")))
     run_distributed(_tp_feed_body, 2, str(corpus))
 
 
