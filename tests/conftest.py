@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402 (after the thread setting: torch reads it when first imported)
 
 from helpers import launcher
-from helpers.forked import stop_rank_server
+from helpers.forked import start_rank_server, stop_rank_server
 from helpers.launcher import refuse_in_fast_tier
 from helpers.parity_runs import ParityRuns
 from helpers.scheduling import WAITING_WORKER, WaitingApartScheduling, order_for_workers
@@ -54,8 +54,17 @@ def pytest_runtest_protocol(item, nextitem):
         launcher.fast_test, subprocess.Popen = None, popen
 
 
+def pytest_sessionstart(session):
+    """The session's one rank server (tests/helpers/rank_server.py), started by its process (the
+    xdist controller, or pytest under `-n 0`) before any worker: it outlives every worker, and runs
+    at the session's priority, which a reniced worker (pytest_configure) could not give it back
+    without privileges. It imports torch only when a test first forks ranks."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        start_rank_server()
+
+
 def pytest_sessionfinish(session):
-    stop_rank_server()  # tests/helpers/rank_server.py, if a test started it
+    stop_rank_server()  # in the session's process: the server ends with the session
 
 
 @pytest.fixture

@@ -5,9 +5,11 @@
 Wall time does not say what a test costs the suite: three workers share two cores, and a test
 that waits on a timeout holds a worker without using a core. CPU time does. A test's is the sum
 of its worker's own time, its waited-for children's (DeepSpeed's launcher and its ranks, which
-`subprocess` waits for), and the rank server's children's (tests/helpers/rank_server.py forks the
-ranks of launch_forked and run_distributed, and reaps each: /proc/<server>/stat's cutime and
-cstime grow by theirs). Where the suite's time went with it: docs/testing.md, "Time and budget"."""
+`subprocess` waits for), and what its forked ranks cost: each reply of the session's one rank
+server (tests/helpers/rank_server.py) carries its request's CPU seconds, its ranks', its handler's
+and the server's own since the previous request (the imports, for the first), and
+helpers/forked.py adds them up in the worker that sent it (the server's own /proc times would count
+every worker's ranks). Where the suite's time went with it: docs/testing.md, "Time and budget"."""
 import json
 import os
 import resource
@@ -16,35 +18,21 @@ import time
 import pytest
 
 OUT = os.environ.get("GPT3D_CPU_USAGE", "cpu_usage.jsonl")
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-def _rank_server_seconds():
-    """(the rank server's CPU seconds, its own and its reaped children's; its pid), or (0, None)."""
-    from helpers import forked
-    server = forked._server
-    if server is None or server.poll() is not None:
-        return 0.0, None
-    try:
-        fields = open(f"/proc/{server.pid}/stat").read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0, None
-    return sum(int(x) for x in fields[11:15]) / _TICKS_PER_S, server.pid  # utime, stime, cutime, cstime
 
 
 def _seconds():
+    from helpers import forked
     own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime, *_rank_server_seconds()
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime, forked.cpu_seconds
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    own_0, children_0, server_0, pid_0 = _seconds()
+    own_0, children_0, forked_0 = _seconds()
     start = time.monotonic()
     yield
-    own_1, children_1, server_1, pid_1 = _seconds()
-    server = server_1 - server_0 if pid_0 == pid_1 else server_1  # a server started by this test counts whole
+    own_1, children_1, forked_1 = _seconds()
     with open(OUT, "a") as f:
         f.write(json.dumps({"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER"),
                             "wall_s": time.monotonic() - start,
-                            "cpu_s": own_1 - own_0 + children_1 - children_0 + server}) + "\n")
+                            "cpu_s": own_1 - own_0 + children_1 - children_0 + forked_1 - forked_0}) + "\n")

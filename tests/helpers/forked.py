@@ -1,7 +1,10 @@
-"""The test session's client of tests/helpers/rank_server.py: start it on first use, send it a request
-(the ranks to fork), return its reply. The server exits when the session closes its stdin."""
+"""The client of tests/helpers/rank_server.py, the test session's one rank server: the session's
+process starts it (start_rank_server: the xdist controller, or pytest itself under `-n 0`), every
+worker sends it requests (run_forked: the ranks to fork) on a unix socket named by the session, and
+the session's end stops it (stop_rank_server)."""
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -9,41 +12,93 @@ from pathlib import Path
 from typing import Tuple
 
 REPO = Path(__file__).resolve().parents[2]
-_server = None
+_server = None  # the server, in the session's process
+# The CPU seconds of the requests this process sent (their ranks', handlers' and the server's share):
+# the CPU plugin's (helpers/cpu_usage.py) measure of what a test cost in forked ranks.
+cpu_seconds = 0.0
+_TMP = tempfile.gettempdir()  # now, before any test can change TMPDIR: the session's processes agree on it
+
+
+def _session() -> int:
+    """The test session's process: an xdist worker's parent (the controller), else this process."""
+    return os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
+
+
+def _socket_path(session: int) -> Path:
+    return Path(_TMP) / f"gpt3d-rank-server-{session}.sock"
+
+
+def _test_path() -> list:
+    """The session's test directories on sys.path: test bodies travel pickled by module name
+    (`test_tp_layers._body`), and pytest imports each test file under its basename from its own
+    directory (tests/model/, tests/data/, ...), `helpers` from tests/."""
+    tests = REPO / "tests"
+    return [p for p in sys.path if p and Path(p).resolve().is_relative_to(tests)]
 
 
 def _server_env() -> dict:
-    """This environment, with the session's test directories on PYTHONPATH: test bodies travel
-    pickled by module name (`test_tp_layers._body`), and pytest imports each test file under its
-    basename from its own directory (tests/model/, tests/data/, ...), `helpers` from tests/."""
-    tests = REPO / "tests"
-    seen = [p for p in sys.path if p and Path(p).resolve().is_relative_to(tests)]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(seen + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    """This environment, with the session's test directories on PYTHONPATH: the server's, as if this
+    process had started it."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(_test_path() + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+
+
+def start_rank_server() -> None:
+    """In the session's process, at its start: the server, idle until a worker first needs it (it
+    imports torch and the rest then), its socket bound and listening here, before any worker
+    starts, so that no worker can find it missing. (A process that finds no server for its session
+    starts one of its own the same way, on first use, and stops it at its end.)"""
+    global _server
+    path = _socket_path(os.getpid())
+    path.unlink(missing_ok=True)  # a session of the same pid that was killed
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(64)
+    try:
+        with open(path.with_suffix(".log"), "w") as log:
+            _server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("rank_server.py")),
+                                        str(listener.fileno()), str(path)], cwd=REPO, stdin=subprocess.PIPE,
+                                       stderr=log, pass_fds=(listener.fileno(),), env=_server_env())
+    finally:
+        listener.close()
 
 
 def run_forked(request: dict, timeout: int) -> Tuple[dict, str, str]:
     """(reply, stdout, stderr) of `request`'s ranks (rank_server.py: the protocol); the
-    environment is this process's with request["env"] on top, the directory the repository."""
-    global _server
-    if _server is None or _server.poll() is not None:
-        _server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("rank_server.py"))], cwd=REPO,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_server_env())
-    with tempfile.TemporaryDirectory() as tmp:
+    environment is this process's with request["env"] on top, the directory the repository, the
+    priority this process's."""
+    global cpu_seconds
+    path = _socket_path(_session())
+    if not path.exists():  # a session whose process did not start one (tests/conftest.py does): one of our own
+        if _server is None:
+            start_rank_server()
+        path = _socket_path(os.getpid())
+    with tempfile.TemporaryDirectory() as tmp, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         request = dict(request, env=dict(os.environ, **request.get("env", {})), cwd=str(REPO), timeout=timeout,
-                       stdout=str(out), stderr=str(err))
-        _server.stdin.write(json.dumps(request) + "\n")
-        _server.stdin.flush()
-        reply = _server.stdout.readline()
-        assert reply, "tests/helpers/rank_server.py exited"
-        return (json.loads(reply),) + tuple(path.read_text() if path.exists() else "" for path in (out, err))
+                       stdout=str(out), stderr=str(err), nice=os.nice(0), server_env=_server_env(), path=_test_path())
+        try:
+            conn.connect(str(path))
+        except OSError as e:
+            raise AssertionError(f"no rank server at {path} ({e}): tests/conftest.py starts it with the session") from e
+        conn.sendall((json.dumps(request) + "\n").encode())
+        reply = conn.makefile("r").readline()
+        if not reply:
+            log = path.with_suffix(".log")
+            raise AssertionError("tests/helpers/rank_server.py gave no reply; its log, "
+                                 f"{log}:\n{log.read_text()[-3000:] if log.exists() else ''}")
+        reply = json.loads(reply)
+        cpu_seconds += reply["cpu_s"]
+        return (reply,) + tuple(p.read_text() if p.exists() else "" for p in (out, err))
 
 
 def stop_rank_server() -> None:
-    """At the end of the session: close the server's stdin (it exits) and wait for it, so that
-    its CPU time counts as the session's."""
+    """At the end of the session, in its process: close the server's stdin (it exits, and so would
+    it if the session died) and wait for it, so that its CPU time counts as the session's."""
     global _server
     if _server is not None:
         _server.stdin.close()
         _server.wait(timeout=60)
+        path = _socket_path(os.getpid())
+        path.unlink(missing_ok=True)
+        path.with_suffix(".log").unlink(missing_ok=True)
         _server = None

@@ -1,60 +1,87 @@
-"""Forks the ranks of a multi-process test from one process that has already imported torch,
-DeepSpeed, transformers and datasets (started once per test session by tests/helpers/forked.py), so that
-no rank spends its ~10 s of CPU importing them again (docs/testing.md, Helpers). Nothing here runs
-a torch op or starts a thread before forking: each rank starts its own thread pools.
+"""The test session's one rank server: forks the ranks of a multi-process test from a process that
+has already imported torch, DeepSpeed, transformers and datasets, so that no rank spends its ~10 s
+of CPU importing them again, and no xdist worker pays the imports either (docs/testing.md, Helpers).
+
+The session's process (the xdist controller, or pytest itself under `-n 0`) starts it
+(tests/helpers/forked.py: start_rank_server) with a listening unix socket and a pipe on its stdin;
+it imports the heavy packages when the first request comes, with that request's environment and test
+directories (the requesting worker's, as if it had started the server itself). Its loop only
+accepts: each connection gets a handler forked from it, which reads the request, forks the ranks,
+waits for them, writes the reply and exits, so that the requests of different workers run at the
+same time. Nothing here runs a torch op or starts a thread before forking: each rank starts its own
+thread pools. When the session ends or dies (its pipe closes, or this process is re-parented) the
+server exits, and every handler stops its ranks and exits with it.
+
+The server runs at the session's priority; a handler and its ranks at the requesting worker's
+(tests/conftest.py renices the computing workers, not the waiting one).
 
 A rank runs a script (launch/train.py, launch/evaluate.py) as `__main__` with the environment and
 `--local_rank` DeepSpeed's launcher gives it, or a test body, fn(*args) in a gloo process group
 (tests/helpers/distributed.py: run_body). The ranks share the request's stdout and stderr files; the
 first rank to exit non-zero stops the others, and its code is the run's.
 
-Protocol: one JSON request per line on stdin: {"world", "env", "cwd", "stdout", "stderr",
-"timeout"} and either {"script", "args"} or {"call"} (base64 of the pickled (fn, args)); one JSON
-reply per line on the stdout it was started with: {"returncode", "timed_out", "cpu_s"} (the CPU
-seconds of its ranks)."""
+Protocol: one JSON request per connection, one line: {"world", "env", "cwd", "stdout", "stderr",
+"timeout", "nice", "server_env", "path"} and either {"script", "args"} or {"call"} (base64 of the
+pickled (fn, args)); one JSON reply line: {"returncode", "timed_out", "cpu_s"}, cpu_s the CPU
+seconds spent on the request: its ranks', its handler's and the server's own since the previous
+request (the imports, for the first)."""
 import atexit
 import base64
 import gc
 import json
 import os
 import pickle
+import resource
 import runpy
+import select
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
 
-# Replies go to the pipe that stdout is now; stdout itself goes to stderr, so that a library
-# printing while it loads cannot garble them.
-REPLIES = os.dup(1)
+# Library output goes to stderr, never to a reply.
 os.dup2(2, 1)
 
-# What the ranks import (the heavy part of their start), before any fork.
-import datasets  # noqa: F401,E402
-import deepspeed  # noqa: F401,E402
-import deepspeed.runtime.pipe.engine  # noqa: F401,E402
-import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401,E402  (DeepSpeed's optimizer check imports it)
-import torch  # noqa: F401,E402
-import torch._dynamo  # noqa: F401,E402  (torch.optim imports it when the optimizer is built)
-import transformers  # noqa: F401,E402
-
-import data.run  # noqa: F401,E402
-import launch.engine.engine  # noqa: F401,E402
-import launch.evaluation.evaluation  # noqa: F401,E402
-import launch.trainer.loop  # noqa: F401,E402
-import launch.trainer.startup  # noqa: F401,E402
-from helpers.distributed import run_body  # noqa: E402  (tests/ is on PYTHONPATH: helpers/forked.py)
-
 STOP_GRACE_S = 5  # after one rank failed, the others get this long to exit on their own
-SESSION = os.getppid()  # the test session; if it dies (killed, Ctrl-C), the ranks stop with it
+SESSION = os.getppid()  # the test session; if it dies (killed, Ctrl-C), the server and the ranks stop with it
+SESSION_PIPE = 0  # stdin: the session's pipe, at EOF once the session has closed it or died
+run_body = None  # helpers.distributed.run_body, once loaded
 
 
-def become_rank(request: dict, rank: int) -> None:
+def load(request: dict) -> None:
+    """Import what the ranks import (the heavy part of their start), in the environment of the first
+    request's worker, with its test directories on sys.path where PYTHONPATH would have put them."""
+    global run_body
+    os.environ.clear()
+    os.environ.update(request["server_env"])
+    sys.path[1:1] = [p for p in request["path"] if p not in sys.path]
+    import datasets  # noqa: F401
+    import deepspeed  # noqa: F401
+    import deepspeed.runtime.pipe.engine  # noqa: F401
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (DeepSpeed's optimizer check imports it)
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (torch.optim imports it when the optimizer is built)
+    import transformers  # noqa: F401
+
+    import data.run  # noqa: F401
+    import launch.engine.engine  # noqa: F401
+    import launch.evaluation.evaluation  # noqa: F401
+    import launch.trainer.loop  # noqa: F401
+    import launch.trainer.startup  # noqa: F401
+    from helpers.distributed import run_body  # noqa: F811  (tests/ is on the path: the request's)
+    sys.stdout.flush()
+    # Out of the collector's reach: the handlers' and ranks' garbage collections then never visit
+    # (and so never copy) the inherited objects (the gc.freeze documentation's advice for forking servers).
+    gc.freeze()
+
+
+def become_rank(request: dict, rank: int, conn: socket.socket) -> None:
     """In the forked child: the request's directory, environment and output files."""
     os.setpgrp()  # a group of its own, so that stopping it also stops anything it started
-    os.close(REPLIES)
+    conn.close()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -121,17 +148,21 @@ def stop(pids) -> None:
             pass
 
 
-def run(request: dict) -> dict:
-    """Fork the ranks and wait for them; the reply to `request`."""
+def session_gone(parent: int) -> bool:
+    """The session closed its pipe or died (checked without blocking), or `parent` is gone."""
+    return os.getppid() != parent or bool(select.select([SESSION_PIPE], [], [], 0)[0])
+
+
+def run(request: dict, conn: socket.socket, server: int) -> dict:
+    """In the handler: fork the ranks and wait for them; the reply to `request`. If the session or
+    the server goes, stop the ranks and exit."""
     sys.stdout.flush()  # nothing of ours buffered, or each child would write it again
-    # Out of the collector's reach: the ranks' garbage collections then never visit (and so
-    # never copy) the inherited objects (the gc.freeze documentation's advice for forking servers).
-    gc.freeze()
+    gc.freeze()  # the request's own objects too (load: why)
     pids = {}
     for rank in range(request["world"]):
         pid = os.fork()
         if pid == 0:
-            become_rank(request, rank)
+            become_rank(request, rank, conn)
             (run_script if "script" in request else run_call)(request, rank)
         pids[pid] = rank
     deadline, stop_at, returncode, timed_out, cpu_s = time.monotonic() + request["timeout"], None, 0, False, 0.0
@@ -139,9 +170,9 @@ def run(request: dict) -> dict:
         pid, status, usage = os.wait4(-1, os.WNOHANG)
         if pid == 0:
             now = time.monotonic()
-            if os.getppid() != SESSION:
+            if session_gone(server):
                 stop(pids)
-                sys.exit(1)
+                os._exit(1)
             if now > deadline or (stop_at is not None and now > stop_at):
                 timed_out = now > deadline
                 stop(pids)
@@ -156,13 +187,100 @@ def run(request: dict) -> dict:
         if code != 0 and returncode == 0:
             returncode = code
             stop_at = time.monotonic() + STOP_GRACE_S
-    return {"returncode": -signal.SIGKILL if timed_out else returncode, "timed_out": timed_out,
-            "cpu_s": round(cpu_s, 1)}
+    return {"returncode": -signal.SIGKILL if timed_out else returncode, "timed_out": timed_out, "cpu_s": cpu_s}
+
+
+def set_nice(nice: int) -> None:
+    """This process's priority to `nice`: up always; down only where allowed (root, RLIMIT_NICE)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except PermissionError:
+        pass
+
+
+def read_request(conn: socket.socket):
+    """The connection's request, or None if the client went before sending it."""
+    try:
+        return json.loads(conn.makefile("r").readline())
+    except ValueError:
+        return None
+
+
+def handle(listener: socket.socket, conn: socket.socket, request, server_cpu_s: float) -> None:
+    """The forked handler of one connection (its request, if the server read it already); never returns."""
+    code = 1
+    try:
+        listener.close()
+        request = request or read_request(conn)
+        if request is None:
+            os._exit(1)
+        set_nice(request["nice"])  # the requesting worker's priority, for this handler and its ranks
+        sys.path.extend(p for p in request["path"] if p not in sys.path)  # a worker that collected more
+        reply = run(request, conn, SERVER)
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        reply["cpu_s"] = round(reply["cpu_s"] + own.ru_utime + own.ru_stime + server_cpu_s, 2)
+        conn.sendall((json.dumps(reply) + "\n").encode())
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    os._exit(code)
+
+
+def cpu_s() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_utime + own.ru_stime
+
+
+def reap() -> None:
+    """Collect the handlers that have exited (SIGCHLD keeps its default: each handler's own wait4
+    on its ranks needs it)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+SERVER = os.getpid()
 
 
 def main() -> None:
-    for line in sys.stdin:
-        os.write(REPLIES, (json.dumps(run(json.loads(line))) + "\n").encode())
+    """argv: the listening socket's descriptor and path (forked.py: start_rank_server)."""
+    listener, path = socket.socket(fileno=int(sys.argv[1])), Path(sys.argv[2])
+    loaded, counted = False, 0.0
+    while not session_gone(SESSION):
+        reap()
+        if not select.select([listener, SESSION_PIPE], [], [], 0.5)[0]:
+            continue
+        if select.select([SESSION_PIPE], [], [], 0)[0]:
+            break
+        conn, _ = listener.accept()
+        request = None
+        if not loaded:
+            # The imports, in the server, with the first request's environment, at the session's
+            # priority: every worker's first request waits for them, the un-niced waiting worker's too.
+            request = read_request(conn)
+            if request is None:
+                conn.close()
+                continue
+            load(request)
+            loaded = True
+        now = cpu_s()
+        sys.stdout.flush()
+        if os.fork() == 0:
+            handle(listener, conn, request, now - counted)
+        counted = now
+        conn.close()
+    listener.close()
+    path.unlink(missing_ok=True)
+    path.with_suffix(".log").unlink(missing_ok=True)  # its readers were the session's clients
+    while True:  # the handlers see the session's end too, stop their ranks and exit
+        try:
+            os.wait()
+        except ChildProcessError:
+            break
 
 
 if __name__ == "__main__":
