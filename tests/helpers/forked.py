@@ -16,7 +16,9 @@ _server = None  # the server, in the session's process
 # The CPU seconds of the requests this process sent (their ranks', handlers' and the server's share):
 # the CPU plugin's (helpers/cpu_usage.py) measure of what a test cost in forked ranks.
 cpu_seconds = 0.0
-_TMP = tempfile.gettempdir()  # now, before any test can change TMPDIR: the session's processes agree on it
+# Read now, before any test can change TMPDIR: the session's processes agree on it. A unix socket's
+# path holds at most 107 bytes (sun_path), so a long TMPDIR gives way to /tmp.
+_TMP = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 60 else "/tmp"
 
 
 def _session() -> int:
