@@ -7,7 +7,7 @@ from pathlib import Path
 # One thread for every process the suite starts (xdist's workers, the ranks, benches): three
 # workers keep both cores busy, and a process of two OpenMP threads whose second core is taken
 # spins at barriers, 16x slower per step (a one-process llama-tiny run beside a busy core: 125
-# tokens/s at 2 threads, 2,079 at 1; docs/testing.md, "Where the time goes"). Ranks honour it
+# tokens/s at 2 threads, 2,079 at 1; docs/testing.md, "Time and budget"). Ranks honour it
 # (launch/engine/distributed.py: threads_per_rank). Set it yourself to override.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
