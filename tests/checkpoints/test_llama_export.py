@@ -6,7 +6,7 @@ launch/checkpoints/hf_weights.py):
 - a saved LlamaForCausalLM directory passes `check_hf_source` for the matching recipe, and each
   mismatch is one line naming the key and the fix;
 - slow, through the launcher: llama-tiny trained at tp=4 (two ranks per key/value head), exported
-  by launch/export_hf.py, loaded by AutoModelForCausalLM with our loss within 1e-5, generating
+  by launch/export_hf.py, loaded by AutoModelForCausalLM with our logits within 1e-5, generating
   text; a run started from that export at tp=2 pp=2 computes its loss at step 1 and exports back
   to the same bits (ours -> transformers -> ours)."""
 import dataclasses
@@ -160,12 +160,11 @@ def test_export_refuses_what_llama_cannot_express():
 
 # ------------------------------------------------------------------ through the launcher
 
-def _loss_of_transformers(path, ids) -> float:
+def _logits_of_transformers(path, ids) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
-        logits = hf(ids[:, :-1]).logits
-    return functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)).item()
+        return hf(ids[:, :-1]).logits
 
 
 @pytest.mark.slow
@@ -185,8 +184,9 @@ def test_llama_tiny_exports_imports_and_exports_back(tmp_path, capsys):
     ids = torch.randint(0, config.vocab_size, (4, config.seq_len + 1), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = ours(ids[:, :-1])[..., :config.vocab_size]
-    our_loss = functional.cross_entropy(logits.reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1)).item()
-    assert abs(_loss_of_transformers(tmp_path / "hf", ids) - our_loss) <= REL * our_loss
+    # Logits, not the loss: two steps from the initialisation leave attention nearly uniform, and an
+    # export with q_proj's rows reversed moved the loss by 9e-6 of itself but the logits by 9e-3.
+    torch.testing.assert_close(_logits_of_transformers(tmp_path / "hf", ids), logits, rtol=REL, atol=1e-5)
     generated = pipeline("text-generation", model=str(tmp_path / "hf"))("def", max_new_tokens=5, do_sample=False)
     assert generated[0]["generated_text"].startswith("def")
 
