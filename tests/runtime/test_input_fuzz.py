@@ -10,7 +10,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from data.builtin import builtin_tokenizer_dir
 from helpers.input_fuzz import InputFuzz
