@@ -217,8 +217,7 @@ def handle(listener: socket.socket, conn: socket.socket, request, server_cpu_s: 
         set_nice(request["nice"])  # the requesting worker's priority, for this handler and its ranks
         sys.path.extend(p for p in request["path"] if p not in sys.path)  # a worker that collected more
         reply = run(request, conn, SERVER)
-        own = resource.getrusage(resource.RUSAGE_SELF)
-        reply["cpu_s"] = round(reply["cpu_s"] + own.ru_utime + own.ru_stime + server_cpu_s, 2)
+        reply["cpu_s"] = round(reply["cpu_s"] + cpu_s() + server_cpu_s, 2)  # cpu_s: this handler's, since its fork
         conn.sendall((json.dumps(reply) + "\n").encode())
         code = 0
     except BaseException:
@@ -227,6 +226,7 @@ def handle(listener: socket.socket, conn: socket.socket, request, server_cpu_s: 
 
 
 def cpu_s() -> float:
+    """This process's CPU seconds (a forked handler's start at zero: fork resets them)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     return own.ru_utime + own.ru_stime
 
