@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from data.builtin import builtin_tokenizer_dir
+from helpers.builtin_cache import cache_with_builtin
 from helpers.exit_reading_ahead import run_data
 from helpers.stream_corpus import write_corpus
 
@@ -24,10 +24,9 @@ TESTS = Path(__file__).resolve().parents[1]
 @pytest.mark.slow  # 8 processes of 3 to 4 s (importing torch, transformers, datasets): 25 s
 def test_processes_that_read_ahead_exit_cleanly(tmp_path, monkeypatch):
     corpus = write_corpus(tmp_path / "corpus", 8000, 10, 16)  # 500 row groups of 16 documents
-    tokenizer = str(builtin_tokenizer_dir())  # the machine's (built once), before the test's own data cache
-    monkeypatch.setenv("GPT3D_CACHE", str(tmp_path / "cache"))
-    run_data(str(corpus), tokenizer)  # the caches built here: every process exits the same way, none building them
-    command = [sys.executable, "-m", "helpers.exit_reading_ahead", str(corpus), str(tmp_path / "cache"), tokenizer]
+    monkeypatch.setenv("GPT3D_CACHE", str(cache_with_builtin(tmp_path / "cache")))
+    run_data(str(corpus))  # the caches built here: every process exits the same way, none building them
+    command = [sys.executable, "-m", "helpers.exit_reading_ahead", str(corpus), str(tmp_path / "cache")]
     ended = []
     for _ in range(ROUNDS):
         runs = [subprocess.Popen(command, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

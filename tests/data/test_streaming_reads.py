@@ -17,6 +17,7 @@ from data.spec import DataSpec
 from data.files import resolve_files
 from data.streaming import merge_states
 from data.units import FileUnits
+from helpers.builtin_cache import cache_with_builtin
 from helpers.range_server import RangeServer
 from helpers.stream_corpus import served, window_ids, write_corpus
 from helpers.stream_steps import windows_per_step
@@ -284,29 +285,28 @@ def test_a_line_unit_in_pieces_holds_its_lines_once(tmp_path, monkeypatch):
             assert got == expected == source.texts(unit), (read, unit)
 
 
-def _prepare_on_each_rank(url: str, unit_bytes: int, cache: str) -> None:
-    import os
-    tokenizer = load_tokenizer("builtin")  # from the test's cache: a tokenizer trained afresh per node costs 5 CPU-s
-    os.environ["GPT3D_CACHE"] = cache  # the node's data cache
-    _prepare(_spec(url, unit_bytes=unit_bytes, val_fraction=0.1), tokenizer, evaluate=True)
+def _prepare_on_each_rank(url: str, unit_bytes: int) -> None:
+    _prepare(_spec(url, unit_bytes=unit_bytes, val_fraction=0.1), load_tokenizer("builtin"), evaluate=True)
 
 
 @pytest.mark.slow  # 9 ranks in three launches (~4 CPU-s)
-def test_a_line_sources_start_up_reading_is_done_once_per_node(server, tokenizer, tmp_path):
+def test_a_line_sources_start_up_reading_is_done_once_per_node(server, tmp_path, monkeypatch):
     """A JSON Lines source's start-up reads units (the streams' size check, the validation
     windows): one process alone fetches some bytes; four ranks of a launch fetch them once between
     them, not four times; a later run on the same node fetches none (the answers are remembered
     under the units, the tokenizer and the settings)."""
     from helpers.distributed import run_distributed
     url, unit_bytes = f"{server.url}/all.jsonl", 32 * 1024
+    monkeypatch.setenv("GPT3D_CACHE", str(cache_with_builtin(tmp_path / "alone")))  # each node's data cache
     server.reset()
-    run_distributed(_prepare_on_each_rank, 1, url, unit_bytes, str(tmp_path / "alone"))
+    run_distributed(_prepare_on_each_rank, 1, url, unit_bytes)
     alone = server.total()
     assert alone > 4 * unit_bytes, alone  # several units read: a stream's check and the validation windows
+    monkeypatch.setenv("GPT3D_CACHE", str(cache_with_builtin(tmp_path / "node")))
     fetched = []
     for run in (1, 2):
         server.reset()
-        run_distributed(_prepare_on_each_rank, 4, url, unit_bytes, str(tmp_path / "node"))
+        run_distributed(_prepare_on_each_rank, 4, url, unit_bytes)
         fetched.append(server.total())
     # Each rank still reads the first record of the file itself (its text field checked): 4 KiB.
     first_record = 4096
