@@ -2,15 +2,18 @@
 trainer slower than the reader, the draws stop waiting; and `waited_s` (the step's data_wait_s)
 counts what the trainer did wait, inline or on the thread. A reader that sleeps stands in for
 storage, so the times are large against this machine's noise."""
+import itertools
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
 import torch
 
 from data.builtin import load_tokenizer
-from data.prefetch import Closed
+from data import prefetch
+from data.prefetch import Closed, ReadAhead
 from data.prepare_source import default_read_ahead_steps
 from data.spec import DataSpec
 from data.streaming import START, StreamingBatches, StreamSource, stream_windows
@@ -107,6 +110,26 @@ def test_closing_ends_the_worker_blocked_on_a_full_queue():
     assert not batches._batches.thread.is_alive()
     with pytest.raises(Closed):
         next(batches)
+
+
+def test_the_exit_tells_every_open_worker_to_stop_before_it_waits_for_any(monkeypatch):
+    """Workers nobody closed are closed at exit (prefetch._close_at_exit). Each waiting to put its
+    next item sees a stop within its put's 0.1 s timeout; told one at a time, a process that left
+    many open (a test module, a loop left by an exception) waited for them one after another."""
+    monkeypatch.setattr(prefetch, "_started", weakref.WeakSet())
+    workers = [ReadAhead(itertools.count(), depth=1, name=f"worker {i}") for i in range(3)]
+    for worker in workers:
+        next(worker)  # started; it fills its queue and waits for room
+    stopped_at_each_wait, join = [], ReadAhead.join
+
+    def noting_join(worker, deadline):
+        stopped_at_each_wait.append([w.stopping.is_set() for w in workers])
+        join(worker, deadline)
+
+    monkeypatch.setattr(ReadAhead, "join", noting_join)
+    prefetch._close_at_exit()
+    assert stopped_at_each_wait == [[True] * 3] * 3
+    assert not any(worker.thread.is_alive() for worker in workers)
 
 
 class SlowUnits(UnitSource):
