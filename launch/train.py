@@ -11,13 +11,14 @@ import sys
 from typing import List, Optional
 
 from data.spec import DataError
-from launch.config.cli import parse_training_args
+from launch.config.cli import parse_training_args, training_recipe
 from launch.errors import AlreadyFinished, ConfigError, report_bad_input
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = parse_training_args(argv, __doc__)
+        training_recipe(args)  # a bad recipe file or --set is refused within a second, before torch is imported
         if not args.verbose:
             from launch.engine.console import silence_known_noise
             silence_known_noise()

@@ -164,6 +164,15 @@ def test_plain_process_prints_only_the_error():
     assert proc.stderr == "error: train.lr='fast' has the wrong type: expected float\n"
 
 
+def test_a_bad_recipe_is_refused_before_torch_is_imported():
+    """Refused in a tenth of a second, not after the 4 s of importing torch and DeepSpeed."""
+    check = ("import sys; from launch.train import main; "
+             f"code = main(['--recipe', {str(TINY)!r}, '--set', 'train.lr=fast']); "
+             "print(code, [m for m in ('torch', 'deepspeed') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.stdout == "2 []\n", proc.stdout + proc.stderr
+
+
 @pytest.mark.slow
 def test_cpu_launcher_default_says_how_to_start_16_processes():
     """On CPU `deepspeed launch/train.py --tp 4 --pp 4` starts one process: say --num_gpus 16."""
