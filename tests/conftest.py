@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402 (after the thread setting: torch reads it when first imported)
 
 from helpers import launcher
-from helpers.forked import start_rank_server, stop_rank_server
+from helpers.forked import forked_worker_python, start_rank_server, stop_rank_server
 from helpers.launcher import refuse_in_fast_tier
 from helpers.parity_runs import ParityRuns
 from helpers.scheduling import WAITING_WORKER, WaitingApartScheduling, order_for_workers
@@ -99,10 +99,14 @@ def pytest_unconfigure(config):
 
 
 def pytest_configure(config):
-    """A computing worker (and every rank it starts) yields the CPU to the waiting worker, whose
+    """In the controller: its workers forked by the session's rank server, with the heavy imports
+    done (helpers/worker_client.py), unless given execnet specs of their own (--tx). In a worker: a
+    computing worker (and every rank it starts) yields the CPU to the waiting worker, whose
     tests measure time (heartbeat bounds, step times): they see an unloaded machine, and the
     computing workers lose only the little CPU the waiting tests use."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None and config.getoption("numprocesses", None) and set(config.option.tx) == {"popen"}:
+        config.option.tx = [f"popen//python={forked_worker_python()}"] * len(config.option.tx)
     if worker is not None and worker != WAITING_WORKER:
         os.nice(10)
 

@@ -4,6 +4,7 @@ worker sends it requests (run_forked: the ranks to fork) on a unix socket named 
 the session's end stops it (stop_rank_server)."""
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -22,8 +23,23 @@ _TMP = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 60 else "/tmp"
 
 
 def _session() -> int:
-    """The test session's process: an xdist worker's parent (the controller), else this process."""
-    return os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
+    """The test session's process: under xdist the controller (it names itself to its workers, whose
+    parent is a rank server's handler: forked_worker_python), else this process."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return int(os.environ.get(SESSION_VARIABLE) or os.getppid())
+    return os.getpid()
+
+
+SESSION_VARIABLE = "GPT3D_TEST_SESSION"
+
+
+def forked_worker_python() -> str:
+    """What an execnet spec's `python=` names so that xdist's workers are forked by this session's
+    rank server instead of started afresh (worker_client.py); set in the controller before its
+    workers start, with the session named in their environment."""
+    os.environ[SESSION_VARIABLE] = str(os.getpid())
+    client = Path(__file__).with_name("worker_client.py")
+    return shlex.join([sys.executable, "-I", "-S", str(client), str(_socket_path(os.getpid()))])
 
 
 def _socket_path(session: int) -> Path:
@@ -64,12 +80,17 @@ def start_rank_server() -> None:
         listener.close()
 
 
+def session_socket() -> Path:
+    """The socket of this session's rank server."""
+    return _socket_path(_session())
+
+
 def run_forked(request: dict, timeout: int) -> Tuple[dict, str, str]:
     """(reply, stdout, stderr) of `request`'s ranks (rank_server.py: the protocol); the
     environment is this process's with request["env"] on top, the directory the repository, the
     priority this process's."""
     global cpu_seconds
-    path = _socket_path(_session())
+    path = session_socket()
     if not path.exists():  # a session whose process did not start one (tests/conftest.py does): one of our own
         if _server is None:
             start_rank_server()

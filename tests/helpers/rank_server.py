@@ -1,11 +1,12 @@
-"""The test session's one rank server: forks the ranks of a multi-process test from a process that
-has already imported torch, DeepSpeed, transformers and datasets, so that no rank spends its ~10 s
-of CPU importing them again, and no xdist worker pays the imports either (docs/testing.md, Helpers).
+"""The test session's one rank server: forks the ranks of a multi-process test, and xdist's workers,
+from a process that has already imported torch, DeepSpeed, transformers, datasets and pytest, so that
+no rank spends its ~10 s of CPU importing them again, and no worker its ~5 s (docs/testing.md, Helpers).
 
 The session's process (the xdist controller, or pytest itself under `-n 0`) starts it
 (tests/helpers/forked.py: start_rank_server) with a listening unix socket and a pipe on its stdin;
-it imports the heavy packages when the first request comes, with that request's environment and test
-directories (the requesting worker's, as if it had started the server itself). Its loop only
+it imports the heavy packages when the first request comes (under xdist a worker's start), with
+that request's environment and test directories (a test's: the requesting worker's, as if it had
+started the server itself; a worker's: the session's, this process's own). Its loop only
 accepts: each connection gets a handler forked from it, which reads the request, forks the ranks,
 waits for them, writes the reply and exits, so that the requests of different workers run at the
 same time. Nothing here runs a torch op or starts a thread before forking: each rank starts its own
@@ -24,7 +25,9 @@ Protocol: one JSON request per connection, one line: {"world", "env", "cwd", "st
 "timeout", "nice", "server_env", "path"} and either {"script", "args"} or {"call"} (base64 of the
 pickled (fn, args)); one JSON reply line: {"returncode", "timed_out", "cpu_s"}, cpu_s the CPU
 seconds spent on the request: its ranks', its handler's and the server's own since the previous
-request (the imports, for the first)."""
+request (the imports, for the first). A worker's client (worker_client.py) sends {"worker" (the
+code execnet gave `python -c`), "env", "cwd", "nice"} with its stdin, stdout and stderr attached
+(SCM_RIGHTS); the reply is the worker's {"returncode"}."""
 import atexit
 import base64
 import gc
@@ -52,12 +55,17 @@ run_body = None  # helpers.distributed.run_body, once loaded
 
 
 def load(request: dict) -> None:
-    """Import what the ranks import (the heavy part of their start), in the environment of the first
-    request's worker, with its test directories on sys.path where PYTHONPATH would have put them."""
+    """Import what the ranks and the xdist workers import (the heavy part of their start), in the
+    environment of the first request's worker, with its test directories on sys.path where
+    PYTHONPATH would have put them (a worker's request brings none: the session's, this process's own)."""
     global run_body
-    os.environ.clear()
-    os.environ.update(request["server_env"])
-    sys.path[1:1] = [p for p in request["path"] if p not in sys.path]
+    if "server_env" in request:
+        os.environ.clear()
+        os.environ.update(request["server_env"])
+        sys.path[1:1] = [p for p in request["path"] if p not in sys.path]
+    import _pytest.python  # noqa: F401  (a worker's own imports: pytest's collection)
+    import matplotlib.pyplot  # noqa: F401
+    import pytest  # noqa: F401
     import datasets  # noqa: F401
     import deepspeed  # noqa: F401
     import deepspeed.runtime.pipe.engine  # noqa: F401
@@ -199,11 +207,59 @@ def set_nice(nice: int) -> None:
 
 
 def read_request(conn: socket.socket):
-    """The connection's request, or None if the client went before sending it."""
+    """The connection's request, or None if the client went before sending it. A worker's client
+    (worker_client.py) sends its stdin, stdout and stderr with it: request["fds"]."""
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    while data and not data.endswith(b"\n"):
+        more = conn.recv(1 << 16)
+        if not more:
+            break
+        data += more
     try:
-        return json.loads(conn.makefile("r").readline())
+        return dict(json.loads(data), fds=fds)
     except ValueError:
         return None
+
+
+def serve_worker(request: dict, conn: socket.socket) -> dict:
+    """In the handler: fork an xdist worker onto the client's descriptors and wait for it; the reply.
+    If the client goes (execnet killed it) or the session does, stop the worker and exit."""
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.setpgrp()  # a group of its own, so that stopping it also stops what its tests started
+        conn.close()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for fd, received in zip((0, 1, 2), request["fds"]):
+            os.dup2(received, fd)
+            os.close(received)
+        # What `python -u -c CODE` would have: text streams on the client's descriptors (execnet's
+        # bootstrap reads its first line from sys.stdin, then talks over descriptors 0 and 1).
+        sys.stdin = open(0, "r", closefd=False)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        sys.argv = ["-c"]
+        sys.path[0] = ""  # `python -c`'s first entry: the directory, not this script's
+        code = 0
+        try:
+            exec(compile(request["worker"], "<string>", "exec"), {"__name__": "__main__"})
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        exit_rank(code)
+    for fd in request["fds"]:
+        os.close(fd)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return {"returncode": os.waitstatus_to_exitcode(status), "timed_out": False, "cpu_s": 0.0}
+        if session_gone(SERVER) or select.select([conn], [], [], 0.2)[0]:  # readable: the client went
+            stop([pid])
+            os._exit(1)
 
 
 def handle(listener: socket.socket, conn: socket.socket, request, server_cpu_s: float) -> None:
@@ -215,8 +271,11 @@ def handle(listener: socket.socket, conn: socket.socket, request, server_cpu_s: 
         if request is None:
             os._exit(1)
         set_nice(request["nice"])  # the requesting worker's priority, for this handler and its ranks
-        sys.path.extend(p for p in request["path"] if p not in sys.path)  # a worker that collected more
-        reply = run(request, conn, SERVER)
+        if "worker" in request:
+            reply = serve_worker(request, conn)
+        else:
+            sys.path.extend(p for p in request["path"] if p not in sys.path)  # a worker that collected more
+            reply = run(request, conn, SERVER)
         reply["cpu_s"] = round(reply["cpu_s"] + cpu_s() + server_cpu_s, 2)  # cpu_s: this handler's, since its fork
         conn.sendall((json.dumps(reply) + "\n").encode())
         code = 0
@@ -273,6 +332,8 @@ def main() -> None:
             handle(listener, conn, request, now - counted)
         counted = now
         conn.close()
+        for fd in (request or {}).get("fds", []):  # a worker's pipes: open in its handler only
+            os.close(fd)
     listener.close()
     path.unlink(missing_ok=True)
     path.with_suffix(".log").unlink(missing_ok=True)  # its readers were the session's clients
