@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 from typing import Iterator, List
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -33,8 +34,11 @@ def write_corpus(root: Path, n_docs: int, n_files: int, group_rows: int) -> Path
 
 
 def window_ids(tokenizer, windows) -> set:
-    """The documents whose marker appears in any of `windows` (token id arrays)."""
-    return {int(m) for w in windows for m in ID.findall(tokenizer.decode(list(w)))}
+    """The documents whose marker appears in any of `windows` (token id arrays or tensors). As plain
+    lists: given a tensor's elements, transformers converts each on its own (5 of a streaming
+    module's 10 CPU-s went there)."""
+    texts = tokenizer.batch_decode([np.asarray(w).tolist() for w in windows])
+    return {int(m) for text in texts for m in ID.findall(text)}
 
 
 def served(root: Path) -> Iterator[RangeServer]:
