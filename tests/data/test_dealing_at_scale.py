@@ -41,8 +41,10 @@ def reads_per_unit(global_batch: int, n_streams: int, tp: int, pp: int, dp: int,
     topology = build_topology(tp, pp, dp, cp)
     readers = {reader for reader, _ in replica_readers(topology, tp, pp, dp, cp)}
     reads = np.zeros(N_UNITS, dtype=np.int64)
+    # DeepSpeed's own coordinates, inverted once: its get_coord searches them all for each rank.
+    coords = {rank: coord for coord, rank in topology.mapping.items()}
     for rank in range(topology.world_size()):
-        coord = topology.get_coord(rank)
+        coord = coords[rank]
         if rank not in readers or coord.pipe != 0:
             continue  # it receives its replica's micro-batches, or (a middle stage) draws none
         lo, hi = rank_slots(coord.data // cp, dp, global_batch)
