@@ -18,12 +18,12 @@ from launch.errors import AlreadyFinished, ConfigError, report_bad_input
 def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = parse_training_args(argv, __doc__)
-        training_recipe(args)  # a bad recipe file or --set is refused within a second, before torch is imported
+        recipe = training_recipe(args)  # a bad recipe file or --set is refused within a second, before torch is imported
         if not args.verbose:
             from launch.engine.console import silence_known_noise
             silence_known_noise()
         from launch.trainer.startup import prepare_training_job
-        job = prepare_training_job(args)
+        job = prepare_training_job(args, recipe)
     except (ConfigError, DataError) as e:
         return report_bad_input(e)
     except AlreadyFinished as e:

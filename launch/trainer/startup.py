@@ -48,9 +48,10 @@ class TrainingJob:
     local staging directory), None for a local --save."""
 
 
-def prepare_training_job(args: argparse.Namespace) -> TrainingJob:
-    """Raise ConfigError or DataError (one line) on the first bad input; move files only last."""
-    recipe = training_recipe(args)
+def prepare_training_job(args: argparse.Namespace, recipe: Optional[Recipe] = None) -> TrainingJob:
+    """Raise ConfigError or DataError (one line) on the first bad input; move files only last.
+    `recipe`: the recipe of `args` if already read (launch/train.py reads it before importing torch)."""
+    recipe = recipe if recipe is not None else training_recipe(args)
     ensure_single_process_env()
     tp, pp, layout_choice = args.tp, args.pp, None
     if args.layout == "auto":  # the planner's pick for these processes, the same on every rank
