@@ -114,6 +114,9 @@ class PlainWatch:
 def parallel_states(tp, pp, dp, cp=1, ep=1):
     """Every rank's ParallelState at this layout, from DeepSpeed's topology (no process groups)."""
     topology = build_topology(tp, pp, dp, cp)
+    # DeepSpeed's own coordinates, looked up: its get_coord searches them all for each rank, and
+    # every rank of a 4,096-rank layout asks (here and in in_pass_group).
+    topology.get_coord = {rank: coord for coord, rank in topology.mapping.items()}.__getitem__
     states = []
     for rank in range(topology.world_size()):
         coord = topology.get_coord(rank)
