@@ -1,9 +1,7 @@
 """The session's shared runs (helpers/parity_runs.py), the fast tier's rule enforced, the
 streaming tests' private caches, and one CPU thread per rank."""
-import atexit
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 # One thread for every process the suite starts (xdist's workers, the ranks, benches): three
@@ -79,23 +77,6 @@ def stream_cache(tmp_path, monkeypatch):
 @pytest.hookimpl(tryfirst=True)  # before xdist tags the groups
 def pytest_collection_modifyitems(items):
     order_for_workers(items)
-
-
-def _exit_without_finalizing() -> None:
-    """The last step of a worker's exit: the other exit handlers run (the read-ahead workers'
-    close, wandb's, torch's), then the process leaves without Python's finalization, which tears
-    down every module and object one by one (torch, DeepSpeed, datasets, compiled graphs): 2-3 s
-    per worker at the end of the fast tier, after its last test, before the session can end."""
-    atexit.unregister(_exit_without_finalizing)
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def pytest_unconfigure(config):
-    if "PYTEST_XDIST_WORKER" in os.environ:  # registered last, so it runs first (atexit runs LIFO)
-        atexit.register(_exit_without_finalizing)
 
 
 def pytest_configure(config):

@@ -17,6 +17,11 @@ def main() -> int:
         request = {"worker": code, "env": dict(os.environ), "cwd": os.getcwd(), "nice": os.nice(0)}
         socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
         reply = conn.makefile("r").readline()
+    if not reply:  # the server failed (an import error, say): say why here, where xdist shows it
+        log = path[:-len(".sock")] + ".log"
+        tail = open(log).read()[-3000:] if os.path.exists(log) else ""
+        print(f"tests/helpers/worker_client.py: the rank server gave no worker; its log, {log}:\n{tail}",
+              file=sys.stderr)
     return json.loads(reply)["returncode"] if reply else 1
 
 
