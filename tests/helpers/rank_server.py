@@ -111,8 +111,14 @@ def run_script(request: dict, rank: int) -> None:
     sys.argv = [request["script"], f"--local_rank={rank}"] + request["args"]
     # sys.path stays the server's: the scripts import only the installed packages (launch,
     # model, data), never a module beside them, so `python SCRIPT`'s script directory is not needed.
+    run_as_main(lambda: runpy.run_path(request["script"], run_name="__main__"))  # ends with sys.exit(main())
+
+
+def run_as_main(run) -> None:
+    """Call `run` and leave with the exit code `python` would give its __main__ (a SystemExit's
+    code, its message printed; 1 after a traceback), through exit_rank; never returns."""
     try:
-        runpy.run_path(request["script"], run_name="__main__")  # ends with sys.exit(main())
+        run()
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -242,15 +248,7 @@ def serve_worker(request: dict, conn: socket.socket) -> dict:
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         sys.argv = ["-c"]
         sys.path[0] = ""  # `python -c`'s first entry: the directory, not this script's
-        code = 0
-        try:
-            exec(compile(request["worker"], "<string>", "exec"), {"__name__": "__main__"})
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        exit_rank(code)
+        run_as_main(lambda: exec(compile(request["worker"], "<string>", "exec"), {"__name__": "__main__"}))
     for fd in request["fds"]:
         os.close(fd)
     while True:
