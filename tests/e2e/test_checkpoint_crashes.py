@@ -22,7 +22,7 @@ import torch
 
 from launch.engine.distributed import launcher_command
 from helpers.children import ForkedRun
-from helpers.launcher import REPO, TINY, launch_forked, read_metrics
+from helpers.launcher import LAUNCHER_KILL_WAIT_S, REPO, TINY, launch_forked, read_metrics
 from helpers.parity_runs import STEPS
 
 
@@ -177,10 +177,6 @@ def _gone(p: psutil.Process) -> bool:
 
 
 FROZEN_HEARTBEAT_S = 8  # four missed beats (every 2 s); shorter than the runs' 60 s default to keep the suite short
-# DeepSpeed's launcher, once a rank has exited, SIGTERMs the others and waits this long before its
-# SIGKILL (deepspeed/launcher/launch.py: terminate_process_tree): a frozen rank ignores the SIGTERM,
-# so without a sibling's SIGKILL a job ends no sooner than the heartbeat bound plus this.
-LAUNCHER_KILL_WAIT_S = 30
 
 
 class _TimedLines:

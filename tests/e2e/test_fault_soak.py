@@ -9,7 +9,7 @@ launcher (a frozen rank must not hold it: a sibling ends it); the resume after i
 
 import pytest
 
-from helpers.launcher import launch_forked
+from helpers.launcher import LAUNCHER_KILL_WAIT_S, launch_forked
 from helpers.parity_runs import STEPS
 
 from bench.faults import fault_soak
@@ -31,6 +31,11 @@ def test_fault_soak_one_freeze(parity_runs, tmp_path):
                              kinds=("freeze",), last_resume=_forked_resume)
     event = report["events"][0]
     assert report["kills"] == 1 and event["kind"] == "freeze" and event["rank"] == 0, report
-    assert event["launcher_exit"] != 0 and event["ended_s"] < fault_soak.HEARTBEAT_TIMEOUT_S + 15, report
+    # Ended by the heartbeat, before the launcher's own kill of a frozen rank could have ended it
+    # (the soak itself gives up at the heartbeat bound + 60 s). 13-16 s after the freeze here, idle
+    # or beside four busy processes; 30.8 s on a CI machine where this test took 95 s (26-36 s here).
+    log = (tmp_path / "killed" / "log.txt").read_text()
+    assert event["launcher_exit"] != 0, (report, log[-3000:])
+    assert event["ended_s"] < fault_soak.HEARTBEAT_TIMEOUT_S + LAUNCHER_KILL_WAIT_S, (report, log[-3000:])
     assert report["steps_logged"] == list(range(1, STEPS + 1)), report
     assert report["tensor_files_compared"] >= 7 and report["bitwise_equal"], report

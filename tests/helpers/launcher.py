@@ -14,6 +14,10 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny.yaml"
 LLAMA_TINY = REPO / "recipes" / "llama-tiny.yaml"
 MOE_TINY = REPO / "recipes" / "moe-tiny.yaml"
+# DeepSpeed's launcher, once a rank has exited, SIGTERMs the others and waits this long before its
+# SIGKILL (deepspeed/launcher/launch.py: terminate_process_tree): a frozen rank ignores the SIGTERM,
+# so without a sibling's SIGKILL a job ends no sooner than the heartbeat bound plus this.
+LAUNCHER_KILL_WAIT_S = 30
 # The fast tier's rule (docs/testing.md, The fast tier): a fast test starts no run of its own.
 # conftest.py sets this to the fast test running now (None during a slow one).
 fast_test: Optional[str] = None

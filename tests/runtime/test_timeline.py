@@ -161,4 +161,4 @@ def test_timeline_of_a_pp2_run(tmp_path):
     assert all(chart_pixels.boxes_in_row(weight, row) > 0 for row in rows)  # W passes on every stage
     drawn_idle = [chart_pixels.idle_share(schedule_pixels, row) for row in rows]
     # Boxes of a millisecond are a few pixels wide, their black edges a pixel of it: 3 points.
-    assert sum(drawn_idle) / len(rows) == pytest.approx(float(line.group(1)) / 100, abs=0.03), drawn_idle
+    assert sum(drawn_idle) / len(rows) == pytest.approx(float(line.group(1)) / 100, abs=0.03), (drawn_idle, line.group(0))
