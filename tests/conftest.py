@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402 (after the thread setting: torch reads it when first imported)
 
-from helpers import launcher
+from helpers import launcher, rewritten_tests
 from helpers.forked import forked_worker_python, start_rank_server, stop_rank_server
 from helpers.launcher import refuse_in_fast_tier
 from helpers.parity_runs import ParityRuns
@@ -88,8 +88,19 @@ def pytest_configure(config):
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is None and config.getoption("numprocesses", None) and set(config.option.tx) == {"popen"}:
         config.option.tx = [f"popen//python={forked_worker_python()}"] * len(config.option.tx)
+        rewritten_tests.start(config)
+    if worker is not None:
+        rewritten_tests.collect_with_rewritten_tests()
     if worker is not None and worker != WAITING_WORKER:
         os.nice(10)
+
+
+def pytest_collection_finish(session):
+    rewritten_tests.collected()
+
+
+def pytest_unconfigure(config):
+    rewritten_tests.stop()
 
 
 def pytest_xdist_make_scheduler(config, log):

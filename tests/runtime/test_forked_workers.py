@@ -2,7 +2,8 @@
 execnet runs for `python`): the worker gets the client's stdin, stdout and stderr, directory and
 environment, starts with torch already imported, and its exit code is the client's; a client that
 is killed (execnet kills it when a worker does not leave at the session's end) takes its worker
-with it."""
+with it. The test modules' asserts, rewritten once for the session (helpers/rewritten_tests.py), are
+pytest's own rewrite, found by pytest's own lookup."""
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 from helpers.forked import REPO, session_socket
 
 CLIENT = REPO / "tests" / "helpers" / "worker_client.py"
+REWRITER = REPO / "tests" / "helpers" / "rewritten_tests.py"
 
 
 def _client(code: str) -> list:
@@ -50,3 +52,14 @@ def test_a_killed_client_takes_its_worker_with_it():
     while not _gone(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(worker)
+
+
+def test_a_test_module_rewritten_for_the_session_is_what_pytests_hook_rewrites(tmp_path, monkeypatch, pytestconfig):
+    """The rewrite without a config equals the hook's under this session's config, and lies where
+    a worker collecting with the session's directory as its pycache prefix looks for it."""
+    from _pytest.assertion.rewrite import PYC_TAIL, _read_pyc, _rewrite_test, get_cache_dir
+    module = Path(__file__)
+    subprocess.run([sys.executable, str(REWRITER), str(tmp_path), str(module)], check=True, timeout=60)
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path))
+    code = _read_pyc(module, get_cache_dir(module) / (module.name[:-3] + PYC_TAIL))
+    assert code is not None and code == _rewrite_test(module, pytestconfig)[1]
