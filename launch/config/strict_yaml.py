@@ -3,6 +3,8 @@ answer with a traceback. A key given twice (two `train:` sections: PyYAML keeps 
 is not UTF-8, nesting deeper than any recipe needs (PyYAML recurses per level: 3,000 levels raise
 RecursionError) and aliases that multiply into more values than a recipe holds (YAML's
 "billion laughs": a few lines that expand to 10**9 values when the recipe is copied or saved)."""
+import copy
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def parse_yaml(text: str, where: str) -> Any:
-    """The value of YAML `text`; ConfigError naming `where` on anything a recipe cannot be."""
+    """The value of YAML `text`; ConfigError naming `where` on anything a recipe cannot be. A copy
+    of the value parsed before for the same text, if any: PyYAML is pure Python (about 3 ms for a
+    recipe, its C loader would lose the line numbers of a key given twice), and the planner, the
+    evaluation and the tests read the same recipe many times."""
+    return copy.deepcopy(_parse_yaml(text, where))
+
+
+@functools.lru_cache(maxsize=64)  # values only: an error is raised again each time
+def _parse_yaml(text: str, where: str) -> Any:
     try:
         value = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
