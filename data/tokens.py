@@ -15,6 +15,7 @@ from typing import Iterable, Iterator, List
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 from numpy.lib.format import open_memmap
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -69,7 +70,9 @@ def write_token_stream(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizer
     with datasets_progress(len(dataset)):
         tokenized = dataset.map(tokenize, batched=True, num_proc=num_proc if num_proc > 1 else None,
                                 remove_columns=dataset.column_names, desc="tokenize")
-    total = int(np.sum(tokenized.with_format("numpy")["n"], dtype=np.int64)) if len(tokenized) else 0
+    # Summed as one Arrow column: datasets' numpy-formatted column is read a row at a time (2.4 s
+    # for 20,000 documents, hours for a corpus of millions).
+    total = int(pc.sum(tokenized.with_format("arrow")["n"]).as_py()) if len(tokenized) else 0
     stream = open_memmap(out, mode="w+", dtype=token_dtype(len(tokenizer)), shape=(total,))
     offset = 0
     with tqdm(total=total, unit="tok", desc="write", disable=total < 10_000_000) as bar:

@@ -2,13 +2,15 @@
 
 1. Tokenization: `prepare_streams` (what `launch/prepare_data.py` runs: datasets.map, EOS, packing,
    the uint16 file) on a fresh cache, against plain `tokenizer(batch_of_texts)` on the same
-   documents. Target: pipeline time / raw time < 1.5.
+   documents: the embedded corpus (673 long documents), and its lines as documents (tens of
+   thousands of short ones, where a cost per document shows). Target: pipeline time / raw time < 1.5.
 2. Loading: micro-batches per second the map-style loader delivers, against the micro-batches
    per second the tiny model consumes (forward + backward of recipes/tiny.yaml's dense model).
    Target: ratio >= 20.
 Alternating repetitions, median. `python bench/data/data_throughput.py [--repeats 3]`.
 """
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -35,18 +37,31 @@ def time_raw_tokenizer(tokenizer, texts, batch=1000) -> float:
     return time.perf_counter() - start
 
 
-def time_pipeline(tokenizer) -> float:
+def time_pipeline(tokenizer, spec: DataSpec) -> float:
     import data.windows as windows_module
     with tempfile.TemporaryDirectory() as tmp:
         original = windows_module.default_cache_dir
         windows_module.default_cache_dir = lambda: Path(tmp)  # a fresh data cache, same tokenizer
         try:
             start = time.perf_counter()
-            streams = windows_module.prepare_streams(DataSpec(name="builtin"), tokenizer)
+            streams = windows_module.prepare_streams(spec, tokenizer)
             assert streams.built_here
             return time.perf_counter() - start
         finally:
             windows_module.default_cache_dir = original
+
+
+def compare_tokenization(tokenizer, texts, spec: DataSpec, repeats: int) -> None:
+    n_tokens = sum(len(ids) + 1 for ids in tokenizer(texts)["input_ids"])
+    raw, pipe = [], []
+    for _ in range(repeats):  # alternate, so drift of the machine hits both
+        raw.append(time_raw_tokenizer(tokenizer, texts))
+        pipe.append(time_pipeline(tokenizer, spec))
+    raw_s, pipe_s = statistics.median(raw), statistics.median(pipe)
+    print(f"tokenize {len(texts):,} documents, {n_tokens:,} tokens (median of {repeats}):")
+    print(f"  raw tokenizer(batch)      {raw_s:7.3f} s  {n_tokens / raw_s:12,.0f} tok/s")
+    print(f"  data pipeline (prepare)   {pipe_s:7.3f} s  {n_tokens / pipe_s:12,.0f} tok/s")
+    print(f"  overhead ratio pipeline/raw = {pipe_s / raw_s:.2f}x (target < 1.5x)")
 
 
 def tiny_run_data(mix: Optional[list] = None):
@@ -88,16 +103,12 @@ def main() -> None:
     datasets.disable_caching()  # else datasets.map reuses its own cache from the previous repeat
     tokenizer = load_tokenizer("builtin")
     texts = list(builtin_corpus()["text"])
-    n_tokens = sum(len(ids) + 1 for ids in tokenizer(texts)["input_ids"])
-    raw, pipe = [], []
-    for _ in range(args.repeats):  # alternate, so drift of the machine hits both
-        raw.append(time_raw_tokenizer(tokenizer, texts))
-        pipe.append(time_pipeline(tokenizer))
-    raw_s, pipe_s = statistics.median(raw), statistics.median(pipe)
-    print(f"tokenize {len(texts)} documents, {n_tokens:,} tokens (median of {args.repeats}):")
-    print(f"  raw tokenizer(batch)      {raw_s:7.3f} s  {n_tokens / raw_s:12,.0f} tok/s")
-    print(f"  data pipeline (prepare)   {pipe_s:7.3f} s  {n_tokens / pipe_s:12,.0f} tok/s")
-    print(f"  overhead ratio pipeline/raw = {pipe_s / raw_s:.2f}x (target < 1.5x)")
+    lines = [line for text in texts for line in text.splitlines() if line.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        lines_file = Path(tmp) / "lines.jsonl"
+        lines_file.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+        for documents, spec in ((texts, DataSpec(name="builtin")), (lines, DataSpec(name=str(lines_file)))):
+            compare_tokenization(tokenizer, documents, spec, args.repeats)
     data, _, model = tiny_run_data()
     rates = loader_vs_model({"loader": data.train_batches(0, 1)}, model, args.repeats)
     loader, consumer = rates["loader"], rates["model"]
