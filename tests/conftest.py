@@ -13,12 +13,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402 (after the thread setting: torch reads it when first imported)
 
-from helpers import launcher, rewritten_tests
+from helpers import launcher, rewritten_tests, scheduling
 from helpers.forked import forked_worker_python, start_rank_server, stop_rank_server
 from helpers.launcher import refuse_in_fast_tier
 from helpers.parity_runs import ParityRuns
-from helpers import scheduling
-from helpers.scheduling import WAITING_WORKER, WaitingApartScheduling, order_for_workers
+from helpers.scheduling import WAITING_WORKER, with_workers
 
 
 @pytest.fixture(scope="session")
@@ -75,24 +74,17 @@ def stream_cache(tmp_path, monkeypatch):
         monkeypatch.setattr(f"{module}.default_cache_dir", lambda: tmp_path / "cache")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist tags the groups
-def pytest_collection_modifyitems(items):
-    order_for_workers(items)
-
-
 def pytest_configure(config):
-    """In the controller: the file the workers name the waiting tests in (helpers/scheduling.py);
-    its workers forked by the session's rank server, with the heavy imports done
-    (helpers/worker_client.py), unless given execnet specs of their own (--tx). In a worker: a
+    """In the controller: its workers forked by the session's rank server, with the heavy imports
+    done (helpers/worker_client.py), unless given execnet specs of their own (--tx). In a worker: a
     computing worker (and every rank it starts) yields the CPU to the waiting worker, whose
     tests measure time (heartbeat bounds, step times): they see an unloaded machine, and the
     computing workers lose only the little CPU the waiting tests use."""
+    config.pluginmanager.register(scheduling, "helpers.scheduling")  # the waiting tests on a worker of their own
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is None and config.getoption("dist", "no") != "no":  # the session's process, with workers
-        scheduling.start_session()
-        if set(config.option.tx) == {"popen"}:
-            config.option.tx = [f"popen//python={forked_worker_python()}"] * len(config.option.tx)
-            rewritten_tests.start(config)
+    if with_workers(config) and set(config.option.tx) == {"popen"}:
+        config.option.tx = [f"popen//python={forked_worker_python()}"] * len(config.option.tx)
+        rewritten_tests.start(config)
     if worker is not None:
         rewritten_tests.collect_with_rewritten_tests()
     if worker is not None and worker != WAITING_WORKER:
@@ -105,8 +97,3 @@ def pytest_collection_finish(session):
 
 def pytest_unconfigure(config):
     rewritten_tests.stop()
-    scheduling.stop_session()
-
-
-def pytest_xdist_make_scheduler(config, log):
-    return WaitingApartScheduling(config, log)

@@ -182,8 +182,9 @@ def test_each_window_starts_where_its_position_says(corpus, tokenizer, stream_ca
             break
         unit = source.units[mine[place]]
         name = source.reader.files.names[unit.file]
-        table = tables[name] if name in tables else tables.setdefault(name, pq.read_table(corpus / name))
-        text = table.column("text")[unit.part * GROUP_ROWS + row].as_py()
+        if name not in tables:
+            tables[name] = pq.read_table(corpus / name)
+        text = tables[name].column("text")[unit.part * GROUP_ROWS + row].as_py()
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         head = ids[token:token + 16]
         n += token > 0

@@ -15,7 +15,10 @@ appends "@group" to each grouped test's node id) does nothing on pytest 9.2, who
 cannot be changed (pytest-dev/pytest-xdist#1386): every waiting test then went with its module to
 whichever worker took it, a niced one as often as not. So the workers write the waiting tests'
 node ids to a file of the session's (`start_session`), which the scheduler reads once every
-worker has collected."""
+worker has collected.
+
+A pytest plugin: tests/conftest.py registers it, and a project of its own can load it
+(`-p helpers.scheduling`, as tests/runtime/test_scheduling.py's does)."""
 import json
 import os
 import tempfile
@@ -32,6 +35,29 @@ WAITING_TESTS_VARIABLE = "GPT3D_WAITING_TESTS"
 """The session's file of waiting tests' node ids, as the session's process sets it for its workers."""
 
 _session_file: Optional[str] = None
+
+
+def with_workers(config) -> bool:
+    """This is the session's process, and it hands the tests to xdist's workers."""
+    return os.environ.get("PYTEST_XDIST_WORKER") is None and config.getoption("dist", "no") != "no"
+
+
+def pytest_configure(config):
+    if with_workers(config):
+        start_session()
+
+
+def pytest_unconfigure(config):
+    stop_session()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    order_for_workers(items)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    return WaitingApartScheduling(config, log)
 
 
 def start_session() -> None:

@@ -1,42 +1,16 @@
-"""The suite's scheduler (tests/helpers/scheduling.py) in a real xdist session of three plain
-workers over a small project: every test marked `waits` runs on the waiting worker, gw0, and a
-module's other tests stay together on one worker. (xdist's own grouping, a suffix written into
-each node id, does nothing on pytest 9.2: with it, waiting tests ran wherever their module went.)"""
+"""The suite's scheduler (tests/helpers/scheduling.py, a plugin) in a real xdist session of three
+plain workers over a small project that loads it as its only plugin: every test marked `waits`
+runs on the waiting worker, gw0, and a module's other tests stay together on one worker. (xdist's
+own grouping, a suffix written into each node id, does nothing on pytest 9.2: with it, waiting
+tests ran wherever their module went.)"""
+import os
 import re
 import subprocess
 import sys
-import textwrap
 
 from helpers.forked import REPO
 
-CONFTEST = f"""
-import os
-import sys
-
-import pytest
-
-sys.path.insert(0, {str(REPO / "tests")!r})
-from helpers import scheduling
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "waits: mostly waits")
-    if os.environ.get("PYTEST_XDIST_WORKER") is None and config.getoption("dist", "no") != "no":
-        scheduling.start_session()
-
-
-def pytest_unconfigure(config):
-    scheduling.stop_session()
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items):
-    scheduling.order_for_workers(items)
-
-
-def pytest_xdist_make_scheduler(config, log):
-    return scheduling.WaitingApartScheduling(config, log)
-"""
+INI = "[pytest]\nmarkers = waits: mostly waits\n"
 
 
 def _module(computing: int, waiting: int) -> str:
@@ -46,12 +20,13 @@ def _module(computing: int, waiting: int) -> str:
 
 
 def test_waiting_tests_run_on_the_waiting_worker_and_modules_stay_whole(tmp_path):
-    (tmp_path / "conftest.py").write_text(textwrap.dedent(CONFTEST))
+    (tmp_path / "pytest.ini").write_text(INI)
     for name, computing, waiting in (("mixed", 4, 3), ("only_waits", 0, 2), ("a", 6, 0), ("b", 5, 0), ("c", 5, 0)):
         (tmp_path / f"test_{name}.py").write_text(_module(computing, waiting))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", "3",
-                           "--dist", "loadscope", "-p", "no:randomly", str(tmp_path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "helpers.scheduling",
+                           "-n", "3", "--dist", "loadscope", str(tmp_path)],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO / "tests")),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ran = dict((test, worker) for worker, test in
                re.findall(r"^\[(gw\d)\] \[[ \d]+%\] PASSED \S*?(test_\w+\.py::\w+)", proc.stdout, re.MULTILINE))
