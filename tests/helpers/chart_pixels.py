@@ -35,25 +35,31 @@ def longest_run(flags: np.ndarray) -> Tuple[int, int]:
     return max(runs(flags), key=lambda run: run[1] - run[0])
 
 
+def neutral_grey(rgb: np.ndarray) -> np.ndarray:
+    """Pixels of the hatched idle background: neutral greys (#dddddd, its hatch lines, their
+    blends), neither the boxes' colours, nor their black edges and the axes' frame, nor white."""
+    return (np.ptp(rgb, axis=-1) < 0.02) & (rgb.min(axis=-1) > 0.6) & (rgb.max(axis=-1) < 0.95)
+
+
 def schedule_area(rgb: np.ndarray) -> Tuple[Tuple[int, int], Tuple[int, int]]:
     """(rows, columns) of the schedule axes, from the idle background that fills them behind the
-    boxes: the widest span of columns showing it (the legend's small idle swatch lies apart, right
-    of the axes), and the rows mostly idle across those columns (the margins above the first row
-    of boxes and below the last; antialiased text elsewhere shows a few such pixels). A chart of
-    several steps stacks its axes: the rows then span all of them."""
+    boxes. The columns: the widest unbroken run of it along an image row, which the axes' black
+    frame ends on both sides (the margin above the first row of boxes is all background). Columns
+    holding an idle pixel anywhere would not do: antialiased tick labels and the legend's frame
+    hold a few, and at some tick positions they join the axes to the legend and its swatches.
+    The rows: those mostly idle across those columns (the margins above and below each row of
+    boxes). A chart of several steps stacks its axes: the rows then span all of them."""
+    left, right = max((longest_run(line) for line in neutral_grey(rgb) if line.any()),
+                      key=lambda run: run[1] - run[0])
     idle = colour_mask(rgb, IDLE_GREY)
-    left, right = longest_run(idle.any(axis=0))
     rows = np.flatnonzero(idle[:, left:right].mean(axis=1) > 0.5)
     return (int(rows[0]), int(rows[-1]) + 1), (left, right)
 
 
 def idle_share(schedule: np.ndarray, band: Tuple[int, int]) -> float:
-    """Share of a line across a row of boxes that shows the hatched idle background: neutral greys
-    (#dddddd, its hatch lines, their blends), neither the boxes' colours nor their black edges."""
+    """Share of a line across a row of boxes that shows the hatched idle background."""
     top, bottom = band
-    line = schedule[top + (bottom - top) // 5]
-    grey = (np.ptp(line, axis=1) < 0.02) & (line.min(axis=1) > 0.6) & (line.max(axis=1) < 0.95)
-    return float(grey.mean())
+    return float(neutral_grey(schedule[top + (bottom - top) // 5]).mean())
 
 
 def box_rows(mask: np.ndarray) -> List[Tuple[int, int]]:

@@ -35,6 +35,29 @@ def test_measured_bubble_of_an_ideal_schedule_is_the_formula(pp, m):
     assert measured_bubble([events]) == pytest.approx(formulas.bubble_fraction(pp, m))
 
 
+def test_the_chart_reader_finds_the_axes_matplotlib_drew(tmp_path):
+    """helpers/chart_pixels.py reads the schedule's columns back where matplotlib put its axes,
+    here for a chart whose last tick label and the legend's frame (both showing a few pixels of the
+    idle grey) would join the axes to the legend for a reader of every column holding that grey."""
+    import matplotlib.pyplot as plt
+
+    from launch.analysis.pipeline_chart import draw_schedule
+    span = 0.5026869899031989  # one of the spans that joined them
+    events = [e for mb in range(4) for e in ((0, "F", mb, span * mb / 4, span * (mb / 4 + 1 / 12)),
+                                             (0, "B", mb, span * (mb / 4 + 1 / 8), span * (mb + 1) / 4))]
+    fig, axes = plt.subplots(2, 1, squeeze=False, figsize=(12, 2 * 1.7))  # as the recorder's, two steps
+    for ax in axes[:, 0]:
+        draw_schedule(ax, events, "step 2: bubble 25.0%")
+    fig.tight_layout()
+    fig.savefig(tmp_path / "chart.png", dpi=120)
+    drawn = axes[0, 0].get_window_extent()
+    plt.close(fig)
+    _, (left, right) = chart_pixels.schedule_area(chart_pixels.read_rgb(tmp_path / "chart.png"))
+    scale = 120 / fig.dpi  # the window's pixels to the file's
+    assert left == pytest.approx(drawn.x0 * scale, abs=2) and right == pytest.approx(drawn.x1 * scale, abs=2), \
+        ((left, right), (drawn.x0 * scale, drawn.x1 * scale))
+
+
 # ---------------------------------------------------------------- the recorder, in-process
 
 def _wait(seconds):
