@@ -9,7 +9,7 @@ Each recipe trains through the real path (`launch/train.py` in its own process, 
 ZeRO-1, bf16) on the embedded corpus and tokenizer with the GPT-2 vocabulary kept, so nothing is
 downloaded and the FLOPs are real GPT-2 training's. After `--warmup` steps the table shows the
 median step's own metrics (model TFLOP/s by launch/analysis/formulas.py, MFU against the dense
-bf16 peak; GPT3D_PEAK_TFLOPS for unknown devices). Details: docs/performance.md, "GPU MFU benchmark"."""
+bf16 peak; GPT3D_PEAK_TFLOPS for unknown devices). Details: docs/gpu-check.md, "The GPU MFU benchmark alone"."""
 import argparse
 import json
 import os

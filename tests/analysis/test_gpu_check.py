@@ -124,7 +124,7 @@ def test_a_check_past_its_budget_is_stopped_and_is_one_row(tmp_path):
 # ---------------------------------------------------------------- the device command, dry run
 
 DEVICE_COMMAND = "bash bench/gpu/device_command.sh"
-"""What the GPU machine runs (docs/performance.md), word for word: the dry run below runs it too."""
+"""What the GPU machine runs (docs/gpu-check.md), word for word: the dry run below runs it too."""
 
 
 def test_device_command_dry_run_packs_one_archive_with_every_row_its_traceback_and_kept_metrics(tmp_path):
