@@ -31,9 +31,11 @@ code execnet gave `python -c`), "env", "cwd", "nice"} with its stdin, stdout and
 import atexit
 import base64
 import gc
+import importlib
 import json
 import os
 import pickle
+import pkgutil
 import resource
 import runpy
 import select
@@ -64,21 +66,26 @@ def load(request: dict) -> None:
         os.environ.update(request["server_env"])
         sys.path[1:1] = [p for p in request["path"] if p not in sys.path]
     import _pytest.python  # noqa: F401  (a worker's own imports: pytest's collection)
+    import aiohttp  # noqa: F401  (fsspec's HTTP file system: the streaming runs over http)
     import matplotlib.pyplot  # noqa: F401
     import pytest  # noqa: F401
     import datasets  # noqa: F401
     import deepspeed  # noqa: F401
+    import deepspeed.module_inject.auto_ep_layer  # noqa: F401  (DeepSpeed's engine, as it is built)
     import deepspeed.runtime.pipe.engine  # noqa: F401
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (DeepSpeed's optimizer check imports it)
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (torch.optim imports it when the optimizer is built)
     import transformers  # noqa: F401
 
-    import data.run  # noqa: F401
-    import launch.engine.engine  # noqa: F401
-    import launch.evaluation.evaluation  # noqa: F401
-    import launch.trainer.loop  # noqa: F401
-    import launch.trainer.startup  # noqa: F401
+    import data
+    import launch
+    import model
+    # Every module of ours: a run imports most of them where it needs them (the model's as it is
+    # built, the planner's for its step prediction), and a clean checkout has no bytecode of them.
+    for package in (data, launch, model):
+        for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            importlib.import_module(module.name)
     from helpers.distributed import run_body  # noqa: F811  (tests/ is on the path: the request's)
     sys.stdout.flush()
     # Out of the collector's reach: the handlers' and ranks' garbage collections then never visit

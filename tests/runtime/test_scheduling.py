@@ -25,7 +25,8 @@ def test_waiting_tests_run_on_the_waiting_worker_and_modules_stay_whole(tmp_path
         (tmp_path / f"test_{name}.py").write_text(_module(computing, waiting))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "helpers.scheduling",
                            "-n", "3", "--dist", "loadscope", str(tmp_path)],
-                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO / "tests")),
+                          cwd=tmp_path, env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+                                             "PYTHONPATH": str(REPO / "tests")},  # this session's plugins stay out
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ran = dict((test, worker) for worker, test in
