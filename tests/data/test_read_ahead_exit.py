@@ -3,6 +3,7 @@ left inside pyarrow's C++ when the interpreter finalizes aborts the process ("te
 without an active exception", SIGABRT; CPython gh-87135). Separate processes, as a run's ranks
 are: each streams a local parquet corpus with read-ahead (tests/helpers/exit_reading_ahead.py),
 draws three micro-batches, closes its batches as the training loop does, and returns."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,11 +28,13 @@ def test_processes_that_read_ahead_exit_cleanly(tmp_path, monkeypatch):
     monkeypatch.setenv("GPT3D_CACHE", str(cache_with_builtin(tmp_path / "cache")))
     run_data(str(corpus))  # the caches built here: every process exits the same way, none building them
     command = [sys.executable, "-m", "helpers.exit_reading_ahead", str(corpus), str(tmp_path / "cache")]
+    # An abort then prints every thread's Python stack: which thread was where.
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
     ended = []
     for _ in range(ROUNDS):
-        runs = [subprocess.Popen(command, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for _ in range(TOGETHER)]
+        runs = [subprocess.Popen(command, cwd=TESTS, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for _ in range(TOGETHER)]
         ended += [(run.wait(timeout=120), run.communicate()[1]) for run in runs]
     codes = [code for code, _ in ended]
-    assert codes == [0] * len(ended), (codes, [err[-300:] for code, err in ended if code])
+    assert codes == [0] * len(ended), (codes, [err[-4000:] for code, err in ended if code])
     assert not [err for _, err in ended if "terminate called" in err]
