@@ -36,5 +36,8 @@ def test_processes_that_read_ahead_exit_cleanly(tmp_path, monkeypatch):
                                  text=True) for _ in range(TOGETHER)]
         ended += [(run.wait(timeout=120), run.communicate()[1]) for run in runs]
     codes = [code for code, _ in ended]
-    assert codes == [0] * len(ended), (codes, [err[-4000:] for code, err in ended if code])
+    for code, err in ended:
+        if code:
+            print(f"exit {code}:\n{err}")  # whole, in the failure's captured output (an assertion's is cut)
+    assert codes == [0] * len(ended), codes
     assert not [err for _, err in ended if "terminate called" in err]
