@@ -387,13 +387,7 @@ class FileUnits(UnitSource):
                 meta, group = self.footer(unit.file), unit.part
             chunk = SparseFile(self.files, unit.file, [(unit.start, self.files.read(unit.file, unit.start, unit.stop))])
             reader = pq.ParquetFile(pa.PythonFile(chunk, mode="r"), metadata=meta, pre_buffer=False)
-            # In the reading thread, not Arrow's pool: one column has nothing to decode in parallel,
-            # and pool threads that have called back into Python (PythonFile's reads) can abort the
-            # process at its exit once torch is imported ("terminate called without an active
-            # exception", apache/arrow#34314): 15 of 32 exits of a script that read 4 row groups so
-            # on a busy machine, 0 of 32 without the pool.
-            return reader.read_row_group(group, columns=[self.text_field],
-                                         use_threads=False).column(0).combine_chunks()
+            return reader.read_row_group(group, columns=[self.text_field]).column(0).combine_chunks()
 
     # -- lines --
 
