@@ -3,8 +3,9 @@ needs to decode a unit's text chunk (data/units.py) without fetching the file's 
 
 The unit list keeps, per row group, the integers of CHUNK_COLUMNS (20 bytes a unit) and per file
 the text column's type; `chunk_footer` writes from them the FileMetaData (parquet.thrift, in
-Thrift's compact protocol) of a file holding that chunk alone, at its place in the real file, so
-the chunk's byte range is all a read fetches. 1,000 nodes over 2,000 files would otherwise fetch
+Thrift's compact protocol) of a file holding that chunk alone, at the offset it is given
+(data/units.py: after the parquet magic, in a buffer of its own), so the chunk's byte range is all
+a read fetches. 1,000 nodes over 2,000 files would otherwise fetch
 2,000 footers at every start, and every process each footer again for its first unit of a file.
 """
 import struct
